@@ -1,0 +1,3 @@
+from mode.dispatch.local import LocalDispatcher
+
+__all__ = ["LocalDispatcher"]

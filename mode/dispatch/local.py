@@ -1,0 +1,34 @@
+"""Local dispatch: gather each assignment's token into expert order, scatter the outputs back.
+
+Shape legend: T tokens, D hidden, A assignments grouped by expert, E experts.
+
+The dispatcher interface (``LocalDispatcher`` here, ``ExpertParallelDispatcher`` across processes):
+    dispatch(x_TD, plan) -> (x_RD, counts_R, state)   rows for *this* process's experts, grouped by
+                                                       expert, and the row count of each local expert
+    combine(y_RD, plan, state) -> y_TD                 weighted sum of each token's expert outputs
+Gates are applied in ``combine``, on the token's own process, so they never travel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mode.routing.plan import RoutingPlan
+
+
+class LocalDispatcher:
+    """All experts live in this process."""
+
+    def dispatch(self, x_TD: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor, None]:
+        return x_TD.index_select(0, plan.token_idx_A), plan.counts_E, None
+
+    def combine(self, y_AD: Tensor, plan: RoutingPlan, state: None) -> Tensor:
+        return scatter_weighted(y_AD, plan)
+
+
+def scatter_weighted(y_AD: Tensor, plan: RoutingPlan) -> Tensor:
+    """``out[t] = sum_a [token(a) == t] * weight(a) * y[a]``; tokens with no assignment get zeros."""
+    weighted_AD = y_AD * plan.weight_A.to(y_AD.dtype)[:, None]
+    out_TD = y_AD.new_zeros(plan.num_tokens, y_AD.shape[-1])
+    return out_TD.index_add(0, plan.token_idx_A, weighted_AD)

@@ -1,0 +1,3 @@
+from mode.experts.bank import ExpertBank, ExpertConfig
+
+__all__ = ["ExpertBank", "ExpertConfig"]

@@ -1,0 +1,42 @@
+"""Causal self-attention with RoPE at explicit positions.
+
+Shape legend: B batch, S tokens, D hidden, H heads, K head dim (D = H * K).
+
+Causality is by position: query i may attend to key j when ``pos[j] <= pos[i]``. For tokens given in
+increasing position order (every routed subset is) that is the usual lower-triangular mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mode import _checks
+from mode.layers.rope import apply_rope, rope_angles
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, rope_base: float = 10000.0):
+        super().__init__()
+        _checks.check_int("d_model", d_model)
+        _checks.check_int("n_heads", n_heads)
+        if d_model % n_heads or (d_model // n_heads) % 2:
+            raise ValueError(f"n_heads={n_heads}: d_model={d_model} must split into heads of even size")
+        self.n_heads, self.head_dim, self.rope_base = n_heads, d_model // n_heads, rope_base
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x_BSD: Tensor, positions_BS: Tensor, mask_BS: Tensor | None = None) -> Tensor:
+        B, S, D = x_BSD.shape
+        q, k, v = self.qkv(x_BSD).view(B, S, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        cos, sin = rope_angles(positions_BS, self.head_dim, self.rope_base)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if mask_BS is None:
+            o_BHSK = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            # Padded keys are hidden; every query still sees itself so no row is empty (no NaN).
+            allowed_BSS = torch.tril(torch.ones(S, S, dtype=torch.bool, device=x_BSD.device)) & mask_BS[:, None, :]
+            allowed_BSS |= torch.eye(S, dtype=torch.bool, device=x_BSD.device)
+            o_BHSK = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_BSS[:, None])
+        return self.out(o_BHSK.transpose(1, 2).reshape(B, S, D))

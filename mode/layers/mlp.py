@@ -1,0 +1,30 @@
+"""Dense MLP (GELU or SwiGLU) with the same parameter layout as one expert of ``ExpertBank``.
+
+Shape legend: B batch, S tokens, D hidden, H MLP hidden, F = H (gelu) or 2H (swiglu).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from mode import _checks
+from mode.experts.bank import ACTIVATIONS, activate
+from mode.routing.plan import Aux
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, d_hidden: int, activation: str = "gelu"):
+        super().__init__()
+        _checks.check_int("d_model", d_model)
+        _checks.check_int("d_hidden", d_hidden)
+        self.activation = _checks.check_choice("activation", activation, ACTIVATIONS)
+        width = 2 * d_hidden if activation == "swiglu" else d_hidden
+        self.w_in_DF = nn.Parameter(torch.randn(d_model, width) / math.sqrt(d_model))
+        self.w_out_HD = nn.Parameter(torch.randn(d_hidden, d_model) / math.sqrt(d_hidden))
+
+    def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> tuple[Tensor, Aux]:
+        """Same call and return convention as ``MoELayer`` (the mask is unused: tokens are independent)."""
+        return activate(x_BSD @ self.w_in_DF.to(x_BSD.dtype), self.activation) @ self.w_out_HD.to(x_BSD.dtype), Aux()

@@ -1,0 +1,10 @@
+from mode.routing.expert_choice import ExpertChoiceConfig, ExpertChoiceRouter
+from mode.routing.losses import load_balancing_loss, router_z_loss
+from mode.routing.mod_topk import MoDRouter, MoDRouterConfig
+from mode.routing.plan import Aux, RoutingPlan, RoutingStats
+from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
+
+__all__ = [
+    "Aux", "ExpertChoiceConfig", "ExpertChoiceRouter", "MoDRouter", "MoDRouterConfig", "RoutingPlan",
+    "RoutingStats", "TokenChoiceConfig", "TokenChoiceRouter", "load_balancing_loss", "router_z_loss",
+]

@@ -1,0 +1,105 @@
+"""Expert-choice router (Zhou et al. 2022): each expert picks its top-c tokens of each sequence.
+
+Shape legend
+    B batch   S sequence   T = B * S tokens   D hidden   E real experts   N no-op experts
+    X = E + N slots   c tokens each slot picks per sequence   A = B * E * c computed assignments
+
+Affinities are the per-token softmax over the X slots; every slot (no-op slots too) picks the ``c``
+highest-affinity tokens of each sequence, ``c = ceil(capacity_factor * S / X)``, and a real expert's
+gate is the affinity. Picks by a no-op slot are never computed; no-op slots still take probability mass
+from the real experts. Routing within a sequence keeps sequences independent (no leakage across the
+batch), like MoD, which is expert choice with one expert.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mode import _checks
+from mode.routing.losses import router_z_loss
+from mode.routing.plan import Aux, RoutingPlan, RoutingStats, entropy_of, group_by_expert
+
+
+@dataclass
+class ExpertChoiceConfig:
+    d_model: int
+    num_experts: int
+    capacity_factor: float = 1.0  # average number of slot picks per token
+    num_noop: int = 0
+    z_coef: float = 0.0
+    check_finite: bool = True
+
+    def __post_init__(self) -> None:
+        _checks.check_int("d_model", self.d_model)
+        _checks.check_int("num_experts", self.num_experts)
+        _checks.check_int("num_noop", self.num_noop, min_value=0)
+        _checks.check_positive("capacity_factor", self.capacity_factor)
+        _checks.check_non_negative("z_coef", self.z_coef)
+
+
+class ExpertChoiceRouter(nn.Module):
+    def __init__(self, cfg: ExpertChoiceConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts = cfg.num_experts
+        self.num_slots = cfg.num_experts + cfg.num_noop
+        self.weight = nn.Parameter(torch.empty(self.num_slots, cfg.d_model))
+        nn.init.normal_(self.weight, std=cfg.d_model**-0.5)
+
+    def tokens_per_slot(self, seq_len: int) -> int:
+        c = math.ceil(self.cfg.capacity_factor * seq_len / self.num_slots)
+        if c > seq_len:
+            raise ValueError(
+                f"capacity_factor={self.cfg.capacity_factor}: each of the {self.num_slots} expert slots would "
+                f"pick {c} tokens but a sequence has only {seq_len}; must be <= num_slots = {self.num_slots}"
+            )
+        return c
+
+    def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> RoutingPlan:
+        _checks.check_hidden("x", x_BSD, self.cfg.d_model)
+        _checks.check_mask("mask", mask_BS, x_BSD.shape[:2])
+        B, S, _ = x_BSD.shape
+        T, E, X = B * S, self.num_experts, self.num_slots
+        c = self.tokens_per_slot(S)
+        dev = x_BSD.device
+
+        logits_BSX = F.linear(x_BSD.float(), self.weight.float())
+        if self.cfg.check_finite:
+            _checks.check_finite_logits("ExpertChoiceRouter", logits_BSX)
+        probs_BSX = logits_BSX.softmax(-1)
+        scores_BSX = probs_BSX if mask_BS is None else probs_BSX.masked_fill(~mask_BS[..., None], -1.0)
+        gate_BcX, pos_BcX = scores_BSX.topk(c, dim=1)  # each slot's c best positions per sequence
+
+        slot_BcX = torch.arange(X, device=dev).expand(B, c, X)
+        token_BcX = pos_BcX + (torch.arange(B, device=dev) * S)[:, None, None]
+        picked_BcX = torch.ones_like(pos_BcX, dtype=torch.bool) if mask_BS is None else gate_BcX >= 0
+        real_BcX = slot_BcX < E
+        keep = (picked_BcX & real_BcX).reshape(-1)
+        if mask_BS is None:
+            # Static shape: the real experts' picks are exactly the first E columns.
+            token_A, slot_A, gate_A = (t[..., :E].reshape(-1) for t in (token_BcX, slot_BcX, gate_BcX))
+        else:
+            token_A, slot_A, gate_A = (t.reshape(-1)[keep] for t in (token_BcX, slot_BcX, gate_BcX))
+        token_A, expert_A, gate_A, counts_E = group_by_expert(token_A, slot_A, gate_A, E, T)
+
+        valid_T = None if mask_BS is None else mask_BS.reshape(T)
+        aux = Aux()
+        aux.add_loss("z_loss", router_z_loss(logits_BSX.reshape(T, X), valid_T), self.cfg.z_coef)
+        requested_X = (picked_BcX.sum((0, 1))).float()
+        aux.stats["router"] = RoutingStats(
+            kept_E=counts_E.detach().float(),
+            requested_X=requested_X,
+            dropped=torch.zeros((), device=dev),
+            noop=requested_X[E:].sum(),
+            tokens=torch.tensor(float(T), device=dev) if valid_T is None else valid_T.sum().float(),
+            compute_T=torch.bincount(token_A, minlength=T).float(),
+            entropy=entropy_of(probs_BSX.detach().reshape(T, X), valid_T),
+            batch_shape=(B, S),
+        )
+        return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
+                           num_tokens=T, aux=aux)

@@ -1,0 +1,137 @@
+"""The routing plan: the one type every router produces and every layer consumes.
+
+Shape legend
+    B  batch size              S  sequence length          T  tokens, T = B * S (flattened, row-major)
+    D  hidden size             E  real experts             X  expert slots, X = E + N no-op experts
+    A  assignments that are computed (token, real expert) pairs, grouped by expert
+    C  per-sequence capacity (MoD: tokens routed per sequence)
+
+Contract (see docs/routing_plan.md)
+    * ``token_idx_A[a]`` is the flat token index (``b * S + s``) of assignment ``a``;
+      ``expert_idx_A[a]`` its real expert in ``[0, E)``; ``weight_A[a]`` the gate that multiplies the
+      expert's output (differentiable, float32).
+    * Assignments are grouped by expert (expert 0 first) and, inside one expert, sorted by token index,
+      so ``counts_E`` alone tells where each expert's segment starts.
+    * Only computed assignments appear: no-op choices and capacity drops are absent from ``*_A`` and
+      are counted in ``stats`` instead. A token that appears nowhere gets a zero update.
+    * Per-sequence routers (MoD top-k) set ``seq_capacity = C``: then ``A = B * C``, there is one expert,
+      and ``token_idx_A.view(B, C)`` lists each sequence's routed tokens in their original order.
+      ``valid_A`` is False only where a sequence had fewer than ``C`` real (unpadded) tokens and the
+      slot had to be filled with a padded position; such slots must produce no update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RoutingStats:
+    """Detached routing statistics of one router call (tensors stay on device: no host sync).
+
+    ``kept_E``       computed assignments per real expert (after capacity)
+    ``requested_X``  assignments each expert slot was asked for before capacity, no-op slots last
+    ``dropped``      assignments removed by capacity limits
+    ``noop``         assignments that went to a no-op expert
+    ``tokens``       real (unpadded) tokens the router saw
+    ``compute_T``    real-expert assignments each token received (0 = the token skipped the layer)
+    ``entropy``      mean entropy (nats) of the router's distribution over expert slots, None for MoD
+    ``batch_shape``  (B, S) of the routed input, to view ``compute_T`` by position
+    """
+
+    kept_E: Tensor
+    requested_X: Tensor
+    dropped: Tensor
+    noop: Tensor
+    tokens: Tensor
+    compute_T: Tensor
+    entropy: Tensor | None
+    batch_shape: tuple[int, int]
+
+    @property
+    def num_experts(self) -> int:
+        return self.kept_E.numel()
+
+    @property
+    def num_noop(self) -> int:
+        return self.requested_X.numel() - self.kept_E.numel()
+
+
+@dataclass
+class Aux:
+    """Auxiliary result of a router or a layer: raw (unweighted) losses, their coefficients, stats.
+
+    Every layer returns ``(output, Aux)``. ``total()`` is the quantity to add to the training loss.
+    Merging the aux of many layers prefixes the names, so nothing is ever summed by accident.
+    """
+
+    losses: dict[str, Tensor] = field(default_factory=dict)
+    coefs: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, RoutingStats] = field(default_factory=dict)
+
+    def add_loss(self, name: str, value: Tensor, coef: float) -> None:
+        self.losses[name] = value
+        self.coefs[name] = coef
+
+    def total(self) -> Tensor:
+        """Sum of ``coef * loss``; a zero scalar when there are no losses."""
+        terms = [self.coefs[k] * v for k, v in self.losses.items() if self.coefs[k] != 0.0]
+        if not terms:
+            return torch.zeros(())
+        return torch.stack([t.float() for t in terms]).sum()
+
+    def merge(self, other: "Aux", prefix: str = "") -> "Aux":
+        """Add ``other``'s entries under ``prefix`` (in place); returns self for chaining."""
+        for k, v in other.losses.items():
+            self.add_loss(prefix + k, v, other.coefs[k])
+        for k, s in other.stats.items():
+            self.stats[prefix + k] = s
+        return self
+
+
+@dataclass
+class RoutingPlan:
+    """Which token goes to which real expert with which weight, plus the router's aux result."""
+
+    token_idx_A: Tensor
+    expert_idx_A: Tensor
+    weight_A: Tensor
+    counts_E: Tensor
+    num_tokens: int
+    aux: Aux
+    seq_capacity: int | None = None
+    valid_A: Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.counts_E.numel()
+
+    @property
+    def num_assignments(self) -> int:
+        return self.token_idx_A.numel()
+
+
+def group_by_expert(
+    token_idx_A: Tensor, expert_idx_A: Tensor, weight_A: Tensor, num_experts: int, num_tokens: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Sort assignments by (expert, token) and count them per expert.
+
+    Each (expert, token) pair occurs at most once, so the key ``expert * T + token`` is unique and a
+    plain sort is deterministic.
+    """
+    key_A = expert_idx_A * num_tokens + token_idx_A
+    order_A = torch.argsort(key_A)
+    expert_sorted_A = expert_idx_A[order_A]
+    counts_E = torch.bincount(expert_sorted_A, minlength=num_experts)
+    return token_idx_A[order_A], expert_sorted_A, weight_A[order_A], counts_E
+
+
+def entropy_of(probs_TX: Tensor, valid_T: Tensor | None) -> Tensor:
+    """Mean entropy (nats) of per-token distributions over expert slots."""
+    ent_T = -(probs_TX * probs_TX.clamp_min(1e-20).log()).sum(-1)  # clamp: 0 * log 0 := 0
+    if valid_T is None:
+        return ent_T.mean()
+    return (ent_T * valid_T).sum() / valid_T.sum().clamp_min(1)
