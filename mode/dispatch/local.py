@@ -6,6 +6,7 @@ The dispatcher interface (``LocalDispatcher`` here, ``ExpertParallelDispatcher``
     dispatch(x_TD, plan) -> (x_RD, counts_R, state)   rows for *this* process's experts, grouped by
                                                        expert, and the row count of each local expert
     combine(y_RD, plan, state) -> y_TD                 weighted sum of each token's expert outputs
+    num_local_experts(num_experts) -> int              experts this process's ExpertBank holds
 Gates are applied in ``combine``, on the token's own process, so they never travel.
 """
 
@@ -19,6 +20,9 @@ from mode.routing.plan import RoutingPlan
 
 class LocalDispatcher:
     """All experts live in this process."""
+
+    def num_local_experts(self, num_experts: int) -> int:
+        return num_experts
 
     def dispatch(self, x_TD: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor, None]:
         return x_TD.index_select(0, plan.token_idx_A), plan.counts_E, None

@@ -90,10 +90,13 @@ class ExpertBank(nn.Module):
         return self._forward(x_AD, counts_E)
 
     def _forward_reference(self, x_AD: Tensor, counts_E: Tensor) -> Tensor:
+        w_in, w_out = self.w_in_EDF.to(x_AD.dtype), self.w_out_EHD.to(x_AD.dtype)  # same casting as "grouped"
+        # unbind once: indexing w[e] per expert makes each backward fill a zero grad of the whole (E, ...) weight
+        w_in, w_out = w_in.unbind(0), w_out.unbind(0)
         outs = []
         for e, x_eD in enumerate(x_AD.split(counts_E.tolist())):  # tolist: host sync, reference path only
-            h = activate(x_eD @ self.w_in_EDF[e], self.cfg.activation)
-            outs.append(h @ self.w_out_EHD[e])
+            h = activate(x_eD @ w_in[e], self.cfg.activation)
+            outs.append(h @ w_out[e])
         return torch.cat(outs) if outs else x_AD.new_zeros(0, self.cfg.d_model)
 
     def _forward_grouped(self, x_AD: Tensor, counts_E: Tensor) -> Tensor:

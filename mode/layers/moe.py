@@ -68,12 +68,18 @@ def build_router(cfg: MoEConfig) -> nn.Module:
 class MoELayer(nn.Module):
     def __init__(self, router: nn.Module, experts: ExpertBank, dispatcher=None):
         super().__init__()
-        if router.num_experts != experts.num_experts:
-            raise ValueError(f"router.num_experts={router.num_experts}: must equal "
-                             f"experts.num_experts={experts.num_experts}")
+        dispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
+        local = dispatcher.num_local_experts(router.num_experts)  # E, or E / P when expert-parallel
+        if experts.num_experts != local:
+            if local == router.num_experts:
+                raise ValueError(f"router.num_experts={router.num_experts}: must equal "
+                                 f"experts.num_experts={experts.num_experts}")
+            raise ValueError(f"experts.num_experts={experts.num_experts}: must equal this rank's share of "
+                             f"router.num_experts={router.num_experts}, which is {local} "
+                             "(num_experts / expert-parallel group size)")
         self.router = router
         self.experts = experts
-        self.dispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
+        self.dispatcher = dispatcher
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, dispatcher=None) -> "MoELayer":

@@ -23,6 +23,7 @@ from mode import _checks
 from mode.routing.plan import Aux, RoutingPlan, RoutingStats
 
 GATES = ("raw", "sigmoid", "one")
+SELECTIONS = ("learned", "random")
 
 
 @dataclass
@@ -30,12 +31,14 @@ class MoDRouterConfig:
     d_model: int
     capacity: float = 0.125  # fraction of each sequence routed through the block
     gate: str = "raw"  # "raw": r (paper); "sigmoid": sigmoid(r); "one": 1 (no router gradient; ablations)
+    selection: str = "learned"  # "random": uniformly random top-C (the paper's stochastic-routing control)
     check_finite: bool = True
 
     def __post_init__(self) -> None:
         _checks.check_int("d_model", self.d_model)
         _checks.check_fraction("capacity", self.capacity)
         _checks.check_choice("gate", self.gate, GATES)
+        _checks.check_choice("selection", self.selection, SELECTIONS)
 
 
 class MoDRouter(nn.Module):
@@ -60,7 +63,10 @@ class MoDRouter(nn.Module):
         r_BS = self.scores(x_BSD)
         if self.cfg.check_finite:
             _checks.check_finite_logits("MoDRouter", r_BS)
-        select_BS = r_BS.detach() if mask_BS is None else r_BS.detach().masked_fill(~mask_BS, float("-inf"))
+        # Random selection draws from the global torch RNG, so seeded runs stay reproducible.
+        select_BS = r_BS.detach() if self.cfg.selection == "learned" else torch.rand_like(r_BS)
+        if mask_BS is not None:
+            select_BS = select_BS.masked_fill(~mask_BS, float("-inf"))
         pos_BC = select_BS.topk(C, dim=1, sorted=False).indices.sort(dim=1).values  # original order
         return self.plan_from_positions(r_BS, pos_BC, mask_BS)
 

@@ -1,0 +1,36 @@
+"""The `mode` command line: `mode compare` (more subcommands join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mode", description="Mixture-of-Depths / MoE / MoDE toolkit")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("compare", help="train dense, MoD, MoE, staged and integrated MoDE at equal training FLOPs")
+    p.add_argument("--quick", action="store_true", help="small models, a few minutes on 2 CPU cores")
+    p.add_argument("--data", help="a UTF-8 text file (default: the Python standard library's sources)")
+    p.add_argument("--out", default="runs/compare", help="output folder (JSON, PNG, logs, checkpoints)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dense-steps", type=int, help="budget = this many steps of the dense model")
+    p.add_argument("--only", nargs="+", help="train only these variants")
+    p.add_argument("--no-progress", action="store_true")
+
+    args = parser.parse_args(argv)
+    if args.command == "compare":
+        from mode.compare import run_compare
+
+        try:
+            run_compare(args.out, quick=args.quick, data=args.data, seed=args.seed, dense_steps=args.dense_steps,
+                        only=args.only, progress=not args.no_progress)
+        except ValueError as e:
+            print(f"mode compare: error: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Expert-parallel dispatch: experts sharded across the ranks of a process group, tokens sent by all-to-all.
+
+Shape legend
+    T tokens on this rank   D hidden   E experts in all   P ranks in the group   L = E / P local experts
+    A this rank's assignments, grouped by expert (the plan's order)
+    R rows this rank's experts compute: received from every rank, grouped by local expert
+
+Rank ``p`` of the group owns experts ``[p * L, (p + 1) * L)`` (contiguous shards). Because a plan's
+assignments are grouped by expert, they are also grouped by destination rank, so ``dispatch`` is:
+
+    1. gather ``x_AD = x_TD[token_idx_A]`` (plan order: destination-rank-major, expert-minor)
+    2. exchange per-expert counts: ``all_to_all_single`` of ``counts_E`` viewed as ``(P, L)`` (int64)
+    3. ONE host sync: ``.tolist()`` of the send and receive counts, the split sizes of step 4
+    4. ``all_to_all_single`` of the rows with variable splits (``_AllToAll``: its backward is the
+       all-to-all with the splits swapped)
+    5. permute the received rows, which arrive source-rank-major, into local-expert-major order
+
+and ``combine`` undoes 5 and 4 (same splits, swapped), then applies the gates and scatter-adds on the
+token's own rank. Gates never travel; tokens routed to a no-op expert or dropped by capacity are not
+in the plan's assignments, so they never leave their rank. Backward runs the mirrored all-to-alls, so
+every rank of the group must call ``backward`` through the layer's output (as data-parallel training does).
+
+Everything the router computes stays per rank: capacity limits and aux losses are over the rank's own
+tokens. The router (and every other non-expert parameter) is replicated; its gradient must be
+all-reduced by the training loop, like any data-parallel gradient, never inside ``forward``.
+
+This is the only model-side module that imports ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mode.dispatch.local import scatter_weighted
+from mode.experts.bank import ExpertBank
+from mode.routing.plan import RoutingPlan
+
+if TYPE_CHECKING:
+    from mode.layers.moe import MoELayer
+
+
+@dataclass(frozen=True)
+class ExchangeStats:
+    """Rows one all-to-all moved (host ints, read from the split sizes: no extra sync).
+
+    ``sent_rows`` went to other ranks, ``local_rows`` stayed on this rank (the all-to-all copies them
+    locally, they never touch the network), ``received_rows`` came from other ranks.
+    """
+
+    sent_rows: int
+    local_rows: int
+    received_rows: int
+    row_bytes: int  # D * element size
+
+    @property
+    def sent_bytes(self) -> int:
+        return self.sent_rows * self.row_bytes
+
+    @property
+    def local_bytes(self) -> int:
+        return self.local_rows * self.row_bytes
+
+    @property
+    def received_bytes(self) -> int:
+        return self.received_rows * self.row_bytes
+
+
+@dataclass
+class _EPState:
+    send_splits: list[int]  # rows this rank sends to each rank (dispatch)
+    recv_splits: list[int]  # rows this rank receives from each rank (dispatch)
+    order_R: Tensor | None  # received row -> local-expert-major row; None when L == 1 (already ordered)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable variable-split ``dist.all_to_all_single`` over dim 0.
+
+    ``torch.distributed._functional_collectives.all_to_all_single_autograd`` computes the same thing,
+    but its first call costs seconds of one-time set-up per process on CPU; this plain wrapper does
+    not. Uneven splits work on gloo with ``all_to_all_single`` (the list form ``all_to_all`` does not).
+    """
+
+    @staticmethod
+    def forward(ctx, x_ND: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out_MD = x_ND.new_empty(sum(out_splits), *x_ND.shape[1:])
+        dist.all_to_all_single(out_MD, x_ND.contiguous(), out_splits, in_splits, group=group)
+        return out_MD
+
+    @staticmethod
+    def backward(ctx, grad_MD: Tensor):
+        out_splits, in_splits = ctx.splits
+        grad_ND = grad_MD.new_empty(sum(in_splits), *grad_MD.shape[1:])
+        dist.all_to_all_single(grad_ND, grad_MD.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_ND, None, None, None
+
+
+def all_to_all_rows(x_ND: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    """Send ``in_splits[p]`` consecutive rows of ``x_ND`` to rank p, receive ``out_splits[p]`` from it."""
+    return _AllToAll.apply(x_ND, out_splits, in_splits, group)
+
+
+def _exchange_stats(send: list[int], recv: list[int], rank: int, row_bytes: int) -> ExchangeStats:
+    return ExchangeStats(sent_rows=sum(send) - send[rank], local_rows=send[rank],
+                         received_rows=sum(recv) - recv[rank], row_bytes=row_bytes)
+
+
+class ExpertParallelDispatcher:
+    """Dispatcher for experts sharded contiguously over ``group`` (a process group built by the caller).
+
+    ``last_dispatch`` / ``last_combine`` hold the :class:`ExchangeStats` of the latest forward
+    all-to-alls (for benchmarks; backward moves the same rows the other way).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, num_experts: int):
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group: torch.distributed must be initialised (init_process_group) before "
+                             "building an ExpertParallelDispatcher")
+        self.group = group if group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        if self.rank < 0:
+            raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of it")
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts={num_experts!r}: must be an int >= 1")
+        if num_experts % self.world_size:
+            raise ValueError(
+                f"num_experts={num_experts}: must be divisible by the expert-parallel group size "
+                f"{self.world_size} (each rank holds num_experts / group size experts)")
+        self.num_experts = num_experts
+        self.local_experts = num_experts // self.world_size
+        self.first_expert = self.rank * self.local_experts
+        # Chosen once: with one expert per rank, source-major order already is expert-major.
+        self._needs_permute = self.local_experts > 1
+        self.last_dispatch: ExchangeStats | None = None
+        self.last_combine: ExchangeStats | None = None
+
+    # -- the interface MoELayer uses -------------------------------------------------------------------
+
+    def num_local_experts(self, num_experts: int) -> int:
+        """Experts this rank's ExpertBank must hold for a router over ``num_experts`` experts."""
+        if num_experts != self.num_experts:
+            raise ValueError(f"router.num_experts={num_experts}: must equal the expert-parallel dispatcher's "
+                             f"num_experts={self.num_experts}")
+        return self.local_experts
+
+    def dispatch(self, x_TD: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor, _EPState]:
+        if plan.num_experts != self.num_experts:
+            raise ValueError(f"plan.num_experts={plan.num_experts}: must equal the dispatcher's "
+                             f"num_experts={self.num_experts}")
+        P, L = self.world_size, self.local_experts
+        x_AD = x_TD.index_select(0, plan.token_idx_A)  # grouped by expert, hence by destination rank
+
+        # Counts first: recv_counts_PL[p, l] = rows rank p sends to our local expert l.
+        send_counts_PL = plan.counts_E.to(torch.int64).reshape(P, L)
+        recv_counts_PL = torch.empty_like(send_counts_PL)
+        dist.all_to_all_single(recv_counts_PL, send_counts_PL, group=self.group)
+        # The one host sync of the layer: the all-to-all below needs its split sizes on the host.
+        splits = torch.cat([send_counts_PL.sum(1), recv_counts_PL.sum(1)]).tolist()
+        send_splits, recv_splits = splits[:P], splits[P:]
+
+        x_recv_RD = all_to_all_rows(x_AD, recv_splits, send_splits, self.group)
+
+        order_R = None
+        x_RD = x_recv_RD
+        if self._needs_permute:
+            # Rows arrive source-major (each source's rows grouped by expert): a stable sort on the local
+            # expert id makes them expert-major, keeping source order inside an expert.
+            expert_of_row_R = torch.repeat_interleave(
+                torch.arange(L, device=x_TD.device).repeat(P), recv_counts_PL.reshape(-1),
+                output_size=sum(recv_splits))  # output_size known on host: no second sync
+            order_R = torch.argsort(expert_of_row_R, stable=True)
+            x_RD = x_recv_RD.index_select(0, order_R)
+        counts_L = recv_counts_PL.sum(0)
+
+        self.last_dispatch = _exchange_stats(send_splits, recv_splits, self.rank, x_TD.shape[-1] * x_TD.element_size())
+        return x_RD, counts_L, _EPState(send_splits, recv_splits, order_R)
+
+    def combine(self, y_RD: Tensor, plan: RoutingPlan, state: _EPState) -> Tensor:
+        y_recv_RD = y_RD
+        if state.order_R is not None:
+            inverse_R = torch.empty_like(state.order_R)
+            inverse_R[state.order_R] = torch.arange(state.order_R.numel(), device=state.order_R.device)
+            y_recv_RD = y_RD.index_select(0, state.order_R)  # back to source-major order
+        y_AD = all_to_all_rows(y_recv_RD, state.send_splits, state.recv_splits, self.group)
+        self.last_combine = _exchange_stats(state.recv_splits, state.send_splits, self.rank,
+                                            y_RD.shape[-1] * y_RD.element_size())
+        return scatter_weighted(y_AD, plan)  # gates applied on the token's own rank
+
+    # -- building the local shard ----------------------------------------------------------------------
+
+    @property
+    def last_sent_bytes(self) -> int:
+        """Bytes the latest dispatch sent to other ranks (0 before the first call)."""
+        return 0 if self.last_dispatch is None else self.last_dispatch.sent_bytes
+
+    def shard_experts(self, full: ExpertBank) -> ExpertBank:
+        """This rank's shard of a single-process bank over all ``num_experts`` experts."""
+        if full.num_experts != self.num_experts:
+            raise ValueError(f"experts.num_experts={full.num_experts}: must equal the dispatcher's "
+                             f"num_experts={self.num_experts}")
+        return shard_experts(full, self.rank, self.world_size)
+
+    def shard_layer(self, full: "MoELayer") -> "MoELayer":
+        """A copy of a single-process ``MoELayer`` (or ``IntegratedMoDE``) for this rank: the router is
+        replicated (deep-copied), the experts are this rank's shard, dispatch goes through ``self``."""
+        return type(full)(copy.deepcopy(full.router), self.shard_experts(full.experts), self)
+
+
+def shard_experts(full: ExpertBank, rank: int, world_size: int) -> ExpertBank:
+    """The ``ExpertBank`` of experts ``[rank * L, (rank + 1) * L)``, ``L = E / world_size``, with their
+    weights copied from ``full`` (a bank over all E experts, e.g. built identically on every rank)."""
+    E = full.num_experts
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
+    if E % world_size:
+        raise ValueError(f"num_experts={E}: must be divisible by the expert-parallel group size {world_size} "
+                         "(each rank holds num_experts / group size experts)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank}: must be in [0, world_size={world_size})")
+    L = E // world_size
+    lo = rank * L
+    shard = ExpertBank(dataclasses.replace(full.cfg, num_experts=L))
+    shard.to(device=full.w_in_EDF.device, dtype=full.w_in_EDF.dtype)
+    with torch.no_grad():
+        shard.w_in_EDF.copy_(full.w_in_EDF[lo:lo + L])
+        shard.w_out_EHD.copy_(full.w_out_EHD[lo:lo + L])
+    return shard

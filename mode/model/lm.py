@@ -1,0 +1,95 @@
+"""A small decoder-only language model whose layers are dense, MoD, MoE, staged or integrated MoDE.
+
+Shape legend: B batch, S sequence, D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mode import _checks
+from mode.experts.bank import ExpertBank
+from mode.layers.block import TransformerBlock
+from mode.layers.mlp import MLP
+from mode.layers.mod import MoD, StagedMoDE
+from mode.layers.moe import IntegratedMoDE, MoELayer
+from mode.model.config import LMConfig
+from mode.routing.mod_topk import MoDRouter
+from mode.routing.plan import Aux
+
+
+@dataclass
+class LMOutput:
+    logits_BSV: Tensor
+    loss: Tensor | None  # mean next-token cross-entropy (without aux losses)
+    aux: Aux  # every routed layer's losses and stats, names prefixed "layers.{i}."
+
+
+def build_layer(cfg: LMConfig, kind: str) -> nn.Module:
+    def block(mlp: nn.Module) -> TransformerBlock:
+        return TransformerBlock(cfg.d_model, cfg.n_heads, mlp, rope_base=cfg.rope_base)
+
+    def dense_mlp() -> MLP:
+        return MLP(cfg.d_model, cfg.d_hidden, cfg.activation)
+
+    if kind == "dense":
+        return block(dense_mlp())
+    if kind in ("mod", "mod_random"):
+        return MoD(block(dense_mlp()), MoDRouter(cfg.mod_config("random" if kind == "mod_random" else "learned")))
+    if kind == "moe":
+        return block(MoELayer.from_config(cfg.moe_config(with_noop=False)))
+    if kind == "staged":
+        return StagedMoDE(block(MoELayer.from_config(cfg.moe_config(with_noop=False))),
+                          MoDRouter(cfg.mod_config("learned")))
+    if kind == "integrated":
+        return block(IntegratedMoDE.from_config(cfg.moe_config(with_noop=True)))
+    raise AssertionError(kind)  # LMConfig validated the kinds
+
+
+class LM(nn.Module):
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(build_layer(cfg, kind) for kind in cfg.layers)
+        self.norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self._init_weights()
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def _init_weights(self) -> None:
+        std = 0.02
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)  # GPT-2: residual writes shrink with depth
+        for name, p in self.named_parameters():
+            if p.dim() < 2 or ".router." in name:
+                continue  # norms keep 1; routers keep their own init
+            last = name.rsplit(".", 1)[-1]
+            is_out = last in ("w_out_HD", "w_out_EHD") or name.endswith("attn.out.weight")
+            nn.init.normal_(p, std=out_std if is_out else std)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if exclude_embeddings else n
+
+    def forward(self, idx_BS: Tensor, targets_BS: Tensor | None = None) -> LMOutput:
+        if not isinstance(idx_BS, Tensor) or idx_BS.dtype != torch.long or idx_BS.dim() != 2:
+            raise TypeError(f"idx: must be a (B, S) torch.long tensor of token ids, got "
+                            f"{getattr(idx_BS, 'dtype', type(idx_BS).__name__)} {tuple(getattr(idx_BS, 'shape', ()))}")
+        if idx_BS.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"idx.shape[1]={idx_BS.shape[1]}: must be <= seq_len={self.cfg.seq_len}")
+        x_BSD = self.embed(idx_BS)
+        aux = Aux()
+        for i, layer in enumerate(self.layers):
+            x_BSD, layer_aux = layer(x_BSD)
+            aux.merge(layer_aux, f"layers.{i}.")
+        logits_BSV = self.head(self.norm(x_BSD))
+        loss = None
+        if targets_BS is not None:
+            loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
+        return LMOutput(logits_BSV, loss, aux)

@@ -1,0 +1,166 @@
+"""Training loop: AdamW, warm-up + cosine schedule, gradient clipping, aux losses, periodic validation,
+JSONL log, checkpoints that resume to the identical loss curve, and a progress bar.
+
+Shape legend: B batch, S sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from mode import _checks
+from mode.data import BatchSampler, Corpus, eval_batches
+from mode.flops import train_flops_per_token
+from mode.model import LM, LMConfig
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 8
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    ckpt_every: int = 0  # 0: checkpoint only at the end
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "eval_batches", "log_every", "eval_every"):
+            _checks.check_int(name, getattr(self, name))
+        _checks.check_int("warmup_steps", self.warmup_steps, min_value=0)
+        _checks.check_int("ckpt_every", self.ckpt_every, min_value=0)
+        _checks.check_positive("lr", self.lr)
+        _checks.check_fraction("min_lr_ratio", self.min_lr_ratio)
+        _checks.check_non_negative("weight_decay", self.weight_decay)
+        _checks.check_positive("grad_clip", self.grad_clip)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices decay; norms and gains do not
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+
+@torch.no_grad()
+def evaluate(model: LM, batches) -> float:
+    was_training = model.training
+    model.eval()
+    losses = [float(model(x, y).loss) for x, y in batches]
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+class Trainer:
+    """Trains one model; ``out_dir`` receives ``log.jsonl`` and ``ckpt.pt``."""
+
+    def __init__(self, model_cfg: LMConfig, train_cfg: TrainConfig, corpus: Corpus, out_dir: str | Path,
+                 name: str = "model", progress: bool = True):
+        self.model_cfg, self.cfg, self.name, self.progress = model_cfg, train_cfg, name, progress
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path, self.ckpt_path = self.out_dir / "log.jsonl", self.out_dir / "ckpt.pt"
+        torch.manual_seed(train_cfg.seed)
+        self.model = LM(model_cfg)
+        self.optimizer = build_optimizer(self.model, train_cfg)
+        self.sampler = BatchSampler(corpus.train, train_cfg.batch_size, model_cfg.seq_len, train_cfg.seed)
+        self.val_batches = eval_batches(corpus.val, train_cfg.batch_size, model_cfg.seq_len, train_cfg.eval_batches)
+        self.step, self.flops, self.tokens, self.wall = 0, 0.0, 0, 0.0
+        self.history: list[dict] = []  # every logged record, also written to log.jsonl
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def save(self, path: Path | None = None) -> Path:
+        path = path or self.ckpt_path
+        torch.save({
+            "model_cfg": asdict(self.model_cfg), "train_cfg": asdict(self.cfg), "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(), "step": self.step, "flops": self.flops,
+            "tokens": self.tokens, "wall": self.wall, "history": self.history,
+            "sampler_rng": self.sampler.generator.get_state(), "torch_rng": torch.get_rng_state(),
+        }, path)
+        return path
+
+    def load(self, path: Path | None = None) -> None:
+        state = torch.load(path or self.ckpt_path, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.flops, self.tokens, self.wall = state["step"], state["flops"], state["tokens"], state["wall"]
+        self.history = state["history"]
+        self.sampler.generator.set_state(state["sampler_rng"])
+        torch.set_rng_state(state["torch_rng"])
+
+    def _log(self, record: dict) -> None:
+        self.history.append(record)
+        with self.log_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # -- training ----------------------------------------------------------------------------------
+    def train_step(self) -> tuple[float, float]:
+        x_BS, y_BS = self.sampler.next()
+        lr = lr_at(self.step, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        out = self.model(x_BS, y_BS)
+        (out.loss + out.aux.total()).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        n_tokens = x_BS.numel()
+        self.flops += train_flops_per_token(self.model_cfg, aux=out.aux) * n_tokens  # realized routing
+        self.tokens += n_tokens
+        self.step += 1
+        return float(out.loss.detach()), lr
+
+    def run(self, stop_step: int | None = None) -> list[dict]:
+        """Train up to ``stop_step`` (default: the configured number of steps) and return the history."""
+        stop = self.cfg.steps if stop_step is None else min(stop_step, self.cfg.steps)
+        if self.step == 0 and not self.history:
+            self.log_path.write_text("")
+        bar = tqdm(total=stop, initial=self.step, desc=self.name, disable=not self.progress, leave=False,
+                   dynamic_ncols=True)
+        while self.step < stop:
+            t0 = time.perf_counter()
+            loss, lr = self.train_step()
+            dt = time.perf_counter() - t0
+            self.wall += dt
+            tok_s = self.cfg.batch_size * self.model_cfg.seq_len / dt
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", flops=f"{self.flops:.2e}")
+            if self.step % self.cfg.log_every == 0 or self.step == stop:
+                self._log({"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens, "flops": self.flops,
+                           "wall": self.wall, "tok_s": self.tokens / self.wall})
+            if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps:
+                self._log({"step": self.step, "val_loss": evaluate(self.model, self.val_batches),
+                           "tokens": self.tokens, "flops": self.flops, "wall": self.wall})
+            if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
+                self.save()
+        bar.close()
+        self.save()
+        return self.history
+
+
+def load_model(path: str | Path) -> tuple[LM, dict]:
+    """Rebuild the LM stored in a checkpoint (for sampling, reports, evaluation)."""
+    state = torch.load(path, weights_only=False, map_location="cpu")
+    model = LM(LMConfig(**state["model_cfg"]))
+    model.load_state_dict(state["model"])
+    return model, state

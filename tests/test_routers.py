@@ -1,0 +1,465 @@
+"""Routers: MoD top-k, token choice, expert choice, their aux losses and stats.
+
+Every expectation is computed by hand in the test (Python loops and ``math``), never by calling the
+router's own helpers. Routers built with ``identity_router`` have an identity weight, so the router
+logits are exactly the input: a test writes the logits it wants as the hidden states.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mode.routing import (
+    ExpertChoiceConfig, ExpertChoiceRouter, MoDRouter, MoDRouterConfig, TokenChoiceConfig, TokenChoiceRouter,
+    load_balancing_loss, router_z_loss,
+)
+
+
+def identity_router(router):
+    """Set a token-/expert-choice router's weight (X, D) with X == D to the identity: logits == x."""
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(router.weight.shape[0]))
+    return router
+
+
+def softmax_py(row):
+    m = max(row)
+    e = [math.exp(v - m) for v in row]
+    return [v / sum(e) for v in e]
+
+
+def sigmoid_py(v):
+    return 1.0 / (1.0 + math.exp(-v))
+
+
+def assert_stats(stats, *, kept_E, requested_X, dropped, noop, tokens, compute_T):
+    assert stats.kept_E.tolist() == [float(v) for v in kept_E]
+    assert stats.requested_X.tolist() == [float(v) for v in requested_X]
+    assert stats.dropped.item() == dropped
+    assert stats.noop.item() == noop
+    assert stats.tokens.item() == tokens
+    assert stats.compute_T.tolist() == [float(v) for v in compute_T]
+
+
+# ----------------------------------------------------------------------------------------------- MoD top-k
+
+
+def hand_topk_positions(x_BSD, w_D, C, mask_BS=None):
+    """Per sequence, the C positions with the highest score x . w (float64), in increasing order."""
+    r = (x_BSD.double() @ w_D.double()).tolist()
+    out = []
+    for b, row in enumerate(r):
+        cand = [s for s in range(len(row)) if mask_BS is None or bool(mask_BS[b, s])]
+        out.append(sorted(sorted(cand, key=lambda s: -row[s])[:C]))
+    return out
+
+
+@pytest.mark.parametrize("capacity,S,C", [(0.125, 16, 2), (0.25, 10, 2), (0.1, 5, 1), (0.5, 9, 4), (1.0, 7, 7)])
+def test_mod_routes_exactly_C_top_scores_in_order(capacity, S, C):
+    B, D = 3, 8
+    router = MoDRouter(MoDRouterConfig(d_model=D, capacity=capacity))
+    x = torch.randn(B, S, D)
+    plan = router(x)
+    assert plan.seq_capacity == C
+    assert plan.num_assignments == B * C
+    assert plan.counts_E.tolist() == [B * C]
+    assert plan.expert_idx_A.tolist() == [0] * (B * C)
+    assert plan.valid_A is None
+    pos = (plan.token_idx_A.view(B, C) - torch.arange(B)[:, None] * S).tolist()
+    assert pos == hand_topk_positions(x, router.weight.detach(), C)  # the top scores, original order
+
+
+@pytest.mark.parametrize("how", ["zero_weight", "identical_tokens"])
+def test_mod_exactly_C_with_ties(how):
+    B, S, D, C = 2, 16, 8, 4
+    router = MoDRouter(MoDRouterConfig(d_model=D, capacity=0.25))
+    if how == "zero_weight":
+        with torch.no_grad():
+            router.weight.zero_()  # every score is 0
+        x = torch.randn(B, S, D)
+    else:
+        x = torch.randn(1, 1, D).expand(B, S, D).contiguous()  # every token the same
+    plan = router(x)
+    tok = plan.token_idx_A.view(B, C)
+    for b in range(B):
+        row = tok[b].tolist()
+        assert len(set(row)) == C, "C distinct tokens per sequence even when all scores tie"
+        assert all(b * S <= t < (b + 1) * S for t in row), "a sequence only routes its own tokens"
+        assert row == sorted(row)
+
+
+def test_mod_padding_never_takes_capacity():
+    B, S, D, C = 2, 8, 8, 4
+    router = MoDRouter(MoDRouterConfig(d_model=D, capacity=0.5))
+    w = router.weight.detach()
+    x = torch.randn(B, S, D)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[0, 6:] = False  # 6 real tokens >= C
+    mask[1, 2:] = False  # 2 real tokens < C
+    x[~mask] = 100.0 * w  # padded tokens would win top-k by far if they were eligible
+    plan = router(x, mask)
+    pos = (plan.token_idx_A.view(B, C) - torch.arange(B)[:, None] * S).tolist()
+    assert pos[0] == hand_topk_positions(x, w, C, mask)[0]
+    assert all(p < 6 for p in pos[0])
+    assert plan.valid_A.view(B, C)[0].tolist() == [True] * 4
+    # Sequence 1: both real tokens are routed; the two remaining slots hold padding and are invalid.
+    assert {0, 1} <= set(pos[1])
+    assert plan.valid_A.view(B, C)[1].tolist() == [p < 2 for p in pos[1]]
+    assert plan.valid_A.sum().item() == 6
+
+    compute = [0.0] * (B * S)
+    for b in range(B):
+        for p in pos[b]:
+            compute[b * S + p] = float(bool(mask[b, p]))
+    assert_stats(plan.aux.stats["router"], kept_E=[6], requested_X=[6, 2], dropped=0, noop=2, tokens=8,
+                 compute_T=compute)
+
+
+def test_mod_stats_without_mask():
+    B, S, D, C = 2, 8, 4, 2
+    router = MoDRouter(MoDRouterConfig(d_model=D, capacity=0.25))
+    x = torch.randn(B, S, D)
+    plan = router(x)
+    compute = [0.0] * (B * S)
+    for b, row in enumerate(hand_topk_positions(x, router.weight.detach(), C)):
+        for p in row:
+            compute[b * S + p] = 1.0
+    assert_stats(plan.aux.stats["router"], kept_E=[4], requested_X=[4, 12], dropped=0, noop=12, tokens=16,
+                 compute_T=compute)
+    assert plan.aux.losses == {}
+
+
+@pytest.mark.parametrize("gate", ["raw", "sigmoid", "one"])
+def test_mod_gates(gate):
+    B, S, D, C = 2, 8, 4, 2
+    router = MoDRouter(MoDRouterConfig(d_model=D, capacity=0.25, gate=gate))
+    x = torch.randn(B, S, D)
+    plan = router(x)
+    w = router.weight.detach().double()
+    expected = []
+    for t in plan.token_idx_A.tolist():
+        r = float(x.reshape(-1, D)[t].double() @ w)
+        expected.append({"raw": r, "sigmoid": sigmoid_py(r), "one": 1.0}[gate])
+    assert plan.weight_A.dtype == torch.float32
+    torch.testing.assert_close(plan.weight_A.double(), torch.tensor(expected, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+    assert plan.weight_A.requires_grad == (gate != "one")
+
+
+# ------------------------------------------------------------------------------------------- token choice
+
+
+def hand_token_choice(logits, K, E, gate="softmax", renormalize=False):
+    """Sorted list of (expert, token, gate) for every computed choice (no capacity)."""
+    rows = []
+    for t, row in enumerate(logits):
+        p = softmax_py(row) if gate == "softmax" else [sigmoid_py(v) for v in row]
+        chosen = sorted(range(len(row)), key=lambda i: -p[i])[:K]
+        g = [p[i] for i in chosen]
+        if renormalize:
+            g = [v / sum(g) for v in g]
+        rows += [(e, t, gi) for e, gi in zip(chosen, g) if e < E]
+    return sorted(rows)
+
+
+def plan_rows(plan):
+    return list(zip(plan.expert_idx_A.tolist(), plan.token_idx_A.tolist()))
+
+
+@pytest.mark.parametrize("gate,renormalize", [("softmax", False), ("softmax", True), ("sigmoid", False),
+                                              ("sigmoid", True)])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_token_choice_topk_and_gates(gate, renormalize, top_k):
+    T, X = 6, 4
+    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(
+        d_model=X, num_experts=X, top_k=top_k, gate=gate, renormalize=renormalize)))
+    logits = torch.randn(1, T, X)
+    plan = router(logits)
+    expected = hand_token_choice(logits[0].tolist(), top_k, X, gate, renormalize)
+    assert plan_rows(plan) == [(e, t) for e, t, _ in expected]
+    torch.testing.assert_close(plan.weight_A, torch.tensor([g for *_, g in expected]), rtol=1e-5, atol=1e-6)
+    assert plan.counts_E.tolist() == [sum(e == i for e, _, _ in expected) for i in range(X)]
+
+
+def test_token_choice_top1_capacity_drops_later_tokens():
+    # 6 tokens, 2 experts, capacity_factor 0.5 -> ceil(0.5 * 6 * 1 / 2) = 2 per expert.
+    logits = [[2.0, 0.0], [1.0, 0.0], [3.0, 1.0], [0.5, 0.0], [0.0, 1.0], [0.0, 2.0]]  # choices 0 0 0 0 1 1
+    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=2, num_experts=2, capacity_factor=0.5)))
+    plan = router(torch.tensor([logits]))
+    assert plan_rows(plan) == [(0, 0), (0, 1), (1, 4), (1, 5)]  # tokens 2 and 3 dropped from expert 0
+    gates = [softmax_py(logits[t])[e] for e, t in plan_rows(plan)]
+    torch.testing.assert_close(plan.weight_A, torch.tensor(gates), rtol=1e-6, atol=1e-7)
+    assert_stats(plan.aux.stats["router"], kept_E=[2, 2], requested_X=[4, 2], dropped=2, noop=0, tokens=6,
+                 compute_T=[1, 1, 0, 0, 1, 1])
+
+
+def test_token_choice_top2_capacity_first_choices_before_second():
+    # 3 experts, top-2, 4 tokens, capacity_factor 0.75 -> ceil(0.75 * 4 * 2 / 3) = 2 per expert.
+    logits = [
+        [3.0, 2.0, 0.0],  # t0: 1st e0, 2nd e1
+        [0.0, 3.0, 2.0],  # t1: 1st e1, 2nd e2
+        [0.0, 3.0, 2.0],  # t2: 1st e1, 2nd e2
+        [3.0, 0.0, 2.0],  # t3: 1st e0, 2nd e2
+    ]
+    # Priority: all first choices in token order, then all second choices in token order.
+    # e1 keeps the first choices of t1 and t2 and drops t0's *second* choice although t0 comes first
+    # (token-major priority would instead drop t2's first choice); e2 keeps t1 and t2 and drops t3.
+    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=3, top_k=2,
+                                                                 capacity_factor=0.75)))
+    plan = router(torch.tensor([logits]))
+    assert router.capacity(4) == 2
+    assert plan_rows(plan) == [(0, 0), (0, 3), (1, 1), (1, 2), (2, 1), (2, 2)]
+    assert plan.counts_E.tolist() == [2, 2, 2]
+    gates = [softmax_py(logits[t])[e] for e, t in plan_rows(plan)]
+    torch.testing.assert_close(plan.weight_A, torch.tensor(gates), rtol=1e-6, atol=1e-7)
+    assert_stats(plan.aux.stats["router"], kept_E=[2, 2, 2], requested_X=[2, 3, 3], dropped=2, noop=0,
+                 tokens=4, compute_T=[1, 2, 2, 1])
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_token_choice_dropless_drops_none(top_k):
+    B, S, D, E = 2, 16, 8, 4
+    router = TokenChoiceRouter(TokenChoiceConfig(d_model=D, num_experts=E, top_k=top_k, capacity_factor=None))
+    with torch.no_grad():
+        router.weight[0] += 5.0  # heavily imbalanced: expert 0 is everyone's favourite
+    x = torch.randn(B, S, D).abs()
+    plan = router(x)
+    T = B * S
+    assert plan.counts_E[0].item() == T  # far above any capacity-factor-1 limit
+    assert plan.num_assignments == T * top_k
+    assert torch.bincount(plan.token_idx_A, minlength=T).tolist() == [top_k] * T
+    stats = plan.aux.stats["router"]
+    assert stats.dropped.item() == 0
+    assert stats.kept_E.tolist() == stats.requested_X.tolist()
+
+
+def test_token_choice_noop_experts_never_in_plan():
+    # 2 real experts + 1 no-op (slot 2); top-1 choices: 2 0 2 1 0 2.
+    logits = [[0.0, 0.0, 1.0], [2.0, 0.0, 1.0], [0.0, 1.0, 3.0], [0.0, 2.0, 1.0], [1.0, 0.0, 0.5], [0.0, 0.0, 0.1]]
+    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=2, num_noop=1)))
+    plan = router(torch.tensor([logits]))
+    assert plan_rows(plan) == [(0, 1), (0, 4), (1, 3)]
+    assert plan.num_experts == 2 and plan.counts_E.tolist() == [2, 1]
+    torch.testing.assert_close(plan.weight_A, torch.tensor([softmax_py(logits[t])[e] for e, t in plan_rows(plan)]))
+    assert_stats(plan.aux.stats["router"], kept_E=[2, 1], requested_X=[2, 1, 3], dropped=0, noop=3, tokens=6,
+                 compute_T=[0, 1, 0, 1, 1, 0])
+    stats = plan.aux.stats["router"]
+    assert stats.num_experts == 2 and stats.num_noop == 1
+
+
+def test_token_choice_noop_top2_with_capacity_and_mask():
+    # 2 real experts + 2 no-op slots, top-2, capacity_factor 0.5 over T = 8 -> ceil(0.5 * 8 * 2 / 2) = 4.
+    logits = [
+        [3.0, 2.0, 0.0, 0.0],  # e0, e1
+        [3.0, 0.0, 2.0, 0.0],  # e0, noop2
+        [0.0, 0.0, 3.0, 2.0],  # noop2, noop3 -> no expert output
+        [3.0, 2.0, 0.0, 0.0],  # e0, e1
+        [3.0, 2.0, 0.0, 0.0],  # e0, e1 (padding: ignored)
+        [2.0, 3.0, 0.0, 0.0],  # e1, e0
+        [3.0, 0.0, 0.0, 2.0],  # e0, noop3
+        [3.0, 2.0, 0.0, 0.0],  # e0, e1
+    ]
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    mask[0, 4] = False
+    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=4, num_experts=2, num_noop=2, top_k=2,
+                                                                 capacity_factor=0.5)))
+    plan = router(torch.tensor([logits]), mask)
+    # Real tokens' first choices for e0: t0 t1 t3 t6 t7 (5 > 4: t7 dropped); e1 first: t5.
+    # Second choices for e1: t0 t3 t7 (t5's second choice e0 is over capacity: dropped).
+    assert plan_rows(plan) == [(0, 0), (0, 1), (0, 3), (0, 6), (1, 0), (1, 3), (1, 5), (1, 7)]
+    assert_stats(plan.aux.stats["router"], kept_E=[4, 4], requested_X=[6, 4, 2, 2], dropped=2, noop=4, tokens=7,
+                 compute_T=[2, 1, 0, 2, 0, 1, 1, 1])
+
+
+def test_token_choice_plan_grouped_by_expert_and_sorted_by_token():
+    B, S, D, E = 3, 16, 8, 5
+    router = TokenChoiceRouter(TokenChoiceConfig(d_model=D, num_experts=E, num_noop=2, top_k=3,
+                                                 capacity_factor=0.8))
+    plan = router(torch.randn(B, S, D))
+    expert, token = plan.expert_idx_A.tolist(), plan.token_idx_A.tolist()
+    assert expert == sorted(expert)
+    assert all(0 <= e < E for e in expert)
+    counts = [expert.count(e) for e in range(E)]
+    assert plan.counts_E.tolist() == counts
+    start = 0
+    for c in counts:
+        seg = token[start:start + c]
+        assert seg == sorted(seg) and len(set(seg)) == len(seg)  # sorted, no duplicate token per expert
+        start += c
+    assert max(counts) <= router.capacity(B * S)
+    stats = plan.aux.stats["router"]
+    assert stats.kept_E.tolist() == [float(c) for c in counts]
+    assert stats.compute_T.sum().item() == len(token)
+    assert stats.requested_X.sum().item() == B * S * 3  # every token makes top_k requests
+    assert stats.dropped.item() + stats.noop.item() + len(token) == B * S * 3
+
+
+# ------------------------------------------------------------------------------------------ expert choice
+
+
+def hand_expert_choice(logits_BSX, c, E, mask_BS=None):
+    rows = []
+    B, S, X = logits_BSX.shape
+    for b in range(B):
+        probs = [softmax_py(logits_BSX[b, s].tolist()) for s in range(S)]
+        cand = [s for s in range(S) if mask_BS is None or bool(mask_BS[b, s])]
+        for e in range(E):
+            for s in sorted(cand, key=lambda s: -probs[s][e])[:c]:
+                rows.append((e, b * S + s, probs[s][e]))
+    return sorted(rows)
+
+
+@pytest.mark.parametrize("num_noop", [0, 1])
+def test_expert_choice_each_expert_takes_c_tokens_per_sequence(num_noop):
+    B, S, E = 2, 8, 3
+    X = E + num_noop
+    router = identity_router(ExpertChoiceRouter(ExpertChoiceConfig(d_model=X, num_experts=E, num_noop=num_noop,
+                                                                   capacity_factor=1.5)))
+    c = math.ceil(1.5 * S / X)
+    logits = torch.randn(B, S, X)
+    plan = router(logits)
+    expected = hand_expert_choice(logits, c, E)
+    assert plan_rows(plan) == [(e, t) for e, t, _ in expected]
+    torch.testing.assert_close(plan.weight_A, torch.tensor([g for *_, g in expected]), rtol=1e-5, atol=1e-7)
+    assert plan.counts_E.tolist() == [B * c] * E
+    for e in range(E):  # exactly c per expert per sequence
+        tok = plan.token_idx_A[plan.expert_idx_A == e]
+        assert torch.bincount(tok // S, minlength=B).tolist() == [c] * B
+    stats = plan.aux.stats["router"]
+    assert_stats(stats, kept_E=[B * c] * E, requested_X=[B * c] * X, dropped=0, noop=B * c * num_noop,
+                 tokens=B * S, compute_T=torch.bincount(torch.tensor([t for _, t, _ in expected]),
+                                                        minlength=B * S).tolist())
+
+
+def test_expert_choice_noop_slots_not_computed():
+    # One real expert and one no-op slot; slot 1 (no-op) wins every token by a wide margin, yet the real
+    # expert still computes exactly its c tokens and nothing is computed for the no-op picks.
+    B, S = 1, 8
+    router = identity_router(ExpertChoiceRouter(ExpertChoiceConfig(d_model=2, num_experts=1, num_noop=1)))
+    logits = torch.zeros(B, S, 2)
+    logits[0, :, 1] = 5.0
+    logits[0, :, 0] = torch.arange(S, dtype=torch.float32) / 10  # token 7 and 6 are expert 0's favourites
+    plan = router(logits)
+    c = 4  # ceil(1.0 * 8 / 2)
+    assert plan.expert_idx_A.tolist() == [0] * c
+    assert plan.token_idx_A.tolist() == [4, 5, 6, 7]
+    assert plan.aux.stats["router"].noop.item() == c
+
+
+def test_expert_choice_with_mask():
+    B, S, E = 2, 8, 2
+    router = identity_router(ExpertChoiceRouter(ExpertChoiceConfig(d_model=E, num_experts=E)))
+    logits = torch.randn(B, S, E)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[0, 5:] = False  # 5 real tokens >= c = 4
+    mask[1, 2:] = False  # 2 real tokens < c
+    logits[~mask] = 10.0  # padding would be everybody's favourite if it were eligible
+    plan = router(logits, mask)
+    expected = hand_expert_choice(logits, 4, E, mask)
+    assert plan_rows(plan) == [(e, t) for e, t, _ in expected]
+    assert all(bool(mask.reshape(-1)[t]) for t in plan.token_idx_A.tolist())
+    assert plan.aux.stats["router"].tokens.item() == 7
+    assert plan.counts_E.tolist() == [4 + 2, 4 + 2]
+
+
+# ----------------------------------------------------------------------------------------------- aux losses
+
+PROBS = [[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.25, 0.15, 0.6], [0.7, 0.2, 0.1]]
+
+
+def test_load_balancing_loss_hand_computed_top1():
+    # top-1 choices: 0, 1, 2, 0 -> f = [2/4, 1/4, 1/4]
+    # P = column means = [1.55/4, 1.25/4, 1.2/4] = [0.3875, 0.3125, 0.3]
+    # loss = 3 * (0.5 * 0.3875 + 0.25 * 0.3125 + 0.25 * 0.3) = 3 * 0.346875 = 1.040625
+    probs = torch.tensor(PROBS)
+    loss = load_balancing_loss(probs, torch.tensor([[0], [1], [2], [0]]))
+    assert loss.item() == pytest.approx(1.040625, abs=1e-6)
+    # The same through the router: identity weight and logits log(p) make softmax(logits) == p.
+    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=3)))
+    aux = router(probs.log()[None]).aux
+    assert aux.losses["balance"].item() == pytest.approx(1.040625, abs=1e-6)
+    assert aux.coefs["balance"] == 0.01
+
+
+def test_load_balancing_loss_hand_computed_top2():
+    # top-2 choices: {0,1}, {1,2}, {2,0}, {0,1} -> f = [3/8, 3/8, 2/8]; P = [0.3875, 0.3125, 0.3]
+    # loss = 3 * (0.375 * 0.3875 + 0.375 * 0.3125 + 0.25 * 0.3) = 3 * 0.3375 = 1.0125
+    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=3, top_k=2)))
+    loss = router(torch.tensor(PROBS).log()[None]).aux.losses["balance"]
+    assert loss.item() == pytest.approx(1.0125, abs=1e-6)
+
+
+def test_load_balancing_loss_ignores_padding():
+    # Token 1 is padding. Real tokens 0, 2, 3 choose 0, 2, 0 -> f = [2/3, 0, 1/3];
+    # P = [(0.5 + 0.25 + 0.7) / 3, ., (0.2 + 0.6 + 0.1) / 3] -> loss = 3 * (2/3 * 1.45/3 + 1/3 * 0.9/3)
+    expected = 3 * (2 / 3 * 1.45 / 3 + 1 / 3 * 0.9 / 3)
+    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=3)))
+    mask = torch.tensor([[True, False, True, True]])
+    loss = router(torch.tensor(PROBS).log()[None], mask).aux.losses["balance"]
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_load_balancing_loss_counts_noop_slots():
+    # Slot 2 is a no-op: its choices still count in f (the loss balances all slots).
+    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=2, num_noop=1)))
+    loss = router(torch.tensor(PROBS).log()[None]).aux.losses["balance"]
+    assert loss.item() == pytest.approx(1.040625, abs=1e-6)
+
+
+def test_load_balancing_loss_is_one_for_uniform_routing():
+    B, S, D, X = 2, 8, 6, 4
+    router = TokenChoiceRouter(TokenChoiceConfig(d_model=D, num_experts=X, top_k=X))
+    with torch.no_grad():
+        router.weight.zero_()  # every probability is exactly 1/4 and every token picks every slot
+    assert router(torch.randn(B, S, D)).aux.losses["balance"].item() == 1.0
+    # Perfectly balanced top-1 choices with uniform probabilities: f = P = 1/4.
+    probs = torch.full((8, X), 0.25)
+    chosen = torch.tensor([[0], [1], [2], [3], [3], [2], [1], [0]])
+    assert load_balancing_loss(probs, chosen).item() == 1.0
+    # Any imbalance with the same probabilities keeps the loss at 1 (P uniform) ...
+    assert load_balancing_loss(probs, torch.zeros(8, 1, dtype=torch.long)).item() == 1.0
+    # ... while skewed probabilities that follow the choices push it above 1.
+    skew = torch.tensor([[0.7, 0.1, 0.1, 0.1]] * 8)
+    assert load_balancing_loss(skew, torch.zeros(8, 1, dtype=torch.long)).item() == pytest.approx(4 * 0.7)
+
+
+def test_load_balancing_loss_gradient_only_through_probabilities():
+    probs = torch.tensor(PROBS, requires_grad=True)
+    load_balancing_loss(probs, torch.tensor([[0], [1], [2], [0]])).backward()
+    # d/dp_ti of X * sum_i f_i * mean_t p_ti = X * f_i / T
+    f = [0.5, 0.25, 0.25]
+    expected = torch.tensor([[3 * fi / 4 for fi in f]] * 4)
+    torch.testing.assert_close(probs.grad, expected)
+
+
+def test_router_z_loss_hand_computed():
+    # Row 0: logits log 1, log 2, log 5 -> logsumexp = log 8; row 1: zeros -> log 3.
+    logits = torch.tensor([[0.0, math.log(2), math.log(5)], [0.0, 0.0, 0.0]])
+    expected = (math.log(8) ** 2 + math.log(3) ** 2) / 2
+    assert router_z_loss(logits).item() == pytest.approx(expected, rel=1e-6)
+    assert router_z_loss(logits, torch.tensor([False, True])).item() == pytest.approx(math.log(3) ** 2, rel=1e-6)
+    tc = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=3, z_coef=0.5)))
+    aux = tc(logits[None]).aux
+    assert aux.losses["z_loss"].item() == pytest.approx(expected, rel=1e-6)
+    assert aux.coefs["z_loss"] == 0.5
+    ec = identity_router(ExpertChoiceRouter(ExpertChoiceConfig(d_model=3, num_experts=3)))
+    assert ec(logits[None]).aux.losses["z_loss"].item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_aux_total_is_weighted_sum():
+    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=3, balance_coef=0.1,
+                                                                 z_coef=0.01)))
+    logits = torch.tensor(PROBS).log()
+    aux = router(logits[None]).aux
+    z = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits.tolist()) / 4
+    assert aux.total().item() == pytest.approx(0.1 * 1.040625 + 0.01 * z, rel=1e-5)
+
+
+def test_router_gradients_reach_the_router_weight():
+    router = TokenChoiceRouter(TokenChoiceConfig(d_model=8, num_experts=4, top_k=2))
+    plan = router(torch.randn(2, 8, 8))
+    (plan.weight_A.sum() + plan.aux.total()).backward()
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
