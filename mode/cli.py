@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dense-steps", type=int, help="budget = this many steps of the dense model")
     p.add_argument("--only", nargs="+", help="train only these variants")
+    p.add_argument("--causal", default="predictor", choices=("predictor", "aux_bce"),
+                   help="causal routing method the learned MoD variants train for sampling")
     p.add_argument("--no-progress", action="store_true")
 
     args = parser.parse_args(argv)
@@ -25,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             run_compare(args.out, quick=args.quick, data=args.data, seed=args.seed, dense_steps=args.dense_steps,
-                        only=args.only, progress=not args.no_progress)
+                        only=args.only, progress=not args.no_progress, causal=args.causal)
         except ValueError as e:
             print(f"mode compare: error: {e}", file=sys.stderr)
             return 2

@@ -19,6 +19,7 @@ import torch
 from mode.data import Corpus, file_corpus, min_file_bytes, stdlib_corpus
 from mode.flops import forward_flops_per_token, train_flops_per_token
 from mode.model import LMConfig, alternate
+from mode.model.causal_eval import causal_eval
 from mode.train import Trainer, TrainConfig
 
 
@@ -40,15 +41,16 @@ def preset(quick: bool) -> ComparePreset:
     return ComparePreset(model, train, dense_steps=600, max_corpus_bytes=None)
 
 
-def variants(base: LMConfig) -> dict[str, LMConfig]:
-    """The six models, all of the same width and depth."""
+def variants(base: LMConfig, causal: str = "predictor") -> dict[str, LMConfig]:
+    """The six models, all of the same width and depth. Learned MoD routers also train the causal
+    method ``causal`` so they can sample (random routing has nothing to predict)."""
     n = base.n_layers
     return {
         "dense": replace(base, layers=("dense",) * n),
-        "mod": replace(base, layers=alternate(n, "dense", "mod")),
-        "mod_random": replace(base, layers=alternate(n, "dense", "mod_random")),
+        "mod": replace(base, layers=alternate(n, "dense", "mod"), causal=causal),
+        "mod_random": replace(base, layers=alternate(n, "dense", "mod_random"), causal="none"),
         "moe": replace(base, layers=("moe",) * n),
-        "staged_mode": replace(base, layers=alternate(n, "moe", "staged")),
+        "staged_mode": replace(base, layers=alternate(n, "moe", "staged"), causal=causal),
         "integrated_mode": replace(base, layers=("integrated",) * n, num_noop=base.num_experts),
     }
 
@@ -59,7 +61,8 @@ def _routing_summary(history: list[dict]) -> dict:
 
 
 def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = None, seed: int = 0,
-                dense_steps: int | None = None, only: list[str] | None = None, progress: bool = True) -> dict:
+                dense_steps: int | None = None, only: list[str] | None = None, progress: bool = True,
+                causal: str = "predictor") -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     p = preset(quick)
@@ -68,7 +71,7 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
     corpus: Corpus = (file_corpus(data, min_file_bytes(base.seq_len)) if data
                       else stdlib_corpus(max_bytes=p.max_corpus_bytes))
     tokens_per_step = p.train.batch_size * base.seq_len
-    models = variants(base)
+    models = variants(base, causal)
     budget = steps_dense * train_flops_per_token(models["dense"]) * tokens_per_step
     dense_fwd = forward_flops_per_token(models["dense"])
     results = {}
@@ -88,6 +91,7 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
             "fwd_flops_per_token": forward_flops_per_token(cfg), "wall_s": wall,
             "tok_s": trainer.tokens / trainer.wall, "curve": [(r["flops"], r["val_loss"]) for r in vals],
             "routing": _routing_summary(history),
+            "causal": causal_eval(trainer.model, trainer.val_batches) if cfg.causal != "none" else None,
         }
     for r in results.values():
         if "dense" in results:
@@ -107,13 +111,19 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
 
 def format_table(results: dict) -> str:
     head = (f"{'variant':<16}{'val loss':>9}{'vs dense':>9}{'fwd FLOP/tok':>14}{'vs dense':>9}{'params':>10}"
-            f"{'steps':>7}{'wall s':>8}{'tok/s':>8}")
+            f"{'steps':>7}{'wall s':>8}{'tok/s':>8}{'causal acc':>11}{'routed':>8}{'AR gap':>8}")
     lines = [head, "-" * len(head)]
     for name, r in results.items():
         lines.append(f"{name:<16}{r['val_loss']:>9.4f}{r.get('loss_ratio', float('nan')):>9.4f}"
                      f"{r['fwd_flops_per_token']:>14.3e}{r['flop_ratio']:>9.3f}{r['params']:>10,}"
-                     f"{r['steps']:>7}{r['wall_s']:>8.1f}{r['tok_s']:>8,.0f}")
+                     f"{r['steps']:>7}{r['wall_s']:>8.1f}{r['tok_s']:>8,.0f}" + _causal_cells(r.get("causal")))
     return "\n".join(lines)
+
+
+def _causal_cells(c: dict | None) -> str:
+    if not c:
+        return f"{'-':>11}{'-':>8}{'-':>8}"
+    return f"{c['causal_accuracy']:>11.1%}{c['routed_fraction']:>8.1%}{c['ar_gap']:>+8.2%}"
 
 
 def plot_curves(results: dict, path: Path) -> None:

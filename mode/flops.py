@@ -66,13 +66,14 @@ def layer_flops(cfg: LMConfig, kind: str, seq_len: int, assignments: float | Non
     exp_tok = mlp_flops_per_token(d, cfg.expert_hidden or cfg.d_hidden, cfg.activation)
     if kind == "dense":
         return LayerFlops(kind, attention_flops(s, d), s * mlp_tok, 0.0)
+    mod_router = 2 * s * d + (2 * s * (d + 1) * cfg.predictor_hidden if cfg.causal == "predictor" else 0)
     if kind in ("mod", "mod_random"):
-        return LayerFlops(kind, attention_flops(c, d), c * mlp_tok, 2 * s * d)
+        return LayerFlops(kind, attention_flops(c, d), c * mlp_tok, mod_router)
     n = c if kind == "staged" else s
     with_noop = kind == "integrated"
     slots = cfg.num_experts + (cfg.num_noop if with_noop else 0)
     a = _moe_assignments_nominal(cfg, n, with_noop) if assignments is None else assignments
-    router = 2 * n * d * slots + (2 * s * d if kind == "staged" else 0)
+    router = 2 * n * d * slots + (mod_router if kind == "staged" else 0)
     return LayerFlops(kind, attention_flops(n, d), a * exp_tok, router)
 
 

@@ -180,7 +180,8 @@ class ExpertParallelDispatcher:
             x_RD = x_recv_RD.index_select(0, order_R)
         counts_L = recv_counts_PL.sum(0)
 
-        self.last_dispatch = _exchange_stats(send_splits, recv_splits, self.rank, x_TD.shape[-1] * x_TD.element_size())
+        row_bytes = x_TD.shape[-1] * x_TD.element_size()
+        self.last_dispatch = _exchange_stats(send_splits, recv_splits, self.rank, row_bytes)
         return x_RD, counts_L, _EPState(send_splits, recv_splits, order_R)
 
     def combine(self, y_RD: Tensor, plan: RoutingPlan, state: _EPState) -> Tensor:
@@ -188,18 +189,18 @@ class ExpertParallelDispatcher:
         if state.order_R is not None:
             inverse_R = torch.empty_like(state.order_R)
             inverse_R[state.order_R] = torch.arange(state.order_R.numel(), device=state.order_R.device)
-            y_recv_RD = y_RD.index_select(0, state.order_R)  # back to source-major order
+            y_recv_RD = y_RD.index_select(0, inverse_R)  # back to source-major order
         y_AD = all_to_all_rows(y_recv_RD, state.send_splits, state.recv_splits, self.group)
         self.last_combine = _exchange_stats(state.recv_splits, state.send_splits, self.rank,
                                             y_RD.shape[-1] * y_RD.element_size())
         return scatter_weighted(y_AD, plan)  # gates applied on the token's own rank
 
-    # -- building the local shard ----------------------------------------------------------------------
-
     @property
     def last_sent_bytes(self) -> int:
         """Bytes the latest dispatch sent to other ranks (0 before the first call)."""
         return 0 if self.last_dispatch is None else self.last_dispatch.sent_bytes
+
+    # -- building the local shard ----------------------------------------------------------------------
 
     def shard_experts(self, full: ExpertBank) -> ExpertBank:
         """This rank's shard of a single-process bank over all ``num_experts`` experts."""

@@ -1,9 +1,11 @@
-"""Causal self-attention with RoPE at explicit positions.
+"""Causal self-attention with RoPE at explicit positions, optionally over a KV cache.
 
-Shape legend: B batch, S tokens, D hidden, H heads, K head dim (D = H * K).
+Shape legend: B batch, S tokens, D hidden, H heads, K head dim (D = H * K), L cached tokens.
 
-Causality is by position: query i may attend to key j when ``pos[j] <= pos[i]``. For tokens given in
-increasing position order (every routed subset is) that is the usual lower-triangular mask.
+Tokens come in increasing position order (every routed subset does), so causality is the usual
+lower-triangular mask over the token index. ``mask_BS`` hides padding / unused slots as keys (they sit
+after the real tokens of their row); every query still sees itself so no softmax row is empty. With a
+cache, queries also see all of their row's cached tokens, which are all earlier.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
+from mode.layers.kv_cache import RowView
 from mode.layers.rope import apply_rope, rope_angles
 
 
@@ -27,15 +30,23 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
 
-    def forward(self, x_BSD: Tensor, positions_BS: Tensor, mask_BS: Tensor | None = None) -> Tensor:
+    def forward(self, x_BSD: Tensor, positions_BS: Tensor, mask_BS: Tensor | None = None,
+                cache: RowView | None = None) -> Tensor:
         B, S, D = x_BSD.shape
         q, k, v = self.qkv(x_BSD).view(B, S, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         cos, sin = rope_angles(positions_BS, self.head_dim, self.rope_base)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if mask_BS is None:
+        if cache is not None:
+            k_all, v_all, key_mask_BL = cache.extend(k, v, mask_BS)
+            L = k_all.shape[2]
+            idx_q = torch.arange(S, device=x_BSD.device) + (L - S)  # the new tokens are the last S keys
+            allowed = torch.arange(L, device=x_BSD.device)[None, :] <= idx_q[:, None]
+            allowed_BSL = allowed[None] & key_mask_BL[:, None, :]
+            allowed_BSL[:, :, L - S:] |= torch.eye(S, dtype=torch.bool, device=x_BSD.device)
+            o_BHSK = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed_BSL[:, None])
+        elif mask_BS is None:
             o_BHSK = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            # Padded keys are hidden; every query still sees itself so no row is empty (no NaN).
             allowed_BSS = torch.tril(torch.ones(S, S, dtype=torch.bool, device=x_BSD.device)) & mask_BS[:, None, :]
             allowed_BSS |= torch.eye(S, dtype=torch.bool, device=x_BSD.device)
             o_BHSK = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_BSS[:, None])

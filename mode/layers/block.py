@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from mode.layers.attention import CausalSelfAttention
+from mode.layers.kv_cache import RowView
 from mode.routing.plan import Aux
 
 
@@ -26,10 +27,11 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = nn.RMSNorm(d_model, eps=norm_eps)
         self.mlp = mlp  # (x_BSD, mask_BS) -> (y_BSD, Aux)
 
-    def forward(self, x_BSD: Tensor, positions_BS: Tensor | None = None,
-                mask_BS: Tensor | None = None) -> tuple[Tensor, Aux]:
+    def forward(self, x_BSD: Tensor, positions_BS: Tensor | None = None, mask_BS: Tensor | None = None,
+                cache: RowView | None = None) -> tuple[Tensor, Aux]:
+        """``cache``: attend to and append to these rows' KV cache (generation)."""
         if positions_BS is None:
             positions_BS = torch.arange(x_BSD.shape[1], device=x_BSD.device).expand(x_BSD.shape[0], -1)
-        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, mask_BS)
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, mask_BS, cache)
         m_BSD, mlp_aux = self.mlp(self.mlp_norm(h_BSD), mask_BS)
         return h_BSD + m_BSD, Aux().merge(mlp_aux, "moe.")

@@ -39,6 +39,9 @@ class LMConfig:
     # MoD ("mod", "mod_random", "staged")
     capacity: float = 0.125
     mod_gate: str = "raw"
+    causal: str = "none"  # causal routing for sampling: "none", "predictor" or "aux_bce" (MoDRouter)
+    causal_coef: float = 0.1
+    predictor_hidden: int = 64
     # MoE ("moe", "staged", "integrated")
     num_experts: int = 8
     expert_hidden: int | None = None  # None: d_hidden
@@ -78,7 +81,9 @@ class LMConfig:
         return any(k in ("moe", "staged", "integrated") for k in self.layers)
 
     def mod_config(self, selection: str) -> MoDRouterConfig:
-        return MoDRouterConfig(d_model=self.d_model, capacity=self.capacity, gate=self.mod_gate, selection=selection)
+        return MoDRouterConfig(d_model=self.d_model, capacity=self.capacity, gate=self.mod_gate, selection=selection,
+                               causal=self.causal, causal_coef=self.causal_coef,
+                               predictor_hidden=self.predictor_hidden)
 
     def moe_config(self, with_noop: bool) -> MoEConfig:
         return MoEConfig(

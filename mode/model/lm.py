@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from mode import _checks
 from mode.experts.bank import ExpertBank
 from mode.layers.block import TransformerBlock
+from mode.layers.kv_cache import KVCache
 from mode.layers.mlp import MLP
 from mode.layers.mod import MoD, StagedMoDE
 from mode.layers.moe import IntegratedMoDE, MoELayer
@@ -57,6 +58,7 @@ class LM(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(build_layer(cfg, kind) for kind in cfg.layers)
+        self.routed = [isinstance(layer, MoD) for layer in self.layers]  # MoD layers take causal=/a KVCache
         self.norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_weights()
@@ -77,19 +79,44 @@ class LM(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if exclude_embeddings else n
 
-    def forward(self, idx_BS: Tensor, targets_BS: Tensor | None = None) -> LMOutput:
+    def forward(self, idx_BS: Tensor, targets_BS: Tensor | None = None, *, mask_BS: Tensor | None = None,
+                positions_BS: Tensor | None = None, caches: list[KVCache] | None = None,
+                causal_routing: bool = False) -> LMOutput:
+        """Logits for ``idx_BS``; ``targets_BS`` adds the mean cross-entropy (positions where
+        ``mask_BS`` is False are ignored).
+
+        ``causal_routing``: MoD layers route each token by its causal decision instead of the top-C of the
+        sequence (sampling, and evaluating what sampling sees). ``caches``/``positions_BS``: continue from
+        the state in ``caches`` (one ``KVCache`` per layer; see ``mode.model.generate``).
+        """
         if not isinstance(idx_BS, Tensor) or idx_BS.dtype != torch.long or idx_BS.dim() != 2:
             raise TypeError(f"idx: must be a (B, S) torch.long tensor of token ids, got "
                             f"{getattr(idx_BS, 'dtype', type(idx_BS).__name__)} {tuple(getattr(idx_BS, 'shape', ()))}")
-        if idx_BS.shape[1] > self.cfg.seq_len:
+        if caches is None and idx_BS.shape[1] > self.cfg.seq_len:
             raise ValueError(f"idx.shape[1]={idx_BS.shape[1]}: must be <= seq_len={self.cfg.seq_len}")
+        B, S = idx_BS.shape
+        if positions_BS is None:
+            positions_BS = torch.arange(S, device=idx_BS.device).expand(B, S)
         x_BSD = self.embed(idx_BS)
         aux = Aux()
         for i, layer in enumerate(self.layers):
-            x_BSD, layer_aux = layer(x_BSD)
+            cache = None if caches is None else caches[i]
+            if self.routed[i]:
+                x_BSD, layer_aux = layer(x_BSD, mask_BS, positions_BS=positions_BS, cache=cache,
+                                         causal=causal_routing)
+            else:
+                x_BSD, layer_aux = layer(x_BSD, positions_BS, mask_BS,
+                                         cache=None if cache is None else cache.all_rows())
             aux.merge(layer_aux, f"layers.{i}.")
         logits_BSV = self.head(self.norm(x_BSD))
         loss = None
         if targets_BS is not None:
-            loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
+            targets = targets_BS if mask_BS is None else targets_BS.masked_fill(~mask_BS, -100)
+            loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets.reshape(-1))
         return LMOutput(logits_BSV, loss, aux)
+
+    def new_caches(self, batch: int, capacity: int) -> list[KVCache]:
+        """One empty KV cache per layer for ``batch`` sequences of up to ``capacity`` tokens."""
+        p = self.embed.weight
+        return [KVCache(batch, self.cfg.n_heads, capacity, self.cfg.d_model // self.cfg.n_heads, p.dtype, p.device)
+                for _ in self.layers]

@@ -1,4 +1,4 @@
-"""Mixture-of-Depths top-k router: the top ``C`` tokens of each sequence go through the block.
+"""Mixture-of-Depths router: the top ``C`` tokens of each sequence go through the block.
 
 Shape legend
     B batch   S sequence   D hidden   C = max(1, floor(capacity * S)) routed tokens per sequence
@@ -9,6 +9,12 @@ multiplied by it, which is what puts the router on the gradient path. Selection 
 top-C, so exactly C tokens are routed even when scores tie; routed tokens are kept in their original
 order. Padded positions (``mask == False``) score -inf and are only picked when a sequence has fewer
 than C real tokens, in which case the slot is marked invalid and makes no update.
+
+Causal routing (paper sec. 3.5). Top-C looks at future tokens, so sampling needs a per-token decision:
+    "predictor": a small MLP on a stop-gradient copy of the router input predicts "in the top-C" (BCE)
+    "aux_bce":   a BCE loss on the router logits themselves teaches r > 0 <=> in the top-C
+With ``causal=True`` a token is routed when its decision logit is > 0 (sigmoid > 0.5); each sequence
+routes its own number of tokens, packed into C = max count slots per row (``valid_A`` marks real ones).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
@@ -24,6 +31,7 @@ from mode.routing.plan import Aux, RoutingPlan, RoutingStats
 
 GATES = ("raw", "sigmoid", "one")
 SELECTIONS = ("learned", "random")
+CAUSAL_METHODS = ("none", "predictor", "aux_bce")
 
 
 @dataclass
@@ -32,6 +40,9 @@ class MoDRouterConfig:
     capacity: float = 0.125  # fraction of each sequence routed through the block
     gate: str = "raw"  # "raw": r (paper); "sigmoid": sigmoid(r); "one": 1 (no router gradient; ablations)
     selection: str = "learned"  # "random": uniformly random top-C (the paper's stochastic-routing control)
+    causal: str = "none"  # how sampling decides causally: "predictor" or "aux_bce" (see module doc)
+    causal_coef: float = 0.1  # weight of the causal BCE loss
+    predictor_hidden: int = 64
     check_finite: bool = True
 
     def __post_init__(self) -> None:
@@ -39,6 +50,9 @@ class MoDRouterConfig:
         _checks.check_fraction("capacity", self.capacity)
         _checks.check_choice("gate", self.gate, GATES)
         _checks.check_choice("selection", self.selection, SELECTIONS)
+        _checks.check_choice("causal", self.causal, CAUSAL_METHODS)
+        _checks.check_non_negative("causal_coef", self.causal_coef)
+        _checks.check_int("predictor_hidden", self.predictor_hidden)
 
 
 class MoDRouter(nn.Module):
@@ -47,6 +61,10 @@ class MoDRouter(nn.Module):
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.d_model))
         nn.init.normal_(self.weight, std=cfg.d_model**-0.5)
+        self.predictor = None
+        if cfg.causal == "predictor":
+            self.predictor = nn.Sequential(nn.Linear(cfg.d_model, cfg.predictor_hidden), nn.SiLU(),
+                                           nn.Linear(cfg.predictor_hidden, 1))
 
     def seq_capacity(self, seq_len: int) -> int:
         return max(1, math.floor(self.cfg.capacity * seq_len))
@@ -55,43 +73,77 @@ class MoDRouter(nn.Module):
         """Raw router logits ``r_BS = x . w`` in float32."""
         return x_BSD.float() @ self.weight.float()
 
-    def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> RoutingPlan:
+    def decision_logits(self, x_BSD: Tensor, r_BS: Tensor) -> Tensor:
+        """Causal per-token logits: > 0 means "route". The predictor never sends gradient into x."""
+        if self.predictor is not None:
+            x_in = x_BSD.detach().to(self.predictor[0].weight.dtype)
+            return self.predictor(x_in).squeeze(-1).float()
+        return r_BS
+
+    def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, causal: bool = False) -> RoutingPlan:
         _checks.check_hidden("x", x_BSD, self.cfg.d_model)
         _checks.check_mask("mask", mask_BS, x_BSD.shape[:2])
-        B, S, _ = x_BSD.shape
-        C = self.seq_capacity(S)
+        if causal and self.cfg.causal == "none":
+            raise ValueError("causal=True: this MoD router was built with causal='none'; build it with "
+                             "causal='predictor' or 'aux_bce' to route causally")
         r_BS = self.scores(x_BSD)
         if self.cfg.check_finite:
             _checks.check_finite_logits("MoDRouter", r_BS)
+        if causal:
+            routed_BS = self.decision_logits(x_BSD, r_BS) > 0
+            if mask_BS is not None:
+                routed_BS &= mask_BS
+            pos_BC = pack_routed(routed_BS)
+            return self.plan_from_positions(r_BS, pos_BC, routed_BS.gather(1, pos_BC), mask_BS)
+
+        C = self.seq_capacity(x_BSD.shape[1])
         # Random selection draws from the global torch RNG, so seeded runs stay reproducible.
         select_BS = r_BS.detach() if self.cfg.selection == "learned" else torch.rand_like(r_BS)
         if mask_BS is not None:
             select_BS = select_BS.masked_fill(~mask_BS, float("-inf"))
         pos_BC = select_BS.topk(C, dim=1, sorted=False).indices.sort(dim=1).values  # original order
-        return self.plan_from_positions(r_BS, pos_BC, mask_BS)
+        valid_BC = None if mask_BS is None else mask_BS.gather(1, pos_BC)
+        plan = self.plan_from_positions(r_BS, pos_BC, valid_BC, mask_BS)
+        if self.cfg.causal != "none":
+            self._add_causal_loss(plan, x_BSD, r_BS, pos_BC, mask_BS)
+        return plan
 
-    def plan_from_positions(self, r_BS: Tensor, pos_BC: Tensor, mask_BS: Tensor | None) -> RoutingPlan:
-        """Build the plan for routed positions ``pos_BC`` (sorted per row) given router logits."""
+    def _add_causal_loss(self, plan: RoutingPlan, x_BSD: Tensor, r_BS: Tensor, pos_BC: Tensor,
+                         mask_BS: Tensor | None) -> None:
+        """BCE teaching the causal decision logit to predict top-C membership (the training target)."""
+        target_BS = torch.zeros_like(r_BS).scatter_(1, pos_BC, 1.0)
+        logit_BS = self.decision_logits(x_BSD, r_BS)
+        weight_BS = None if mask_BS is None else mask_BS.float()
+        loss = F.binary_cross_entropy_with_logits(logit_BS, target_BS, weight=weight_BS, reduction="sum")
+        n_real = plan.aux.stats["router"].tokens
+        plan.aux.add_loss("causal_bce", loss / n_real.clamp_min(1), self.cfg.causal_coef)
+        agree_BS = ((logit_BS.detach() > 0) == (target_BS > 0)).float()
+        if weight_BS is not None:
+            agree_BS = agree_BS * weight_BS
+        plan.aux.stats["router"].causal_accuracy = agree_BS.sum() / n_real.clamp_min(1)
+
+    def plan_from_positions(self, r_BS: Tensor, pos_BC: Tensor, valid_BC: Tensor | None,
+                            mask_BS: Tensor | None) -> RoutingPlan:
+        """The plan for routed slots ``pos_BC`` (real slots first in each row, in position order)."""
         B, S = r_BS.shape
         C = pos_BC.shape[1]
         dev = r_BS.device
         token_A = (pos_BC + torch.arange(B, device=dev)[:, None] * S).reshape(-1)
         r_A = r_BS.gather(1, pos_BC).reshape(-1)
         weight_A = {"raw": r_A, "sigmoid": r_A.sigmoid(), "one": torch.ones_like(r_A)}[self.cfg.gate]
-        valid_A = None if mask_BS is None else mask_BS.gather(1, pos_BC).reshape(-1)
+        valid_A = None if valid_BC is None else valid_BC.reshape(-1)
 
         T = B * S
-        routed = float(B * C) if valid_A is None else valid_A.sum().float()
         tokens = torch.tensor(float(T), device=dev) if mask_BS is None else mask_BS.sum().float()
+        routed = torch.tensor(float(B * C), device=dev) if valid_A is None else valid_A.sum().float()
         compute_T = torch.zeros(T, device=dev)
         compute_T[token_A] = 1.0 if valid_A is None else valid_A.float()
-        routed_t = torch.as_tensor(routed, device=dev)
         aux = Aux()
         aux.stats["router"] = RoutingStats(
-            kept_E=routed_t.reshape(1),
-            requested_X=torch.stack([routed_t, tokens - routed_t]),  # [block, skip]: skipping is the no-op
+            kept_E=routed.reshape(1),
+            requested_X=torch.stack([routed, tokens - routed]),  # [block, skip]: skipping is the no-op
             dropped=torch.zeros((), device=dev),
-            noop=tokens - routed_t,
+            noop=tokens - routed,
             tokens=tokens,
             compute_T=compute_T,
             entropy=None,
@@ -100,3 +152,13 @@ class MoDRouter(nn.Module):
         counts_E = torch.tensor([B * C], device=dev)
         return RoutingPlan(token_idx_A=token_A, expert_idx_A=torch.zeros_like(token_A), weight_A=weight_A,
                            counts_E=counts_E, num_tokens=T, aux=aux, seq_capacity=C, valid_A=valid_A)
+
+
+def pack_routed(routed_BS: Tensor) -> Tensor:
+    """Positions ``pos_BC`` with C = the largest routed count: each row lists its routed positions in
+    increasing order, then fills up with unrouted positions (distinct, so scatters never collide)."""
+    B, S = routed_BS.shape
+    C = int(routed_BS.sum(1).max())  # host sync: the packed width depends on the decisions
+    descending_pos_S = torch.arange(S - 1, -1, -1, device=routed_BS.device, dtype=torch.float32)
+    key_BS = routed_BS.float() * S + descending_pos_S  # routed first; earlier positions first in each group
+    return key_BS.topk(C, dim=1).indices

@@ -40,6 +40,8 @@ class RoutingStats:
     ``compute_T``    real-expert assignments each token received (0 = the token skipped the layer)
     ``entropy``      mean entropy (nats) of the router's distribution over expert slots, None for MoD
     ``batch_shape``  (B, S) of the routed input, to view ``compute_T`` by position
+    ``causal_accuracy``  MoD with a causal method: how often the causal decision (logit > 0) agrees with
+                     the top-k decision on real tokens; None otherwise
     """
 
     kept_E: Tensor
@@ -50,6 +52,7 @@ class RoutingStats:
     compute_T: Tensor
     entropy: Tensor | None
     batch_shape: tuple[int, int]
+    causal_accuracy: Tensor | None = None
 
     @property
     def num_experts(self) -> int:

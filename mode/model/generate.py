@@ -1,0 +1,100 @@
+"""Autoregressive sampling with causal routing and per-layer KV caches.
+
+Shape legend: B batch (prompts), P longest prompt, V vocabulary.
+
+Prefill runs the right-padded prompts once; then each step feeds one token per sequence at its true
+position. At a MoD layer a token goes through the block only when its causal decision says so, and only
+then does it attend to (and extend) that layer's cache, so each layer's cache holds exactly the tokens
+routed through it and sequences in a batch fill their caches at different rates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from mode import _checks
+from mode.model.lm import LM
+
+
+def _check_generatable(model: LM) -> bool:
+    """Returns whether MoD layers need causal routing; raises for layers that cannot sample causally."""
+    if model.cfg.uses_moe and model.cfg.router == "expert_choice":
+        raise ValueError("router='expert_choice': expert-choice routing picks tokens across the sequence and "
+                         "is not causal; generate() needs token-choice MoE layers")
+    needs_causal = any(model.routed)
+    if needs_causal and model.cfg.causal == "none":
+        raise ValueError("causal='none': this model's MoD layers use non-causal top-k routing and cannot sample; "
+                         "train it with causal='predictor' or 'aux_bce'")
+    return needs_causal
+
+
+def sample_next(logits_BV: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
+    if temperature == 0:
+        return logits_BV.argmax(-1)
+    logits_BV = logits_BV.float() / temperature
+    if top_k is not None:
+        kth = logits_BV.topk(min(top_k, logits_BV.shape[-1]), dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
+    return torch.multinomial(logits_BV.softmax(-1), 1, generator=generator).squeeze(1)
+
+
+@torch.no_grad()
+def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[Tensor, list, Tensor]:
+    """Run the prompts; returns (last-token logits_BV, caches, next positions_B)."""
+    causal = _check_generatable(model)
+    B = len(prompts)
+    lens_B = torch.tensor([len(p) for p in prompts])
+    if B == 0 or int(lens_B.min()) == 0:
+        raise ValueError("prompts: must be a non-empty list of non-empty token lists")
+    P = int(lens_B.max())
+    idx_BP = torch.zeros(B, P, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        idx_BP[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+    mask_BP = torch.arange(P)[None, :] < lens_B[:, None]
+    device = model.embed.weight.device
+    caches = model.new_caches(B, capacity)
+    out = model(idx_BP.to(device), mask_BS=mask_BP.to(device) if int(lens_B.min()) < P else None,
+                caches=caches, causal_routing=causal)
+    logits_BV = out.logits_BSV[torch.arange(B), lens_B - 1]
+    return logits_BV, caches, lens_B.to(device)
+
+
+@torch.no_grad()
+def decode_step(model: LM, tokens_B: Tensor, positions_B: Tensor, caches: list) -> Tensor:
+    """Feed one token per sequence at ``positions_B``; returns next-token logits_BV."""
+    out = model(tokens_B[:, None], positions_BS=positions_B[:, None], caches=caches,
+                causal_routing=any(model.routed))
+    return out.logits_BSV[:, -1]
+
+
+@torch.no_grad()
+def generate(model: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, eos_id: int | None = None, seed: int | None = None) -> list[list[int]]:
+    """Sample continuations (token ids, prompt excluded) for a batch of prompts."""
+    _checks.check_int("max_new_tokens", max_new_tokens)
+    _checks.check_non_negative("temperature", temperature)
+    if top_k is not None:
+        _checks.check_int("top_k", top_k)
+    generator = None if seed is None else torch.Generator(device=model.embed.weight.device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    capacity = max(len(p) for p in prompts) + max_new_tokens
+    logits_BV, caches, pos_B = prefill(model, prompts, capacity)
+    B = len(prompts)
+    out: list[list[int]] = [[] for _ in range(B)]
+    done_B = torch.zeros(B, dtype=torch.bool, device=pos_B.device)
+    for step in range(max_new_tokens):
+        next_B = sample_next(logits_BV, temperature, top_k, generator)
+        for b in (~done_B).nonzero().squeeze(1).tolist():
+            out[b].append(int(next_B[b]))
+        if eos_id is not None:
+            done_B |= next_B == eos_id
+        if bool(done_B.all()) or step == max_new_tokens - 1:
+            break
+        logits_BV = decode_step(model, next_B, pos_B, caches)
+        pos_B = pos_B + 1
+    model.train(was_training)
+    return out
