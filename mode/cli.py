@@ -21,6 +21,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="causal routing method the learned MoD variants train for sampling")
     p.add_argument("--no-progress", action="store_true")
 
+    p = sub.add_parser("sample", help="generate text from a checkpoint (causal routing, KV cache)")
+    p.add_argument("checkpoint", help="a ckpt.pt written by training (e.g. runs/compare/mod/ckpt.pt)")
+    p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); default: 'def '")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
     args = parser.parse_args(argv)
     if args.command == "compare":
         from mode.compare import run_compare
@@ -31,6 +39,27 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"mode compare: error: {e}", file=sys.stderr)
             return 2
+    elif args.command == "sample":
+        return _sample(args)
+    return 0
+
+
+def _sample(args) -> int:
+    from mode.data import decode, encode
+    from mode.model.generate import generate
+    from mode.train import load_model
+
+    try:
+        model, _ = load_model(args.checkpoint)
+        prompts = args.prompt or ["def "]
+        outs = generate(model, [encode(p).tolist() for p in prompts], args.max_new_tokens,
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"mode sample: error: {e}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(prompts, outs):
+        print(f"--- prompt: {prompt!r}")
+        print(prompt + decode(out))
     return 0
 
 

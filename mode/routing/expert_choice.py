@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from mode import _checks
 from mode.routing.losses import router_z_loss
-from mode.routing.plan import Aux, RoutingPlan, RoutingStats, entropy_of, group_by_expert
+from mode.routing.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert
 
 
 @dataclass
@@ -97,7 +97,7 @@ class ExpertChoiceRouter(nn.Module):
             dropped=torch.zeros((), device=dev),
             noop=requested_X[E:].sum(),
             tokens=torch.tensor(float(T), device=dev) if valid_T is None else valid_T.sum().float(),
-            compute_T=torch.bincount(token_A, minlength=T).float(),
+            compute_T=count_per(token_A, T).float(),
             entropy=entropy_of(probs_BSX.detach().reshape(T, X), valid_T),
             batch_shape=(B, S),
         )

@@ -128,8 +128,16 @@ def group_by_expert(
     key_A = expert_idx_A * num_tokens + token_idx_A
     order_A = torch.argsort(key_A)
     expert_sorted_A = expert_idx_A[order_A]
-    counts_E = torch.bincount(expert_sorted_A, minlength=num_experts)
+    counts_E = count_per(expert_sorted_A, num_experts)
     return token_idx_A[order_A], expert_sorted_A, weight_A[order_A], counts_E
+
+
+def count_per(index_A: Tensor, size: int, weight_A: Tensor | None = None) -> Tensor:
+    """How often each value in ``[0, size)`` occurs in ``index_A`` (int64; ``weight_A`` counts an entry
+    ``weight`` times). A bincount whose output shape never depends on the data, so torch.compile can
+    trace it without a graph break."""
+    ones_A = torch.ones_like(index_A) if weight_A is None else weight_A.to(torch.int64)
+    return torch.zeros(size, dtype=torch.int64, device=index_A.device).index_add_(0, index_A, ones_A)
 
 
 def entropy_of(probs_TX: Tensor, valid_T: Tensor | None) -> Tensor:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from mode import _checks
 from mode.routing.losses import load_balancing_loss, router_z_loss
-from mode.routing.plan import Aux, RoutingPlan, RoutingStats, entropy_of, group_by_expert
+from mode.routing.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert
 
 GATES = ("softmax", "sigmoid")
 
@@ -103,7 +103,7 @@ class TokenChoiceRouter(nn.Module):
         token_A = torch.arange(T, device=x_BSD.device).repeat(K)
         gate_A = gate_TK.t().reshape(-1)
         valid_A = torch.ones_like(slot_A, dtype=torch.bool) if valid_T is None else valid_T[token_A]
-        requested_X = torch.bincount(slot_A[valid_A], minlength=self.num_slots)
+        requested_X = count_per(slot_A, self.num_slots, valid_A)
         keep = (valid_A & (slot_A < E)).nonzero().squeeze(1)  # host sync: the plan's size is data-dependent
         slot_A, token_A, gate_A = slot_A[keep], token_A[keep], gate_A[keep]
 
@@ -119,7 +119,7 @@ class TokenChoiceRouter(nn.Module):
             dropped=(real_requested - counts_E.sum()).float(),
             noop=requested_X[E:].sum().float(),
             tokens=torch.tensor(float(T), device=x_BSD.device) if valid_T is None else valid_T.sum().float(),
-            compute_T=torch.bincount(token_A, minlength=T).float(),
+            compute_T=count_per(token_A, T).float(),
             entropy=entropy_of(balance_probs_TX.detach(), valid_T),
             batch_shape=(B, S),
         )
@@ -132,7 +132,7 @@ def _apply_capacity(slot_A: Tensor, token_A: Tensor, gate_A: Tensor, num_experts
     n = slot_A.numel()
     pos_A = torch.arange(n, device=slot_A.device)
     order = torch.argsort(slot_A * n + pos_A)  # unique keys: grouped by expert, priority kept inside
-    counts_E = torch.bincount(slot_A, minlength=num_experts)
+    counts_E = count_per(slot_A, num_experts)
     start_E = torch.cumsum(counts_E, 0) - counts_E
     rank_sorted = pos_A - start_E[slot_A[order]]  # position of each assignment inside its expert
     keep = order[rank_sorted < cap]
