@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
 from benchmarks.common import fwd_bwd_step, machine_info, print_table, time_pair, write_json  # noqa: E402
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
 
-FULL = dict(tokens=4096, d_model=512, expert_hidden=2048, mod_batch=8, mod_seq=512, n_heads=8, warmup=1, repeats=5)
+FULL = dict(tokens=4096, d_model=512, expert_hidden=2048, mod_batch=8, mod_seq=512, n_heads=8, warmup=1, repeats=4)
 QUICK = dict(tokens=512, d_model=128, expert_hidden=512, mod_batch=2, mod_seq=256, n_heads=4, warmup=1, repeats=3)
 TOP_KS = (1, 2)
 NUM_EXPERTS = (8, 64)
@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="JSON path (default benchmarks/results/layers.json, or layers_quick.json with --quick)")
     p.add_argument("--repeats", type=int, default=None, help="timed pairs per case (after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="untimed pairs per case")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads(N) before timing (default: leave torch's default)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -130,6 +132,10 @@ def main(argv: list[str] | None = None) -> dict:
             cfg[key] = getattr(args, key)
     if cfg["repeats"] < 1:
         raise SystemExit(f"--repeats={cfg['repeats']}: must be >= 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads={args.threads}: must be >= 1")
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     out = args.out or str(ROOT / "benchmarks" / "results" / ("layers_quick.json" if args.quick else "layers.json"))
 
@@ -146,13 +152,16 @@ def main(argv: list[str] | None = None) -> dict:
         r["spread"] = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
     print()
     print_table(rows, [("case", "case", ""), ("backend", "backend", ""), ("ratio_median", "ratio", ".3f"),
-                       ("spread", "min-max", ""), ("flop_ratio", "FLOP ratio", ".3f"),
+                       ("spread", "min-max", ""), ("cpu_ratio_median", "CPU-time ratio", ".3f"),
+                       ("flop_ratio", "FLOP ratio", ".3f"),
                        ("candidate_ms", "cand ms", ".1f"), ("baseline_ms", "base ms", ".1f"),
                        ("load_max_over_mean", "load max/mean", ".2f")])
     payload = dict(
-        benchmark="bench_layers", command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        benchmark="bench_layers",
+        command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         config=cfg, device=str(device), dtype="float32", machine=info,
-        notes=("ratio = candidate / baseline time of forward+backward, median of interleaved pairs. "
+        notes=("ratio = candidate / baseline wall time of forward+backward, median of interleaved pairs; "
+               "cpu_ratio_median: the same with process CPU time (all threads). "
                "MoE: token-choice, dropless; baseline MLP hidden = top_k * expert_hidden (same active FLOPs). "
                "FLOPs: 2mkn per matmul, full S^2 attention scores/values, router 2*D per token (MoD) or "
                "2*D*E (MoE); flop_ratio_causal_half counts S^2/2 instead."),

@@ -64,27 +64,32 @@ def fwd_bwd_step(module: nn.Module, x: Tensor, grad_out: Tensor) -> Callable[[],
 
 def time_pair(candidate: Callable[[], None], baseline: Callable[[], None], *, warmup: int, repeats: int,
               device: torch.device) -> dict:
-    """Warm both up, then ``repeats`` interleaved pairs; returns medians (seconds) and the median ratio."""
+    """Warm both up, then ``repeats`` interleaved pairs; returns wall-clock medians (seconds), the median
+    of the per-pair wall-clock ratios, and the same ratio in process CPU time."""
 
-    def timed(fn: Callable[[], None]) -> float:
+    def timed(fn: Callable[[], None]) -> tuple[float, float]:
         sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         sync(device)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     for _ in range(warmup):
         candidate()
         baseline()
-    cand_s, base_s = [], []
+    cand, base = [], []
     for i in range(repeats):
         if i % 2 == 0:  # alternate the order so neither side always runs on a "warmer" machine
-            cand_s.append(timed(candidate))
-            base_s.append(timed(baseline))
+            cand.append(timed(candidate))
+            base.append(timed(baseline))
         else:
-            base_s.append(timed(baseline))
-            cand_s.append(timed(candidate))
+            base.append(timed(baseline))
+            cand.append(timed(candidate))
+    cand_s, base_s = [w for w, _ in cand], [w for w, _ in base]
     ratios = [c / b for c, b in zip(cand_s, base_s)]
+    # CPU time of this process (all its threads): less sensitive to being descheduled by other processes,
+    # but it also counts threads spin-waiting, so it is a second view, not a replacement for wall time.
+    cpu_ratios = [c / b for (_, c), (_, b) in zip(cand, base) if b > 0]
     return {
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
@@ -93,6 +98,9 @@ def time_pair(candidate: Callable[[], None], baseline: Callable[[], None], *, wa
         "baseline_s_median": statistics.median(base_s),
         "candidate_s": cand_s,
         "baseline_s": base_s,
+        "cpu_ratio_median": statistics.median(cpu_ratios) if cpu_ratios else None,
+        "candidate_cpu_s": [c for _, c in cand],
+        "baseline_cpu_s": [c for _, c in base],
     }
 
 

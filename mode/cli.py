@@ -1,4 +1,4 @@
-"""The `mode` command line: `mode compare` (more subcommands join as they land)."""
+"""The `mode` command line: `mode compare`, `mode sample`, `mode report` (more subcommands join as they land)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
 
+    p = sub.add_parser("report", help="load balance and per-token compute of a trained checkpoint: table, JSON, PNGs")
+    p.add_argument("checkpoint", help="a ckpt.pt written by training (e.g. runs/compare/mod/ckpt.pt)")
+    p.add_argument("--data", help="a UTF-8 text file whose validation split (last 10%%) is evaluated "
+                                  "(default: the validation split of the built-in corpus)")
+    p.add_argument("--out", help="output folder (default: <checkpoint folder>/report)")
+    p.add_argument("--batches", type=int, default=8, help="evaluation batches (default 8)")
+    p.add_argument("--batch-size", type=int, help="sequences per batch (default: the checkpoint's training batch)")
+    p.add_argument("--causal-routing", action="store_true",
+                   help="route MoD layers by their causal decision (what sampling sees) instead of top-C")
+    p.add_argument("--top", type=int, default=10, help="how many bytes / words with the most and least compute")
+
     args = parser.parse_args(argv)
     if args.command == "compare":
         from mode.compare import run_compare
@@ -41,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     elif args.command == "sample":
         return _sample(args)
+    elif args.command == "report":
+        return _report(args)
     return 0
 
 
@@ -60,6 +73,18 @@ def _sample(args) -> int:
     for prompt, out in zip(prompts, outs):
         print(f"--- prompt: {prompt!r}")
         print(prompt + decode(out))
+    return 0
+
+
+def _report(args) -> int:
+    from mode.report import run_report
+
+    try:
+        run_report(args.checkpoint, data=args.data, out=args.out, batches=args.batches, batch_size=args.batch_size,
+                   causal_routing=args.causal_routing, top=args.top)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"mode report: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from mode import _checks
 from mode.data import Corpus, file_corpus, min_file_bytes, stdlib_corpus
 from mode.flops import forward_flops_per_token, train_flops_per_token
 from mode.model import LMConfig, alternate
@@ -38,7 +39,7 @@ def preset(quick: bool) -> ComparePreset:
         return ComparePreset(model, train, dense_steps=150, max_corpus_bytes=3_000_000)
     model = LMConfig(seq_len=256, d_model=128, n_heads=4, d_hidden=512, layers=("dense",) * 6, num_experts=8)
     train = TrainConfig(batch_size=8, lr=3e-3, warmup_steps=50, eval_every=100, eval_batches=16, log_every=10)
-    return ComparePreset(model, train, dense_steps=600, max_corpus_bytes=None)
+    return ComparePreset(model, train, dense_steps=1200, max_corpus_bytes=None)
 
 
 def variants(base: LMConfig, causal: str = "predictor") -> dict[str, LMConfig]:
@@ -63,15 +64,20 @@ def _routing_summary(history: list[dict]) -> dict:
 def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = None, seed: int = 0,
                 dense_steps: int | None = None, only: list[str] | None = None, progress: bool = True,
                 causal: str = "predictor") -> dict:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     p = preset(quick)
     base = p.model
-    steps_dense = dense_steps or p.dense_steps
+    models = variants(base, causal)
+    if dense_steps is not None:
+        _checks.check_int("dense_steps", dense_steps)
+    unknown = [name for name in only or () if name not in models]
+    if unknown:  # a typo must not silently train nothing
+        raise ValueError(f"only={only!r}: unknown variant {unknown[0]!r}; must be among {', '.join(models)}")
+    steps_dense = p.dense_steps if dense_steps is None else dense_steps  # 0 is an error, not "the default"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     corpus: Corpus = (file_corpus(data, min_file_bytes(base.seq_len)) if data
                       else stdlib_corpus(max_bytes=p.max_corpus_bytes))
     tokens_per_step = p.train.batch_size * base.seq_len
-    models = variants(base, causal)
     budget = steps_dense * train_flops_per_token(models["dense"]) * tokens_per_step
     dense_fwd = forward_flops_per_token(models["dense"])
     results = {}
@@ -111,12 +117,14 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
 
 def format_table(results: dict) -> str:
     head = (f"{'variant':<16}{'val loss':>9}{'vs dense':>9}{'fwd FLOP/tok':>14}{'vs dense':>9}{'params':>10}"
-            f"{'steps':>7}{'wall s':>8}{'tok/s':>8}{'causal acc':>11}{'routed':>8}{'AR gap':>8}")
+            f"{'steps':>7}{'wall s':>8}{'tok/s':>8}{'causal acc':>11}{'routed':>8}{'AR gap':>8}"
+            f"{'max/mean':>9}{'dropped':>8}{'no-op':>7}{'blocks/tok':>11}")
     lines = [head, "-" * len(head)]
     for name, r in results.items():
         lines.append(f"{name:<16}{r['val_loss']:>9.4f}{r.get('loss_ratio', float('nan')):>9.4f}"
                      f"{r['fwd_flops_per_token']:>14.3e}{r['flop_ratio']:>9.3f}{r['params']:>10,}"
-                     f"{r['steps']:>7}{r['wall_s']:>8.1f}{r['tok_s']:>8,.0f}" + _causal_cells(r.get("causal")))
+                     f"{r['steps']:>7}{r['wall_s']:>8.1f}{r['tok_s']:>8,.0f}" + _causal_cells(r.get("causal"))
+                     + _routing_cells(r.get("routing")))
     return "\n".join(lines)
 
 
@@ -124,6 +132,18 @@ def _causal_cells(c: dict | None) -> str:
     if not c:
         return f"{'-':>11}{'-':>8}{'-':>8}"
     return f"{c['causal_accuracy']:>11.1%}{c['routed_fraction']:>8.1%}{c['ar_gap']:>+8.2%}"
+
+
+def _routing_cells(routing: dict | None) -> str:
+    """Load balance and compute from the last logged "routing" record (training batches; docs/reports.md)."""
+    o = (routing or {}).get("overall", {})
+
+    def cell(key: str, width: int, fmt: str) -> str:
+        v = o.get(key)
+        return f"{'-':>{width}}" if v is None else f"{v:>{width}{fmt}}"
+
+    return cell("max_mean", 9, ".2f") + cell("dropped_frac", 8, ".1%") + cell("noop_share", 7, ".1%") \
+        + cell("blocks_per_token", 11, ".2f")
 
 
 def plot_curves(results: dict, path: Path) -> None:

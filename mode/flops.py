@@ -123,6 +123,10 @@ def measured_flops(fn, *args, **kwargs) -> tuple[int, object]:
     custom = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops}
     if hasattr(torch.ops.aten, "_grouped_mm"):
         custom[torch.ops.aten._grouped_mm] = _grouped_mm_flops
+        import mode.experts.grouped_mm  # noqa: F401  (registers the mode::grouped_mm custom op)
+
+        if hasattr(torch.ops.mode, "grouped_mm"):  # the counter cannot see inside a custom op
+            custom[torch.ops.mode.grouped_mm] = _grouped_mm_flops
     with FlopCounterMode(display=False, custom_mapping=custom) as counter:
         result = fn(*args, **kwargs)
     return counter.get_total_flops(), result

@@ -19,6 +19,7 @@ from mode import _checks
 from mode.data import BatchSampler, Corpus, eval_batches
 from mode.flops import train_flops_per_token
 from mode.model import LM, LMConfig
+from mode.stats import RoutingAccumulator
 
 
 @dataclass
@@ -34,6 +35,7 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10
     ckpt_every: int = 0  # 0: checkpoint only at the end
+    stats_every: int | None = None  # log a routing-statistics record every this many steps; None: eval_every
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -41,6 +43,8 @@ class TrainConfig:
             _checks.check_int(name, getattr(self, name))
         _checks.check_int("warmup_steps", self.warmup_steps, min_value=0)
         _checks.check_int("ckpt_every", self.ckpt_every, min_value=0)
+        if self.stats_every is not None:
+            _checks.check_int("stats_every", self.stats_every)
         _checks.check_positive("lr", self.lr)
         _checks.check_fraction("min_lr_ratio", self.min_lr_ratio)
         _checks.check_non_negative("weight_decay", self.weight_decay)
@@ -87,6 +91,7 @@ class Trainer:
         self.val_batches = eval_batches(corpus.val, train_cfg.batch_size, model_cfg.seq_len, train_cfg.eval_batches)
         self.step, self.flops, self.tokens, self.wall = 0, 0.0, 0, 0.0
         self.history: list[dict] = []  # every logged record, also written to log.jsonl
+        self.routing = RoutingAccumulator()  # training-batch routing stats since the last "routing" record
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save(self, path: Path | None = None) -> Path:
@@ -96,6 +101,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(), "step": self.step, "flops": self.flops,
             "tokens": self.tokens, "wall": self.wall, "history": self.history,
             "sampler_rng": self.sampler.generator.get_state(), "torch_rng": torch.get_rng_state(),
+            "routing_acc": self.routing.state_dict(),
         }, path)
         return path
 
@@ -107,6 +113,7 @@ class Trainer:
         self.history = state["history"]
         self.sampler.generator.set_state(state["sampler_rng"])
         torch.set_rng_state(state["torch_rng"])
+        self.routing.load_state_dict(state.get("routing_acc", {}))
 
     def _log(self, record: dict) -> None:
         self.history.append(record)
@@ -120,6 +127,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         out = self.model(x_BS, y_BS)
+        self.routing.add_lm(self.model_cfg, out.aux, tuple(x_BS.shape))  # detached sums, no host sync
         (out.loss + out.aux.total()).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
@@ -148,6 +156,10 @@ class Trainer:
             if self.step % self.cfg.log_every == 0 or self.step == stop:
                 self._log({"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens, "flops": self.flops,
                            "wall": self.wall, "tok_s": self.tokens / self.wall})
+            stats_every = self.cfg.stats_every or self.cfg.eval_every
+            if self.routing and (self.step % stats_every == 0 or self.step == self.cfg.steps):
+                self._log({"step": self.step, "routing": self.routing.summary()})  # see docs/reports.md
+                self.routing.reset()
             if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps:
                 self._log({"step": self.step, "val_loss": evaluate(self.model, self.val_batches),
                            "tokens": self.tokens, "flops": self.flops, "wall": self.wall})

@@ -3,6 +3,10 @@
 import pytest
 import torch
 
+# Test tensors are tiny: one intra-op thread is faster than two fighting over the cores, and keeps
+# timing stable when several pytest or gloo worker processes share the machine.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def seed() -> int:

@@ -24,6 +24,12 @@ def _check_generatable(model: LM) -> bool:
     if model.cfg.uses_moe and model.cfg.router == "expert_choice":
         raise ValueError("router='expert_choice': expert-choice routing picks tokens across the sequence and "
                          "is not causal; generate() needs token-choice MoE layers")
+    if model.cfg.uses_moe and model.cfg.capacity_factor is not None:
+        # drops depend on the other tokens of the batch (and the capacity on their number): not causal
+        raise ValueError(f"capacity_factor={model.cfg.capacity_factor}: token-choice capacity drops depend on the "
+                         "other tokens of the batch, so decoding would not match the full forward; generate() "
+                         "needs dropless MoE layers (rebuild the LMConfig with capacity_factor=None and load the "
+                         "same weights)")
     needs_causal = any(model.routed)
     if needs_causal and model.cfg.causal == "none":
         raise ValueError("causal='none': this model's MoD layers use non-causal top-k routing and cannot sample; "

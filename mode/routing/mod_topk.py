@@ -93,7 +93,10 @@ class MoDRouter(nn.Module):
             routed_BS = self.decision_logits(x_BSD, r_BS) > 0
             if mask_BS is not None:
                 routed_BS &= mask_BS
-            pos_BC = pack_routed(routed_BS)
+            C = int(routed_BS.sum(1).max())  # host sync: the packed width depends on the decisions
+            if C == 0:  # most decode steps: skip packing and gathering, which cost more than the skip saves
+                return self._empty_plan(r_BS, mask_BS)
+            pos_BC = pack_routed(routed_BS, C)
             return self.plan_from_positions(r_BS, pos_BC, routed_BS.gather(1, pos_BC), mask_BS)
 
         C = self.seq_capacity(x_BSD.shape[1])
@@ -130,7 +133,8 @@ class MoDRouter(nn.Module):
         dev = r_BS.device
         token_A = (pos_BC + torch.arange(B, device=dev)[:, None] * S).reshape(-1)
         r_A = r_BS.gather(1, pos_BC).reshape(-1)
-        weight_A = {"raw": r_A, "sigmoid": r_A.sigmoid(), "one": torch.ones_like(r_A)}[self.cfg.gate]
+        gate = self.cfg.gate
+        weight_A = r_A if gate == "raw" else r_A.sigmoid() if gate == "sigmoid" else torch.ones_like(r_A)
         valid_A = None if valid_BC is None else valid_BC.reshape(-1)
 
         T = B * S
@@ -153,12 +157,35 @@ class MoDRouter(nn.Module):
         return RoutingPlan(token_idx_A=token_A, expert_idx_A=torch.zeros_like(token_A), weight_A=weight_A,
                            counts_E=counts_E, num_tokens=T, aux=aux, seq_capacity=C, valid_A=valid_A)
 
+    def _empty_plan(self, r_BS: Tensor, mask_BS: Tensor | None) -> RoutingPlan:
+        """What ``plan_from_positions`` returns when no token is routed (C = 0), in a handful of ops: decoding
+        calls a routed layer once per token and most calls route nothing."""
+        B, S = r_BS.shape
+        dev = r_BS.device
+        tokens = torch.tensor(float(B * S), device=dev) if mask_BS is None else mask_BS.sum().float()
+        aux = Aux()
+        aux.stats["router"] = RoutingStats(
+            kept_E=torch.zeros(1, device=dev),
+            requested_X=torch.stack([torch.zeros((), device=dev), tokens]),
+            dropped=torch.zeros((), device=dev),
+            noop=tokens.clone(),
+            tokens=tokens,
+            compute_T=torch.zeros(B * S, device=dev),
+            entropy=None,
+            batch_shape=(B, S),
+        )
+        no_A = torch.zeros(0, dtype=torch.long, device=dev)
+        return RoutingPlan(token_idx_A=no_A, expert_idx_A=no_A.clone(), weight_A=r_BS.new_zeros(0),
+                           counts_E=torch.zeros(1, dtype=torch.long, device=dev), num_tokens=B * S, aux=aux,
+                           seq_capacity=0, valid_A=torch.zeros(0, dtype=torch.bool, device=dev))
 
-def pack_routed(routed_BS: Tensor) -> Tensor:
-    """Positions ``pos_BC`` with C = the largest routed count: each row lists its routed positions in
-    increasing order, then fills up with unrouted positions (distinct, so scatters never collide)."""
+
+def pack_routed(routed_BS: Tensor, C: int | None = None) -> Tensor:
+    """Positions ``pos_BC`` with C = the largest routed count (pass it if known): each row lists its routed
+    positions in increasing order, then fills up with unrouted positions (distinct, so scatters never collide)."""
     B, S = routed_BS.shape
-    C = int(routed_BS.sum(1).max())  # host sync: the packed width depends on the decisions
+    if C is None:
+        C = int(routed_BS.sum(1).max())  # host sync: the packed width depends on the decisions
     descending_pos_S = torch.arange(S - 1, -1, -1, device=routed_BS.device, dtype=torch.float32)
     key_BS = routed_BS.float() * S + descending_pos_S  # routed first; earlier positions first in each group
     return key_BS.topk(C, dim=1).indices

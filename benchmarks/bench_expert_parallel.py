@@ -1,0 +1,270 @@
+"""Expert-parallel training: bytes on the wire per all-to-all, and step time against one process.
+
+    PYTHONPATH=. python benchmarks/bench_expert_parallel.py            # default run (a few minutes, 2 CPU cores)
+    PYTHONPATH=. python benchmarks/bench_expert_parallel.py --quick    # smoke run
+
+(a) Bytes. For EP = 2 and 4 ranks (gloo, CPU), a few training steps of a small LM with MoE layers,
+    integrated-MoDE layers (no-op experts) and a capacity limit (dropped tokens). Every call of
+    ``torch.distributed.all_to_all_single`` is intercepted and the bytes of the rows it sends to *other*
+    ranks are counted (rows kept on the sending rank are copied locally and are not counted), per phase:
+    forward dispatch, forward combine, backward. The minimum is computed independently, from each
+    router's plan: computed (token, expert) assignments whose expert lives on another rank x D x element
+    size — no-op and dropped tokens are not in the plan. Every row must cross once per direction, so
+        dispatch / min = 1.00,  combine / min = 1.00,  backward / (2 x min) = 1.00
+    (the per-call dispatch ratio is checked too). The per-expert counts exchange (E int64 per rank and
+    layer call) is reported separately.
+(b) Step time. One training step (forward, backward, gradient all-reduce, clipping, AdamW) of the same
+    LM on the same global batch: ``mode.train.Trainer`` in one process against ``ExpertParallelTrainer``
+    on EP = 2 and 4 processes with 1 thread each (as torchrun sets by default); medians after warm-up,
+    EP time is rank 0's. The single process is timed with 1 thread (the main baseline: same per-process
+    threads as a rank) and with torch's default thread count, each before and after the EP runs (the
+    median of both runs is the baseline). All EP ranks share this machine's cores, so on a 2-core machine
+    EP=4 oversubscribes it: the ratios show the cost of sharding and exchanging on one machine, not a
+    multi-GPU speed-up.
+
+Results go to benchmarks/results/expert_parallel.json (expert_parallel_quick.json with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import machine_info, print_table, write_json  # noqa: E402
+from mode.data import stdlib_corpus  # noqa: E402
+from mode.model import LMConfig  # noqa: E402
+from mode.train import Trainer, TrainConfig  # noqa: E402
+
+MODEL = LMConfig(seq_len=128, d_model=128, n_heads=4, d_hidden=512, num_experts=8, num_noop=2, top_k=2,
+                 capacity_factor=1.25, layers=("moe", "integrated", "moe", "integrated"))
+TRAIN = TrainConfig(steps=1000, batch_size=16, lr=1e-3, warmup_steps=10, eval_every=1000, seed=0)
+FULL = dict(byte_steps=3, warmup=3, timed=10)
+QUICK = dict(byte_steps=2, warmup=1, timed=3)
+QUICK_MODEL = replace(MODEL, seq_len=32, d_model=32, d_hidden=64)
+WORLDS = (2, 4)
+CORPUS_BYTES = 2_000_000
+
+
+# ------------------------------------------------------------------------------------------------------
+# worker side
+
+
+class _ByteCounter:
+    """Wraps torch.distributed.all_to_all_single; attributes each call's off-rank bytes to a phase."""
+
+    def __init__(self, dist, group_rank: int):
+        self.dist, self.rank, self.phase = dist, group_rank, "backward"
+        self.sent = {"dispatch": 0, "combine": 0, "backward": 0, "counts": 0}
+        self.dispatch_calls: list[int] = []
+        self._orig = dist.all_to_all_single
+
+    def __enter__(self):
+        def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+            esize, n = input.element_size(), input.shape[0]
+            if input_split_sizes is None:  # equal splits: the per-expert counts exchange
+                world = self.dist.get_world_size(group)
+                self.sent["counts"] += input.numel() * esize * (world - 1) // world
+            else:
+                row_bytes = input.numel() // max(n, 1) * esize if n else 0
+                off_rank = (sum(input_split_sizes) - input_split_sizes[self.rank]) * row_bytes
+                self.sent[self.phase] += off_rank
+                if self.phase == "dispatch":
+                    self.dispatch_calls.append(off_rank)
+            return self._orig(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+        self.dist.all_to_all_single = counting
+        return self
+
+    def __exit__(self, *exc):
+        self.dist.all_to_all_single = self._orig
+
+
+def _phase(counter: _ByteCounter, fn, phase: str):
+    def wrapped(*args, **kwargs):
+        counter.phase = phase
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            counter.phase = "backward"  # anything outside dispatch/combine is the autograd backward
+    return wrapped
+
+
+def _worker(rank: int, world: int, store: str, out_dir: str, model_cfg: dict, cfg: dict) -> None:
+    import torch.distributed as dist
+
+    from mode.parallel.ep_model import expert_parallel_layers
+    from mode.parallel.train_ep import ExpertParallelTrainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    mcfg = LMConfig(**model_cfg)
+    trainer = ExpertParallelTrainer(mcfg, TRAIN, stdlib_corpus(max_bytes=CORPUS_BYTES), Path(out_dir) / "run",
+                                    progress=False)
+    layers = expert_parallel_layers(trainer.model)
+    L = mcfg.num_experts // world
+    D, esize = mcfg.d_model, trainer.model.embed.weight.element_size()
+
+    # (a) bytes: the minimum from the routers' plans, the actual from the intercepted collectives.
+    minimum = {"rows": 0, "noop": 0, "dropped": 0, "dispatch_calls": []}
+
+    def plan_hook(module, inputs, plan):
+        remote = int((plan.expert_idx_A // L != rank).sum())
+        minimum["rows"] += remote
+        minimum["dispatch_calls"].append(remote * D * esize)
+        st = plan.aux.stats["router"]
+        minimum["noop"] += int(st.noop)
+        minimum["dropped"] += int(st.dropped)
+
+    hooks = [layer.router.register_forward_hook(plan_hook) for layer in layers.values()]
+    counter = _ByteCounter(dist, dist.get_rank())
+    saved = {}
+    for layer in layers.values():  # instance attributes shadow the methods while counting
+        d = layer.dispatcher
+        saved[id(d)] = d
+        d.dispatch, d.combine = _phase(counter, d.dispatch, "dispatch"), _phase(counter, d.combine, "combine")
+    with counter:
+        for _ in range(cfg["byte_steps"]):
+            trainer.train_step()
+    for layer in layers.values():
+        del layer.dispatcher.dispatch, layer.dispatcher.combine
+    for h in hooks:
+        h.remove()
+    stats_sent = sum(layer.dispatcher.last_dispatch.sent_bytes for layer in layers.values())  # last step only
+
+    # (b) step time, rank 0's clock (the step ends with collectives, so ranks finish together).
+    for _ in range(cfg["warmup"]):
+        trainer.train_step()
+    times = []
+    for _ in range(cfg["timed"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        trainer.train_step()
+        times.append(time.perf_counter() - t0)
+    result = {"sent": counter.sent, "dispatch_calls_actual": counter.dispatch_calls,
+              "dispatch_calls_min": minimum["dispatch_calls"], "min_bytes": minimum["rows"] * D * esize,
+              "noop": minimum["noop"], "dropped": minimum["dropped"], "last_dispatch_stats_bytes": stats_sent,
+              "times": times}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def run_ep(world: int, model_cfg: LMConfig, cfg: dict, tmp: Path) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    out = tmp / f"ep{world}"
+    out.mkdir()
+    mp.start_processes(_worker, args=(world, str(tmp / f"store{world}"), str(out), asdict(model_cfg), cfg),
+                       nprocs=world, join=True, start_method="spawn")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def single_process_times(model_cfg: LMConfig, cfg: dict, tmp: Path, threads: int | None = None) -> list[float]:
+    default = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _time_trainer(model_cfg, cfg, tmp)
+    finally:
+        torch.set_num_threads(default)
+
+
+def _time_trainer(model_cfg: LMConfig, cfg: dict, tmp: Path) -> list[float]:
+    trainer = Trainer(model_cfg, TRAIN, stdlib_corpus(max_bytes=CORPUS_BYTES), tmp, progress=False)
+    for _ in range(cfg["warmup"]):
+        trainer.train_step()
+    times = []
+    for _ in range(cfg["timed"]):
+        t0 = time.perf_counter()
+        trainer.train_step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/expert_parallel[_quick].json)")
+    args = p.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    model_cfg = QUICK_MODEL if args.quick else MODEL
+    info = machine_info()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        base_before = single_process_times(model_cfg, cfg, tmp / "sp_before")
+        one_before = single_process_times(model_cfg, cfg, tmp / "sp1_before", threads=1)
+        ep = {w: run_ep(w, model_cfg, cfg, tmp) for w in WORLDS}
+        base_after = single_process_times(model_cfg, cfg, tmp / "sp_after")
+        one_after = single_process_times(model_cfg, cfg, tmp / "sp1_after", threads=1)
+    base = statistics.median(base_before + base_after)
+    one = statistics.median(one_before + one_after)
+    rows.append({"ranks": 1, "threads": info["torch_threads"], "step_ms": base * 1e3, "vs_single": 1.0,
+                 "vs_single_1t": base / one})
+    rows.append({"ranks": 1, "threads": 1, "step_ms": one * 1e3, "vs_single": one / base, "vs_single_1t": 1.0})
+    for w, res in ep.items():
+        min_bytes = sum(r["min_bytes"] for r in res)
+        sent = {k: sum(r["sent"][k] for r in res) for k in ("dispatch", "combine", "backward", "counts")}
+        per_call = [a / m for r in res for a, m in zip(r["dispatch_calls_actual"], r["dispatch_calls_min"]) if m]
+        calls_match = all(len(r["dispatch_calls_actual"]) == len(r["dispatch_calls_min"]) and
+                          r["dispatch_calls_actual"] == r["dispatch_calls_min"] for r in res)
+        step = statistics.median(res[0]["times"])
+        rows.append({
+            "ranks": w, "threads": 1, "step_ms": step * 1e3, "vs_single": step / base, "vs_single_1t": step / one,
+            "dispatch_ratio": sent["dispatch"] / min_bytes, "combine_ratio": sent["combine"] / min_bytes,
+            "backward_ratio": sent["backward"] / (2 * min_bytes),
+            "per_call_ratio_min": min(per_call), "per_call_ratio_max": max(per_call), "every_call_exact": calls_match,
+            "min_bytes": min_bytes, "dispatch_bytes": sent["dispatch"], "combine_bytes": sent["combine"],
+            "backward_bytes": sent["backward"], "counts_bytes": sent["counts"],
+            "noop_assignments": sum(r["noop"] for r in res), "dropped_assignments": sum(r["dropped"] for r in res),
+            "dispatch_calls": sum(len(r["dispatch_calls_actual"]) for r in res),
+            "step_s_rank0": res[0]["times"],
+        })
+    print(f"\nExpert-parallel bytes and step time (gloo, CPU; {info['cpu_count']} cores; torch {info['torch']})")
+    print(f"model: layers {','.join(model_cfg.layers)}, d_model {model_cfg.d_model}, E={model_cfg.num_experts} "
+          f"(+{model_cfg.num_noop} no-op), top-{model_cfg.top_k}, capacity factor {model_cfg.capacity_factor}; "
+          f"global batch {TRAIN.batch_size} x {model_cfg.seq_len}\n")
+    print_table(rows, [("ranks", "ranks", "d"), ("threads", "threads/rank", "d"), ("dispatch_ratio", "dispatch/min", ".2f"),
+                       ("combine_ratio", "combine/min", ".2f"), ("backward_ratio", "backward/(2 min)", ".2f"),
+                       ("noop_assignments", "no-op rows (not sent)", "d"),
+                       ("dropped_assignments", "dropped rows (not sent)", "d"),
+                       ("step_ms", "step ms (median)", ".1f"),
+                       ("vs_single_1t", "step / single (1 thread)", ".2f"),
+                       ("vs_single", f"step / single ({info['torch_threads']} threads)", ".2f")])
+    payload = dict(
+        benchmark="expert_parallel", machine=info, quick=args.quick, model=asdict(model_cfg),
+        train=dict(batch_size=TRAIN.batch_size, lr=TRAIN.lr), steps=cfg,
+        notes=("bytes: rows sent to other ranks by every all_to_all_single, intercepted, over the byte steps, "
+               "summed over ranks; min = plan assignments whose expert is on another rank x D x element size "
+               "(no-op and dropped tokens are not in the plan). Step time: single process with torch's default "
+               f"threads ({info['torch_threads']}) vs EP ranks with 1 thread each on the same machine."),
+        single_process_s=dict(before=base_before, after=base_after, median=base),
+        single_process_1thread_s=dict(before=one_before, after=one_after, median=one),
+        loadavg_at_end=[round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        results=rows)
+    out = args.out or str(ROOT / "benchmarks" / "results" / ("expert_parallel_quick.json" if args.quick
+                                                             else "expert_parallel.json"))
+    path = write_json(out, payload)
+    if hasattr(os, "getloadavg"):
+        print(f"load average (1, 5, 15 min) at start {info.get('loadavg_1_5_15_at_start')}, at end "
+              f"{[round(v, 2) for v in os.getloadavg()]}: other processes share these cores")
+    print(f"\nwrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Process-group set-up and the few collectives the expert-parallel training loop uses.
+
+Training-side code (``mode.parallel``) reaches ``torch.distributed`` only through this module; on the
+model side the only such module is ``mode.dispatch.expert_parallel``. Nothing here runs at import time.
+
+Set-up (``init_distributed``)
+    * rank, world size and local rank come from the environment ``torchrun`` sets (``RANK``,
+      ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); without them the process runs
+      as a group of one (handy for smoke runs: ``python -m mode.parallel.train_ep --quick``);
+    * backend ``"auto"``: NCCL when CUDA is available (one GPU per process, ``cuda:LOCAL_RANK``), else gloo
+      on CPU;
+    * every collective has a timeout: ``timeout_s`` argument, else ``$MODE_DIST_TIMEOUT_S``, else
+      ``DEFAULT_TIMEOUT_S``. A rank that dies makes its peers fail at their next collective (gloo: the
+      closed connection is noticed at once); a rank that is stuck makes them fail after the timeout.
+      ``collective_guard`` turns such failures into a ``CollectiveError`` that says which rank, which
+      step and what probably happened, instead of a bare backend message or a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+TIMEOUT_ENV = "MODE_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0  # > the longest legitimate wait between collectives (rank 0 writing a checkpoint)
+BACKENDS = ("auto", "gloo", "nccl")
+
+# Substrings of the errors gloo / NCCL raise when a peer is gone or a collective timed out.
+_FAILURE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout",
+                    "broken pipe", "socket", "watchdog", "remote worker", "peer")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: another rank died, is stuck (the timeout expired) or the network broke."""
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    timeout_s: float
+    group: object  # the default process group (dist.group.WORLD)
+
+
+def resolve_timeout(timeout_s: float | None = None) -> float:
+    """``timeout_s``, else ``$MODE_DIST_TIMEOUT_S``, else ``DEFAULT_TIMEOUT_S``; must be > 0."""
+    source = "timeout_s"
+    if timeout_s is None and os.environ.get(TIMEOUT_ENV):
+        source, raw = TIMEOUT_ENV, os.environ[TIMEOUT_ENV]
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r}: must be a number of seconds > 0") from None
+    if timeout_s is None:
+        return DEFAULT_TIMEOUT_S
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"{source}={timeout_s!r}: must be a number of seconds > 0")
+    return float(timeout_s)
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: must be one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl': needs CUDA GPUs (one per process); use 'gloo' on CPUs")
+    return backend
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> DistContext:
+    """Initialise the default process group from torchrun's environment (or as a group of one)."""
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this torch build")
+    timeout_s = resolve_timeout(timeout_s)
+    backend = resolve_backend(backend)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # not under torchrun: a group of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local_rank}: this machine has {torch.cuda.device_count()} GPU(s); "
+                             "start at most one process per GPU (torchrun --nproc-per-node <= GPUs)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                       device=device, backend=backend, timeout_s=timeout_s, group=dist.group.WORLD)
+
+
+def destroy() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_group():
+    return dist.group.WORLD
+
+
+def rank_and_size(group=None) -> tuple[int, int]:
+    group = group if group is not None else dist.group.WORLD
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_reduce_sum_(t: Tensor, group=None) -> Tensor:
+    """Sum ``t`` over the group, in place."""
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def gather_cat(t: Tensor, group=None) -> Tensor | None:
+    """Concatenate every rank's ``t`` (same shape everywhere) along dim 0 on the group's rank 0;
+    the other ranks get None. Works on gloo and NCCL (``dist.gather``)."""
+    group = group if group is not None else dist.group.WORLD
+    rank, world = rank_and_size(group)
+    t = t.detach().contiguous()
+    parts = [torch.empty_like(t) for _ in range(world)] if rank == 0 else None
+    dist.gather(t, parts, dst=dist.get_global_rank(group, 0), group=group)
+    return torch.cat(parts, 0) if rank == 0 else None
+
+
+def barrier(group=None) -> None:
+    dist.barrier(group=group)
+
+
+def looks_like_collective_failure(e: BaseException) -> bool:
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    msg = str(e).lower()
+    return isinstance(e, RuntimeError) and any(m in msg for m in _FAILURE_MARKERS)
+
+
+@contextlib.contextmanager
+def collective_guard(what: str, rank: int, world_size: int, timeout_s: float | None):
+    """Re-raise a failed collective inside the block as a ``CollectiveError`` naming the rank and ``what``."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        if not looks_like_collective_failure(e):
+            raise
+        limit = f"{timeout_s:g} s" if timeout_s is not None else "the process-group timeout"
+        raise CollectiveError(
+            f"rank {rank}/{world_size}: a collective failed during {what}: another rank died, is stuck "
+            f"(no answer within {limit}; set --timeout or ${TIMEOUT_ENV}) or the network broke. Check the "
+            f"other ranks' logs for the first error. Backend error: {e}") from e

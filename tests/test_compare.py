@@ -1,0 +1,182 @@
+"""`mode compare`: six variants at matched training FLOPs, the JSON report, the table, the plot, the CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import mode.data
+from mode.cli import main
+from mode.compare import format_table, preset, run_compare, variants
+from mode.flops import forward_flops_per_token, train_flops_per_token
+
+NAMES = ["dense", "mod", "mod_random", "moe", "staged_mode", "integrated_mode"]
+TABLE_KEYS = {"val_loss", "loss_ratio", "fwd_flops_per_token", "flop_ratio", "params", "steps", "wall_s", "tok_s"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+DENSE_STEPS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread avoids OpenMP spin-waiting."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def write_text_file(path: Path) -> Path:
+    # real UTF-8 text, comfortably above min_file_bytes(128) = 2580 bytes
+    path.write_text(Path(mode.data.__file__).read_text() * 3 + "caf\u00e9 \u2211\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory, one_thread):
+    out = tmp_path_factory.mktemp("compare")
+    data = write_text_file(out / "corpus.txt")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        report = run_compare(out / "run", quick=True, data=str(data), dense_steps=DENSE_STEPS, progress=False)
+    return out / "run", data, report, stdout.getvalue()
+
+
+def test_report_has_all_six_variants_with_the_table_keys(quick_run):
+    out, data, report, _ = quick_run
+    on_disk = json.loads((out / "compare.json").read_text())
+    assert on_disk == json.loads(json.dumps(report))  # the file is the returned report
+    results = on_disk["results"]
+    assert list(results) == NAMES
+    for name, r in results.items():
+        assert TABLE_KEYS <= set(r), name
+        assert math.isfinite(r["val_loss"]) and 0 < r["val_loss"] < math.log(256) + 1
+        assert r["curve"] and r["curve"][-1][0] == pytest.approx(r["train_flops"])
+        assert r["tokens"] == r["steps"] * 8 * 128
+        assert (out / name / "log.jsonl").is_file() and (out / name / "ckpt.pt").is_file()
+    assert on_disk["config"]["corpus"] == str(data)
+    assert on_disk["config"]["dense_steps"] == DENSE_STEPS
+    assert on_disk["config"]["quick"] is True
+
+
+def test_variants_train_to_the_same_flop_budget(quick_run):
+    _, _, report, _ = quick_run
+    results = report["results"]
+    base = preset(True).model
+    tokens_per_step = 8 * 128
+    models = variants(base)
+    budget = DENSE_STEPS * 3 * forward_flops_per_token(models["dense"]) * tokens_per_step
+    assert report["config"]["budget_flops"] == pytest.approx(budget)
+    for name, r in results.items():
+        cost = train_flops_per_token(models[name]) * tokens_per_step  # nominal training FLOPs of one step
+        assert abs(r["steps"] * cost - budget) <= cost / 2 + 1e-6 * budget, name  # nearest whole number of steps
+        # realized FLOPs (from the routing each step) equal nominal wherever compute is static; integrated
+        # MoDE's depends on how many tokens its router sends to the no-op experts
+        rel = 0.25 if name == "integrated_mode" else 1e-9
+        assert r["train_flops"] == pytest.approx(r["steps"] * cost, rel=rel), name
+    dense = results["dense"]
+    assert dense["steps"] == DENSE_STEPS
+    assert dense["train_flops"] == pytest.approx(budget)  # dense routing is static: realized == nominal
+    assert dense["flop_ratio"] == 1.0 and dense["loss_ratio"] == 1.0
+    for name in ("mod", "mod_random", "staged_mode", "integrated_mode"):
+        assert results[name]["flop_ratio"] < 1, name
+        assert results[name]["steps"] > DENSE_STEPS, name  # cheaper steps: more of them in the same budget
+    assert results["moe"]["params"] > results["dense"]["params"]
+    for name, r in results.items():
+        assert r["loss_ratio"] == pytest.approx(r["val_loss"] / dense["val_loss"])
+
+
+def test_causal_routing_report_for_learned_mod_variants(quick_run):
+    results = quick_run[2]["results"]
+    for name in ("mod", "staged_mode"):
+        c = results[name]["causal"]
+        assert 0 <= c["causal_accuracy"] <= 1 and 0 <= c["routed_fraction"] <= 1
+        assert c["ar_gap"] == pytest.approx(c["loss_causal"] / c["loss_topk"] - 1)
+    for name in ("dense", "mod_random", "moe", "integrated_mode"):
+        assert results[name]["causal"] is None
+
+
+def test_table_is_printed_and_formats_the_report(quick_run):
+    _, _, report, stdout = quick_run
+    table = format_table(json.loads(json.dumps(report))["results"])
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(NAMES)
+    assert set(lines[1]) == {"-"}
+    assert [line.split()[0] for line in lines[2:]] == NAMES
+    assert table in stdout
+    dense_row = lines[2].split()
+    assert float(dense_row[1]) == pytest.approx(report["results"]["dense"]["val_loss"], abs=1e-4)
+
+
+def test_plot_is_a_real_png(quick_run):
+    out = quick_run[0]
+    png = (out / "val_loss_vs_flops.png").read_bytes()
+    assert png[:8] == PNG_MAGIC
+    assert len(png) > 1024
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_compare_only_two_variants(tmp_path, capsys):
+    rc = main(["compare", "--quick", "--dense-steps", "2", "--out", str(tmp_path), "--no-progress",
+               "--only", "dense", "mod"])
+    assert rc == 0
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert list(report["results"]) == ["dense", "mod"]
+    assert report["results"]["dense"]["steps"] == 2
+    assert report["config"]["corpus"].startswith("python-stdlib (")  # the default corpus
+    assert (tmp_path / "val_loss_vs_flops.png").read_bytes()[:8] == PNG_MAGIC
+    assert not (tmp_path / "moe").exists()
+    assert "mod" in capsys.readouterr().out
+
+
+def test_cli_missing_data_file_is_a_clean_error(tmp_path, capsys):
+    missing = tmp_path / "missing.txt"
+    rc = main(["compare", "--quick", "--dense-steps", "2", "--out", str(tmp_path / "out"), "--no-progress",
+               "--data", str(missing)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mode compare: error: ")
+    assert f"data={str(missing)!r}: no such file" in err
+    assert not (tmp_path / "out" / "compare.json").exists()
+
+
+def test_cli_binary_data_file_is_a_clean_error(tmp_path, capsys):
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(b"\x00" * 5000)
+    rc = main(["compare", "--quick", "--out", str(tmp_path / "out"), "--no-progress", "--data", str(blob)])
+    assert rc == 2
+    assert "looks binary" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--only", "dense", "mdo"], "only=['dense', 'mdo']: unknown variant 'mdo'; must be among dense, mod,"),
+    (["--dense-steps", "0"], "dense_steps=0: must be >= 1"),
+    (["--dense-steps", "-3"], "dense_steps=-3: must be >= 1"),
+])
+def test_cli_bad_arguments_are_clean_errors(tmp_path, capsys, argv, msg):
+    rc = main(["compare", "--quick", "--out", str(tmp_path / "out"), "--no-progress", *argv])
+    assert rc == 2
+    assert msg in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # rejected before any work
+
+
+def test_run_compare_rejects_unknown_variant_before_training(tmp_path):
+    with pytest.raises(ValueError, match="unknown variant 'moe2'"):
+        run_compare(tmp_path, quick=True, only=["moe2"], progress=False)
+
+
+def test_quick_preset_is_valid_and_comparable():
+    p = preset(True)
+    models = variants(p.model)
+    assert list(models) == NAMES
+    assert len({cfg.n_layers for cfg in models.values()}) == 1  # same depth
+    assert len({cfg.d_model for cfg in models.values()}) == 1  # same width
+    assert models["integrated_mode"].num_noop >= 1
+    assert models["mod"].layers == ("dense", "mod") * (p.model.n_layers // 2)

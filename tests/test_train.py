@@ -1,0 +1,241 @@
+"""Training loop: seeded reproducibility, exact resume, the LR schedule, the JSONL log, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from mode.data import Corpus
+from mode.flops import train_flops_per_token
+from mode.model import LMConfig
+from mode.train import Trainer, TrainConfig, evaluate, load_model, lr_at
+
+SEQ, BATCH, STEPS = 16, 4, 12
+VOLATILE = ("wall", "tok_s")  # timing fields differ between runs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread avoids OpenMP spin-waiting."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def corpus() -> Corpus:
+    rng = np.random.default_rng(0)
+    words = ["def ", "return ", "self", ".x", " = ", "(", ")", ":\n", "    ", "import ", "mode", "1", "+"]
+    text = "".join(rng.choice(words, size=3000)).encode()
+    cut = int(len(text) * 0.9)
+    arr = np.frombuffer(text, dtype=np.uint8)
+    return Corpus(train=arr[:cut], val=arr[cut:], source="synthetic")
+
+
+def model_cfg(*layers: str, **kw) -> LMConfig:
+    base = dict(seq_len=SEQ, d_model=16, n_heads=2, d_hidden=32, layers=layers, num_experts=4, capacity=0.25,
+                num_noop=1 if "integrated" in layers else 0)
+    base.update(kw)
+    return LMConfig(**base)
+
+
+def train_cfg(**kw) -> TrainConfig:
+    base = dict(steps=STEPS, batch_size=BATCH, lr=3e-3, warmup_steps=3, eval_every=4, eval_batches=2, log_every=1,
+                seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def stable(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in VOLATILE} for r in history]
+
+
+def read_jsonl(path) -> list[dict]:
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+# ----------------------------------------------------------------------------------------- reproducibility
+
+
+def test_two_seeded_runs_are_identical(tmp_path):
+    cfg = model_cfg("dense", "mod_random")
+    a = Trainer(cfg, train_cfg(), corpus(), tmp_path / "a", progress=False)
+    hist_a = a.run()
+    torch.manual_seed(1234)  # the global RNG state before construction must not matter
+    torch.rand(100)
+    b = Trainer(cfg, train_cfg(), corpus(), tmp_path / "b", progress=False)
+    hist_b = b.run()
+    losses_a = [r["loss"] for r in hist_a if "loss" in r]
+    assert len(losses_a) == STEPS
+    assert losses_a == [r["loss"] for r in hist_b if "loss" in r]
+    assert stable(hist_a) == stable(hist_b)
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(p, q), n
+    # a different seed gives a different run (so the equality above is not vacuous)
+    c = Trainer(cfg, train_cfg(seed=1), corpus(), tmp_path / "c", progress=False)
+    losses_c = [r["loss"] for r in c.run() if "loss" in r]
+    assert losses_c != losses_a
+
+
+def test_loss_goes_down(tmp_path):
+    t = Trainer(model_cfg("dense", "mod"), train_cfg(steps=30, lr=1e-2, eval_every=30), corpus(), tmp_path,
+                progress=False)
+    hist = t.run()
+    losses = [r["loss"] for r in hist if "loss" in r]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5
+    assert hist[-1]["val_loss"] < math.log(256) - 0.5
+
+
+@pytest.mark.parametrize("layers", [("dense", "mod_random"), ("moe", "staged"), ("integrated", "mod")])
+def test_resume_is_exact(tmp_path, layers):
+    cfg = model_cfg(*layers)
+    a = Trainer(cfg, train_cfg(), corpus(), tmp_path / "a", progress=False)
+    hist_a = a.run()
+
+    b = Trainer(cfg, train_cfg(), corpus(), tmp_path / "b", progress=False)
+    b.run(stop_step=6)
+    assert b.step == 6
+    assert (tmp_path / "b" / "ckpt.pt").is_file()
+    torch.manual_seed(99)  # disturb the global RNG (mod_random draws from it): load() must restore it
+    torch.rand(10)
+    b2 = Trainer(cfg, train_cfg(), corpus(), tmp_path / "b", progress=False)
+    b2.load()
+    assert b2.step == 6
+    hist_b = b2.run()
+    assert b2.step == STEPS
+
+    resumed = [r for r in hist_b if r["step"] > 6]
+    assert [r["loss"] for r in resumed if "loss" in r] == [r["loss"] for r in hist_a if "loss" in r and r["step"] > 6]
+    assert stable(hist_b) == stable(hist_a)
+    assert b2.flops == a.flops and b2.tokens == a.tokens
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b2.model.named_parameters()):
+        assert torch.equal(p, q), n
+    # the log file holds the whole run once: the first six steps from b, the rest from b2
+    log = read_jsonl(tmp_path / "b" / "log.jsonl")
+    assert stable(log) == stable(hist_a)
+
+
+def test_resume_without_rng_restore_would_differ(tmp_path):
+    """Control for the resume test: skipping the RNG restore changes a mod_random run."""
+    cfg = model_cfg("dense", "mod_random")
+    a = Trainer(cfg, train_cfg(), corpus(), tmp_path / "a", progress=False)
+    losses_a = [r["loss"] for r in a.run() if "loss" in r]
+    b = Trainer(cfg, train_cfg(), corpus(), tmp_path / "b", progress=False)
+    b.run(stop_step=6)
+    b2 = Trainer(cfg, train_cfg(), corpus(), tmp_path / "b", progress=False)
+    b2.load()
+    torch.manual_seed(99)  # clobber the restored RNG
+    losses_b = [r["loss"] for r in b2.run() if "loss" in r]
+    assert losses_b[:6] == losses_a[:6]
+    assert losses_b[6:] != losses_a[6:]
+
+
+def test_periodic_checkpoint(tmp_path):
+    t = Trainer(model_cfg("dense"), train_cfg(steps=8, ckpt_every=4), corpus(), tmp_path, progress=False)
+    t.run(stop_step=5)  # the periodic checkpoint at step 4 was overwritten by the end-of-run one at 5
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 5
+    t.run()
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 8
+
+
+# ----------------------------------------------------------------------------------------------- schedule
+
+
+def test_lr_schedule_hand_computed():
+    cfg = TrainConfig(steps=100, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)  # (0 + 1) / 10 of the peak
+    assert lr_at(4, cfg) == pytest.approx(5e-4)
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)  # cosine starts at the peak
+    assert lr_at(55, cfg) == pytest.approx(0.55e-3)  # half-way: min + (peak - min) / 2
+    # a quarter of the way: 1e-4 + 9e-4 * (1 + cos(pi / 4)) / 2
+    assert lr_at(32.5, cfg) == pytest.approx(1e-4 + 9e-4 * (1 + 2 ** -0.5) / 2)
+    assert lr_at(100, cfg) == pytest.approx(1e-4)  # the floor at the end ...
+    assert lr_at(500, cfg) == pytest.approx(1e-4)  # ... and after it
+    lrs = [lr_at(s, cfg) for s in range(10, 101)]
+    assert all(x >= y for x, y in zip(lrs, lrs[1:]))
+
+
+def test_lr_schedule_without_warmup():
+    cfg = TrainConfig(steps=10, lr=2e-3, warmup_steps=0, min_lr_ratio=0.5)
+    assert lr_at(0, cfg) == pytest.approx(2e-3)
+    assert lr_at(5, cfg) == pytest.approx(1.5e-3)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)
+
+
+def test_logged_lr_is_the_schedule(tmp_path):
+    tcfg = train_cfg()
+    hist = Trainer(model_cfg("dense"), tcfg, corpus(), tmp_path, progress=False).run()
+    logged = [(r["step"], r["lr"]) for r in hist if "lr" in r]
+    assert logged == [(s + 1, lr_at(s, tcfg)) for s in range(STEPS)]  # the record of step s+1 used lr_at(s)
+
+
+# ------------------------------------------------------------------------------------------------ the log
+
+
+def test_log_jsonl_records(tmp_path):
+    cfg, tcfg = model_cfg("dense", "moe"), train_cfg(log_every=5, eval_every=5)
+    t = Trainer(cfg, tcfg, corpus(), tmp_path, progress=False)
+    hist = t.run()
+    log = read_jsonl(tmp_path / "log.jsonl")
+    assert log == hist
+    train_recs = [r for r in log if "loss" in r]
+    val_recs = [r for r in log if "val_loss" in r]
+    assert [r["step"] for r in train_recs] == [5, 10, 12]  # every log_every steps, and the last step
+    assert [r["step"] for r in val_recs] == [5, 10, 12]  # every eval_every steps, and the last step
+    assert all(math.isfinite(r["val_loss"]) and r["val_loss"] > 0 for r in val_recs)
+    assert all(set(r) >= {"step", "loss", "lr", "tokens", "flops", "wall", "tok_s"} for r in train_recs)
+    assert train_recs[-1]["tokens"] == STEPS * BATCH * SEQ
+    # the FLOP counter adds realized training FLOPs: close to the nominal cost of the dense-and-MoE model
+    nominal = train_flops_per_token(cfg) * STEPS * BATCH * SEQ
+    assert train_recs[-1]["flops"] == pytest.approx(nominal, rel=0.05)
+    # a fresh run truncates the old log instead of appending to it
+    Trainer(cfg, tcfg, corpus(), tmp_path, progress=False).run()
+    assert len(read_jsonl(tmp_path / "log.jsonl")) == len(log)
+
+
+def test_load_model_gives_the_same_validation_loss(tmp_path):
+    t = Trainer(model_cfg("mod", "staged", "integrated"), train_cfg(steps=6, eval_every=100), corpus(), tmp_path,
+                progress=False)
+    hist = t.run()
+    model, state = load_model(tmp_path / "ckpt.pt")
+    assert state["step"] == 6
+    assert model.cfg == t.model_cfg
+    val = evaluate(model, t.val_batches)
+    assert val == hist[-1]["val_loss"]  # the final evaluation, logged at the last step
+    assert val == evaluate(t.model, t.val_batches)
+    for (n, p), (_, q) in zip(model.state_dict().items(), t.model.state_dict().items()):
+        assert torch.equal(p, q), n
+
+
+def test_evaluate_restores_training_mode():
+    from mode.model import LM
+
+    model = LM(model_cfg("dense"))
+    x = torch.randint(0, 256, (2, SEQ))
+    evaluate(model, [(x, x)])
+    assert model.training
+    model.eval()
+    evaluate(model, [(x, x)])
+    assert not model.training
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("steps", 0, "steps=0: must be >= 1"),
+    ("lr", 0.0, "lr=0.0: must be finite and > 0"),
+    ("min_lr_ratio", 1.5, "min_lr_ratio=1.5: must be in (0, 1]"),
+    ("warmup_steps", -1, "warmup_steps=-1: must be >= 0"),
+    ("grad_clip", -1.0, "grad_clip=-1.0: must be finite and > 0"),
+])
+def test_train_config_errors(field, value, msg):
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        TrainConfig(**{field: value})
