@@ -130,7 +130,8 @@ def cache_bytes(model: LM, caches) -> int:
 def routed_fraction_seen(model: LM, prompts: list[list[int]], new: int) -> dict:
     """Replay the (deterministic) greedy run with hooks: per MoD layer, the fraction of decode-step
     tokens routed, and the fraction of decode steps in which the block ran for at least one row."""
-    counts = {i: [0, 0, 0, 0] for i, l in enumerate(model.layers) if isinstance(l, MoD)}  # routed, tokens, runs, calls
+    # per MoD layer: [routed tokens, tokens, steps the block ran, router calls]
+    counts = {i: [0, 0, 0, 0] for i, layer in enumerate(model.layers) if isinstance(layer, MoD)}
     phase = {"decode": False}
 
     def router_hook(i):
@@ -178,10 +179,12 @@ def bench_batch(mod: LM, dense: LM, prompts: list[list[int]], cfg: dict) -> dict
             res = run_once(mod if name == "mod" else dense, prompts, new)
             runs[name].append(res)
     decode_tokens = B * (new - 1)
-    med = {name: {k: statistics.median(x[k] for x in rs) for k in ("prefill_s", "decode_s")} for name, rs in runs.items()}
+    med = {name: {k: statistics.median(x[k] for x in rs) for k in ("prefill_s", "decode_s")}
+           for name, rs in runs.items()}
     speedups = [d["decode_s"] / m["decode_s"] for m, d in zip(runs["mod"], runs["dense"])]
     prefill_speedups = [d["prefill_s"] / m["prefill_s"] for m, d in zip(runs["mod"], runs["dense"])]
-    mod_bytes, dense_bytes = cache_bytes(mod, runs["mod"][-1]["caches"]), cache_bytes(dense, runs["dense"][-1]["caches"])
+    mod_bytes = cache_bytes(mod, runs["mod"][-1]["caches"])
+    dense_bytes = cache_bytes(dense, runs["dense"][-1]["caches"])
     # sanity: the timed loop produces what the public generate() produces
     assert runs["mod"][-1]["tokens"] == generate(mod, prompts, new, temperature=0)
     seen = routed_fraction_seen(mod, prompts, new)

@@ -22,15 +22,6 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DENSE_STEPS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread avoids OpenMP spin-waiting."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def write_text_file(path: Path) -> Path:
     # real UTF-8 text, comfortably above min_file_bytes(128) = 2580 bytes
     path.write_text(Path(mode.data.__file__).read_text() * 3 + "caf\u00e9 \u2211\n")
@@ -38,7 +29,7 @@ def write_text_file(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory, one_thread):
+def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
     data = write_text_file(out / "corpus.txt")
     stdout = io.StringIO()

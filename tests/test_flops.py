@@ -16,15 +16,6 @@ from mode.model import LAYER_KINDS, LM, LMConfig, alternate
 B, S, D, H, V, E = 2, 32, 32, 64, 256, 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread avoids OpenMP spin-waiting."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def cfg_for(kind: str, **kw) -> LMConfig:
     base = dict(vocab_size=V, seq_len=S, d_model=D, n_heads=2, d_hidden=H, layers=("dense", kind), num_experts=E,
                 capacity=0.25, num_noop=2 if kind == "integrated" else 0)

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 import mode.layers.attention as attention_module
 from mode.data import eval_batches, file_corpus
-from mode.layers.mod import MoD
 from mode.layers.rope import apply_rope, rope_angles
 from mode.model import LM, LMConfig
 from mode.model.causal_eval import causal_eval

@@ -15,15 +15,6 @@ from mode.model import LAYER_KINDS, LM, LMConfig, alternate
 B, S, V = 2, 16, 256
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread avoids OpenMP spin-waiting."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def lit(text: str) -> str:
     return re.escape(text)
 

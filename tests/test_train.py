@@ -19,15 +19,6 @@ SEQ, BATCH, STEPS = 16, 4, 12
 VOLATILE = ("wall", "tok_s")  # timing fields differ between runs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread avoids OpenMP spin-waiting."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def corpus() -> Corpus:
     rng = np.random.default_rng(0)
     words = ["def ", "return ", "self", ".x", " = ", "(", ")", ":\n", "    ", "import ", "mode", "1", "+"]
