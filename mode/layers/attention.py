@@ -5,7 +5,8 @@ Shape legend: B batch, S tokens, D hidden, H heads, K head dim (D = H * K), L ca
 Tokens come in increasing position order (every routed subset does), so causality is the usual
 lower-triangular mask over the token index. ``mask_BS`` hides padding / unused slots as keys (they sit
 after the real tokens of their row); every query still sees itself so no softmax row is empty. With a
-cache, queries also see all of their row's cached tokens, which are all earlier.
+cache, the new tokens are appended to their rows first and queries attend over the cache itself (see
+``RowView.extend``).
 """
 
 from __future__ import annotations
@@ -37,12 +38,7 @@ class CausalSelfAttention(nn.Module):
         cos, sin = rope_angles(positions_BS, self.head_dim, self.rope_base)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k_all, v_all, key_mask_BL = cache.extend(k, v, mask_BS)
-            L = k_all.shape[2]
-            idx_q = torch.arange(S, device=x_BSD.device) + (L - S)  # the new tokens are the last S keys
-            allowed = torch.arange(L, device=x_BSD.device)[None, :] <= idx_q[:, None]
-            allowed_BSL = allowed[None] & key_mask_BL[:, None, :]
-            allowed_BSL[:, :, L - S:] |= torch.eye(S, dtype=torch.bool, device=x_BSD.device)
+            k_all, v_all, allowed_BSL = cache.extend(k, v, mask_BS)
             o_BHSK = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed_BSL[:, None])
         elif mask_BS is None:
             o_BHSK = F.scaled_dot_product_attention(q, k, v, is_causal=True)

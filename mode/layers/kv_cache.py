@@ -29,37 +29,48 @@ class KVCache:
         return RowView(self, rows_n)
 
     def all_rows(self) -> "RowView":
-        return RowView(self, torch.arange(self.len_B.numel(), device=self.len_B.device))
+        return RowView(self, None)
 
 
 class RowView:
-    def __init__(self, cache: KVCache, rows_n: Tensor):
+    """Rows ``rows_n`` of a cache (``None``: every row, read through views instead of copies)."""
+
+    def __init__(self, cache: KVCache, rows_n: Tensor | None):
         self.cache, self.rows_n = cache, rows_n
 
     def extend(self, k_nHCK: Tensor, v_nHCK: Tensor, valid_nC: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """Attend-then-store helper: returns (keys, values, key_mask) covering the cached tokens followed by
-        the C new ones, and appends the valid new tokens (which come first in each row) to the cache.
-
-        keys/values: (n, H, Lc + C, K); key_mask: (n, Lc + C) True where a key exists.
+        """Store the valid new tokens (which come first in each row) after each row's cached ones, then
+        return what the new queries attend over: (keys, values, allowed), with keys/values (n, H, L', K)
+        holding every row's cached-plus-new tokens in order and allowed (n, C, L') True where query c may
+        see key j: the row's earlier tokens and itself. A padding query sees its row's tokens (its output
+        is discarded; it only needs a non-empty softmax row).
         """
-        c = self.cache
+        c, rows = self.cache, self.rows_n
         n, _, C, _ = k_nHCK.shape
-        len_n = c.len_B[self.rows_n]
-        Lc = int(len_n.max()) if n else 0  # host sync: the widest cached prefix among these rows
-        if Lc + C > c.capacity:
-            raise ValueError(f"KV cache capacity={c.capacity}: cannot hold {Lc + C} tokens; "
+        dev = c.len_B.device
+        len_n = c.len_B.clone() if rows is None else c.len_B[rows]  # lengths before this call
+        new_mask_nC = torch.ones(n, C, dtype=torch.bool, device=dev) if valid_nC is None else valid_nC
+        count_n = new_mask_nC.sum(1)
+        width = int((len_n + count_n).max()) if n else 0  # host sync: the longest row after this call
+        if width > c.capacity:
+            raise ValueError(f"KV cache capacity={c.capacity}: cannot hold {width} tokens; "
                              "raise max_new_tokens' budget (capacity = prompt length + max_new_tokens)")
-        ar = torch.arange(Lc, device=len_n.device)
-        cached_mask_nL = ar[None, :] < len_n[:, None]
-        new_mask_nC = torch.ones(n, C, dtype=torch.bool, device=len_n.device) if valid_nC is None else valid_nC
-        keys = torch.cat([c.k_BHLK[self.rows_n, :, :Lc], k_nHCK], dim=2)
-        values = torch.cat([c.v_BHLK[self.rows_n, :, :Lc], v_nHCK], dim=2)
-        key_mask = torch.cat([cached_mask_nL, new_mask_nC], dim=1)
 
-        # Append: the valid new tokens of row i go to slots len_i, len_i + 1, ...
+        # Append in place: row i's valid new tokens go to slots len_i, len_i + 1, ...
         row_i, col_j = new_mask_nC.nonzero(as_tuple=True)
+        cache_row = row_i if rows is None else rows[row_i]
         dest = len_n[row_i] + col_j
-        c.k_BHLK[self.rows_n[row_i], :, dest] = k_nHCK[row_i, :, col_j].to(c.k_BHLK.dtype)
-        c.v_BHLK[self.rows_n[row_i], :, dest] = v_nHCK[row_i, :, col_j].to(c.v_BHLK.dtype)
-        c.len_B[self.rows_n] += new_mask_nC.sum(1)
-        return keys, values, key_mask
+        c.k_BHLK[cache_row, :, dest] = k_nHCK[row_i, :, col_j].to(c.k_BHLK.dtype)
+        c.v_BHLK[cache_row, :, dest] = v_nHCK[row_i, :, col_j].to(c.v_BHLK.dtype)
+        c.len_B.index_add_(0, torch.arange(n, device=dev) if rows is None else rows, count_n)
+
+        if rows is None:  # every row: plain slices are views, nothing is copied
+            keys, values = c.k_BHLK[:, :, :width], c.v_BHLK[:, :, :width]
+        else:
+            keys, values = c.k_BHLK[rows, :, :width], c.v_BHLK[rows, :, :width]
+        j_L = torch.arange(width, device=dev)
+        own_slot_nC = len_n[:, None] + torch.arange(C, device=dev)  # a valid query's own key index
+        row_end_nC = (len_n + count_n)[:, None].expand(n, C)
+        limit_nC = torch.where(new_mask_nC, own_slot_nC + 1, row_end_nC)
+        allowed_nCL = j_L[None, None, :] < limit_nC[..., None]
+        return keys, values, allowed_nCL
