@@ -109,6 +109,7 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
                           "platform": platform.platform()},
               "results": results}
     (out / "compare.json").write_text(json.dumps(report, indent=2))
+    (out / "compare.md").write_text(markdown_table(results) + "\n")
     print(format_table(results))
     plot_curves(results, out / "val_loss_vs_flops.png")
     print(f"\nwrote {out / 'compare.json'} and {out / 'val_loss_vs_flops.png'}")
@@ -144,6 +145,26 @@ def _routing_cells(routing: dict | None) -> str:
 
     return cell("max_mean", 9, ".2f") + cell("dropped_frac", 8, ".1%") + cell("noop_share", 7, ".1%") \
         + cell("blocks_per_token", 11, ".2f")
+
+
+def markdown_table(results: dict) -> str:
+    """The comparison as a Markdown table (written as compare.md, pasted into docs)."""
+    head = ("| variant | val loss | vs dense | fwd FLOP/token | vs dense | params | steps | tokens | causal acc "
+            "| routed | AR gap | max/mean load | dropped | no-op | blocks/token |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, r in results.items():
+        c, o = r.get("causal") or {}, (r.get("routing") or {}).get("overall", {})
+
+        def fmt(v, spec: str) -> str:
+            return "–" if v is None else format(v, spec)
+
+        lines.append(
+            f"| {name} | {r['val_loss']:.4f} | {fmt(r.get('loss_ratio'), '.4f')} | {r['fwd_flops_per_token']:.3e} "
+            f"| {r['flop_ratio']:.3f} | {r['params']:,} | {r['steps']} | {r['tokens']:,} "
+            f"| {fmt(c.get('causal_accuracy'), '.1%')} | {fmt(c.get('routed_fraction'), '.1%')} "
+            f"| {fmt(c.get('ar_gap'), '+.2%')} | {fmt(o.get('max_mean'), '.2f')} | {fmt(o.get('dropped_frac'), '.1%')} "
+            f"| {fmt(o.get('noop_share'), '.1%')} | {fmt(o.get('blocks_per_token'), '.2f')} |")
+    return "\n".join(lines)
 
 
 def plot_curves(results: dict, path: Path) -> None:

@@ -111,6 +111,15 @@ def test_plot_is_a_real_png(quick_run):
     assert len(png) > 1024
 
 
+def test_markdown_table_lists_every_variant_with_its_loss(quick_run):
+    out, _, report, _ = quick_run
+    lines = (out / "compare.md").read_text().strip().splitlines()
+    assert lines[1].startswith("|---|") and len(lines) == 2 + len(report["results"])
+    for line, (name, r) in zip(lines[2:], report["results"].items()):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] == name and float(cells[1]) == pytest.approx(r["val_loss"], abs=5e-5)
+
+
 # --------------------------------------------------------------------------------------------------- CLI
 
 
