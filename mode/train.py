@@ -75,7 +75,51 @@ def evaluate(model: LM, batches) -> float:
     return sum(losses) / len(losses)
 
 
-class Trainer:
+class TrainLoop:
+    """The step / log / evaluate / checkpoint loop shared by ``Trainer`` and the expert-parallel trainer.
+
+    A subclass provides ``train_step() -> (loss, lr)``, ``evaluate() -> float``, ``routing_record()`` (the
+    summary to log, or None), ``save()``, ``_log(record)``, and the attributes ``cfg``, ``model_cfg``,
+    ``name``, ``progress``, ``step``, ``flops``, ``tokens``, ``wall``, ``history``, ``log_path``, ``routing``.
+    """
+
+    writes_log = True  # whether this process owns log.jsonl (the expert-parallel trainer: rank 0 only)
+
+    def run(self, stop_step: int | None = None) -> list[dict]:
+        """Train up to ``stop_step`` (default: the configured number of steps) and return the history."""
+        stop = self.cfg.steps if stop_step is None else min(stop_step, self.cfg.steps)
+        if self.writes_log and self.step == 0 and not self.history:
+            self.log_path.write_text("")
+        bar = tqdm(total=stop, initial=self.step, desc=self.name, disable=not self.progress, leave=False,
+                   dynamic_ncols=True)
+        stats_every = self.cfg.stats_every or self.cfg.eval_every
+        while self.step < stop:
+            t0 = time.perf_counter()
+            loss, lr = self.train_step()
+            dt = time.perf_counter() - t0
+            self.wall += dt
+            tok_s = self.cfg.batch_size * self.model_cfg.seq_len / dt
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", flops=f"{self.flops:.2e}")
+            if self.step % self.cfg.log_every == 0 or self.step == stop:
+                self._log({"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens, "flops": self.flops,
+                           "wall": self.wall, "tok_s": self.tokens / self.wall})
+            if self.step % stats_every == 0 or self.step == self.cfg.steps:
+                record = self.routing_record()
+                if record is not None:
+                    self._log({"step": self.step, "routing": record})  # see docs/reports.md
+                self.routing.reset()
+            if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps:
+                self._log({"step": self.step, "val_loss": self.evaluate(), "tokens": self.tokens,
+                           "flops": self.flops, "wall": self.wall})
+            if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
+                self.save()
+        bar.close()
+        self.save()
+        return self.history
+
+
+class Trainer(TrainLoop):
     """Trains one model; ``out_dir`` receives ``log.jsonl`` and ``ckpt.pt``."""
 
     def __init__(self, model_cfg: LMConfig, train_cfg: TrainConfig, corpus: Corpus, out_dir: str | Path,
@@ -138,36 +182,11 @@ class Trainer:
         self.step += 1
         return float(out.loss.detach()), lr
 
-    def run(self, stop_step: int | None = None) -> list[dict]:
-        """Train up to ``stop_step`` (default: the configured number of steps) and return the history."""
-        stop = self.cfg.steps if stop_step is None else min(stop_step, self.cfg.steps)
-        if self.step == 0 and not self.history:
-            self.log_path.write_text("")
-        bar = tqdm(total=stop, initial=self.step, desc=self.name, disable=not self.progress, leave=False,
-                   dynamic_ncols=True)
-        while self.step < stop:
-            t0 = time.perf_counter()
-            loss, lr = self.train_step()
-            dt = time.perf_counter() - t0
-            self.wall += dt
-            tok_s = self.cfg.batch_size * self.model_cfg.seq_len / dt
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", flops=f"{self.flops:.2e}")
-            if self.step % self.cfg.log_every == 0 or self.step == stop:
-                self._log({"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens, "flops": self.flops,
-                           "wall": self.wall, "tok_s": self.tokens / self.wall})
-            stats_every = self.cfg.stats_every or self.cfg.eval_every
-            if self.routing and (self.step % stats_every == 0 or self.step == self.cfg.steps):
-                self._log({"step": self.step, "routing": self.routing.summary()})  # see docs/reports.md
-                self.routing.reset()
-            if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps:
-                self._log({"step": self.step, "val_loss": evaluate(self.model, self.val_batches),
-                           "tokens": self.tokens, "flops": self.flops, "wall": self.wall})
-            if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
-                self.save()
-        bar.close()
-        self.save()
-        return self.history
+    def evaluate(self) -> float:
+        return evaluate(self.model, self.val_batches)
+
+    def routing_record(self) -> dict | None:
+        return self.routing.summary() if self.routing else None
 
 
 def load_model(path: str | Path) -> tuple[LM, dict]:

@@ -9,7 +9,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 import mode.data
 from mode.cli import main

@@ -138,6 +138,7 @@ def test_mod_gates(gate):
     router = MoDRouter(MoDRouterConfig(d_model=D, capacity=0.25, gate=gate))
     x = torch.randn(B, S, D)
     plan = router(x)
+    assert plan.weight_A.numel() == B * C
     w = router.weight.detach().double()
     expected = []
     for t in plan.token_idx_A.tolist():

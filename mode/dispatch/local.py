@@ -12,7 +12,6 @@ Gates are applied in ``combine``, on the token's own process, so they never trav
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from mode.routing.plan import RoutingPlan

@@ -12,8 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mode import _checks
-from mode.experts.bank import ExpertBank
 from mode.layers.block import TransformerBlock
 from mode.layers.kv_cache import KVCache
 from mode.layers.mlp import MLP

@@ -43,13 +43,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from mode import _checks
 from mode import distributed as mdist
@@ -58,10 +56,10 @@ from mode.flops import train_flops_per_token
 from mode.model import LM, LMConfig
 from mode.parallel.ep_model import full_state_dict, shard_model, shard_state_dict, split_parameters
 from mode.stats import RoutingAccumulator
-from mode.train import TrainConfig, build_optimizer, lr_at
+from mode.train import TrainConfig, TrainLoop, build_optimizer, lr_at
 
 
-class ExpertParallelTrainer:
+class ExpertParallelTrainer(TrainLoop):
     """Trains one LM with its experts sharded over ``group`` and the batch split over the same ranks.
 
     Every rank of ``group`` constructs one and calls the same methods in the same order (they run
@@ -186,35 +184,12 @@ class ExpertParallelTrainer:
             mdist.all_reduce_sum_(losses, self.group)
             return float((losses / self.world_size).mean())
 
-    def run(self, stop_step: int | None = None) -> list[dict]:
-        """Train up to ``stop_step`` (default: the configured number of steps); rank 0 logs and saves."""
-        stop = self.cfg.steps if stop_step is None else min(stop_step, self.cfg.steps)
-        if self.rank == 0 and self.step == 0 and not self.history:
-            self.log_path.write_text("")
-        bar = tqdm(total=stop, initial=self.step, desc=self.name, disable=not self.progress, leave=False,
-                   dynamic_ncols=True)
-        while self.step < stop:
-            t0 = time.perf_counter()
-            loss, lr = self.train_step()
-            dt = time.perf_counter() - t0
-            self.wall += dt
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{self.cfg.batch_size * self.model_cfg.seq_len / dt:,.0f}")
-            if self.step % self.cfg.log_every == 0 or self.step == stop:
-                self._log({"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens, "flops": self.flops,
-                           "wall": self.wall, "tok_s": self.tokens / self.wall})
-            stats_every = getattr(self.cfg, "stats_every", None) or self.cfg.eval_every
-            if self.step % stats_every == 0 or self.step == self.cfg.steps:
-                self._log({"step": self.step, "routing": self._global_routing().summary()})  # docs/reports.md
-                self.routing.reset()
-            if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps:
-                self._log({"step": self.step, "val_loss": self.evaluate(), "tokens": self.tokens,
-                           "flops": self.flops, "wall": self.wall})
-            if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
-                self.save()
-        bar.close()
-        self.save()
-        return self.history
+    @property
+    def writes_log(self) -> bool:
+        return self.rank == 0
+
+    def routing_record(self) -> dict:
+        return self._global_routing().summary()  # a collective: every rank logs the same record
 
     def _global_routing(self) -> RoutingAccumulator:
         """A copy of the routing sums added over every rank (all ranks must call it)."""
