@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", help="train only these variants")
     p.add_argument("--causal", default="predictor", choices=("predictor", "aux_bce"),
                    help="causal routing method the learned MoD variants train for sampling")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; use 1 when other "
+                                               "jobs share the cores, see docs/compare.md)")
     p.add_argument("--no-progress", action="store_true")
 
     p = sub.add_parser("sample", help="generate text from a checkpoint (causal routing, KV cache)")
@@ -41,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=10, help="how many bytes / words with the most and least compute")
 
     args = parser.parse_args(argv)
+    if getattr(args, "threads", None) is not None:
+        if args.threads < 1:
+            print(f"mode {args.command}: error: --threads={args.threads}: must be >= 1", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.command == "compare":
         from mode.compare import run_compare
 

@@ -158,6 +158,7 @@ def test_cli_binary_data_file_is_a_clean_error(tmp_path, capsys):
     (["--only", "dense", "mdo"], "only=['dense', 'mdo']: unknown variant 'mdo'; must be among dense, mod,"),
     (["--dense-steps", "0"], "dense_steps=0: must be >= 1"),
     (["--dense-steps", "-3"], "dense_steps=-3: must be >= 1"),
+    (["--threads", "0"], "--threads=0: must be >= 1"),
 ])
 def test_cli_bad_arguments_are_clean_errors(tmp_path, capsys, argv, msg):
     rc = main(["compare", "--quick", "--out", str(tmp_path / "out"), "--no-progress", *argv])
