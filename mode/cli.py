@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
 
     p = sub.add_parser("report", help="load balance and per-token compute of a trained checkpoint: table, JSON, PNGs")
     p.add_argument("checkpoint", help="a ckpt.pt written by training (e.g. runs/compare/mod/ckpt.pt)")
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--causal-routing", action="store_true",
                    help="route MoD layers by their causal decision (what sampling sees) instead of top-C")
     p.add_argument("--top", type=int, default=10, help="how many bytes / words with the most and least compute")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
 
     args = parser.parse_args(argv)
     if getattr(args, "threads", None) is not None:
