@@ -116,54 +116,54 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
     return report
 
 
+# One spec for both tables: (key, where it lives, text header, text width, format, Markdown header).
+# A None width leaves the column out of the terminal table, a None Markdown header out of compare.md.
+_COLUMNS = (
+    ("val_loss", "result", "val loss", 9, ".4f", "val loss"),
+    ("loss_ratio", "result", "vs dense", 9, ".4f", "vs dense"),
+    ("fwd_flops_per_token", "result", "fwd FLOP/tok", 14, ".3e", "fwd FLOP/token"),
+    ("flop_ratio", "result", "vs dense", 9, ".3f", "vs dense"),
+    ("params", "result", "params", 10, ",", "params"),
+    ("steps", "result", "steps", 7, "", "steps"),
+    ("tokens", "result", None, None, ",", "tokens"),
+    ("wall_s", "result", "wall s", 8, ".1f", None),
+    ("tok_s", "result", "tok/s", 8, ",.0f", None),
+    ("causal_accuracy", "causal", "causal acc", 11, ".1%", "causal acc"),
+    ("routed_fraction", "causal", "routed", 8, ".1%", "routed"),
+    ("ar_gap", "causal", "AR gap", 8, "+.2%", "AR gap"),
+    # load balance and compute from the last logged "routing" record (training batches; docs/reports.md)
+    ("max_mean", "routing", "max/mean", 9, ".2f", "max/mean load"),
+    ("dropped_frac", "routing", "dropped", 8, ".1%", "dropped"),
+    ("noop_share", "routing", "no-op", 7, ".1%", "no-op"),
+    ("blocks_per_token", "routing", "blocks/tok", 11, ".2f", "blocks/token"),
+)
+
+
+def _cell(r: dict, key: str, where: str, fmt: str, missing: str) -> str:
+    source = {"result": r, "causal": r.get("causal") or {},
+              "routing": (r.get("routing") or {}).get("overall", {})}[where]
+    v = source.get(key)
+    return missing if v is None else format(v, fmt)
+
+
 def format_table(results: dict) -> str:
-    head = (f"{'variant':<16}{'val loss':>9}{'vs dense':>9}{'fwd FLOP/tok':>14}{'vs dense':>9}{'params':>10}"
-            f"{'steps':>7}{'wall s':>8}{'tok/s':>8}{'causal acc':>11}{'routed':>8}{'AR gap':>8}"
-            f"{'max/mean':>9}{'dropped':>8}{'no-op':>7}{'blocks/tok':>11}")
+    """The comparison as the fixed-width table `mode compare` prints."""
+    cols = [c for c in _COLUMNS if c[3] is not None]
+    head = f"{'variant':<16}" + "".join(f"{c[2]:>{c[3]}}" for c in cols)
     lines = [head, "-" * len(head)]
     for name, r in results.items():
-        lines.append(f"{name:<16}{r['val_loss']:>9.4f}{r.get('loss_ratio', float('nan')):>9.4f}"
-                     f"{r['fwd_flops_per_token']:>14.3e}{r['flop_ratio']:>9.3f}{r['params']:>10,}"
-                     f"{r['steps']:>7}{r['wall_s']:>8.1f}{r['tok_s']:>8,.0f}" + _causal_cells(r.get("causal"))
-                     + _routing_cells(r.get("routing")))
+        lines.append(f"{name:<16}" + "".join(_cell(r, key, where, fmt, "-").rjust(width)
+                                            for key, where, _, width, fmt, _ in cols))
     return "\n".join(lines)
-
-
-def _causal_cells(c: dict | None) -> str:
-    if not c:
-        return f"{'-':>11}{'-':>8}{'-':>8}"
-    return f"{c['causal_accuracy']:>11.1%}{c['routed_fraction']:>8.1%}{c['ar_gap']:>+8.2%}"
-
-
-def _routing_cells(routing: dict | None) -> str:
-    """Load balance and compute from the last logged "routing" record (training batches; docs/reports.md)."""
-    o = (routing or {}).get("overall", {})
-
-    def cell(key: str, width: int, fmt: str) -> str:
-        v = o.get(key)
-        return f"{'-':>{width}}" if v is None else f"{v:>{width}{fmt}}"
-
-    return cell("max_mean", 9, ".2f") + cell("dropped_frac", 8, ".1%") + cell("noop_share", 7, ".1%") \
-        + cell("blocks_per_token", 11, ".2f")
 
 
 def markdown_table(results: dict) -> str:
     """The comparison as a Markdown table (written as compare.md, pasted into docs)."""
-    head = ("| variant | val loss | vs dense | fwd FLOP/token | vs dense | params | steps | tokens | causal acc "
-            "| routed | AR gap | max/mean load | dropped | no-op | blocks/token |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    cols = [c for c in _COLUMNS if c[5] is not None]
+    lines = ["| variant | " + " | ".join(c[5] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, r in results.items():
-        c, o = r.get("causal") or {}, (r.get("routing") or {}).get("overall", {})
-
-        def fmt(v, spec: str) -> str:
-            return "–" if v is None else format(v, spec)
-
-        lines.append(
-            f"| {name} | {r['val_loss']:.4f} | {fmt(r.get('loss_ratio'), '.4f')} | {r['fwd_flops_per_token']:.3e} "
-            f"| {r['flop_ratio']:.3f} | {r['params']:,} | {r['steps']} | {r['tokens']:,} "
-            f"| {fmt(c.get('causal_accuracy'), '.1%')} | {fmt(c.get('routed_fraction'), '.1%')} "
-            f"| {fmt(c.get('ar_gap'), '+.2%')} | {fmt(o.get('max_mean'), '.2f')} | {fmt(o.get('dropped_frac'), '.1%')} "
-            f"| {fmt(o.get('noop_share'), '.1%')} | {fmt(o.get('blocks_per_token'), '.2f')} |")
+        cells = [_cell(r, key, where, fmt, "–") for key, where, _, _, fmt, _ in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
