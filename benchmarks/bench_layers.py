@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import fwd_bwd_step, machine_info, print_table, time_pair, write_json  # noqa: E402
+from benchmarks.common import add_malloc_arg, apply_malloc, fwd_bwd_step, machine_info, print_table, time_pair, write_json  # noqa: E402
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
 
-FULL = dict(tokens=4096, d_model=512, expert_hidden=2048, mod_batch=8, mod_seq=512, n_heads=8, warmup=1, repeats=4)
+FULL = dict(tokens=4096, d_model=512, expert_hidden=2048, mod_batch=8, mod_seq=512, n_heads=8, warmup=3, repeats=5)
 QUICK = dict(tokens=512, d_model=128, expert_hidden=512, mod_batch=2, mod_seq=256, n_heads=4, warmup=1, repeats=3)
 TOP_KS = (1, 2)
 NUM_EXPERTS = (8, 64)
@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="torch.set_num_threads(N) before timing (default: leave torch's default)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--seed", type=int, default=0)
+    add_malloc_arg(p)
     args = p.parse_args(argv)
+    malloc = apply_malloc(args.malloc)
 
     cfg = dict(QUICK if args.quick else FULL)
     for key in ("repeats", "warmup"):
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     payload = dict(
         benchmark="bench_layers",
         command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-        config=cfg, device=str(device), dtype="float32", machine=info,
+        config=cfg, device=str(device), dtype="float32", machine=info, malloc=malloc,
         notes=("ratio = candidate / baseline wall time of forward+backward, median of interleaved pairs; "
                "cpu_ratio_median: the same with process CPU time (all threads). "
                "MoE: token-choice, dropless; baseline MLP hidden = top_k * expert_hidden (same active FLOPs). "

@@ -1,6 +1,6 @@
 """All performance targets of the library in one run: ratios measured side by side, medians after warm-up.
 
-    PYTHONPATH=. python benchmarks/bench_performance.py [--quick] [--threads N] [--no-compile]
+    PYTHONPATH=. python benchmarks/bench_performance.py [--quick] [--threads N] [--no-compile] [--malloc glibc]
 
 1. MoE layer fwd+bwd / dense MLP with the same active FLOPs (top-1/top-2, 8/64 experts, 4096 tokens,
    d=512, float32), both expert backends                          (target <= 1.10)
@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_layers import FULL, QUICK, bench_mod, bench_moe  # noqa: E402
-from benchmarks.common import fwd_bwd_step, machine_info, print_table, time_pair, write_json  # noqa: E402
+from benchmarks.common import add_malloc_arg, apply_malloc, fwd_bwd_step, machine_info, print_table, time_pair, write_json  # noqa: E402
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
 from mode.flops import forward_flops_per_token  # noqa: E402
 from mode.model import LM, LMConfig, alternate  # noqa: E402
@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile section (~2 min)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/performance[_quick].json)")
     p.add_argument("--seed", type=int, default=0)
+    add_malloc_arg(p)
     args = p.parse_args(argv)
+    malloc = apply_malloc(args.malloc)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = dict(QUICK if args.quick else FULL)
@@ -146,13 +148,14 @@ def main(argv: list[str] | None = None) -> dict:
     print()
     print_table(rows, [("case", "case", ""), ("backend", "backend", ""), ("ratio_median", "ratio", ".3f"),
                        ("spread", "min-max", ""), ("flop_ratio", "FLOP ratio", ".3f"), ("target", "target", ".3f"),
-                       ("meets_target", "met", "")])
+                       ("meets_target", "met", ""), ("candidate_faults_median", "faults cand", ".0f"),
+                       ("baseline_faults_median", "faults base", ".0f")])
     print(f"\nGPU: {gpu_note}", file=sys.stderr)
     out = args.out or str(ROOT / "benchmarks" / "results" / ("performance_quick.json" if args.quick
                                                             else "performance.json"))
     payload = dict(benchmark="bench_performance",
                    command=" ".join(["bench_performance.py"] + (argv if argv is not None else sys.argv[1:])),
-                   machine=info, gpu=gpu_note, config=cfg, results=rows)
+                   machine=info, malloc=malloc, gpu=gpu_note, config=cfg, results=rows)
     print(f"wrote {write_json(out, payload)}", file=sys.stderr)
     return payload
 

@@ -8,6 +8,8 @@ Thread count is left at torch's default; it is recorded with the results.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -33,6 +35,30 @@ def machine_info() -> dict:
     if hasattr(os, "getloadavg"):
         info["loadavg_1_5_15_at_start"] = [round(v, 2) for v in os.getloadavg()]
     return info
+
+
+def add_malloc_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--malloc", choices=("retain", "glibc"), default="retain",
+                        help="retain: keep freed CPU memory in the process (mode.cpu_allocator, the default); "
+                             "glibc: the C library's defaults, which unmap every block above 32 MiB on free")
+
+
+def apply_malloc(choice: str) -> dict:
+    """Apply ``--malloc`` once, before anything is timed; the returned dict goes into the JSON."""
+    if choice == "glibc":
+        return dict(malloc="glibc", applied=False, reason="glibc defaults")
+    from mode.cpu_allocator import retain_freed_memory
+
+    return dict(malloc="retain", **dataclasses.asdict(retain_freed_memory()))
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (0 where ``resource`` is unavailable)."""
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def sync(device: torch.device) -> None:
@@ -65,14 +91,16 @@ def fwd_bwd_step(module: nn.Module, x: Tensor, grad_out: Tensor) -> Callable[[],
 def time_pair(candidate: Callable[[], None], baseline: Callable[[], None], *, warmup: int, repeats: int,
               device: torch.device) -> dict:
     """Warm both up, then ``repeats`` interleaved pairs; returns wall-clock medians (seconds), the median
-    of the per-pair wall-clock ratios, and the same ratio in process CPU time."""
+    of the per-pair wall-clock ratios, the same ratio in process CPU time, and the median minor page
+    faults per call of each side."""
 
-    def timed(fn: Callable[[], None]) -> tuple[float, float]:
+    def timed(fn: Callable[[], None]) -> tuple[float, float, int]:
         sync(device)
+        f0 = minor_faults()
         t0, c0 = time.perf_counter(), time.process_time()
         fn()
         sync(device)
-        return time.perf_counter() - t0, time.process_time() - c0
+        return time.perf_counter() - t0, time.process_time() - c0, minor_faults() - f0
 
     for _ in range(warmup):
         candidate()
@@ -85,11 +113,11 @@ def time_pair(candidate: Callable[[], None], baseline: Callable[[], None], *, wa
         else:
             base.append(timed(baseline))
             cand.append(timed(candidate))
-    cand_s, base_s = [w for w, _ in cand], [w for w, _ in base]
+    cand_s, base_s = [w for w, _, _ in cand], [w for w, _, _ in base]
     ratios = [c / b for c, b in zip(cand_s, base_s)]
     # CPU time of this process (all its threads): less sensitive to being descheduled by other processes,
     # but it also counts threads spin-waiting, so it is a second view, not a replacement for wall time.
-    cpu_ratios = [c / b for (_, c), (_, b) in zip(cand, base) if b > 0]
+    cpu_ratios = [c / b for (_, c, _), (_, b, _) in zip(cand, base) if b > 0]
     return {
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
@@ -99,8 +127,11 @@ def time_pair(candidate: Callable[[], None], baseline: Callable[[], None], *, wa
         "candidate_s": cand_s,
         "baseline_s": base_s,
         "cpu_ratio_median": statistics.median(cpu_ratios) if cpu_ratios else None,
-        "candidate_cpu_s": [c for _, c in cand],
-        "baseline_cpu_s": [c for _, c in base],
+        "candidate_cpu_s": [c for _, c, _ in cand],
+        "baseline_cpu_s": [c for _, c, _ in base],
+        # page faults per call: fresh memory from the OS being touched (see mode/cpu_allocator.py)
+        "candidate_faults_median": statistics.median(f for _, _, f in cand),
+        "baseline_faults_median": statistics.median(f for _, _, f in base),
     }
 
 
