@@ -3,7 +3,8 @@
     PYTHONPATH=. python benchmarks/bench_performance.py [--quick] [--threads N] [--no-compile] [--malloc glibc]
 
 1. MoE layer fwd+bwd / dense MLP with the same active FLOPs (top-1/top-2, 8/64 experts, 4096 tokens,
-   d=512, float32), both expert backends                          (target <= 1.10)
+   d=512, float32), both expert backends                          (target <= 1.10);
+   and E=64 with expert-choice routing (every expert exactly tokens/64 rows: no load imbalance)
 2. MoD block at capacity 0.125 / dense block                       (target <= FLOP ratio + 0.07)
 3. MoD LM training step (12.5%, every other block) / dense LM step, same parameters, sequence 512
                                                                    (target <= 0.62; FLOP ratio ~0.56)
@@ -27,11 +28,30 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_layers import FULL, QUICK, bench_mod, bench_moe  # noqa: E402
+from benchmarks.bench_layers import FULL, QUICK, bench_mod, bench_moe, moe_flop_ratio  # noqa: E402
 from benchmarks.common import add_malloc_arg, apply_malloc, fwd_bwd_step, machine_info, print_table, time_pair, write_json  # noqa: E402
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
 from mode.flops import forward_flops_per_token  # noqa: E402
 from mode.model import LM, LMConfig, alternate  # noqa: E402
+
+
+def bench_moe_balanced(cfg: dict, device: torch.device, seed: int) -> dict:
+    """E=64 with every expert taking exactly tokens/64 rows (expert-choice routing, capacity factor 1):
+    the same active FLOPs as top-1, without the load imbalance of an untrained token-choice router."""
+    d, h, T, e = cfg["d_model"], cfg["expert_hidden"], cfg["tokens"], 64
+    torch.manual_seed(seed)
+    x = torch.randn(1, T, d, device=device, requires_grad=True)
+    g = torch.randn(1, T, d, device=device)
+    dense = MLP(d, h).to(device)
+    moe = MoELayer.from_config(MoEConfig(d_model=d, d_hidden=h, num_experts=e, router="expert_choice",
+                                         capacity_factor=1.0, backend="grouped")).to(device)
+    res = time_pair(fwd_bwd_step(moe, x, g), fwd_bwd_step(dense, x, g), warmup=cfg["warmup"],
+                    repeats=cfg["repeats"], device=device)
+    row = dict(case=f"MoE expert-choice E={e} ({T // e} rows each) / MLP h={h}", kind="moe", backend="grouped",
+               top_k=None, num_experts=e, tokens=T, flop_ratio=moe_flop_ratio(d, h, 1, e), target=1.10,
+               load_max_over_mean=1.0, **res)
+    print(f"  {row['case']:<40} ratio {res['ratio_median']:.3f}", file=sys.stderr, flush=True)
+    return row
 
 
 def bench_lm_step(quick: bool, device: torch.device, seed: int, warmup: int, repeats: int) -> dict:
@@ -129,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = bench_moe(cfg, device, args.seed)
     for r in rows:
         r["target"] = 1.10
+    rows.append(bench_moe_balanced(cfg, device, args.seed))
     mod_row = bench_mod(cfg, device, args.seed)
     mod_row["target"] = mod_row["flop_ratio"] + 0.07
     rows.append(mod_row)

@@ -21,6 +21,7 @@ def test_bench_performance_quick_writes_every_case(tmp_path):
     assert payload["malloc"]["malloc"] == "retain"
     cases = [r["case"] for r in payload["results"]]
     assert sum(c.startswith("MoE top-") for c in cases) == 8  # top-1/2 x E=8/64 x reference/grouped
+    assert any(c.startswith("MoE expert-choice E=64") for c in cases)
     assert any(c.startswith("MoD c=0.125") for c in cases) and any(c.startswith("MoD LM step") for c in cases)
     for row in payload["results"]:
         assert math.isfinite(row["ratio_median"]) and row["ratio_median"] > 0, row
