@@ -56,6 +56,18 @@ def variants(base: LMConfig, causal: str = "predictor") -> dict[str, LMConfig]:
     }
 
 
+def extra_variants(base: LMConfig) -> dict[str, LMConfig]:
+    """Variants trained only when named in ``only`` (not part of the default six).
+
+    ``integrated_mode_matched``: integrated MoDE with 7 no-op experts per real expert, so that under
+    balanced routing 1/8 of the tokens reach an MLP expert, as 1/8 of the tokens pass MoD's capacity. Its
+    per-token FLOPs (0.60 of dense at the default preset) then sit next to staged MoDE's (0.58), where the
+    default integrated variant (as many no-ops as experts, 0.76) does not.
+    """
+    n = base.n_layers
+    return {"integrated_mode_matched": replace(base, layers=("integrated",) * n, num_noop=7 * base.num_experts)}
+
+
 def _routing_summary(history: list[dict]) -> dict:
     last = [r for r in history if "routing" in r]
     return last[-1]["routing"] if last else {}
@@ -67,11 +79,14 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
     p = preset(quick)
     base = p.model
     models = variants(base, causal)
+    extras = extra_variants(base)
     if dense_steps is not None:
         _checks.check_int("dense_steps", dense_steps)
-    unknown = [name for name in only or () if name not in models]
+    unknown = [name for name in only or () if name not in models and name not in extras]
     if unknown:  # a typo must not silently train nothing
-        raise ValueError(f"only={only!r}: unknown variant {unknown[0]!r}; must be among {', '.join(models)}")
+        raise ValueError(f"only={only!r}: unknown variant {unknown[0]!r}; must be among "
+                         f"{', '.join([*models, *extras])}")
+    models.update({name: cfg for name, cfg in extras.items() if name in (only or ())})
     steps_dense = p.dense_steps if dense_steps is None else dense_steps  # 0 is an error, not "the default"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

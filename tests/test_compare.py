@@ -12,7 +12,7 @@ import pytest
 
 import mode.data
 from mode.cli import main
-from mode.compare import format_table, preset, run_compare, variants
+from mode.compare import extra_variants, format_table, preset, run_compare, variants
 from mode.flops import forward_flops_per_token, train_flops_per_token
 
 NAMES = ["dense", "mod", "mod_random", "moe", "staged_mode", "integrated_mode"]
@@ -165,6 +165,21 @@ def test_cli_bad_arguments_are_clean_errors(tmp_path, capsys, argv, msg):
     assert rc == 2
     assert msg in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # rejected before any work
+
+
+def test_matched_integrated_variant_runs_on_request_at_about_staged_flops(tmp_path):
+    report = run_compare(tmp_path, quick=True, dense_steps=2, only=["integrated_mode_matched"], progress=False)
+    assert list(report["results"]) == ["integrated_mode_matched"]  # extras never join the default six
+    base = preset(True).model
+    matched = extra_variants(base)["integrated_mode_matched"]
+    assert matched.num_noop == 7 * base.num_experts and set(matched.layers) == {"integrated"}
+    staged = variants(base)["staged_mode"]
+    dense_fwd = forward_flops_per_token(variants(base)["dense"])
+    staged_ratio = forward_flops_per_token(staged) / dense_fwd
+    matched_ratio = report["results"]["integrated_mode_matched"]["flop_ratio"]
+    default_ratio = forward_flops_per_token(variants(base)["integrated_mode"]) / dense_fwd
+    assert abs(matched_ratio - staged_ratio) < abs(default_ratio - staged_ratio)
+    assert abs(matched_ratio - staged_ratio) < 0.1
 
 
 def test_run_compare_rejects_unknown_variant_before_training(tmp_path):
