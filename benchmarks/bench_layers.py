@@ -11,7 +11,8 @@
 
 Every number is forward + backward, candidate and baseline interleaved (see benchmarks/common.py);
 the ratio column is the median of per-pair ratios. Results go to benchmarks/results/layers.json
-(layers_quick.json with --quick) unless --out is given.
+(layers_quick.json with --quick) unless --out is given. Large CPU blocks are kept by malloc across steps
+(``--malloc retain``, the default; ``--malloc glibc`` for the C library's defaults, see mode/cpu_allocator.py).
 
 FLOP convention (forward; backward is 2x forward for every matmul, so the fwd+bwd ratio is the same):
 a (m, k) @ (k, n) matmul costs 2mkn; attention scores and values count the full S x S product (no causal

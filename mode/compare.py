@@ -164,11 +164,12 @@ def _cell(r: dict, key: str, where: str, fmt: str, missing: str) -> str:
 def format_table(results: dict) -> str:
     """The comparison as the fixed-width table `mode compare` prints."""
     cols = [c for c in _COLUMNS if c[3] is not None]
-    head = f"{'variant':<16}" + "".join(f"{c[2]:>{c[3]}}" for c in cols)
+    first = max([16, *(len(name) + 1 for name in results)])
+    head = f"{'variant':<{first}}" + "".join(f"{c[2]:>{c[3]}}" for c in cols)
     lines = [head, "-" * len(head)]
     for name, r in results.items():
-        lines.append(f"{name:<16}" + "".join(_cell(r, key, where, fmt, "-").rjust(width)
-                                            for key, where, _, width, fmt, _ in cols))
+        lines.append(f"{name:<{first}}" + "".join(_cell(r, key, where, fmt, "-").rjust(width)
+                                               for key, where, _, width, fmt, _ in cols))
     return "\n".join(lines)
 
 
