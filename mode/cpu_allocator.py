@@ -65,7 +65,7 @@ def retain_freed_memory(*, mmap_threshold: int = GIB, trim_threshold: int = INT_
     mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    # the thresholds first: with the trim threshold set first, glibc would still unmap large blocks
+    # setting either threshold also turns off glibc's own adjustment of them (its dynamic mmap threshold)
     for name, param, value in (("mmap_threshold", _M_MMAP_THRESHOLD, mmap_threshold),
                                ("trim_threshold", _M_TRIM_THRESHOLD, trim_threshold),
                                ("top_pad", _M_TOP_PAD, top_pad)):
