@@ -16,8 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/compare", help="output folder (JSON, PNG, logs, checkpoints)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dense-steps", type=int, help="budget = this many steps of the dense model")
-    p.add_argument("--only", nargs="+", help="train only these variants (also: integrated_mode_matched, "
-                                             "integrated MoDE at about staged MoDE's per-token FLOPs)")
+    p.add_argument("--only", nargs="+", help="train only these variants (also: integrated_mode_matched and "
+                                             "staged_mode_matched, staged and integrated MoDE paired at about "
+                                             "equal per-token FLOPs; see docs/compare.md)")
     p.add_argument("--causal", default="predictor", choices=("predictor", "aux_bce"),
                    help="causal routing method the learned MoD variants train for sampling")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; use 1 when other "

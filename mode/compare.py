@@ -56,16 +56,21 @@ def variants(base: LMConfig, causal: str = "predictor") -> dict[str, LMConfig]:
     }
 
 
-def extra_variants(base: LMConfig) -> dict[str, LMConfig]:
-    """Variants trained only when named in ``only`` (not part of the default six).
+def extra_variants(base: LMConfig, causal: str = "predictor") -> dict[str, LMConfig]:
+    """Variants trained only when named in ``only`` (not part of the default six): staged and integrated
+    MoDE paired at matching per-token FLOPs, each pair sending the same nominal share of tokens to work.
 
     ``integrated_mode_matched``: integrated MoDE with 7 no-op experts per real expert, so that under
-    balanced routing 1/8 of the tokens reach an MLP expert, as 1/8 of the tokens pass MoD's capacity. Its
-    per-token FLOPs (0.60 of dense at the default preset) then sit next to staged MoDE's (0.58), where the
-    default integrated variant (as many no-ops as experts, 0.76) does not.
+    balanced routing 1/8 of the tokens reach an MLP expert, as 1/8 of the tokens pass staged MoDE's
+    capacity (per-token FLOPs 0.60 of dense at the default preset, staged MoDE's are 0.58).
+    ``staged_mode_matched``: staged MoDE at capacity 0.5, the share of tokens that the default integrated
+    MoDE (as many no-ops as experts) sends to a real expert (0.74 of dense per token; integrated 0.76).
     """
     n = base.n_layers
-    return {"integrated_mode_matched": replace(base, layers=("integrated",) * n, num_noop=7 * base.num_experts)}
+    return {
+        "integrated_mode_matched": replace(base, layers=("integrated",) * n, num_noop=7 * base.num_experts),
+        "staged_mode_matched": replace(base, layers=alternate(n, "moe", "staged"), capacity=0.5, causal=causal),
+    }
 
 
 def _routing_summary(history: list[dict]) -> dict:
@@ -79,7 +84,7 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
     p = preset(quick)
     base = p.model
     models = variants(base, causal)
-    extras = extra_variants(base)
+    extras = extra_variants(base, causal)
     if dense_steps is not None:
         _checks.check_int("dense_steps", dense_steps)
     unknown = [name for name in only or () if name not in models and name not in extras]

@@ -167,19 +167,26 @@ def test_cli_bad_arguments_are_clean_errors(tmp_path, capsys, argv, msg):
     assert not (tmp_path / "out").exists()  # rejected before any work
 
 
-def test_matched_integrated_variant_runs_on_request_at_about_staged_flops(tmp_path):
-    report = run_compare(tmp_path, quick=True, dense_steps=2, only=["integrated_mode_matched"], progress=False)
-    assert list(report["results"]) == ["integrated_mode_matched"]  # extras never join the default six
+def test_matched_pairs_run_on_request_at_about_equal_flops(tmp_path):
+    names = ["integrated_mode_matched", "staged_mode_matched"]
+    report = run_compare(tmp_path, quick=True, dense_steps=2, only=names, progress=False)
+    assert list(report["results"]) == names  # extras never join the default six
     base = preset(True).model
-    matched = extra_variants(base)["integrated_mode_matched"]
-    assert matched.num_noop == 7 * base.num_experts and set(matched.layers) == {"integrated"}
-    staged = variants(base)["staged_mode"]
-    dense_fwd = forward_flops_per_token(variants(base)["dense"])
-    staged_ratio = forward_flops_per_token(staged) / dense_fwd
-    matched_ratio = report["results"]["integrated_mode_matched"]["flop_ratio"]
-    default_ratio = forward_flops_per_token(variants(base)["integrated_mode"]) / dense_fwd
-    assert abs(matched_ratio - staged_ratio) < abs(default_ratio - staged_ratio)
-    assert abs(matched_ratio - staged_ratio) < 0.1
+    default, extra = variants(base), extra_variants(base)
+    assert extra["integrated_mode_matched"].num_noop == 7 * base.num_experts
+    assert extra["staged_mode_matched"].capacity == 0.5 and extra["staged_mode_matched"].causal == "predictor"
+    dense_fwd = forward_flops_per_token(default["dense"])
+
+    def ratio(cfg):
+        return forward_flops_per_token(cfg) / dense_fwd
+
+    # each matched variant sits closer to its partner's per-token FLOPs than the default variant does
+    for matched, partner, unmatched in (("integrated_mode_matched", "staged_mode", "integrated_mode"),
+                                        ("staged_mode_matched", "integrated_mode", "staged_mode")):
+        got = report["results"][matched]["flop_ratio"]
+        assert abs(got - ratio(extra[matched])) < 1e-9
+        assert abs(got - ratio(default[partner])) < 0.1
+        assert abs(got - ratio(default[partner])) < abs(ratio(default[unmatched]) - ratio(default[partner]))
 
 
 def test_run_compare_rejects_unknown_variant_before_training(tmp_path):
