@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_decode.py            # default run (a few minutes on 2 CPU cores)
     PYTHONPATH=. python benchmarks/bench_decode.py --quick    # smoke run, small shapes, seconds
+    PYTHONPATH=. python benchmarks/bench_decode.py --device cuda   # on the GPU (cuda:N, auto also work)
 
 Models: decoder-only LMs with d_model 512, 8 layers, 8 heads, MLP hidden 4 * d_model, seq_len 1024,
 byte vocabulary. The MoD LM routes every other block (layers 1, 3, 5, 7) with capacity 0.125 and
@@ -48,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine_info, print_table, write_json  # noqa: E402
+from benchmarks.common import add_device_arg, machine_info, print_table, sync, write_json  # noqa: E402
 from mode.data import stdlib_corpus  # noqa: E402
 from mode.layers.mod import MoD  # noqa: E402
 from mode.model import LM, LMConfig, alternate  # noqa: E402
@@ -61,13 +62,13 @@ QUICK = dict(d_model=128, n_layers=4, n_heads=4, seq_len=256, prompt=32, new=32,
 CAPACITY = 0.125
 
 
-def build(cfg: dict, mod: bool, seed: int) -> LM:
+def build(cfg: dict, mod: bool, seed: int, device: torch.device) -> LM:
     torch.manual_seed(seed)
     kind = "mod" if mod else "dense"
     lcfg = LMConfig(vocab_size=256, seq_len=cfg["seq_len"], d_model=cfg["d_model"], n_heads=cfg["n_heads"],
                     d_hidden=4 * cfg["d_model"], layers=alternate(cfg["n_layers"], "dense", kind),
                     capacity=CAPACITY, causal="predictor" if mod else "none")
-    return LM(lcfg).eval()
+    return LM(lcfg).eval().to(device)
 
 
 def text_windows(n: int, length: int, seed: int) -> torch.Tensor:
@@ -82,6 +83,7 @@ def text_windows(n: int, length: int, seed: int) -> torch.Tensor:
 def calibrate(model: LM, x_BS: torch.Tensor, fraction: float, start: int = 0) -> None:
     """Set each predictor's output bias so that ``fraction`` of the tokens of ``x_BS`` at positions >= ``start``
     route under causal routing (layer by layer: a layer's input depends on the routing before it)."""
+    x_BS = x_BS.to(model.embed.weight.device)
     for i, layer in enumerate(model.layers):
         if not isinstance(layer, MoD):
             continue
@@ -106,8 +108,11 @@ def calibrate_on_own_decode(model: LM, prompts: list[list[int]], new: int, fract
 @torch.no_grad()
 def run_once(model: LM, prompts: list[list[int]], new: int) -> dict:
     """Greedy prefill + decode exactly as ``generate(temperature=0)`` does it, timed per phase."""
+    device = model.embed.weight.device
+    sync(device)  # on a GPU the clock must not start while earlier work is still queued
     t0 = time.perf_counter()
     logits_BV, caches, pos_B = prefill(model, prompts, max(map(len, prompts)) + new)
+    sync(device)
     t1 = time.perf_counter()
     out = []
     for step in range(new):
@@ -117,6 +122,7 @@ def run_once(model: LM, prompts: list[list[int]], new: int) -> dict:
             break
         logits_BV = decode_step(model, next_B, pos_B, caches)
         pos_B = pos_B + 1
+    sync(device)
     t2 = time.perf_counter()
     return dict(prefill_s=t1 - t0, decode_s=t2 - t1, tokens=torch.stack(out, 1).tolist(), caches=caches)
 
@@ -220,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="torch.set_num_threads(N) before timing; 0 leaves torch's default (default: 1, see the "
                         "module doc)")
     p.add_argument("--seed", type=int, default=0)
+    add_device_arg(p)
     args = p.parse_args(argv)
 
     cfg = dict(QUICK if args.quick else FULL)
@@ -234,9 +241,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     out = args.out or str(ROOT / "benchmarks" / "results" / ("decode_quick.json" if args.quick else "decode.json"))
 
-    info = machine_info()
-    print(f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs", file=sys.stderr)
-    mod, dense = build(cfg, True, args.seed), build(cfg, False, args.seed)
+    info = machine_info(args.device)
+    print(f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {args.device} "
+          f"({info['device_name']})", file=sys.stderr)
+    mod, dense = build(cfg, True, args.seed, args.device), build(cfg, False, args.seed, args.device)
     prompts_all = text_windows(max(cfg["batches"]), cfg["prompt"], args.seed).tolist()
     calibrate(mod, text_windows(8, cfg["prompt"] + cfg["new"], args.seed + 1), CAPACITY)  # a first guess
     rows = []
@@ -257,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
         command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         config={**cfg, "capacity": CAPACITY, "mod_layers": "every other block (1, 3, ...)", "causal": "predictor",
                 "mlp_hidden": 4 * cfg["d_model"], "vocab_size": 256},
-        device="cpu", dtype="float32", machine=info,
+        device=str(args.device), dtype="float32", machine=info,
         notes=("speedup = dense decode time / MoD decode time, median of interleaved repeats; tok/s = "
                "batch * (new_tokens - 1) decode-step tokens / median decode time. routed = fraction of decode "
                "tokens the MoD layers sent through their block (target: capacity), after calibrating the "

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_expert_parallel.py            # default run (a few minutes, 2 CPU cores)
     PYTHONPATH=. python benchmarks/bench_expert_parallel.py --quick    # smoke run
+    PYTHONPATH=. python benchmarks/bench_expert_parallel.py --device cuda   # NCCL, one GPU per rank
 
 (a) Bytes. For EP = 2 and 4 ranks (gloo, CPU), a few training steps of a small LM with MoE layers,
     integrated-MoDE layers (no-op experts) and a capacity limit (dropped tokens). Every call of
@@ -22,6 +23,10 @@
     EP=4 oversubscribes it: the ratios show the cost of sharding and exchanging on one machine, not a
     multi-GPU speed-up.
 
+With ``--device cuda`` the ranks are NCCL processes, one GPU each (set up by ``mode.distributed.init_distributed``,
+as ``torchrun`` would), for EP = 1, 2 and 4 as far as the machine has GPUs; the baseline is EP = 1 (the same
+trainer on one GPU, all-to-alls to itself), since ``mode.train.Trainer`` has no device argument.
+
 Results go to benchmarks/results/expert_parallel.json (expert_parallel_quick.json with --quick).
 """
 
@@ -35,7 +40,6 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, replace
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -44,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine_info, print_table, write_json  # noqa: E402
+from benchmarks.common import add_device_arg, machine_info, print_table, sync, write_json  # noqa: E402
 from mode.data import stdlib_corpus  # noqa: E402
 from mode.model import LMConfig  # noqa: E402
 from mode.train import Trainer, TrainConfig  # noqa: E402
@@ -103,18 +107,21 @@ def _phase(counter: _ByteCounter, fn, phase: str):
     return wrapped
 
 
-def _worker(rank: int, world: int, store: str, out_dir: str, model_cfg: dict, cfg: dict) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg: dict, backend: str) -> None:
     import torch.distributed as dist
 
+    from mode import distributed as mdist
     from mode.parallel.ep_model import expert_parallel_layers
     from mode.parallel.train_ep import ExpertParallelTrainer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    # the environment torchrun would set, then the library's own set-up (NCCL: cuda:rank, device_id, NCCL env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    device = mdist.init_distributed(backend, timeout_s=120).device
     mcfg = LMConfig(**model_cfg)
     trainer = ExpertParallelTrainer(mcfg, TRAIN, stdlib_corpus(max_bytes=CORPUS_BYTES), Path(out_dir) / "run",
-                                    progress=False)
+                                    device=device, progress=False)
     layers = expert_parallel_layers(trainer.model)
     L = mcfg.num_experts // world
     D, esize = mcfg.d_model, trainer.model.embed.weight.element_size()
@@ -123,7 +130,8 @@ def _worker(rank: int, world: int, store: str, out_dir: str, model_cfg: dict, cf
     minimum = {"rows": 0, "noop": 0, "dropped": 0, "dispatch_calls": []}
 
     def plan_hook(module, inputs, plan):
-        remote = int((plan.expert_idx_A // L != rank).sum())
+        computed = int(plan.counts_E.sum())  # a plan may end in padding after its computed assignments
+        remote = int((plan.expert_idx_A[:computed] // L != rank).sum())
         minimum["rows"] += remote
         minimum["dispatch_calls"].append(remote * D * esize)
         st = plan.aux.stats["router"]
@@ -152,8 +160,10 @@ def _worker(rank: int, world: int, store: str, out_dir: str, model_cfg: dict, cf
     times = []
     for _ in range(cfg["timed"]):
         dist.barrier()
+        sync(device)
         t0 = time.perf_counter()
         trainer.train_step()
+        sync(device)  # a GPU step ends when its kernels do, not when they are queued
         times.append(time.perf_counter() - t0)
     result = {"sent": counter.sent, "dispatch_calls_actual": counter.dispatch_calls,
               "dispatch_calls_min": minimum["dispatch_calls"], "min_bytes": minimum["rows"] * D * esize,
@@ -163,12 +173,14 @@ def _worker(rank: int, world: int, store: str, out_dir: str, model_cfg: dict, cf
     dist.destroy_process_group()
 
 
-def run_ep(world: int, model_cfg: LMConfig, cfg: dict, tmp: Path) -> list[dict]:
+def run_ep(world: int, model_cfg: LMConfig, cfg: dict, tmp: Path, backend: str = "gloo") -> list[dict]:
     import torch.multiprocessing as mp
+
+    from mode.distributed import free_port
 
     out = tmp / f"ep{world}"
     out.mkdir()
-    mp.start_processes(_worker, args=(world, str(tmp / f"store{world}"), str(out), asdict(model_cfg), cfg),
+    mp.start_processes(_worker, args=(world, free_port(), str(out), asdict(model_cfg), cfg, backend),
                        nprocs=world, join=True, start_method="spawn")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -195,27 +207,40 @@ def _time_trainer(model_cfg: LMConfig, cfg: dict, tmp: Path) -> list[float]:
     return times
 
 
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None  # EP = 1 sends nothing: no ratio
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/expert_parallel[_quick].json)")
+    add_device_arg(p)
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     model_cfg = QUICK_MODEL if args.quick else MODEL
-    info = machine_info()
+    device = args.device
+    cuda = device.type == "cuda"
+    info = machine_info(device)
     rows = []
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
-        base_before = single_process_times(model_cfg, cfg, tmp / "sp_before")
-        one_before = single_process_times(model_cfg, cfg, tmp / "sp1_before", threads=1)
-        ep = {w: run_ep(w, model_cfg, cfg, tmp) for w in WORLDS}
-        base_after = single_process_times(model_cfg, cfg, tmp / "sp_after")
-        one_after = single_process_times(model_cfg, cfg, tmp / "sp1_after", threads=1)
+        if cuda:  # one GPU per rank; EP = 1 (one GPU) is the baseline
+            worlds = tuple(w for w in (1, *WORLDS) if w <= torch.cuda.device_count())
+            ep = {w: run_ep(w, model_cfg, cfg, tmp, "nccl") for w in worlds}
+            base_before = base_after = one_before = one_after = ep[1][0]["times"]
+        else:
+            base_before = single_process_times(model_cfg, cfg, tmp / "sp_before")
+            one_before = single_process_times(model_cfg, cfg, tmp / "sp1_before", threads=1)
+            ep = {w: run_ep(w, model_cfg, cfg, tmp) for w in WORLDS}
+            base_after = single_process_times(model_cfg, cfg, tmp / "sp_after")
+            one_after = single_process_times(model_cfg, cfg, tmp / "sp1_after", threads=1)
     base = statistics.median(base_before + base_after)
     one = statistics.median(one_before + one_after)
-    rows.append({"ranks": 1, "threads": info["torch_threads"], "step_ms": base * 1e3, "vs_single": 1.0,
-                 "vs_single_1t": base / one})
-    rows.append({"ranks": 1, "threads": 1, "step_ms": one * 1e3, "vs_single": one / base, "vs_single_1t": 1.0})
+    if not cuda:
+        rows.append({"ranks": 1, "threads": info["torch_threads"], "step_ms": base * 1e3, "vs_single": 1.0,
+                     "vs_single_1t": base / one})
+        rows.append({"ranks": 1, "threads": 1, "step_ms": one * 1e3, "vs_single": one / base, "vs_single_1t": 1.0})
     for w, res in ep.items():
         min_bytes = sum(r["min_bytes"] for r in res)
         sent = {k: sum(r["sent"][k] for r in res) for k in ("dispatch", "combine", "backward", "counts")}
@@ -225,35 +250,43 @@ def main(argv: list[str] | None = None) -> dict:
         step = statistics.median(res[0]["times"])
         rows.append({
             "ranks": w, "threads": 1, "step_ms": step * 1e3, "vs_single": step / base, "vs_single_1t": step / one,
-            "dispatch_ratio": sent["dispatch"] / min_bytes, "combine_ratio": sent["combine"] / min_bytes,
-            "backward_ratio": sent["backward"] / (2 * min_bytes),
-            "per_call_ratio_min": min(per_call), "per_call_ratio_max": max(per_call), "every_call_exact": calls_match,
+            "dispatch_ratio": _ratio(sent["dispatch"], min_bytes), "combine_ratio": _ratio(sent["combine"], min_bytes),
+            "backward_ratio": _ratio(sent["backward"], 2 * min_bytes),
+            "per_call_ratio_min": min(per_call, default=None), "per_call_ratio_max": max(per_call, default=None),
+            "every_call_exact": calls_match,
             "min_bytes": min_bytes, "dispatch_bytes": sent["dispatch"], "combine_bytes": sent["combine"],
             "backward_bytes": sent["backward"], "counts_bytes": sent["counts"],
             "noop_assignments": sum(r["noop"] for r in res), "dropped_assignments": sum(r["dropped"] for r in res),
             "dispatch_calls": sum(len(r["dispatch_calls_actual"]) for r in res),
             "step_s_rank0": res[0]["times"],
         })
-    print(f"\nExpert-parallel bytes and step time (gloo, CPU; {info['cpu_count']} cores; torch {info['torch']})")
+    where = (f"NCCL, one {info['device_name']} per rank" if cuda
+             else f"gloo, CPU; {info['cpu_count']} cores")
+    print(f"\nExpert-parallel bytes and step time ({where}; torch {info['torch']})")
     print(f"model: layers {','.join(model_cfg.layers)}, d_model {model_cfg.d_model}, E={model_cfg.num_experts} "
           f"(+{model_cfg.num_noop} no-op), top-{model_cfg.top_k}, capacity factor {model_cfg.capacity_factor}; "
           f"global batch {TRAIN.batch_size} x {model_cfg.seq_len}\n")
-    print_table(rows, [("ranks", "ranks", "d"), ("threads", "threads/rank", "d"), ("dispatch_ratio", "dispatch/min", ".2f"),
+    times = ([("vs_single", "step / EP=1", ".2f")] if cuda else
+             [("vs_single_1t", "step / single (1 thread)", ".2f"),
+              ("vs_single", f"step / single ({info['torch_threads']} threads)", ".2f")])
+    print_table(rows, [("ranks", "ranks", "d"), ("threads", "threads/rank", "d"),
+                       ("dispatch_ratio", "dispatch/min", ".2f"),
                        ("combine_ratio", "combine/min", ".2f"), ("backward_ratio", "backward/(2 min)", ".2f"),
                        ("noop_assignments", "no-op rows (not sent)", "d"),
                        ("dropped_assignments", "dropped rows (not sent)", "d"),
-                       ("step_ms", "step ms (median)", ".1f"),
-                       ("vs_single_1t", "step / single (1 thread)", ".2f"),
-                       ("vs_single", f"step / single ({info['torch_threads']} threads)", ".2f")])
+                       ("step_ms", "step ms (median)", ".1f"), *times])
+    baseline = ("EP = 1: ExpertParallelTrainer on one GPU" if cuda else
+                f"single process with torch's default threads ({info['torch_threads']}) vs EP ranks with 1 thread "
+                "each on the same machine")
     payload = dict(
         benchmark="expert_parallel", machine=info, quick=args.quick, model=asdict(model_cfg),
         train=dict(batch_size=TRAIN.batch_size, lr=TRAIN.lr), steps=cfg,
+        device=str(device),
         notes=("bytes: rows sent to other ranks by every all_to_all_single, intercepted, over the byte steps, "
                "summed over ranks; min = plan assignments whose expert is on another rank x D x element size "
-               "(no-op and dropped tokens are not in the plan). Step time: single process with torch's default "
-               f"threads ({info['torch_threads']}) vs EP ranks with 1 thread each on the same machine."),
-        single_process_s=dict(before=base_before, after=base_after, median=base),
-        single_process_1thread_s=dict(before=one_before, after=one_after, median=one),
+               f"(no-op and dropped tokens are not in the plan). Step time baseline: {baseline}."),
+        single_process_s=None if cuda else dict(before=base_before, after=base_after, median=base),
+        single_process_1thread_s=None if cuda else dict(before=one_before, after=one_after, median=one),
         loadavg_at_end=[round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         results=rows)
     out = args.out or str(ROOT / "benchmarks" / "results" / ("expert_parallel_quick.json" if args.quick

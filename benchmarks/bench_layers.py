@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_layers.py            # default run (a few minutes on 2 CPU cores)
     PYTHONPATH=. python benchmarks/bench_layers.py --quick    # smoke run, small shapes, seconds
+    PYTHONPATH=. python benchmarks/bench_layers.py --device cuda   # the same on the GPU (cuda:N, auto also work)
 
 (a) MoE layer vs a dense MLP with the same *active* FLOPs: top-k routing over experts of hidden H costs
     what a dense MLP of hidden k*H costs (plus the router). Token-choice router, dropless, float32,
@@ -34,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_malloc_arg, apply_malloc, fwd_bwd_step, machine_info, print_table, time_pair, write_json  # noqa: E402
+from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, fwd_bwd_step, machine_info,  # noqa: E402
+                               print_table, time_pair, write_json)
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
 
 FULL = dict(tokens=4096, d_model=512, expert_hidden=2048, mod_batch=8, mod_seq=512, n_heads=8, warmup=3, repeats=5)
@@ -123,8 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=None, help="untimed pairs per case")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads(N) before timing (default: leave torch's default)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--seed", type=int, default=0)
+    add_device_arg(p)
     add_malloc_arg(p)
     args = p.parse_args(argv)
     malloc = apply_malloc(args.malloc)
@@ -139,12 +141,12 @@ def main(argv: list[str] | None = None) -> dict:
         if args.threads < 1:
             raise SystemExit(f"--threads={args.threads}: must be >= 1")
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = args.device
     out = args.out or str(ROOT / "benchmarks" / "results" / ("layers_quick.json" if args.quick else "layers.json"))
 
-    info = machine_info()
-    print(f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {device}",
-          file=sys.stderr)
+    info = machine_info(device)
+    print(f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {device} "
+          f"({info['device_name']})", file=sys.stderr)
     rows = bench_moe(cfg, device, args.seed) + [bench_mod(cfg, device, args.seed)]
     if hasattr(os, "getloadavg"):
         info["loadavg_1_5_15_at_end"] = [round(v, 2) for v in os.getloadavg()]

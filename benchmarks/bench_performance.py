@@ -1,6 +1,7 @@
 """All performance targets of the library in one run: ratios measured side by side, medians after warm-up.
 
     PYTHONPATH=. python benchmarks/bench_performance.py [--quick] [--threads N] [--no-compile] [--malloc glibc]
+    PYTHONPATH=. python benchmarks/bench_performance.py --device cuda      # every section on the GPU, plus 5.
 
 1. MoE layer fwd+bwd / dense MLP with the same active FLOPs (top-1/top-2, 8/64 experts, 4096 tokens,
    d=512, float32), both expert backends                          (target <= 1.10);
@@ -9,9 +10,11 @@
 3. MoD LM training step (12.5%, every other block) / dense LM step, same parameters, sequence 512
                                                                    (target <= 0.62; FLOP ratio ~0.56)
 4. torch.compile (inductor) / eager for the MoD block and an MoE layer (what compile gains)
-5. On CUDA only: bfloat16 MoE (grouped_mm, and MegaBlocks where it imports) / dense MLP (target <= 1.15)
+5. With --device cuda only: bfloat16 MoE (grouped_mm, and MegaBlocks where it imports) / dense MLP
+   (target <= 1.15); the grouped and MegaBlocks layers get the same weights, hence the same routing
 
-Writes benchmarks/results/performance.json (``--out``) and prints one table.
+Sections 1-4 run on ``--device`` (cpu by default, cuda, or auto). Writes benchmarks/results/performance.json
+(``--out``; the device, its name and the torch version are in ``machine``) and prints one table.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_layers import FULL, QUICK, bench_mod, bench_moe, moe_flop_ratio  # noqa: E402
-from benchmarks.common import add_malloc_arg, apply_malloc, fwd_bwd_step, machine_info, print_table, time_pair, write_json  # noqa: E402
+from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, fwd_bwd_step, machine_info,  # noqa: E402
+                               print_table, time_pair, write_json)
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
 from mode.flops import forward_flops_per_token  # noqa: E402
 from mode.model import LM, LMConfig, alternate  # noqa: E402
@@ -105,10 +109,9 @@ def bench_compile(quick: bool, device: torch.device, seed: int, warmup: int, rep
     return rows
 
 
-def bench_gpu(seed: int, warmup: int, repeats: int) -> list[dict]:
+def bench_gpu(quick: bool, device: torch.device, seed: int, warmup: int, repeats: int) -> list[dict]:
     """bfloat16 MoE on CUDA: grouped_mm and (where it imports) MegaBlocks vs the dense-equivalent MLP."""
-    device = torch.device("cuda")
-    d, h, T = 1024, 4096, 16384
+    d, h, T = (256, 1024, 2048) if quick else (1024, 4096, 16384)
     rows = []
     for k, e in ((1, 8), (2, 8), (1, 64), (2, 64)):
         torch.manual_seed(seed)
@@ -116,6 +119,7 @@ def bench_gpu(seed: int, warmup: int, repeats: int) -> list[dict]:
         g = torch.randn_like(x)
         dense = MLP(d, k * h).to(device, torch.bfloat16)
         for backend in ("grouped", "megablocks"):
+            torch.manual_seed(seed + 1)  # same router weights, hence the same routing, for both backends
             try:
                 moe = MoELayer.from_config(MoEConfig(d_model=d, d_hidden=h, num_experts=e, top_k=k,
                                                      backend=backend)).to(device, torch.bfloat16)
@@ -125,7 +129,9 @@ def bench_gpu(seed: int, warmup: int, repeats: int) -> list[dict]:
             res = time_pair(fwd_bwd_step(moe, x, g), fwd_bwd_step(dense, x, g), warmup=warmup,
                             repeats=repeats, device=device)
             rows.append(dict(case=f"GPU bf16 MoE top-{k} E={e} / MLP h={k * h}", kind="gpu", backend=backend,
-                             target=1.15, **res))
+                             tokens=T, d_model=d, expert_hidden=h, target=1.15, **res))
+            print(f"  {rows[-1]['case']:<40} {backend:<10} ratio {res['ratio_median']:.3f}", file=sys.stderr,
+                  flush=True)
     return rows
 
 
@@ -136,15 +142,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile section (~2 min)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/performance[_quick].json)")
     p.add_argument("--seed", type=int, default=0)
+    add_device_arg(p)
     add_malloc_arg(p)
     args = p.parse_args(argv)
     malloc = apply_malloc(args.malloc)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = dict(QUICK if args.quick else FULL)
-    device = torch.device("cpu")
-    info = machine_info()
-    print(f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs", file=sys.stderr)
+    device = args.device
+    info = machine_info(device)
+    print(f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {device} "
+          f"({info['device_name']})", file=sys.stderr)
 
     rows = bench_moe(cfg, device, args.seed)
     for r in rows:
@@ -156,10 +164,10 @@ def main(argv: list[str] | None = None) -> dict:
     rows.append(bench_lm_step(args.quick, device, args.seed, cfg["warmup"], cfg["repeats"]))
     if not args.no_compile:
         rows += bench_compile(args.quick, device, args.seed, cfg["warmup"], cfg["repeats"])
-    gpu_note = "no CUDA device: GPU section skipped"
-    if torch.cuda.is_available():
-        rows += bench_gpu(args.seed, cfg["warmup"], cfg["repeats"])
-        gpu_note = torch.cuda.get_device_name()
+    gpu_note = f"--device {device}: bfloat16 GPU section skipped (it runs with --device cuda)"
+    if device.type == "cuda":
+        rows += bench_gpu(args.quick, device, args.seed, cfg["warmup"], cfg["repeats"])
+        gpu_note = info["device_name"]
     if hasattr(os, "getloadavg"):
         info["loadavg_1_5_15_at_end"] = [round(v, 2) for v in os.getloadavg()]
     for r in rows:
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                             else "performance.json"))
     payload = dict(benchmark="bench_performance",
                    command=" ".join(["bench_performance.py"] + (argv if argv is not None else sys.argv[1:])),
-                   machine=info, malloc=malloc, gpu=gpu_note, config=cfg, results=rows)
+                   device=str(device), machine=info, malloc=malloc, gpu=gpu_note, config=cfg, results=rows)
     print(f"wrote {write_json(out, payload)}", file=sys.stderr)
     return payload
 

@@ -22,16 +22,51 @@ import torch
 from torch import Tensor, nn
 
 
-def machine_info() -> dict:
+def add_device_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", type=parse_device,
+                        help="cpu (default), cuda, cuda:N, or auto (cuda when a GPU is visible, else cpu)")
+
+
+def parse_device(choice: str) -> torch.device:
+    """``--device``: cpu, cuda, cuda:N or auto; asking for a GPU torch cannot see is an error, not a CPU run."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(choice)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{choice!r}: must be cpu, cuda, cuda:N or auto") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{choice!r}: must be cpu, cuda, cuda:N or auto")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{choice!r}: torch.cuda.is_available() is False (torch {torch.__version__})")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{choice!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return torch.device("cuda", index)
+
+
+def machine_info(device: torch.device | None = None) -> dict:
+    """What the JSON needs to say where it was measured: versions, the CPU, and the device timed on."""
+    device = torch.device("cpu") if device is None else device
+    cuda = device.type == "cuda"
     info = {
         "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,  # the CUDA version torch was built with (None: a CPU build)
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+    if cuda:
+        props = torch.cuda.get_device_properties(device)
+        info.update(device_memory_gib=round(props.total_memory / 2**30, 1),
+                    device_capability=f"{props.major}.{props.minor}", cudnn=torch.backends.cudnn.version())
     if hasattr(os, "getloadavg"):
         info["loadavg_1_5_15_at_start"] = [round(v, 2) for v in os.getloadavg()]
     return info

@@ -6,6 +6,7 @@ the offending value and the rule, e.g. ``capacity=1.5: must be in (0, 1]``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -18,6 +19,12 @@ def check_int(name: str, value: object, *, min_value: int = 1) -> int:
         raise TypeError(f"{name}={value!r}: must be an int")
     if value < min_value:
         raise ValueError(f"{name}={value}: must be >= {min_value}")
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: must be a bool")
     return value
 
 
@@ -53,10 +60,12 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     return value  # type: ignore[return-value]
 
 
-def check_hidden(name: str, x: Tensor, d_model: int, *, rank: int = 3) -> None:
-    """``x`` is a floating tensor of rank ``rank`` whose last dimension is ``d_model``."""
+def check_hidden(name: str, x: Tensor, d_model: int, *, rank: int = 3, device: torch.device | None = None) -> None:
+    """``x`` is a floating tensor of rank ``rank`` whose last dimension is ``d_model`` (on ``device``)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if device is not None:
+        check_device(name, x, device)
     if not x.is_floating_point():
         raise TypeError(f"{name}.dtype={x.dtype}: must be a floating dtype (float32, bfloat16, ...)")
     if x.dim() != rank:
@@ -67,10 +76,12 @@ def check_hidden(name: str, x: Tensor, d_model: int, *, rank: int = 3) -> None:
         raise ValueError(f"{name}.shape[-1]={x.shape[-1]}: must equal d_model={d_model}")
 
 
-def check_mask(name: str, mask: Tensor | None, shape: tuple[int, ...]) -> None:
-    """An optional boolean mask (True = real token) of exactly ``shape``."""
+def check_mask(name: str, mask: Tensor | None, shape: tuple[int, ...], device: torch.device | None = None) -> None:
+    """An optional boolean mask (True = real token) of exactly ``shape`` (on ``device``)."""
     if mask is None:
         return
+    if device is not None and isinstance(mask, Tensor):
+        check_device(name, mask, device)
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
         raise TypeError(f"{name}: must be a torch.bool tensor (True = real token), got "
                         f"{getattr(mask, 'dtype', type(mask).__name__)}")
@@ -79,11 +90,55 @@ def check_mask(name: str, mask: Tensor | None, shape: tuple[int, ...]) -> None:
 
 
 def check_finite_logits(name: str, logits: Tensor) -> None:
-    """Raise on NaN/inf router logits. Costs one host-device sync; routers skip it when
-    ``check_finite=False``."""
-    if not bool(torch.isfinite(logits).all()):
-        bad = int((~torch.isfinite(logits)).sum())
-        raise ValueError(
-            f"{name}: {bad} router logits are NaN or inf; router logits must be finite "
-            "(check the input hidden states and the learning rate)"
-        )
+    """Raise on NaN/inf router logits without making the host wait for the device.
+
+    ``torch._assert_async`` queues the check on the device. On the CPU it runs at once and its
+    ``RuntimeError`` becomes this ``ValueError``; on a GPU a failure surfaces as a device-side assert at
+    the next synchronisation and ends the process (CUDA cannot recover from it). Routers skip the
+    check with ``check_finite=False``.
+    """
+    finite = torch.isfinite(logits)
+    try:
+        torch._assert_async(finite.all(), f"{name}: router logits are NaN or inf")
+    except RuntimeError as err:  # raised at once on the CPU: counting the bad logits costs nothing now
+        bad = int((~finite).sum())
+        raise ValueError(f"{name}: {bad} router logits are NaN or inf; router logits must be finite "
+                         "(check the input hidden states x and the learning rate)") from err
+
+
+def assert_on_device(condition: Tensor, message: str) -> None:
+    """Raise ``ValueError(message)`` unless the 0-dim bool ``condition`` holds, without a host sync: on a GPU
+    the check is queued (a failure is a device-side assert at the next sync); on the CPU it runs at once."""
+    if condition.device.type == "meta":
+        return  # no values to check
+    try:
+        torch._assert_async(condition, message)
+    except RuntimeError as err:
+        raise ValueError(message) from err
+
+
+def check_device(name: str, t: Tensor | None, device: torch.device) -> None:
+    """``t`` lives on ``device`` (the module's parameters' device)."""
+    if t is not None and t.device != device:
+        raise ValueError(f"{name}.device={t.device}: must be the module's device {device} "
+                         "(move the input or the module with .to())")
+
+
+MAX_NUMEL = 2**62
+
+
+def check_numel(names: str, *dims: int) -> None:
+    """A tensor with these dimensions can exist (its element count fits torch's int64 sizes)."""
+    if math.prod(dims) >= MAX_NUMEL:
+        raise ValueError(f"{names}={dims}: a weight of that shape would hold more than 2**62 elements")
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def float32_region(device: torch.device):
+    """A context in which autocast is off, so router math stays in float32 (top-k on bf16 logits ties
+    far too often). A no-op context on devices autocast does not know (meta)."""
+    if device.type in _AUTOCAST_DEVICES:
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()

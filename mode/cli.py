@@ -23,10 +23,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="causal routing method the learned MoD variants train for sampling")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; use 1 when other "
                                                "jobs share the cores, see docs/compare.md)")
+    p.add_argument("--ckpt-every-s", type=float, default=300.0,
+                   help="checkpoint the variant in training every this many seconds (default 300; 0: only when "
+                        "it ends). A killed run resumes when rerun with the same arguments (docs/checkpoints.md)")
+    p.add_argument("--fresh", action="store_true",
+                   help="discard an earlier run found in --out (its checkpoints and results) and start over")
     p.add_argument("--no-progress", action="store_true")
 
     p = sub.add_parser("sample", help="generate text from a checkpoint (causal routing, KV cache)")
-    p.add_argument("checkpoint", help="a ckpt.pt written by training (e.g. runs/compare/mod/ckpt.pt)")
+    p.add_argument("checkpoint", help="a ckpt.pt written by training (e.g. runs/compare/mod/ckpt.pt); read "
+                                      "without running code from it (docs/checkpoints.md)")
     p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); default: 'def '")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -55,14 +61,20 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     if args.command == "compare":
+        from mode.checkpoint import WriteError
         from mode.compare import run_compare
 
         try:
             run_compare(args.out, quick=args.quick, data=args.data, seed=args.seed, dense_steps=args.dense_steps,
-                        only=args.only, progress=not args.no_progress, causal=args.causal)
+                        only=args.only, progress=not args.no_progress, causal=args.causal,
+                        ckpt_every_s=args.ckpt_every_s, fresh=args.fresh)
         except ValueError as e:
             print(f"mode compare: error: {e}", file=sys.stderr)
             return 2
+        except WriteError as e:  # a full disk mid-run: the last checkpoint is whole, rerun to resume
+            print(f"mode compare: error: {e}; rerun the same command to resume from the last checkpoint",
+                  file=sys.stderr)
+            return 1
     elif args.command == "sample":
         return _sample(args)
     elif args.command == "report":
@@ -80,7 +92,7 @@ def _sample(args) -> int:
         prompts = args.prompt or ["def "]
         outs = generate(model, [encode(p).tolist() for p in prompts], args.max_new_tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"mode sample: error: {e}", file=sys.stderr)
         return 2
     for prompt, out in zip(prompts, outs):
@@ -95,7 +107,7 @@ def _report(args) -> int:
     try:
         run_report(args.checkpoint, data=args.data, out=args.out, batches=args.batches, batch_size=args.batch_size,
                    causal_routing=args.causal_routing, top=args.top)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"mode report: error: {e}", file=sys.stderr)
         return 2
     return 0

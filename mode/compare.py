@@ -4,19 +4,26 @@ training-FLOP budget on the same data, then compared on held-out loss.
 The budget is ``dense_steps`` steps of the dense model; every other variant gets
 ``round(budget / its nominal training FLOPs per step)`` steps, so cheaper variants train on more tokens.
 FLOPs actually spent (from the realized routing) are logged too.
+
+A run survives being killed (docs/checkpoints.md): ``OUT/compare_run.json`` records the arguments, each
+variant checkpoints every ``ckpt_every_s`` seconds and writes ``OUT/<variant>/result.json`` when done. A
+rerun with the same arguments skips the finished variants, resumes the interrupted one from its last
+checkpoint and ends with the same numbers as an uninterrupted run; other arguments are refused (name the
+difference) unless ``fresh``.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import platform
-import time
+import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from mode import _checks
+from mode import _checks, checkpoint
 from mode.data import Corpus, file_corpus, min_file_bytes, stdlib_corpus
 from mode.flops import forward_flops_per_token, train_flops_per_token
 from mode.model import LMConfig, alternate
@@ -78,47 +85,75 @@ def _routing_summary(history: list[dict]) -> dict:
     return last[-1]["routing"] if last else {}
 
 
+RUN_FILE = "compare_run.json"  # the arguments of the run in OUT: a rerun resumes only with the same ones
+RESULT_FILE = "result.json"  # OUT/<variant>/result.json: written when the variant is done
+DEFAULT_CKPT_EVERY_S = 300.0
+_OUTPUTS = ("compare.json", "compare.md", "val_loss_vs_flops.png")
+
+
 def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = None, seed: int = 0,
                 dense_steps: int | None = None, only: list[str] | None = None, progress: bool = True,
-                causal: str = "predictor") -> dict:
+                causal: str = "predictor", ckpt_every_s: float = DEFAULT_CKPT_EVERY_S, fresh: bool = False) -> dict:
+    """Train the variants at equal training FLOPs into ``out_dir`` and return the report (also written as
+    ``compare.json``). Checkpoints every ``ckpt_every_s`` seconds (0: only when a variant ends); resumes a
+    killed run of the same arguments found in ``out_dir``, or starts over when ``fresh``."""
     p = preset(quick)
     base = p.model
     models = variants(base, causal)
     extras = extra_variants(base, causal)
     if dense_steps is not None:
         _checks.check_int("dense_steps", dense_steps)
+    if ckpt_every_s != 0:
+        _checks.check_positive("ckpt_every_s", ckpt_every_s)
     unknown = [name for name in only or () if name not in models and name not in extras]
     if unknown:  # a typo must not silently train nothing
         raise ValueError(f"only={only!r}: unknown variant {unknown[0]!r}; must be among "
                          f"{', '.join([*models, *extras])}")
+    all_names = [*models, *extras]
     models.update({name: cfg for name, cfg in extras.items() if name in (only or ())})
+    selected = {name: cfg for name, cfg in models.items() if not only or name in only}
     steps_dense = p.dense_steps if dense_steps is None else dense_steps  # 0 is an error, not "the default"
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = checkpoint.prepare_dir(out_dir, "out")  # bad output folders fail before any training
+    for name in selected:
+        checkpoint.prepare_dir(out / name, "out")
     corpus: Corpus = (file_corpus(data, min_file_bytes(base.seq_len)) if data
                       else stdlib_corpus(max_bytes=p.max_corpus_bytes))
+    identity = {"quick": quick, "data": None if data is None else str(Path(data).resolve()), "seed": seed,
+                "dense_steps": steps_dense, "only": sorted(only) if only else None, "causal": causal,
+                "corpus": _fingerprint(corpus), "model": asdict(base),
+                "train": {k: v for k, v in asdict(p.train).items() if k != "ckpt_every_s"}}
+    resume = _start_or_resume(out, identity, fresh, all_names)
     tokens_per_step = p.train.batch_size * base.seq_len
     budget = steps_dense * train_flops_per_token(models["dense"]) * tokens_per_step
     dense_fwd = forward_flops_per_token(models["dense"])
     results = {}
-    for name, cfg in models.items():
-        if only and name not in only:
+    for name, cfg in selected.items():
+        result_path = out / name / RESULT_FILE
+        if resume and result_path.is_file():
+            results[name] = _read_result(result_path)
+            print(f"{name}: done in an earlier run, results from {result_path}", flush=True)
             continue
         steps = max(1, round(budget / (train_flops_per_token(cfg) * tokens_per_step)))
-        tcfg = replace(p.train, steps=steps, seed=seed, warmup_steps=min(p.train.warmup_steps, steps // 5))
+        tcfg = replace(p.train, steps=steps, seed=seed, warmup_steps=min(p.train.warmup_steps, steps // 5),
+                       ckpt_every_s=ckpt_every_s or None)
         trainer = Trainer(cfg, tcfg, corpus, out / name, name=name, progress=progress)
-        t0 = time.perf_counter()
+        if resume and trainer.ckpt_path.is_file():
+            try:
+                trainer.load()  # the arguments matched: this checkpoint belongs to this run
+            except ValueError as e:
+                raise ValueError(f"{e}; pass --fresh to start over") from None
+            print(f"{name}: resuming at step {trainer.step} of {steps} from {trainer.ckpt_path}", flush=True)
         history = trainer.run()
-        wall = time.perf_counter() - t0
         vals = [r for r in history if "val_loss" in r]
         results[name] = {
             "layers": list(cfg.layers), "steps": steps, "params": trainer.model.num_params(),
             "val_loss": vals[-1]["val_loss"], "train_flops": trainer.flops, "tokens": trainer.tokens,
-            "fwd_flops_per_token": forward_flops_per_token(cfg), "wall_s": wall,
+            "fwd_flops_per_token": forward_flops_per_token(cfg), "wall_s": trainer.elapsed,
             "tok_s": trainer.tokens / trainer.wall, "curve": [(r["flops"], r["val_loss"]) for r in vals],
             "routing": _routing_summary(history),
             "causal": causal_eval(trainer.model, trainer.val_batches) if cfg.causal != "none" else None,
         }
+        checkpoint.atomic_write_text(result_path, json.dumps(results[name], indent=2))
     for r in results.values():
         if "dense" in results:
             r["loss_ratio"] = r["val_loss"] / results["dense"]["val_loss"]
@@ -128,12 +163,68 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
               "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                           "platform": platform.platform()},
               "results": results}
-    (out / "compare.json").write_text(json.dumps(report, indent=2))
-    (out / "compare.md").write_text(markdown_table(results) + "\n")
+    # each file appears whole or not at all: a crash here never leaves a half report that looks complete
+    checkpoint.atomic_write_text(out / "compare.json", json.dumps(report, indent=2))
+    checkpoint.atomic_write_text(out / "compare.md", markdown_table(results) + "\n")
     print(format_table(results))
     plot_curves(results, out / "val_loss_vs_flops.png")
     print(f"\nwrote {out / 'compare.json'} and {out / 'val_loss_vs_flops.png'}")
     return report
+
+
+def _fingerprint(corpus: Corpus) -> dict:
+    """Sizes and CRC32 of the training and validation bytes: a rerun must train on the same text."""
+    return {"train_bytes": len(corpus.train), "val_bytes": len(corpus.val),
+            "crc32": zlib.crc32(corpus.val.tobytes(), zlib.crc32(corpus.train.tobytes()))}
+
+
+def _differences(saved, now, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, saved value, new value) for every leaf that differs."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        out = []
+        for key in [*saved, *(k for k in now if k not in saved)]:
+            out += _differences(saved.get(key), now.get(key), f"{prefix}{key}.")
+        return out
+    return [] if saved == now else [(prefix[:-1], saved, now)]
+
+
+def _start_or_resume(out: Path, identity: dict, fresh: bool, names: list[str]) -> bool:
+    """True: resume the run recorded in ``out`` (same arguments). False: start over, after removing what an
+    earlier run left there, so that nothing stale is resumed or shown as this run's result."""
+    run_file = out / RUN_FILE
+    identity = json.loads(json.dumps(identity))  # as stored: tuples are lists
+    if run_file.is_file() and not fresh:
+        try:
+            saved = json.loads(run_file.read_text())
+            saved_args = saved["args"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{run_file}: not a readable record of a compare run ({type(e).__name__}: {e}); "
+                             "pass --fresh to start over") from None
+        diffs = _differences(saved_args, identity)
+        if diffs:
+            key, was, now = diffs[0]
+            more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+            raise ValueError(f"out={str(out)!r} holds a run with other arguments: {key}={was!r} there, "
+                             f"{key}={now!r} now{more} (recorded in {run_file}). Rerun with the same arguments "
+                             "to resume it, pass --fresh to discard it and start over, or choose another --out")
+        return True
+    for path in [run_file, *(out / f for f in _OUTPUTS),
+                 *(out / name / f for name in names for f in ("ckpt.pt", RESULT_FILE))]:
+        path.unlink(missing_ok=True)
+    checkpoint.atomic_write_text(run_file, json.dumps({"format": "mode-compare-run", "version": 1,
+                                                       "args": identity}, indent=2))
+    return False
+
+
+def _read_result(path: Path) -> dict:
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable result of a finished variant ({e}); pass --fresh to start over") \
+            from None
+    if not isinstance(result, dict) or "val_loss" not in result or "curve" not in result:
+        raise ValueError(f"{path}: not the result of a finished variant; pass --fresh to start over")
+    return result
 
 
 # One spec for both tables: (key, where it lives, text header, text width, format, Markdown header).
@@ -204,5 +295,7 @@ def plot_curves(results: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
+    checkpoint.atomic_write(path, buf.getvalue())

@@ -105,8 +105,9 @@ class BatchSampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[Tensor, Tensor]:
-        starts_B = torch.randint(0, len(self.data) - self.seq_len - 1, (self.batch_size,), generator=self.generator)
-        window_BS = self.data[starts_B[:, None] + torch.arange(self.seq_len + 1)]
+        starts_B = torch.randint(0, len(self.data) - self.seq_len - 1, (self.batch_size,), generator=self.generator,
+                                 device="cpu")  # the generator is a CPU one, whatever the default device
+        window_BS = self.data[starts_B[:, None] + torch.arange(self.seq_len + 1, device="cpu")]
         return window_BS[:, :-1], window_BS[:, 1:]
 
 

@@ -13,7 +13,12 @@ Set-up (``init_distributed``)
       ``DEFAULT_TIMEOUT_S``. A rank that dies makes its peers fail at their next collective (gloo: the
       closed connection is noticed at once); a rank that is stuck makes them fail after the timeout.
       ``collective_guard`` turns such failures into a ``CollectiveError`` that says which rank, which
-      step and what probably happened, instead of a bare backend message or a hang.
+      step and what probably happened, instead of a bare backend message or a hang;
+    * NCCL: ``device_id=cuda:LOCAL_RANK`` goes to ``init_process_group``, so the communicator is built there
+      (a broken network fails at set-up, not at the first all-to-all). NCCL reports a dead peer or a
+      timeout from its watchdog thread, not from the collective call, so ``collective_guard`` never sees
+      it: the watchdog ends the process. ``NCCL_ENV_DEFAULTS`` (set only where the user has not set them)
+      make that end prompt and leave a flight-recorder dump per rank; docs/gpu.md shows what the user sees.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -31,6 +37,19 @@ from torch import Tensor
 TIMEOUT_ENV = "MODE_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0  # > the longest legitimate wait between collectives (rank 0 writing a checkpoint)
 BACKENDS = ("auto", "gloo", "nccl")
+
+# Read by ProcessGroupNCCL when it is constructed (torch 2.13), so they must be in the environment before
+# init_process_group. torch's own defaults are the same; stating them keeps the failure mode documented in
+# docs/gpu.md independent of the torch version. torchrun exports TORCH_NCCL_ASYNC_ERROR_HANDLING=1 to its
+# workers unless it is set, so under torchrun that value (abort the communicator, then end the process) wins.
+NCCL_ENV_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # on a timeout or NCCL error the watchdog ends the process
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # ... after every rank dumped its flight recorder (what it was doing)
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # flight-recorder entries; 0 disables the recorder and the dump
+}
+# Other names torch reads for the same setting: one set by the user counts as set.
+_NCCL_ENV_ALIASES = {"TORCH_NCCL_TRACE_BUFFER_SIZE": ("TORCH_FR_BUFFER_SIZE",)}
+_TRUE = ("1", "true", "yes", "on")
 
 # Substrings of the errors gloo / NCCL raise when a peer is gone or a collective timed out.
 _FAILURE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout",
@@ -78,7 +97,23 @@ def resolve_backend(backend: str = "auto") -> str:
     return backend
 
 
-def _free_port() -> int:
+def nccl_env_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Put ``NCCL_ENV_DEFAULTS`` into ``environ`` (default ``os.environ``) where neither the variable nor an
+    alias of it is set; returns what was set. With ``TORCH_NCCL_BLOCKING_WAIT`` on, the watchdog does not run
+    (the collective call itself raises after the timeout), so the error-handling mode is left alone."""
+    environ = os.environ if environ is None else environ
+    blocking = environ.get("TORCH_NCCL_BLOCKING_WAIT", "").strip().lower() in _TRUE
+    applied = {}
+    for name, value in NCCL_ENV_DEFAULTS.items():
+        if name == "TORCH_NCCL_ASYNC_ERROR_HANDLING" and blocking:
+            continue
+        if any(n in environ for n in (name, *_NCCL_ENV_ALIASES.get(name, ()))):
+            continue
+        environ[name] = applied[name] = value
+    return applied
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -93,18 +128,22 @@ def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> D
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # not under torchrun: a group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    kwargs = {}
     if backend == "nccl":
         if local_rank >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK={local_rank}: this machine has {torch.cuda.device_count()} GPU(s); "
                              "start at most one process per GPU (torchrun --nproc-per-node <= GPUs)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+        kwargs["device_id"] = device  # one GPU per process: NCCL builds its communicator now, not lazily
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            nccl_env_defaults()
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                        device=device, backend=backend, timeout_s=timeout_s, group=dist.group.WORLD)
 

@@ -7,18 +7,24 @@ activations, softmax, RoPE) is not counted. Training FLOPs are 3x forward (backw
 A routed block counts attention and MLP for its C routed tokens only; tokens routed to a no-op expert
 or dropped count nothing. For layers whose compute depends on the routing (token choice with no-op
 experts or capacity), ``nominal`` assumes balanced routing and ``realized`` reads the counts from the
-forward pass's ``Aux`` stats.
+forward pass's ``Aux`` stats (one host read for the whole model).
+
+Nothing here knows a layer kind or a router by name: a layer's ``LayerKind`` (``mode.model.kinds``) says
+whether MoD routes it and whether its MLP has experts, and the router configs answer how many tokens they
+route (``seq_capacity``), how many assignments they compute (``assignments``) and what routing costs
+(``router_flops``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mode.model.config import LMConfig
+from mode.model.kinds import get_layer_kind
+from mode.routing.keys import MOE, router_key
 from mode.routing.plan import Aux
 
 TRAIN_MULTIPLIER = 3
@@ -45,53 +51,47 @@ class LayerFlops:
         return self.attention + self.mlp + self.router
 
 
-def _moe_assignments_nominal(cfg: LMConfig, n_tokens: int, with_noop: bool) -> float:
-    """Expected computed assignments for ``n_tokens`` tokens under balanced routing."""
-    noop = cfg.num_noop if with_noop else 0
-    slots = cfg.num_experts + noop
-    if cfg.router == "expert_choice":
-        cf = 1.0 if cfg.capacity_factor is None else cfg.capacity_factor
-        return cfg.num_experts * math.ceil(cf * n_tokens / slots)
-    wanted = n_tokens * cfg.top_k * cfg.num_experts / slots
-    if cfg.capacity_factor is None:
-        return wanted
-    return min(wanted, cfg.num_experts * math.ceil(cfg.capacity_factor * n_tokens * cfg.top_k / cfg.num_experts))
-
-
 def layer_flops(cfg: LMConfig, kind: str, seq_len: int, assignments: float | None = None) -> LayerFlops:
     """Forward FLOPs of one layer on one sequence. ``assignments``: realized expert rows per sequence."""
+    k = get_layer_kind(kind, "kind")
     d, s = cfg.d_model, seq_len
-    c = max(1, math.floor(cfg.capacity * s))
-    mlp_tok = mlp_flops_per_token(d, cfg.d_hidden, cfg.activation)
-    exp_tok = mlp_flops_per_token(d, cfg.expert_hidden or cfg.d_hidden, cfg.activation)
-    if kind == "dense":
-        return LayerFlops(kind, attention_flops(s, d), s * mlp_tok, 0.0)
-    mod_router = 2 * s * d + (2 * s * (d + 1) * cfg.predictor_hidden if cfg.causal == "predictor" else 0)
-    if kind in ("mod", "mod_random"):
-        return LayerFlops(kind, attention_flops(c, d), c * mlp_tok, mod_router)
-    n = c if kind == "staged" else s
-    with_noop = kind == "integrated"
-    slots = cfg.num_experts + (cfg.num_noop if with_noop else 0)
-    a = _moe_assignments_nominal(cfg, n, with_noop) if assignments is None else assignments
-    router = 2 * n * d * slots + (mod_router if kind == "staged" else 0)
-    return LayerFlops(kind, attention_flops(n, d), a * exp_tok, router)
+    router = 0.0
+    n = s  # tokens that go through the block
+    if k.mod is not None:
+        mod_cfg = cfg.mod_config(k.mod)
+        n = mod_cfg.seq_capacity(s)
+        router += mod_cfg.router_flops(s)
+    if k.experts:
+        rcfg = cfg.router_config(k)
+        a = rcfg.assignments(n) if assignments is None else assignments
+        mlp = a * mlp_flops_per_token(d, cfg.expert_hidden or cfg.d_hidden, cfg.activation)
+        router += rcfg.router_flops(n)
+    else:
+        mlp = n * mlp_flops_per_token(d, cfg.d_hidden, cfg.activation)
+    return LayerFlops(kind, attention_flops(n, d), mlp, router)
 
 
 def realized_assignments(aux: Aux, layer: int) -> float | None:
     """Expert rows per sequence that layer ``layer`` actually computed in the forward pass behind ``aux``."""
-    stats = aux.stats.get(f"layers.{layer}.moe.router")
-    if stats is None:
-        return None
-    return float(stats.kept_E.sum()) / stats.batch_shape[0] if stats.batch_shape[0] else 0.0
+    return realized_assignments_per_layer(aux, layer + 1)[layer]
+
+
+def realized_assignments_per_layer(aux: Aux, n_layers: int) -> list[float | None]:
+    """``realized_assignments`` of layers ``0 .. n_layers - 1`` (None for a layer without experts), read to
+    the host in one transfer."""
+    found = {i: aux.stats[router_key(i, MOE)] for i in range(n_layers) if router_key(i, MOE) in aux.stats}
+    if not found:
+        return [None] * n_layers
+    kept = torch.stack([st.kept_E.double().sum() / max(1, st.batch_shape[0]) for st in found.values()])
+    values = dict(zip(found, kept.tolist()))  # the one host read
+    return [values.get(i) for i in range(n_layers)]
 
 
 def forward_flops(cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None) -> list[LayerFlops]:
     """Per-layer forward FLOPs of one sequence (nominal, or realized when ``aux`` is given), plus the head."""
     s = seq_len or cfg.seq_len
-    out = []
-    for i, kind in enumerate(cfg.layers):
-        a = realized_assignments(aux, i) if aux is not None else None
-        out.append(layer_flops(cfg, kind, s, a))
+    realized = realized_assignments_per_layer(aux, cfg.n_layers) if aux is not None else [None] * cfg.n_layers
+    out = [layer_flops(cfg, kind, s, a) for kind, a in zip(cfg.layers, realized)]
     out.append(LayerFlops("head", 0.0, 2 * s * cfg.d_model * cfg.vocab_size, 0.0))
     return out
 
@@ -110,9 +110,21 @@ def _sdpa_cpu_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int
     return 4 * b * h * sq * key_shape[2] * k  # scores + weighted values, full S_q x S_k
 
 
-def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
-    # 2-D x 3-D with offsets: every row of a meets exactly one (K, N) matrix.
-    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+def _grouped_mm_flops(a, b, offs=None, *args, **kwargs) -> int:
+    """2-D x 3-D with offsets: every row of ``a`` up to the last offset meets one (K, N) matrix; rows past
+    it are a routing plan's padding and are not computed. (Reads the last offset: measurement only.)"""
+    rows = int(offs[-1]) if offs is not None and offs.numel() else a.shape[0]
+    return 2 * rows * a.shape[1] * b.shape[-1]
+
+
+_grouped_mm_flops._get_raw = True  # FlopCounterMode passes the tensors themselves, not only their shapes
+
+
+def _grouped_mm_op_flops(x_AK, w_EKN, offsets_E, *args, **kwargs) -> int:
+    return _grouped_mm_flops(x_AK, w_EKN, offsets_E)
+
+
+_grouped_mm_op_flops._get_raw = True
 
 
 def measured_flops(fn, *args, **kwargs) -> tuple[int, object]:
@@ -126,7 +138,7 @@ def measured_flops(fn, *args, **kwargs) -> tuple[int, object]:
         import mode.experts.grouped_mm  # noqa: F401  (registers the mode::grouped_mm custom op)
 
         if hasattr(torch.ops.mode, "grouped_mm"):  # the counter cannot see inside a custom op
-            custom[torch.ops.mode.grouped_mm] = _grouped_mm_flops
+            custom[torch.ops.mode.grouped_mm] = _grouped_mm_op_flops
     with FlopCounterMode(display=False, custom_mapping=custom) as counter:
         result = fn(*args, **kwargs)
     return counter.get_total_flops(), result

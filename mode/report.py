@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from mode.model.lm import LM
+from mode.routing.keys import PARTS, router_key
 from mode.stats import RoutingAccumulator
 
 WORD_BYTES = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") | frozenset(range(128, 256))
@@ -145,8 +146,8 @@ def build_report(model: LM, batches, *, causal_routing: bool = False, buckets: i
     for i, kind in enumerate(cfg.layers):
         ls = acc.layer_summary(i, buckets=nb, positions=True)
         routers = {}
-        for part in ("mod", "moe"):
-            name = f"layers.{i}.{part}.router"
+        for part in PARTS:
+            name = router_key(i, part)
             if name in acc.router_names():
                 routers[part] = acc.router_summary(name, buckets=nb)
         layers.append({"layer": i, **ls, "routers": routers})
@@ -323,11 +324,12 @@ def plot_expert_load(report: dict, path: Path) -> None:
 def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path | None = None, batches: int = 8,
                batch_size: int | None = None, causal_routing: bool = False, top: int = 10,
                quiet: bool = False) -> dict:
-    """Load ``checkpoint`` (written by ``mode.train.Trainer``), evaluate it on the validation split of
-    ``data`` (default: the built-in corpus) and write the report into ``out`` (default: ``<ckpt dir>/report``)."""
+    """Load ``checkpoint`` (written by ``mode.train.Trainer``; read without running code from it, see
+    ``mode.checkpoint``), evaluate it on the validation split of ``data`` (default: the built-in corpus)
+    and write the report into ``out`` (default: ``<ckpt dir>/report``)."""
     from mode import _checks
+    from mode.checkpoint import load_model
     from mode.data import eval_batches, file_corpus, min_file_bytes, stdlib_corpus
-    from mode.train import load_model
 
     _checks.check_int("batches", batches)
     if batch_size is not None:
@@ -337,7 +339,8 @@ def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path 
         raise ValueError(f"checkpoint={str(checkpoint)!r}: no such file")
     model, state = load_model(ckpt)
     cfg = model.cfg
-    bs = batch_size or state.get("train_cfg", {}).get("batch_size", 8)
+    bs = batch_size or _checks.check_int(f"checkpoint {str(ckpt)!r}: train_cfg.batch_size",
+                                         state.get("train_cfg", {}).get("batch_size", 8))
     corpus = file_corpus(data, min_file_bytes(cfg.seq_len)) if data else stdlib_corpus()
     windows = eval_batches(corpus.val, bs, cfg.seq_len, batches)
     report, _ = build_report(model, windows, causal_routing=causal_routing, top=top)

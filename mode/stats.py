@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mode.model.config import LMConfig
+from mode.routing.keys import MOD, MOE, parse_router_key, router_key
 from mode.routing.plan import Aux, RoutingStats
 from mode.token_compute import TokenCompute, max_mlp_per_layer, slots_to_positions, token_compute
 
@@ -109,7 +110,8 @@ class RoutingAccumulator:
         if cur is None:
             self.sums[key] = v.clone()
             return
-        v = v.to(cur.device)
+        if cur.device != v.device:  # e.g. sums loaded from a checkpoint (CPU), stats on the GPU
+            cur = cur.to(v.device)
         if cur.numel() != v.numel():  # per-position sums and histograms grow to the longest seen
             n = max(cur.numel(), v.numel())
             cur, v = F.pad(cur, (0, n - cur.numel())), F.pad(v, (0, n - v.numel()))
@@ -121,9 +123,8 @@ class RoutingAccumulator:
         (staged MoDE) is mapped from its routed slots back to the original positions."""
         stats = aux.stats if isinstance(aux, Aux) else aux
         for name, st in stats.items():
-            outer = None
-            if name.endswith("moe.router"):
-                outer = stats.get(name[: -len("moe.router")] + "mod.router")
+            key = parse_router_key(name)
+            outer = stats.get(key.sibling(MOD)) if key is not None and key.part == MOE else None
             self._add_router(name, st, outer, mask_BS)
 
     def _add_router(self, name: str, st: RoutingStats, outer: RoutingStats | None, mask_BS: Tensor | None) -> None:
@@ -275,16 +276,12 @@ class RoutingAccumulator:
 
     # -- LM-level summaries ------------------------------------------------------------------------------
     def _layer_ids(self) -> list[int]:
-        ids = set()
-        for name in self.router_names():
-            parts = name.split(".")
-            if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit():
-                ids.add(int(parts[1]))
-        return sorted(ids)
+        keys = (parse_router_key(name) for name in self.router_names())
+        return sorted({k.layer for k in keys if k is not None and k.layer is not None})
 
     def layer_summary(self, i: int, buckets: int | None = None, positions: bool = False) -> dict:
         """One layer of an LM: its MoD router (``routed_frac``) and its MoE router (expert numbers)."""
-        mod_name, moe_name = f"layers.{i}.mod.router", f"layers.{i}.moe.router"
+        mod_name, moe_name = router_key(i, MOD), router_key(i, MOE)
         kind = self.layer_kinds[i] if self.layer_kinds is not None and i < len(self.layer_kinds) else None
         out: dict = {"kind": kind}
         routed = self._get(f"layer.{i}|pos_routed_S")

@@ -30,12 +30,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from mode.flops import attention_flops, forward_flops_per_token, layer_flops, mlp_flops_per_token
+from mode.flops import attention_flops, forward_flops_per_token, mlp_flops_per_token
 from mode.model.config import LMConfig
+from mode.model.kinds import get_layer_kind
+from mode.routing.keys import MOD, MOE, router_key
 from mode.routing.plan import Aux
-
-MOD_KINDS = ("mod", "mod_random", "staged")  # attention only for routed tokens
-MOE_KINDS = ("moe", "staged", "integrated")  # expert MLP
 
 
 @dataclass
@@ -61,10 +60,11 @@ class TokenCompute:
         """1 where the token took layer i's routed path: the block of a MoD/staged layer, at least one real
         expert of a MoE/integrated layer, always for a dense layer (the heatmap's quantity)."""
         rows = []
-        for i, kind in enumerate(self.kinds):
-            if kind in MOD_KINDS:
+        for i, name in enumerate(self.kinds):
+            kind = get_layer_kind(name, "kinds")
+            if kind.mod is not None:
                 rows.append(self.attn_LBS[i])
-            elif kind in MOE_KINDS:
+            elif kind.experts:
                 rows.append((self.mlp_LBS[i] > 0).to(self.attn_LBS.dtype))
             else:
                 rows.append(torch.ones_like(self.attn_LBS[i]))
@@ -73,9 +73,8 @@ class TokenCompute:
 
 def max_mlp_per_layer(cfg: LMConfig, kind: str) -> int:
     """Most MLP assignments one token can get in one layer (histogram bounds)."""
-    if kind in MOE_KINDS:
-        return cfg.top_k if cfg.router == "token_choice" else cfg.num_experts
-    return 1
+    k = get_layer_kind(kind, "kind")
+    return cfg.router_config(k).max_assignments_per_token if k.experts else 1
 
 
 def slots_to_positions(slots_BC: Tensor, routed_BS: Tensor) -> Tensor:
@@ -105,28 +104,24 @@ def token_compute(cfg: LMConfig, aux: Aux, batch_shape: tuple[int, int]) -> Toke
     full_attn = float(attention_flops(S, d)) / S
     mlp_tok = mlp_flops_per_token(d, cfg.d_hidden, cfg.activation)
     exp_tok = mlp_flops_per_token(d, cfg.expert_hidden or cfg.d_hidden, cfg.activation)
-    mod_router_tok = layer_flops(cfg, "mod", S).router / S
-    for i, kind in enumerate(cfg.layers):
+    for i, kind in enumerate(cfg.kinds):
         ones_BS = torch.ones(B, S, dtype=torch.float64, device=dev)
-        if kind in MOD_KINDS:
-            routed_BS = _compute_BS(stats, f"layers.{i}.mod.router", (B, S)) > 0
+        if kind.mod is not None:  # attention (and the MLP's router) only for the tokens MoD routed
+            routed_BS = _compute_BS(stats, router_key(i, MOD), (B, S)) > 0
             attn_BS = routed_BS.double()
             n_B = attn_BS.sum(1, keepdim=True)
             attn_tok_B1 = attention_flops(n_B, d) / n_B.clamp_min(1)  # 8d^2 + 4nd for n routed tokens
-            flops_BS = flops_BS + mod_router_tok + attn_BS * attn_tok_B1
+            flops_BS = flops_BS + cfg.mod_config(kind.mod).router_flops(S) / S + attn_BS * attn_tok_B1
         else:
             routed_BS, attn_BS = None, ones_BS
             flops_BS = flops_BS + full_attn
-        if kind == "dense":
-            mlp_BS = ones_BS
-            flops_BS = flops_BS + mlp_tok
-        elif kind in ("mod", "mod_random"):
-            mlp_BS = attn_BS
+        if not kind.experts:
+            mlp_BS = attn_BS  # one dense MLP per token that went through the block
             flops_BS = flops_BS + mlp_BS * mlp_tok
         else:
-            moe_router_tok = layer_flops(cfg, "integrated" if kind == "integrated" else "moe", S).router / S
-            name = f"layers.{i}.moe.router"
-            if kind == "staged":
+            moe_router_tok = cfg.router_config(kind).router_flops(S) / S
+            name = router_key(i, MOE)
+            if routed_BS is not None:  # the MoE routed the MoD-routed slots: map them back to positions
                 st = stats.get(name)  # absent when causal routing sent no token of the batch
                 if st is None:
                     mlp_BS = torch.zeros(B, S, dtype=torch.float64, device=dev)
@@ -147,7 +142,7 @@ def _compute_BS(stats: dict, name: str, batch_shape: tuple[int, int]) -> Tensor:
     st = stats.get(name)
     if st is None:
         raise ValueError(f"aux.stats has no {name!r}: token_compute needs the aux of a full LM forward "
-                         f"(stats named 'layers.{{i}}.mod.router' / 'layers.{{i}}.moe.router')")
+                         f"(stats named {router_key(0, MOD)!r}, {router_key(0, MOE)!r}, ...)")
     if tuple(st.batch_shape) != tuple(batch_shape):
         raise ValueError(f"{name}: batch_shape={tuple(st.batch_shape)}: must equal the input's {tuple(batch_shape)}")
     return st.compute_T.view(batch_shape)

@@ -1,6 +1,10 @@
 """Training loop: AdamW, warm-up + cosine schedule, gradient clipping, aux losses, periodic validation,
 JSONL log, checkpoints that resume to the identical loss curve, and a progress bar.
 
+Checkpoints (every ``ckpt_every`` steps, every ``ckpt_every_s`` seconds, and at the end) are written
+atomically in the format of ``mode.checkpoint`` and read back without running code from the file;
+docs/checkpoints.md.
+
 Shape legend: B batch, S sequence.
 """
 
@@ -15,7 +19,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mode import _checks
+from mode import _checks, checkpoint
+from mode.checkpoint import load_model  # noqa: F401 - the public name mode.train.load_model
 from mode.data import BatchSampler, Corpus, eval_batches
 from mode.flops import train_flops_per_token
 from mode.model import LM, LMConfig
@@ -35,6 +40,7 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10
     ckpt_every: int = 0  # 0: checkpoint only at the end
+    ckpt_every_s: float | None = None  # also checkpoint when this many seconds passed since the last one
     stats_every: int | None = None  # log a routing-statistics record every this many steps; None: eval_every
     seed: int = 0
 
@@ -45,6 +51,8 @@ class TrainConfig:
         _checks.check_int("ckpt_every", self.ckpt_every, min_value=0)
         if self.stats_every is not None:
             _checks.check_int("stats_every", self.stats_every)
+        if self.ckpt_every_s is not None:
+            _checks.check_positive("ckpt_every_s", self.ckpt_every_s)
         _checks.check_positive("lr", self.lr)
         _checks.check_fraction("min_lr_ratio", self.min_lr_ratio)
         _checks.check_non_negative("weight_decay", self.weight_decay)
@@ -80,16 +88,26 @@ class TrainLoop:
 
     A subclass provides ``train_step() -> (loss, lr)``, ``evaluate() -> float``, ``routing_record()`` (the
     summary to log, or None), ``save()``, ``_log(record)``, and the attributes ``cfg``, ``model_cfg``,
-    ``name``, ``progress``, ``step``, ``flops``, ``tokens``, ``wall``, ``history``, ``log_path``, ``routing``.
+    ``name``, ``progress``, ``step``, ``flops``, ``tokens``, ``wall``, ``elapsed``, ``history``,
+    ``log_path``, ``routing``.
     """
 
     writes_log = True  # whether this process owns log.jsonl (the expert-parallel trainer: rank 0 only)
+    _last_save = 0.0  # time.monotonic() of the last checkpoint (or of the start of run())
+
+    def checkpoint_due(self) -> bool:
+        """Whether ``ckpt_every_s`` seconds have passed since the last checkpoint (the expert-parallel
+        trainer overrides this with rank 0's answer, so every rank saves at the same step)."""
+        every = self.cfg.ckpt_every_s
+        return every is not None and time.monotonic() - self._last_save >= every
 
     def run(self, stop_step: int | None = None) -> list[dict]:
         """Train up to ``stop_step`` (default: the configured number of steps) and return the history."""
         stop = self.cfg.steps if stop_step is None else min(stop_step, self.cfg.steps)
         if self.writes_log and self.step == 0 and not self.history:
             self.log_path.write_text("")
+        self._last_save = time.monotonic()
+        saved_at = None
         bar = tqdm(total=stop, initial=self.step, desc=self.name, disable=not self.progress, leave=False,
                    dynamic_ncols=True)
         stats_every = self.cfg.stats_every or self.cfg.eval_every
@@ -112,10 +130,13 @@ class TrainLoop:
             if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps:
                 self._log({"step": self.step, "val_loss": self.evaluate(), "tokens": self.tokens,
                            "flops": self.flops, "wall": self.wall})
-            if self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0:
+            self.elapsed += time.perf_counter() - t0  # before saving: the checkpoint counts this step
+            if (self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0) or self.checkpoint_due():
                 self.save()
+                self._last_save, saved_at = time.monotonic(), self.step
         bar.close()
-        self.save()
+        if saved_at != self.step:
+            self.save()
         return self.history
 
 
@@ -125,8 +146,7 @@ class Trainer(TrainLoop):
     def __init__(self, model_cfg: LMConfig, train_cfg: TrainConfig, corpus: Corpus, out_dir: str | Path,
                  name: str = "model", progress: bool = True):
         self.model_cfg, self.cfg, self.name, self.progress = model_cfg, train_cfg, name, progress
-        self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = checkpoint.prepare_dir(out_dir, "out_dir")  # a bad folder fails before any training
         self.log_path, self.ckpt_path = self.out_dir / "log.jsonl", self.out_dir / "ckpt.pt"
         torch.manual_seed(train_cfg.seed)
         self.model = LM(model_cfg)
@@ -134,30 +154,42 @@ class Trainer(TrainLoop):
         self.sampler = BatchSampler(corpus.train, train_cfg.batch_size, model_cfg.seq_len, train_cfg.seed)
         self.val_batches = eval_batches(corpus.val, train_cfg.batch_size, model_cfg.seq_len, train_cfg.eval_batches)
         self.step, self.flops, self.tokens, self.wall = 0, 0.0, 0, 0.0
+        self.elapsed = 0.0  # seconds spent in run() (steps, evaluation, logging), over every resume
         self.history: list[dict] = []  # every logged record, also written to log.jsonl
         self.routing = RoutingAccumulator()  # training-batch routing stats since the last "routing" record
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save(self, path: Path | None = None) -> Path:
-        path = path or self.ckpt_path
-        torch.save({
+        """Write the checkpoint atomically (the previous one stays whole until the new one is complete)."""
+        return checkpoint.save_checkpoint(path or self.ckpt_path, {
             "model_cfg": asdict(self.model_cfg), "train_cfg": asdict(self.cfg), "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(), "step": self.step, "flops": self.flops,
-            "tokens": self.tokens, "wall": self.wall, "history": self.history,
-            "sampler_rng": self.sampler.generator.get_state(), "torch_rng": torch.get_rng_state(),
+            "tokens": self.tokens, "wall": self.wall, "elapsed_s": self.elapsed, "history": self.history,
+            "sampler_rng": self.sampler.generator.get_state(), **checkpoint.rng_state(),
             "routing_acc": self.routing.state_dict(),
-        }, path)
-        return path
+        })
 
     def load(self, path: Path | None = None) -> None:
-        state = torch.load(path or self.ckpt_path, weights_only=False)
+        """Resume from a checkpoint of this model (written by this class or the expert-parallel trainer).
+        Reads it without running code from it; a file that is not a valid checkpoint of this model raises
+        ``mode.checkpoint.CheckpointError`` and leaves the trainer unchanged."""
+        path = Path(path or self.ckpt_path)
+        where = f"checkpoint {str(path)!r}"
+        state = checkpoint.load_checkpoint(path, training=True)
+        check_same_model(state["model_cfg"], self.model_cfg, where)
+        checkpoint.check_model_state(self.model.state_dict(), state["model"], where)
+        try:  # first: the one step that can still reject the file
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise checkpoint.CheckpointError(f"{where}: its optimizer state does not fit this model: {e}") from None
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.flops, self.tokens, self.wall = state["step"], state["flops"], state["tokens"], state["wall"]
+        self.elapsed = state.get("elapsed_s", 0.0)
         self.history = state["history"]
         self.sampler.generator.set_state(state["sampler_rng"])
-        torch.set_rng_state(state["torch_rng"])
+        checkpoint.set_rng_state(state)
         self.routing.load_state_dict(state.get("routing_acc", {}))
+        rewrite_log(self.log_path, self.history)
 
     def _log(self, record: dict) -> None:
         self.history.append(record)
@@ -189,9 +221,17 @@ class Trainer(TrainLoop):
         return self.routing.summary() if self.routing else None
 
 
-def load_model(path: str | Path) -> tuple[LM, dict]:
-    """Rebuild the LM stored in a checkpoint (for sampling, reports, evaluation)."""
-    state = torch.load(path, weights_only=False, map_location="cpu")
-    model = LM(LMConfig(**state["model_cfg"]))
-    model.load_state_dict(state["model"])
-    return model, state
+def check_same_model(saved_cfg: dict, model_cfg: LMConfig, where: str) -> None:
+    """Resuming needs the checkpoint's model config to be this run's: name the first field that differs."""
+    now = asdict(model_cfg)
+    saved = asdict(checkpoint.model_config_from_dict(saved_cfg, where))  # fields added since: their defaults
+    for key in now:
+        if saved[key] != now[key]:
+            raise ValueError(f"{where}: its model has {key}={saved[key]!r}, this run's has {key}={now[key]!r}; "
+                             "resume with the same model, or start a fresh run")
+
+
+def rewrite_log(log_path: Path, history: list[dict]) -> None:
+    """After a resume, log.jsonl holds exactly the restored history: records logged after the checkpoint by
+    the interrupted run are dropped (they are logged again, identically, as the run repeats those steps)."""
+    checkpoint.atomic_write_text(log_path, "".join(json.dumps(r) + "\n" for r in history))

@@ -1,11 +1,115 @@
-"""Shared pytest fixtures: every test starts from the same RNG state."""
+"""Shared pytest set-up: the device the suite runs on, and the same RNG state before every test.
+
+Device: ``MODE_TEST_DEVICE`` (or ``--device``, which wins): ``cpu`` (the default), ``cuda`` or ``cuda:N``.
+
+    MODE_TEST_DEVICE=cuda python -m pytest -q        # the whole suite on the first GPU
+
+On CUDA the session's default device is set (``torch.set_default_device``), so the tensors and modules a
+test creates without naming a device land on the GPU; a test can also take the ``device`` fixture. Any
+other value (``meta``, ``mps``, a typo), or ``cuda`` where torch sees no GPU, stops pytest before it collects
+anything (exit status 4), so a misconfigured run never passes by running on the CPU.
+
+``MODE_TEST_DETERMINISTIC=1`` turns on ``torch.use_deterministic_algorithms`` for the session (with
+``CUBLAS_WORKSPACE_CONFIG=:4096:8`` where unset); see docs/gpu.md for what it costs.
+
+Markers (a reason is the first argument):
+    cpu_only   skipped unless the device is the CPU: gloo multi-process runs, the CPU allocator.
+    bitwise    asserts bit-for-bit equality that holds on the CPU but not on CUDA, where index_add_ and the
+               attention backward add with atomics in no fixed order; runs on CUDA only under
+               MODE_TEST_DETERMINISTIC=1.
+"""
+
+import os
 
 import pytest
 import torch
 
+DEVICE_ENV = "MODE_TEST_DEVICE"
+DETERMINISTIC_ENV = "MODE_TEST_DETERMINISTIC"
+_DEVICE = pytest.StashKey[torch.device]()
+_DETERMINISTIC = pytest.StashKey[bool]()
+
 # Test tensors are tiny: one intra-op thread is faster than two fighting over the cores, and keeps
 # timing stable when several pytest or gloo worker processes share the machine.
 torch.set_num_threads(1)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default=None,
+                     help=f"cpu (default), cuda or cuda:N; overrides ${DEVICE_ENV}")
+
+
+def _resolve_device(raw: str, source: str) -> torch.device:
+    rule = "must be cpu, cuda or cuda:N"
+    try:
+        device = torch.device(raw.strip())
+    except RuntimeError:
+        raise pytest.UsageError(f"{source}={raw!r}: {rule}") from None
+    if device.type == "cpu" and device.index in (None, 0):
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise pytest.UsageError(f"{source}={raw!r}: {rule} (the suite runs on the CPU or on one CUDA GPU)")
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise pytest.UsageError(f"{source}={raw!r}: torch.cuda.is_available() is False (torch {torch.__version__}, "
+                                f"{build}); install a CUDA build of torch on a machine with a GPU, or use "
+                                f"{DEVICE_ENV}=cpu")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise pytest.UsageError(f"{source}={raw!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return torch.device("cuda", index)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cpu_only(reason): skipped unless the test device is the CPU")
+    config.addinivalue_line("markers", "bitwise(reason): bit-for-bit claim; on CUDA runs only with "
+                                       f"{DETERMINISTIC_ENV}=1")
+    raw, source = config.getoption("--device"), "--device"
+    if raw is None:
+        raw, source = os.environ.get(DEVICE_ENV, "cpu"), DEVICE_ENV
+    device = _resolve_device(raw, source)
+    flag = os.environ.get(DETERMINISTIC_ENV, "0").strip()
+    if flag not in ("0", "1", ""):
+        raise pytest.UsageError(f"{DETERMINISTIC_ENV}={flag!r}: must be 0 or 1")
+    deterministic = flag == "1"
+    config.stash[_DEVICE], config.stash[_DETERMINISTIC] = device, deterministic
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any GPU op
+        torch.use_deterministic_algorithms(True)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.set_default_device(device)
+        torch.set_float32_matmul_precision("highest")  # no TF32: float32 tolerances assume full precision
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    device = config.stash[_DEVICE]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    det = "on" if config.stash[_DETERMINISTIC] else "off"
+    return f"mode test device: {device} ({name}), torch {torch.__version__}, deterministic algorithms {det}"
+
+
+def _reason(marker: pytest.Mark) -> str:
+    return str(marker.kwargs.get("reason") or (marker.args[0] if marker.args else "no reason given"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    device, deterministic = config.stash[_DEVICE], config.stash[_DETERMINISTIC]
+    if device.type == "cpu":
+        return
+    for item in items:
+        for marker in item.iter_markers("cpu_only"):
+            item.add_marker(pytest.mark.skip(reason=f"cpu_only on {device}: {_reason(marker)}"))
+        if not deterministic:
+            for marker in item.iter_markers("bitwise"):
+                item.add_marker(pytest.mark.skip(reason=f"bitwise on {device} without {DETERMINISTIC_ENV}=1: "
+                                                        f"{_reason(marker)}"))
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig: pytest.Config) -> torch.device:
+    """The device the session runs on (also torch's default device when it is a GPU)."""
+    return pytestconfig.stash[_DEVICE]
 
 
 @pytest.fixture(autouse=True)

@@ -202,3 +202,100 @@ def test_quick_preset_is_valid_and_comparable():
     assert len({cfg.d_model for cfg in models.values()}) == 1  # same width
     assert models["integrated_mode"].num_noop >= 1
     assert models["mod"].layers == ("dense", "mod") * (p.model.n_layers // 2)
+
+
+# ------------------------------------------------------------------------------------- kill and resume
+
+VOLATILE = ("wall_s", "tok_s", "wall")  # timings differ between any two runs
+
+
+def _stable(obj):
+    """``obj`` without its timing fields, at any depth."""
+    if isinstance(obj, dict):
+        return {k: _stable(v) for k, v in obj.items() if k not in VOLATILE}
+    if isinstance(obj, list):
+        return [_stable(v) for v in obj]
+    return obj
+
+
+def test_killed_compare_resumes_to_identical_results(tmp_path, capsys):
+    """SIGKILL in the middle of a run (half-way through writing a checkpoint of the third variant), then
+    the same command again: the finished variants are skipped, the third resumes, and compare.json equals
+    an uninterrupted run's (timings aside) bit for bit. The resumed variant is mod_random, whose routing
+    draws from torch's global RNG: its restore is tested too."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mode import checkpoint
+
+    data = write_text_file(tmp_path / "corpus.txt")
+    args = ["--quick", "--data", str(data), "--dense-steps", "2", "--only", "dense", "mod", "mod_random",
+            "--threads", "1", "--no-progress"]
+    assert main(["compare", *args, "--out", str(tmp_path / "ref")]) == 0  # uninterrupted
+
+    out = tmp_path / "run"
+    env = {**os.environ, checkpoint.STALL_ENV: "/mod_random/ckpt.pt@1",  # its second checkpoint stops half-way
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "mode.cli", "compare", *args, "--out", str(out),
+                             "--ckpt-every-s", "1e-9"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not [p for p in (out / "mod_random").glob(".ckpt.pt.*.tmp") if p.stat().st_size > 0]:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the write never stalled"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (out / "mod" / "result.json").is_file() and not (out / "compare.json").exists()
+    assert checkpoint.load_checkpoint(out / "mod_random" / "ckpt.pt")["step"] == 1  # the last complete one
+
+    capsys.readouterr()
+    assert main(["compare", *args, "--out", str(out)]) == 0  # the same command again
+    stdout = capsys.readouterr().out
+    assert f"dense: done in an earlier run, results from {out / 'dense' / 'result.json'}" in stdout
+    assert "mod: done in an earlier run" in stdout
+    assert f"mod_random: resuming at step 1 of 3 from {out / 'mod_random' / 'ckpt.pt'}" in stdout
+    ref = json.loads((tmp_path / "ref" / "compare.json").read_text())
+    got = json.loads((out / "compare.json").read_text())
+    assert _stable(got) == _stable(ref)
+    assert got["results"]["mod_random"]["val_loss"] == ref["results"]["mod_random"]["val_loss"]
+    for name in ("dense", "mod", "mod_random"):  # the log holds each record once, as in the uninterrupted run
+        log, ref_log = ((d / name / "log.jsonl").read_text().splitlines() for d in (out, tmp_path / "ref"))
+        assert _stable([json.loads(x) for x in log]) == _stable([json.loads(x) for x in ref_log])
+    assert (out / "compare.md").read_text() == (tmp_path / "ref" / "compare.md").read_text()
+
+
+def test_rerun_with_other_arguments_is_refused_unless_fresh(tmp_path, capsys):
+    data = write_text_file(tmp_path / "corpus.txt")
+    args = ["compare", "--quick", "--data", str(data), "--dense-steps", "1", "--only", "dense", "--no-progress",
+            "--out", str(tmp_path / "run")]
+    assert main(args) == 0
+    before = (tmp_path / "run" / "compare.json").read_text()
+    capsys.readouterr()
+    assert main([*args, "--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run with other arguments: seed=0 there, seed=1 now" in err
+    assert "pass --fresh to discard it and start over" in err
+    assert (tmp_path / "run" / "compare.json").read_text() == before  # untouched
+    assert main([*args, "--dense-steps", "2"]) == 2
+    assert "dense_steps=1 there, dense_steps=2 now" in capsys.readouterr().err
+    other = write_text_file(tmp_path / "other.txt")
+    other.write_text(other.read_text() + "# one more line\n")
+    assert main([a if a != str(data) else str(other) for a in args]) == 2
+    assert "data=" in capsys.readouterr().err
+    assert main([*args, "--seed", "1", "--fresh"]) == 0
+    assert json.loads((tmp_path / "run" / "compare.json").read_text())["config"]["seed"] == 1
+    assert main([*args, "--seed", "1"]) == 0  # the same arguments as the fresh run: resumes (nothing to do)
+    assert "dense: done in an earlier run" in capsys.readouterr().out
+
+
+def test_negative_ckpt_every_s_is_refused(tmp_path, capsys):
+    assert main(["compare", "--quick", "--ckpt-every-s", "-1", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "ckpt_every_s=-1.0: must be finite and > 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -11,6 +11,7 @@ from mode import cpu_allocator
 from mode.cpu_allocator import INT_MAX, retain_freed_memory
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+pytestmark = pytest.mark.cpu_only("glibc malloc tuning of host memory: nothing of it runs on a GPU")
 
 # Runs in a fresh interpreter: the tuning changes the whole process, and the pytest process should keep
 # glibc's defaults. Minor page faults of one allocate-and-fill of a 128 MiB tensor, before and after.

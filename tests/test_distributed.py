@@ -32,6 +32,7 @@ from mode.layers.block import TransformerBlock
 from mode.layers.mod import StagedMoDE
 from mode.layers.moe import IntegratedMoDE, MoEConfig, MoELayer
 from mode.routing.mod_topk import MoDRouter, MoDRouterConfig
+from mode.parallel.ep_model import shard_layer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,6 +54,8 @@ CASES = {
     "reference_backend": ("moe", dict(top_k=2, capacity_factor=1.0, backend="reference"), False),
 }
 SHAPES = [(2, 8), (1, 5), (3, 7), (2, 6)]  # per group rank: uneven token counts (16, 5, 21, 12)
+# The spawned ranks are gloo processes on CPU whatever the session's device: a CUDA session skips them.
+GLOO_ONLY = pytest.mark.cpu_only("gloo ranks on CPU; the CPU run covers them (NCCL needs one GPU per rank)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -113,9 +116,10 @@ def _moe_of(model: torch.nn.Module) -> MoELayer:
 def _ep_model(full: torch.nn.Module, dispatcher) -> torch.nn.Module:
     if isinstance(full, StagedMoDE):
         ep = copy.deepcopy(full)
-        ep.block.mlp = dispatcher.shard_layer(full.block.mlp)
+        ep.block.mlp = shard_layer(full.block.mlp, dispatcher)
+        ep.skip_empty = False  # an expert-parallel block must be entered by every rank
         return ep
-    return dispatcher.shard_layer(full)
+    return shard_layer(full, dispatcher)
 
 
 def _run_case(case: str, group, dist) -> dict:
@@ -153,7 +157,7 @@ def _run_case(case: str, group, dist) -> dict:
         with torch.no_grad():  # the plan the MoE router made for rank r (staged: on its routed tokens)
             moe = _moe_of(full)
             moe_in = xs[r] if kind != "staged" else None
-            ref_plans.append(None if moe_in is None else moe.router(moe_in, masks[r]))
+            ref_plans.append(None if moe_in is None else moe.router(moe_in, masks[r]).compact())
 
     dispatcher = ExpertParallelDispatcher(group, E)
     ep = _ep_model(full, dispatcher)
@@ -302,6 +306,7 @@ def _groups(world: int) -> list[str]:
     return [f"world{world}"] + (["sub2"] if world == 4 else [])
 
 
+@GLOO_ONLY
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_expert_parallel_equals_single_process(results, world, case):
@@ -312,6 +317,7 @@ def test_expert_parallel_equals_single_process(results, world, case):
             assert r["max_err"], "no comparison was made"
 
 
+@GLOO_ONLY
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_uneven_routing_zero_rows(results, world):
     """Skewed case: rank 0 routes everything to the no-op (sends nothing); the last rank's experts are
@@ -328,6 +334,7 @@ def test_uneven_routing_zero_rows(results, world):
         assert any(rw["sent"] > 0 for rw in rows)
 
 
+@GLOO_ONLY
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_byte_count(results, world):
     """Bytes sent = routed rows going to other ranks * D * 4 (checked in the workers), and no-op and
@@ -339,6 +346,7 @@ def test_byte_count(results, world):
     assert noop_rows > 0
 
 
+@GLOO_ONLY
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_errors(results, world):
     for gname in _groups(world):
@@ -352,7 +360,7 @@ def test_errors(results, world):
 
 
 def test_shard_experts_rejects_indivisible():
-    from mode.dispatch.expert_parallel import shard_experts
+    from mode.parallel.ep_model import shard_experts
 
     bank = ExpertBank(ExpertConfig(D, H, E))
     with pytest.raises(ValueError, match=r"num_experts=8: must be divisible by the expert-parallel group size 3"):
@@ -372,3 +380,100 @@ def test_model_math_never_imports_torch_distributed():
     offenders = [str(p.relative_to(root)) for p in files
                  if re.search(r"^\s*(import|from)\s+torch\.distributed", p.read_text(), re.M)]
     assert not offenders, f"torch.distributed imported by model math: {offenders}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# process-group set-up (mode.distributed.init_distributed), without starting a group: init_process_group
+# and the CUDA queries are replaced, so the NCCL path is checked on a CPU-only machine too.
+
+
+@pytest.fixture
+def environ():
+    """os.environ, restored in full afterwards (init_distributed writes RANK, MASTER_PORT, TORCH_NCCL_*)."""
+    import os
+
+    saved = dict(os.environ)
+    for name in [n for n in os.environ if n.startswith(("TORCH_NCCL_", "TORCH_FR_"))]:
+        del os.environ[name]  # start from a user who set none of them
+    yield os.environ
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def fake_dist(monkeypatch):
+    """Record init_process_group's arguments instead of starting a group; pretend 2 GPUs are present."""
+    import os
+
+    import torch.distributed as dist
+
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: "init" in calls)
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda *args, **kwargs: calls.setdefault("init", (args, kwargs, dict(os.environ))))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    return calls
+
+
+def test_init_distributed_nccl_passes_device_id_and_sets_env_defaults(environ, fake_dist):
+    from mode import distributed as mdist
+
+    environ.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    ctx = mdist.init_distributed("nccl", timeout_s=42)
+    args, kwargs, env_at_init = fake_dist["init"]
+    assert args == ("nccl",)
+    assert kwargs == {"timeout": timedelta(seconds=42), "device_id": torch.device("cuda", 1)}
+    assert fake_dist["set_device"] == torch.device("cuda", 1)
+    assert (ctx.backend, ctx.device, ctx.rank, ctx.world_size, ctx.local_rank) == ("nccl", ctx.device, 1, 2, 1)
+    assert ctx.device == torch.device("cuda", 1)
+    # the defaults were in the environment when the group was built (ProcessGroupNCCL reads them then)
+    for name, value in mdist.NCCL_ENV_DEFAULTS.items():
+        assert env_at_init[name] == value, name
+
+
+def test_nccl_env_defaults_never_override_the_user(environ, fake_dist):
+    from mode import distributed as mdist
+
+    environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+                   TORCH_NCCL_ASYNC_ERROR_HANDLING="1",  # what torchrun exports when the user set nothing
+                   TORCH_NCCL_DUMP_ON_TIMEOUT="0", TORCH_FR_BUFFER_SIZE="50")  # the newer name of the buffer size
+    mdist.init_distributed("nccl", timeout_s=10)
+    env = fake_dist["init"][2]
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+    assert env["TORCH_FR_BUFFER_SIZE"] == "50" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env
+
+
+def test_nccl_env_defaults_with_blocking_wait_leave_error_handling_alone():
+    from mode.distributed import NCCL_ENV_DEFAULTS, nccl_env_defaults
+
+    env = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+    applied = nccl_env_defaults(env)
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in env
+    assert applied == {k: v for k, v in NCCL_ENV_DEFAULTS.items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    assert nccl_env_defaults(env) == {}  # a second call changes nothing
+
+
+def test_init_distributed_gloo_has_no_device_id_and_no_nccl_env(environ, fake_dist):
+    from mode import distributed as mdist
+
+    environ.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    ctx = mdist.init_distributed("gloo", timeout_s=5)
+    args, kwargs, env_at_init = fake_dist["init"]
+    assert args == ("gloo",) and kwargs == {"timeout": timedelta(seconds=5)}
+    assert ctx.device == torch.device("cpu") and "set_device" not in fake_dist
+    assert not [n for n in env_at_init if n.startswith("TORCH_NCCL_")]
+
+
+def test_init_distributed_nccl_rejects_more_processes_than_gpus(environ, fake_dist):
+    from mode import distributed as mdist
+
+    environ.update(RANK="2", WORLD_SIZE="3", LOCAL_RANK="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=2: this machine has 2 GPU\(s\); start at most one process "
+                                         r"per GPU"):
+        mdist.init_distributed("nccl", timeout_s=5)
+    assert "init" not in fake_dist

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mode.experts import ExpertBank, ExpertConfig
+from mode.experts.grouped_mm import grouped_mm_available
 
 D, H = 16, 24
 COUNTS = [3, 0, 5, 1]  # uneven, expert 1 has no rows
@@ -84,16 +85,160 @@ def test_bf16_input_with_fp32_weights(backend):
     torch.testing.assert_close(y.double(), expected, rtol=5e-2, atol=5e-2)
 
 
-@pytest.mark.parametrize("backend", ["reference", "grouped"])
-def test_all_rows_zero(backend):
+CPU_BACKENDS = ["reference", "grouped"]  # megablocks: GPU only, tested below
+N_REAL, N_PAD = sum(COUNTS), 4  # padding rows after the grouped ones
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_zero_rows_forward_and_backward(backend):
+    bank = make_bank(backend, "swiglu")
+    x = torch.randn(0, D, requires_grad=True)
+    y = bank(x, torch.zeros(len(COUNTS), dtype=torch.long))
+    assert y.shape == (0, D) and y.dtype == x.dtype
+    y.sum().backward()
+    assert x.grad.shape == (0, D)
+    assert bank.w_in_EDF.grad.abs().sum() == 0 and bank.w_out_EHD.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_only_padding_rows(backend):
+    """counts all zero but A > 0: every row is padding."""
     bank = make_bank(backend, "gelu")
-    y = bank(torch.randn(0, D), torch.tensor([0, 0, 0, 0]))
-    assert y.shape == (0, D)
+    x = torch.full((5, D), float("nan"), requires_grad=True)
+    y = bank(x, torch.zeros(len(COUNTS), dtype=torch.long))
+    assert torch.equal(y, torch.zeros(5, D))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros(5, D))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_padding_rows_every_backend_agrees_and_padding_changes_nothing(activation):
+    x = torch.randn(N_REAL + N_PAD, D)
+    grad_out = torch.randn(N_REAL + N_PAD, D)
+    results = {}
+    for backend in CPU_BACKENDS:
+        bank = make_bank(backend, activation)
+        results[backend] = run_bank(bank, x, COUNTS, grad_out)
+        # the same rows without padding: the padding rows change neither the outputs nor the weight grads
+        unpadded = run_bank(make_bank(backend, activation), x[:N_REAL], COUNTS, grad_out[:N_REAL])
+        y, x_grad, w_in_grad, w_out_grad = results[backend]
+        assert torch.equal(y[N_REAL:], torch.zeros(N_PAD, D)), backend
+        assert torch.equal(x_grad[N_REAL:], torch.zeros(N_PAD, D)), backend
+        torch.testing.assert_close(y[:N_REAL], unpadded[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x_grad[:N_REAL], unpadded[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(w_in_grad, unpadded[2], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(w_out_grad, unpadded[3], rtol=1e-5, atol=1e-5)
+    for name, g, w in zip(["y", "x.grad", "w_in.grad", "w_out.grad"], results["grouped"], results["reference"]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+def test_padding_rows_with_nan_or_inf_give_zero_output_and_zero_grad(backend, poison):
+    x = torch.randn(N_REAL + N_PAD, D)
+    x[N_REAL:] = poison
+    grad_out = torch.randn(N_REAL + N_PAD, D)
+    grad_out[N_REAL:] = poison  # even a poisoned incoming gradient must not leak into x or the weights
+    y, x_grad, w_in_grad, w_out_grad = run_bank(make_bank(backend, "swiglu"), x, COUNTS, grad_out)
+    assert torch.equal(y[N_REAL:], torch.zeros(N_PAD, D))
+    assert torch.equal(x_grad[N_REAL:], torch.zeros(N_PAD, D))
+    for t in (y, x_grad, w_in_grad, w_out_grad):
+        assert torch.isfinite(t).all()
+    clean = run_bank(make_bank(backend, "swiglu"), x[:N_REAL], COUNTS, grad_out[:N_REAL])
+    torch.testing.assert_close(w_in_grad, clean[2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w_out_grad, clean[3], rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_masks_rows_the_kernel_leaves_unwritten(monkeypatch):
+    """torch._grouped_mm on CUDA never writes rows past the last offset; simulate that with NaN there."""
+    real_grouped_mm = torch._grouped_mm
+
+    def nan_past_last_offset(a, b, offs=None, **kw):
+        out = real_grouped_mm(a, b, offs=offs, **kw)
+        if a.dim() == 2 and b.dim() == 3:  # the (rows x K) @ (E x K x N) form: rows past offs[-1] unwritten
+            out[int(offs[-1]):] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", nan_past_last_offset)
+    x = torch.randn(N_REAL + N_PAD, D)
+    grad_out = torch.randn(N_REAL + N_PAD, D)
+    got = run_bank(make_bank("grouped", "swiglu"), x, COUNTS, grad_out)
+    monkeypatch.undo()
+    want = run_bank(make_bank("reference", "swiglu"), x, COUNTS, grad_out)
+    assert torch.equal(got[0][N_REAL:], torch.zeros(N_PAD, D))
+    assert torch.equal(got[1][N_REAL:], torch.zeros(N_PAD, D))
+    for name, g, w in zip(["y", "x.grad", "w_in.grad", "w_out.grad"], got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_reference_rejects_counts_beyond_the_rows():
+    bank = make_bank("reference", "gelu")
+    with pytest.raises(ValueError, match=r"counts_E.sum\(\)=9: must be <= x_AD.shape\[0\]=8"):
+        bank(torch.randn(8, D), torch.tensor(COUNTS))
+    with pytest.raises(ValueError, match=r"counts_E=\[3, -1, 5, 1\]: must be >= 0"):
+        bank(torch.randn(9, D), torch.tensor([3, -1, 5, 1]))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_bad_inputs_name_the_field(backend):
+    bank = make_bank(backend, "gelu")
+    with pytest.raises(ValueError, match=r"x_AD.shape=\(9, 8\): must be \(A, d_model=16\)"):
+        bank(torch.randn(9, 8), torch.tensor(COUNTS))
+    with pytest.raises(ValueError, match=r"counts_E.shape=\(3,\): must be \(num_experts,\)=\(4,\)"):
+        bank(torch.randn(9, D), torch.tensor([3, 5, 1]))
+    with pytest.raises(TypeError, match=r"counts_E: must be an integer torch.Tensor"):
+        bank(torch.randn(9, D), torch.tensor(COUNTS, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_float64_auto_matches_reference_outputs_and_gradients(activation):
+    """float64: torch._grouped_mm rejects it, so "auto" must pick a backend that takes it."""
+    auto, ref = make_bank("auto", activation, torch.float64), make_bank("reference", activation, torch.float64)
+    assert auto.backend == "reference"
+    x = torch.randn(N_REAL + N_PAD, D, dtype=torch.float64)
+    grad_out = torch.randn_like(x)
+    got, want = run_bank(auto, x, COUNTS, grad_out), run_bank(ref, x, COUNTS, grad_out)
+    for name, g, w in zip(["y", "x.grad", "w_in.grad", "w_out.grad"], got, want):
+        assert g.dtype == torch.float64, name
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name)
+    expected = hand_expert_mlp(x[:N_REAL], COUNTS, auto.w_in_EDF.detach(), auto.w_out_EHD.detach(), activation)
+    torch.testing.assert_close(got[0][:N_REAL], expected, rtol=1e-10, atol=1e-10)
+
+
+def test_float64_moe_layer_with_auto_backend_matches_reference():
+    """The reported failure: MoELayer.from_config(...).double() with backend "auto" (grouped on float32)."""
+    from mode import MoEConfig, MoELayer
+
+    layers = {}
+    for backend in ("auto", "reference"):
+        torch.manual_seed(0)
+        layers[backend] = MoELayer.from_config(MoEConfig(d_model=D, d_hidden=H, num_experts=4, top_k=2,
+                                                         backend=backend)).double()
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    outs = {}
+    for backend, layer in layers.items():
+        xb = x.clone().requires_grad_(True)
+        y, aux = layer(xb)
+        (y.square().sum() + aux.total()).backward()
+        outs[backend] = (y.detach(), xb.grad, layer.experts.w_in_EDF.grad)
+    for name, g, w in zip(["y", "x.grad", "w_in.grad"], outs["auto"], outs["reference"]):
+        assert g.dtype == torch.float64, name
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.skipif(not grouped_mm_available(), reason="needs torch._grouped_mm (torch>=2.9)")
+def test_backend_follows_the_weights_dtype():
+    bank = make_bank("auto", "gelu")
+    assert bank.backend == "grouped"
+    assert bank.double().backend == "reference"
+    assert bank.float().backend == "grouped"
+    assert bank.backend_for(torch.device("cpu"), torch.bfloat16) == "grouped"
 
 
 def test_auto_backend_resolves_to_a_concrete_one():
     bank = ExpertBank(ExpertConfig(d_model=D, d_hidden=H, num_experts=2))
-    assert bank.backend == ("grouped" if hasattr(torch, "_grouped_mm") else "reference")
+    assert bank.backend == ("grouped" if grouped_mm_available() else "reference")
+    assert bank.backend_for(torch.device("cpu"), torch.float64) == "reference"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error; this machine has CUDA")
@@ -103,15 +248,23 @@ def test_megablocks_backend_needs_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="backend='megablocks' needs a CUDA GPU and megablocks")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 CUDA kernels: needs a CUDA GPU")
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_megablocks_matches_reference(activation):
-    pytest.importorskip("grouped_gemm", reason="megablocks' grouped_gemm is not installed")
+@pytest.mark.parametrize("backend", ["megablocks", "grouped"])
+def test_cuda_bf16_backends_match_reference_with_padding(activation, backend):
+    if backend == "megablocks":
+        pytest.importorskip("grouped_gemm", reason="megablocks' grouped_gemm is not installed")
+    elif not grouped_mm_available():
+        pytest.skip(f"torch {torch.__version__} has no usable torch._grouped_mm")
     dev = torch.device("cuda")
     ref = make_bank("reference", activation, torch.bfloat16).to(dev)
-    mb = make_bank("megablocks", activation, torch.bfloat16).to(dev)
-    x = torch.randn(sum(COUNTS), D, dtype=torch.bfloat16, device=dev)
+    fast = make_bank(backend, activation, torch.bfloat16).to(dev)
+    assert fast.backend == backend
+    x = torch.randn(N_REAL + N_PAD, D, dtype=torch.bfloat16, device=dev)
+    x[N_REAL:] = float("nan")
     grad_out = torch.randn_like(x)
-    got, want = run_bank(mb, x, COUNTS, grad_out), run_bank(ref, x, COUNTS, grad_out)
+    got, want = run_bank(fast, x, COUNTS, grad_out), run_bank(ref, x, COUNTS, grad_out)
+    assert torch.equal(got[0][N_REAL:], torch.zeros_like(got[0][N_REAL:]))
+    assert torch.equal(got[1][N_REAL:], torch.zeros_like(got[1][N_REAL:]))
     for name, g, w in zip(["y", "x.grad", "w_in.grad", "w_out.grad"], got, want):
         torch.testing.assert_close(g.float(), w.float(), rtol=3e-2, atol=3e-2, msg=name)

@@ -94,12 +94,14 @@ def make_lm(layers, causal: str = "predictor", seed: int = 0, fraction: float = 
     model = LM(cfg_for(layers, causal, **kw)).eval()
     with torch.no_grad():
         model.embed.weight.normal_(std=1.0)  # O(1) hidden states: routing depends strongly on the tokens
-    calibrate(model, torch.randint(0, V, (4, 64), generator=torch.Generator().manual_seed(seed + 100)), fraction)
+    calibrate(model, tokens(4, 64, seed + 100), fraction)
     return model
 
 
 def tokens(B: int, S_: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, V, (B, S_), generator=torch.Generator().manual_seed(seed))
+    # drawn on the CPU (the same tokens on every test device), then moved to the default device
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, S_), generator=g, device="cpu").to(torch.get_default_device())
 
 
 def assert_mixed_routing(model: LM, out) -> None:
@@ -544,7 +546,7 @@ def test_short_training_teaches_the_predictor(tmp_path):
     routes about ``capacity`` of the tokens, and sampling's loss ends close to the top-k loss."""
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
     g = torch.Generator().manual_seed(0)
-    text = " ".join(words[int(i)] for i in torch.randint(0, len(words), (4000,), generator=g)) + "\n"
+    text = " ".join(words[int(i)] for i in torch.randint(0, len(words), (4000,), generator=g, device="cpu")) + "\n"
     path = tmp_path / "text.txt"
     path.write_text(text)
     seq = 64

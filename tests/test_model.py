@@ -55,7 +55,8 @@ def test_forward_shapes_and_finite_loss(kind):
     out2 = model(x)
     assert out2.loss is None
     if kind != "mod_random":  # random routing draws fresh tokens each call
-        torch.testing.assert_close(out2.logits_BSV, out.logits_BSV, rtol=0, atol=0)
+        exact = out.logits_BSV.device.type == "cpu"  # CUDA index_add_ sums top-k outputs in no fixed order
+        torch.testing.assert_close(out2.logits_BSV, out.logits_BSV, **(dict(rtol=0, atol=0) if exact else {}))
     # a shorter sequence works too
     assert model(x[:, :5]).logits_BSV.shape == (B, 5, V)
 
@@ -144,7 +145,7 @@ def test_mod_random_selection_uses_the_global_rng():
 
 
 def test_layer_modules_match_kinds():
-    cfg = small_cfg("dense", layers=LAYER_KINDS, num_noop=1)
+    cfg = small_cfg("dense", layers=tuple(LAYER_KINDS), num_noop=1)
     model = LM(cfg)
     kinds = [type(m).__name__ for m in model.layers]
     assert kinds == ["TransformerBlock", "MoD", "MoD", "TransformerBlock", "StagedMoDE", "TransformerBlock"]

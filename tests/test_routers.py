@@ -62,7 +62,7 @@ def test_mod_routes_exactly_C_top_scores_in_order(capacity, S, C):
     B, D = 3, 8
     router = MoDRouter(MoDRouterConfig(d_model=D, capacity=capacity))
     x = torch.randn(B, S, D)
-    plan = router(x)
+    plan = router(x).compact()
     assert plan.seq_capacity == C
     assert plan.num_assignments == B * C
     assert plan.counts_E.tolist() == [B * C]
@@ -82,7 +82,7 @@ def test_mod_exactly_C_with_ties(how):
         x = torch.randn(B, S, D)
     else:
         x = torch.randn(1, 1, D).expand(B, S, D).contiguous()  # every token the same
-    plan = router(x)
+    plan = router(x).compact()
     tok = plan.token_idx_A.view(B, C)
     for b in range(B):
         row = tok[b].tolist()
@@ -100,7 +100,7 @@ def test_mod_padding_never_takes_capacity():
     mask[0, 6:] = False  # 6 real tokens >= C
     mask[1, 2:] = False  # 2 real tokens < C
     x[~mask] = 100.0 * w  # padded tokens would win top-k by far if they were eligible
-    plan = router(x, mask)
+    plan = router(x, mask).compact()
     pos = (plan.token_idx_A.view(B, C) - torch.arange(B)[:, None] * S).tolist()
     assert pos[0] == hand_topk_positions(x, w, C, mask)[0]
     assert all(p < 6 for p in pos[0])
@@ -122,7 +122,7 @@ def test_mod_stats_without_mask():
     B, S, D, C = 2, 8, 4, 2
     router = MoDRouter(MoDRouterConfig(d_model=D, capacity=0.25))
     x = torch.randn(B, S, D)
-    plan = router(x)
+    plan = router(x).compact()
     compute = [0.0] * (B * S)
     for b, row in enumerate(hand_topk_positions(x, router.weight.detach(), C)):
         for p in row:
@@ -137,7 +137,7 @@ def test_mod_gates(gate):
     B, S, D, C = 2, 8, 4, 2
     router = MoDRouter(MoDRouterConfig(d_model=D, capacity=0.25, gate=gate))
     x = torch.randn(B, S, D)
-    plan = router(x)
+    plan = router(x).compact()
     assert plan.weight_A.numel() == B * C
     w = router.weight.detach().double()
     expected = []
@@ -178,7 +178,7 @@ def test_token_choice_topk_and_gates(gate, renormalize, top_k):
     router = identity_router(TokenChoiceRouter(TokenChoiceConfig(
         d_model=X, num_experts=X, top_k=top_k, gate=gate, renormalize=renormalize)))
     logits = torch.randn(1, T, X)
-    plan = router(logits)
+    plan = router(logits).compact()
     expected = hand_token_choice(logits[0].tolist(), top_k, X, gate, renormalize)
     assert plan_rows(plan) == [(e, t) for e, t, _ in expected]
     torch.testing.assert_close(plan.weight_A, torch.tensor([g for *_, g in expected]), rtol=1e-5, atol=1e-6)
@@ -189,7 +189,7 @@ def test_token_choice_top1_capacity_drops_later_tokens():
     # 6 tokens, 2 experts, capacity_factor 0.5 -> ceil(0.5 * 6 * 1 / 2) = 2 per expert.
     logits = [[2.0, 0.0], [1.0, 0.0], [3.0, 1.0], [0.5, 0.0], [0.0, 1.0], [0.0, 2.0]]  # choices 0 0 0 0 1 1
     router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=2, num_experts=2, capacity_factor=0.5)))
-    plan = router(torch.tensor([logits]))
+    plan = router(torch.tensor([logits])).compact()
     assert plan_rows(plan) == [(0, 0), (0, 1), (1, 4), (1, 5)]  # tokens 2 and 3 dropped from expert 0
     gates = [softmax_py(logits[t])[e] for e, t in plan_rows(plan)]
     torch.testing.assert_close(plan.weight_A, torch.tensor(gates), rtol=1e-6, atol=1e-7)
@@ -210,7 +210,7 @@ def test_token_choice_top2_capacity_first_choices_before_second():
     # (token-major priority would instead drop t2's first choice); e2 keeps t1 and t2 and drops t3.
     router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=3, top_k=2,
                                                                  capacity_factor=0.75)))
-    plan = router(torch.tensor([logits]))
+    plan = router(torch.tensor([logits])).compact()
     assert router.capacity(4) == 2
     assert plan_rows(plan) == [(0, 0), (0, 3), (1, 1), (1, 2), (2, 1), (2, 2)]
     assert plan.counts_E.tolist() == [2, 2, 2]
@@ -227,7 +227,7 @@ def test_token_choice_dropless_drops_none(top_k):
     with torch.no_grad():
         router.weight[0] += 5.0  # heavily imbalanced: expert 0 is everyone's favourite
     x = torch.randn(B, S, D).abs()
-    plan = router(x)
+    plan = router(x).compact()
     T = B * S
     assert plan.counts_E[0].item() == T  # far above any capacity-factor-1 limit
     assert plan.num_assignments == T * top_k
@@ -241,7 +241,7 @@ def test_token_choice_noop_experts_never_in_plan():
     # 2 real experts + 1 no-op (slot 2); top-1 choices: 2 0 2 1 0 2.
     logits = [[0.0, 0.0, 1.0], [2.0, 0.0, 1.0], [0.0, 1.0, 3.0], [0.0, 2.0, 1.0], [1.0, 0.0, 0.5], [0.0, 0.0, 0.1]]
     router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=2, num_noop=1)))
-    plan = router(torch.tensor([logits]))
+    plan = router(torch.tensor([logits])).compact()
     assert plan_rows(plan) == [(0, 1), (0, 4), (1, 3)]
     assert plan.num_experts == 2 and plan.counts_E.tolist() == [2, 1]
     torch.testing.assert_close(plan.weight_A, torch.tensor([softmax_py(logits[t])[e] for e, t in plan_rows(plan)]))
@@ -267,7 +267,7 @@ def test_token_choice_noop_top2_with_capacity_and_mask():
     mask[0, 4] = False
     router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=4, num_experts=2, num_noop=2, top_k=2,
                                                                  capacity_factor=0.5)))
-    plan = router(torch.tensor([logits]), mask)
+    plan = router(torch.tensor([logits]), mask).compact()
     # Real tokens' first choices for e0: t0 t1 t3 t6 t7 (5 > 4: t7 dropped); e1 first: t5.
     # Second choices for e1: t0 t3 t7 (t5's second choice e0 is over capacity: dropped).
     assert plan_rows(plan) == [(0, 0), (0, 1), (0, 3), (0, 6), (1, 0), (1, 3), (1, 5), (1, 7)]
@@ -279,7 +279,7 @@ def test_token_choice_plan_grouped_by_expert_and_sorted_by_token():
     B, S, D, E = 3, 16, 8, 5
     router = TokenChoiceRouter(TokenChoiceConfig(d_model=D, num_experts=E, num_noop=2, top_k=3,
                                                  capacity_factor=0.8))
-    plan = router(torch.randn(B, S, D))
+    plan = router(torch.randn(B, S, D)).compact()
     expert, token = plan.expert_idx_A.tolist(), plan.token_idx_A.tolist()
     assert expert == sorted(expert)
     assert all(0 <= e < E for e in expert)
@@ -321,7 +321,7 @@ def test_expert_choice_each_expert_takes_c_tokens_per_sequence(num_noop):
                                                                    capacity_factor=1.5)))
     c = math.ceil(1.5 * S / X)
     logits = torch.randn(B, S, X)
-    plan = router(logits)
+    plan = router(logits).compact()
     expected = hand_expert_choice(logits, c, E)
     assert plan_rows(plan) == [(e, t) for e, t, _ in expected]
     torch.testing.assert_close(plan.weight_A, torch.tensor([g for *_, g in expected]), rtol=1e-5, atol=1e-7)
@@ -343,7 +343,7 @@ def test_expert_choice_noop_slots_not_computed():
     logits = torch.zeros(B, S, 2)
     logits[0, :, 1] = 5.0
     logits[0, :, 0] = torch.arange(S, dtype=torch.float32) / 10  # token 7 and 6 are expert 0's favourites
-    plan = router(logits)
+    plan = router(logits).compact()
     c = 4  # ceil(1.0 * 8 / 2)
     assert plan.expert_idx_A.tolist() == [0] * c
     assert plan.token_idx_A.tolist() == [4, 5, 6, 7]
@@ -358,7 +358,7 @@ def test_expert_choice_with_mask():
     mask[0, 5:] = False  # 5 real tokens >= c = 4
     mask[1, 2:] = False  # 2 real tokens < c
     logits[~mask] = 10.0  # padding would be everybody's favourite if it were eligible
-    plan = router(logits, mask)
+    plan = router(logits, mask).compact()
     expected = hand_expert_choice(logits, 4, E, mask)
     assert plan_rows(plan) == [(e, t) for e, t, _ in expected]
     assert all(bool(mask.reshape(-1)[t]) for t in plan.token_idx_A.tolist())
@@ -461,6 +461,6 @@ def test_aux_total_is_weighted_sum():
 
 def test_router_gradients_reach_the_router_weight():
     router = TokenChoiceRouter(TokenChoiceConfig(d_model=8, num_experts=4, top_k=2))
-    plan = router(torch.randn(2, 8, 8))
+    plan = router(torch.randn(2, 8, 8)).compact()
     (plan.weight_A.sum() + plan.aux.total()).backward()
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0

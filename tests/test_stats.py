@@ -240,6 +240,7 @@ def _rank_worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.cpu_only("gloo ranks on CPU; the CPU run covers them")
 def test_all_reduce_over_two_gloo_ranks_equals_one_accumulator():
     import torch.multiprocessing as mp
 

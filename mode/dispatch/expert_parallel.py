@@ -8,9 +8,10 @@ Shape legend
 Rank ``p`` of the group owns experts ``[p * L, (p + 1) * L)`` (contiguous shards). Because a plan's
 assignments are grouped by expert, they are also grouped by destination rank, so ``dispatch`` is:
 
-    1. gather ``x_AD = x_TD[token_idx_A]`` (plan order: destination-rank-major, expert-minor)
-    2. exchange per-expert counts: ``all_to_all_single`` of ``counts_E`` viewed as ``(P, L)`` (int64)
-    3. ONE host sync: ``.tolist()`` of the send and receive counts, the split sizes of step 4
+    1. exchange per-expert counts: ``all_to_all_single`` of ``counts_E`` viewed as ``(P, L)`` (int64)
+    2. ONE host sync: ``.tolist()`` of the send and receive counts, the split sizes of step 4
+    3. gather the computed rows ``x_AD = x_TD[token_idx_A[:sent]]`` (plan order: destination-rank-major,
+       expert-minor; the plan's padding after them is never sent)
     4. ``all_to_all_single`` of the rows with variable splits (``_AllToAll``: its backward is the
        all-to-all with the splits swapped)
     5. permute the received rows, which arrive source-rank-major, into local-expert-major order
@@ -24,26 +25,20 @@ Everything the router computes stays per rank: capacity limits and aux losses ar
 tokens. The router (and every other non-expert parameter) is replicated; its gradient must be
 all-reduced by the training loop, like any data-parallel gradient, never inside ``forward``.
 
-This is the only model-side module that imports ``torch.distributed``.
+This is the only model-side module that imports ``torch.distributed``; it moves tokens and knows nothing of
+layers. Building a rank's shard of a layer or a model is ``mode.parallel.ep_model``'s job.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from mode.dispatch.local import scatter_weighted
-from mode.experts.bank import ExpertBank
 from mode.routing.plan import RoutingPlan
-
-if TYPE_CHECKING:
-    from mode.layers.moe import MoELayer
 
 
 @dataclass(frozen=True)
@@ -156,7 +151,6 @@ class ExpertParallelDispatcher:
             raise ValueError(f"plan.num_experts={plan.num_experts}: must equal the dispatcher's "
                              f"num_experts={self.num_experts}")
         P, L = self.world_size, self.local_experts
-        x_AD = x_TD.index_select(0, plan.token_idx_A)  # grouped by expert, hence by destination rank
 
         # Counts first: recv_counts_PL[p, l] = rows rank p sends to our local expert l.
         send_counts_PL = plan.counts_E.to(torch.int64).reshape(P, L)
@@ -165,6 +159,8 @@ class ExpertParallelDispatcher:
         # The one host sync of the layer: the all-to-all below needs its split sizes on the host.
         splits = torch.cat([send_counts_PL.sum(1), recv_counts_PL.sum(1)]).tolist()
         send_splits, recv_splits = splits[:P], splits[P:]
+        # The computed assignments come first in the plan, grouped by expert, hence by destination rank.
+        x_AD = x_TD.index_select(0, plan.token_idx_A[:sum(send_splits)])
 
         x_recv_RD = all_to_all_rows(x_AD, recv_splits, send_splits, self.group)
 
@@ -193,44 +189,9 @@ class ExpertParallelDispatcher:
         y_AD = all_to_all_rows(y_recv_RD, state.send_splits, state.recv_splits, self.group)
         self.last_combine = _exchange_stats(state.recv_splits, state.send_splits, self.rank,
                                             y_RD.shape[-1] * y_RD.element_size())
-        return scatter_weighted(y_AD, plan)  # gates applied on the token's own rank
+        return scatter_weighted(y_AD, plan)  # gates applied on the token's own rank; padding got no rows
 
     @property
     def last_sent_bytes(self) -> int:
         """Bytes the latest dispatch sent to other ranks (0 before the first call)."""
         return 0 if self.last_dispatch is None else self.last_dispatch.sent_bytes
-
-    # -- building the local shard ----------------------------------------------------------------------
-
-    def shard_experts(self, full: ExpertBank) -> ExpertBank:
-        """This rank's shard of a single-process bank over all ``num_experts`` experts."""
-        if full.num_experts != self.num_experts:
-            raise ValueError(f"experts.num_experts={full.num_experts}: must equal the dispatcher's "
-                             f"num_experts={self.num_experts}")
-        return shard_experts(full, self.rank, self.world_size)
-
-    def shard_layer(self, full: "MoELayer") -> "MoELayer":
-        """A copy of a single-process ``MoELayer`` (or ``IntegratedMoDE``) for this rank: the router is
-        replicated (deep-copied), the experts are this rank's shard, dispatch goes through ``self``."""
-        return type(full)(copy.deepcopy(full.router), self.shard_experts(full.experts), self)
-
-
-def shard_experts(full: ExpertBank, rank: int, world_size: int) -> ExpertBank:
-    """The ``ExpertBank`` of experts ``[rank * L, (rank + 1) * L)``, ``L = E / world_size``, with their
-    weights copied from ``full`` (a bank over all E experts, e.g. built identically on every rank)."""
-    E = full.num_experts
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
-    if E % world_size:
-        raise ValueError(f"num_experts={E}: must be divisible by the expert-parallel group size {world_size} "
-                         "(each rank holds num_experts / group size experts)")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank}: must be in [0, world_size={world_size})")
-    L = E // world_size
-    lo = rank * L
-    shard = ExpertBank(dataclasses.replace(full.cfg, num_experts=L))
-    shard.to(device=full.w_in_EDF.device, dtype=full.w_in_EDF.dtype)
-    with torch.no_grad():
-        shard.w_in_EDF.copy_(full.w_in_EDF[lo:lo + L])
-        shard.w_out_EHD.copy_(full.w_out_EHD[lo:lo + L])
-    return shard

@@ -31,7 +31,11 @@ class LocalDispatcher:
 
 
 def scatter_weighted(y_AD: Tensor, plan: RoutingPlan) -> Tensor:
-    """``out[t] = sum_a [token(a) == t] * weight(a) * y[a]``; tokens with no assignment get zeros."""
-    weighted_AD = y_AD * plan.weight_A.to(y_AD.dtype)[:, None]
+    """``out[t] = sum_a [token(a) == t] * weight(a) * y[a]``; tokens with no assignment get zeros.
+
+    ``y_AD`` holds the first ``A' <= A`` assignments of the plan: all of them (local: padding rows are
+    zeros with weight 0), or only the computed ones (expert-parallel: padding never travels)."""
+    n = y_AD.shape[0]
+    weighted_AD = y_AD * plan.weight_A[:n].to(y_AD.dtype)[:, None]
     out_TD = y_AD.new_zeros(plan.num_tokens, y_AD.shape[-1])
-    return out_TD.index_add(0, plan.token_idx_A, weighted_AD)
+    return out_TD.index_add(0, plan.token_idx_A[:n], weighted_AD)

@@ -1,3 +1,3 @@
-from mode.experts.bank import ExpertBank, ExpertConfig
+from mode.experts.bank import BACKENDS, ExpertBank, ExpertConfig, resolve_backend
 
-__all__ = ["ExpertBank", "ExpertConfig"]
+__all__ = ["BACKENDS", "ExpertBank", "ExpertConfig", "resolve_backend"]

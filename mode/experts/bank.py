@@ -1,14 +1,35 @@
 """A bank of E MLP experts computing on tokens already grouped by expert.
 
 Shape legend
-    A assignments (rows), grouped by expert: the first counts_E[0] rows belong to expert 0, ...
+    A rows: the first N = counts_E.sum() grouped by expert (counts_E[0] rows of expert 0, then
+      counts_E[1] rows of expert 1, ...), the A - N rows after them padding
     D hidden size   H expert hidden size   F = H (gelu) or 2H (swiglu: gate and up fused)   E experts
 
-Backends (chosen once, at construction):
-    "reference"  a readable loop over experts (one matmul pair per expert)
-    "grouped"    torch._grouped_mm over all experts at once (CPU and CUDA)
-    "megablocks" grouped_gemm from MegaBlocks (CUDA only, optional extra)
-    "auto"       "grouped" where torch has it, else "reference"
+Padding contract of ``forward(x_AD, counts_E)`` (every backend):
+    * ``A >= counts_E.sum()``. The router puts no-op, dropped and padding assignments after the real
+      ones so that shapes stay static on the GPU; those rows are padding.
+    * A padding row's output is exactly zero and its input gets exactly zero gradient, whatever it holds
+      (NaN and inf included) and whatever the kernel leaves in rows past the last offset
+      (``torch._grouped_mm`` on CUDA never writes them).
+    * ``A == 0`` (all counts zero) returns a (0, D) tensor, and backward works.
+    * "grouped" keeps counts_E on the device: it masks input and output with ``torch.where(row < N)``
+      (NaN-safe, where ``x * 0`` is not), so it cannot check ``counts_E.sum() <= A`` or ``counts_E >= 0``
+      without a host sync and does not; "reference" and "megablocks" read the counts on the host anyway
+      (one sync per call) and raise ValueError when they break the contract.
+
+Backends
+    "reference"  a readable loop over experts (one matmul pair per expert); reads counts_E on the host
+    "grouped"    torch._grouped_mm over all experts at once (torch>=2.9; CPU and CUDA; float32, bfloat16,
+                 float16; D and H multiples of 16 / itemsize); no host sync on CUDA in bfloat16 (sm90/sm100)
+    "megablocks" grouped_gemm from MegaBlocks (CUDA, bfloat16, the torch 2.7.0 stack; optional extra)
+    "auto"       per (device, compute dtype): "grouped" where it can run, else "megablocks" where it can,
+                 else "reference" (docs/backends.md has the table)
+The compute dtype is the autocast dtype inside ``torch.autocast`` (float64 excepted, as autocast does),
+else x's dtype; the weights are cast to it, so a bfloat16 x with float32 weights computes in bfloat16.
+A module can change device and dtype after construction (``.double()``, ``.to("cuda")``), so the backend
+is resolved the first time each (device, compute dtype) is seen, then cached: a dictionary lookup per
+call, no host sync. An explicit backend that cannot run in this environment raises ValueError at
+construction; one that cannot handle a (device, dtype) raises ValueError at the first such call.
 Every backend computes the same function on the same parameters; tests check they agree.
 """
 
@@ -22,7 +43,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
-from mode.experts.grouped_mm import grouped_mm, grouped_mm_available
+from mode.experts import grouped_mm as gmm_mod
+from mode.experts import megablocks_backend
+from mode.experts.grouped_mm import autocast_dtype, grouped_mm
 
 ACTIVATIONS = ("gelu", "swiglu")
 BACKENDS = ("auto", "reference", "grouped", "megablocks")
@@ -44,18 +67,37 @@ class ExpertConfig:
         _checks.check_choice("backend", self.backend, BACKENDS)
 
 
-def resolve_backend(name: str) -> str:
-    """Pick the concrete backend, or raise with the reason it cannot run here."""
-    if name == "auto":
-        return "grouped" if grouped_mm_available() else "reference"
-    if name == "grouped" and not grouped_mm_available():
-        raise ValueError(f"backend='grouped': torch {torch.__version__} has no torch._grouped_mm; "
-                         "use backend='reference' or torch>=2.8")
-    if name == "megablocks":
-        from mode.experts import megablocks_backend
-
+def check_backend_environment(name: str, sizes: dict[str, int]) -> None:
+    """Construction-time check of an explicit backend: does this torch / machine have it at all?"""
+    if name == "grouped":
+        # float32 has the loosest size rule: a size that fails it fails every dtype.
+        reason = gmm_mod.unsupported_reason("cpu", torch.float32, sizes)
+        if reason is not None:
+            raise ValueError(f"backend='grouped': {reason}; use backend='reference' or 'auto'")
+    elif name == "megablocks":
         megablocks_backend.require()
-    return name
+
+
+def resolve_backend(name: str, device_type: str, dtype: torch.dtype, sizes: dict[str, int]) -> str:
+    """The concrete backend for ``name`` on (device_type, dtype), or ValueError with the reason it cannot run.
+
+    ``sizes`` are the row lengths the GEMMs see (``{"d_model": D, "d_hidden": H}``)."""
+    if name == "reference":
+        return "reference"
+    grouped_reason = gmm_mod.unsupported_reason(device_type, dtype, sizes)
+    if name == "grouped":
+        if grouped_reason is not None:
+            raise ValueError(f"backend='grouped': {grouped_reason}; use backend='reference' or 'auto'")
+        return "grouped"
+    if name == "auto" and grouped_reason is None:
+        return "grouped"
+    mb_reason = megablocks_backend.unsupported_reason(device_type, dtype)
+    if name == "megablocks":
+        if mb_reason is not None:
+            raise ValueError(f"backend='megablocks': {mb_reason}; use backend='reference' or 'auto'")
+        return "megablocks"
+    assert name == "auto", name
+    return "megablocks" if mb_reason is None else "reference"
 
 
 def activate(h_AF: Tensor, activation: str) -> Tensor:
@@ -70,43 +112,88 @@ class ExpertBank(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.num_experts = cfg.num_experts
-        self.backend = resolve_backend(cfg.backend)
+        self.sizes = {"d_model": cfg.d_model, "d_hidden": cfg.d_hidden}  # F = H or 2H: aligned with H
+        check_backend_environment(cfg.backend, self.sizes)
         width = 2 * cfg.d_hidden if cfg.activation == "swiglu" else cfg.d_hidden
         self.w_in_EDF = nn.Parameter(torch.empty(cfg.num_experts, cfg.d_model, width))
         self.w_out_EHD = nn.Parameter(torch.empty(cfg.num_experts, cfg.d_hidden, cfg.d_model))
         self.reset_parameters()
-        self._forward = {
+        self._impls = {
             "reference": self._forward_reference,
             "grouped": self._forward_grouped,
             "megablocks": self._forward_megablocks,
-        }[self.backend]
+        }
+        self._resolved: dict[tuple[torch.device, torch.dtype], str] = {}  # (device, compute dtype) -> backend
 
     def reset_parameters(self, out_std: float | None = None) -> None:
         nn.init.normal_(self.w_in_EDF, std=1 / math.sqrt(self.cfg.d_model))
         nn.init.normal_(self.w_out_EHD, std=out_std or 1 / math.sqrt(self.cfg.d_hidden))
 
+    @property
+    def backend(self) -> str:
+        """The backend that runs an input in the weights' own dtype on their device."""
+        return self.backend_for(self.w_in_EDF.device, self.w_in_EDF.dtype)
+
+    def backend_for(self, device: torch.device, dtype: torch.dtype) -> str:
+        key = (device, dtype)
+        name = self._resolved.get(key)
+        if name is None:
+            name = self._resolved[key] = resolve_backend(self.cfg.backend, device.type, dtype, self.sizes)
+        return name
+
     def forward(self, x_AD: Tensor, counts_E: Tensor) -> Tensor:
-        """``counts_E`` (int64, on x's device) gives each expert's number of rows, in order."""
-        return self._forward(x_AD, counts_E)
+        """``counts_E`` (integer, on x's device): each expert's number of rows, in order; rows past
+        ``counts_E.sum()`` are padding (zero output, zero gradient; see the module docstring)."""
+        self._check_inputs(x_AD, counts_E)
+        dtype = autocast_dtype(x_AD) or x_AD.dtype
+        return self._impls[self.backend_for(x_AD.device, dtype)](x_AD, counts_E, dtype)
 
-    def _forward_reference(self, x_AD: Tensor, counts_E: Tensor) -> Tensor:
-        w_in, w_out = self.w_in_EDF.to(x_AD.dtype), self.w_out_EHD.to(x_AD.dtype)  # same casting as "grouped"
+    def _check_inputs(self, x_AD: Tensor, counts_E: Tensor) -> None:
+        """Metadata only: no host sync."""
+        if not isinstance(x_AD, Tensor) or not x_AD.is_floating_point():
+            raise TypeError(f"x_AD: must be a floating torch.Tensor, got {getattr(x_AD, 'dtype', type(x_AD))}")
+        if x_AD.dim() != 2 or x_AD.shape[1] != self.cfg.d_model:
+            raise ValueError(f"x_AD.shape={tuple(x_AD.shape)}: must be (A, d_model={self.cfg.d_model})")
+        if not isinstance(counts_E, Tensor) or counts_E.is_floating_point() or counts_E.is_complex() \
+                or counts_E.dtype == torch.bool:
+            raise TypeError(f"counts_E: must be an integer torch.Tensor, got {getattr(counts_E, 'dtype', counts_E)}")
+        if tuple(counts_E.shape) != (self.num_experts,):
+            raise ValueError(f"counts_E.shape={tuple(counts_E.shape)}: must be (num_experts,)=({self.num_experts},)")
+        if counts_E.device != x_AD.device:
+            raise ValueError(f"counts_E.device={counts_E.device}: must be x_AD's device ({x_AD.device})")
+
+    def _forward_reference(self, x_AD: Tensor, counts_E: Tensor, dtype: torch.dtype) -> Tensor:
+        counts = counts_E.tolist()  # host sync, reference path only
+        num_padding = _check_host_counts(counts, x_AD.shape[0])
+        x_AD = x_AD.to(dtype)
         # unbind once: indexing w[e] per expert makes each backward fill a zero grad of the whole (E, ...) weight
-        w_in, w_out = w_in.unbind(0), w_out.unbind(0)
-        outs = []
-        for e, x_eD in enumerate(x_AD.split(counts_E.tolist())):  # tolist: host sync, reference path only
-            h = activate(x_eD @ w_in[e], self.cfg.activation)
-            outs.append(h @ w_out[e])
-        return torch.cat(outs) if outs else x_AD.new_zeros(0, self.cfg.d_model)
+        w_in, w_out = self.w_in_EDF.to(dtype).unbind(0), self.w_out_EHD.to(dtype).unbind(0)
+        *pieces, _padding = x_AD.split([*counts, num_padding])  # padding rows are never read: no NaN gets in
+        outs = [activate(x_eD @ w_in[e], self.cfg.activation) @ w_out[e] for e, x_eD in enumerate(pieces)]
+        # zeros in the outputs' dtype: torch.cat under autocast would promote to the widest input
+        outs.append(outs[0].new_zeros(num_padding, self.cfg.d_model))
+        return torch.cat(outs)
 
-    def _forward_grouped(self, x_AD: Tensor, counts_E: Tensor) -> Tensor:
+    def _forward_grouped(self, x_AD: Tensor, counts_E: Tensor, dtype: torch.dtype) -> Tensor:
         offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        w_in, w_out = self.w_in_EDF.to(x_AD.dtype), self.w_out_EHD.to(x_AD.dtype)
+        # rows at or past offsets_E[-1] are padding; the comparison stays on the device (no sync)
+        real_A1 = (torch.arange(x_AD.shape[0], device=x_AD.device) < offsets_E[-1]).unsqueeze(1)
+        x_AD = torch.where(real_A1, x_AD.to(dtype), 0)  # NaN-safe, and where's gradient there is exactly 0
+        w_in, w_out = self.w_in_EDF.to(dtype), self.w_out_EHD.to(dtype)
         h_AF = grouped_mm(x_AD, w_in, offsets_E)
-        return grouped_mm(activate(h_AF, self.cfg.activation), w_out, offsets_E)
+        y_AD = grouped_mm(activate(h_AF, self.cfg.activation), w_out, offsets_E)
+        return torch.where(real_A1, y_AD, 0)  # the kernel leaves padding rows unwritten (any bits)
 
-    def _forward_megablocks(self, x_AD: Tensor, counts_E: Tensor) -> Tensor:
-        from mode.experts import megablocks_backend
-
-        return megablocks_backend.expert_mlp(x_AD, counts_E, self.w_in_EDF, self.w_out_EHD,
+    def _forward_megablocks(self, x_AD: Tensor, counts_E: Tensor, dtype: torch.dtype) -> Tensor:
+        return megablocks_backend.expert_mlp(x_AD, counts_E, self.w_in_EDF, self.w_out_EHD, dtype,
                                              lambda h: activate(h, self.cfg.activation))
+
+
+def _check_host_counts(counts: list[int], num_rows: int) -> int:
+    """Validate counts read on the host against the padding contract; return the number of padding rows."""
+    if any(c < 0 for c in counts):
+        raise ValueError(f"counts_E={counts}: must be >= 0")
+    if sum(counts) > num_rows:
+        raise ValueError(f"counts_E.sum()={sum(counts)}: must be <= x_AD.shape[0]={num_rows} "
+                         "(rows past counts_E.sum() are padding)")
+    return num_rows - sum(counts)

@@ -3,12 +3,27 @@
 Shape legend: A rows grouped by expert, K in-features, N out-features, E experts.
 ``grouped_mm(x_AK, w_EKN, offsets_E)[a] = x_AK[a] @ w_EKN[e(a)]`` where e(a) is the expert whose
 segment holds row a; ``offsets_E`` is the int32 cumulative row count (the end of each segment).
+Rows at or past ``offsets_E[-1]`` are not written: they hold whatever memory the output had (the
+expert bank masks them, see bank.py).
 
-``torch._grouped_mm`` runs on CPU (float32, bfloat16) and CUDA, but its meta kernel (what
-``torch.compile`` traces with) only admits the CUDA dtypes, so it is wrapped here in a custom op with
-its own shape function and backward:
+What ``torch._grouped_mm`` accepts (torch 2.13; checked on CPU, the CUDA rules read from
+aten/src/ATen/native/GroupedMMUtils.h and cuda/GroupedBlas.cpp, which share the input checks):
+    dtypes    float32, bfloat16, float16 on CPU and CUDA; not float64. On CUDA only bfloat16 on
+              sm90/sm100 runs the CUTLASS kernel without a host sync; everything else falls back to a
+              loop of ``mm`` over the groups that reads the offsets on the host.
+    strides   every row stride a multiple of 16 bytes (on CPU too): K and N multiples of
+              16 / itemsize, i.e. 4 for float32 and 8 for bfloat16/float16.
+    offsets   int32, one per expert (int64 is rejected).
+    pointers  16-byte aligned data pointers (CUDA; CPU too before torch 2.11): the ops copy a view that
+              starts elsewhere.
+    versions  torch 2.8 has the op for bfloat16 on sm90 only; the CPU and the other dtypes and GPUs came
+              with 2.9's fallback path, so "grouped" needs torch>=2.9 here.
+Its meta kernel (what ``torch.compile`` traces with) only admits bfloat16, so it is wrapped here in a
+custom op with its own shape function, backward and autocast rule:
     dx_AK = grouped_mm(dy_AN, w_EKN^T)                     (the same segments)
     dw_EKN[e] = x_AK[segment e]^T @ dy_AN[segment e]      (torch._grouped_mm's 2-D x 2-D form)
+Under ``torch.autocast`` both ops cast their float32/float16/bfloat16 inputs to the autocast dtype of
+the device (float64 is left alone, as autocast does for its own ops) and compute in it.
 """
 
 from __future__ import annotations
@@ -16,16 +31,94 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEVICE_TYPES = ("cpu", "cuda", "meta")  # meta: the ops' shape functions (no kernel runs)
+_DTYPE_NAMES = "float32, bfloat16, float16"
+MIN_TORCH = (2, 9)
+
 
 def grouped_mm_available() -> bool:
-    return hasattr(torch, "_grouped_mm")
+    """torch 2.8 has ``torch._grouped_mm`` for bfloat16 on sm90 GPUs only (no CPU kernel, no other
+    dtype); 2.9 added the fallback that runs it on the CPU, on other GPUs and in float32/float16."""
+    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return hasattr(torch, "_grouped_mm") and (major, minor) >= MIN_TORCH
+
+
+def row_alignment(dtype: torch.dtype) -> int:
+    """Elements per 16 bytes: every row length handed to the kernel must be a multiple of it."""
+    return 16 // dtype.itemsize
+
+
+def unsupported_reason(device_type: str, dtype: torch.dtype, sizes: dict[str, int]) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run a grouped GEMM here, or None when it can.
+
+    ``sizes`` names every row length (in features and out features) the GEMMs will see, e.g.
+    ``{"d_model": 64, "d_hidden": 256}``; each must be a multiple of ``row_alignment(dtype)``."""
+    if not grouped_mm_available():
+        return (f"torch {torch.__version__} has no torch._grouped_mm that runs on CPU and in float32 "
+                f"(it needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]})")
+    if device_type not in DEVICE_TYPES:
+        return f"device={device_type!r} is not supported by torch._grouped_mm (cpu and cuda only)"
+    if dtype not in SUPPORTED_DTYPES:
+        return (f"dtype={dtype} is not supported by torch._grouped_mm ({_DTYPE_NAMES} on CPU and CUDA; "
+                "the fast CUDA kernel is bfloat16 only)")
+    align = row_alignment(dtype)
+    for name, size in sizes.items():
+        if size % align:
+            return (f"{name}={size} is not a multiple of {align}: torch._grouped_mm needs 16-byte aligned rows, "
+                    f"so in {dtype} every row length must be a multiple of {align} (8 for bfloat16/float16, "
+                    "4 for float32)")
+    return None
+
+
+def check_grouped_mm_args(x_AK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> None:
+    """Metadata checks only (no host sync); raises ValueError/TypeError naming the argument."""
+    if x_AK.dim() != 2 or w_EKN.dim() != 3:
+        raise ValueError(f"x_AK.shape={tuple(x_AK.shape)}, w_EKN.shape={tuple(w_EKN.shape)}: "
+                         "grouped_mm multiplies a 2-D x by a 3-D stack of expert weights")
+    if x_AK.shape[1] != w_EKN.shape[1]:
+        raise ValueError(f"x_AK.shape[1]={x_AK.shape[1]}: must equal w_EKN.shape[1]={w_EKN.shape[1]}")
+    if offsets_E.dtype != torch.int32:
+        raise TypeError(f"offsets_E.dtype={offsets_E.dtype}: torch._grouped_mm needs int32 offsets")
+    if offsets_E.dim() != 1 or offsets_E.shape[0] != w_EKN.shape[0]:
+        raise ValueError(f"offsets_E.shape={tuple(offsets_E.shape)}: must be ({w_EKN.shape[0]},), one end "
+                         "offset per expert")
+    cast_to = autocast_dtype(x_AK)
+    if cast_to is None and w_EKN.dtype != x_AK.dtype:  # under autocast both are cast to one dtype
+        raise TypeError(f"w_EKN.dtype={w_EKN.dtype}: must equal x_AK.dtype={x_AK.dtype}")
+    reason = unsupported_reason(x_AK.device.type, cast_to or x_AK.dtype,
+                                {"x_AK.shape[1]": w_EKN.shape[1], "w_EKN.shape[2]": w_EKN.shape[2]})
+    if reason is not None:
+        raise ValueError(f"grouped_mm: {reason}")
+
+
+def autocast_dtype(t: Tensor) -> torch.dtype | None:
+    """The dtype autocast casts ``t`` to for a matmul, or None where it leaves ``t`` alone (autocast off
+    for t's device, or a float64 tensor, which autocast never casts)."""
+    device_type = t.device.type
+    if device_type not in ("cpu", "cuda", "xpu", "mps", "hpu"):  # devices autocast does not know (meta)
+        return None
+    if t.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _kernel_ready(t: Tensor) -> Tensor:
+    """Runs inside the ops, on real tensors only (never traced), so it may look at data pointers."""
+    if t.numel() == 0:
+        # an empty tensor may carry any strides (the gradient of .sum() over zero rows is expanded,
+        # strides (0, 0)) and .contiguous() keeps them; the kernel's stride check rejects those
+        return t.new_empty(t.shape)
+    if t.data_ptr() % 16:
+        return t.clone()  # base pointers must be 16-byte aligned (CUDA's TMA loads; CPU too before 2.11)
+    return t
 
 
 if grouped_mm_available():
 
     @torch.library.custom_op("mode::grouped_mm", mutates_args=())
     def _grouped_mm_op(x_AK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
-        return torch._grouped_mm(x_AK, w_EKN, offs=offsets_E)
+        return torch._grouped_mm(_kernel_ready(x_AK), _kernel_ready(w_EKN), offs=offsets_E)
 
     @_grouped_mm_op.register_fake
     def _(x_AK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
@@ -47,7 +140,13 @@ if grouped_mm_available():
 
     @torch.library.custom_op("mode::grouped_mm_t", mutates_args=())
     def _grouped_mm_t(x_AK: Tensor, dy_AN: Tensor, offsets_E: Tensor) -> Tensor:
-        return torch._grouped_mm(x_AK.t(), dy_AN, offs=offsets_E)
+        dw_EKN = torch._grouped_mm(_kernel_ready(x_AK).t(), _kernel_ready(dy_AN), offs=offsets_E)
+        if dw_EKN.device.type == "cuda":
+            # An expert with no rows must get an exactly-zero gradient; the sm100 kernel has been reported
+            # to leave other values there (pytorch/pytorch#172439). One pass over (E, K, N), backward only.
+            counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+            dw_EKN = torch.where(counts_E[:, None, None] > 0, dw_EKN, 0)
+        return dw_EKN
 
     @_grouped_mm_t.register_fake
     def _(x_AK: Tensor, dy_AN: Tensor, offsets_E: Tensor) -> Tensor:
@@ -55,6 +154,27 @@ if grouped_mm_available():
 
     _grouped_mm_op.register_autograd(_backward, setup_context=_setup)
 
+    # Autocast rule. torch.library.register_autocast casts to one dtype fixed at registration; this one
+    # reads the dtype of the autocast region in force (bfloat16 on CPU by default, float16 or bfloat16
+    # on CUDA), as torch's own matmuls do.
+    _LIB = torch.library.Library("mode", "FRAGMENT")
+
+    _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+
+    def _register_autocast(op, name: str, device_type: str) -> None:
+        def kernel(*args: Tensor) -> Tensor:
+            dtype = torch.get_autocast_dtype(device_type)
+            cast = [a.to(dtype) if a.is_floating_point() and a.dtype != torch.float64 else a for a in args]
+            with torch.autocast(device_type, enabled=False):  # below this key: autograd, then the kernel
+                return op(*cast)
+
+        _LIB.impl(name, kernel, _AUTOCAST_KEYS[device_type])
+
+    for _device_type in _AUTOCAST_KEYS:
+        _register_autocast(_grouped_mm_op, "grouped_mm", _device_type)
+        _register_autocast(_grouped_mm_t, "grouped_mm_t", _device_type)
+
 
 def grouped_mm(x_AK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
+    check_grouped_mm_args(x_AK, w_EKN, offsets_E)
     return _grouped_mm_op(x_AK, w_EKN, offsets_E)

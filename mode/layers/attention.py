@@ -25,6 +25,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         _checks.check_int("d_model", d_model)
         _checks.check_int("n_heads", n_heads)
+        _checks.check_numel("(d_model, 3 * d_model)", d_model, 3 * d_model)
         if d_model % n_heads or (d_model // n_heads) % 2:
             raise ValueError(f"n_heads={n_heads}: d_model={d_model} must split into heads of even size")
         self.n_heads, self.head_dim, self.rope_base = n_heads, d_model // n_heads, rope_base

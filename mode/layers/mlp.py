@@ -22,9 +22,12 @@ class MLP(nn.Module):
         _checks.check_int("d_hidden", d_hidden)
         self.activation = _checks.check_choice("activation", activation, ACTIVATIONS)
         width = 2 * d_hidden if activation == "swiglu" else d_hidden
+        _checks.check_numel("(d_model, d_hidden)", d_model, width)
+        self.d_model = d_model
         self.w_in_DF = nn.Parameter(torch.randn(d_model, width) / math.sqrt(d_model))
         self.w_out_HD = nn.Parameter(torch.randn(d_hidden, d_model) / math.sqrt(d_hidden))
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> tuple[Tensor, Aux]:
         """Same call and return convention as ``MoELayer`` (the mask is unused: tokens are independent)."""
+        _checks.check_hidden("x", x_BSD, self.d_model, device=self.w_in_DF.device)
         return activate(x_BSD @ self.w_in_DF.to(x_BSD.dtype), self.activation) @ self.w_out_HD.to(x_BSD.dtype), Aux()

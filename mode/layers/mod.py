@@ -9,7 +9,10 @@ tokens are copied through bit for bit.
 
 Block protocol: ``block(x_BCD, positions_BC, mask_BC) -> y_BCD`` or ``(y_BCD, Aux)``, where ``mask_BC``
 is None or marks slots holding real routed tokens (they come first in each row). For generation the
-block also takes ``cache=`` (a ``RowView`` of a ``KVCache``), as ``TransformerBlock`` does.
+block also takes ``cache=`` (a ``RowView`` of a ``KVCache``), as ``TransformerBlock`` does. ``C`` may be
+0 (an empty sequence, or causal routing that routed nothing): by default the block is then skipped,
+but ``skip_empty=False`` calls it on the empty ``(B, 0, D)`` input, which a block holding collectives
+needs (every rank must enter an expert-parallel all-to-all, whatever its routing).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from mode import _checks
 from mode.layers.block import TransformerBlock
 from mode.layers.kv_cache import KVCache
 from mode.layers.moe import MoELayer
@@ -25,11 +29,18 @@ from mode.routing.plan import Aux
 
 
 class MoD(nn.Module):
-    def __init__(self, block: nn.Module, router: MoDRouter):
+    def __init__(self, block: nn.Module, router: MoDRouter, skip_empty: bool = True):
         super().__init__()
+        if not isinstance(router, MoDRouter):
+            raise TypeError(f"router={type(router).__name__}: must be a MoDRouter")
+        if not isinstance(block, nn.Module):
+            raise TypeError(f"block={type(block).__name__}: must be an nn.Module")
         self.block = block
         self.router = router
         self.scale_delta = router.cfg.gate != "one"  # gate "one": routed tokens take the block output as is
+        # Skip the block when no token is routed (decoding: most steps), unless the block holds collectives;
+        # mode.parallel turns this off for blocks it makes expert-parallel.
+        self.skip_empty = _checks.check_bool("skip_empty", skip_empty)
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, *, positions_BS: Tensor | None = None,
                 cache: KVCache | None = None, causal: bool = False) -> tuple[Tensor, Aux]:
@@ -39,7 +50,7 @@ class MoD(nn.Module):
         aux = Aux().merge(plan.aux, "mod.")
         B, S, D = x_BSD.shape
         C = plan.seq_capacity
-        if C == 0:  # causal routing sent no token of the batch through this block
+        if C == 0 and self.skip_empty:  # an empty sequence, or causal routing sent no token through the block
             return x_BSD, aux
         slot_BC = plan.token_idx_A.view(B, C) - torch.arange(B, device=x_BSD.device)[:, None] * S
         index_BCD = slot_BC[..., None].expand(B, C, D)
@@ -75,8 +86,8 @@ class StagedMoDE(MoD):
     Skipped tokens skip attention *and* the experts; routed tokens then go through the MoE router.
     """
 
-    def __init__(self, block: TransformerBlock, router: MoDRouter):
+    def __init__(self, block: TransformerBlock, router: MoDRouter, skip_empty: bool = True):
         if not isinstance(getattr(block, "mlp", None), MoELayer):
             raise TypeError(f"block.mlp={type(getattr(block, 'mlp', None)).__name__}: staged MoDE needs a "
                             "TransformerBlock whose mlp is a MoELayer")
-        super().__init__(block, router)
+        super().__init__(block, router, skip_empty)

@@ -10,18 +10,19 @@ one built on a process group); nothing here imports ``torch.distributed``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
 from mode import _checks
 from mode.dispatch.local import LocalDispatcher
 from mode.experts.bank import ExpertBank, ExpertConfig
-from mode.routing.expert_choice import ExpertChoiceConfig, ExpertChoiceRouter
 from mode.routing.plan import Aux
-from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
+from mode.routing.registry import get_router
 
-ROUTERS = ("token_choice", "expert_choice")
+# The fields an MoE config hands to its router's config (each router takes those it declares).
+ROUTER_FIELDS = ("d_model", "num_experts", "top_k", "num_noop", "capacity_factor", "gate", "renormalize",
+                 "balance_coef", "z_coef")
 
 
 @dataclass
@@ -29,7 +30,7 @@ class MoEConfig:
     d_model: int
     d_hidden: int
     num_experts: int = 8
-    router: str = "token_choice"
+    router: str = "token_choice"  # a name in mode.routing.registry.ROUTERS
     top_k: int = 1  # token choice only
     num_noop: int = 0
     capacity_factor: float | None = None  # token choice: None = dropless; expert choice: None = 1.0
@@ -39,21 +40,19 @@ class MoEConfig:
     z_coef: float = 1e-3
     activation: str = "gelu"
     backend: str = "auto"
+    router_options: dict = field(default_factory=dict)  # extra fields of the router's own config
 
     def __post_init__(self) -> None:
-        _checks.check_choice("router", self.router, ROUTERS)
+        if not isinstance(self.router_options, dict):
+            raise TypeError(f"router_options={self.router_options!r}: must be a dict")
+        get_router(self.router)  # a registered name
         self.router_config()  # validates the router fields now, not at first forward
         self.expert_config()
 
-    def router_config(self) -> TokenChoiceConfig | ExpertChoiceConfig:
-        if self.router == "token_choice":
-            return TokenChoiceConfig(
-                d_model=self.d_model, num_experts=self.num_experts, top_k=self.top_k, num_noop=self.num_noop,
-                gate=self.gate, renormalize=self.renormalize, capacity_factor=self.capacity_factor,
-                balance_coef=self.balance_coef, z_coef=self.z_coef)
-        return ExpertChoiceConfig(
-            d_model=self.d_model, num_experts=self.num_experts, num_noop=self.num_noop, z_coef=self.z_coef,
-            capacity_factor=1.0 if self.capacity_factor is None else self.capacity_factor)
+    def router_config(self):
+        """The config of the registered router ``self.router``, from the fields it declares."""
+        fields = {name: getattr(self, name) for name in ROUTER_FIELDS}
+        return get_router(self.router).config(fields, self.router_options)
 
     def expert_config(self) -> ExpertConfig:
         return ExpertConfig(d_model=self.d_model, d_hidden=self.d_hidden, num_experts=self.num_experts,
@@ -61,13 +60,16 @@ class MoEConfig:
 
 
 def build_router(cfg: MoEConfig) -> nn.Module:
-    rcfg = cfg.router_config()
-    return TokenChoiceRouter(rcfg) if isinstance(rcfg, TokenChoiceConfig) else ExpertChoiceRouter(rcfg)
+    return get_router(cfg.router).router_cls(cfg.router_config())
 
 
 class MoELayer(nn.Module):
     def __init__(self, router: nn.Module, experts: ExpertBank, dispatcher=None):
         super().__init__()
+        if not isinstance(router, nn.Module) or not hasattr(router, "num_experts"):
+            raise TypeError(f"router={type(router).__name__}: must be a router module (nn.Module with num_experts)")
+        if not isinstance(experts, ExpertBank):
+            raise TypeError(f"experts={type(experts).__name__}: must be an ExpertBank")
         dispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
         local = dispatcher.num_local_experts(router.num_experts)  # E, or E / P when expert-parallel
         if experts.num_experts != local:
@@ -88,7 +90,7 @@ class MoELayer(nn.Module):
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> tuple[Tensor, Aux]:
         plan = self.router(x_BSD, mask_BS)  # validates x's shape and dtype
         B, S, D = x_BSD.shape
-        x_RD, counts_R, state = self.dispatcher.dispatch(x_BSD.reshape(B * S, D), plan)
+        x_RD, counts_R, state = self.dispatcher.dispatch(x_BSD.reshape(B * S, D), plan)  # B*S may be 0
         y_RD = self.experts(x_RD, counts_R)
         y_TD = self.dispatcher.combine(y_RD, plan, state)
         return y_TD.view(B, S, D), Aux().merge(plan.aux)

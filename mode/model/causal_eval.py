@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 
 from mode.model.lm import LM
+from mode.routing.keys import MOD, parse_router_key
 
 
 @torch.no_grad()
 def causal_eval(model: LM, batches) -> dict:
-    if not any(model.routed) or model.cfg.causal == "none":
+    if not model.cfg.uses_mod or model.cfg.causal == "none":
         raise ValueError("causal_eval: the model needs MoD layers built with causal='predictor' or 'aux_bce'")
     was_training = model.training
     model.eval()
@@ -34,12 +35,13 @@ def causal_eval(model: LM, batches) -> dict:
             if st.causal_accuracy is not None:
                 agree[name] = agree.get(name, 0.0) + float(st.causal_accuracy) * float(st.tokens)
         for name, st in cau.aux.stats.items():
-            if name.endswith("mod.router"):
+            key = parse_router_key(name)
+            if key is not None and key.part == MOD:
                 routed[name] = routed.get(name, 0.0) + float(st.kept_E.sum())
     model.train(was_training)
     n = len(batches)
     per_layer = {name: {"causal_accuracy": agree.get(name, 0.0) / tokens, "routed_fraction": routed[name] / tokens}
-                 for name in sorted(routed, key=lambda k: int(k.split(".")[1]))}
+                 for name in sorted(routed, key=lambda k: parse_router_key(k).layer)}
     return {
         "loss_topk": loss_topk / n,
         "loss_causal": loss_causal / n,

@@ -1,12 +1,7 @@
 """Configuration of the decoder-only LM: one kind per layer, plus the knobs each kind uses.
 
-Layer kinds
-    "dense"       attention + dense MLP
-    "mod"         MoD-routed dense block (top-C of each sequence, raw router weight)
-    "mod_random"  MoD block whose top-C is drawn at random (the paper's stochastic-routing control)
-    "moe"         attention + MoE MLP
-    "staged"      staged MoDE: MoD routing in front of an attention + MoE block
-    "integrated"  integrated MoDE: attention + MoE MLP whose router also has ``num_noop`` no-op experts
+Layer kinds live in ``mode.model.kinds.LAYER_KINDS`` (built in: "dense", "mod", "mod_random", "moe",
+"staged", "integrated"); MoE routers in ``mode.routing.registry.ROUTERS``.
 """
 
 from __future__ import annotations
@@ -15,9 +10,10 @@ from dataclasses import dataclass, field
 
 from mode import _checks
 from mode.layers.moe import MoEConfig
+from mode.model.kinds import LAYER_KINDS, LayerKind, get_layer_kind
 from mode.routing.mod_topk import MoDRouterConfig
 
-LAYER_KINDS = ("dense", "mod", "mod_random", "moe", "staged", "integrated")
+__all__ = ["LAYER_KINDS", "LMConfig", "alternate"]
 
 
 def alternate(n_layers: int, even: str, odd: str) -> tuple[str, ...]:
@@ -46,7 +42,8 @@ class LMConfig:
     num_experts: int = 8
     expert_hidden: int | None = None  # None: d_hidden
     top_k: int = 1
-    router: str = "token_choice"
+    router: str = "token_choice"  # a name in mode.routing.registry.ROUTERS
+    router_options: dict = field(default_factory=dict)  # extra fields of that router's config
     capacity_factor: float | None = None
     num_noop: int = 0  # "integrated" only; must be >= 1 there
     balance_coef: float = 0.01
@@ -54,15 +51,25 @@ class LMConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if isinstance(self.layers, str) or not isinstance(self.layers, (list, tuple)):
+            raise TypeError(f"layers={self.layers!r}: must be a tuple (or list) of layer kind names")
         self.layers = tuple(self.layers)
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "d_hidden"):
             _checks.check_int(name, getattr(self, name))
+        if self.expert_hidden is not None:
+            _checks.check_int("expert_hidden", self.expert_hidden)
+        _checks.check_positive("rope_base", self.rope_base)
+        _checks.check_bool("tie_embeddings", self.tie_embeddings)
+        if not isinstance(self.router_options, dict):
+            raise TypeError(f"router_options={self.router_options!r}: must be a dict")
         if not self.layers:
             raise ValueError("layers=(): must name at least one layer")
-        for i, kind in enumerate(self.layers):
-            _checks.check_choice(f"layers[{i}]", kind, LAYER_KINDS)
-        if "integrated" in self.layers and self.num_noop < 1:
-            raise ValueError(f"num_noop={self.num_noop}: an 'integrated' layer needs num_noop >= 1")
+        for i, name in enumerate(self.layers):
+            kind = get_layer_kind(name, f"layers[{i}]")
+            if kind.noop and self.num_noop < 1:
+                raise ValueError(f"num_noop={self.num_noop}: an {name!r} layer needs num_noop >= 1")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model}: must be divisible by n_heads={self.n_heads}")
         if self.uses_mod:
             self.mod_config("learned")
         if self.uses_moe:
@@ -73,12 +80,17 @@ class LMConfig:
         return len(self.layers)
 
     @property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """The registered ``LayerKind`` of each layer."""
+        return tuple(LAYER_KINDS[name] for name in self.layers)
+
+    @property
     def uses_mod(self) -> bool:
-        return any(k in ("mod", "mod_random", "staged") for k in self.layers)
+        return any(k.mod is not None for k in self.kinds)
 
     @property
     def uses_moe(self) -> bool:
-        return any(k in ("moe", "staged", "integrated") for k in self.layers)
+        return any(k.experts for k in self.kinds)
 
     def mod_config(self, selection: str) -> MoDRouterConfig:
         return MoDRouterConfig(d_model=self.d_model, capacity=self.capacity, gate=self.mod_gate, selection=selection,
@@ -90,4 +102,8 @@ class LMConfig:
             d_model=self.d_model, d_hidden=self.expert_hidden or self.d_hidden, num_experts=self.num_experts,
             router=self.router, top_k=self.top_k, num_noop=self.num_noop if with_noop else 0,
             capacity_factor=self.capacity_factor, balance_coef=self.balance_coef, z_coef=self.z_coef,
-            activation=self.activation, backend=self.backend)
+            activation=self.activation, backend=self.backend, router_options=dict(self.router_options))
+
+    def router_config(self, kind: LayerKind):
+        """The MoE router config of a layer of ``kind`` (which has experts)."""
+        return self.moe_config(with_noop=kind.noop).router_config()

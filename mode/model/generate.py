@@ -21,20 +21,27 @@ from mode.model.lm import LM
 
 def _check_generatable(model: LM) -> bool:
     """Returns whether MoD layers need causal routing; raises for layers that cannot sample causally."""
-    if model.cfg.uses_moe and model.cfg.router == "expert_choice":
-        raise ValueError("router='expert_choice': expert-choice routing picks tokens across the sequence and "
-                         "is not causal; generate() needs token-choice MoE layers")
-    if model.cfg.uses_moe and model.cfg.capacity_factor is not None:
-        # drops depend on the other tokens of the batch (and the capacity on their number): not causal
-        raise ValueError(f"capacity_factor={model.cfg.capacity_factor}: token-choice capacity drops depend on the "
-                         "other tokens of the batch, so decoding would not match the full forward; generate() "
-                         "needs dropless MoE layers (rebuild the LMConfig with capacity_factor=None and load the "
-                         "same weights)")
-    needs_causal = any(model.routed)
-    if needs_causal and model.cfg.causal == "none":
-        raise ValueError("causal='none': this model's MoD layers use non-causal top-k routing and cannot sample; "
-                         "train it with causal='predictor' or 'aux_bce'")
+    cfg = model.cfg
+    for kind in dict.fromkeys(cfg.kinds):  # each kind once, in layer order
+        problem = cfg.router_config(kind).causal_problem() if kind.experts else None
+        if problem is None and kind.mod is not None:
+            problem = cfg.mod_config(kind.mod).causal_problem()
+        if problem is not None:
+            raise ValueError(problem)
+    needs_causal = cfg.uses_mod
     return needs_causal
+
+
+def check_prompts(prompts, vocab_size: int) -> None:
+    """A non-empty list of non-empty lists of token ids in ``[0, vocab_size)``."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError(f"prompts={prompts!r:.60}: must be a non-empty list of non-empty token-id lists")
+    for b, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or len(p) == 0:
+            raise ValueError(f"prompts[{b}]={p!r:.60}: must be a non-empty list of token ids")
+        for t in p:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(f"prompts[{b}]: token id {t!r} must be an int in [0, {vocab_size})")
 
 
 def sample_next(logits_BV: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
@@ -51,10 +58,9 @@ def sample_next(logits_BV: Tensor, temperature: float, top_k: int | None, genera
 def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[Tensor, list, Tensor]:
     """Run the prompts; returns (last-token logits_BV, caches, next positions_B)."""
     causal = _check_generatable(model)
+    check_prompts(prompts, model.cfg.vocab_size)
     B = len(prompts)
     lens_B = torch.tensor([len(p) for p in prompts])
-    if B == 0 or int(lens_B.min()) == 0:
-        raise ValueError("prompts: must be a non-empty list of non-empty token lists")
     P = int(lens_B.max())
     idx_BP = torch.zeros(B, P, dtype=torch.long)
     for b, p in enumerate(prompts):
@@ -72,7 +78,7 @@ def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int) -> tuple
 def decode_step(model: LM, tokens_B: Tensor, positions_B: Tensor, caches: list) -> Tensor:
     """Feed one token per sequence at ``positions_B``; returns next-token logits_BV."""
     out = model(tokens_B[:, None], positions_BS=positions_B[:, None], caches=caches,
-                causal_routing=any(model.routed))
+                causal_routing=model.cfg.uses_mod)
     return out.logits_BSV[:, -1]
 
 
@@ -87,6 +93,7 @@ def generate(model: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
     generator = None if seed is None else torch.Generator(device=model.embed.weight.device).manual_seed(seed)
     was_training = model.training
     model.eval()
+    check_prompts(prompts, model.cfg.vocab_size)
     capacity = max(len(p) for p in prompts) + max_new_tokens
     logits_BV, caches, pos_B = prefill(model, prompts, capacity)
     B = len(prompts)

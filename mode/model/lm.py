@@ -12,13 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mode.layers.block import TransformerBlock
+from mode import _checks
 from mode.layers.kv_cache import KVCache
-from mode.layers.mlp import MLP
-from mode.layers.mod import MoD, StagedMoDE
-from mode.layers.moe import IntegratedMoDE, MoELayer
 from mode.model.config import LMConfig
-from mode.routing.mod_topk import MoDRouter
+from mode.model.kinds import get_layer_kind
+from mode.routing.keys import layer_prefix
 from mode.routing.plan import Aux
 
 
@@ -30,24 +28,8 @@ class LMOutput:
 
 
 def build_layer(cfg: LMConfig, kind: str) -> nn.Module:
-    def block(mlp: nn.Module) -> TransformerBlock:
-        return TransformerBlock(cfg.d_model, cfg.n_heads, mlp, rope_base=cfg.rope_base)
-
-    def dense_mlp() -> MLP:
-        return MLP(cfg.d_model, cfg.d_hidden, cfg.activation)
-
-    if kind == "dense":
-        return block(dense_mlp())
-    if kind in ("mod", "mod_random"):
-        return MoD(block(dense_mlp()), MoDRouter(cfg.mod_config("random" if kind == "mod_random" else "learned")))
-    if kind == "moe":
-        return block(MoELayer.from_config(cfg.moe_config(with_noop=False)))
-    if kind == "staged":
-        return StagedMoDE(block(MoELayer.from_config(cfg.moe_config(with_noop=False))),
-                          MoDRouter(cfg.mod_config("learned")))
-    if kind == "integrated":
-        return block(IntegratedMoDE.from_config(cfg.moe_config(with_noop=True)))
-    raise AssertionError(kind)  # LMConfig validated the kinds
+    """A layer of the registered kind ``kind`` (see ``mode.model.kinds``)."""
+    return get_layer_kind(kind).build(cfg)
 
 
 class LM(nn.Module):
@@ -55,8 +37,8 @@ class LM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(build_layer(cfg, kind) for kind in cfg.layers)
-        self.routed = [isinstance(layer, MoD) for layer in self.layers]  # MoD layers take causal=/a KVCache
+        self.layers = nn.ModuleList(kind.build(cfg) for kind in cfg.kinds)
+        self.routed = [kind.mod is not None for kind in cfg.kinds]  # MoD-routed layers (causal routing applies)
         self.norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_weights()
@@ -92,6 +74,12 @@ class LM(nn.Module):
                             f"{getattr(idx_BS, 'dtype', type(idx_BS).__name__)} {tuple(getattr(idx_BS, 'shape', ()))}")
         if caches is None and idx_BS.shape[1] > self.cfg.seq_len:
             raise ValueError(f"idx.shape[1]={idx_BS.shape[1]}: must be <= seq_len={self.cfg.seq_len}")
+        _checks.check_device("idx", idx_BS, self.embed.weight.device)
+        V = self.cfg.vocab_size
+        _checks.assert_on_device(((idx_BS >= 0) & (idx_BS < V)).all(), f"idx: token ids must be in [0, {V})")
+        if targets_BS is not None and (not isinstance(targets_BS, Tensor) or targets_BS.shape != idx_BS.shape):
+            raise ValueError(f"targets.shape={tuple(getattr(targets_BS, 'shape', ()))}: must equal "
+                             f"idx.shape={tuple(idx_BS.shape)}")
         B, S = idx_BS.shape
         if positions_BS is None:
             positions_BS = torch.arange(S, device=idx_BS.device).expand(B, S)
@@ -99,13 +87,9 @@ class LM(nn.Module):
         aux = Aux()
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
-            if self.routed[i]:
-                x_BSD, layer_aux = layer(x_BSD, mask_BS, positions_BS=positions_BS, cache=cache,
-                                         causal=causal_routing)
-            else:
-                x_BSD, layer_aux = layer(x_BSD, positions_BS, mask_BS,
-                                         cache=None if cache is None else cache.all_rows())
-            aux.merge(layer_aux, f"layers.{i}.")
+            x_BSD, layer_aux = layer(x_BSD, mask_BS=mask_BS, positions_BS=positions_BS, cache=cache,
+                                     causal=causal_routing)
+            aux.merge(layer_aux, layer_prefix(i))
         logits_BSV = self.head(self.norm(x_BSD))
         loss = None
         if targets_BS is not None:

@@ -34,8 +34,10 @@ into P micro-batches and averages their losses (gradient accumulation), not the 
 docs/expert_parallel.md ("Training").
 
 Checkpoints have the single-process format of ``mode.train.Trainer.save`` (rank 0 gathers the expert
-shards and their AdamW moments), so ``mode.train.load_model`` and ``Trainer.load`` read them, and
-``ExpertParallelTrainer.load`` reads single-process checkpoints (slicing the experts), for any P.
+shards and their AdamW moments and writes one file atomically, ``mode.checkpoint``), so
+``mode.train.load_model`` and ``Trainer.load`` read them, and ``ExpertParallelTrainer.load`` reads
+single-process checkpoints (slicing the experts), for any P. A time-based checkpoint (``ckpt_every_s``)
+is rank 0's decision, carried to every rank by the step's scalar all-reduce: all ranks save at the same step.
 """
 
 from __future__ import annotations
@@ -49,14 +51,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mode import _checks
+from mode import _checks, checkpoint
 from mode import distributed as mdist
 from mode.data import BatchSampler, Corpus, eval_batches, file_corpus, min_file_bytes, stdlib_corpus
 from mode.flops import train_flops_per_token
 from mode.model import LM, LMConfig
 from mode.parallel.ep_model import full_state_dict, shard_model, shard_state_dict, split_parameters
 from mode.stats import RoutingAccumulator
-from mode.train import TrainConfig, TrainLoop, build_optimizer, lr_at
+from mode.train import TrainConfig, TrainLoop, build_optimizer, check_same_model, lr_at, rewrite_log
 
 
 class ExpertParallelTrainer(TrainLoop):
@@ -90,7 +92,7 @@ class ExpertParallelTrainer(TrainLoop):
         self.timeout_s = timeout_s
         self.out_dir = Path(out_dir)
         if self.rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            checkpoint.prepare_dir(self.out_dir, "out_dir")  # a bad folder fails before any training
         self.log_path, self.ckpt_path = self.out_dir / "log.jsonl", self.out_dir / "ckpt.pt"
 
         torch.manual_seed(train_cfg.seed)  # as mode.train.Trainer: the same full model on every rank
@@ -102,8 +104,10 @@ class ExpertParallelTrainer(TrainLoop):
         self.val_batches = eval_batches(corpus.val, train_cfg.batch_size, model_cfg.seq_len, train_cfg.eval_batches)
         self.local_batch = train_cfg.batch_size // self.world_size
         self.step, self.flops, self.tokens, self.wall = 0, 0.0, 0, 0.0
+        self.elapsed = 0.0
         self.history: list[dict] = []
         self.routing = RoutingAccumulator()  # this rank's routing stats since the last "routing" record
+        self._save_due = False  # rank 0's ckpt_every_s decision, all-reduced with the last step's scalars
 
     # -- helpers -----------------------------------------------------------------------------------
     def _guard(self, what: str):
@@ -144,14 +148,17 @@ class ExpertParallelTrainer(TrainLoop):
         expert_sq = sum((p.grad.double().square().sum() for p in self.sharded), torch.zeros((), dtype=torch.float64,
                                                                                             device=self.device))
         flops = train_flops_per_token(self.model_cfg, aux=out.aux) * x_bS.numel()  # realized routing, this rank
+        due = float(self.rank == 0 and TrainLoop.checkpoint_due(self))  # clocks differ: rank 0 decides for all
         scalars = torch.cat([torch.stack([expert_sq, out.loss.detach().double(),
-                                          torch.tensor(flops, dtype=torch.float64, device=self.device)]),
+                                          torch.tensor(flops, dtype=torch.float64, device=self.device),
+                                          torch.tensor(due, dtype=torch.float64, device=self.device)]),
                              torch.tensor(has_grad, dtype=torch.float64, device=self.device)])
         mdist.all_reduce_sum_(flat, self.group)
         mdist.all_reduce_sum_(scalars, self.group)
+        self._save_due = bool(scalars[3] > 0)
 
         offset = 0
-        for p, anywhere in zip(self.replicated, scalars[3:].tolist()):
+        for p, anywhere in zip(self.replicated, scalars[4:].tolist()):
             n = p.numel()
             p.grad = flat[offset:offset + n].view_as(p) if anywhere else None  # None everywhere: as in one process
             offset += n
@@ -187,6 +194,9 @@ class ExpertParallelTrainer(TrainLoop):
     @property
     def writes_log(self) -> bool:
         return self.rank == 0
+
+    def checkpoint_due(self) -> bool:
+        return self._save_due
 
     def routing_record(self) -> dict:
         return self._global_routing().summary()  # a collective: every rank logs the same record
@@ -235,26 +245,37 @@ class ExpertParallelTrainer(TrainLoop):
             model_state = full_state_dict(self.model, self.group)
             optim_state = self._full_optimizer_state()
         routing_state = self._global_routing().state_dict()  # sums over ranks: what one process would hold
+        error = None
         if self.rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            torch.save({
-                "model_cfg": asdict(self.model_cfg), "train_cfg": asdict(self.cfg), "model": model_state,
-                "optimizer": optim_state, "step": self.step, "flops": self.flops, "tokens": self.tokens,
-                "wall": self.wall, "history": self.history, "sampler_rng": self.sampler.generator.get_state(),
-                "torch_rng": torch.get_rng_state(), "routing_acc": routing_state,
-                "expert_parallel": {"world_size": self.world_size},  # informational; the format is single-process
-            }, tmp)
-            tmp.replace(path)  # a crash while writing never leaves a half checkpoint behind
+            try:  # atomic: a crash while writing leaves the previous checkpoint whole
+                checkpoint.save_checkpoint(path, {
+                    "model_cfg": asdict(self.model_cfg), "train_cfg": asdict(self.cfg), "model": model_state,
+                    "optimizer": optim_state, "step": self.step, "flops": self.flops, "tokens": self.tokens,
+                    "wall": self.wall, "elapsed_s": self.elapsed, "history": self.history,
+                    "sampler_rng": self.sampler.generator.get_state(), **checkpoint.rng_state(),
+                    "routing_acc": routing_state,
+                    "expert_parallel": {"world_size": self.world_size},  # informational; the format is single-process
+                })
+            except OSError as e:  # tell the other ranks first: they must not wait for the timeout
+                error = e
+        failed = torch.tensor([float(error is not None)], dtype=torch.float64, device=self.device)
         with self._guard("checkpoint barrier"):
-            mdist.barrier(self.group)
+            mdist.all_reduce_sum_(failed, self.group)  # a barrier that also carries rank 0's outcome
+        if error is not None:
+            raise error
+        if float(failed) > 0:
+            raise checkpoint.WriteError(f"rank 0 could not write the checkpoint {str(path)!r} (see its error)")
         return path
 
     def load(self, path: Path | None = None) -> None:
-        """Resume from a checkpoint written by this class or by the single-process ``Trainer`` (any P)."""
-        state = torch.load(path or self.ckpt_path, weights_only=False, map_location="cpu")
-        if state["model_cfg"] != asdict(self.model_cfg):
-            raise ValueError(f"checkpoint {str(path or self.ckpt_path)!r}: its model_cfg differs from this run's")
+        """Resume from a checkpoint written by this class or by the single-process ``Trainer`` (any P). The
+        file is read without running code from it (``mode.checkpoint``); every rank reads it."""
+        path = Path(path or self.ckpt_path)
+        where = f"checkpoint {str(path)!r}"
+        state = checkpoint.load_checkpoint(path, training=True)
+        check_same_model(state["model_cfg"], self.model_cfg, where)
+        with torch.device("meta"):  # the full (unsharded) model's shapes
+            checkpoint.check_model_state(LM(self.model_cfg).state_dict(), state["model"], where)
         self.model.load_state_dict(shard_state_dict(self.model, state["model"], self.group))
         sd = state["optimizer"]
         index = self._optimizer_index()
@@ -268,12 +289,14 @@ class ExpertParallelTrainer(TrainLoop):
                     entry[key] = v[self.rank * L:(self.rank + 1) * L]  # this rank's experts' moments
         self.optimizer.load_state_dict(sd)
         self.step, self.flops, self.tokens, self.wall = state["step"], state["flops"], state["tokens"], state["wall"]
+        self.elapsed = state.get("elapsed_s", 0.0)
         self.history = state["history"]
         self.sampler.generator.set_state(state["sampler_rng"])
-        torch.set_rng_state(state["torch_rng"])
+        checkpoint.set_rng_state(state)
         self.routing.reset()
         if self.rank == 0:  # the saved sums are over all ranks: one rank holds them, the next all-reduce adds
             self.routing.load_state_dict(state.get("routing_acc", {}))
+            rewrite_log(self.log_path, self.history)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -310,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="global batch (sequences per step), split over the ranks")
     p.add_argument("--lr", type=float)
     p.add_argument("--eval-every", type=int)
-    p.add_argument("--ckpt-every", type=int)
+    p.add_argument("--ckpt-every", type=int, help="also checkpoint every this many steps (default: at the end only)")
+    p.add_argument("--ckpt-every-s", type=float, help="also checkpoint every this many seconds (rank 0's clock)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
     p.add_argument("--backend", default="auto", choices=mdist.BACKENDS,
@@ -331,8 +355,9 @@ def _configs(args) -> tuple[LMConfig, TrainConfig, int | None]:
         m["capacity_factor"] = args.capacity_factor
     if args.layers:
         m["layers"] = tuple(s.strip() for s in args.layers.split(",") if s.strip())
-    t = {k: v for k, v in dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
-                                 ckpt_every=args.ckpt_every).items() if v is not None}
+    t = dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
+             ckpt_every=args.ckpt_every, ckpt_every_s=args.ckpt_every_s)
+    t = {k: v for k, v in t.items() if v is not None}
     return replace(model, **m), replace(train, seed=args.seed, **t), max_bytes
 
 
@@ -358,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             trainer.load()
         history = trainer.run()
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, checkpoint.WriteError) as e:
         print(f"train_ep: rank {mdist.rank_and_size()[0]}: error: {e}", file=sys.stderr)
         return 2
     except mdist.CollectiveError as e:

@@ -10,8 +10,9 @@ from torch import Tensor
 
 
 def _masked_mean(v_T: Tensor, valid_T: Tensor | None) -> Tensor:
+    """Mean over real tokens; 0 (not NaN) when there are none."""
     if valid_T is None:
-        return v_T.mean()
+        return v_T.sum() / max(1, v_T.shape[0])
     return (v_T * valid_T).sum() / valid_T.sum().clamp_min(1)
 
 
@@ -30,7 +31,7 @@ def load_balancing_loss(probs_TX: Tensor, chosen_TK: Tensor, valid_T: Tensor | N
         probs_TX = probs_TX * valid_T[:, None]
         n = valid_T.sum().clamp_min(1)
     else:
-        n = torch.tensor(float(probs_TX.shape[0]), device=probs_TX.device)
+        n = max(1, probs_TX.shape[0])  # a Python number: no host-to-device copy
     f_X = onehot_TX.sum(0) / (n * chosen_TK.shape[1])
     p_X = probs_TX.sum(0) / n
     return num_slots * (f_X * p_X).sum()

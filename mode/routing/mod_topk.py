@@ -1,7 +1,7 @@
 """Mixture-of-Depths router: the top ``C`` tokens of each sequence go through the block.
 
 Shape legend
-    B batch   S sequence   D hidden   C = max(1, floor(capacity * S)) routed tokens per sequence
+    B batch   S sequence   D hidden   C = max(1, floor(capacity * S)) routed tokens per sequence (0 when S = 0)
     T = B * S tokens   A = B * C assignments (one expert: the block)
 
 The router weight is the raw linear score ``r = w . x`` (Raposo et al. 2024); the block's delta is
@@ -10,16 +10,20 @@ top-C, so exactly C tokens are routed even when scores tie; routed tokens are ke
 order. Padded positions (``mask == False``) score -inf and are only picked when a sequence has fewer
 than C real tokens, in which case the slot is marked invalid and makes no update.
 
+``capacity`` is read as the decimal the user wrote (``0.29 * 100`` routes 29 tokens, see
+``mode.routing.capacity``). Router math runs in float32, also under autocast. Top-C routing never makes
+the host wait for the device: C is known from the shapes, every count stays on the device.
+
 Causal routing (paper sec. 3.5). Top-C looks at future tokens, so sampling needs a per-token decision:
     "predictor": a small MLP on a stop-gradient copy of the router input predicts "in the top-C" (BCE)
     "aux_bce":   a BCE loss on the router logits themselves teaches r > 0 <=> in the top-C
 With ``causal=True`` a token is routed when its decision logit is > 0 (sigmoid > 0.5); each sequence
-routes its own number of tokens, packed into C = max count slots per row (``valid_A`` marks real ones).
+routes its own number of tokens, packed into C = max count slots per row (``valid_A`` marks real ones);
+reading that C is the one host sync of a causal call.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
-from mode.routing.plan import Aux, RoutingPlan, RoutingStats
+from mode.routing.capacity import floor_of
+from mode.routing.plan import Aux, RoutingPlan, RoutingStats, scalar
 
 GATES = ("raw", "sigmoid", "one")
 SELECTIONS = ("learned", "random")
@@ -53,13 +58,38 @@ class MoDRouterConfig:
         _checks.check_choice("causal", self.causal, CAUSAL_METHODS)
         _checks.check_non_negative("causal_coef", self.causal_coef)
         _checks.check_int("predictor_hidden", self.predictor_hidden)
+        _checks.check_bool("check_finite", self.check_finite)
+
+    # -- what the FLOP and per-token compute code asks (the router protocol, see mode.routing.registry) --
+    num_experts = 1  # the block
+    num_slots = 2  # the block, and skipping it (the no-op)
+    max_assignments_per_token = 1
+
+    def seq_capacity(self, seq_len: int) -> int:
+        """``C = max(1, floor(capacity * S))`` routed tokens per sequence (0 for an empty sequence)."""
+        return 0 if seq_len == 0 else max(1, floor_of(self.capacity, seq_len))
+
+    def assignments(self, seq_len: int) -> float:
+        return float(self.seq_capacity(seq_len))
+
+    def router_flops(self, seq_len: int) -> float:
+        """The score ``x . w`` per token, plus the predictor MLP when there is one."""
+        predictor = 2 * (self.d_model + 1) * self.predictor_hidden if self.causal == "predictor" else 0
+        return seq_len * (2 * self.d_model + predictor)
+
+    def causal_problem(self) -> str | None:
+        """Why this router cannot route token by token (sampling), or None: it needs a causal method."""
+        if self.causal != "none":
+            return None
+        return ("causal='none': this model's MoD layers use non-causal top-k routing and cannot sample; "
+                "train it with causal='predictor' or 'aux_bce'")
 
 
 class MoDRouter(nn.Module):
     def __init__(self, cfg: MoDRouterConfig):
         super().__init__()
         self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.d_model))
+        self.weight = nn.Parameter(torch.empty(cfg.d_model))  # the config validated d_model
         nn.init.normal_(self.weight, std=cfg.d_model**-0.5)
         self.predictor = None
         if cfg.causal == "predictor":
@@ -67,22 +97,24 @@ class MoDRouter(nn.Module):
                                            nn.Linear(cfg.predictor_hidden, 1))
 
     def seq_capacity(self, seq_len: int) -> int:
-        return max(1, math.floor(self.cfg.capacity * seq_len))
+        return self.cfg.seq_capacity(seq_len)
 
     def scores(self, x_BSD: Tensor) -> Tensor:
-        """Raw router logits ``r_BS = x . w`` in float32."""
-        return x_BSD.float() @ self.weight.float()
+        """Raw router logits ``r_BS = x . w`` in float32 (autocast off: see ``_checks.float32_region``)."""
+        with _checks.float32_region(x_BSD.device):
+            return x_BSD.float() @ self.weight.float()
 
     def decision_logits(self, x_BSD: Tensor, r_BS: Tensor) -> Tensor:
         """Causal per-token logits: > 0 means "route". The predictor never sends gradient into x."""
         if self.predictor is not None:
-            x_in = x_BSD.detach().to(self.predictor[0].weight.dtype)
-            return self.predictor(x_in).squeeze(-1).float()
+            with _checks.float32_region(x_BSD.device):
+                x_in = x_BSD.detach().to(self.predictor[0].weight.dtype)
+                return self.predictor(x_in).squeeze(-1).float()
         return r_BS
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, causal: bool = False) -> RoutingPlan:
-        _checks.check_hidden("x", x_BSD, self.cfg.d_model)
-        _checks.check_mask("mask", mask_BS, x_BSD.shape[:2])
+        _checks.check_hidden("x", x_BSD, self.cfg.d_model, device=self.weight.device)
+        _checks.check_mask("mask", mask_BS, x_BSD.shape[:2], device=self.weight.device)
         if causal and self.cfg.causal == "none":
             raise ValueError("causal=True: this MoD router was built with causal='none'; build it with "
                              "causal='predictor' or 'aux_bce' to route causally")
@@ -93,6 +125,8 @@ class MoDRouter(nn.Module):
             routed_BS = self.decision_logits(x_BSD, r_BS) > 0
             if mask_BS is not None:
                 routed_BS &= mask_BS
+            if routed_BS.numel() == 0:
+                return self._empty_plan(r_BS, mask_BS)
             C = int(routed_BS.sum(1).max())  # host sync: the packed width depends on the decisions
             if C == 0:  # most decode steps: skip packing and gathering, which cost more than the skip saves
                 return self._empty_plan(r_BS, mask_BS)
@@ -114,7 +148,7 @@ class MoDRouter(nn.Module):
     def _add_causal_loss(self, plan: RoutingPlan, x_BSD: Tensor, r_BS: Tensor, pos_BC: Tensor,
                          mask_BS: Tensor | None) -> None:
         """BCE teaching the causal decision logit to predict top-C membership (the training target)."""
-        target_BS = torch.zeros_like(r_BS).scatter_(1, pos_BC, 1.0)
+        target_BS = torch.zeros_like(r_BS).scatter_(1, pos_BC, 1.0)  # 1 where top-C
         logit_BS = self.decision_logits(x_BSD, r_BS)
         weight_BS = None if mask_BS is None else mask_BS.float()
         loss = F.binary_cross_entropy_with_logits(logit_BS, target_BS, weight=weight_BS, reduction="sum")
@@ -138,10 +172,10 @@ class MoDRouter(nn.Module):
         valid_A = None if valid_BC is None else valid_BC.reshape(-1)
 
         T = B * S
-        tokens = torch.tensor(float(T), device=dev) if mask_BS is None else mask_BS.sum().float()
-        routed = torch.tensor(float(B * C), device=dev) if valid_A is None else valid_A.sum().float()
-        compute_T = torch.zeros(T, device=dev)
-        compute_T[token_A] = 1.0 if valid_A is None else valid_A.float()
+        tokens = scalar(T, dev) if mask_BS is None else mask_BS.sum().float()
+        routed = scalar(B * C, dev) if valid_A is None else valid_A.sum().float()
+        routed_A = torch.ones_like(r_A) if valid_A is None else valid_A.float()
+        compute_T = torch.zeros(T, device=dev).index_put_((token_A,), routed_A)  # slots are distinct tokens
         aux = Aux()
         aux.stats["router"] = RoutingStats(
             kept_E=routed.reshape(1),
@@ -153,7 +187,7 @@ class MoDRouter(nn.Module):
             entropy=None,
             batch_shape=(B, S),
         )
-        counts_E = torch.tensor([B * C], device=dev)
+        counts_E = torch.full((1,), B * C, dtype=torch.long, device=dev)
         return RoutingPlan(token_idx_A=token_A, expert_idx_A=torch.zeros_like(token_A), weight_A=weight_A,
                            counts_E=counts_E, num_tokens=T, aux=aux, seq_capacity=C, valid_A=valid_A)
 
@@ -162,7 +196,7 @@ class MoDRouter(nn.Module):
         calls a routed layer once per token and most calls route nothing."""
         B, S = r_BS.shape
         dev = r_BS.device
-        tokens = torch.tensor(float(B * S), device=dev) if mask_BS is None else mask_BS.sum().float()
+        tokens = scalar(B * S, dev) if mask_BS is None else mask_BS.sum().float()
         aux = Aux()
         aux.stats["router"] = RoutingStats(
             kept_E=torch.zeros(1, device=dev),

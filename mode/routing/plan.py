@@ -114,22 +114,39 @@ class RoutingPlan:
 
     @property
     def num_assignments(self) -> int:
+        """Static size ``A`` of the plan (computed assignments and padding)."""
         return self.token_idx_A.numel()
+
+    def compact(self) -> "RoutingPlan":
+        """The same plan without its padding: only the computed assignments. Reads their number on the
+        host, so it is for tests, debugging and reference code, never the hot path."""
+        n = int(self.counts_E.sum())
+        if self.seq_capacity is not None or n == self.num_assignments:
+            return self  # per-sequence (MoD) plans keep their slots; nothing to drop
+        return RoutingPlan(token_idx_A=self.token_idx_A[:n], expert_idx_A=self.expert_idx_A[:n],
+                           weight_A=self.weight_A[:n], counts_E=self.counts_E, num_tokens=self.num_tokens,
+                           aux=self.aux, seq_capacity=None, valid_A=None)
+
+    def computed_A(self) -> Tensor:
+        """True for the assignments that are computed (the first ``counts_E.sum()``), on the device."""
+        return torch.arange(self.num_assignments, device=self.counts_E.device) < self.counts_E.sum()
 
 
 def group_by_expert(
     token_idx_A: Tensor, expert_idx_A: Tensor, weight_A: Tensor, num_experts: int, num_tokens: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Sort assignments by (expert, token) and count them per expert.
+    """Sort assignments by (expert, token) and count them per expert; the size stays ``A``.
 
-    Each (expert, token) pair occurs at most once, so the key ``expert * T + token`` is unique and a
-    plain sort is deterministic.
+    ``expert_idx_A == num_experts`` marks an assignment that is not computed: it sorts last and its
+    weight becomes 0. Among computed assignments each (expert, token) pair occurs at most once, so the
+    key ``expert * T + token`` is unique; the stable sort keeps padding deterministic too.
     """
     key_A = expert_idx_A * num_tokens + token_idx_A
-    order_A = torch.argsort(key_A)
+    order_A = torch.argsort(key_A, stable=True)
     expert_sorted_A = expert_idx_A[order_A]
-    counts_E = count_per(expert_sorted_A, num_experts)
-    return token_idx_A[order_A], expert_sorted_A, weight_A[order_A], counts_E
+    counts_E = count_per(expert_sorted_A, num_experts + 1)[:num_experts]
+    weight_sorted_A = torch.where(expert_sorted_A < num_experts, weight_A[order_A], 0.0)
+    return token_idx_A[order_A], expert_sorted_A, weight_sorted_A, counts_E
 
 
 def count_per(index_A: Tensor, size: int, weight_A: Tensor | None = None) -> Tensor:
@@ -144,5 +161,10 @@ def entropy_of(probs_TX: Tensor, valid_T: Tensor | None) -> Tensor:
     """Mean entropy (nats) of per-token distributions over expert slots."""
     ent_T = -(probs_TX * probs_TX.clamp_min(1e-20).log()).sum(-1)  # clamp: 0 * log 0 := 0
     if valid_T is None:
-        return ent_T.mean()
+        return ent_T.sum() / max(1, ent_T.numel())  # not .mean(): no tokens gives 0, not NaN
     return (ent_T * valid_T).sum() / valid_T.sum().clamp_min(1)
+
+
+def scalar(value: float, device: torch.device) -> Tensor:
+    """A float32 0-dim tensor holding a Python number, filled on the device (no host-to-device copy)."""
+    return torch.full((), float(value), device=device)

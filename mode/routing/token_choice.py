@@ -7,13 +7,16 @@ Shape legend
 Each token scores the X slots, keeps its top-k, and its gates are the softmax (or sigmoid) probabilities
 of those slots, optionally renormalised over the k chosen. Choices of a no-op slot are never computed:
 the token simply gets less (or no) expert output. With ``capacity_factor`` set, each real expert takes at
-most ``ceil(capacity_factor * T * K / E)`` assignments and the rest are dropped, first choices before
-second choices and earlier tokens first; ``capacity_factor=None`` is dropless.
+most ``ceil(capacity_factor * T * K / E)`` assignments (the factor read as the decimal written) and the
+rest are dropped, first choices before second choices and earlier tokens first; ``capacity_factor=None``
+is dropless.
+
+The plan has the static size ``A = T * K``: no-op choices, drops and padded tokens stay in it as padding
+after the computed assignments, so no step makes the host wait for the device.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +25,8 @@ from torch import Tensor, nn
 
 from mode import _checks
 from mode.routing.losses import load_balancing_loss, router_z_loss
-from mode.routing.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert
+from mode.routing.capacity import ceil_of
+from mode.routing.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 
 GATES = ("softmax", "sigmoid")
 
@@ -38,7 +42,7 @@ class TokenChoiceConfig:
     capacity_factor: float | None = None  # None: dropless
     balance_coef: float = 0.01
     z_coef: float = 1e-3
-    check_finite: bool = True  # one host sync per call to reject NaN/inf logits
+    check_finite: bool = True  # reject NaN/inf logits (an asynchronous device assert on a GPU)
 
     def __post_init__(self) -> None:
         _checks.check_int("d_model", self.d_model)
@@ -56,6 +60,41 @@ class TokenChoiceConfig:
             _checks.check_positive("capacity_factor", self.capacity_factor)
         _checks.check_non_negative("balance_coef", self.balance_coef)
         _checks.check_non_negative("z_coef", self.z_coef)
+        _checks.check_bool("renormalize", self.renormalize)
+        _checks.check_bool("check_finite", self.check_finite)
+
+    # -- what the FLOP and per-token compute code asks (the router protocol, see mode.routing.registry) --
+    @property
+    def num_slots(self) -> int:
+        return self.num_experts + self.num_noop
+
+    @property
+    def max_assignments_per_token(self) -> int:
+        return self.top_k
+
+    def causal_problem(self) -> str | None:
+        """Why token-by-token decoding would not match the full forward, or None. Dropless routing decides
+        each token alone; capacity drops depend on the other tokens."""
+        if self.capacity_factor is None:
+            return None
+        return (f"capacity_factor={self.capacity_factor}: token-choice capacity drops depend on the other tokens "
+                "of the batch, so decoding would not match the full forward; generate() needs dropless MoE layers "
+                "(rebuild the LMConfig with capacity_factor=None and load the same weights)")
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Per-expert assignment limit for ``num_tokens`` tokens (None when dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return ceil_of(self.capacity_factor, num_tokens * self.top_k, self.num_experts)
+
+    def assignments(self, seq_len: int) -> float:
+        """Computed assignments per sequence under balanced routing (no-op slots take their share)."""
+        wanted = seq_len * self.top_k * self.num_experts / self.num_slots
+        cap = self.capacity(seq_len)
+        return wanted if cap is None else min(wanted, self.num_experts * cap)
+
+    def router_flops(self, seq_len: int) -> float:
+        return 2 * seq_len * self.d_model * self.num_slots
 
 
 class TokenChoiceRouter(nn.Module):
@@ -64,53 +103,53 @@ class TokenChoiceRouter(nn.Module):
         self.cfg = cfg
         self.num_experts = cfg.num_experts
         self.num_slots = cfg.num_experts + cfg.num_noop
+        _checks.check_numel("(num_experts + num_noop, d_model)", self.num_slots, cfg.d_model)
         self.weight = nn.Parameter(torch.empty(self.num_slots, cfg.d_model))
         nn.init.normal_(self.weight, std=cfg.d_model**-0.5)
 
     def capacity(self, num_tokens: int) -> int | None:
         """Per-expert assignment limit for ``num_tokens`` tokens (None when dropless)."""
-        if self.cfg.capacity_factor is None:
-            return None
-        return math.ceil(self.cfg.capacity_factor * num_tokens * self.cfg.top_k / self.num_experts)
+        return self.cfg.capacity(num_tokens)
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> RoutingPlan:
-        _checks.check_hidden("x", x_BSD, self.cfg.d_model)
-        _checks.check_mask("mask", mask_BS, x_BSD.shape[:2])
+        _checks.check_hidden("x", x_BSD, self.cfg.d_model, device=self.weight.device)
+        _checks.check_mask("mask", mask_BS, x_BSD.shape[:2], device=self.weight.device)
         B, S, _ = x_BSD.shape
         T, K, E = B * S, self.cfg.top_k, self.num_experts
         valid_T = None if mask_BS is None else mask_BS.reshape(T)
 
-        # Routing math in float32 whatever the activation dtype: top-k on bf16 logits ties too often.
-        logits_TX = F.linear(x_BSD.reshape(T, -1).float(), self.weight.float())
-        if self.cfg.check_finite:
-            _checks.check_finite_logits("TokenChoiceRouter", logits_TX)
-        if self.cfg.gate == "softmax":
-            probs_TX = logits_TX.softmax(-1)
-            balance_probs_TX = probs_TX
-        else:
-            probs_TX = logits_TX.sigmoid()
-            balance_probs_TX = probs_TX / probs_TX.sum(-1, keepdim=True)
-        gate_TK, chosen_TK = probs_TX.topk(K, dim=-1)
-        if self.cfg.renormalize:
-            gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True)
+        dev = x_BSD.device
+        with _checks.float32_region(dev):  # routing math in float32, also under autocast
+            # float32 whatever the activation dtype: top-k on bf16 logits ties too often
+            logits_TX = F.linear(x_BSD.reshape(T, self.cfg.d_model).float(), self.weight.float())
+            if self.cfg.check_finite:
+                _checks.check_finite_logits("TokenChoiceRouter", logits_TX)
+            if self.cfg.gate == "softmax":
+                probs_TX = logits_TX.softmax(-1)
+                balance_probs_TX = probs_TX
+            else:
+                probs_TX = logits_TX.sigmoid()
+                balance_probs_TX = probs_TX / probs_TX.sum(-1, keepdim=True)
+            gate_TK, chosen_TK = probs_TX.topk(K, dim=-1)
+            if self.cfg.renormalize:
+                gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True)
 
-        aux = Aux()
-        aux.add_loss("balance", load_balancing_loss(balance_probs_TX, chosen_TK, valid_T), self.cfg.balance_coef)
-        aux.add_loss("z_loss", router_z_loss(logits_TX, valid_T), self.cfg.z_coef)
+            aux = Aux()
+            aux.add_loss("balance", load_balancing_loss(balance_probs_TX, chosen_TK, valid_T), self.cfg.balance_coef)
+            aux.add_loss("z_loss", router_z_loss(logits_TX, valid_T), self.cfg.z_coef)
 
         # Flatten choice-major (all first choices, then all second choices...): that is drop priority.
         slot_A = chosen_TK.t().reshape(-1)
-        token_A = torch.arange(T, device=x_BSD.device).repeat(K)
+        token_A = torch.arange(T, device=dev).repeat(K)
         gate_A = gate_TK.t().reshape(-1)
         valid_A = torch.ones_like(slot_A, dtype=torch.bool) if valid_T is None else valid_T[token_A]
         requested_X = count_per(slot_A, self.num_slots, valid_A)
-        keep = (valid_A & (slot_A < E)).nonzero().squeeze(1)  # host sync: the plan's size is data-dependent
-        slot_A, token_A, gate_A = slot_A[keep], token_A[keep], gate_A[keep]
-
+        computed_A = valid_A & (slot_A < E)
         cap = self.capacity(T)
         if cap is not None:
-            slot_A, token_A, gate_A = _apply_capacity(slot_A, token_A, gate_A, E, cap)
-        token_A, expert_A, gate_A, counts_E = group_by_expert(token_A, slot_A, gate_A, E, T)
+            computed_A = computed_A & _within_capacity(slot_A, computed_A, E, cap)
+        expert_key_A = torch.where(computed_A, slot_A, E)  # E: not computed, sorts after every expert
+        token_A, expert_A, gate_A, counts_E = group_by_expert(token_A, expert_key_A, gate_A, E, T)
 
         real_requested = requested_X[:E].sum()
         aux.stats["router"] = RoutingStats(
@@ -118,8 +157,8 @@ class TokenChoiceRouter(nn.Module):
             requested_X=requested_X.detach().float(),
             dropped=(real_requested - counts_E.sum()).float(),
             noop=requested_X[E:].sum().float(),
-            tokens=torch.tensor(float(T), device=x_BSD.device) if valid_T is None else valid_T.sum().float(),
-            compute_T=count_per(token_A, T).float(),
+            tokens=scalar(T, dev) if valid_T is None else valid_T.sum().float(),
+            compute_T=count_per(token_A, T, expert_A < E).float(),
             entropy=entropy_of(balance_probs_TX.detach(), valid_T),
             batch_shape=(B, S),
         )
@@ -127,13 +166,16 @@ class TokenChoiceRouter(nn.Module):
                            num_tokens=T, aux=aux)
 
 
-def _apply_capacity(slot_A: Tensor, token_A: Tensor, gate_A: Tensor, num_experts: int, cap: int):
-    """Keep each expert's first ``cap`` assignments in their current (priority) order."""
+def _within_capacity(slot_A: Tensor, computed_A: Tensor, num_experts: int, cap: int) -> Tensor:
+    """True for the computed assignments among each expert's first ``cap`` in their current (priority)
+    order. Static shapes: a rank inside each expert, no boolean indexing."""
     n = slot_A.numel()
     pos_A = torch.arange(n, device=slot_A.device)
-    order = torch.argsort(slot_A * n + pos_A)  # unique keys: grouped by expert, priority kept inside
-    counts_E = count_per(slot_A, num_experts)
+    expert_key_A = torch.where(computed_A, slot_A, num_experts)
+    order_A = torch.argsort(expert_key_A * n + pos_A)  # unique keys: grouped by expert, priority kept inside
+    counts_E = count_per(expert_key_A, num_experts + 1)
     start_E = torch.cumsum(counts_E, 0) - counts_E
-    rank_sorted = pos_A - start_E[slot_A[order]]  # position of each assignment inside its expert
-    keep = order[rank_sorted < cap]
-    return slot_A[keep], token_A[keep], gate_A[keep]
+    rank_sorted_A = pos_A - start_E[expert_key_A[order_A]]  # position of each assignment inside its expert
+    within_A = torch.empty_like(computed_A)
+    within_A[order_A] = rank_sorted_A < cap  # back to priority order (a permutation: no collisions)
+    return within_A
