@@ -5,10 +5,14 @@ Shape legend
     T = B * S tokens   A = B * C assignments (one expert: the block)
 
 The router weight is the raw linear score ``r = w . x`` (Raposo et al. 2024); the block's delta is
-multiplied by it, which is what puts the router on the gradient path. Selection is a per-sequence
-top-C, so exactly C tokens are routed even when scores tie; routed tokens are kept in their original
-order. Padded positions (``mask == False``) score -inf and are only picked when a sequence has fewer
-than C real tokens, in which case the slot is marked invalid and makes no update.
+multiplied by it, which is what puts the router on the gradient path. Other gates (``gate=``): "sigmoid"
+multiplies by ``sigmoid(r)``; "one" by 1 (no router gradient, for ablations); "ste" by the straight-through
+``1 + (r - sg(r))``: the value is exactly 1, so the block's output is unchanged (a pretrained block keeps its
+function when it is converted), while the gradient reaches the router as if the gate were ``r``.
+
+Selection is a per-sequence top-C, so exactly C tokens are routed even when scores tie; routed tokens are
+kept in their original order. Padded positions (``mask == False``) score -inf and are only picked when a
+sequence has fewer than C real tokens, in which case the slot is marked invalid and makes no update.
 
 ``capacity`` is read as the decimal the user wrote (``0.29 * 100`` routes 29 tokens, see
 ``mode.routing.capacity``). Router math runs in float32, also under autocast. Top-C routing never makes
@@ -34,7 +38,7 @@ from mode import _checks
 from mode.routing.capacity import floor_of
 from mode.routing.plan import Aux, RoutingPlan, RoutingStats, scalar
 
-GATES = ("raw", "sigmoid", "one")
+GATES = ("raw", "sigmoid", "one", "ste")
 SELECTIONS = ("learned", "random")
 CAUSAL_METHODS = ("none", "predictor", "aux_bce")
 
@@ -43,7 +47,9 @@ CAUSAL_METHODS = ("none", "predictor", "aux_bce")
 class MoDRouterConfig:
     d_model: int
     capacity: float = 0.125  # fraction of each sequence routed through the block
-    gate: str = "raw"  # "raw": r (paper); "sigmoid": sigmoid(r); "one": 1 (no router gradient; ablations)
+    # "raw": r (paper); "sigmoid": sigmoid(r); "one": 1 (no router gradient; ablations);
+    # "ste": value 1, gradient of r (straight-through; keeps a converted pretrained block's output)
+    gate: str = "raw"
     selection: str = "learned"  # "random": uniformly random top-C (the paper's stochastic-routing control)
     causal: str = "none"  # how sampling decides causally: "predictor" or "aux_bce" (see module doc)
     causal_coef: float = 0.1  # weight of the causal BCE loss
@@ -168,7 +174,14 @@ class MoDRouter(nn.Module):
         token_A = (pos_BC + torch.arange(B, device=dev)[:, None] * S).reshape(-1)
         r_A = r_BS.gather(1, pos_BC).reshape(-1)
         gate = self.cfg.gate
-        weight_A = r_A if gate == "raw" else r_A.sigmoid() if gate == "sigmoid" else torch.ones_like(r_A)
+        if gate == "raw":
+            weight_A = r_A
+        elif gate == "sigmoid":
+            weight_A = r_A.sigmoid()
+        elif gate == "ste":
+            weight_A = (r_A - r_A.detach()) + 1.0  # x - x is exactly 0, so the value is exactly 1
+        else:
+            weight_A = torch.ones_like(r_A)
         valid_A = None if valid_BC is None else valid_BC.reshape(-1)
 
         T = B * S

@@ -1,0 +1,27 @@
+"""Mixture-of-Depths, MoE and MoDE for the transformers decoders users already have (``pip install
+'mode-torch[hf]'``, transformers 5.x): Llama, Qwen2 and Mistral with sdpa or eager attention.
+
+    import mode.hf as mh
+    mh.to_mod(model, layers="every_other", capacity=0.125, gate="ste", causal="aux_bce")   # in place
+    model.generate(...)                       # eval mode routes causally; MoD layers keep sparse KV caches
+    with mh.routing(model, "topk"): ...       # pick the routing explicitly
+    aux = mh.collect_aux(model)               # layers.{i}.mod.* / layers.{i}.moe.* losses and stats
+    mh.upcycle(model, num_experts=8, top_k=2) # MLPs -> MoE of copies (starts equal to the dense model)
+    mh.router_tune(model, batches, steps=100) # base frozen, routers trained (lm or distill)
+    mh.save_conversion(model, "dir"); mh.load_conversion(original_model, "dir")
+
+See docs/hf.md for what is supported, what is refused and why.
+"""
+
+from mode.hf._compat import ATTENTIONS, MODEL_TYPES, TESTED_VERSION  # noqa: F401  (checks transformers first)
+from mode.hf.cache import MoDCacheLayer
+from mode.hf.convert import mod_layers, to_mod
+from mode.hf.mod_layer import MoDLayerMixin
+from mode.hf.routing import collect_aux, routing
+from mode.hf.upcycle import UpcycledMLP, upcycle, upcycled_mlps
+from mode.hf.tune import freeze_base, router_parameters, router_tune
+from mode.hf.conversion_io import load_conversion, save_conversion
+
+__all__ = ["MoDCacheLayer", "MoDLayerMixin", "UpcycledMLP", "collect_aux", "freeze_base", "load_conversion",
+           "mod_layers", "router_parameters", "router_tune", "routing", "save_conversion", "to_mod", "upcycle",
+           "upcycled_mlps"]

@@ -1,0 +1,90 @@
+"""Saving a conversion as a spec plus the new weights, and putting it back onto the original checkpoint.
+
+``save_pretrained`` cannot serialise the class swap of a MoD layer, and a pickled model would reference a
+class made at run time. So a conversion is saved as two files in a directory:
+
+    mode_conversion.json        which layers became MoD / MoE and with which settings, the model type,
+                                the transformers version it was made with
+    mode_weights.safetensors    only what the conversion added or replaced: ``...mod_router.*`` and
+                                every upcycled ``...mlp.moe.*``
+
+``load_conversion(model, dir)`` applies the same conversion to a freshly loaded original model (the same
+checkpoint it was made from) and loads those weights; any key missing or left over raises.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from mode.hf._compat import decoder_config
+from mode.hf.convert import to_mod
+from mode.hf.upcycle import upcycle
+
+SPEC_FILE = "mode_conversion.json"
+WEIGHTS_FILE = "mode_weights.safetensors"
+FORMAT_VERSION = 1
+
+
+def conversion_state(model: nn.Module) -> dict:
+    """The tensors a conversion added or replaced, by their state-dict names."""
+    return {k: v for k, v in model.state_dict().items() if ".mod_router." in k or ".mlp.moe." in k}
+
+
+def save_conversion(model: nn.Module, directory: str | Path) -> Path:
+    spec = getattr(model, "mode_conversion", None)
+    if not spec:
+        raise ValueError("save_conversion: the model carries no mode.hf conversion (model.mode_conversion)")
+    import transformers
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"format": FORMAT_VERSION, "model_type": decoder_config(model).model_type,
+           "transformers": transformers.__version__, **spec}
+    (out / SPEC_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    save_file({k: v.detach().contiguous() for k, v in conversion_state(model).items()}, str(out / WEIGHTS_FILE))
+    return out
+
+
+def load_conversion(model: nn.Module, directory: str | Path) -> nn.Module:
+    """Convert ``model`` (the original, unconverted checkpoint) as saved in ``directory``; in place."""
+    src = Path(directory)
+    if not (src / SPEC_FILE).is_file() or not (src / WEIGHTS_FILE).is_file():
+        raise ValueError(f"directory={str(src)!r}: must hold {SPEC_FILE} and {WEIGHTS_FILE} "
+                         "(written by mode.hf.save_conversion)")
+    doc = json.loads((src / SPEC_FILE).read_text())
+    if doc.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{SPEC_FILE}: format={doc.get('format')!r}: this mode reads format {FORMAT_VERSION}")
+    model_type = decoder_config(model).model_type
+    if doc.get("model_type") != model_type:
+        raise ValueError(f"{SPEC_FILE}: model_type={doc.get('model_type')!r} but the model is {model_type!r}")
+    if getattr(model, "mode_conversion", None):
+        raise ValueError("load_conversion: the model is already converted; load the original checkpoint")
+    for settings, layers in _grouped(doc.get("upcycle", {})):
+        upcycle(model, layers=layers, **settings)
+    for settings, layers in _grouped(doc.get("mod", {})):
+        to_mod(model, layers=layers, **settings)
+    tensors = load_file(str(src / WEIGHTS_FILE), device=str(next(model.parameters()).device))
+    expected = conversion_state(model)
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise ValueError(f"{WEIGHTS_FILE} does not match the conversion: missing {missing[:4]}, "
+                         f"unexpected {extra[:4]}")
+    for name, t in tensors.items():
+        if t.shape != expected[name].shape:
+            raise ValueError(f"{WEIGHTS_FILE}: {name}.shape={tuple(t.shape)}, the conversion has "
+                             f"{tuple(expected[name].shape)}")
+    model.load_state_dict(tensors, strict=False)
+    return model
+
+
+def _grouped(per_layer: dict) -> list[tuple[dict, list[int]]]:
+    """Layers with identical settings together, so each group is one to_mod / upcycle call."""
+    groups: dict[str, tuple[dict, list[int]]] = {}
+    for layer, settings in per_layer.items():
+        key = json.dumps(settings, sort_keys=True)
+        groups.setdefault(key, (settings, []))[1].append(int(layer))
+    return list(groups.values())

@@ -1,0 +1,83 @@
+"""``to_mod``: turn chosen decoder layers of a transformers model into Mixture-of-Depths layers, in place."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from mode import _checks
+from mode.hf._compat import check_attention, check_model_type, decoder_config, decoder_layers, layer_index
+from mode.hf.mod_layer import MoDLayerMixin, mod_class
+from mode.routing.mod_topk import CAUSAL_METHODS, GATES, MoDRouter, MoDRouterConfig
+
+LAYER_PATTERNS = ("every_other", "all")
+
+
+def resolve_layers(layers: str | Sequence[int], n_layers: int) -> list[int]:
+    """``"every_other"``: 1, 3, 5, ... (the paper's placement, first layer dense); ``"all"``; or indices."""
+    if isinstance(layers, str):
+        _checks.check_choice("layers", layers, LAYER_PATTERNS)
+        return list(range(1, n_layers, 2)) if layers == "every_other" else list(range(n_layers))
+    if not isinstance(layers, Sequence) or len(layers) == 0:
+        raise ValueError(f"layers={layers!r}: must be 'every_other', 'all' or a non-empty list of layer indices")
+    out = []
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers:
+            raise ValueError(f"layers: index {i!r} must be an int in [0, {n_layers})")
+        if i in out:
+            raise ValueError(f"layers: index {i} appears twice")
+        out.append(i)
+    return sorted(out)
+
+
+def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capacity: float = 0.125,
+           gate: str = "ste", causal: str = "aux_bce", causal_coef: float = 0.1,
+           predictor_hidden: int = 64) -> nn.Module:
+    """Convert decoder layers of ``model`` (Llama, Qwen2, Mistral; sdpa or eager attention) to MoD, in place.
+
+    ``capacity``: fraction of each sequence routed through a converted layer when training (top-C).
+    ``gate``: what multiplies a routed token's update, see ``mode.routing.mod_topk``; the default ``"ste"``
+    leaves the model's output unchanged at capacity 1.0 and still trains the router. ``causal``: how the
+    layer decides token by token when sampling (``"aux_bce"`` or ``"predictor"``; ``"none"`` cannot
+    generate). Returns ``model``; the spec of the conversion is kept in ``model.mode_conversion``.
+    """
+    check_model_type(model)
+    config = decoder_config(model)
+    check_attention(config)
+    _checks.check_choice("gate", gate, GATES)
+    _checks.check_choice("causal", causal, CAUSAL_METHODS)
+    all_layers = decoder_layers(model)
+    chosen = resolve_layers(layers, len(all_layers))
+    d_model = config.hidden_size
+    ref = next(model.parameters())
+    for i in chosen:
+        layer = all_layers[i]
+        if isinstance(layer, MoDLayerMixin):
+            raise ValueError(f"layers: layer {i} is already a MoD layer")
+        assert layer_index(layer) == i, "decoder layer order differs from self_attn.layer_idx"
+        router = MoDRouter(MoDRouterConfig(d_model=d_model, capacity=capacity, gate=gate, causal=causal,
+                                           causal_coef=causal_coef, predictor_hidden=predictor_hidden))
+        layer.mod_router = router.to(device=ref.device, dtype=torch.float32)  # routers stay in float32
+        layer.__class__ = mod_class(type(layer))
+    if hasattr(model, "_get_candidate_generator"):  # generate()'s entry to assisted / speculative decoding
+        model._get_candidate_generator = _refuse_assisted
+    spec = getattr(model, "mode_conversion", None) or {}
+    mod = spec.setdefault("mod", {})
+    for i in chosen:
+        mod[str(i)] = {"capacity": capacity, "gate": gate, "causal": causal, "causal_coef": causal_coef,
+                       "predictor_hidden": predictor_hidden}
+    model.mode_conversion = spec
+    return model
+
+
+def mod_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """The converted MoD layers of ``model`` by layer index."""
+    return {layer_index(layer): layer for layer in decoder_layers(model) if isinstance(layer, MoDLayerMixin)}
+
+
+def _refuse_assisted(*args, **kwargs):
+    raise ValueError("assisted / speculative decoding (assistant_model=, prompt_lookup_num_tokens=, ...): not "
+                     "supported with mode.hf MoD layers: it rolls rejected tokens back with cache.crop, which a "
+                     "sparse per-row MoD cache cannot undo")

@@ -1,0 +1,167 @@
+"""A transformers decoder layer turned into a Mixture-of-Depths layer, in place.
+
+Shape legend: B batch, S tokens of this call, D hidden, C routed slots per row, H head dim of cos/sin,
+P tokens seen before this call (the dense cache length), L keys a row's MoD cache stored before this call.
+
+The layer's class becomes ``MoD<Original>``, a subclass with ``MoDLayerMixin`` in front, and the layer gets
+one new submodule, ``mod_router`` (mode's ``MoDRouter``). Nothing else moves: the state-dict keys stay the
+original ones plus ``...mod_router.*``, and transformers' hooks that match decoder layers by class
+(``output_hidden_states``) still match and record the full ``(B, S, D)`` output.
+
+A call: the router picks the routed tokens (top-C of each row when training, or the causal decision
+``r > 0`` when sampling, see ``mode.hf.routing``); pads never route. The routed tokens are gathered
+together with the model's own cos/sin at their true positions and the model's own mask restricted to them
+(``mode.hf.mask``); the original layer runs on those C tokens; each routed token gets
+``x + g * (layer(x) - x)`` (the gate ``g`` from the router, exactly 1 for ``gate="ste"`` and ``"one"``) and
+is scattered back; the other tokens are copied through unchanged. With a cache, the layer's cache becomes
+a ``MoDCacheLayer``, which stores only routed tokens (``mode.hf.cache``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mode.hf import mask as hf_mask
+from mode.hf._compat import check_attention
+from mode.hf.cache import MoDCacheLayer, mod_cache_layer
+from mode.routing.mod_topk import MoDRouter
+from mode.routing.plan import Aux
+
+ROUTING = ("auto", "topk", "causal", "dense")  # "dense": the original layer, no routing (a teacher)
+
+
+class MoDLayerMixin:
+    """Put in front of a decoder-layer class by ``to_mod``; expects ``self.mod_router`` and
+    ``self.mod_routing`` (one of ``ROUTING``), and leaves the last call's routing result in ``self.mod_aux``."""
+
+    mod_router: MoDRouter
+    mod_routing: str = "auto"
+    mod_aux: Aux | None = None
+
+    def mod_causal(self) -> bool:  # not called in "dense" mode
+        """Route by the causal decision (sampling) rather than top-C (training)? ``auto``: causal in eval mode
+        when the router has a causal method, top-C otherwise."""
+        if self.mod_routing == "auto":
+            return not self.training and self.mod_router.cfg.causal != "none"
+        return self.mod_routing == "causal"
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
+                position_embeddings: tuple[Tensor, Tensor] | None = None, **kwargs) -> Tensor:
+        x_BSD = hidden_states
+        B, S, D = x_BSD.shape
+        attn = self.self_attn
+        if self.mod_routing == "dense":
+            self.mod_aux = None
+            if past_key_values is not None and isinstance(_cache_layer_at(past_key_values, attn.layer_idx),
+                                                          MoDCacheLayer):
+                raise ValueError("mod routing='dense' with a cache a MoD layer already made sparse; start from "
+                                 "a new cache")
+            return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=past_key_values, use_cache=use_cache,
+                                   position_embeddings=position_embeddings, **kwargs)
+        check_attention(attn.config)
+        if position_embeddings is None:
+            raise ValueError("position_embeddings=None: a MoD layer gathers the model's own cos/sin at the routed "
+                             "tokens' positions; call it through the model")
+        cache = None if past_key_values is None else mod_cache_layer(past_key_values, attn.layer_idx)
+        P = 0 if cache is None else cache.get_seq_length()
+        # Qwen2 keeps the window on the attention (None for its full layers), Mistral only in the config.
+        window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+        if cache is not None and window is not None and P + S > window:
+            raise ValueError(f"sliding_window={window}: this cached call reaches {P + S} tokens; a MoD layer's "
+                             "sparse cache needs the whole sequence within the window (the mask switches to "
+                             "window coordinates once it fills); raise the window or convert full-attention "
+                             "layers only")
+        hf_mask.check_mask(attention_mask, B, S, P)
+        causal = self.mod_causal()
+        if not causal and P > 0:
+            raise ValueError("mod routing='topk' with a cache that already holds tokens: top-C routing looks at "
+                             "the whole sequence and cannot decode token by token; use causal routing "
+                             "(model.eval(), or mode.hf.routing(model, 'causal'))")
+
+        real_BS = hf_mask.real_tokens(attention_mask, B, S, P)
+        plan = self.mod_router(x_BSD, real_BS, causal=causal)
+        self.mod_aux = plan.aux
+        C = plan.seq_capacity
+        if C == 0:  # nothing routed (causal decode, most steps): the layer is skipped and stores nothing
+            if cache is not None:
+                cache.skip(S)
+            return x_BSD
+
+        dev = x_BSD.device
+        slot_BC = plan.token_idx_A.view(B, C) - torch.arange(B, device=dev)[:, None] * S
+        valid_BC = (torch.ones(B, C, dtype=torch.bool, device=dev) if plan.valid_A is None
+                    else plan.valid_A.view(B, C))
+        x_BCD = x_BSD.gather(1, slot_BC[..., None].expand(B, C, D))
+        cos, sin = (_gather_rows(t, slot_BC) for t in position_embeddings)  # RoPE at the true positions
+        pos_BC = None if position_ids is None else _gather_rows(position_ids, slot_BC)
+
+        # Key columns, in the order the attention will see them: this row's stored keys, then the C new ones.
+        query_col_BC = P + slot_BC
+        stored_slot_BL, stored_len_B = (None, None) if cache is None else cache.stored()
+        if stored_slot_BL is None:
+            cols_BJ, col_ok_BJ, own_col_BC = query_col_BC, valid_BC, torch.arange(C, device=dev).expand(B, C)
+        else:
+            L = stored_slot_BL.shape[1]
+            cols_BJ = torch.cat([stored_slot_BL, query_col_BC], 1)
+            col_ok_BJ = torch.cat([torch.arange(L, device=dev) < stored_len_B[:, None], valid_BC], 1)
+            own_col_BC = L + torch.arange(C, device=dev).expand(B, C)
+        fmt = torch.bool if attn.config._attn_implementation == "sdpa" else x_BSD.dtype
+        sub_mask = hf_mask.restrict(attention_mask, slot_BC, query_col_BC, cols_BJ, col_ok_BJ, valid_BC,
+                                    own_col_BC, fmt)
+
+        if cache is not None:
+            cache.stage(valid_BC, query_col_BC, S)
+        try:
+            y_BCD = super().forward(x_BCD, attention_mask=sub_mask, position_ids=pos_BC,
+                                    past_key_values=past_key_values, use_cache=use_cache,
+                                    position_embeddings=(cos, sin), **kwargs)
+        except BaseException:
+            if cache is not None:
+                cache.unstage()  # the cache stays as it was before this call
+            raise
+        if isinstance(y_BCD, tuple):  # transformers 5.x layers return a bare tensor; older ones a tuple
+            y_BCD = y_BCD[0]
+        assert cache is None or cache.committed(), "the layer's attention did not write to the MoD cache layer"
+
+        gate = self.mod_router.cfg.gate
+        if gate != "one":
+            w_BC1 = plan.weight_A.view(B, C, 1).to(x_BCD.dtype)
+            if gate == "ste":  # value exactly 1: y + 0 * (y - x) keeps the layer's output bit for bit
+                y_BCD = y_BCD + (w_BC1 - 1) * (y_BCD - x_BCD)
+            else:
+                y_BCD = x_BCD + w_BC1 * (y_BCD - x_BCD)
+        y_BCD = torch.where(valid_BC[..., None], y_BCD, x_BCD)  # unrouted / padding slots make no update
+        return x_BSD.scatter(1, slot_BC[..., None].expand(B, C, D), y_BCD)
+
+
+def _cache_layer_at(cache, layer_idx: int):
+    layers = getattr(cache, "layers", None)
+    return layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+
+
+def _gather_rows(t_XS: Tensor, slot_BC: Tensor) -> Tensor:
+    """``t`` at the routed slots along dim 1: ``(B or 1, S, ...) -> (B, C, ...)``."""
+    B, C = slot_BC.shape
+    t_BS = t_XS.expand(B, *t_XS.shape[1:])
+    index = slot_BC.view(B, C, *([1] * (t_BS.dim() - 2))).expand(B, C, *t_BS.shape[2:])
+    return t_BS.gather(1, index)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def mod_class(cls: type) -> type:
+    """``MoD<cls>``: the converted class of a decoder-layer class (one per original class)."""
+    if issubclass(cls, MoDLayerMixin):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"MoD{cls.__name__}", (MoDLayerMixin, cls), {"__module__": __name__})
+    return _CLASSES[cls]
+
+
+def original_class(cls: type) -> type:
+    return next(c for c in cls.__mro__[1:] if not issubclass(c, MoDLayerMixin)) if issubclass(cls, MoDLayerMixin) \
+        else cls
