@@ -15,8 +15,9 @@
     (the per-call dispatch ratio is checked too). The per-expert counts exchange (E int64 per rank and
     layer call) is reported separately.
 (b) Step time. One training step (forward, backward, gradient all-reduce, clipping, AdamW) of the same
-    LM on the same global batch: ``mode.train.Trainer`` in one process against ``ExpertParallelTrainer``
-    on EP = 2 and 4 processes with 1 thread each (as torchrun sets by default); medians after warm-up,
+    LM on the same global batch: ``mode.train.Trainer`` in one process against the same ``Trainer`` on a
+    (dp=1, ep=P) mesh (``mode.parallel``: experts split over the ranks, every weight also sharded by FSDP2,
+    so a step also all-gathers and reduce-scatters the weights) on EP = 2 and 4 processes with 1 thread each (as torchrun sets by default); medians after warm-up,
     EP time is rank 0's. The single process is timed with 1 thread (the main baseline: same per-process
     threads as a rank) and with torch's default thread count, each before and after the EP runs (the
     median of both runs is the baseline). All EP ranks share this machine's cores, so on a 2-core machine
@@ -25,7 +26,7 @@
 
 With ``--device cuda`` the ranks are NCCL processes, one GPU each (set up by ``mode.distributed.init_distributed``,
 as ``torchrun`` would), for EP = 1, 2 and 4 as far as the machine has GPUs; the baseline is EP = 1 (the same
-trainer on one GPU, all-to-alls to itself), since ``mode.train.Trainer`` has no device argument.
+trainer on a mesh of one GPU).
 
 Results go to benchmarks/results/expert_parallel.json (expert_parallel_quick.json with --quick).
 """
@@ -111,17 +112,19 @@ def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg
     import torch.distributed as dist
 
     from mode import distributed as mdist
+    from mode.parallel import ParallelDims, build_mesh
     from mode.parallel.ep_model import expert_parallel_layers
-    from mode.parallel.train_ep import ExpertParallelTrainer
 
     torch.set_num_threads(1)
     # the environment torchrun would set, then the library's own set-up (NCCL: cuda:rank, device_id, NCCL env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    device = mdist.init_distributed(backend, timeout_s=120).device
+    ctx = mdist.init_distributed(backend, timeout_s=120)
+    device = ctx.device
+    mesh = build_mesh(ParallelDims(1, world), device.type, ctx.timeout_s)
     mcfg = LMConfig(**model_cfg)
-    trainer = ExpertParallelTrainer(mcfg, TRAIN, stdlib_corpus(max_bytes=CORPUS_BYTES), Path(out_dir) / "run",
-                                    device=device, progress=False)
+    trainer = Trainer(mcfg, TRAIN, stdlib_corpus(max_bytes=CORPUS_BYTES), Path(out_dir) / "run", progress=False,
+                      mesh=mesh)
     layers = expert_parallel_layers(trainer.model)
     L = mcfg.num_experts // world
     D, esize = mcfg.d_model, trainer.model.embed.weight.element_size()
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
                        ("noop_assignments", "no-op rows (not sent)", "d"),
                        ("dropped_assignments", "dropped rows (not sent)", "d"),
                        ("step_ms", "step ms (median)", ".1f"), *times])
-    baseline = ("EP = 1: ExpertParallelTrainer on one GPU" if cuda else
+    baseline = ("EP = 1: Trainer on a mesh of one GPU" if cuda else
                 f"single process with torch's default threads ({info['torch_threads']}) vs EP ranks with 1 thread "
                 "each on the same machine")
     payload = dict(

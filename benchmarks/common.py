@@ -170,6 +170,48 @@ def time_pair(candidate: Callable[[], None], baseline: Callable[[], None], *, wa
     }
 
 
+def time_interleaved(fns: dict[str, Callable[[], None]], baseline: str, *, warmup: int, repeats: int,
+                     device: torch.device) -> dict[str, dict]:
+    """Several candidates and one baseline, timed in rounds: every round runs each once, in an order that
+    rotates from round to round (so no candidate always follows the same one), and each candidate's
+    ratio is the median over rounds of its time / the baseline's time in the same round. Returns, per
+    name, the same keys as :func:`time_pair` (the baseline's own ratio is 1)."""
+    if baseline not in fns:
+        raise ValueError(f"baseline={baseline!r}: must be one of {sorted(fns)}")
+
+    def timed(fn: Callable[[], None]) -> tuple[float, float, int]:
+        sync(device)
+        f0 = minor_faults()
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        sync(device)
+        return time.perf_counter() - t0, time.process_time() - c0, minor_faults() - f0
+
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in names}
+    for i in range(repeats):
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name in (order if i % 2 == 0 else order[::-1]):
+            runs[name].append(timed(fns[name]))
+    base = runs[baseline]
+    out = {}
+    for name, r in runs.items():
+        wall = [w for w, _, _ in r]
+        ratios = [w / b for (w, _, _), (b, _, _) in zip(r, base)]
+        cpu_ratios = [c / b for (_, c, _), (_, b, _) in zip(r, base) if b > 0]
+        out[name] = {
+            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "s_median": statistics.median(wall), "s": wall,
+            "cpu_ratio_median": statistics.median(cpu_ratios) if cpu_ratios else None,
+            "cpu_s": [c for _, c, _ in r],
+            "faults_median": statistics.median(f for _, _, f in r),
+        }
+    return out
+
+
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     """``columns``: (key, header, format spec); a missing or None value prints as '-'."""
     cells = [[h for _, h, _ in columns]]

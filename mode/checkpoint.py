@@ -7,6 +7,12 @@ The format (version 1; docs/checkpoints.md)
     ``step``, ``flops``, ``tokens``, ``wall``, ``elapsed_s``, ``history``, ``sampler_rng``,
     ``torch_rng``, ``cuda_rng`` (a list, one per GPU; empty without CUDA) and ``routing_acc``.
 
+Sharded folders
+    Training on a device mesh writes a folder instead (``mode.parallel.checkpoint``: DCP shards plus
+    ``meta.json``). ``load_checkpoint`` and ``load_model`` read such a folder too, in this process, as the
+    same dict with full tensors, under the same rule: nothing in it is unpickled except DCP's own metadata
+    classes and tensors.
+
 Reading never runs code from the file
     ``torch.load(weights_only=True)`` refuses every pickled object other than tensors and plain data, so a
     file built to run a command when unpickled is rejected before anything in it runs. The zip's CRC32s
@@ -53,7 +59,7 @@ _MODEL_KEYS = {"model_cfg": dict, "model": dict}
 _TRAIN_KEYS = {"train_cfg": dict, "optimizer": dict, "step": int, "flops": (int, float), "tokens": int,
                "wall": (int, float), "history": list, "sampler_rng": Tensor, "torch_rng": Tensor}
 _OPTIONAL_KEYS = {"step": int, "cuda_rng": list, "routing_acc": dict, "elapsed_s": (int, float),
-                  "expert_parallel": dict}
+                  "expert_parallel": dict, "parallel": dict}
 _PLAIN = (str, int, float, bool, type(None))
 
 
@@ -293,15 +299,30 @@ def _check_keys(state: dict, spec: dict, where: str, required: bool) -> None:
 
 def load_checkpoint(path: str | Path, training: bool = False) -> dict:
     """Read and validate a checkpoint: the model part always, the training state when ``training``
-    (resuming). Raises ``CheckpointError`` naming the file and the problem."""
-    state = read_checkpoint(path)
-    where = f"checkpoint {str(path)!r}"
-    _check_keys(state, _MODEL_KEYS, where, required=True)
-    _check_keys(state, _TRAIN_KEYS, where, required=training)
+    (resuming). ``path`` is a single file, or a sharded checkpoint folder (``mode.parallel.checkpoint``,
+    read in this process as the same dict, full tensors). Raises ``CheckpointError`` naming the file and
+    the problem."""
+    if Path(path).is_dir():
+        from mode.parallel.checkpoint import read_sharded  # torch.distributed only for sharded folders
+
+        state = read_sharded(path, training=training)
+    else:
+        state = read_checkpoint(path)
+    check_state(state, f"checkpoint {str(path)!r}", training)
+    return state
+
+
+def check_state(state: dict, where: str, training: bool, tensors: bool = True) -> None:
+    """The structure of a checkpoint dict (see the module docstring); ``tensors=False`` checks everything
+    but the model and optimizer tensors (a sharded checkpoint's ``meta.json``, before its tensors load)."""
+    _check_keys(state, _MODEL_KEYS if tensors else {"model_cfg": dict}, where, required=True)
+    _check_keys(state, _TRAIN_KEYS if tensors else {k: v for k, v in _TRAIN_KEYS.items() if k != "optimizer"},
+                where, required=training)
     _check_keys(state, _OPTIONAL_KEYS, where, required=False)
-    bad = [k for k, v in state["model"].items() if not isinstance(k, str) or not isinstance(v, Tensor)]
-    if bad:
-        raise CheckpointError(f"{where}: model[{bad[0]!r}]: the model state must map names to tensors")
+    if tensors:
+        bad = [k for k, v in state["model"].items() if not isinstance(k, str) or not isinstance(v, Tensor)]
+        if bad:
+            raise CheckpointError(f"{where}: model[{bad[0]!r}]: the model state must map names to tensors")
     model_config_from_dict(state["model_cfg"], where)  # validates; the caller rebuilds what it needs
     if training:
         size = torch.get_rng_state().numel()  # both are CPU generators' states
@@ -316,7 +337,6 @@ def load_checkpoint(path: str | Path, training: bool = False) -> dict:
             raise CheckpointError(f"{where}: history: must be a list of dicts (the logged records)")
         if state["step"] < 0:
             raise CheckpointError(f"{where}: step={state['step']}: must be >= 0")
-    return state
 
 
 def model_config_from_dict(d: dict, where: str = "checkpoint") -> LMConfig:
@@ -351,8 +371,8 @@ def check_model_state(model_sd: dict, file_sd: dict, where: str) -> None:
 
 
 def load_model(path: str | Path) -> tuple[LM, dict]:
-    """Rebuild the LM stored in a checkpoint (for sampling, reports, evaluation); returns it (on the CPU,
-    in training mode) with the validated checkpoint dict."""
+    """Rebuild the LM stored in a checkpoint (a single file or a sharded folder; for sampling, reports,
+    evaluation); returns it (on the CPU, in training mode) with the validated checkpoint dict."""
     state = load_checkpoint(path)
     where = f"checkpoint {str(path)!r}"
     cfg = model_config_from_dict(state["model_cfg"], where)
@@ -361,4 +381,3 @@ def load_model(path: str | Path) -> tuple[LM, dict]:
     model = LM(cfg)
     model.load_state_dict(state["model"])
     return model, state
-

@@ -1,9 +1,30 @@
-"""The `mode` command line: `mode compare`, `mode sample`, `mode report` (more subcommands join as they land)."""
+"""The `mode` command line: `mode compare`, `mode isoflop`, `mode train`, `mode export`, `mode sample`,
+`mode report` (more subcommands join as they land). `python -m mode ...` is the same; torchrun starts
+`mode train` as `torchrun ... -m mode train ...`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    """The MoD recipe of the mod, mod_random and staged_mode variants (mode.compare.MoDRecipe)."""
+    from mode.compare import DEFAULT_RECIPE, ROUTED_BLOCKS
+    from mode.routing.mod_topk import GATES
+
+    p.add_argument("--mod-routed", default=DEFAULT_RECIPE.routed, choices=ROUTED_BLOCKS,
+                   help=f"which blocks MoD routes (default {DEFAULT_RECIPE.routed})")
+    p.add_argument("--mod-capacity", type=float, default=DEFAULT_RECIPE.capacity,
+                   help=f"share of each sequence a routed block processes (default {DEFAULT_RECIPE.capacity})")
+    p.add_argument("--mod-gate", default=DEFAULT_RECIPE.gate, choices=GATES,
+                   help=f"what multiplies a routed block's output (default {DEFAULT_RECIPE.gate}; docs/isoflop.md)")
+
+
+def _recipe(args):
+    from mode.compare import MoDRecipe
+
+    return MoDRecipe(routed=args.mod_routed, capacity=args.mod_capacity, gate=args.mod_gate)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,13 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small models, a few minutes on 2 CPU cores")
     p.add_argument("--data", help="a UTF-8 text file (default: the Python standard library's sources)")
     p.add_argument("--out", default="runs/compare", help="output folder (JSON, PNG, logs, checkpoints)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="train every variant on this many seeds (--seed, --seed + 1, ...); the table gives mean ± "
+                        "std and paired 95%% intervals for the claimed differences (default 1)")
     p.add_argument("--dense-steps", type=int, help="budget = this many steps of the dense model")
     p.add_argument("--only", nargs="+", help="train only these variants (also: integrated_mode_matched and "
                                              "staged_mode_matched, staged and integrated MoDE paired at about "
                                              "equal per-token FLOPs; see docs/compare.md)")
     p.add_argument("--causal", default="predictor", choices=("predictor", "aux_bce"),
                    help="causal routing method the learned MoD variants train for sampling")
+    _add_recipe_args(p)
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; use 1 when other "
                                                "jobs share the cores, see docs/compare.md)")
     p.add_argument("--ckpt-every-s", type=float, default=300.0,
@@ -30,9 +55,50 @@ def main(argv: list[str] | None = None) -> int:
                    help="discard an earlier run found in --out (its checkpoints and results) and start over")
     p.add_argument("--no-progress", action="store_true")
 
+    p = sub.add_parser("isoflop", help="isoFLOP curves: every variant at several sizes and budgets; each "
+                                       "variant's best size per budget, compared best against best")
+    p.add_argument("--quick", action="store_true", help="4 small sizes x 3 small budgets (docs/isoflop.md); "
+                                                        "the same as --preset quick")
+    p.add_argument("--preset", choices=("quick", "default", "gpu"), default=None,
+                   help="sizes and budgets: quick, default (CPU), gpu (tens of millions of parameters; with "
+                        "--device cuda --bf16); docs/isoflop.md")
+    p.add_argument("--device", help="where each run trains (default: the CPU); e.g. cuda")
+    p.add_argument("--bf16", action="store_true", help="train under bfloat16 autocast (GPU)")
+    p.add_argument("--data", help="a UTF-8 text file (default: the Python standard library's sources)")
+    p.add_argument("--out", default="runs/isoflop", help="output folder (JSON, Markdown, PNGs, runs)")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per run (paired: a seed fixes the data order)")
+    p.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
+    p.add_argument("--budgets", type=float, nargs="+", help="training-FLOP budgets (default: the preset's)")
+    p.add_argument("--only", nargs="+", help="train only these variants (dense, mod, mod_random, moe, "
+                                             "staged_mode, integrated_mode)")
+    p.add_argument("--causal", default="predictor", choices=("predictor", "aux_bce"),
+                   help="causal routing method the learned MoD variants train for sampling")
+    _add_recipe_args(p)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs trained at once, each in its own process with --threads threads (default 1)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads per run (default: torch's with --jobs 1, "
+                                               "1 with more jobs)")
+    p.add_argument("--ckpt-every-s", type=float, default=300.0,
+                   help="checkpoint the run in training every this many seconds (default 300; 0: only when it "
+                        "ends). A killed sweep resumes when rerun (docs/isoflop.md)")
+    p.add_argument("--fresh", action="store_true", help="discard an earlier sweep found in --out and start over")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("train", help="train one LM: one process, or a (dp, ep) mesh under torchrun "
+                                     "(docs/distributed.md)")
+    from mode.parallel.command import build_parser as train_parser  # no torch.distributed work at import
+
+    train_parser(p)
+
+    p = sub.add_parser("export", help="write a sharded checkpoint folder (mode train on several processes) "
+                                      "as one file")
+    p.add_argument("checkpoint", help="a sharded checkpoint folder, e.g. runs/train/ckpt")
+    p.add_argument("out", help="the single file to write, e.g. runs/train/ckpt.pt")
+
     p = sub.add_parser("sample", help="generate text from a checkpoint (causal routing, KV cache)")
-    p.add_argument("checkpoint", help="a ckpt.pt written by training (e.g. runs/compare/mod/ckpt.pt); read "
-                                      "without running code from it (docs/checkpoints.md)")
+    p.add_argument("checkpoint", help="a ckpt.pt written by training (e.g. runs/compare/mod/ckpt.pt) or a sharded "
+                                      "checkpoint folder (runs/train/ckpt); read without running code from it "
+                                      "(docs/checkpoints.md)")
     p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); default: 'def '")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -41,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
 
     p = sub.add_parser("report", help="load balance and per-token compute of a trained checkpoint: table, JSON, PNGs")
-    p.add_argument("checkpoint", help="a ckpt.pt written by training (e.g. runs/compare/mod/ckpt.pt)")
+    p.add_argument("checkpoint", help="a ckpt.pt written by training (e.g. runs/compare/mod/ckpt.pt) or a "
+                                      "sharded checkpoint folder")
     p.add_argument("--data", help="a UTF-8 text file whose validation split (last 10%%) is evaluated "
                                   "(default: the validation split of the built-in corpus)")
     p.add_argument("--out", help="output folder (default: <checkpoint folder>/report)")
@@ -53,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
 
     args = parser.parse_args(argv)
+    if args.command == "train":  # its own --threads handling and exit statuses
+        from mode.parallel.command import run as run_train
+
+        return run_train(args)
     if getattr(args, "threads", None) is not None:
         if args.threads < 1:
             print(f"mode {args.command}: error: --threads={args.threads}: must be >= 1", file=sys.stderr)
@@ -67,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_compare(args.out, quick=args.quick, data=args.data, seed=args.seed, dense_steps=args.dense_steps,
                         only=args.only, progress=not args.no_progress, causal=args.causal,
-                        ckpt_every_s=args.ckpt_every_s, fresh=args.fresh)
+                        ckpt_every_s=args.ckpt_every_s, fresh=args.fresh, seeds=args.seeds, recipe=_recipe(args))
         except ValueError as e:
             print(f"mode compare: error: {e}", file=sys.stderr)
             return 2
@@ -75,10 +146,50 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mode compare: error: {e}; rerun the same command to resume from the last checkpoint",
                   file=sys.stderr)
             return 1
+    elif args.command == "isoflop":
+        return _isoflop(args)
+    elif args.command == "export":
+        return _export(args)
     elif args.command == "sample":
         return _sample(args)
     elif args.command == "report":
         return _report(args)
+    return 0
+
+
+def _isoflop(args) -> int:
+    from mode.checkpoint import WriteError
+    from mode.isoflop import run_isoflop
+
+    try:
+        run_isoflop(args.out, quick=args.preset or args.quick, data=args.data, seeds=args.seeds,
+                    first_seed=args.seed, budgets=args.budgets, only=args.only, causal=args.causal, jobs=args.jobs,
+                    threads=args.threads,
+                    progress=not args.no_progress, ckpt_every_s=args.ckpt_every_s, fresh=args.fresh,
+                    recipe=_recipe(args), device=args.device, bf16=args.bf16)
+    except (ValueError, TypeError) as e:
+        print(f"mode isoflop: error: {e}", file=sys.stderr)
+        return 2
+    except WriteError as e:
+        print(f"mode isoflop: error: {e}; rerun the same command to resume from the last checkpoints",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _export(args) -> int:
+    from mode.checkpoint import WriteError
+    from mode.parallel.checkpoint import export
+
+    try:
+        path = export(args.checkpoint, args.out)
+    except ValueError as e:
+        print(f"mode export: error: {e}", file=sys.stderr)
+        return 2
+    except WriteError as e:
+        print(f"mode export: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {path} (one file: mode sample, mode report, Trainer.load read it)")
     return 0
 
 

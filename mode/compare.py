@@ -5,6 +5,15 @@ The budget is ``dense_steps`` steps of the dense model; every other variant gets
 ``round(budget / its nominal training FLOPs per step)`` steps, so cheaper variants train on more tokens.
 FLOPs actually spent (from the realized routing) are logged too.
 
+The headline baseline is the **best of a small dense sweep** at the same budget: dense models of the same
+width at several depths (``dense_sweep``; the shallower ones train on more tokens). A dense model of MoD's
+own size is usually too big for a small budget, and beating it says little (issue 11; docs/compare.md).
+``mode isoflop`` sweeps width and depth together over several budgets.
+
+``seeds`` trains every variant once per seed; a seed fixes the data order, so runs of one seed are paired.
+The loss is measured on ``eval_windows`` fixed validation windows (the same for every run), and each
+claimed difference (``CLAIMS``) gets a paired t interval over the seeds (``mode.stats_ci``).
+
 A run survives being killed (docs/checkpoints.md): ``OUT/compare_run.json`` records the arguments, each
 variant checkpoints every ``ckpt_every_s`` seconds and writes ``OUT/<variant>/result.json`` when done. A
 rerun with the same arguments skips the finished variants, resumes the interrupted one from its last
@@ -17,18 +26,28 @@ from __future__ import annotations
 import io
 import json
 import platform
-import zlib
+import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from mode import _checks, checkpoint
+from mode import _checks, checkpoint, run_record, stats_ci, sweep
 from mode.data import Corpus, file_corpus, min_file_bytes, stdlib_corpus
 from mode.flops import forward_flops_per_token, train_flops_per_token
 from mode.model import LMConfig, alternate
 from mode.model.causal_eval import causal_eval
-from mode.train import Trainer, TrainConfig
+from mode.routing.mod_topk import GATES
+from mode.train import TrainConfig
+
+# The differences the comparison claims, as (variant a, variant b): a - b < 0 means a is better. "dense"
+# stands for the best dense model (the best of the dense sweep here, the isoFLOP-optimal size in isoflop).
+CLAIMS = {
+    "MoD - best dense": ("mod", "dense"),
+    "learned - random routing": ("mod", "mod_random"),
+    "staged - integrated MoDE": ("staged_mode", "integrated_mode"),
+    "MoE - best dense": ("moe", "dense"),
+}
 
 
 @dataclass
@@ -37,28 +56,60 @@ class ComparePreset:
     train: TrainConfig
     dense_steps: int
     max_corpus_bytes: int | None
+    eval_windows: int  # fixed validation windows for the final loss, the same for every variant and seed
+    eval_batch_size: int = 32
 
 
 def preset(quick: bool) -> ComparePreset:
     if quick:  # a few minutes on 2 CPU cores
         model = LMConfig(seq_len=128, d_model=64, n_heads=2, d_hidden=256, layers=("dense",) * 4, num_experts=4)
         train = TrainConfig(batch_size=8, lr=3e-3, warmup_steps=20, eval_every=50, eval_batches=4, log_every=10)
-        return ComparePreset(model, train, dense_steps=150, max_corpus_bytes=3_000_000)
+        return ComparePreset(model, train, dense_steps=150, max_corpus_bytes=3_000_000, eval_windows=512)
     model = LMConfig(seq_len=256, d_model=128, n_heads=4, d_hidden=512, layers=("dense",) * 6, num_experts=8)
     train = TrainConfig(batch_size=8, lr=3e-3, warmup_steps=50, eval_every=100, eval_batches=16, log_every=10)
-    return ComparePreset(model, train, dense_steps=1200, max_corpus_bytes=None)
+    return ComparePreset(model, train, dense_steps=1200, max_corpus_bytes=None, eval_windows=1024)
 
 
-def variants(base: LMConfig, causal: str = "predictor") -> dict[str, LMConfig]:
+ROUTED_BLOCKS = ("every_other", "all_but_first")
+
+
+@dataclass(frozen=True)
+class MoDRecipe:
+    """How the MoD variants (``mod``, ``mod_random``, ``staged_mode``) route.
+
+    ``routed``: "every_other" routes blocks 1, 3, 5, ... (the paper's placement); "all_but_first" routes
+    every block after the first. ``capacity``: the share of each sequence a routed block processes.
+    ``gate``: what multiplies a routed block's delta (``MoDRouterConfig.gate``; "raw" is the paper's ``r``).
+    docs/isoflop.md has the ablations behind the default."""
+    routed: str = "every_other"
+    capacity: float = 0.125
+    gate: str = "raw"
+
+    def __post_init__(self) -> None:
+        _checks.check_choice("routed", self.routed, ROUTED_BLOCKS)
+        _checks.check_fraction("capacity", self.capacity)
+        _checks.check_choice("gate", self.gate, GATES)
+
+    def layers(self, n_layers: int, dense: str, routed: str) -> tuple[str, ...]:
+        if self.routed == "every_other":
+            return alternate(n_layers, dense, routed)
+        return (dense,) + (routed,) * (n_layers - 1)
+
+
+DEFAULT_RECIPE = MoDRecipe()
+
+
+def variants(base: LMConfig, causal: str = "predictor", recipe: MoDRecipe = DEFAULT_RECIPE) -> dict[str, LMConfig]:
     """The six models, all of the same width and depth. Learned MoD routers also train the causal
     method ``causal`` so they can sample (random routing has nothing to predict)."""
     n = base.n_layers
+    routed = replace(base, capacity=recipe.capacity, mod_gate=recipe.gate)
     return {
         "dense": replace(base, layers=("dense",) * n),
-        "mod": replace(base, layers=alternate(n, "dense", "mod"), causal=causal),
-        "mod_random": replace(base, layers=alternate(n, "dense", "mod_random"), causal="none"),
+        "mod": replace(routed, layers=recipe.layers(n, "dense", "mod"), causal=causal),
+        "mod_random": replace(routed, layers=recipe.layers(n, "dense", "mod_random"), causal="none"),
         "moe": replace(base, layers=("moe",) * n),
-        "staged_mode": replace(base, layers=alternate(n, "moe", "staged"), causal=causal),
+        "staged_mode": replace(routed, layers=recipe.layers(n, "moe", "staged"), causal=causal),
         "integrated_mode": replace(base, layers=("integrated",) * n, num_noop=base.num_experts),
     }
 
@@ -80,6 +131,18 @@ def extra_variants(base: LMConfig, causal: str = "predictor") -> dict[str, LMCon
     }
 
 
+def dense_depths(n_layers: int) -> list[int]:
+    """The depths of the dense sweep: about 1/3, 1/2, 2/3 of ``n_layers`` and ``n_layers`` itself."""
+    return sorted({max(1, round(n_layers * f)) for f in (1 / 3, 1 / 2, 2 / 3, 1)})
+
+
+def dense_sweep(base: LMConfig) -> dict[str, LMConfig]:
+    """Dense models of ``base``'s width at the depths ``dense_depths`` other than its own (``dense_<n>l``),
+    trained to the same budget; with ``dense`` they form the sweep whose best is the headline baseline."""
+    return {f"dense_{n}l": replace(base, layers=("dense",) * n) for n in dense_depths(base.n_layers)
+            if n != base.n_layers}
+
+
 def _routing_summary(history: list[dict]) -> dict:
     last = [r for r in history if "routing" in r]
     return last[-1]["routing"] if last else {}
@@ -91,147 +154,190 @@ DEFAULT_CKPT_EVERY_S = 300.0
 _OUTPUTS = ("compare.json", "compare.md", "val_loss_vs_flops.png")
 
 
+def run_dir(out: Path, name: str, seed: int, n_seeds: int) -> Path:
+    """OUT/<variant> for a one-seed run, OUT/<variant>/seed<s> for each seed of a several-seed run."""
+    return out / name if n_seeds == 1 else out / name / f"seed{seed}"
+
+
 def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = None, seed: int = 0,
                 dense_steps: int | None = None, only: list[str] | None = None, progress: bool = True,
-                causal: str = "predictor", ckpt_every_s: float = DEFAULT_CKPT_EVERY_S, fresh: bool = False) -> dict:
+                causal: str = "predictor", ckpt_every_s: float = DEFAULT_CKPT_EVERY_S, fresh: bool = False,
+                seeds: int = 1, recipe: MoDRecipe = DEFAULT_RECIPE) -> dict:
     """Train the variants at equal training FLOPs into ``out_dir`` and return the report (also written as
-    ``compare.json``). Checkpoints every ``ckpt_every_s`` seconds (0: only when a variant ends); resumes a
-    killed run of the same arguments found in ``out_dir``, or starts over when ``fresh``."""
+    ``compare.json``). ``seeds``: train each variant on seeds ``seed .. seed + seeds - 1``. Checkpoints
+    every ``ckpt_every_s`` seconds (0: only when a variant ends); resumes a killed run of the same
+    arguments found in ``out_dir``, or starts over when ``fresh``."""
     p = preset(quick)
     base = p.model
-    models = variants(base, causal)
+    models = variants(base, causal, recipe)
+    sweep_models = dense_sweep(base)
     extras = extra_variants(base, causal)
     if dense_steps is not None:
         _checks.check_int("dense_steps", dense_steps)
+    _checks.check_int("seeds", seeds)
     if ckpt_every_s != 0:
         _checks.check_positive("ckpt_every_s", ckpt_every_s)
-    unknown = [name for name in only or () if name not in models and name not in extras]
+    known = {**sweep_models, **models, **extras}
+    unknown = [name for name in only or () if name not in known]
     if unknown:  # a typo must not silently train nothing
-        raise ValueError(f"only={only!r}: unknown variant {unknown[0]!r}; must be among "
-                         f"{', '.join([*models, *extras])}")
-    all_names = [*models, *extras]
-    models.update({name: cfg for name, cfg in extras.items() if name in (only or ())})
-    selected = {name: cfg for name, cfg in models.items() if not only or name in only}
+        raise ValueError(f"only={only!r}: unknown variant {unknown[0]!r}; must be among {', '.join(known)}")
+    # order: the dense sweep (shallow to deep, ending with "dense"), the other variants, requested extras
+    ordered = {**sweep_models, **models, **{n: c for n, c in extras.items() if n in (only or ())}}
+    selected = {name: cfg for name, cfg in ordered.items() if not only or name in only}
+    seed_list = list(range(seed, seed + seeds))
     steps_dense = p.dense_steps if dense_steps is None else dense_steps  # 0 is an error, not "the default"
     out = checkpoint.prepare_dir(out_dir, "out")  # bad output folders fail before any training
     for name in selected:
-        checkpoint.prepare_dir(out / name, "out")
+        for s in seed_list:
+            checkpoint.prepare_dir(run_dir(out, name, s, seeds), "out")
     corpus: Corpus = (file_corpus(data, min_file_bytes(base.seq_len)) if data
                       else stdlib_corpus(max_bytes=p.max_corpus_bytes))
+    val = sweep.validation_windows(corpus, base.seq_len, p.eval_windows, p.eval_batch_size)
     identity = {"quick": quick, "data": None if data is None else str(Path(data).resolve()), "seed": seed,
-                "dense_steps": steps_dense, "only": sorted(only) if only else None, "causal": causal,
-                "corpus": _fingerprint(corpus), "model": asdict(base),
-                "train": {k: v for k, v in asdict(p.train).items() if k != "ckpt_every_s"}}
-    resume = _start_or_resume(out, identity, fresh, all_names)
+                "seeds": seeds, "dense_steps": steps_dense, "only": sorted(only) if only else None,
+                "causal": causal, "mod_recipe": asdict(recipe), "corpus": run_record.fingerprint(corpus),
+                "model": asdict(base),
+                "train": {k: v for k, v in asdict(p.train).items() if k != "ckpt_every_s"},
+                "eval_windows": p.eval_windows}
+    stale = [out / f for f in _OUTPUTS]
+    for name in known:
+        for d in [out / name, *(out / name).glob("seed*")]:
+            stale += [d / "ckpt.pt", d / RESULT_FILE]
+    resume = run_record.start_or_resume(out, identity, fresh, run_file=RUN_FILE, kind="compare", stale=stale)
     tokens_per_step = p.train.batch_size * base.seq_len
     budget = steps_dense * train_flops_per_token(models["dense"]) * tokens_per_step
     dense_fwd = forward_flops_per_token(models["dense"])
-    results = {}
-    for name, cfg in selected.items():
-        result_path = out / name / RESULT_FILE
-        if resume and result_path.is_file():
-            results[name] = _read_result(result_path)
-            print(f"{name}: done in an earlier run, results from {result_path}", flush=True)
-            continue
-        steps = max(1, round(budget / (train_flops_per_token(cfg) * tokens_per_step)))
-        tcfg = replace(p.train, steps=steps, seed=seed, warmup_steps=min(p.train.warmup_steps, steps // 5),
-                       ckpt_every_s=ckpt_every_s or None)
-        trainer = Trainer(cfg, tcfg, corpus, out / name, name=name, progress=progress)
-        if resume and trainer.ckpt_path.is_file():
-            try:
-                trainer.load()  # the arguments matched: this checkpoint belongs to this run
-            except ValueError as e:
-                raise ValueError(f"{e}; pass --fresh to start over") from None
-            print(f"{name}: resuming at step {trainer.step} of {steps} from {trainer.ckpt_path}", flush=True)
-        history = trainer.run()
-        vals = [r for r in history if "val_loss" in r]
-        results[name] = {
-            "layers": list(cfg.layers), "steps": steps, "params": trainer.model.num_params(),
-            "val_loss": vals[-1]["val_loss"], "train_flops": trainer.flops, "tokens": trainer.tokens,
-            "fwd_flops_per_token": forward_flops_per_token(cfg), "wall_s": trainer.elapsed,
-            "tok_s": trainer.tokens / trainer.wall, "curve": [(r["flops"], r["val_loss"]) for r in vals],
-            "routing": _routing_summary(history),
-            "causal": causal_eval(trainer.model, trainer.val_batches) if cfg.causal != "none" else None,
-        }
-        checkpoint.atomic_write_text(result_path, json.dumps(results[name], indent=2))
+    runs: dict[str, dict[int, dict]] = {}
+    for s in seed_list:  # seed by seed: a run stopped early has whole seeds done
+        for name, cfg in selected.items():
+            d = run_dir(out, name, s, seeds)
+            label = name if seeds == 1 else f"{name} seed {s}"
+            result_path = d / RESULT_FILE
+            if resume and result_path.is_file():
+                runs.setdefault(name, {})[s] = run_record.read_result(result_path, ("val_loss", "curve"))
+                print(f"{label}: done in an earlier run, results from {result_path}", flush=True)
+                continue
+            steps = sweep.steps_for_budget(cfg, budget, p.train.batch_size, name)
+            tcfg = sweep.run_train_config(p.train, steps, s, ckpt_every_s or None)
+            trainer = sweep.train(cfg, tcfg, corpus, d, label, progress, resume, log=lambda m: print(m, flush=True))
+            history = trainer.history
+            vals = [r for r in history if "val_loss" in r]
+            losses = sweep.window_losses(trainer.model, val)
+            result = {
+                "layers": list(cfg.layers), "seed": s, "steps": steps, "params": trainer.model.num_params(),
+                "val_loss": stats_ci.mean(losses), "train_flops": trainer.flops, "tokens": trainer.tokens,
+                "fwd_flops_per_token": forward_flops_per_token(cfg), "wall_s": trainer.elapsed,
+                "tok_s": trainer.tokens / trainer.wall, "curve": [(r["flops"], r["val_loss"]) for r in vals],
+                "routing": _routing_summary(history),
+                "causal": causal_eval(trainer.model, trainer.val_batches) if cfg.causal != "none" else None,
+                "window_losses": losses,
+            }
+            checkpoint.atomic_write_text(result_path, json.dumps(result, indent=2))
+            runs.setdefault(name, {})[s] = result
+    results = {name: _combine(runs[name], seed_list) for name in selected}
+    baseline = _baseline(results, base.n_layers)
     for r in results.values():
+        if baseline is not None:
+            r["loss_ratio"] = r["val_loss"] / results[baseline["variant"]]["val_loss"]
         if "dense" in results:
-            r["loss_ratio"] = r["val_loss"] / results["dense"]["val_loss"]
+            r["loss_ratio_same_size"] = r["val_loss"] / results["dense"]["val_loss"]
         r["flop_ratio"] = r["fwd_flops_per_token"] / dense_fwd
-    report = {"config": {"quick": quick, "seed": seed, "dense_steps": steps_dense, "budget_flops": budget,
-                         "corpus": corpus.source, "model": asdict(base), "train": asdict(p.train)},
+    claims, diff_se = _claims(runs, baseline, seed_list)
+    validation = {"windows": p.eval_windows, "seq_len": base.seq_len,
+                  "loss_se_max": max(r["eval_se"] for r in results.values()),
+                  "difference_se_max": max(diff_se, default=None)}
+    report = {"config": {"quick": quick, "seed": seed, "seeds": seed_list, "dense_steps": steps_dense,
+                         "mod_recipe": asdict(recipe),
+                         "budget_flops": budget, "corpus": corpus.source, "model": asdict(base),
+                         "train": asdict(p.train), "eval_windows": p.eval_windows},
               "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                           "platform": platform.platform()},
-              "results": results}
+              "baseline": baseline, "claims": claims, "validation": validation, "results": results}
     # each file appears whole or not at all: a crash here never leaves a half report that looks complete
     checkpoint.atomic_write_text(out / "compare.json", json.dumps(report, indent=2))
-    checkpoint.atomic_write_text(out / "compare.md", markdown_table(results) + "\n")
+    checkpoint.atomic_write_text(out / "compare.md", markdown_table(results) + "\n\n" + notes(report, "md") + "\n")
     print(format_table(results))
+    print(notes(report, "text"))
     plot_curves(results, out / "val_loss_vs_flops.png")
     print(f"\nwrote {out / 'compare.json'} and {out / 'val_loss_vs_flops.png'}")
     return report
 
 
-def _fingerprint(corpus: Corpus) -> dict:
-    """Sizes and CRC32 of the training and validation bytes: a rerun must train on the same text."""
-    return {"train_bytes": len(corpus.train), "val_bytes": len(corpus.val),
-            "crc32": zlib.crc32(corpus.val.tobytes(), zlib.crc32(corpus.train.tobytes()))}
+def _combine(by_seed: dict[int, dict], seeds: list[int]) -> dict:
+    """One row of the report: the first seed's run, with the loss replaced by its mean over the seeds."""
+    first = by_seed[seeds[0]]
+    losses = [by_seed[s]["val_loss"] for s in seeds]
+    row = {k: v for k, v in first.items() if k not in ("window_losses", "seed")}
+    row.update(val_loss=stats_ci.mean(losses), val_loss_std=stats_ci.std(losses),
+               val_loss_seeds={str(s): v for s, v in zip(seeds, losses)},
+               eval_se=stats_ci.window_noise(first["window_losses"]))
+    return row
 
 
-def _differences(saved, now, prefix: str = "") -> list[tuple[str, object, object]]:
-    """(dotted key, saved value, new value) for every leaf that differs."""
-    if isinstance(saved, dict) and isinstance(now, dict):
-        out = []
-        for key in [*saved, *(k for k in now if k not in saved)]:
-            out += _differences(saved.get(key), now.get(key), f"{prefix}{key}.")
-        return out
-    return [] if saved == now else [(prefix[:-1], saved, now)]
+_DENSE_NAME = re.compile(r"dense(_[0-9]+l)?")  # "dense" and the dense sweep's "dense_<n>l"
 
 
-def _start_or_resume(out: Path, identity: dict, fresh: bool, names: list[str]) -> bool:
-    """True: resume the run recorded in ``out`` (same arguments). False: start over, after removing what an
-    earlier run left there, so that nothing stale is resumed or shown as this run's result."""
-    run_file = out / RUN_FILE
-    identity = json.loads(json.dumps(identity))  # as stored: tuples are lists
-    if run_file.is_file() and not fresh:
-        try:
-            saved = json.loads(run_file.read_text())
-            saved_args = saved["args"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{run_file}: not a readable record of a compare run ({type(e).__name__}: {e}); "
-                             "pass --fresh to start over") from None
-        diffs = _differences(saved_args, identity)
-        if diffs:
-            key, was, now = diffs[0]
-            more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
-            raise ValueError(f"out={str(out)!r} holds a run with other arguments: {key}={was!r} there, "
-                             f"{key}={now!r} now{more} (recorded in {run_file}). Rerun with the same arguments "
-                             "to resume it, pass --fresh to discard it and start over, or choose another --out")
-        return True
-    for path in [run_file, *(out / f for f in _OUTPUTS),
-                 *(out / name / f for name in names for f in ("ckpt.pt", RESULT_FILE))]:
-        path.unlink(missing_ok=True)
-    checkpoint.atomic_write_text(run_file, json.dumps({"format": "mode-compare-run", "version": 1,
-                                                       "args": identity}, indent=2))
-    return False
+def _baseline(results: dict, n_layers: int) -> dict | None:
+    """The best dense model trained (lowest mean loss), and what it was chosen from."""
+    dense = {name: r["val_loss"] for name, r in results.items() if _DENSE_NAME.fullmatch(name)}
+    if not dense:
+        return None
+    best = min(dense, key=dense.get)
+    depths = sorted(len(results[n]["layers"]) for n in dense)
+    rule = (f"best of {len(dense)} dense depths ({', '.join(map(str, depths))} layers) of the same width at the "
+            "same training FLOPs")
+    if len(dense) < 3:
+        rule += " (fewer than 3: not a sweep; run without --only for the full one)"
+    return {"variant": best, "layers": len(results[best]["layers"]), "val_loss": dense[best], "rule": rule,
+            "candidates": dense}
 
 
-def _read_result(path: Path) -> dict:
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: unreadable result of a finished variant ({e}); pass --fresh to start over") \
-            from None
-    if not isinstance(result, dict) or "val_loss" not in result or "curve" not in result:
-        raise ValueError(f"{path}: not the result of a finished variant; pass --fresh to start over")
-    return result
+def _claims(runs: dict, baseline: dict | None, seeds: list[int]) -> tuple[dict, list[float]]:
+    """The paired differences of ``CLAIMS`` (``dense`` read as the baseline) and their validation noise."""
+    claims, noise = {}, []
+    for label, (a, b) in CLAIMS.items():
+        if b == "dense":
+            b = baseline["variant"] if baseline else b
+        if a not in runs or b not in runs:
+            continue
+        ra, rb = [runs[a][s] for s in seeds], [runs[b][s] for s in seeds]
+        d = stats_ci.paired_difference([r["val_loss"] for r in ra], [r["val_loss"] for r in rb])
+        se = max(stats_ci.window_noise(x["window_losses"], y["window_losses"]) for x, y in zip(ra, rb))
+        noise.append(se)
+        claims[label] = {"a": a, "b": b, **d, "eval_se": se}
+    return claims, noise
+
+
+def notes(report: dict, style: str) -> str:
+    """What the headline column is measured against, the claimed differences, and the validation noise."""
+    lines = []
+    b = report["baseline"]
+    if b is not None:
+        lines.append(f"vs best dense: against {b['variant']} ({b['rule']}; val loss {b['val_loss']:.4f})")
+    n = len(report["config"]["seeds"])
+    if report["claims"]:
+        lines.append(f"differences, paired over {n} seed(s): mean ± std [95% t interval], * = significant "
+                     "(the interval excludes 0); eval SE = the validation set's own noise in that difference")
+        for label, c in report["claims"].items():
+            text = (f"{label} ({c['a']} - {c['b']}): {stats_ci.format_difference(c)} ({c['rel']:+.2%}), "
+                    f"eval SE {c['eval_se']:.4f}")
+            lines.append(f"- {text}" if style == "md" else f"  {text}")
+    v = report["validation"]
+    noise = (f"validation: {v['windows']} fixed windows of {v['seq_len']} bytes; noise of one loss <= "
+             f"{v['loss_se_max']:.4f}")
+    if v["difference_se_max"] is not None:
+        noise += f", of a paired difference <= {v['difference_se_max']:.4f}"
+    lines.append(noise)
+    return "\n".join(lines if style == "text" else [lines[0], "", *lines[1:]])
 
 
 # One spec for both tables: (key, where it lives, text header, text width, format, Markdown header).
 # A None width leaves the column out of the terminal table, a None Markdown header out of compare.md.
 _COLUMNS = (
     ("val_loss", "result", "val loss", 9, ".4f", "val loss"),
-    ("loss_ratio", "result", "vs dense", 9, ".4f", "vs dense"),
+    ("val_loss_std", "result", "± std", 8, ".4f", "± std (seeds)"),
+    ("loss_ratio", "result", "vs best dense", 14, ".4f", "vs best dense"),
+    ("loss_ratio_same_size", "result", "vs dense", 9, ".4f", "vs dense (same size)"),
     ("fwd_flops_per_token", "result", "fwd FLOP/tok", 14, ".3e", "fwd FLOP/token"),
     ("flop_ratio", "result", "vs dense", 9, ".3f", "vs dense"),
     ("params", "result", "params", 10, ",", "params"),

@@ -1,12 +1,13 @@
-"""Process-group set-up and the few collectives the expert-parallel training loop uses.
+"""Process-group set-up, and turning failed collectives into clear errors.
 
-Training-side code (``mode.parallel``) reaches ``torch.distributed`` only through this module; on the
-model side the only such module is ``mode.dispatch.expert_parallel``. Nothing here runs at import time.
+Besides this module, ``torch.distributed`` is imported only by the ``mode.parallel`` package (mesh,
+parallelize, sharded checkpoints, the trainer's mesh runtime), ``mode.distributed_stats`` (inside a
+function) and, on the model side, ``mode.dispatch.expert_parallel``. Nothing here runs at import time.
 
 Set-up (``init_distributed``)
     * rank, world size and local rank come from the environment ``torchrun`` sets (``RANK``,
       ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); without them the process runs
-      as a group of one (handy for smoke runs: ``python -m mode.parallel.train_ep --quick``);
+      as a group of one (handy for smoke runs);
     * backend ``"auto"``: NCCL when CUDA is available (one GPU per process, ``cuda:LOCAL_RANK``), else gloo
       on CPU;
     * every collective has a timeout: ``timeout_s`` argument, else ``$MODE_DIST_TIMEOUT_S``, else
@@ -32,7 +33,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 TIMEOUT_ENV = "MODE_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0  # > the longest legitimate wait between collectives (rank 0 writing a checkpoint)
@@ -151,40 +151,6 @@ def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> D
 def destroy() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def world_group():
-    return dist.group.WORLD
-
-
-def rank_and_size(group=None) -> tuple[int, int]:
-    group = group if group is not None else dist.group.WORLD
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def all_reduce_sum_(t: Tensor, group=None) -> Tensor:
-    """Sum ``t`` over the group, in place."""
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
-
-
-def gather_cat(t: Tensor, group=None) -> Tensor | None:
-    """Concatenate every rank's ``t`` (same shape everywhere) along dim 0 on the group's rank 0;
-    the other ranks get None. Works on gloo and NCCL (``dist.gather``)."""
-    group = group if group is not None else dist.group.WORLD
-    rank, world = rank_and_size(group)
-    t = t.detach().contiguous()
-    parts = [torch.empty_like(t) for _ in range(world)] if rank == 0 else None
-    dist.gather(t, parts, dst=dist.get_global_rank(group, 0), group=group)
-    return torch.cat(parts, 0) if rank == 0 else None
-
-
-def barrier(group=None) -> None:
-    dist.barrier(group=group)
 
 
 def looks_like_collective_failure(e: BaseException) -> bool:

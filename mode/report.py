@@ -324,9 +324,9 @@ def plot_expert_load(report: dict, path: Path) -> None:
 def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path | None = None, batches: int = 8,
                batch_size: int | None = None, causal_routing: bool = False, top: int = 10,
                quiet: bool = False) -> dict:
-    """Load ``checkpoint`` (written by ``mode.train.Trainer``; read without running code from it, see
-    ``mode.checkpoint``), evaluate it on the validation split of ``data`` (default: the built-in corpus)
-    and write the report into ``out`` (default: ``<ckpt dir>/report``)."""
+    """Load ``checkpoint`` (written by ``mode.train.Trainer``: a file or a sharded folder; read without running
+    code from it, see ``mode.checkpoint``), evaluate it on the validation split of ``data`` (default: the
+    built-in corpus) and write the report into ``out`` (default: ``<ckpt dir>/report``)."""
     from mode import _checks
     from mode.checkpoint import load_model
     from mode.data import eval_batches, file_corpus, min_file_bytes, stdlib_corpus
@@ -335,8 +335,8 @@ def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path 
     if batch_size is not None:
         _checks.check_int("batch_size", batch_size)
     ckpt = Path(checkpoint)
-    if not ckpt.is_file():
-        raise ValueError(f"checkpoint={str(checkpoint)!r}: no such file")
+    if not ckpt.exists():
+        raise ValueError(f"checkpoint={str(checkpoint)!r}: no such file or folder")
     model, state = load_model(ckpt)
     cfg = model.cfg
     bs = batch_size or _checks.check_int(f"checkpoint {str(ckpt)!r}: train_cfg.batch_size",

@@ -38,3 +38,32 @@ def test_bench_performance_quick_writes_every_case(tmp_path, device):
         assert math.isfinite(row["ratio_median"]) and row["ratio_median"] > 0, row
         assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"], row
         assert isinstance(row["meets_target"], bool), row
+
+
+def test_bench_peers_quick_runs_what_imports_and_says_why_not(tmp_path, device):
+    """The peer benchmark at tiny sizes: mode's rows always; transformers / torchtitan rows where they
+    import, else a reason in the JSON (CI installs only .[test], so there they are skipped)."""
+    out = tmp_path / "peers.json"
+    # keep a PYTHONPATH that points at separately installed peers
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--quick", "--threads", "1",
+                    "--repeats", "2", "--warmup", "1", "--device", str(device), "--out", str(out)],
+                   cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=True)
+    payload = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    rows = payload["results"]
+    configs = {r["config"] for r in rows}
+    assert len(configs) == 2
+    for config in configs:
+        names = {r["implementation"] for r in rows if r["config"] == config}
+        assert {"mode, auto", "mode, reference"} <= names and any(n.startswith("dense") for n in names)
+    for family in ("transformers", "torchtitan"):
+        ran = [r for r in rows if r["family"] == family]
+        if not ran:  # skipped: the JSON says why, with the way to install it
+            assert family in payload["skipped"] and payload["skipped"][family], family
+    for r in rows:
+        assert math.isfinite(r["ratio_median"]) and r["ratio_median"] > 0, r
+        if r["family"] == "dense":
+            assert r["ratio_median"] == 1.0
+        elif r["computes_in"] == "float32":  # same weights, same routing: the same numbers
+            assert r["agrees"] is True, (r["implementation"], r["max_abs_diff_y"], r["max_abs_diff_dx"])

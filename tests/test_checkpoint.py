@@ -103,27 +103,131 @@ def test_compare_resume_refuses_a_malicious_pickle(evil, tmp_path, capsys):
     assert not marker.exists()
 
 
-def test_expert_parallel_resume_refuses_a_malicious_pickle(tmp_path, monkeypatch, capsys):
-    """train_ep --resume (ExpertParallelTrainer.load), as a group of one over gloo."""
-    from mode import distributed as mdist
-    from mode.parallel.train_ep import main as train_ep_main
-
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)  # init_distributed sets them; undone after the test
-    out = tmp_path / "ep"
+def test_train_resume_refuses_a_malicious_pickle(tmp_path, capsys):
+    """mode train --resume (Trainer.load), one process."""
+    out = tmp_path / "run"
     out.mkdir()
     marker = tmp_path / "marker"
     torch.save({"format": "mode-checkpoint", "version": 1, "payload": RunsCode(marker)}, out / "ckpt.pt")
     data = tmp_path / "text.txt"
     data.write_text(Path(mode.data.__file__).read_text() * 3)
-    try:
-        rc = train_ep_main(["--quick", "--steps", "1", "--data", str(data), "--out", str(out), "--resume",
-                            "--backend", "gloo", "--no-progress"])
-    finally:
-        mdist.destroy()
+    rc = main(["train", "--preset", "quick", "--steps", "1", "--data", str(data), "--out", str(out), "--resume",
+               "--device", "cpu", "--no-progress"])
     assert rc == 2
     assert f"checkpoint {str(out / 'ckpt.pt')!r}: {REFUSED}" in capsys.readouterr().err
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------ sharded checkpoints (DCP)
+
+
+def sharded(t: Trainer, folder: Path) -> Path:
+    """Save ``t`` as a sharded checkpoint from this one process (no process group); returns the save folder
+    (``folder/step-*``)."""
+    from mode.parallel.checkpoint import save_sharded
+
+    meta = {**t._progress_state(), "routing_acc": t.routing.state_dict()}
+    return save_sharded(folder, t.model, t.optimizer, meta)
+
+
+def test_sharded_checkpoint_resumes_exactly_in_one_process(tmp_path):
+    """Saved and resumed through DCP in one process: the uninterrupted run, bit for bit; export gives the
+    single file the trainer itself writes (same tensors)."""
+    from mode.parallel.checkpoint import export
+
+    cfg = model_cfg("moe", "staged")
+    a = Trainer(cfg, train_cfg(), corpus(), tmp_path / "a", progress=False)
+    hist_a = a.run()
+    b = Trainer(cfg, train_cfg(), corpus(), tmp_path / "b", progress=False)
+    b.run(stop_step=6)
+    folder = sharded(b, tmp_path / "b" / "ckpt")
+    assert (folder / ".metadata").is_file() and (tmp_path / "b" / "ckpt" / "latest").is_file()
+    b2 = Trainer(cfg, train_cfg(), corpus(), tmp_path / "b2", progress=False)
+    b2.load(tmp_path / "b" / "ckpt")
+    assert b2.step == 6
+    assert stable(b2.run()) == stable(hist_a)
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b2.model.named_parameters()):
+        assert torch.equal(p, q), n
+    single = export(tmp_path / "b" / "ckpt", tmp_path / "exported.pt")
+    from_file, from_folder = load_checkpoint(single, training=True), load_checkpoint(tmp_path / "b" / "ckpt", True)
+    written = load_checkpoint(b.ckpt_path, training=True)  # the trainer's own single file at step 6
+    for key, v in written["model"].items():
+        assert torch.equal(from_file["model"][key], v) and torch.equal(from_folder["model"][key], v), key
+    for i, entry in written["optimizer"]["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(from_file["optimizer"]["state"][i][k], v), (i, k)
+    assert from_file["history"] == written["history"] and from_file["step"] == 6
+
+
+@pytest.fixture
+def sharded_ckpt(tmp_path):
+    return sharded(trained(tmp_path), tmp_path / "sharded").parent
+
+
+def test_sharded_checkpoint_with_a_malicious_metadata_pickle_is_refused(sharded_ckpt, tmp_path, capsys):
+    """DCP reads .metadata with plain pickle: ours refuses anything but DCP's own metadata classes."""
+    marker = tmp_path / "marker"
+    folder = next(sharded_ckpt.glob("step-*"))
+    import pickle
+
+    (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    with pytest.raises(CheckpointError, match="refused: its .metadata holds objects other than DCP metadata"):
+        checkpoint.load_model(sharded_ckpt)
+    for command in ("sample", "report"):
+        assert main([command, str(sharded_ckpt)]) == 2
+        assert "refused" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="refused"):
+        Trainer(model_cfg("dense", "mod"), train_cfg(), corpus(), tmp_path / "t", progress=False).load(sharded_ckpt)
+    assert not marker.exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sharded_checkpoint_with_a_pickled_item_is_refused(tmp_path):
+    """DCP unpickles non-tensor items with weights_only=False: a mode checkpoint holds tensors only, and a
+    folder with any other item is refused before it is read."""
+    import torch.distributed.checkpoint as dcp
+
+    from mode.parallel.checkpoint import LATEST
+
+    t = trained(tmp_path)
+    marker = tmp_path / "marker"
+    folder = sharded(t, tmp_path / "sharded")
+    root = folder.parent
+    meta = (folder / "meta.json").read_text()
+    state = {"model": t.model.state_dict(), "evil": RunsCode(marker)}
+    evil = root / "step-99999999-evil"
+    dcp.save(state, checkpoint_id=evil, no_dist=True)
+    (evil / "meta.json").write_text(meta)
+    (root / LATEST).write_text(evil.name)
+    with pytest.raises(CheckpointError, match="item 'evil' is a BytesStorageMetadata: a mode checkpoint holds "
+                                              "tensors only"):
+        checkpoint.load_model(root)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("how,msg", [
+    ("no_latest", "not a file, and not a sharded checkpoint folder"),
+    ("bad_latest", "latest names 'step-nope', which is not a save folder in it"),
+    ("bad_meta", "meta.json is missing or not JSON"),
+    ("wrong_shape", "model.embed.weight is torch.float32 (256, 16), this model needs torch.float32 (256, 8)"),
+])
+def test_bad_sharded_checkpoints_get_clear_errors(sharded_ckpt, how, msg):
+    import json
+
+    folder = next(sharded_ckpt.glob("step-*"))
+    if how == "no_latest":
+        (sharded_ckpt / "latest").unlink()
+    elif how == "bad_latest":
+        (sharded_ckpt / "latest").write_text("step-nope")
+    elif how == "bad_meta":
+        (folder / "meta.json").write_text("{not json")
+    else:  # a config whose tensors do not fit the saved ones: refused before anything is allocated
+        meta = json.loads((folder / "meta.json").read_text())
+        meta["model_cfg"]["d_model"] = 8
+        meta["model_cfg"]["d_hidden"] = 16
+        (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        checkpoint.load_model(sharded_ckpt)
 
 
 # ------------------------------------------------------------------------------------- invalid files

@@ -1,4 +1,5 @@
-"""`mode compare`: six variants at matched training FLOPs, the JSON report, the table, the plot, the CLI."""
+"""`mode compare`: six variants and a dense depth sweep at matched training FLOPs, the headline against the
+best dense model, seeds and paired intervals, the JSON report, the table, the plot, the CLI."""
 
 from __future__ import annotations
 
@@ -12,11 +13,15 @@ import pytest
 
 import mode.data
 from mode.cli import main
-from mode.compare import extra_variants, format_table, preset, run_compare, variants
+from mode.compare import (CLAIMS, dense_depths, dense_sweep, extra_variants, format_table, preset, run_compare,
+                          variants)
 from mode.flops import forward_flops_per_token, train_flops_per_token
 
-NAMES = ["dense", "mod", "mod_random", "moe", "staged_mode", "integrated_mode"]
-TABLE_KEYS = {"val_loss", "loss_ratio", "fwd_flops_per_token", "flop_ratio", "params", "steps", "wall_s", "tok_s"}
+SIX = ["dense", "mod", "mod_random", "moe", "staged_mode", "integrated_mode"]
+SWEEP = ["dense_1l", "dense_2l", "dense_3l"]  # the quick preset has 4 layers: the dense sweep adds 1, 2 and 3
+NAMES = [*SWEEP, *SIX]
+TABLE_KEYS = {"val_loss", "val_loss_std", "loss_ratio", "loss_ratio_same_size", "fwd_flops_per_token", "flop_ratio",
+              "params", "steps", "wall_s", "tok_s", "val_loss_seeds", "eval_se"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DENSE_STEPS = 3
 
@@ -37,7 +42,7 @@ def quick_run(tmp_path_factory):
     return out / "run", data, report, stdout.getvalue()
 
 
-def test_report_has_all_six_variants_with_the_table_keys(quick_run):
+def test_report_has_all_variants_and_the_dense_sweep_with_the_table_keys(quick_run):
     out, data, report, _ = quick_run
     on_disk = json.loads((out / "compare.json").read_text())
     assert on_disk == json.loads(json.dumps(report))  # the file is the returned report
@@ -52,6 +57,9 @@ def test_report_has_all_six_variants_with_the_table_keys(quick_run):
     assert on_disk["config"]["corpus"] == str(data)
     assert on_disk["config"]["dense_steps"] == DENSE_STEPS
     assert on_disk["config"]["quick"] is True
+    assert on_disk["config"]["seeds"] == [0] and on_disk["config"]["eval_windows"] == 512
+    assert "window_losses" not in results["dense"]  # per-window losses stay in each run's result.json
+    assert len(json.loads((out / "dense" / "result.json").read_text())["window_losses"]) == 512
 
 
 def test_variants_train_to_the_same_flop_budget(quick_run):
@@ -59,7 +67,7 @@ def test_variants_train_to_the_same_flop_budget(quick_run):
     results = report["results"]
     base = preset(True).model
     tokens_per_step = 8 * 128
-    models = variants(base)
+    models = {**dense_sweep(base), **variants(base)}
     budget = DENSE_STEPS * 3 * forward_flops_per_token(models["dense"]) * tokens_per_step
     assert report["config"]["budget_flops"] == pytest.approx(budget)
     for name, r in results.items():
@@ -72,13 +80,47 @@ def test_variants_train_to_the_same_flop_budget(quick_run):
     dense = results["dense"]
     assert dense["steps"] == DENSE_STEPS
     assert dense["train_flops"] == pytest.approx(budget)  # dense routing is static: realized == nominal
-    assert dense["flop_ratio"] == 1.0 and dense["loss_ratio"] == 1.0
-    for name in ("mod", "mod_random", "staged_mode", "integrated_mode"):
+    assert dense["flop_ratio"] == 1.0 and dense["loss_ratio_same_size"] == 1.0
+    for name in ("mod", "mod_random", "staged_mode", "integrated_mode", *SWEEP):
         assert results[name]["flop_ratio"] < 1, name
         assert results[name]["steps"] > DENSE_STEPS, name  # cheaper steps: more of them in the same budget
     assert results["moe"]["params"] > results["dense"]["params"]
+    best = report["baseline"]["variant"]
     for name, r in results.items():
-        assert r["loss_ratio"] == pytest.approx(r["val_loss"] / dense["val_loss"])
+        assert r["loss_ratio"] == pytest.approx(r["val_loss"] / results[best]["val_loss"])
+        assert r["loss_ratio_same_size"] == pytest.approx(r["val_loss"] / dense["val_loss"])
+
+
+def test_headline_is_the_best_of_the_dense_depth_sweep(quick_run):
+    _, _, report, stdout = quick_run
+    results, baseline = report["results"], report["baseline"]
+    assert dense_depths(4) == [1, 2, 3, 4]
+    assert set(baseline["candidates"]) == {"dense", *SWEEP}
+    losses = {name: results[name]["val_loss"] for name in baseline["candidates"]}
+    assert baseline["variant"] == min(losses, key=losses.get) and baseline["val_loss"] == min(losses.values())
+    assert baseline["rule"].startswith("best of 4 dense depths (1, 2, 3, 4 layers) of the same width at the same "
+                                       "training FLOPs")
+    assert results[baseline["variant"]]["loss_ratio"] == 1.0
+    assert all(r["loss_ratio"] >= 1.0 for name, r in results.items() if name in baseline["candidates"])
+    assert f"vs best dense: against {baseline['variant']} (best of 4 dense depths" in stdout
+    assert "vs best dense" in format_table(results).splitlines()[0]
+
+
+def test_claims_and_validation_noise_with_one_seed(quick_run):
+    _, _, report, stdout = quick_run
+    claims, best = report["claims"], report["baseline"]["variant"]
+    assert set(claims) == set(CLAIMS)
+    assert (claims["MoD - best dense"]["a"], claims["MoD - best dense"]["b"]) == ("mod", best)
+    assert (claims["learned - random routing"]["a"], claims["learned - random routing"]["b"]) == ("mod", "mod_random")
+    for c in claims.values():
+        r = report["results"]
+        assert c["mean"] == pytest.approx(r[c["a"]]["val_loss"] - r[c["b"]]["val_loss"])
+        assert c["n"] == 1 and c["low"] is None and c["significant"] is None  # one seed: no interval
+        assert 0 < c["eval_se"] < 0.1
+    v = report["validation"]
+    assert v["windows"] == 512 and v["seq_len"] == 128 and 0 < v["difference_se_max"] < v["loss_se_max"]
+    assert "(1 seed: no interval)" in stdout
+    assert f"validation: 512 fixed windows of 128 bytes; noise of one loss <= {v['loss_se_max']:.4f}" in stdout
 
 
 def test_causal_routing_report_for_learned_mod_variants(quick_run):
@@ -99,7 +141,7 @@ def test_table_is_printed_and_formats_the_report(quick_run):
     assert set(lines[1]) == {"-"}
     assert [line.split()[0] for line in lines[2:]] == NAMES
     assert table in stdout
-    dense_row = lines[2].split()
+    dense_row = lines[2 + NAMES.index("dense")].split()
     assert float(dense_row[1]) == pytest.approx(report["results"]["dense"]["val_loss"], abs=1e-4)
 
 
@@ -112,8 +154,10 @@ def test_plot_is_a_real_png(quick_run):
 
 def test_markdown_table_lists_every_variant_with_its_loss(quick_run):
     out, _, report, _ = quick_run
-    lines = (out / "compare.md").read_text().strip().splitlines()
+    text = (out / "compare.md").read_text()
+    lines = text.split("\n\n")[0].splitlines()  # the table, then the notes
     assert lines[1].startswith("|---|") and len(lines) == 2 + len(report["results"])
+    assert "vs best dense: against" in text and "MoD - best dense" in text
     for line, (name, r) in zip(lines[2:], report["results"].items()):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[0] == name and float(cells[1]) == pytest.approx(r["val_loss"], abs=5e-5)
@@ -130,6 +174,7 @@ def test_cli_compare_only_two_variants(tmp_path, capsys):
     assert list(report["results"]) == ["dense", "mod"]
     assert report["results"]["dense"]["steps"] == 2
     assert report["config"]["corpus"].startswith("python-stdlib (")  # the default corpus
+    assert report["baseline"]["variant"] == "dense" and "not a sweep" in report["baseline"]["rule"]
     assert (tmp_path / "val_loss_vs_flops.png").read_bytes()[:8] == PNG_MAGIC
     assert not (tmp_path / "moe").exists()
     assert "mod" in capsys.readouterr().out
@@ -155,7 +200,9 @@ def test_cli_binary_data_file_is_a_clean_error(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--only", "dense", "mdo"], "only=['dense', 'mdo']: unknown variant 'mdo'; must be among dense, mod,"),
+    (["--only", "dense", "mdo"], "only=['dense', 'mdo']: unknown variant 'mdo'; must be among dense_1l, dense_2l, "
+                                 "dense_3l, dense, mod,"),
+    (["--seeds", "0"], "seeds=0: must be >= 1"),
     (["--dense-steps", "0"], "dense_steps=0: must be >= 1"),
     (["--dense-steps", "-3"], "dense_steps=-3: must be >= 1"),
     (["--threads", "0"], "--threads=0: must be >= 1"),
@@ -189,6 +236,28 @@ def test_matched_pairs_run_on_request_at_about_equal_flops(tmp_path):
         assert abs(got - ratio(default[partner])) < abs(ratio(default[unmatched]) - ratio(default[partner]))
 
 
+def test_seeds_give_paired_runs_with_mean_std_and_intervals(tmp_path, capsys):
+    data = write_text_file(tmp_path / "corpus.txt")
+    out = tmp_path / "run"
+    report = run_compare(out, quick=True, data=str(data), dense_steps=2, seed=3, seeds=2, progress=False,
+                         only=["dense", "dense_2l", "mod", "mod_random"])
+    assert report["config"]["seeds"] == [3, 4]
+    runs = {name: [json.loads((out / name / f"seed{s}" / "result.json").read_text()) for s in (3, 4)]
+            for name in report["results"]}
+    for name, r in report["results"].items():
+        losses = [x["val_loss"] for x in runs[name]]
+        assert [x["seed"] for x in runs[name]] == [3, 4]
+        assert r["val_loss"] == pytest.approx(sum(losses) / 2)
+        assert r["val_loss_std"] == pytest.approx(abs(losses[0] - losses[1]) / math.sqrt(2))
+        assert r["val_loss_seeds"] == {"3": losses[0], "4": losses[1]}
+    assert set(report["claims"]) == {"MoD - best dense", "learned - random routing"}  # only those were trained
+    c = report["claims"]["learned - random routing"]
+    assert c["diffs"] == pytest.approx([m["val_loss"] - r["val_loss"] for m, r in zip(runs["mod"], runs["mod_random"])])
+    assert c["n"] == 2 and c["low"] < c["mean"] < c["high"]
+    assert c["significant"] == (c["low"] > 0 or c["high"] < 0)
+    assert "differences, paired over 2 seed(s)" in capsys.readouterr().out
+
+
 def test_run_compare_rejects_unknown_variant_before_training(tmp_path):
     with pytest.raises(ValueError, match="unknown variant 'moe2'"):
         run_compare(tmp_path, quick=True, only=["moe2"], progress=False)
@@ -197,7 +266,7 @@ def test_run_compare_rejects_unknown_variant_before_training(tmp_path):
 def test_quick_preset_is_valid_and_comparable():
     p = preset(True)
     models = variants(p.model)
-    assert list(models) == NAMES
+    assert list(models) == SIX
     assert len({cfg.n_layers for cfg in models.values()}) == 1  # same depth
     assert len({cfg.d_model for cfg in models.values()}) == 1  # same width
     assert models["integrated_mode"].num_noop >= 1

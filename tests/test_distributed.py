@@ -382,6 +382,15 @@ def test_model_math_never_imports_torch_distributed():
     assert not offenders, f"torch.distributed imported by model math: {offenders}"
 
 
+def test_only_the_parallel_package_and_the_distributed_helpers_import_torch_distributed():
+    root = Path(__file__).resolve().parents[1] / "mode"
+    allowed = {"distributed.py", "distributed_stats.py", "dispatch/expert_parallel.py"}
+    offenders = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                       if p.relative_to(root).parts[0] != "parallel" and str(p.relative_to(root)) not in allowed
+                       and re.search(r"^\s*(import|from)\s+torch\.distributed", p.read_text(), re.M))
+    assert not offenders, f"torch.distributed imported outside mode.parallel and the helpers: {offenders}"
+
+
 # ----------------------------------------------------------------------------------------------------
 # process-group set-up (mode.distributed.init_distributed), without starting a group: init_process_group
 # and the CUDA queries are replaced, so the NCCL path is checked on a CPU-only machine too.

@@ -268,3 +268,85 @@ def test_cuda_bf16_backends_match_reference_with_padding(activation, backend):
     assert torch.equal(got[1][N_REAL:], torch.zeros_like(got[1][N_REAL:]))
     for name, g, w in zip(["y", "x.grad", "w_in.grad", "w_out.grad"], got, want):
         torch.testing.assert_close(g.float(), w.float(), rtol=3e-2, atol=3e-2, msg=name)
+
+
+# -- the fused SwiGLU, routing gates inside the bank, and the unpadded promise ------------------------
+
+def test_swiglu_op_is_bitwise_the_autograd_formula():
+    from mode.experts.bank import activate
+    from mode.experts.swiglu import swiglu
+
+    h = torch.randn(37, 2 * 12)
+    gate = torch.rand(37)
+    dy = torch.randn(37, 12)
+    for use_gate in (False, True):
+        h1, h2 = h.clone().requires_grad_(), h.clone().requires_grad_()
+        g1, g2 = gate.clone().requires_grad_(), gate.clone().requires_grad_()
+        y1 = swiglu(h1, g1 if use_gate else None)
+        y2 = activate(h2, "swiglu") * (g2[:, None] if use_gate else 1)
+        assert torch.equal(y1, y2)
+        y1.backward(dy), y2.backward(dy)
+        assert torch.equal(h1.grad, h2.grad)
+        if use_gate:
+            assert torch.equal(g1.grad, g2.grad)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("hidden", [8, 24])  # H < D: gates applied on the (A, H) activation; H > D: on the output
+@pytest.mark.parametrize("poison", [None, float("nan")])
+def test_gates_inside_the_bank_match_gating_the_output_every_backend(activation, hidden, poison):
+    """bank(x, counts, gate_A=g) == bank(x, counts) * g[:, None] (values and the gradients of x, g, weights);
+    padding rows (here with NaN inputs and NaN gates) give zero output and zero gradients."""
+    counts, n_pad = [3, 0, 5, 1], 4
+    A = sum(counts) + n_pad
+    x = torch.randn(A, D)
+    gate = torch.rand(A)
+    if poison is not None:
+        x[sum(counts):] = poison
+        gate[sum(counts):] = poison
+    grad_out = torch.randn(A, D)
+    results = {}
+    for backend in CPU_BACKENDS:
+        for inside in (True, False):
+            torch.manual_seed(0)
+            bank = ExpertBank(ExpertConfig(d_model=D, d_hidden=hidden, num_experts=4, activation=activation,
+                                           backend=backend))
+            xr, gr = x.clone().requires_grad_(), gate.clone().requires_grad_()
+            c = torch.tensor(counts)
+            if inside:
+                y = bank(xr, c, gate_A=gr)
+            else:  # the reference composition: ungated bank, then the gate (padding gates zeroed first)
+                y = bank(xr, c) * torch.where(torch.arange(A) < sum(counts), gr, 0)[:, None]
+            y.backward(grad_out)
+            results[backend, inside] = (y.detach(), xr.grad, gr.grad, bank.w_in_EDF.grad, bank.w_out_EHD.grad)
+    want = results["reference", False]
+    for key, got in results.items():
+        for name, g, w in zip(["y", "x.grad", "gate.grad", "w_in.grad", "w_out.grad"], got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"{key} {name}")
+        y, x_grad, gate_grad = got[:3]
+        assert torch.equal(y[sum(counts):], torch.zeros(n_pad, D)), key
+        assert torch.equal(x_grad[sum(counts):], torch.zeros(n_pad, D)), key
+        assert torch.equal(gate_grad[sum(counts):], torch.zeros(n_pad)), key
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_unpadded_promise_changes_nothing_when_kept(activation):
+    """padded=False (no masks) gives the same bits as the masked path when counts_E.sum() == A."""
+    counts = [3, 0, 5, 1]
+    x = torch.randn(sum(counts), D)
+    grad_out = torch.randn(sum(counts), D)
+    got = {}
+    for padded in (True, False):
+        bank = make_bank("grouped", activation)
+        xr = x.clone().requires_grad_()
+        y = bank(xr, torch.tensor(counts), padded=padded)
+        y.backward(grad_out)
+        got[padded] = (y.detach(), xr.grad, bank.w_in_EDF.grad, bank.w_out_EHD.grad)
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(a, b)
+
+
+def test_gate_of_the_wrong_shape_is_rejected():
+    bank = make_bank("grouped", "swiglu")
+    with pytest.raises(ValueError, match=r"gate_A: must be a floating tensor of shape \(A,\)=\(9,\)"):
+        bank(torch.randn(9, D), torch.tensor(COUNTS), gate_A=torch.rand(8))

@@ -17,8 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 import mode.layers.attention as attention_module
 from mode.data import eval_batches, file_corpus
+from mode.host_sync import HostSyncCounter
+from mode.layers.kv_cache import KVCache
 from mode.layers.rope import apply_rope, rope_angles
 from mode.model import LM, LMConfig
 from mode.model.causal_eval import causal_eval
@@ -155,15 +159,16 @@ def test_top_k_routing_is_not_causal_but_causal_routing_is(method):
 # ------------------------------------------------------------------------------------- prefill + decoding
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("method,layers", CASES, ids=CASE_IDS)
 @torch.no_grad()
-def test_prefill_then_decode_equals_full_forward(method, layers):
+def test_prefill_then_decode_equals_full_forward(method, layers, static):
     model = make_lm(layers, method)
     x = tokens(3, S, seed=2)
     full = model(x, causal_routing=True)
     assert_mixed_routing(model, full)
     for split in (1, 7, 16, S - 1):
-        logits_BV, caches, pos_B = prefill(model, x[:, :split].tolist(), capacity=S)
+        logits_BV, caches, pos_B = prefill(model, x[:, :split].tolist(), capacity=S, static=static)
         assert pos_B.tolist() == [split] * 3
         torch.testing.assert_close(logits_BV, full.logits_BSV[:, split - 1], rtol=1e-5, atol=1e-5)
         for s in range(split, S):
@@ -178,15 +183,17 @@ def test_prefill_then_decode_equals_full_forward(method, layers):
     assert any(len(set(row_lens)) > 1 for row_lens in lens), f"rows must route differently, got {lens}"
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("method,layers", CASES, ids=CASE_IDS)
 @torch.no_grad()
-def test_prompts_of_different_lengths_decode_like_the_full_pass(method, layers):
+def test_prompts_of_different_lengths_decode_like_the_full_pass(method, layers, static):
     """Right-padded prefill, then each row continues at its own position with its own tokens."""
     model = make_lm(layers, method)
     x = tokens(3, S, seed=4)
     full = model(x, causal_routing=True)
     plens = [3, 9, 14]
-    logits_BV, caches, pos_B = prefill(model, [x[b, :p].tolist() for b, p in enumerate(plens)], capacity=S)
+    logits_BV, caches, pos_B = prefill(model, [x[b, :p].tolist() for b, p in enumerate(plens)], capacity=S,
+                                       static=static)
     assert pos_B.tolist() == plens
     rows = torch.arange(3)
     torch.testing.assert_close(logits_BV, full.logits_BSV[rows, pos_B - 1], rtol=1e-5, atol=1e-5)
@@ -211,9 +218,10 @@ def reference_keys(model: LM, i: int, x_BSD: torch.Tensor) -> tuple[torch.Tensor
     return apply_rope(k, cos, sin), v
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("method,layers", CASES, ids=CASE_IDS)
 @torch.no_grad()
-def test_each_layer_caches_exactly_its_routed_tokens(method, layers):
+def test_each_layer_caches_exactly_its_routed_tokens(method, layers, static):
     model = make_lm(layers, method)
     x = tokens(3, S, seed=5)
     result = {}
@@ -221,7 +229,7 @@ def test_each_layer_caches_exactly_its_routed_tokens(method, layers):
     full = result["full"]
     assert_mixed_routing(model, full)
     split = 10
-    _, caches, pos_B = prefill(model, x[:, :split].tolist(), capacity=S + 4)
+    _, caches, pos_B = prefill(model, x[:, :split].tolist(), capacity=S + 4, static=static)
     for s in range(split, S):
         decode_step(model, x[:, s], pos_B, caches)
         pos_B = pos_B + 1
@@ -237,19 +245,20 @@ def test_each_layer_caches_exactly_its_routed_tokens(method, layers):
             assert not cache.k_BHLK[b, :, n:].any(), "nothing is written past a row's length"
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("method,layers", CASES, ids=CASE_IDS)
 @torch.no_grad()
-def test_batched_generation_equals_each_prompt_alone(method, layers):
+def test_batched_generation_equals_each_prompt_alone(method, layers, static):
     model = make_lm(layers, method)
     x = tokens(3, S, seed=6)
     prompts = [x[0, :4].tolist(), x[1, :11].tolist(), x[2, :7].tolist()]
-    batched = generate(model, prompts, max_new_tokens=12, temperature=0)
-    alone = [generate(model, [p], max_new_tokens=12, temperature=0)[0] for p in prompts]
+    batched = generate(model, prompts, max_new_tokens=12, temperature=0, static_cache=static)
+    alone = [generate(model, [p], max_new_tokens=12, temperature=0, static_cache=static)[0] for p in prompts]
     assert batched == alone
     assert all(len(o) == 12 for o in batched)
     # and the logits agree step by step, while the rows' caches fill at different rates
-    logits_BV, caches, pos_B = prefill(model, prompts, capacity=30)
-    solo = [prefill(model, [p], capacity=30) for p in prompts]
+    logits_BV, caches, pos_B = prefill(model, prompts, capacity=30, static=static)
+    solo = [prefill(model, [p], capacity=30, static=static) for p in prompts]
     for _ in range(12):
         for b, (lg, _, _) in enumerate(solo):
             torch.testing.assert_close(logits_BV[b], lg[0], rtol=1e-5, atol=1e-5)
@@ -432,11 +441,203 @@ def test_dense_model_generates_without_a_causal_method():
         torch.testing.assert_close(logits_BV, full.logits_BSV[:, s], rtol=1e-5, atol=1e-5)
 
 
-def test_cache_overflow_is_a_clear_error():
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_cache_overflow_is_a_clear_error(static):
     model = make_lm(("dense", "mod"))
-    _, caches, pos_B = prefill(model, [[1, 2, 3, 4]], capacity=4)
+    _, caches, pos_B = prefill(model, [[1, 2, 3, 4]], capacity=4, static=static)
     with pytest.raises(ValueError, match=lit("KV cache capacity=4: cannot hold 5 tokens")):
         decode_step(model, torch.tensor([5]), pos_B, caches)
+
+
+# ----------------------------------------------------------------------------- the static and dynamic paths
+
+
+@pytest.mark.parametrize("method,layers", CASES, ids=CASE_IDS)
+@torch.no_grad()
+def test_static_and_dynamic_paths_generate_the_same_tokens_and_caches(method, layers):
+    model = make_lm(layers, method)
+    x = tokens(3, S, seed=14)
+    prompts = [x[0, :5].tolist(), x[1, :12].tolist(), x[2, :8].tolist()]
+    outs = {static: generate(model, prompts, max_new_tokens=14, temperature=0, static_cache=static)
+            for static in (False, True)}
+    assert outs[False] == outs[True]
+    # step by step: the same logits, and every layer's cache holds the same tokens
+    runs = {static: list(prefill(model, prompts, capacity=30, static=static)) for static in (False, True)}
+    for _ in range(14):
+        (lg_d, caches_d, pos_d), (lg_s, caches_s, _) = runs[False], runs[True]
+        torch.testing.assert_close(lg_s, lg_d, rtol=1e-5, atol=1e-5)
+        next_B = lg_d.argmax(-1)
+        for run in runs.values():
+            run[0] = decode_step(model, next_B, run[2], run[1])
+            run[2] = run[2] + 1
+    for i, (cd, cs) in enumerate(zip(runs[False][1], runs[True][1])):
+        assert cd.len_B.tolist() == cs.len_B.tolist(), f"layer {i}"
+        for b, n in enumerate(cd.len_B.tolist()):
+            torch.testing.assert_close(cs.k_BHLK[b, :, :n], cd.k_BHLK[b, :, :n], rtol=1e-5, atol=1e-5)
+            assert not cs.k_BHLK[b, :, n:].any() and not cd.k_BHLK[b, :, n:].any()
+    assert any(len(set(runs[False][1][i].len_B.tolist())) > 1 for i in mod_ids(model))
+
+
+def sync_mixes():
+    return [("dense", "dense"), ("dense", "mod", "dense", "mod"), ("moe", "staged"), ("integrated", "mod")]
+
+
+@pytest.mark.parametrize("layers", sync_mixes(), ids=["-".join(m) for m in sync_mixes()])
+@torch.no_grad()
+def test_static_decode_makes_no_host_sync_and_generate_one_per_step(layers):
+    """The GPU budget (issue 16): a static-path decode step never makes the host wait for the device, so
+    ``generate`` makes exactly one sync per step (reading the sampled tokens)."""
+    method = "predictor" if any(k in ("mod", "staged") for k in layers) else "none"
+    model = make_lm(layers, method) if method != "none" else LM(cfg_for(layers, "none")).eval()
+    x = tokens(3, S, seed=15)
+    prompts = [x[0, :5].tolist(), x[1, :9].tolist(), x[2, :7].tolist()]
+    logits_BV, caches, pos_B = prefill(model, prompts, capacity=S, static=True)
+    routed_steps = 0
+    for _ in range(10):
+        with HostSyncCounter() as syncs:
+            out = model(logits_BV.argmax(-1)[:, None], positions_BS=pos_B[:, None], caches=caches,
+                        causal_routing=model.cfg.uses_mod)
+        assert syncs.count == 0, syncs.events
+        logits_BV, pos_B = out.logits_BSV[:, -1], pos_B + 1
+        routed_steps += sum(int(decisions(out, i).any()) for i in mod_ids(model))
+    assert routed_steps > 0 or not mod_ids(model)
+    steps = 12
+    with HostSyncCounter() as prefill_syncs:
+        prefill(model, prompts, capacity=max(map(len, prompts)) + steps, static=True)
+    with HostSyncCounter() as all_syncs:
+        generate(model, prompts, max_new_tokens=steps, temperature=0, static_cache=True)
+    assert all_syncs.count - prefill_syncs.count == steps, all_syncs.by_reason
+
+
+@torch.no_grad()
+def test_dynamic_decode_syncs_once_per_mod_layer():
+    model = make_lm(("dense", "mod", "dense", "mod"), fraction=0.4)
+    x = tokens(3, S, seed=16)
+    logits_BV, caches, pos_B = prefill(model, x[:, :6].tolist(), capacity=S)
+    for _ in range(10):
+        with HostSyncCounter() as syncs:
+            logits_BV = decode_step(model, logits_BV.argmax(-1), pos_B, caches)
+        pos_B = pos_B + 1
+        # one read of each MoD layer's decisions; the routed rows' index when only some rows route
+        assert syncs.by_reason["list read"] == 2, syncs.events
+        assert set(syncs.by_reason) <= {"list read", "host data copied to the device"}, syncs.events
+        assert syncs.count <= 4
+
+
+class FreshTensors(TorchDispatchMode):
+    """Records the size of every tensor an op allocates (outputs not sharing storage with its inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.sizes.append((str(func), t.numel()))
+        return out
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@torch.no_grad()
+def test_decode_copies_no_cached_keys_or_values(static):
+    """Issue 16.7: a decode step writes each new key/value in place and attends through views; no op makes
+    a tensor as large as one row's cached keys (the old path copied the routed rows' whole cache)."""
+    model = make_lm(("dense", "mod", "dense", "mod"), fraction=0.4)
+    B = 2
+    x = tokens(B, S, seed=17)
+    logits_BV, caches, pos_B = prefill(model, x[:, :20].tolist(), capacity=S + 12, static=static)
+    logits_BV = decode_step(model, logits_BV.argmax(-1), pos_B, caches)  # the first step builds the MoD
+    pos_B = pos_B + 1  # layers' fused router weights (once; not a per-step copy)
+    for _ in range(11):
+        shortest = min(min(c.len_B.tolist()) for c in caches)
+        row_numel = shortest * D  # one row's cached keys: tokens x H x K
+        assert row_numel > B * 3 * D, "the widest per-token tensor of a step (q, k, v of B rows) must be smaller"
+        with FreshTensors() as fresh:
+            logits_BV = decode_step(model, logits_BV.argmax(-1), pos_B, caches)
+        pos_B = pos_B + 1
+        big = [(op, n) for op, n in fresh.sizes if n >= row_numel]
+        assert not big, (row_numel, big)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_decode_router_logits_equal_the_routers_own(method):
+    """Decoding computes the router's logits in fused matmuls (no grad); they equal the router's own methods,
+    also after a parameter changes in place, and with autograd on the reference path is taken exactly."""
+    model = make_lm(("dense", "mod"), method)
+    layer, router = model.layers[1], model.layers[1].router
+    x_B1D = torch.randn(5, 1, D)
+
+    def check():
+        with torch.no_grad():
+            r_BX, logits_BK = layer._decide(x_B1D)
+            r_B1 = r_BX[:, :1]
+            want_r = router.scores(x_B1D)
+            want_d = router.decision_logits(x_B1D, want_r)
+        torch.testing.assert_close(r_B1, want_r, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(logits_BK[:, -1:], want_d, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(logits_BK[:, :1], F.silu(want_r) if router.predictor else want_r)
+        assert r_B1.dtype == logits_BK.dtype == torch.float32 and logits_BK.shape == (5, 2 if router.predictor else 1)
+
+    check()
+    with torch.no_grad():
+        router.weight.mul_(-2.0)  # an in-place update (an optimizer step) must reach the fused weights
+        if router.predictor is not None:
+            router.predictor[0].weight.add_(0.5)
+            router.predictor[2].bias.add_(1.0)
+    check()
+    r_BX, logits_BK = layer._decide(x_B1D)  # autograd on: the router's own methods, exactly
+    assert torch.equal(r_BX, router.scores(x_B1D)) and r_BX.requires_grad
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@torch.no_grad()
+def test_decode_stats_equal_the_general_paths(static):
+    """A decode step's router stats (built lazily) equal the ones the general causal path reports."""
+    model = make_lm(("dense", "mod"), fraction=0.5)
+    x_B1D = torch.randn(6, 1, D)
+    layer = model.layers[1]
+    general = layer.router(x_B1D, causal=True).aux.stats["router"]
+    cache = KVCache(6, 2, 8, D // 2, torch.float32, static=static)
+    _, aux = layer(x_B1D, positions_BS=torch.zeros(6, 1, dtype=torch.long), cache=cache, causal=True)
+    fast = aux.stats["mod.router"]
+    assert 0 < float(fast.kept_E[0]) < 6, "the test needs mixed routing"
+    for field in ("kept_E", "requested_X", "dropped", "noop", "tokens", "compute_T"):
+        a, b = getattr(fast, field), getattr(general, field)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), field
+    assert fast.batch_shape == general.batch_shape == (6, 1) and fast.entropy is None
+    assert cache.len_B.tolist() == fast.compute_T.long().tolist()  # routed rows stored their token
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@torch.no_grad()
+def test_decode_refuses_nan_router_logits(static):
+    model = make_lm(("dense", "mod"))
+    cache = KVCache(2, 2, 8, D // 2, torch.float32, static=static)
+    x_B1D = torch.randn(2, 1, D)
+    x_B1D[1, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match=lit("MoDRouter: ") + ".*" + lit("router logits are NaN or inf")):
+        model.layers[1](x_B1D, positions_BS=torch.zeros(2, 1, dtype=torch.long), cache=cache, causal=True)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@torch.no_grad()
+def test_decode_enters_a_collective_block_even_when_nothing_routes(static):
+    """``skip_empty=False`` (expert-parallel blocks): every rank must enter the block every step."""
+    model = make_lm(("dense", "mod"), fraction=0.4)
+    layer = model.layers[1]
+    layer.skip_empty = False
+    layer.router.predictor[-1].bias.fill_(-1e4)  # nothing routes
+    calls = []
+    layer.block.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[0]))
+    cache = KVCache(3, 2, 8, D // 2, torch.float32, static=static)
+    x_B1D = torch.randn(3, 1, D)
+    y, _ = layer(x_B1D, positions_BS=torch.zeros(3, 1, dtype=torch.long), cache=cache, causal=True)
+    assert calls == [3] and torch.equal(y, x_B1D)
+    assert cache.len_B.tolist() == [0, 0, 0] and not cache.k_BHLK.any()
 
 
 # ------------------------------------------------------------------------------------------ causal losses

@@ -464,3 +464,61 @@ def test_router_gradients_reach_the_router_weight():
     plan = router(torch.randn(2, 8, 8)).compact()
     (plan.weight_A.sum() + plan.aux.total()).backward()
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+# -- the token-choice router's fast paths against their readable references ---------------------------
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("num_noop", [0, 2])
+def test_token_choice_balance_loss_from_counts_is_bitwise_the_reference(masked, num_noop):
+    """The router computes the balance loss from its choice counts (no (T, X) one-hot); it must equal
+    losses.load_balancing_loss bit for bit, with and without a padding mask and no-op slots."""
+    torch.manual_seed(0)
+    router = TokenChoiceRouter(TokenChoiceConfig(d_model=8, num_experts=5, num_noop=num_noop, top_k=2))
+    x = torch.randn(3, 11, 8)
+    mask = None
+    if masked:
+        mask = torch.ones(3, 11, dtype=torch.bool)
+        mask[1, 4:] = False
+    plan = router(x, mask)
+    probs = (x.reshape(33, 8) @ router.weight.detach().t()).softmax(-1)
+    chosen = probs.topk(2, dim=-1).indices
+    want = load_balancing_loss(probs, chosen, None if mask is None else mask.reshape(33))
+    assert torch.equal(plan.aux.losses["balance"].detach(), want)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_token_choice_finite_check_catches_nan_and_both_infinities(bad):
+    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=4, num_experts=4, top_k=2)))
+    x = torch.randn(2, 5, 4)
+    x[1, 2, 3] = bad  # the matmul spreads it over that token's logits (inf * 0 is NaN)
+    with pytest.raises(ValueError, match=r"TokenChoiceRouter: 4 router logits are NaN or inf"):
+        router(x)
+
+
+@pytest.mark.parametrize("kw,masked,padded", [
+    (dict(), False, False),                      # dropless, no no-op experts, no mask: A == counts.sum()
+    (dict(), True, True),                        # a mask: masked tokens' choices are padding
+    (dict(num_noop=2), False, True),             # no-op choices are padding
+    (dict(capacity_factor=1.0), False, True),    # capacity drops are padding
+])
+def test_token_choice_plan_says_statically_whether_it_has_padding(kw, masked, padded):
+    router = TokenChoiceRouter(TokenChoiceConfig(d_model=8, num_experts=4, top_k=2, **kw))
+    mask = torch.ones(2, 6, dtype=torch.bool) if masked else None
+    plan = router(torch.randn(2, 6, 8), mask)
+    assert plan.padded is padded
+    if not padded:
+        assert int(plan.counts_E.sum()) == plan.num_assignments
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_token_choice_one_pass_finite_check_on_logits(bad):
+    """min and max catch a lone -inf (the matmul above turns it into NaN before the check sees it)."""
+    from mode.routing.token_choice import _check_finite
+
+    logits = torch.randn(6, 5)
+    _check_finite(logits)  # finite: no error
+    _check_finite(logits[:0])  # empty: no error
+    logits[2, 1] = bad
+    with pytest.raises(ValueError, match=r"TokenChoiceRouter: 1 router logits are NaN or inf"):
+        _check_finite(logits)

@@ -16,6 +16,11 @@ Padding contract of ``forward(x_AD, counts_E)`` (every backend):
       (NaN-safe, where ``x * 0`` is not), so it cannot check ``counts_E.sum() <= A`` or ``counts_E >= 0``
       without a host sync and does not; "reference" and "megablocks" read the counts on the host anyway
       (one sync per call) and raise ValueError when they break the contract.
+    * ``padded=False`` (a plan that promises no padding) lets "grouped" skip both masks.
+
+Routing gates (``gate_A``, the local dispatcher's fast path): the bank multiplies each row's output by
+its gate, on the (A, H) activation before the down projection when H < D ("grouped": fewer bytes than
+the (A, D) output, and the dispatcher's combine becomes a plain scatter-add), else on the output.
 
 Backends
     "reference"  a readable loop over experts (one matmul pair per expert); reads counts_E on the host
@@ -31,6 +36,13 @@ is resolved the first time each (device, compute dtype) is seen, then cached: a 
 call, no host sync. An explicit backend that cannot run in this environment raises ValueError at
 construction; one that cannot handle a (device, dtype) raises ValueError at the first such call.
 Every backend computes the same function on the same parameters; tests check they agree.
+
+Sharded weights (``mode.parallel.parallelize``)
+    Expert parallelism may replace the two weights by DTensors of the global shape ``(E_all, ...)``
+    sharded on dim 0; ``num_experts`` is then this process's share ``E = E_all / ep``. The forward computes
+    on ``local_weight(w)``: ``w.to_local()`` when the weight has one (duck typing: this module never imports
+    ``torch.distributed``), else ``w`` itself. ``to_local`` is differentiable, so the gradient flows back
+    to the sharded parameter.
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ from mode import _checks
 from mode.experts import grouped_mm as gmm_mod
 from mode.experts import megablocks_backend
 from mode.experts.grouped_mm import autocast_dtype, grouped_mm
+from mode.experts.swiglu import swiglu
 
 ACTIVATIONS = ("gelu", "swiglu")
 BACKENDS = ("auto", "reference", "grouped", "megablocks")
@@ -100,6 +113,13 @@ def resolve_backend(name: str, device_type: str, dtype: torch.dtype, sizes: dict
     return "megablocks" if mb_reason is None else "reference"
 
 
+def local_weight(w: Tensor) -> Tensor:
+    """The part of an expert weight this process computes with: ``w.to_local()`` for a sharded DTensor
+    (set by ``mode.parallel``), else ``w``."""
+    to_local = getattr(w, "to_local", None)
+    return w if to_local is None else to_local()
+
+
 def activate(h_AF: Tensor, activation: str) -> Tensor:
     if activation == "gelu":
         return F.gelu(h_AF)
@@ -124,6 +144,8 @@ class ExpertBank(nn.Module):
             "megablocks": self._forward_megablocks,
         }
         self._resolved: dict[tuple[torch.device, torch.dtype], str] = {}  # (device, compute dtype) -> backend
+        # "grouped" multiplies by routing gates on the (A, H) activation when it is smaller than the (A, D) output
+        self._gate_on_hidden = cfg.d_hidden < cfg.d_model
 
     def reset_parameters(self, out_std: float | None = None) -> None:
         nn.init.normal_(self.w_in_EDF, std=1 / math.sqrt(self.cfg.d_model))
@@ -141,12 +163,34 @@ class ExpertBank(nn.Module):
             name = self._resolved[key] = resolve_backend(self.cfg.backend, device.type, dtype, self.sizes)
         return name
 
-    def forward(self, x_AD: Tensor, counts_E: Tensor) -> Tensor:
+    def forward(self, x_AD: Tensor, counts_E: Tensor, *, padded: bool = True,
+                gate_A: Tensor | None = None) -> Tensor:
         """``counts_E`` (integer, on x's device): each expert's number of rows, in order; rows past
-        ``counts_E.sum()`` are padding (zero output, zero gradient; see the module docstring)."""
+        ``counts_E.sum()`` are padding (zero output, zero gradient; see the module docstring).
+
+        ``padded=False`` promises ``counts_E.sum() == A`` (a dropless plan without no-op experts or a
+        mask, known when the router is built): "grouped" then skips its two padding masks, four passes
+        over (A, D). The promise is not checked (that would be a host sync); breaking it leaves the rows
+        past ``counts_E.sum()`` undefined.
+
+        ``gate_A`` (A,), optional and differentiable: multiply row a's output by ``gate_A[a]`` (a routing
+        gate; padding rows ignore theirs). "grouped" applies it to the (A, H) activation, before the down
+        projection, when H < D (fewer bytes than the (A, D) output; the same function, rounded
+        differently), else to the output, as the dispatcher's combine would."""
         self._check_inputs(x_AD, counts_E)
+        if gate_A is not None:
+            if not isinstance(gate_A, Tensor) or not gate_A.is_floating_point() or tuple(gate_A.shape) != (x_AD.shape[0],):
+                raise ValueError(f"gate_A: must be a floating tensor of shape (A,)=({x_AD.shape[0]},), got "
+                                 f"{getattr(gate_A, 'dtype', type(gate_A))} {tuple(getattr(gate_A, 'shape', ()))}")
+            if padded:  # padding rows ignore their gate (where: NaN-safe, and their gate gets zero gradient)
+                real_A = torch.arange(x_AD.shape[0], device=x_AD.device) < counts_E.sum()
+                gate_A = torch.where(real_A, gate_A, 0)
         dtype = autocast_dtype(x_AD) or x_AD.dtype
-        return self._impls[self.backend_for(x_AD.device, dtype)](x_AD, counts_E, dtype)
+        name = self.backend_for(x_AD.device, dtype)
+        if name == "grouped":
+            return self._forward_grouped(x_AD, counts_E, dtype, padded=padded, gate_A=gate_A)
+        y_AD = self._impls[name](x_AD, counts_E, dtype)
+        return y_AD if gate_A is None else y_AD * gate_A.to(y_AD.dtype)[:, None]
 
     def _check_inputs(self, x_AD: Tensor, counts_E: Tensor) -> None:
         """Metadata only: no host sync."""
@@ -167,25 +211,41 @@ class ExpertBank(nn.Module):
         num_padding = _check_host_counts(counts, x_AD.shape[0])
         x_AD = x_AD.to(dtype)
         # unbind once: indexing w[e] per expert makes each backward fill a zero grad of the whole (E, ...) weight
-        w_in, w_out = self.w_in_EDF.to(dtype).unbind(0), self.w_out_EHD.to(dtype).unbind(0)
+        w_in = local_weight(self.w_in_EDF).to(dtype).unbind(0)
+        w_out = local_weight(self.w_out_EHD).to(dtype).unbind(0)
         *pieces, _padding = x_AD.split([*counts, num_padding])  # padding rows are never read: no NaN gets in
         outs = [activate(x_eD @ w_in[e], self.cfg.activation) @ w_out[e] for e, x_eD in enumerate(pieces)]
         # zeros in the outputs' dtype: torch.cat under autocast would promote to the widest input
         outs.append(outs[0].new_zeros(num_padding, self.cfg.d_model))
         return torch.cat(outs)
 
-    def _forward_grouped(self, x_AD: Tensor, counts_E: Tensor, dtype: torch.dtype) -> Tensor:
+    def _forward_grouped(self, x_AD: Tensor, counts_E: Tensor, dtype: torch.dtype, padded: bool = True,
+                         gate_A: Tensor | None = None) -> Tensor:
         offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        # rows at or past offsets_E[-1] are padding; the comparison stays on the device (no sync)
-        real_A1 = (torch.arange(x_AD.shape[0], device=x_AD.device) < offsets_E[-1]).unsqueeze(1)
-        x_AD = torch.where(real_A1, x_AD.to(dtype), 0)  # NaN-safe, and where's gradient there is exactly 0
-        w_in, w_out = self.w_in_EDF.to(dtype), self.w_out_EHD.to(dtype)
+        x_AD = x_AD.to(dtype)
+        if padded:
+            # rows at or past offsets_E[-1] are padding; the comparison stays on the device (no sync)
+            real_A1 = (torch.arange(x_AD.shape[0], device=x_AD.device) < offsets_E[-1]).unsqueeze(1)
+            x_AD = torch.where(real_A1, x_AD, 0)  # NaN-safe, and where's gradient there is exactly 0
+        w_in, w_out = local_weight(self.w_in_EDF).to(dtype), local_weight(self.w_out_EHD).to(dtype)
         h_AF = grouped_mm(x_AD, w_in, offsets_E)
-        y_AD = grouped_mm(activate(h_AF, self.cfg.activation), w_out, offsets_E)
-        return torch.where(real_A1, y_AD, 0)  # the kernel leaves padding rows unwritten (any bits)
+        gate_hidden_A = gate_A if self._gate_on_hidden else None
+        if self.cfg.activation == "swiglu":  # the same values as activate(); one gradient buffer (swiglu.py)
+            act_AH = swiglu(h_AF, gate_hidden_A)
+        else:
+            act_AH = activate(h_AF, self.cfg.activation)
+            if gate_hidden_A is not None:
+                act_AH = act_AH * gate_hidden_A.to(act_AH.dtype)[:, None]
+        y_AD = grouped_mm(act_AH, w_out, offsets_E)
+        if padded:
+            y_AD = torch.where(real_A1, y_AD, 0)  # the kernel leaves padding rows unwritten (any bits)
+        if gate_A is not None and gate_hidden_A is None:
+            y_AD = y_AD * gate_A.to(y_AD.dtype)[:, None]
+        return y_AD
 
     def _forward_megablocks(self, x_AD: Tensor, counts_E: Tensor, dtype: torch.dtype) -> Tensor:
-        return megablocks_backend.expert_mlp(x_AD, counts_E, self.w_in_EDF, self.w_out_EHD, dtype,
+        return megablocks_backend.expert_mlp(x_AD, counts_E, local_weight(self.w_in_EDF),
+                                             local_weight(self.w_out_EHD), dtype,
                                              lambda h: activate(h, self.cfg.activation))
 
 

@@ -6,7 +6,7 @@ Tokens come in increasing position order (every routed subset does), so causalit
 lower-triangular mask over the token index. ``mask_BS`` hides padding / unused slots as keys (they sit
 after the real tokens of their row); every query still sees itself so no softmax row is empty. With a
 cache, the new tokens are appended to their rows first and queries attend over the cache itself (see
-``RowView.extend``).
+``RowView.attend``: decoding writes in place and reads views, never a copy of the cache).
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x_BSD: Tensor, positions_BS: Tensor, mask_BS: Tensor | None = None,
                 cache: RowView | None = None) -> Tensor:
         B, S, D = x_BSD.shape
-        q, k, v = self.qkv(x_BSD).view(B, S, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv_3BHSK = self.qkv(x_BSD).view(B, S, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         cos, sin = rope_angles(positions_BS, self.head_dim, self.rope_base)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(qkv_3BHSK[:2], cos, sin)  # q and k rotated together: one set of elementwise ops
+        v = qkv_3BHSK[2]
         if cache is not None:
-            k_all, v_all, allowed_BSL = cache.extend(k, v, mask_BS)
-            o_BHSK = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed_BSL[:, None])
+            o_BHSK = cache.attend(q, k, v, mask_BS)
         elif mask_BS is None:
             o_BHSK = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

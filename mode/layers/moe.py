@@ -70,7 +70,16 @@ class MoELayer(nn.Module):
             raise TypeError(f"router={type(router).__name__}: must be a router module (nn.Module with num_experts)")
         if not isinstance(experts, ExpertBank):
             raise TypeError(f"experts={type(experts).__name__}: must be an ExpertBank")
+        self.router = router
+        self.set_experts(experts, dispatcher)
+
+    def set_experts(self, experts: ExpertBank, dispatcher=None) -> None:
+        """Use ``experts`` through ``dispatcher`` (None: local). ``mode.parallel`` calls this to make the
+        layer expert-parallel from outside: the bank then holds this rank's share of the experts."""
+        if not isinstance(experts, ExpertBank):
+            raise TypeError(f"experts={type(experts).__name__}: must be an ExpertBank")
         dispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
+        router = self.router
         local = dispatcher.num_local_experts(router.num_experts)  # E, or E / P when expert-parallel
         if experts.num_experts != local:
             if local == router.num_experts:
@@ -79,8 +88,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"experts.num_experts={experts.num_experts}: must equal this rank's share of "
                              f"router.num_experts={router.num_experts}, which is {local} "
                              "(num_experts / expert-parallel group size)")
-        self.router = router
-        self.experts = experts
+        self.experts = experts  # the same slot in _modules: parameter names and order are unchanged
         self.dispatcher = dispatcher
 
     @classmethod
@@ -91,8 +99,16 @@ class MoELayer(nn.Module):
         plan = self.router(x_BSD, mask_BS)  # validates x's shape and dtype
         B, S, D = x_BSD.shape
         x_RD, counts_R, state = self.dispatcher.dispatch(x_BSD.reshape(B * S, D), plan)  # B*S may be 0
-        y_RD = self.experts(x_RD, counts_R)
-        y_TD = self.dispatcher.combine(y_RD, plan, state)
+        # two optional parts of the dispatcher interface (mode/dispatch/local.py has both; expert parallel neither)
+        rows_padded = getattr(self.dispatcher, "rows_padded", None)
+        padded = True if rows_padded is None else rows_padded(plan)
+        combine_gated = getattr(self.dispatcher, "combine_gated", None)
+        if combine_gated is not None:  # the bank applies the gates where that is cheapest (bank.py)
+            y_RD = self.experts(x_RD, counts_R, padded=padded, gate_A=plan.weight_A)
+            y_TD = combine_gated(y_RD, plan, state)
+        else:  # gates stay on the token's own process: combine applies them
+            y_RD = self.experts(x_RD, counts_R, padded=padded)
+            y_TD = self.dispatcher.combine(y_RD, plan, state)
         return y_TD.view(B, S, D), Aux().merge(plan.aux)
 
 

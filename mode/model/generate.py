@@ -6,6 +6,18 @@ Prefill runs the right-padded prompts once; then each step feeds one token per s
 position. At a MoD layer a token goes through the block only when its causal decision says so, and only
 then does it attend to (and extend) that layer's cache, so each layer's cache holds exactly the tokens
 routed through it and sequences in a batch fill their caches at different rates.
+
+Two decode paths, chosen once when the caches are made (``static``; ``generate(static_cache=None)`` picks
+static on CUDA and dynamic elsewhere). Both produce the same tokens and the same caches.
+    static   no host sync inside a decode step and shapes that change only every ``width_bucket`` tokens:
+             caches written in place by scatter, attention over a bucketed width with a per-row length mask
+             built on the device, MoD layers deciding on the device and running their block on every row
+             (masked: compute is not saved, cache writes are). ``generate`` then makes one host sync per
+             step, reading the sampled tokens (and checking EOS). For GPUs, where a sync stalls the queue.
+    dynamic  MoD layers read their routing decision on the host (one sync per MoD layer) and run the
+             block only on the routed rows, or not at all; caches are written and read through slices of
+             each row (no copy, no mask when the rows' lengths are equal). For CPUs, where skipping work
+             is what saves time and a sync costs nothing.
 """
 
 from __future__ import annotations
@@ -55,8 +67,10 @@ def sample_next(logits_BV: Tensor, temperature: float, top_k: int | None, genera
 
 
 @torch.no_grad()
-def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int) -> tuple[Tensor, list, Tensor]:
-    """Run the prompts; returns (last-token logits_BV, caches, next positions_B)."""
+def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int,
+            static: bool = False) -> tuple[Tensor, list, Tensor]:
+    """Run the prompts; returns (last-token logits_BV, caches, next positions_B). ``static`` picks the decode
+    path of the returned caches (see the module doc)."""
     causal = _check_generatable(model)
     check_prompts(prompts, model.cfg.vocab_size)
     B = len(prompts)
@@ -67,7 +81,7 @@ def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int) -> tuple
         idx_BP[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
     mask_BP = torch.arange(P)[None, :] < lens_B[:, None]
     device = model.embed.weight.device
-    caches = model.new_caches(B, capacity)
+    caches = model.new_caches(B, capacity, static=_checks.check_bool("static", static))
     out = model(idx_BP.to(device), mask_BS=mask_BP.to(device) if int(lens_B.min()) < P else None,
                 caches=caches, causal_routing=causal)
     logits_BV = out.logits_BSV[torch.arange(B), lens_B - 1]
@@ -76,7 +90,8 @@ def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int) -> tuple
 
 @torch.no_grad()
 def decode_step(model: LM, tokens_B: Tensor, positions_B: Tensor, caches: list) -> Tensor:
-    """Feed one token per sequence at ``positions_B``; returns next-token logits_BV."""
+    """Feed one token per sequence at ``positions_B``; returns next-token logits_BV. With static caches this
+    never makes the host wait for the device; with dynamic ones, once per MoD layer."""
     out = model(tokens_B[:, None], positions_BS=positions_B[:, None], caches=caches,
                 causal_routing=model.cfg.uses_mod)
     return out.logits_BSV[:, -1]
@@ -84,28 +99,35 @@ def decode_step(model: LM, tokens_B: Tensor, positions_B: Tensor, caches: list) 
 
 @torch.no_grad()
 def generate(model: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, eos_id: int | None = None, seed: int | None = None) -> list[list[int]]:
-    """Sample continuations (token ids, prompt excluded) for a batch of prompts."""
+             top_k: int | None = None, eos_id: int | None = None, seed: int | None = None,
+             static_cache: bool | None = None) -> list[list[int]]:
+    """Sample continuations (token ids, prompt excluded) for a batch of prompts.
+
+    ``static_cache``: the decode path (module doc); None picks static on CUDA, dynamic elsewhere. Each step
+    reads the sampled tokens on the host once (the step's one host sync), which also checks ``eos_id``.
+    """
     _checks.check_int("max_new_tokens", max_new_tokens)
     _checks.check_non_negative("temperature", temperature)
     if top_k is not None:
         _checks.check_int("top_k", top_k)
-    generator = None if seed is None else torch.Generator(device=model.embed.weight.device).manual_seed(seed)
+    device = model.embed.weight.device
+    static = device.type == "cuda" if static_cache is None else _checks.check_bool("static_cache", static_cache)
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
     check_prompts(prompts, model.cfg.vocab_size)
     capacity = max(len(p) for p in prompts) + max_new_tokens
-    logits_BV, caches, pos_B = prefill(model, prompts, capacity)
+    logits_BV, caches, pos_B = prefill(model, prompts, capacity, static=static)
     B = len(prompts)
     out: list[list[int]] = [[] for _ in range(B)]
-    done_B = torch.zeros(B, dtype=torch.bool, device=pos_B.device)
+    done = [False] * B
     for step in range(max_new_tokens):
         next_B = sample_next(logits_BV, temperature, top_k, generator)
-        for b in (~done_B).nonzero().squeeze(1).tolist():
-            out[b].append(int(next_B[b]))
-        if eos_id is not None:
-            done_B |= next_B == eos_id
-        if bool(done_B.all()) or step == max_new_tokens - 1:
+        for b, token in enumerate(next_B.tolist()):  # the step's one host sync
+            if not done[b]:
+                out[b].append(token)
+                done[b] = token == eos_id
+        if all(done) or step == max_new_tokens - 1:
             break
         logits_BV = decode_step(model, next_B, pos_B, caches)
         pos_B = pos_B + 1

@@ -97,8 +97,10 @@ class LM(nn.Module):
             loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets.reshape(-1))
         return LMOutput(logits_BSV, loss, aux)
 
-    def new_caches(self, batch: int, capacity: int) -> list[KVCache]:
-        """One empty KV cache per layer for ``batch`` sequences of up to ``capacity`` tokens."""
+    def new_caches(self, batch: int, capacity: int, static: bool = False) -> list[KVCache]:
+        """One empty KV cache per layer for ``batch`` sequences of up to ``capacity`` tokens. ``static``
+        picks the decode path (see ``mode.model.generate``): True never makes the host wait for the device
+        within a step, False lets MoD layers skip their work for skipped tokens."""
         p = self.embed.weight
-        return [KVCache(batch, self.cfg.n_heads, capacity, self.cfg.d_model // self.cfg.n_heads, p.dtype, p.device)
-                for _ in self.layers]
+        return [KVCache(batch, self.cfg.n_heads, capacity, self.cfg.d_model // self.cfg.n_heads, p.dtype, p.device,
+                        static=static) for _ in self.layers]

@@ -1,4 +1,8 @@
-"""Turn a single-process model into this rank's expert-parallel copy, and back (for checkpoints).
+"""Plain-tensor expert parallelism: a single-process layer or model turned into this rank's copy.
+
+``mode.parallel.parallelize`` is the way to train (it uses ``shard_experts`` and then makes the expert weights
+DTensors and applies FSDP2); the functions here shard the experts of a model over any process group as plain
+tensors, for layer-level use and tests (tests/test_distributed.py) where no DeviceMesh is wanted.
 
 Shape legend: E experts in all, P ranks in the expert-parallel group, L = E / P experts per rank.
 
@@ -6,9 +10,11 @@ Shape legend: E experts in all, P ranks in the expert-parallel group, L = E / P 
 replaces every ``MoELayer`` / ``IntegratedMoDE`` in it — also the one inside a ``StagedMoDE`` block — by
 ``shard_layer(layer, ExpertParallelDispatcher(group, E))``: the router stays replicated, the experts
 become rank p's contiguous shard ``[p*L, (p+1)*L)``. A ``MoD`` wrapper around such a layer is told not
-to skip its block when it routes no token (``skip_empty = False``): every rank must enter the all-to-all. The replacement keeps each module at its place, so
-``named_parameters()`` lists the same names in the same order as the single-process model: state
-dicts and optimizer states map one to one, only the expert tensors are ``L`` long instead of ``E``.
+to skip its block when it routes no token (``skip_empty = False``): every rank must enter the all-to-all.
+The replacement keeps each module at its place, so ``named_parameters()`` lists the same names in the same
+order as the single-process model; only the expert tensors are ``L`` long instead of ``E`` (and, being plain
+tensors, do not say so: FSDP and DCP would treat them as replicated, which is why ``parallelize`` makes
+them DTensors).
 
 Build the full model with the same seed on every rank (identical weights), then shard it: the model
 code itself never learns about the process group.
@@ -20,9 +26,8 @@ import copy
 import dataclasses
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from mode import distributed as mdist
 from mode.dispatch.expert_parallel import ExpertParallelDispatcher
 from mode.experts.bank import ExpertBank
 from mode.layers.mod import MoD
@@ -82,44 +87,3 @@ def expert_parallel_layers(model: nn.Module) -> dict[str, MoELayer]:
     """Module name -> MoE layer whose experts are sharded (expert-parallel dispatcher)."""
     return {name: m for name, m in model.named_modules()
             if isinstance(m, MoELayer) and isinstance(m.dispatcher, ExpertParallelDispatcher)}
-
-
-def sharded_parameter_names(model: nn.Module) -> list[str]:
-    """Names of the expert parameters that are sharded over the group (leading dim L, not E)."""
-    return [f"{prefix}.experts.{n}" for prefix, layer in expert_parallel_layers(model).items()
-            for n, _ in layer.experts.named_parameters()]
-
-
-def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(replicated, sharded): every parameter once (tied weights included once), in model order."""
-    sharded_ids = {id(p) for layer in expert_parallel_layers(model).values() for p in layer.experts.parameters()}
-    params = list(model.parameters())
-    return [p for p in params if id(p) not in sharded_ids], [p for p in params if id(p) in sharded_ids]
-
-
-def full_state_dict(model: nn.Module, group=None) -> dict[str, Tensor] | None:
-    """The single-process state dict (expert tensors gathered to length E, on CPU) on the group's rank 0;
-    None on the other ranks. Every rank of the group must call it (it runs one gather per expert tensor)."""
-    rank, _ = mdist.rank_and_size(group)
-    sharded = set(sharded_parameter_names(model))
-    state = {}
-    for key, value in model.state_dict().items():
-        if key in sharded:
-            value = mdist.gather_cat(value, group)  # rank order == expert order (contiguous shards)
-        if rank == 0:
-            state[key] = value.detach().cpu().clone()
-    return state if rank == 0 else None
-
-
-def shard_state_dict(model: nn.Module, full: dict[str, Tensor], group=None) -> dict[str, Tensor]:
-    """This rank's slice of a single-process state dict, ready for ``model.load_state_dict`` of a model
-    sharded by ``shard_model`` (loads single-process checkpoints into expert-parallel training)."""
-    rank, world = mdist.rank_and_size(group)
-    out = dict(full)
-    for key in sharded_parameter_names(model):
-        E = full[key].shape[0]
-        if E % world:
-            raise ValueError(f"{key}: {E} experts are not divisible by the expert-parallel group size {world}")
-        L = E // world
-        out[key] = full[key][rank * L:(rank + 1) * L]
-    return out

@@ -12,8 +12,12 @@ Contract (see docs/routing_plan.md)
       expert's output (differentiable, float32).
     * Assignments are grouped by expert (expert 0 first) and, inside one expert, sorted by token index,
       so ``counts_E`` alone tells where each expert's segment starts.
-    * Only computed assignments appear: no-op choices and capacity drops are absent from ``*_A`` and
-      are counted in ``stats`` instead. A token that appears nowhere gets a zero update.
+    * The plan has a static size ``A``: the ``counts_E.sum()`` computed assignments come first, then
+      padding (no-op choices, capacity drops, masked tokens) with expert index ``E`` and weight 0; they
+      are counted in ``stats``. A token with no computed assignment gets a zero update.
+    * ``padded=False`` is a promise made when the router is built (dropless token choice without no-op
+      experts or a mask): there is no padding, ``A == counts_E.sum()``. The expert bank then skips its
+      padding masks. ``True`` (the default) is always safe.
     * Per-sequence routers (MoD top-k) set ``seq_capacity = C``: then ``A = B * C``, there is one expert,
       and ``token_idx_A.view(B, C)`` lists each sequence's routed tokens in their original order.
       ``valid_A`` is False only where a sequence had fewer than ``C`` real (unpadded) tokens and the
@@ -107,6 +111,7 @@ class RoutingPlan:
     aux: Aux
     seq_capacity: int | None = None
     valid_A: Tensor | None = None
+    padded: bool = True  # False: the router knows when it is built that A == counts_E.sum() (no padding)
 
     @property
     def num_experts(self) -> int:
@@ -125,7 +130,7 @@ class RoutingPlan:
             return self  # per-sequence (MoD) plans keep their slots; nothing to drop
         return RoutingPlan(token_idx_A=self.token_idx_A[:n], expert_idx_A=self.expert_idx_A[:n],
                            weight_A=self.weight_A[:n], counts_E=self.counts_E, num_tokens=self.num_tokens,
-                           aux=self.aux, seq_capacity=None, valid_A=None)
+                           aux=self.aux, seq_capacity=None, valid_A=None, padded=False)
 
     def computed_A(self) -> Tensor:
         """True for the assignments that are computed (the first ``counts_E.sum()``), on the device."""
@@ -159,7 +164,7 @@ def count_per(index_A: Tensor, size: int, weight_A: Tensor | None = None) -> Ten
 
 def entropy_of(probs_TX: Tensor, valid_T: Tensor | None) -> Tensor:
     """Mean entropy (nats) of per-token distributions over expert slots."""
-    ent_T = -(probs_TX * probs_TX.clamp_min(1e-20).log()).sum(-1)  # clamp: 0 * log 0 := 0
+    ent_T = -torch.special.xlogy(probs_TX, probs_TX).sum(-1)  # xlogy(0, 0) = 0: 0 * log 0 := 0, in one pass
     if valid_T is None:
         return ent_T.sum() / max(1, ent_T.numel())  # not .mean(): no tokens gives 0, not NaN
     return (ent_T * valid_T).sum() / valid_T.sum().clamp_min(1)

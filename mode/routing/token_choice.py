@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
-from mode.routing.losses import load_balancing_loss, router_z_loss
+from mode.routing.losses import router_z_loss
 from mode.routing.capacity import ceil_of
 from mode.routing.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 
@@ -123,7 +123,7 @@ class TokenChoiceRouter(nn.Module):
             # float32 whatever the activation dtype: top-k on bf16 logits ties too often
             logits_TX = F.linear(x_BSD.reshape(T, self.cfg.d_model).float(), self.weight.float())
             if self.cfg.check_finite:
-                _checks.check_finite_logits("TokenChoiceRouter", logits_TX)
+                _check_finite(logits_TX)
             if self.cfg.gate == "softmax":
                 probs_TX = logits_TX.softmax(-1)
                 balance_probs_TX = probs_TX
@@ -134,21 +134,27 @@ class TokenChoiceRouter(nn.Module):
             if self.cfg.renormalize:
                 gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True)
 
+            # Flatten choice-major (all first choices, then all second choices...): that is drop priority.
+            slot_A = chosen_TK.t().reshape(-1)
+            token_A = torch.arange(T, device=dev).repeat(K)
+            valid_A = None if valid_T is None else valid_T[token_A]
+            requested_X = count_per(slot_A, self.num_slots, valid_A)  # choices per slot, before capacity
+
             aux = Aux()
-            aux.add_loss("balance", load_balancing_loss(balance_probs_TX, chosen_TK, valid_T), self.cfg.balance_coef)
+            aux.add_loss("balance", _balance_loss(balance_probs_TX, requested_X, K, valid_T), self.cfg.balance_coef)
             aux.add_loss("z_loss", router_z_loss(logits_TX, valid_T), self.cfg.z_coef)
 
-        # Flatten choice-major (all first choices, then all second choices...): that is drop priority.
-        slot_A = chosen_TK.t().reshape(-1)
-        token_A = torch.arange(T, device=dev).repeat(K)
         gate_A = gate_TK.t().reshape(-1)
-        valid_A = torch.ones_like(slot_A, dtype=torch.bool) if valid_T is None else valid_T[token_A]
-        requested_X = count_per(slot_A, self.num_slots, valid_A)
-        computed_A = valid_A & (slot_A < E)
         cap = self.capacity(T)
-        if cap is not None:
-            computed_A = computed_A & _within_capacity(slot_A, computed_A, E, cap)
-        expert_key_A = torch.where(computed_A, slot_A, E)  # E: not computed, sorts after every expert
+        # padding comes only from a mask, no-op choices or capacity drops: without them A == counts_E.sum()
+        padded = valid_T is not None or self.cfg.num_noop > 0 or cap is not None
+        if padded:
+            computed_A = slot_A < E if valid_A is None else valid_A & (slot_A < E)
+            if cap is not None:
+                computed_A = computed_A & _within_capacity(slot_A, computed_A, E, cap)
+            expert_key_A = torch.where(computed_A, slot_A, E)  # E: not computed, sorts after every expert
+        else:
+            expert_key_A = slot_A  # every choice is a real expert and is computed
         token_A, expert_A, gate_A, counts_E = group_by_expert(token_A, expert_key_A, gate_A, E, T)
 
         real_requested = requested_X[:E].sum()
@@ -163,7 +169,35 @@ class TokenChoiceRouter(nn.Module):
             batch_shape=(B, S),
         )
         return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
-                           num_tokens=T, aux=aux)
+                           num_tokens=T, aux=aux, padded=padded)
+
+
+def _check_finite(logits_TX: Tensor) -> None:
+    """``_checks.check_finite_logits`` in one pass: min and max of the logits are finite exactly when every
+    logit is (NaN propagates through both). Only a failure runs the full check, for its message."""
+    if logits_TX.numel() == 0 or logits_TX.device.type == "meta":
+        return
+    lo, hi = torch.aminmax(logits_TX)
+    try:
+        torch._assert_async(torch.isfinite(lo) & torch.isfinite(hi), "TokenChoiceRouter: router logits are NaN or inf")
+    except RuntimeError:  # raised at once on the CPU; on a GPU a failure is a device-side assert
+        _checks.check_finite_logits("TokenChoiceRouter", logits_TX)
+        raise
+
+
+def _balance_loss(probs_TX: Tensor, requested_X: Tensor, top_k: int, valid_T: Tensor | None) -> Tensor:
+    """``losses.load_balancing_loss`` from the choice counts the router has anyway (``requested_X``, valid
+    choices per slot) instead of a (T, X) one-hot: the same value bit for bit (a float32 sum of ones is the
+    exact count), three passes over (T, X) fewer. ``tests/test_routers.py`` checks the two agree."""
+    num_slots = probs_TX.shape[-1]
+    if valid_T is not None:
+        probs_TX = probs_TX * valid_T[:, None]
+        n = valid_T.sum().clamp_min(1)
+    else:
+        n = max(1, probs_TX.shape[0])
+    f_X = requested_X.to(probs_TX.dtype) / (n * top_k)
+    p_X = probs_TX.sum(0) / n
+    return num_slots * (f_X * p_X).sum()
 
 
 def _within_capacity(slot_A: Tensor, computed_A: Tensor, num_experts: int, cap: int) -> Tensor:

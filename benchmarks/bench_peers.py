@@ -1,0 +1,428 @@
+"""Peer benchmark: mode's MoE layer against the MoE blocks people already use, side by side in one process.
+
+    PYTHONPATH=. python benchmarks/bench_peers.py --threads 1       # the table in docs/performance.md (~5 min)
+    PYTHONPATH=. python benchmarks/bench_peers.py --quick           # tiny sizes, seconds (the smoke test)
+    PYTHONPATH=. python benchmarks/bench_peers.py --device cuda     # the same on a GPU (cuda:N, auto also work)
+
+Implementations (D=512, 4096 tokens, top-2 SwiGLU experts, float32; 8 experts of hidden 1024 and 64 of 256):
+    mode            ``MoELayer`` (token choice, softmax, top-2, renormalised), backend "auto" and "reference",
+                    as shipped: its load-balancing and z-loss are computed and back-propagated
+    transformers    ``MixtralSparseMoeBlock`` and ``Qwen3MoeSparseMoeBlock`` built from small configs with
+                    random weights (nothing is downloaded), ``experts_implementation="grouped_mm"``
+    torchtitan      ``torchtitan.models.common.moe.MoE`` (softmax scores, ``route_norm``, top-2) as shipped,
+                    whose grouped experts cast to bfloat16, and the same with its expert matmuls kept in
+                    float32 (its ``.bfloat16()`` casts turned into no-ops while its experts run)
+    dense           ``mode.MLP(D, 2H, "swiglu")``: the dense MLP with the same active FLOPs, the baseline
+Every implementation gets the same weights, copied from mode's layer into each peer's layout, so every
+one routes alike (softmax over the experts, top-2, the two gates renormalised to sum to 1: Mixtral's
+convention). Before anything is timed, each output and input gradient (of ``<y, g>``) is compared with
+mode's; the max absolute differences go into the table and the JSON.
+
+Timing: forward + backward, every implementation and the dense MLP run once per round in a rotating order
+(``benchmarks/common.py: time_interleaved``), ratio = time / the dense MLP's time in the same round, median
+over the rounds after a warm-up. Writes benchmarks/results/peers.json and peers.png (``--out``).
+
+Peers are optional (``pip install "mode-torch[peers]"``); one that does not import is skipped, and the
+table and the JSON say why. torchtitan 0.3 imports triton when it loads; CUDA builds of torch bring it,
+CPU builds do not (``pip install triton`` then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, machine_info,  # noqa: E402
+                               print_table, time_interleaved, write_json)
+from mode import MLP, MoEConfig, MoELayer  # noqa: E402
+
+FULL = dict(tokens=4096, d_model=512, configs=((8, 1024), (64, 256)), warmup=3, repeats=9)
+QUICK = dict(tokens=256, d_model=64, configs=((4, 64), (16, 16)), warmup=1, repeats=3)
+TOP_K = 2
+INSTALL = 'pip install "mode-torch[peers]"'
+# float32 implementations must agree with mode to this (observed: 0 or ~1e-7; summation order may differ)
+FLOAT32_TOL = 1e-4
+
+
+@dataclass
+class Impl:
+    name: str
+    family: str  # mode, transformers, torchtitan
+    build: Callable[[MoELayer], nn.Module]  # from mode's layer (weights to copy); runs on the CPU
+    returns_aux: bool = False  # mode's convention: (y, Aux)
+    float32: bool = True  # computes in float32 (expected to agree with mode to FLOAT32_TOL)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# -- mode ------------------------------------------------------------------------------------------------
+
+def build_mode(cfg: dict, num_experts: int, hidden: int, backend: str, seed: int) -> MoELayer:
+    torch.manual_seed(seed)  # the same router and expert weights for every backend
+    return MoELayer.from_config(MoEConfig(
+        d_model=cfg["d_model"], d_hidden=hidden, num_experts=num_experts, router="token_choice", top_k=TOP_K,
+        gate="softmax", renormalize=True, capacity_factor=None, activation="swiglu", backend=backend))
+
+
+def _mode_weights(src: MoELayer) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(router (E, D), gate (E, D, H), up (E, D, H), down (E, H, D)) of mode's layer, detached."""
+    w_in = src.experts.w_in_EDF.detach()
+    H = src.experts.cfg.d_hidden
+    return src.router.weight.detach(), w_in[:, :, :H], w_in[:, :, H:], src.experts.w_out_EHD.detach()
+
+
+def _copy(param: nn.Parameter, value: Tensor) -> None:
+    if tuple(param.shape) != tuple(value.shape):
+        raise AssertionError(f"weight copy: {tuple(param.shape)} != {tuple(value.shape)}")
+    with torch.no_grad():
+        param.copy_(value)
+
+
+# -- transformers ----------------------------------------------------------------------------------------
+
+def transformers_impls() -> tuple[list[Impl], str | None]:
+    """Mixtral and Qwen3-MoE sparse MoE blocks, or ([], why not)."""
+    try:
+        from transformers import MixtralConfig, Qwen3MoeConfig
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    except Exception as e:  # ImportError, or anything a half-installed stack raises at import
+        return [], f"transformers does not import here ({type(e).__name__}: {e}); {INSTALL}"
+    if "grouped_mm" not in ALL_EXPERTS_FUNCTIONS:
+        return [], (f"transformers {_version('transformers')} has no 'grouped_mm' experts implementation "
+                    f"(transformers>=5 has it); {INSTALL}")
+
+    def copy_into(block: nn.Module, src: MoELayer) -> nn.Module:
+        router, gate, up, down = _mode_weights(src)
+        _copy(block.gate.weight, router)
+        # transformers keeps (E, out, in) weights with the gate half first: [gate; up] @ x
+        _copy(block.experts.gate_up_proj, torch.cat([gate, up], dim=2).transpose(1, 2))
+        _copy(block.experts.down_proj, down.transpose(1, 2))
+        return block
+
+    def mixtral(src: MoELayer) -> nn.Module:
+        e, d, h = src.experts.num_experts, src.experts.cfg.d_model, src.experts.cfg.d_hidden
+        config = MixtralConfig(hidden_size=d, intermediate_size=h, num_local_experts=e, num_experts_per_tok=TOP_K,
+                               hidden_act="silu", router_jitter_noise=0.0, experts_implementation="grouped_mm")
+        return copy_into(MixtralSparseMoeBlock(config), src)
+
+    def qwen3(src: MoELayer) -> nn.Module:
+        e, d, h = src.experts.num_experts, src.experts.cfg.d_model, src.experts.cfg.d_hidden
+        config = Qwen3MoeConfig(hidden_size=d, moe_intermediate_size=h, num_experts=e, num_experts_per_tok=TOP_K,
+                                norm_topk_prob=True, hidden_act="silu", experts_implementation="grouped_mm")
+        return copy_into(Qwen3MoeSparseMoeBlock(config), src)
+
+    version = _version("transformers")
+    return [Impl(f"transformers {version} Mixtral block, grouped_mm", "transformers", mixtral),
+            Impl(f"transformers {version} Qwen3-MoE block, grouped_mm", "transformers", qwen3)], None
+
+
+# -- torchtitan ------------------------------------------------------------------------------------------
+
+class _KeepFloat32(TorchFunctionMode):
+    """Turns ``Tensor.bfloat16()`` into a no-op: torchtitan's grouped experts cast their inputs and weights
+    with it, so inside this mode they compute in float32 (nothing else about them changes)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.bfloat16:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+class _Float32Experts(nn.Module):
+    """Runs a torchtitan ``GroupedExperts`` under :class:`_KeepFloat32` (its parameters stay its own)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.num_experts = inner.num_experts
+
+    def forward(self, *args, **kwargs):
+        with _KeepFloat32():
+            return self.inner(*args, **kwargs)
+
+
+def torchtitan_impls() -> tuple[list[Impl], str | None]:
+    """torchtitan's MoE as shipped (bfloat16 expert matmuls) and with float32 expert matmuls, or ([], why not)."""
+    try:
+        from torchtitan.models.common.linear import Linear
+        from torchtitan.models.common.moe import MoE, GroupedExperts, RoutedExperts, TokenChoiceTopKRouter
+        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+    except Exception as e:
+        hint = INSTALL
+        if isinstance(e, ModuleNotFoundError) and e.name == "triton":
+            hint = ("torchtitan 0.3 imports triton when it loads; CUDA builds of torch bring it, a CPU build "
+                    "does not: pip install triton")
+        return [], f"torchtitan does not import here ({type(e).__name__}: {e}); {hint}"
+
+    def build(src: MoELayer, float32: bool) -> nn.Module:
+        e, d, h = src.experts.num_experts, src.experts.cfg.d_model, src.experts.cfg.d_hidden
+        config = MoE.Config(
+            num_experts=e,
+            routed_experts=RoutedExperts.Config(
+                inner_experts=GroupedExperts.Config(dim=d, hidden_dim=h, num_experts=e),
+                token_dispatcher=LocalTokenDispatcher.Config(num_experts=e, top_k=TOP_K)),
+            router=TokenChoiceTopKRouter.Config(num_experts=e, gate=Linear.Config(in_features=d, out_features=e),
+                                                top_k=TOP_K, score_func="softmax", route_norm=True))
+        moe = config.build()
+        router, gate, up, down = _mode_weights(src)
+        experts = moe.routed_experts.inner_experts
+        _copy(moe.router.gate.weight, router)
+        _copy(experts.w1_EFD, gate.transpose(1, 2))  # torchtitan: (E, out, in), w1 gate, w3 up, w2 down
+        _copy(experts.w3_EFD, up.transpose(1, 2))
+        _copy(experts.w2_EDF, down.transpose(1, 2))
+        if float32:
+            moe.routed_experts.inner_experts = _Float32Experts(experts)
+        return moe
+
+    version = _version("torchtitan")
+    return [Impl(f"torchtitan {version} MoE, expert matmuls kept in float32", "torchtitan",
+                 lambda src: build(src, True)),
+            Impl(f"torchtitan {version} MoE as shipped (expert matmuls in bfloat16)", "torchtitan",
+                 lambda src: build(src, False), float32=False)], None
+
+
+# -- measurement -----------------------------------------------------------------------------------------
+
+def make_step(module: nn.Module, x: Tensor, grad_out: Tensor, returns_aux: bool,
+              with_aux: bool = True) -> Callable[[], tuple[Tensor, Tensor]]:
+    """One forward + backward of ``<y, grad_out>`` (plus mode's aux losses when ``with_aux``); returns
+    (y, x.grad), both detached. Gradients of the module are dropped first."""
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step() -> tuple[Tensor, Tensor]:
+        for p in params:
+            p.grad = None
+        x.grad = None
+        out = module(x)
+        y, aux = out if returns_aux else (out, None)
+        outs, grads = [y], [grad_out]
+        if with_aux and aux is not None:
+            total = aux.total()
+            if total.requires_grad:
+                outs.append(total)
+                grads.append(None)
+        torch.autograd.backward(outs, grads)
+        return y.detach(), x.grad
+
+    return step
+
+
+def max_abs_diff(a: Tensor, b: Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def bench_config(cfg: dict, num_experts: int, hidden: int, impls: list[Impl], device: torch.device,
+                 seed: int) -> list[dict]:
+    d, T = cfg["d_model"], cfg["tokens"]
+    tag = f"E={num_experts}, H={hidden}"
+    torch.manual_seed(seed)
+    x = torch.randn(1, T, d, device=device, requires_grad=True)
+    g = torch.randn(1, T, d, device=device)
+    torch.manual_seed(seed + 2)
+    dense = MLP(d, TOP_K * hidden, activation="swiglu").to(device)
+    src = build_mode(cfg, num_experts, hidden, "auto", seed + 1)
+
+    modules: dict[str, tuple[Impl, nn.Module]] = {}
+    rows: list[dict] = []
+    for impl in impls:
+        module = src if impl.name == "mode, auto" else impl.build(src)
+        modules[impl.name] = (impl, module.to(device))
+
+    # Agreement first: y and x.grad of <y, g> (no aux loss: the peers' blocks have none) against mode's.
+    ref_name = "mode, auto"
+    ref_y, ref_dx = (t.clone() for t in make_step(src, x, g, True, with_aux=False)())
+    agreement = {}
+    for name, (impl, module) in modules.items():
+        y, dx = make_step(module, x, g, impl.returns_aux, with_aux=False)()
+        agreement[name] = (max_abs_diff(y, ref_y), max_abs_diff(dx, ref_dx))
+
+    steps = {name: make_step(module, x, g, impl.returns_aux) for name, (impl, module) in modules.items()}
+    steps["dense"] = make_step(dense, x, g, True)
+    timing = time_interleaved(steps, "dense", warmup=cfg["warmup"], repeats=cfg["repeats"], device=device)
+
+    backends = {"mode, auto": src.experts.backend}
+    for name, (impl, module) in modules.items():
+        if impl.family == "mode":
+            backends[name] = module.experts.backend
+    kept_E = src(x)[1].stats["router"].kept_E
+    for name, res in timing.items():
+        impl = modules[name][0] if name != "dense" else None
+        dy, ddx = agreement.get(name, (None, None))
+        rows.append(dict(
+            config=tag, num_experts=num_experts, expert_hidden=hidden, dense_hidden=TOP_K * hidden, tokens=T,
+            d_model=d, top_k=TOP_K, implementation=name if name != "dense" else "dense SwiGLU MLP, hidden 2H (the baseline)",
+            family=impl.family if impl else "dense", backend=backends.get(name),
+            computes_in="float32" if impl is None or impl.float32 else "bfloat16 experts",
+            max_abs_diff_y=dy, max_abs_diff_dx=ddx,
+            agrees=None if impl is None or not impl.float32 else bool(dy <= FLOAT32_TOL and ddx <= FLOAT32_TOL),
+            load_max_over_mean=float(kept_E.max() / kept_E.mean()),
+            ms=1e3 * res["s_median"], **res))
+        print(f"  {tag:<14} {rows[-1]['implementation']:<62} ratio {res['ratio_median']:.3f}  "
+              f"|dy| {dy if dy is not None else '-'}  |dx| {ddx if ddx is not None else '-'}",
+              file=sys.stderr, flush=True)
+    del modules, steps, src, dense
+    gc.collect()
+    return rows
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    names = [n for n in dict.fromkeys(r["implementation"] for r in rows) if not n.startswith("dense")]
+    ratio = {(r["config"], r["implementation"]): r["ratio_median"] for r in rows}
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(names) * len(configs) + 1.6))
+    height = 0.8 / len(configs)
+    for j, config in enumerate(configs):
+        ys = [i + j * height for i in range(len(names))]
+        vals = [ratio.get((config, n), float("nan")) for n in names]
+        bars = ax.barh(ys, vals, height=height, label=config)
+        for y, v in zip(ys, vals):
+            if v == v:
+                ax.text(v, y, f" {v:.2f}", va="center", fontsize=8)
+        del bars
+    ax.axvline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(names))])
+    ax.set_yticklabels(names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("fwd+bwd time / dense SwiGLU MLP of the same active FLOPs (lower is better)", fontsize=9)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (smoke test)")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default benchmarks/results/peers.json, peers_quick.json with --quick); "
+                        "the PNG goes next to it")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds per configuration (after warm-up)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed rounds per configuration")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) (default: torch's)")
+    p.add_argument("--experts", type=int, nargs="*", default=None,
+                   help="run only the configurations with these expert counts (e.g. --experts 64)")
+    p.add_argument("--seed", type=int, default=0)
+    add_device_arg(p)
+    add_malloc_arg(p)
+    args = p.parse_args(argv)
+    malloc = apply_malloc(args.malloc)
+    cfg = dict(QUICK if args.quick else FULL)
+    for key in ("repeats", "warmup"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    if cfg["repeats"] < 1:
+        raise SystemExit(f"--repeats={cfg['repeats']}: must be >= 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads={args.threads}: must be >= 1")
+        torch.set_num_threads(args.threads)
+    configs = [c for c in cfg["configs"] if args.experts is None or c[0] in args.experts]
+    if not configs:
+        raise SystemExit(f"--experts {args.experts}: no configuration has that many experts "
+                         f"(configurations: {[c[0] for c in cfg['configs']]})")
+    device = args.device
+    out = Path(args.out or ROOT / "benchmarks" / "results" / ("peers_quick.json" if args.quick else "peers.json"))
+
+    impls = [Impl("mode, auto", "mode", lambda src: src, returns_aux=True),
+             Impl("mode, reference", "mode", lambda src: _rebuild_mode(src, "reference"), returns_aux=True)]
+    skipped = {}
+    for family, loader in (("transformers", transformers_impls), ("torchtitan", torchtitan_impls)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # import-time deprecation chatter of the peers
+            found, reason = loader()
+        impls += found
+        if reason is not None:
+            skipped[family] = reason
+            print(f"skipping {family}: {reason}", file=sys.stderr)
+
+    info = machine_info(device)
+    info["versions"] = {dist: _version(dist) for dist in ("mode-torch", "transformers", "torchtitan", "triton")}
+    print(f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {device} "
+          f"({info['device_name']})", file=sys.stderr)
+    rows = []
+    with warnings.catch_warnings():
+        # torchtitan's router enters torch.autocast(dtype=float32), which CPU autocast rejects with a warning
+        warnings.filterwarnings("ignore", message=".*autocast.*")
+        for num_experts, hidden in configs:
+            rows += bench_config(cfg, num_experts, hidden, impls, device, args.seed)
+    if hasattr(os, "getloadavg"):
+        info["loadavg_1_5_15_at_end"] = [round(v, 2) for v in os.getloadavg()]
+
+    # the table: one row per implementation, the ratio of each configuration side by side
+    tags = list(dict.fromkeys(r["config"] for r in rows))
+    wide: dict[str, dict] = {}
+    for r in rows:
+        w = wide.setdefault(r["implementation"], {"implementation": r["implementation"]})
+        w[r["config"]] = r["ratio_median"]
+        w[r["config"] + " spread"] = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
+        if r["max_abs_diff_y"] is not None:
+            w[r["config"] + " |dy|,|dx|"] = f"{r['max_abs_diff_y']:.1e}, {r['max_abs_diff_dx']:.1e}"
+    columns = [("implementation", "implementation", "")]
+    for t in tags:
+        columns += [(t, f"{t}: ratio", ".3f"), (t + " spread", "min-max", ""), (t + " |dy|,|dx|", "max |dy|, |dx| vs mode", "")]
+    print()
+    print_table(list(wide.values()), columns)
+    for family, reason in skipped.items():
+        print(f"skipped {family}: {reason}")
+
+    payload = dict(
+        benchmark="bench_peers",
+        command=" ".join(["bench_peers.py"] + (argv if argv is not None else sys.argv[1:])),
+        config={k: (list(map(list, v)) if k == "configs" else v) for k, v in cfg.items()},
+        device=str(device), dtype="float32", machine=info, malloc=malloc, skipped=skipped,
+        notes=("ratio = forward+backward wall time / the dense SwiGLU MLP's (hidden top_k * H, the same active "
+               "FLOPs) in the same round, median over rounds; cpu_ratio_median: the same in process CPU time. "
+               "Same weights everywhere (copied from mode's layer), so the same routing: softmax, top-2, "
+               "renormalised. max_abs_diff_*: output and input gradient of <y, g> against 'mode, auto', measured "
+               "before timing, without aux losses. mode is timed as shipped (its balance and z-loss included); "
+               "the peers' blocks compute no aux loss."),
+        results=rows)
+    path = write_json(out, payload)
+    png = path.with_suffix(".png")
+    plot(rows, png, f"{device} ({info['device_name']}), {info['torch_threads']} thread(s), float32, "
+                    f"{cfg['tokens']} tokens, d={cfg['d_model']}, top-2 SwiGLU")
+    print(f"\nwrote {path} and {png}", file=sys.stderr)
+    return payload
+
+
+def _rebuild_mode(src: MoELayer, backend: str) -> MoELayer:
+    """mode's layer with another expert backend and the same weights."""
+    cfg = src.experts.cfg
+    layer = MoELayer.from_config(MoEConfig(
+        d_model=cfg.d_model, d_hidden=cfg.d_hidden, num_experts=cfg.num_experts, router="token_choice",
+        top_k=TOP_K, gate="softmax", renormalize=True, capacity_factor=None, activation="swiglu", backend=backend))
+    layer.load_state_dict(src.state_dict())
+    return layer
+
+
+if __name__ == "__main__":
+    main()

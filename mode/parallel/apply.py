@@ -1,0 +1,115 @@
+"""``parallelize(model, mesh)``: expert parallelism and FSDP2 applied from outside to any ``nn.Module`` that
+holds this library's layers (the LM, or your own transformer). The model code never learns about the mesh.
+
+Shape legend: E experts of a layer, ep / dp the mesh degrees (``mode.parallel.mesh``), L = E / ep experts
+per expert-parallel rank, W = dp * ep processes.
+
+What it does, in this order (every rank calls it with the same model, built with the same seed):
+    1. **Expert parallelism.** Every ``MoELayer`` (``IntegratedMoDE`` and the MoE inside a ``StagedMoDE``
+       too) keeps its router and gets, through ``MoELayer.set_experts``, an ``ExpertBank`` holding rank e's
+       experts ``[e*L, (e+1)*L)`` and an ``ExpertParallelDispatcher`` on ``mesh["ep"]``'s group (ep = 1:
+       all experts, the local dispatcher). The bank's two weights become DTensors of the global shape
+       ``(E, ...)`` with placements ``[Replicate(), Shard(0)]`` on the ``(dp, ep)`` mesh: DCP then saves
+       all E rows, and FSDP knows that the ep ranks hold different tensors (a plain-tensor shard would be
+       silently treated as one replicated tensor: a wrong grad norm, a checkpoint of one ep group only).
+       The bank computes on ``weight.to_local()`` (``mode.experts.bank.local_weight``).
+    2. Every ``MoD`` wrapper gets ``skip_empty = False``: a rank whose MoD routes no token must still run
+       the block, whose FSDP all-gathers and expert all-to-alls every rank enters.
+    3. ``compile=True``: ``torch.compile`` per block (``mode.parallel.blocks``), before sharding.
+    4. **FSDP2.** Each expert bank: ``fully_shard(bank, mesh=mesh, dp_mesh_dims=shard "dp")`` (its L
+       experts sharded over dp). Each block, then the root: ``fully_shard`` on the flattened dp x ep mesh
+       (every dense weight sharded W ways; attention, norms, routers, embeddings).
+    5. **Gradient reduction: sums.** Divide factor 1.0 and force-sum on every FSDP module; the training
+       loop calls ``backward`` on ``loss / W`` (``mode.train.Trainer``). On gloo a divide factor other
+       than 1 fails (``PREMUL_SUM`` is not supported) and torch's own averaging divides twice in one layout;
+       summing ``loss / W`` is exact in every layout (tests/test_ep_training.py).
+
+Gradient clipping with parameters on two meshes: ``mode.parallel.runtime.clip_grad_norm_`` (one norm per
+mesh, combined, then applied per mesh); ``torch.nn.utils.clip_grad_norm_`` refuses mixed meshes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from mode.dispatch.expert_parallel import ExpertParallelDispatcher
+from mode.experts.bank import ExpertBank
+from mode.layers.mod import MoD
+from mode.layers.moe import MoELayer
+from mode.parallel.blocks import compile_blocks, resolve_blocks
+from mode.parallel.ep_model import shard_experts
+from mode.parallel.mesh import flat_mesh, mesh_dims
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
+    """Module name -> every ``MoELayer`` in ``model`` (the model itself included)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
+
+
+def is_parallelized(model: nn.Module) -> bool:
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _distribute_bank(bank: ExpertBank, mesh: DeviceMesh) -> None:
+    """Turn the bank's (L, ...) weights into DTensors of global shape (E, ...), Shard(0) on the ep dim."""
+    for name, p in list(bank.named_parameters(recurse=False)):
+        dt = DTensor.from_local(p.detach(), mesh, [Replicate(), Shard(0)], run_check=False)
+        bank.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Module] | None = None,
+                compile: bool = False, reshard_after_forward: bool | None = None) -> nn.Module:
+    """Make ``model`` expert-parallel over ``mesh["ep"]`` and fully sharded over the whole mesh, in place;
+    returns it. ``blocks``: the FSDP (and compile) units below the root (default: the children of the
+    model's outermost ``ModuleList``/``ModuleDict``, ``mode.parallel.blocks``). ``reshard_after_forward``
+    goes to every ``fully_shard`` (None: FSDP's default, True below the root)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model={type(model).__name__}: must be an nn.Module")
+    dims = mesh_dims(mesh)
+    if is_parallelized(model):
+        raise ValueError("model: is already parallelized (it holds FSDP modules); build a fresh model")
+    layers = moe_layers(model)
+    for name, layer in layers.items():
+        if isinstance(layer.dispatcher, ExpertParallelDispatcher):
+            raise ValueError(f"{name or 'model'}: is already expert-parallel (mode.parallel.ep_model.shard_model); "
+                             "parallelize a model built for one process")
+        dims.check_experts(layer.router.num_experts, f"{name or 'model'}.router.num_experts")
+    blocks = resolve_blocks(model, blocks)
+
+    ep_mesh = mesh["ep"]
+    ep_rank = ep_mesh.get_local_rank()
+    banks = []
+    for layer in layers.values():
+        E = layer.router.num_experts
+        if dims.ep > 1:
+            layer.set_experts(shard_experts(layer.experts, ep_rank, dims.ep),
+                              ExpertParallelDispatcher(ep_mesh.get_group(), E))  # one per layer: its own stats
+        _distribute_bank(layer.experts, mesh)
+        banks.append(layer.experts)
+    for m in model.modules():
+        if isinstance(m, MoD):
+            m.skip_empty = False  # every rank enters the block's collectives, whatever it routed
+
+    if compile:
+        compile_blocks(model, blocks)
+
+    kw = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    for bank in banks:
+        # the weights' own mesh object: equal to ``mesh``, but DTensor may hand back an equal one made
+        # earlier (its specs are cached), and fully_shard wants the very object
+        fully_shard(bank, mesh=bank.w_in_EDF.device_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"), **kw)
+    flat = flat_mesh(mesh)
+    for block in blocks:
+        fully_shard(block, mesh=flat, **kw)
+    fully_shard(model, mesh=flat, **kw)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return model

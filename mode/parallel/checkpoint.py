@@ -1,0 +1,421 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards,
+and a checkpoint saved on one layout loads on any other (any world size, any (dp, ep), one process).
+
+The folder (docs/checkpoints.md)
+    ``CKPT/latest``                  the name of the newest complete save, written atomically *last*
+    ``CKPT/step-NNNNNNNN-XXXX/``     one save: DCP's ``.metadata`` and ``__R_0.distcp`` shard files, and
+                                     ``meta.json`` (everything that is not a tensor: the model and training
+                                     configs, step, FLOPs, history, the RNG states, the routing sums)
+    DCP state: ``model.<name>`` (the state dict: every tensor at its *global* shape, expert tensors with
+    all E rows) and ``optimizer.<name>.<key>`` (AdamW's ``step``, ``exp_avg``, ``exp_avg_sq`` of each
+    parameter, by parameter name).
+
+Atomic: a save goes to a fresh ``step-*`` folder; ``latest`` is replaced (``mode.checkpoint.atomic_write``)
+only when every rank's shards and ``meta.json`` are complete, then older folders are removed. A run killed
+while saving leaves the previous save in place (and a partial folder that the next save removes).
+
+Safe to load: DCP reads ``.metadata`` with plain ``pickle`` and non-tensor items with
+``torch.load(weights_only=False)``, either of which would run code from a hostile folder. ``SafeReader``
+reads ``.metadata`` with an unpickler that builds only DCP's own metadata classes, ``torch.Size`` and
+dtypes, and refuses a checkpoint holding any non-tensor item, so DCP only ever reads tensors (with
+``torch.load(weights_only=True)``). ``meta.json`` is JSON; both are validated like a single-file
+checkpoint (``mode.checkpoint``) before any model is built.
+
+Single files: ``read_sharded(folder)`` returns the dict of the single-file format (full tensors,
+index-keyed AdamW state) in one process, with no process group: ``mode.checkpoint.load_checkpoint`` and
+``load_model`` (hence ``mode sample`` and ``mode report``) read a folder through it, and ``export`` writes
+it as one file. ``load_full`` distributes a single-file checkpoint's tensors into a parallelized model
+(import).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import secrets
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from mode import checkpoint
+
+FORMAT = "mode-sharded-checkpoint"
+VERSION = 1
+LATEST = "latest"
+META = "meta.json"
+STEP_PREFIX = "step-"
+ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")  # the AdamW state of one parameter (amsgrad off)
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata and nothing else: its own classes, ``torch.Size``, dtypes, layouts, paths."""
+
+    def find_class(self, module: str, name: str):
+        if module == dcp_metadata.__name__:
+            obj = getattr(dcp_metadata, name, None)
+            if isinstance(obj, type) and obj.__module__ == module:  # defined there, not imported (typing.Any ...)
+                return obj
+        elif module == _StorageInfo.__module__ and name == "_StorageInfo":
+            return _StorageInfo
+        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        elif module == "torch.serialization" and name == "_get_layout":
+            return torch.serialization._get_layout
+        elif module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath",
+                                              "PureWindowsPath"):
+            import pathlib
+
+            return getattr(pathlib, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def read_metadata(folder: Path, where: str) -> dcp_metadata.Metadata:
+    """The DCP metadata of one save folder, unpickled safely and checked: tensors only, shard files inside
+    the folder."""
+    path = folder / ".metadata"
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise checkpoint.CheckpointError(f"{where}: no readable DCP metadata ({e.strerror or e})") from None
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        raise checkpoint.CheckpointError(f"{where}: refused: its .metadata holds objects other than DCP "
+                                         f"metadata, and loading them could run code ({e})") from None
+    except Exception as e:  # noqa: BLE001 - a damaged file: one clear error
+        raise checkpoint.CheckpointError(f"{where}: its .metadata is not readable ({type(e).__name__}: {e})") from None
+    if not isinstance(md, dcp_metadata.Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise checkpoint.CheckpointError(f"{where}: its .metadata is not DCP metadata")
+    for key, item in md.state_dict_metadata.items():
+        if not isinstance(item, dcp_metadata.TensorStorageMetadata):
+            raise checkpoint.CheckpointError(f"{where}: item {key!r} is a {type(item).__name__}: a mode checkpoint "
+                                             "holds tensors only (other items would be unpickled with code)")
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or "/" in rel or "\\" in rel or rel.startswith(".") \
+                or not (folder / rel).is_file():
+            raise checkpoint.CheckpointError(f"{where}: shard file {rel!r}: must be a file inside the folder")
+    return md
+
+
+class SafeReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata comes from ``read_metadata`` (see the module docstring)."""
+
+    def __init__(self, folder: Path, where: str):
+        super().__init__(folder)
+        self._folder, self._where = Path(folder), where
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        md = read_metadata(self._folder, self._where)
+        md.storage_meta = md.storage_meta or dcp_metadata.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint folder (with ``latest``) or one of its save folders."""
+    path = Path(path)
+    return path.is_dir() and ((path / LATEST).is_file() or (path / ".metadata").is_file())
+
+
+def save_folder(path: str | Path) -> Path:
+    """The save folder a checkpoint path names: ``path/<latest>``, or ``path`` itself if it is one."""
+    path = Path(path)
+    where = f"checkpoint {str(path)!r}"
+    if not path.exists():
+        raise checkpoint.CheckpointError(f"{where}: no such file or folder")
+    if (path / ".metadata").is_file():
+        return path
+    if not (path / LATEST).is_file():
+        raise checkpoint.CheckpointError(f"{where}: not a file, and not a sharded checkpoint folder (no "
+                                         f"{LATEST!r} file and no DCP .metadata in it)")
+    name = (path / LATEST).read_text().strip()
+    if not name.startswith(STEP_PREFIX) or "/" in name or "\\" in name or not (path / name).is_dir():
+        raise checkpoint.CheckpointError(f"{where}: {LATEST} names {name!r}, which is not a save folder in it")
+    return path / name
+
+
+def read_meta(folder: Path, where: str, training: bool) -> dict:
+    """``meta.json`` of a save folder as the single-file checkpoint dict minus the tensors of the model and
+    the optimizer (RNG states and routing sums as tensors again), validated (``mode.checkpoint.check_state``;
+    ``training``: the state for resuming must be complete)."""
+    try:
+        meta = json.loads((folder / META).read_text())
+    except (OSError, ValueError) as e:
+        raise checkpoint.CheckpointError(f"{where}: {META} is missing or not JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise checkpoint.CheckpointError(f"{where}: {META}: format must be {FORMAT!r}")
+    version = meta.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= VERSION:
+        raise checkpoint.CheckpointError(f"{where}: {META}: version={version!r}: this mode reads 1 to {VERSION}")
+    state = {k: v for k, v in meta.items() if k not in ("format", "version")}
+    try:
+        for key in ("sampler_rng", "torch_rng"):
+            if key in state:
+                state[key] = torch.tensor(state[key], dtype=torch.uint8)
+        if "cuda_rng" in state:
+            state["cuda_rng"] = [torch.tensor(r, dtype=torch.uint8) for r in state["cuda_rng"]]
+        if "routing_acc" in state:
+            acc = state["routing_acc"]
+            state["routing_acc"] = {"sums": {k: torch.tensor(v, dtype=torch.float64)
+                                             for k, v in acc.get("sums", {}).items()},
+                                    "layer_kinds": acc.get("layer_kinds")}
+    except (TypeError, ValueError, RuntimeError, AttributeError, OverflowError) as e:
+        raise checkpoint.CheckpointError(f"{where}: {META}: a malformed RNG state or routing sum ({e})") from None
+    checkpoint.check_state(state, where, training, tensors=False)
+    return state
+
+
+def _check_shapes(expected: dict[str, Tensor], md: dcp_metadata.Metadata, prefix: str, where: str) -> None:
+    """Every ``expected`` tensor is in the checkpoint under ``prefix + name`` with the same global shape and
+    dtype (DTensors: their global shape)."""
+    items = md.state_dict_metadata
+    for name, t in expected.items():
+        item = items.get(prefix + name)
+        if item is None:
+            raise checkpoint.CheckpointError(f"{where}: {prefix}{name} is missing")
+        if tuple(item.size) != tuple(t.shape) or item.properties.dtype != t.dtype:
+            raise checkpoint.CheckpointError(
+                f"{where}: {prefix}{name} is {item.properties.dtype} {tuple(item.size)}, this model needs "
+                f"{t.dtype} {tuple(t.shape)}")
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}  # tied weights: their first name
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The parameters in the order of ``optimizer.state_dict()``'s integer keys."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _optimizer_skeleton(model: nn.Module, optimizer: torch.optim.Optimizer, md: dcp_metadata.Metadata) -> dict:
+    """name -> {step, exp_avg, exp_avg_sq} for every parameter whose state the checkpoint holds, as empty
+    tensors laid out like the parameter (DTensors stay DTensors), for DCP to load into."""
+    names = _param_names(model)
+    items = md.state_dict_metadata
+    out = {}
+    for p in _optimizer_params(optimizer):
+        name = names[id(p)]
+        if f"optimizer.{name}.exp_avg" not in items:
+            continue  # never stepped (no gradient yet): no state, as in the saving run
+        out[name] = {"step": torch.zeros((), dtype=torch.float32),
+                     "exp_avg": torch.zeros_like(p.detach()), "exp_avg_sq": torch.zeros_like(p.detach())}
+    return out
+
+
+def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, by_name: dict) -> None:
+    names = _param_names(model)
+    sd = optimizer.state_dict()
+    sd["state"] = {i: by_name[names[id(p)]] for i, p in enumerate(_optimizer_params(optimizer))
+                   if names[id(p)] in by_name}
+    optimizer.load_state_dict(sd)
+
+
+def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 check=None, local: bool = False) -> dict:
+    """Load a sharded checkpoint into ``model`` (and ``optimizer``), each rank reading only the chunks of its
+    own shards; returns the rest of the state (``read_meta``), which ``check(state)`` sees first (it may
+    raise). Every rank of the model's mesh calls it. ``local``: this process alone loads a plain model (no
+    collectives, whether or not a process group exists)."""
+    folder = save_folder(path)
+    where = f"checkpoint {str(path)!r}"
+    meta = read_meta(folder, where, training=optimizer is not None)
+    if check is not None:
+        check(meta)
+    reader = SafeReader(folder, where)
+    md = reader.read_metadata()
+    model_sd = model.state_dict()
+    _check_shapes(model_sd, md, "model.", where)
+    state: dict = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = _optimizer_skeleton(model, optimizer, md)
+        for name, entry in state["optimizer"].items():
+            _check_shapes({k: entry[k] for k in ("exp_avg", "exp_avg_sq")}, md, f"optimizer.{name}.", where)
+    if local:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point
+            warnings.simplefilter("ignore")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    else:
+        dcp.load(state, storage_reader=reader)
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        _load_optimizer(model, optimizer, state["optimizer"])
+    return meta
+
+
+def read_sharded(path: str | Path, training: bool = False) -> dict:
+    """A sharded checkpoint as the single-file checkpoint dict (full tensors; with ``training``, the AdamW
+    state keyed like ``optimizer.state_dict()``), in this process, with no process group needed."""
+    from mode.model import LM
+    from mode.train import TrainConfig, build_optimizer
+
+    folder = save_folder(path)
+    where = f"checkpoint {str(path)!r}"
+    meta = read_meta(folder, where, training)
+    cfg = checkpoint.model_config_from_dict(meta.get("model_cfg"), where)
+    md = read_metadata(folder, where)
+    with torch.device("meta"):  # shapes first: a checkpoint that does not fit its config allocates nothing
+        _check_shapes(LM(cfg).state_dict(), md, "model.", where)
+    model = LM(cfg)
+    optimizer = None
+    if training:
+        try:
+            tcfg = TrainConfig(**meta.get("train_cfg", {}))
+        except (TypeError, ValueError) as e:
+            raise checkpoint.CheckpointError(f"{where}: train_cfg is invalid: {e}") from None
+        optimizer = build_optimizer(model, tcfg)
+    load_sharded(folder, model, optimizer, local=True)
+    state = dict(meta, model={k: v.detach().clone() for k, v in model.state_dict().items()})
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    return state
+
+
+def export(path: str | Path, out_file: str | Path) -> Path:
+    """Write a sharded checkpoint as one single-file checkpoint (``mode.checkpoint``'s format), atomically."""
+    state = read_sharded(path, training=True)
+    return checkpoint.save_checkpoint(out_file, {k: v for k, v in state.items() if k not in ("format", "version")})
+
+
+# ---------------------------------------------------------------------------------------------- import
+
+
+@torch.no_grad()
+def _copy_full(target: Tensor, full: Tensor) -> None:
+    """Copy the part of the full tensor ``full`` that ``target`` holds (a DTensor: its local shard)."""
+    full = full.to(device=target.device, dtype=target.dtype)
+    if isinstance(target, DTensor):
+        # src_data_rank=None: every rank holds the full tensor, each keeps its own slice (no communication)
+        shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(shard.to_local())
+    else:
+        target.copy_(full)
+
+
+def load_full(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict, where: str) -> None:
+    """Put a single-file checkpoint's full tensors (``state["model"]``, index-keyed ``state["optimizer"]``)
+    into a parallelized model and its optimizer: every rank keeps its shards (import)."""
+    model_sd = model.state_dict()
+    checkpoint.check_model_state(model_sd, state["model"], where)
+    for key, target in model_sd.items():
+        _copy_full(target, state["model"][key])
+    if optimizer is None:
+        return
+    saved = state["optimizer"]
+    params = _optimizer_params(optimizer)
+    try:
+        saved_groups = [len(g["params"]) for g in saved["param_groups"]]
+        if saved_groups != [len(g["params"]) for g in optimizer.param_groups]:
+            raise ValueError(f"parameter groups of sizes {saved_groups}, this model has "
+                             f"{[len(g['params']) for g in optimizer.param_groups]}")
+        by_name, names = {}, _param_names(model)
+        for i, entry in saved["state"].items():
+            p = params[int(i)]
+            missing = [k for k in ADAM_KEYS if k not in entry]
+            if missing:
+                raise ValueError(f"state[{i}] lacks {missing}")
+            new = {"step": entry["step"].detach().clone().float().cpu()}
+            for k in ("exp_avg", "exp_avg_sq"):
+                if tuple(entry[k].shape) != tuple(p.shape):
+                    raise ValueError(f"state[{i}][{k!r}] has shape {tuple(entry[k].shape)}, the parameter "
+                                     f"{names[id(p)]} {tuple(p.shape)}")
+                new[k] = torch.zeros_like(p.detach())
+                _copy_full(new[k], entry[k])
+            by_name[names[id(p)]] = new
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError) as e:
+        raise checkpoint.CheckpointError(f"{where}: its optimizer state does not fit this model: {e}") from None
+    _load_optimizer(model, optimizer, by_name)
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def _meta_json(meta: dict) -> str:
+    """The non-tensor state as JSON: RNG states as lists of bytes, routing sums as lists of floats."""
+    out = {"format": FORMAT, "version": VERSION}
+    for key, value in meta.items():
+        if key in ("sampler_rng", "torch_rng"):
+            value = value.tolist()
+        elif key == "cuda_rng":
+            value = [r.tolist() for r in value]
+        elif key == "routing_acc":
+            value = {"sums": {k: v.double().tolist() for k, v in value.get("sums", {}).items()},
+                     "layer_kinds": list(value["layer_kinds"]) if value.get("layer_kinds") else None}
+        out[key] = value
+    return json.dumps(out)
+
+
+def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """name -> AdamW state of that parameter (the live tensors: shards of DTensors)."""
+    names = _param_names(model)
+    return {names[id(p)]: {k: optimizer.state[p][k] for k in ADAM_KEYS}
+            for p in _optimizer_params(optimizer) if p in optimizer.state and optimizer.state[p]}
+
+
+def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
+                 group=None) -> Path:
+    """Save every rank's shards of ``model`` and ``optimizer`` and rank 0's ``meta`` (the non-tensor state)
+    as a new save folder in ``path``; every rank of ``group`` (default: the world) calls it. Without a
+    process group, this process saves alone. Returns the save folder once ``latest`` names it; a failed
+    write raises ``mode.checkpoint.WriteError`` on every rank, and ``latest`` keeps naming the previous save."""
+    path = Path(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(group) if distributed else 0
+    error: OSError | None = None
+    token: list = [None]
+    if rank == 0:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            token[0] = f"{STEP_PREFIX}{meta['step']:08d}-{secrets.token_hex(3)}"  # fresh: never over a good save
+        except OSError as e:
+            error = checkpoint.WriteError(f"could not create the checkpoint folder {str(path)!r}: {e.strerror or e}")
+    if distributed:
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(token, src=src, group=group)  # the folder name, or None: rank 0 failed
+    if token[0] is None:
+        raise error or checkpoint.WriteError(f"rank 0 could not create the checkpoint folder {str(path)!r} "
+                                             "(see its error)")
+    folder = path / token[0]
+    state = {"model": model.state_dict(), "optimizer": optimizer_state_by_name(model, optimizer)}
+    try:  # DCP gathers every rank's outcome: one rank's failure raises on all of them
+        with warnings.catch_warnings():  # without a group DCP warns that it saves in one process: intended
+            warnings.simplefilter("ignore" if not distributed else "default")
+            dcp.save(state, storage_writer=FileSystemWriter(folder), process_group=group, no_dist=not distributed)
+    except CheckpointException as e:
+        raise checkpoint.WriteError(f"could not write the sharded checkpoint {str(folder)!r}: {e} (the previous "
+                                    f"save, named by {str(path / LATEST)!r}, is unchanged)") from None
+    if rank == 0:
+        try:
+            checkpoint.atomic_write_text(folder / META, _meta_json(meta))
+            checkpoint.atomic_write_text(path / LATEST, folder.name + "\n")  # the switch: now the newest save
+        except OSError as e:
+            error = e
+    if distributed:
+        backend = dist.get_backend(group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        failed = torch.tensor([float(error is not None)], dtype=torch.float64, device=device)
+        dist.all_reduce(failed, group=group)  # a barrier that carries rank 0's outcome
+        if error is None and float(failed) > 0:
+            raise checkpoint.WriteError(f"rank 0 could not write the checkpoint {str(path)!r} (see its error)")
+    if error is not None:
+        raise error
+    if rank == 0:
+        for old in path.glob(f"{STEP_PREFIX}*"):  # older saves, and a partial one left by a killed run
+            if old.name != folder.name and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+    return folder

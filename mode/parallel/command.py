@@ -1,0 +1,190 @@
+"""``mode train``: train the LM in one process or on a (dp, ep) mesh of processes started by torchrun.
+
+    mode train --preset quick --out runs/one                                  # one process (CPU or GPU)
+    torchrun --nproc-per-node 4 -m mode train --preset quick --dp 2 --ep 2 --out runs/mesh
+    torchrun --nproc-per-node 8 -m mode train --preset base --ep 8 --device cuda --bf16 --out runs/gpu8
+
+Without torchrun (no ``RANK``/``WORLD_SIZE`` in the environment) the run is one process with no process
+group, and checkpoints are single files (``OUT/ckpt.pt``). Under torchrun every process joins the default
+group (gloo on CPU, NCCL on CUDA; ``mode.distributed.init_distributed``), builds the ``(dp, ep)`` mesh
+and trains its rows of every batch; checkpoints are sharded (``OUT/ckpt/``). ``--resume`` continues from
+either kind found in OUT, ``--resume-from PATH`` from any checkpoint (a file or a sharded folder, any
+layout). docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, replace
+
+from mode.model import LMConfig
+from mode.train import TrainConfig
+
+
+@dataclass(frozen=True)
+class Preset:
+    model: LMConfig
+    train: TrainConfig
+    max_corpus_bytes: int | None  # of the default corpus (the standard library's sources); None: all of it
+    doc: str
+
+
+PRESETS = {
+    "quick": Preset(
+        LMConfig(seq_len=64, d_model=64, n_heads=2, d_hidden=128, num_experts=8, num_noop=2,
+                 layers=("moe", "staged", "moe", "integrated"), causal="predictor"),
+        TrainConfig(steps=60, batch_size=8, warmup_steps=10, eval_every=30, eval_batches=4, log_every=10),
+        2_000_000, "a smoke run: about a minute on 2 CPU cores with 4 processes"),
+    "small": Preset(
+        LMConfig(seq_len=256, d_model=128, n_heads=4, d_hidden=512, num_experts=8, num_noop=4,
+                 layers=("moe", "staged", "moe", "integrated", "moe", "staged"), causal="predictor"),
+        TrainConfig(steps=1000, batch_size=16, warmup_steps=50, eval_every=100, eval_batches=8, log_every=10),
+        None, "CPU-sized: 6 layers, d_model 128, 8 experts"),
+    "base": Preset(
+        LMConfig(seq_len=512, d_model=512, n_heads=8, d_hidden=2048, num_experts=16, num_noop=8, top_k=2,
+                 layers=("moe", "staged") * 3 + ("integrated",) * 2, causal="predictor"),
+        TrainConfig(steps=5000, batch_size=64, lr=1e-3, warmup_steps=200, eval_every=250, eval_batches=8,
+                    log_every=10),
+        None, "GPU-sized: 8 layers, d_model 512, 16 experts, top-2"),
+}
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    from mode import distributed as mdist
+
+    p = parser or argparse.ArgumentParser(prog="mode train")
+    p.add_argument("--preset", default="quick", choices=sorted(PRESETS),
+                   help="; ".join(f"{k}: {v.doc}" for k, v in PRESETS.items()) + " (default quick)")
+    p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / ep)")
+    p.add_argument("--ep", type=int, help="expert-parallel degree (default: processes / dp; both unset: ep = "
+                                          "processes)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: CUDA (NCCL, one GPU per process) when present, else CPU (gloo)")
+    p.add_argument("--bf16", action="store_true", help="forward under bfloat16 autocast (weights stay float32)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (slow first step on CPU)")
+    p.add_argument("--data", help="a UTF-8 text file (default: the Python standard library's sources)")
+    p.add_argument("--out", default="runs/train", help="folder for log.jsonl and the checkpoint (rank 0 logs)")
+    p.add_argument("--layers", help="comma-separated layer kinds, e.g. moe,staged,moe,integrated")
+    p.add_argument("--router", help="MoE router: token_choice or expert_choice")
+    p.add_argument("--num-experts", type=int)
+    p.add_argument("--num-noop", type=int)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--capacity-factor", type=float, help="token-choice capacity factor (default: dropless)")
+    p.add_argument("--balance-coef", type=float)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch-size", type=int, help="global batch (sequences per step), split over the processes")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--ckpt-every", type=int, help="also checkpoint every this many steps (default: at the end only)")
+    p.add_argument("--ckpt-every-s", type=float, help="also checkpoint every this many seconds (rank 0's clock)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT (either kind)")
+    p.add_argument("--resume-from", help="continue from this checkpoint: a single file or a sharded folder, "
+                                         "saved by any number of processes in any layout")
+    p.add_argument("--timeout", type=float, help=f"collective timeout in seconds (default ${mdist.TIMEOUT_ENV} "
+                                                 f"or {mdist.DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--threads", type=int, help="torch intra-op threads per process (default: torch's)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def configs(args) -> tuple[LMConfig, TrainConfig, int | None]:
+    preset = PRESETS[args.preset]
+    m = {k: v for k, v in dict(num_experts=args.num_experts, num_noop=args.num_noop, top_k=args.top_k,
+                                 balance_coef=args.balance_coef, router=args.router).items() if v is not None}
+    if args.capacity_factor is not None:
+        m["capacity_factor"] = args.capacity_factor
+    if args.layers:
+        m["layers"] = tuple(s.strip() for s in args.layers.split(",") if s.strip())
+    t = dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
+             ckpt_every=args.ckpt_every, ckpt_every_s=args.ckpt_every_s)
+    t = {k: v for k, v in t.items() if v is not None}
+    return replace(preset.model, **m), replace(preset.train, seed=args.seed, **t), preset.max_corpus_bytes
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run(args) -> int:
+    """The command; returns the exit status (2: a user mistake, 1: a failed collective or write)."""
+    from mode import checkpoint
+    from mode import distributed as mdist
+    from mode.data import file_corpus, min_file_bytes, stdlib_corpus
+    from mode.train import Trainer
+
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"mode train: error: --threads={args.threads}: must be >= 1", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
+    ctx = None
+    try:
+        model_cfg, train_cfg, max_bytes = configs(args)
+        if args.resume and args.resume_from:
+            raise ValueError("--resume and --resume-from: give one of them")
+        mesh = None
+        if under_torchrun():
+            from mode.parallel.mesh import ParallelDims, build_mesh
+
+            backend = {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}[args.device]
+            ctx = mdist.init_distributed(backend, args.timeout)
+            dims = ParallelDims.for_world(ctx.world_size, args.dp, args.ep)
+            mesh = build_mesh(dims, ctx.device.type, ctx.timeout_s)
+            device = "auto"
+        else:
+            dims = None
+            if (args.dp or 1) * (args.ep or 1) != 1:
+                raise ValueError(f"--dp={args.dp} --ep={args.ep}: more than one process; start the command with "
+                                 f"torchrun --nproc-per-node {(args.dp or 1) * (args.ep or 1)} -m mode train ...")
+            device = args.device
+        corpus = (file_corpus(args.data, min_file_bytes(model_cfg.seq_len)) if args.data
+                  else stdlib_corpus(max_bytes=max_bytes))
+        trainer = Trainer(model_cfg, train_cfg, corpus, args.out, name="train", progress=not args.no_progress,
+                          mesh=mesh, device=device, bf16=args.bf16, compile=args.compile,
+                          timeout_s=None if ctx is None else ctx.timeout_s)
+        if trainer.rank == 0:
+            split = (f"{model_cfg.num_experts} experts -> {model_cfg.num_experts // dims.ep} per ep rank; "
+                     if dims is not None and model_cfg.uses_moe else "")
+            print(f"mode train: {trainer.runtime.describe()}, device {trainer.device}"
+                  + (f", backend {ctx.backend}, timeout {ctx.timeout_s:g} s" if ctx else "")
+                  + (", bf16 autocast" if args.bf16 else "") + (", compiled" if args.compile else "")
+                  + f": {split}global batch {train_cfg.batch_size} = {trainer.world_size} x {trainer.local_batch} "
+                  f"sequences of {model_cfg.seq_len}; layers {','.join(model_cfg.layers)}; corpus {corpus.source}",
+                  flush=True)
+        if args.resume or args.resume_from:
+            trainer.load(args.resume_from)
+            if trainer.rank == 0:
+                print(f"mode train: resuming at step {trainer.step} of {train_cfg.steps}", flush=True)
+        history = trainer.run()
+    except (ValueError, TypeError) as e:
+        rank = "" if ctx is None else f"rank {ctx.rank}: "
+        print(f"mode train: {rank}error: {e}", file=sys.stderr)
+        return 2
+    except checkpoint.WriteError as e:
+        print(f"mode train: error: {e}; rerun with --resume to continue from the last checkpoint", file=sys.stderr)
+        return 1
+    except mdist.CollectiveError as e:
+        print(f"mode train: {e}", file=sys.stderr, flush=True)
+        return 1  # no destroy(): the peers are gone or stuck, tearing the group down could wait on them
+    if trainer.rank == 0:
+        losses = [r for r in history if "loss" in r]
+        vals = [r for r in history if "val_loss" in r]
+        print(f"mode train: step {trainer.step}: train loss {losses[-1]['loss']:.4f}"
+              + (f", val loss {vals[-1]['val_loss']:.4f}" if vals else "")
+              + f"; checkpoint {trainer.ckpt_path} (mode sample / mode report read it)", flush=True)
+    if ctx is not None:
+        mdist.destroy()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
