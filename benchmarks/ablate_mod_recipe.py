@@ -116,9 +116,10 @@ def run(name: str, cfg: LMConfig, opts: dict, budget: float, seed: int, corpus, 
     trainer = Trainer(cfg, tcfg, corpus, out / name / f"seed{seed}", name=name, progress=False)
     for layer in _mod_layers(trainer.model):
         with torch.no_grad():
-            layer.router.weight.mul_(opts.get("init_scale", 1.0) / opts.get("lr_mult", 1.0))
-        if "lr_mult" in opts:
-            parametrize.register_parametrization(layer.router, "weight", _Scale(opts["lr_mult"]), unsafe=True)
+            layer.router.weight.mul_(opts.get("init_scale", 1.0))
+            if "lr_mult" in opts:
+                layer.router.weight.div_(opts["lr_mult"])
+                parametrize.register_parametrization(layer.router, "weight", _Scale(opts["lr_mult"]), unsafe=True)
     if "lr_mult" in opts:
         trainer.optimizer = build_optimizer(trainer.model, tcfg)  # it must hold the reparametrised weight
     t0 = time.perf_counter()

@@ -327,8 +327,10 @@ def notes(report: dict, style: str) -> str:
              f"{v['loss_se_max']:.4f}")
     if v["difference_se_max"] is not None:
         noise += f", of a paired difference <= {v['difference_se_max']:.4f}"
-    lines.append(noise)
-    return "\n".join(lines if style == "text" else [lines[0], "", *lines[1:]])
+    if style == "text":
+        return "\n".join([*lines, noise])
+    parts = ["\n".join(lines[:1]), "\n".join(lines[1:]), noise]  # Markdown: paragraphs, the list in one
+    return "\n\n".join(part for part in parts if part)
 
 
 # One spec for both tables: (key, where it lives, text header, text width, format, Markdown header).

@@ -224,6 +224,9 @@ def run_isoflop(out_dir: str | Path, quick: bool | str = False, data: str | None
     unknown = [n for n in only or () if n not in names]
     if unknown:
         raise ValueError(f"only={only!r}: unknown variant {unknown[0]!r}; must be among {', '.join(names)}")
+    if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: torch.cuda.is_available() is False here (torch {torch.__version__}); "
+                         "install a CUDA build of torch, or leave --device out to train on the CPU")
     seed_list = list(range(first_seed, first_seed + seeds))
     out = checkpoint.prepare_dir(out_dir, "out")
     specs = plan(p, out, seed_list, causal, only, recipe)  # budgets below one step of a size fail here, before training
@@ -364,7 +367,9 @@ def summarize(p: IsoflopPreset, specs: list[RunSpec], results: dict[Path, dict],
             eval_se = max(stats_ci.window_noise(ra["window_losses"], rb["window_losses"])
                           for ra, rb in zip(runs_a, runs_b))
             noise_pair.append(eval_se)
-            entry["claims"][label] = {"a": f"{a} {ba['size']}", "b": f"{b} {bb['size']}", **d, "eval_se": eval_se}
+            # a best size at the edge of the sizes tried is not an optimum: the true one may lie beyond it
+            entry["claims"][label] = {"a": f"{a} {ba['size']}", "b": f"{b} {bb['size']}", **d, "eval_se": eval_se,
+                                      "at_edge": [n for n, best in ((a, ba), (b, bb)) if best["at_edge"]]}
         budgets_out.append(entry)
     validation = {"windows": p.eval_windows, "seq_len": p.base.seq_len,
                   "loss_se_max": max(noise_single, default=None),
@@ -407,6 +412,11 @@ def validation_note(report: dict) -> str:
     return text
 
 
+def _edge_text(claim: dict) -> str:
+    edge = claim.get("at_edge") or []
+    return f"  ! {', '.join(edge)} best at the edge of the sizes: not an optimum" if edge else ""
+
+
 def format_report(report: dict) -> str:
     """The sweep as the terminal prints it: best size per budget and variant, then the claims."""
     seeds = report.get("config", {}).get("seeds", [])
@@ -425,7 +435,7 @@ def format_report(report: dict) -> str:
     for entry in report["budgets"]:
         for label, c in entry["claims"].items():
             lines.append(f"{entry['budget']:>8.2g} {label:<26}{stats_ci.format_difference(c):>44}"
-                         f"  ({c['rel']:+.2%}; eval SE {c['eval_se']:.4f})")
+                         f"  ({c['rel']:+.2%}; eval SE {c['eval_se']:.4f}){_edge_text(c)}")
     lines += ["", validation_note(report)]
     return "\n".join(lines)
 
@@ -437,19 +447,19 @@ def markdown_report(report: dict) -> str:
     for budget, name, v in _rows(report):
         b, fit = v["best"], v["fit"]
         ratio = "–" if b["vs_best_dense"] is None else f"{b['vs_best_dense']:.4f}"
-        fit_loss = "–" if not fit or fit["loss_opt"] is None else f"{fit['loss_opt']:.4f}"
+        fit_loss = "–" if not fit or not fit["interior"] else f"{fit['loss_opt']:.4f}"  # no extrapolated losses
         lines.append(f"| {budget:.2g} | {name} | {b['size']}{' (edge)' if b['at_edge'] else ''} | {b['params']:,} | "
                      f"{b['steps']} | {stats_ci.format_pm(b['loss_mean'], b['loss_std'])} | {ratio} | "
                      f"{_fit_text(fit)} | {fit_loss} |")
     lines += ["", "| budget (FLOPs) | difference (best vs best) | models | mean ± std | 95% interval | significant | "
-              "relative | eval SE |", "|---" * 8 + "|"]
+              "relative | eval SE | caveat |", "|---" * 9 + "|"]
     for entry in report["budgets"]:
         for label, c in entry["claims"].items():
             interval = "–" if c["low"] is None else f"[{c['low']:+.4f}, {c['high']:+.4f}]"
             sig = "–" if c["significant"] is None else ("**yes**" if c["significant"] else "no")
             lines.append(f"| {entry['budget']:.2g} | {label} | {c['a']} − {c['b']} | "
                          f"{stats_ci.format_pm(c['mean'], c['std'], '+.4f')} | {interval} | {sig} | {c['rel']:+.2%} | "
-                         f"{c['eval_se']:.4f} |")
+                         f"{c['eval_se']:.4f} |{_edge_text(c)[3:] or ' '} |")
     lines += ["", validation_note(report)]
     return "\n".join(lines)
 
@@ -509,12 +519,15 @@ def plot_best_vs_budget(report: dict, path: Path) -> None:
     names = list(dict.fromkeys(name for e in report["budgets"] for name in e["variants"]))
     for name in names:
         pts = [(e["budget"], e["variants"][name]["best"]) for e in report["budgets"] if name in e["variants"]]
-        ax.errorbar([b for b, _ in pts], [x["loss_mean"] for _, x in pts], yerr=[x["loss_std"] or 0.0 for _, x in pts],
-                    marker="o", ms=4, capsize=2, label=name)
+        line = ax.errorbar([b for b, _ in pts], [x["loss_mean"] for _, x in pts],
+                           yerr=[x["loss_std"] or 0.0 for _, x in pts], marker="o", ms=4, capsize=2, label=name)
+        edge = [(b, x["loss_mean"]) for b, x in pts if x["at_edge"]]
+        if edge:  # hollow: the best size tried is at the edge of the sizes, not an optimum
+            ax.plot(*zip(*edge), ls="none", marker="o", ms=7, mfc="white", color=line[0].get_color())
     ax.set_xscale("log")
     ax.set_xlabel("training FLOPs")
     ax.set_ylabel("isoFLOP-optimal validation loss (nats/byte)")
-    ax.set_title("Best loss at each budget")
+    ax.set_title("Best loss at each budget (hollow: best size at the edge of the sizes tried)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

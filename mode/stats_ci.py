@@ -139,7 +139,7 @@ def window_noise(losses_a: Sequence[float], losses_b: Sequence[float] | None = N
 
 def format_pm(m: float, s: float | None, fmt: str = ".4f") -> str:
     """``"1.2345 ± 0.0012"`` (or just the mean when there is no std)."""
-    return format(m, fmt) if s is None else f"{format(m, fmt)} ± {format(s, fmt)}"
+    return format(m, fmt) if s is None else f"{format(m, fmt)} ± {format(s, fmt.lstrip('+'))}"
 
 
 def format_difference(d: dict, fmt: str = "+.4f") -> str:

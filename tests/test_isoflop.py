@@ -55,7 +55,8 @@ def tiny_sweep(tmp_path_factory):
 # ------------------------------------------------------------------------------------- budgets and steps
 
 
-@pytest.mark.parametrize("p", [preset(True), preset(False), tiny_preset()], ids=["quick", "default", "tiny"])
+@pytest.mark.parametrize("p", [preset(True), preset(False), preset("gpu"), tiny_preset()],
+                         ids=["quick", "default", "gpu", "tiny"])
 def test_step_counts_hit_the_budget_for_every_size_and_variant(p, tmp_path):
     specs = plan(p, tmp_path, seeds=[0])
     assert len(specs) == len(p.budgets) * len(p.sizes) * len(NAMES)
@@ -160,6 +161,7 @@ def test_tiny_sweep_writes_valid_json_with_every_size_and_seed(tiny_sweep):
             assert c["mean"] == pytest.approx(va["loss_mean"] - vb["loss_mean"])
             assert c["low"] <= c["mean"] <= c["high"] and c["n"] == 2
             assert c["significant"] == (c["low"] > 0 or c["high"] < 0)
+            assert c["at_edge"] == [n for n, v in ((a, va), (b, vb)) if v["at_edge"]]  # flagged: not an optimum
     assert on_disk["validation"]["windows"] == 32 and on_disk["validation"]["loss_se_max"] > 0
 
 
@@ -256,6 +258,9 @@ def test_cli_isoflop_runs_and_reports(tmp_path, capsys, monkeypatch):
     (["--jobs", "0"], "jobs=0: must be >= 1"),
     (["--budgets", "1e3"], "budget=1e+03 FLOPs: less than one training step of dense L2_d"),
     (["--budgets", "-1"], "budget=-1.0: must be finite and > 0"),
+    (["--mod-capacity", "0"], "capacity=0.0: must be in (0, 1]"),
+    pytest.param(["--device", "cuda"], "device='cuda': torch.cuda.is_available() is False",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
 ])
 def test_cli_bad_arguments_are_clean_errors(tmp_path, capsys, argv, msg):
     rc = main(["isoflop", "--quick", "--out", str(tmp_path / "out"), "--no-progress", *argv])
@@ -319,6 +324,7 @@ def test_window_noise_by_hand():
 def test_format_helpers():
     assert stats_ci.format_pm(1.23456, 0.0123) == "1.2346 ± 0.0123"
     assert stats_ci.format_pm(1.23456, None) == "1.2346"
+    assert stats_ci.format_pm(-0.5, 0.25, "+.2f") == "-0.50 ± 0.25"  # the sign belongs to the mean only
     d = stats_ci.paired_difference([1.00, 1.10, 0.90, 1.05], [1.02, 1.13, 0.925, 1.072])
     assert stats_ci.format_difference(d) == "-0.0242 ± 0.0043 [-0.0312, -0.0173] *"
 
