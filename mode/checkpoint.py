@@ -109,7 +109,7 @@ def atomic_write(path: str | Path, data: bytes) -> Path:
     """Replace ``path`` by ``data`` atomically: temp file in the same folder, fsync, rename, fsync folder."""
     path = Path(path)
     folder = path.parent
-    for stale in folder.glob(f".{path.name}.*.tmp"):  # left by a process killed while writing
+    for stale in folder.glob(f".{path.name}.*.tmp*"):  # left by a process killed while writing (and test markers)
         try:
             stale.unlink()
         except OSError:
@@ -122,6 +122,7 @@ def atomic_write(path: str | Path, data: bytes) -> Path:
             if half:
                 f.write(data[:half])
                 f.flush()
+                Path(f"{tmp}.stalled").touch()  # tells the test this write (not an earlier one) is stuck here
                 time.sleep(3600)  # killed here by the test
             f.write(data[half:])
             f.flush()

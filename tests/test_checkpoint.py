@@ -441,10 +441,10 @@ def _wait_for_temp(proc: subprocess.Popen, folder: Path, timeout: float = 60.0) 
     """The temporary file of a write the stall hook stopped half-way (once it has bytes in it)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        temps = [p for p in _temps(folder) if p.stat().st_size > 0]
-        if temps:
-            time.sleep(0.2)  # the first half is one write + flush; let it land
-            return temps[0]
+        # the stall hook marks the stuck write (an ordinary write in progress also has a non-empty temp file)
+        stalled = sorted(folder.glob(".*.tmp.stalled"))
+        if stalled:
+            return Path(str(stalled[0])[: -len(".stalled")])
         if proc.poll() is not None:
             raise AssertionError(f"the process ended (rc {proc.returncode}) before stalling:\n"
                                  f"{proc.stderr.read().decode()}")

@@ -312,7 +312,8 @@ def test_killed_compare_resumes_to_identical_results(tmp_path, capsys):
                              "--ckpt-every-s", "1e-9"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
-        while not [p for p in (out / "mod_random").glob(".ckpt.pt.*.tmp") if p.stat().st_size > 0]:
+        # the stall hook marks the stuck write (an ordinary write in progress also has a non-empty temp file)
+        while not list((out / "mod_random").glob(".ckpt.pt.*.tmp.stalled")):
             assert proc.poll() is None, proc.stderr.read().decode()
             assert time.monotonic() < deadline, "the write never stalled"
             time.sleep(0.05)
