@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, fwd_bwd_step, machine_info,  # noqa: E402
-                               print_table, time_pair, write_json)
+from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, apply_run_args,  # noqa: E402
+                               fwd_bwd_step, machine_info, print_table, time_pair, write_json)
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
 
 FULL = dict(tokens=4096, d_model=512, expert_hidden=2048, mod_batch=8, mod_seq=512, n_heads=8, warmup=3, repeats=5)
@@ -131,16 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     malloc = apply_malloc(args.malloc)
 
-    cfg = dict(QUICK if args.quick else FULL)
-    for key in ("repeats", "warmup"):
-        if getattr(args, key) is not None:
-            cfg[key] = getattr(args, key)
-    if cfg["repeats"] < 1:
-        raise SystemExit(f"--repeats={cfg['repeats']}: must be >= 1")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads={args.threads}: must be >= 1")
-        torch.set_num_threads(args.threads)
+    cfg = apply_run_args(args, QUICK if args.quick else FULL)
     device = args.device
     out = args.out or str(ROOT / "benchmarks" / "results" / ("layers_quick.json" if args.quick else "layers.json"))
 

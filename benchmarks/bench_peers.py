@@ -47,8 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, machine_info,  # noqa: E402
-                               print_table, time_interleaved, write_json)
+from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, apply_run_args,  # noqa: E402
+                               machine_info, print_table, time_interleaved, write_json)
 from mode import MLP, MoEConfig, MoELayer  # noqa: E402
 
 FULL = dict(tokens=4096, d_model=512, configs=((8, 1024), (64, 256)), warmup=3, repeats=9)
@@ -335,16 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_malloc_arg(p)
     args = p.parse_args(argv)
     malloc = apply_malloc(args.malloc)
-    cfg = dict(QUICK if args.quick else FULL)
-    for key in ("repeats", "warmup"):
-        if getattr(args, key) is not None:
-            cfg[key] = getattr(args, key)
-    if cfg["repeats"] < 1:
-        raise SystemExit(f"--repeats={cfg['repeats']}: must be >= 1")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads={args.threads}: must be >= 1")
-        torch.set_num_threads(args.threads)
+    cfg = apply_run_args(args, QUICK if args.quick else FULL)
     configs = [c for c in cfg["configs"] if args.experts is None or c[0] in args.experts]
     if not configs:
         raise SystemExit(f"--experts {args.experts}: no configuration has that many experts "

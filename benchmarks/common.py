@@ -123,19 +123,37 @@ def fwd_bwd_step(module: nn.Module, x: Tensor, grad_out: Tensor) -> Callable[[],
     return step
 
 
+def _timed(fn: Callable[[], None], device: torch.device) -> tuple[float, float, int]:
+    """One call of ``fn``: (wall seconds, process CPU seconds, minor page faults), the device synced around it."""
+    sync(device)
+    f0 = minor_faults()
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0, time.process_time() - c0, minor_faults() - f0
+
+
+def apply_run_args(args: argparse.Namespace, preset: dict) -> dict:
+    """The preset with ``--repeats``/``--warmup`` applied (repeats must be >= 1), after ``--threads``
+    (must be >= 1) has set torch's thread count."""
+    cfg = dict(preset)
+    for key in ("repeats", "warmup"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    if cfg["repeats"] < 1:
+        raise SystemExit(f"--repeats={cfg['repeats']}: must be >= 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads={args.threads}: must be >= 1")
+        torch.set_num_threads(args.threads)
+    return cfg
+
+
 def time_pair(candidate: Callable[[], None], baseline: Callable[[], None], *, warmup: int, repeats: int,
               device: torch.device) -> dict:
     """Warm both up, then ``repeats`` interleaved pairs; returns wall-clock medians (seconds), the median
     of the per-pair wall-clock ratios, the same ratio in process CPU time, and the median minor page
     faults per call of each side."""
-
-    def timed(fn: Callable[[], None]) -> tuple[float, float, int]:
-        sync(device)
-        f0 = minor_faults()
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        sync(device)
-        return time.perf_counter() - t0, time.process_time() - c0, minor_faults() - f0
 
     for _ in range(warmup):
         candidate()
@@ -143,11 +161,11 @@ def time_pair(candidate: Callable[[], None], baseline: Callable[[], None], *, wa
     cand, base = [], []
     for i in range(repeats):
         if i % 2 == 0:  # alternate the order so neither side always runs on a "warmer" machine
-            cand.append(timed(candidate))
-            base.append(timed(baseline))
+            cand.append(_timed(candidate, device))
+            base.append(_timed(baseline, device))
         else:
-            base.append(timed(baseline))
-            cand.append(timed(candidate))
+            base.append(_timed(baseline, device))
+            cand.append(_timed(candidate, device))
     cand_s, base_s = [w for w, _, _ in cand], [w for w, _, _ in base]
     ratios = [c / b for c, b in zip(cand_s, base_s)]
     # CPU time of this process (all its threads): less sensitive to being descheduled by other processes,
@@ -179,14 +197,6 @@ def time_interleaved(fns: dict[str, Callable[[], None]], baseline: str, *, warmu
     if baseline not in fns:
         raise ValueError(f"baseline={baseline!r}: must be one of {sorted(fns)}")
 
-    def timed(fn: Callable[[], None]) -> tuple[float, float, int]:
-        sync(device)
-        f0 = minor_faults()
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        sync(device)
-        return time.perf_counter() - t0, time.process_time() - c0, minor_faults() - f0
-
     names = list(fns)
     for _ in range(warmup):
         for name in names:
@@ -195,7 +205,7 @@ def time_interleaved(fns: dict[str, Callable[[], None]], baseline: str, *, warmu
     for i in range(repeats):
         order = names[i % len(names):] + names[:i % len(names)]
         for name in (order if i % 2 == 0 else order[::-1]):
-            runs[name].append(timed(fns[name]))
+            runs[name].append(_timed(fns[name], device))
     base = runs[baseline]
     out = {}
     for name, r in runs.items():

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import mode.data
+import mode.isoflop
+import mode.model
 from mode import stats_ci, sweep
 from mode.cli import main
 from mode.compare import CLAIMS, variants
@@ -21,6 +22,8 @@ from mode.data import file_corpus
 from mode.isoflop import (IsoflopPreset, format_report, parabola_fit, plan, preset, run_isoflop, size_config)
 from mode.model import LMConfig
 from mode.train import TrainConfig, Trainer
+
+from test_compare import write_text_file
 
 NAMES = ["dense", "mod", "mod_random", "moe", "staged_mode", "integrated_mode"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -35,11 +38,6 @@ def tiny_preset(**kw) -> IsoflopPreset:
     args = dict(budgets=(2e7, 3e7, 4.5e7), aspect=4, n_layers=(2, 3, 4, 5), head_dim=4, eval_windows=32,
                 eval_batch_size=16)
     return IsoflopPreset(base, train, **{**args, **kw})
-
-
-def write_text_file(path: Path) -> Path:
-    path.write_text(Path(mode.data.__file__).read_text() * 3 + "caf\u00e9 \u2211\n")
-    return path
 
 
 @pytest.fixture(scope="module")
