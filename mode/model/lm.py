@@ -15,7 +15,6 @@ from torch import Tensor, nn
 from mode import _checks
 from mode.layers.kv_cache import KVCache
 from mode.model.config import LMConfig
-from mode.model.kinds import get_layer_kind
 from mode.routing.keys import layer_prefix
 from mode.routing.plan import Aux
 
@@ -25,11 +24,6 @@ class LMOutput:
     logits_BSV: Tensor
     loss: Tensor | None  # mean next-token cross-entropy (without aux losses)
     aux: Aux  # every routed layer's losses and stats, names prefixed "layers.{i}."
-
-
-def build_layer(cfg: LMConfig, kind: str) -> nn.Module:
-    """A layer of the registered kind ``kind`` (see ``mode.model.kinds``)."""
-    return get_layer_kind(kind).build(cfg)
 
 
 class LM(nn.Module):
