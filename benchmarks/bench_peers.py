@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_peers.py --threads 1       # the table in docs/performance.md (~5 min)
     PYTHONPATH=. python benchmarks/bench_peers.py --quick           # tiny sizes, seconds (the smoke test)
     PYTHONPATH=. python benchmarks/bench_peers.py --device cuda     # the same on a GPU (cuda:N, auto also work)
+    PYTHONPATH=. python benchmarks/bench_peers.py --threads 1 --precision bf16   # mixed precision (peers_bf16.json)
 
 Implementations (D=512, 4096 tokens, top-2 SwiGLU experts, float32; 8 experts of hidden 1024 and 64 of 256):
     mode            ``MoELayer`` (token choice, softmax, top-2, renormalised), backend "auto" and "reference",
@@ -22,6 +23,14 @@ Timing: forward + backward, every implementation and the dense MLP run once per 
 (``benchmarks/common.py: time_interleaved``), ratio = time / the dense MLP's time in the same round, median
 over the rounds after a warm-up. Writes benchmarks/results/peers.json and peers.png (``--out``).
 
+``--precision bf16``: every implementation and the dense baseline run under ``torch.autocast(bfloat16)``
+with float32 weights (mode's trainer with ``--bf16``; torchtitan as shipped casts its experts to bfloat16
+itself, its float32 variant is left out; transformers' blocks also run with bfloat16 weights, as a model
+loaded in bfloat16 does, since autocast leaves their ``torch._grouped_mm`` in float32), beside mode's layer
+and the dense MLP in float32 (no autocast).
+Agreement is then measured against mode's float32 output, relative to its largest value, and each row also
+gets its time / mode's float32 time in the same round.
+
 Peers are optional (``pip install "mode-torch[peers]"``); one that does not import is skipped, and the
 table and the JSON say why. torchtitan 0.3 imports triton when it loads; CUDA builds of torch bring it,
 CPU builds do not (``pip install triton`` then).
@@ -33,6 +42,7 @@ import argparse
 import gc
 import importlib.metadata
 import os
+import statistics
 import sys
 import warnings
 from dataclasses import dataclass
@@ -48,7 +58,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, apply_run_args,  # noqa: E402
-                               machine_info, print_table, time_interleaved, write_json)
+                               machine_info, print_table, save_figure, time_interleaved, write_json)
 from mode import MLP, MoEConfig, MoELayer  # noqa: E402
 
 FULL = dict(tokens=4096, d_model=512, configs=((8, 1024), (64, 256)), warmup=3, repeats=9)
@@ -57,6 +67,11 @@ TOP_K = 2
 INSTALL = 'pip install "mode-torch[peers]"'
 # float32 implementations must agree with mode to this (observed: 0 or ~1e-7; summation order may differ)
 FLOAT32_TOL = 1e-4
+# bf16 implementations must agree with mode's float32 output to this, relative to its largest value (bf16 has
+# 8 significant bits: ~4e-3 per rounding, a few roundings deep)
+BF16_REL_TOL = 5e-2
+MODE_FP32 = "mode, auto, float32 (no autocast)"
+DENSE_FP32 = "dense SwiGLU MLP, float32 (no autocast)"
 
 
 @dataclass
@@ -138,6 +153,23 @@ def transformers_impls() -> tuple[list[Impl], str | None]:
             Impl(f"transformers {version} Qwen3-MoE block, grouped_mm", "transformers", qwen3)], None
 
 
+class _Bf16Weights(nn.Module):
+    """A peer block with bfloat16 weights fed bfloat16 activations (how a transformers model runs when loaded
+    with ``dtype=torch.bfloat16``; autocast alone leaves its ``torch._grouped_mm`` experts in float32)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner.bfloat16()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x.bfloat16()).float()
+
+
+def bf16_weights(impl: Impl) -> Impl:
+    return Impl(impl.name + ", weights in bfloat16", impl.family, lambda src: _Bf16Weights(impl.build(src)),
+                impl.returns_aux, float32=False)
+
+
 # -- torchtitan ------------------------------------------------------------------------------------------
 
 class _KeepFloat32(TorchFunctionMode):
@@ -206,16 +238,18 @@ def torchtitan_impls() -> tuple[list[Impl], str | None]:
 # -- measurement -----------------------------------------------------------------------------------------
 
 def make_step(module: nn.Module, x: Tensor, grad_out: Tensor, returns_aux: bool,
-              with_aux: bool = True) -> Callable[[], tuple[Tensor, Tensor]]:
-    """One forward + backward of ``<y, grad_out>`` (plus mode's aux losses when ``with_aux``); returns
-    (y, x.grad), both detached. Gradients of the module are dropped first."""
+              with_aux: bool = True, bf16: bool = False) -> Callable[[], tuple[Tensor, Tensor]]:
+    """One forward + backward of ``<y, grad_out>`` (plus mode's aux losses when ``with_aux``), the forward
+    under bfloat16 autocast when ``bf16``; returns (y, x.grad), both detached. Gradients of the module are
+    dropped first."""
     params = [p for p in module.parameters() if p.requires_grad]
 
     def step() -> tuple[Tensor, Tensor]:
         for p in params:
             p.grad = None
         x.grad = None
-        out = module(x)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = module(x)
         y, aux = out if returns_aux else (out, None)
         outs, grads = [y], [grad_out]
         if with_aux and aux is not None:
@@ -234,7 +268,7 @@ def max_abs_diff(a: Tensor, b: Tensor) -> float:
 
 
 def bench_config(cfg: dict, num_experts: int, hidden: int, impls: list[Impl], device: torch.device,
-                 seed: int) -> list[dict]:
+                 seed: int, bf16: bool = False) -> list[dict]:
     d, T = cfg["d_model"], cfg["tokens"]
     tag = f"E={num_experts}, H={hidden}"
     torch.manual_seed(seed)
@@ -250,35 +284,54 @@ def bench_config(cfg: dict, num_experts: int, hidden: int, impls: list[Impl], de
         module = src if impl.name == "mode, auto" else impl.build(src)
         modules[impl.name] = (impl, module.to(device))
 
-    # Agreement first: y and x.grad of <y, g> (no aux loss: the peers' blocks have none) against mode's.
-    ref_name = "mode, auto"
+    # Agreement first: y and x.grad of <y, g> (no aux loss: the peers' blocks have none) against mode's
+    # (its float32 output in bf16 mode, the differences then relative to that output's largest value)
     ref_y, ref_dx = (t.clone() for t in make_step(src, x, g, True, with_aux=False)())
+    scale_y, scale_dx = (float(t.abs().max()) or 1.0 for t in (ref_y, ref_dx)) if bf16 else (1.0, 1.0)
     agreement = {}
     for name, (impl, module) in modules.items():
-        y, dx = make_step(module, x, g, impl.returns_aux, with_aux=False)()
-        agreement[name] = (max_abs_diff(y, ref_y), max_abs_diff(dx, ref_dx))
+        y, dx = make_step(module, x, g, impl.returns_aux, with_aux=False, bf16=bf16)()
+        agreement[name] = (max_abs_diff(y, ref_y) / scale_y, max_abs_diff(dx, ref_dx) / scale_dx)
 
-    steps = {name: make_step(module, x, g, impl.returns_aux) for name, (impl, module) in modules.items()}
-    steps["dense"] = make_step(dense, x, g, True)
+    steps = {name: make_step(module, x, g, impl.returns_aux, bf16=bf16) for name, (impl, module) in modules.items()}
+    steps["dense"] = make_step(dense, x, g, True, bf16=bf16)
+    if bf16:  # the float32 layer and baseline, timed in the same rounds
+        steps[MODE_FP32] = make_step(src, x, g, True)
+        steps[DENSE_FP32] = make_step(dense, x, g, True)
+        agreement[MODE_FP32] = (0.0, 0.0)
     timing = time_interleaved(steps, "dense", warmup=cfg["warmup"], repeats=cfg["repeats"], device=device)
 
-    backends = {"mode, auto": src.experts.backend}
+    compute_dtype = torch.bfloat16 if bf16 else torch.float32
+    backends = {"mode, auto": src.experts.backend_for(x.device, compute_dtype), MODE_FP32: src.experts.backend}
     for name, (impl, module) in modules.items():
         if impl.family == "mode":
-            backends[name] = module.experts.backend
+            backends[name] = module.experts.backend_for(x.device, compute_dtype)
     kept_E = src(x)[1].stats["router"].kept_E
+    fp32_s = timing[MODE_FP32]["s"] if bf16 else None
     for name, res in timing.items():
-        impl = modules[name][0] if name != "dense" else None
+        impl = modules[name][0] if name in modules else None
         dy, ddx = agreement.get(name, (None, None))
+        if impl is None:
+            computes_in = "float32" if not bf16 or name == MODE_FP32 or name == DENSE_FP32 else "bfloat16 autocast"
+        elif bf16:
+            computes_in = "bfloat16 autocast"
+        else:
+            computes_in = "float32" if impl.float32 else "bfloat16 experts"
+        reduced = computes_in != "float32"
         rows.append(dict(
             config=tag, num_experts=num_experts, expert_hidden=hidden, dense_hidden=TOP_K * hidden, tokens=T,
-            d_model=d, top_k=TOP_K, implementation=name if name != "dense" else "dense SwiGLU MLP, hidden 2H (the baseline)",
-            family=impl.family if impl else "dense", backend=backends.get(name),
-            computes_in="float32" if impl is None or impl.float32 else "bfloat16 experts",
-            max_abs_diff_y=dy, max_abs_diff_dx=ddx,
-            agrees=None if impl is None or not impl.float32 else bool(dy <= FLOAT32_TOL and ddx <= FLOAT32_TOL),
+            d_model=d, top_k=TOP_K,
+            implementation=(f"dense SwiGLU MLP, hidden 2H{', bf16 autocast' if bf16 else ''} (the baseline)"
+                            if name == "dense" else name),
+            family=impl.family if impl else ("mode" if name == MODE_FP32 else "dense"), backend=backends.get(name),
+            computes_in=computes_in, max_abs_diff_y=dy, max_abs_diff_dx=ddx,
+            diff_is_relative=bf16 if dy is not None else None,
+            agrees=None if dy is None or (reduced and not bf16) else
+            bool(dy <= BF16_REL_TOL and ddx <= BF16_REL_TOL) if reduced else bool(dy <= FLOAT32_TOL and ddx <= FLOAT32_TOL),
             load_max_over_mean=float(kept_E.max() / kept_E.mean()),
             ms=1e3 * res["s_median"], **res))
+        if fp32_s is not None:
+            rows[-1]["ratio_to_mode_float32"] = statistics.median(a / b for a, b in zip(res["s"], fp32_s))
         print(f"  {tag:<14} {rows[-1]['implementation']:<62} ratio {res['ratio_median']:.3f}  "
               f"|dy| {dy if dy is not None else '-'}  |dx| {ddx if ddx is not None else '-'}",
               file=sys.stderr, flush=True)
@@ -313,10 +366,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_xlabel("fwd+bwd time / dense SwiGLU MLP of the same active FLOPs (lower is better)", fontsize=9)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -331,9 +381,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--experts", type=int, nargs="*", default=None,
                    help="run only the configurations with these expert counts (e.g. --experts 64)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=("float32", "bf16"), default="float32",
+                   help="bf16: everything under bfloat16 autocast, beside mode and the dense MLP in float32")
     add_device_arg(p)
     add_malloc_arg(p)
     args = p.parse_args(argv)
+    bf16 = args.precision == "bf16"
     malloc = apply_malloc(args.malloc)
     cfg = apply_run_args(args, QUICK if args.quick else FULL)
     configs = [c for c in cfg["configs"] if args.experts is None or c[0] in args.experts]
@@ -341,7 +394,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--experts {args.experts}: no configuration has that many experts "
                          f"(configurations: {[c[0] for c in cfg['configs']]})")
     device = args.device
-    out = Path(args.out or ROOT / "benchmarks" / "results" / ("peers_quick.json" if args.quick else "peers.json"))
+    stem = "peers" + ("_bf16" if bf16 else "") + ("_quick" if args.quick else "")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"{stem}.json")
 
     impls = [Impl("mode, auto", "mode", lambda src: src, returns_aux=True),
              Impl("mode, reference", "mode", lambda src: _rebuild_mode(src, "reference"), returns_aux=True)]
@@ -350,7 +404,9 @@ def main(argv: list[str] | None = None) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # import-time deprecation chatter of the peers
             found, reason = loader()
-        impls += found
+        impls += [impl for impl in found if not (bf16 and impl.family == "torchtitan" and impl.float32)]
+        if bf16 and family == "transformers":
+            impls += [bf16_weights(impl) for impl in found]
         if reason is not None:
             skipped[family] = reason
             print(f"skipping {family}: {reason}", file=sys.stderr)
@@ -364,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
         # torchtitan's router enters torch.autocast(dtype=float32), which CPU autocast rejects with a warning
         warnings.filterwarnings("ignore", message=".*autocast.*")
         for num_experts, hidden in configs:
-            rows += bench_config(cfg, num_experts, hidden, impls, device, args.seed)
+            rows += bench_config(cfg, num_experts, hidden, impls, device, args.seed, bf16)
     if hasattr(os, "getloadavg"):
         info["loadavg_1_5_15_at_end"] = [round(v, 2) for v in os.getloadavg()]
 
@@ -374,12 +430,17 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         w = wide.setdefault(r["implementation"], {"implementation": r["implementation"]})
         w[r["config"]] = r["ratio_median"]
+        if "ratio_to_mode_float32" in r:
+            w[r["config"] + " vs fp32"] = r["ratio_to_mode_float32"]
         w[r["config"] + " spread"] = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
         if r["max_abs_diff_y"] is not None:
             w[r["config"] + " |dy|,|dx|"] = f"{r['max_abs_diff_y']:.1e}, {r['max_abs_diff_dx']:.1e}"
     columns = [("implementation", "implementation", "")]
     for t in tags:
-        columns += [(t, f"{t}: ratio", ".3f"), (t + " spread", "min-max", ""), (t + " |dy|,|dx|", "max |dy|, |dx| vs mode", "")]
+        columns += [(t, f"{t}: ratio", ".3f"), (t + " spread", "min-max", "")]
+        if bf16:
+            columns += [(t + " vs fp32", "time / mode fp32", ".3f")]
+        columns += [(t + " |dy|,|dx|", "max |dy|, |dx| vs mode fp32, relative" if bf16 else "max |dy|, |dx| vs mode", "")]
     print()
     print_table(list(wide.values()), columns)
     for family, reason in skipped.items():
@@ -389,17 +450,20 @@ def main(argv: list[str] | None = None) -> dict:
         benchmark="bench_peers",
         command=" ".join(["bench_peers.py"] + (argv if argv is not None else sys.argv[1:])),
         config={k: (list(map(list, v)) if k == "configs" else v) for k, v in cfg.items()},
-        device=str(device), dtype="float32", machine=info, malloc=malloc, skipped=skipped,
+        device=str(device), dtype=args.precision, machine=info, malloc=malloc, skipped=skipped,
         notes=("ratio = forward+backward wall time / the dense SwiGLU MLP's (hidden top_k * H, the same active "
                "FLOPs) in the same round, median over rounds; cpu_ratio_median: the same in process CPU time. "
                "Same weights everywhere (copied from mode's layer), so the same routing: softmax, top-2, "
                "renormalised. max_abs_diff_*: output and input gradient of <y, g> against 'mode, auto', measured "
                "before timing, without aux losses. mode is timed as shipped (its balance and z-loss included); "
-               "the peers' blocks compute no aux loss."),
+               "the peers' blocks compute no aux loss."
+               + (" bf16: the ratio's baseline is the dense MLP under bf16 autocast; ratio_to_mode_float32 = time / "
+                  "mode's float32 layer's in the same round; max_abs_diff_* are relative to the largest value of "
+                  "mode's float32 y and x.grad." if bf16 else "")),
         results=rows)
     path = write_json(out, payload)
     png = path.with_suffix(".png")
-    plot(rows, png, f"{device} ({info['device_name']}), {info['torch_threads']} thread(s), float32, "
+    plot(rows, png, f"{device} ({info['device_name']}), {info['torch_threads']} thread(s), {args.precision}, "
                     f"{cfg['tokens']} tokens, d={cfg['d_model']}, top-2 SwiGLU")
     print(f"\nwrote {path} and {png}", file=sys.stderr)
     return payload

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--causal", default="predictor", choices=("predictor", "aux_bce"),
                    help="causal routing method the learned MoD variants train for sampling")
     _add_recipe_args(p)
+    p.add_argument("--device", help="where to train (default: the CPU); e.g. cuda")
+    p.add_argument("--bf16", action="store_true",
+                   help="train under bfloat16 autocast (routers and the optimizer stay float32; docs/performance.md)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; use 1 when other "
                                                "jobs share the cores, see docs/compare.md)")
     p.add_argument("--ckpt-every-s", type=float, default=300.0,
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="sizes and budgets: quick, default (CPU), gpu (tens of millions of parameters; with "
                         "--device cuda --bf16); docs/isoflop.md")
     p.add_argument("--device", help="where each run trains (default: the CPU); e.g. cuda")
-    p.add_argument("--bf16", action="store_true", help="train under bfloat16 autocast (GPU)")
+    p.add_argument("--bf16", action="store_true", help="train under bfloat16 autocast (routers and the optimizer stay float32)")
     p.add_argument("--data", help="a UTF-8 text file (default: the Python standard library's sources)")
     p.add_argument("--out", default="runs/isoflop", help="output folder (JSON, Markdown, PNGs, runs)")
     p.add_argument("--seeds", type=int, default=1, help="seeds per run (paired: a seed fixes the data order)")
@@ -138,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_compare(args.out, quick=args.quick, data=args.data, seed=args.seed, dense_steps=args.dense_steps,
                         only=args.only, progress=not args.no_progress, causal=args.causal,
-                        ckpt_every_s=args.ckpt_every_s, fresh=args.fresh, seeds=args.seeds, recipe=_recipe(args))
+                        ckpt_every_s=args.ckpt_every_s, fresh=args.fresh, seeds=args.seeds, recipe=_recipe(args),
+                        device=args.device, bf16=args.bf16)
         except ValueError as e:
             print(f"mode compare: error: {e}", file=sys.stderr)
             return 2

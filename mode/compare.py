@@ -162,11 +162,14 @@ def run_dir(out: Path, name: str, seed: int, n_seeds: int) -> Path:
 def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = None, seed: int = 0,
                 dense_steps: int | None = None, only: list[str] | None = None, progress: bool = True,
                 causal: str = "predictor", ckpt_every_s: float = DEFAULT_CKPT_EVERY_S, fresh: bool = False,
-                seeds: int = 1, recipe: MoDRecipe = DEFAULT_RECIPE) -> dict:
+                seeds: int = 1, recipe: MoDRecipe = DEFAULT_RECIPE, device: str | None = None,
+                bf16: bool = False) -> dict:
     """Train the variants at equal training FLOPs into ``out_dir`` and return the report (also written as
     ``compare.json``). ``seeds``: train each variant on seeds ``seed .. seed + seeds - 1``. Checkpoints
     every ``ckpt_every_s`` seconds (0: only when a variant ends); resumes a killed run of the same
-    arguments found in ``out_dir``, or starts over when ``fresh``."""
+    arguments found in ``out_dir``, or starts over when ``fresh``. ``device``: where to train (default the
+    CPU). ``bf16``: train under bfloat16 autocast (weights, gradients and AdamW stay float32; routers run in
+    float32); the final loss is measured in float32 either way, so float32 and bf16 runs compare directly."""
     p = preset(quick)
     base = p.model
     models = variants(base, causal, recipe)
@@ -175,6 +178,7 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
     if dense_steps is not None:
         _checks.check_int("dense_steps", dense_steps)
     _checks.check_int("seeds", seeds)
+    _checks.check_bool("bf16", bf16)
     if ckpt_every_s != 0:
         _checks.check_positive("ckpt_every_s", ckpt_every_s)
     known = {**sweep_models, **models, **extras}
@@ -199,6 +203,10 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
                 "model": asdict(base),
                 "train": {k: v for k, v in asdict(p.train).items() if k != "ckpt_every_s"},
                 "eval_windows": p.eval_windows}
+    if bf16:  # only when set: run records written before the option existed stay resumable
+        identity["bf16"] = True
+    if device is not None:
+        identity["device"] = str(device)
     stale = [out / f for f in _OUTPUTS]
     for name in known:
         for d in [out / name, *(out / name).glob("seed*")]:
@@ -219,7 +227,8 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
                 continue
             steps = sweep.steps_for_budget(cfg, budget, p.train.batch_size, name)
             tcfg = sweep.run_train_config(p.train, steps, s, ckpt_every_s or None)
-            trainer = sweep.train(cfg, tcfg, corpus, d, label, progress, resume, log=lambda m: print(m, flush=True))
+            trainer = sweep.train(cfg, tcfg, corpus, d, label, progress, resume, log=lambda m: print(m, flush=True),
+                                  device=device, bf16=bf16)
             history = trainer.history
             vals = [r for r in history if "val_loss" in r]
             losses = sweep.window_losses(trainer.model, val)
@@ -247,7 +256,7 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
                   "loss_se_max": max(r["eval_se"] for r in results.values()),
                   "difference_se_max": max(diff_se, default=None)}
     report = {"config": {"quick": quick, "seed": seed, "seeds": seed_list, "dense_steps": steps_dense,
-                         "mod_recipe": asdict(recipe),
+                         "mod_recipe": asdict(recipe), "bf16": bf16, "device": str(device or "cpu"),
                          "budget_flops": budget, "corpus": corpus.source, "model": asdict(base),
                          "train": asdict(p.train), "eval_windows": p.eval_windows},
               "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(),

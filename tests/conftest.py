@@ -117,3 +117,11 @@ def seed() -> int:
     """Seed torch's global RNG before each test (module init and random inputs are then reproducible)."""
     torch.manual_seed(0)
     return 0
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A clean dynamo cache before and after a torch.compile test."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -314,13 +314,6 @@ def test_bank_under_autocast_keeps_float64(device):
 # --- torch.compile --------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @needs_grouped_mm
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
 def test_compiled_grouped_bank_matches_eager_with_padding(autocast, fresh_dynamo, device):

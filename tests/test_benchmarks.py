@@ -67,3 +67,43 @@ def test_bench_peers_quick_runs_what_imports_and_says_why_not(tmp_path, device):
             assert r["ratio_median"] == 1.0
         elif r["computes_in"] == "float32":  # same weights, same routing: the same numbers
             assert r["agrees"] is True, (r["implementation"], r["max_abs_diff_y"], r["max_abs_diff_dx"])
+
+
+def test_bench_peers_bf16_quick_measures_autocast_beside_float32(tmp_path):
+    """--precision bf16: mode under autocast agrees with its float32 output within bf16 rounding (its router
+    stays float32), and every row gets its time relative to mode's float32 layer from the same rounds."""
+    out = tmp_path / "peers_bf16.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--quick", "--threads", "1",
+                    "--repeats", "2", "--warmup", "1", "--precision", "bf16", "--experts", "4", "--out", str(out)],
+                   cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=True)
+    payload = json.loads(out.read_text())
+    assert payload["dtype"] == "bf16"
+    rows = {r["implementation"]: r for r in payload["results"]}
+    auto, fp32 = rows["mode, auto"], rows["mode, auto, float32 (no autocast)"]
+    assert auto["computes_in"] == "bfloat16 autocast" and auto["agrees"] is True and auto["diff_is_relative"]
+    assert 0 < auto["max_abs_diff_y"] < 0.05, auto["max_abs_diff_y"]  # bf16 rounding: not zero, not large
+    assert fp32["computes_in"] == "float32" and fp32["max_abs_diff_y"] == 0.0 and fp32["ratio_to_mode_float32"] == 1.0
+    baseline = [r for r in rows.values() if r["implementation"].endswith("(the baseline)")]
+    assert len(baseline) == 1 and baseline[0]["ratio_median"] == 1.0 and "bf16" in baseline[0]["implementation"]
+    for r in rows.values():
+        assert math.isfinite(r["ratio_to_mode_float32"]) and r["ratio_to_mode_float32"] > 0, r["implementation"]
+        if r["family"] == "torchtitan":  # its router is float32 too: only bf16 rounding apart
+            assert r["agrees"] is True, r
+
+
+def test_bf16_training_smoke_compares_paired_runs(tmp_path):
+    out = tmp_path / "bf16.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bf16_training.py"), "--quick-test", "--no-progress",
+                    "--threads", "1", "--work", str(tmp_path / "work"), "--out", str(out)],
+                   cwd=tmp_path, capture_output=True, text=True, timeout=300, check=True)
+    payload = json.loads(out.read_text())
+    assert [r["variant"] for r in payload["results"]] == ["dense", "moe"]
+    for r in payload["results"]:
+        assert r["steps"] == 20 and math.isfinite(r["fp32"]) and math.isfinite(r["bf16"])
+        assert r["fp32"] != r["bf16"]  # two trainings, not one read twice
+        assert abs(r["diff"]["mean"]) < 0.1 and r["tok_s_ratio"] > 0
+        assert len(r["curves"]["fp32"]) == len(r["curves"]["bf16"]) == 1 and len(r["curves"]["bf16"][0]) == 2
+        assert math.isfinite(r["train_gap_late"]) and r["train_gap_max"] >= abs(r["train_gap_late"])
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert (tmp_path / "work" / "bf16" / "compare.json").is_file()

@@ -365,6 +365,30 @@ def test_rerun_with_other_arguments_is_refused_unless_fresh(tmp_path, capsys):
     assert "dense: done in an earlier run" in capsys.readouterr().out
 
 
+def test_bf16_trains_under_autocast_and_is_part_of_the_run_identity(tmp_path, capsys, monkeypatch):
+    import mode.train
+
+    seen = []
+    real_init = mode.train.Trainer.__init__
+
+    def spy(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        seen.append(self.bf16)
+
+    monkeypatch.setattr(mode.train.Trainer, "__init__", spy)
+    data = write_text_file(tmp_path / "corpus.txt")
+    args = ["compare", "--quick", "--data", str(data), "--dense-steps", "1", "--only", "dense", "moe",
+            "--no-progress", "--out", str(tmp_path / "run")]
+    assert main([*args, "--bf16"]) == 0
+    report = json.loads((tmp_path / "run" / "compare.json").read_text())
+    assert seen == [True, True] and report["config"]["bf16"] is True and report["config"]["device"] == "cpu"
+    assert all(math.isfinite(r["val_loss"]) for r in report["results"].values())
+    capsys.readouterr()
+    assert main(args) == 2  # the same folder in float32 is another run
+    assert "bf16=True there" in capsys.readouterr().err
+    assert main([*args, "--bf16"]) == 0 and seen == [True, True]  # resumes: nothing left to train
+
+
 def test_negative_ckpt_every_s_is_refused(tmp_path, capsys):
     assert main(["compare", "--quick", "--ckpt-every-s", "-1", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
     assert "ckpt_every_s=-1.0: must be finite and > 0" in capsys.readouterr().err

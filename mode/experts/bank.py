@@ -25,7 +25,9 @@ the (A, D) output, and the dispatcher's combine becomes a plain scatter-add), el
 Backends
     "reference"  a readable loop over experts (one matmul pair per expert); reads counts_E on the host
     "grouped"    torch._grouped_mm over all experts at once (torch>=2.9; CPU and CUDA; float32, bfloat16,
-                 float16; D and H multiples of 16 / itemsize); no host sync on CUDA in bfloat16 (sm90/sm100)
+                 float16; D and H multiples of 16 / itemsize); no host sync on CUDA in bfloat16 (sm90/sm100).
+                 On the CPU in bfloat16/float16 with >= 256 rows per expert it lays the rows out at bucketed
+                 group sizes (``mode.experts.row_buckets``: oneDNN compiles a kernel per GEMM shape)
     "megablocks" grouped_gemm from MegaBlocks (CUDA, bfloat16, the torch 2.7.0 stack; optional extra)
     "auto"       per (device, compute dtype): "grouped" where it can run, else "megablocks" where it can,
                  else "reference" (docs/backends.md has the table)
@@ -56,7 +58,7 @@ from torch import Tensor, nn
 
 from mode import _checks
 from mode.experts import grouped_mm as gmm_mod
-from mode.experts import megablocks_backend
+from mode.experts import megablocks_backend, row_buckets
 from mode.experts.grouped_mm import autocast_dtype, grouped_mm
 from mode.experts.swiglu import swiglu
 
@@ -227,21 +229,33 @@ class ExpertBank(nn.Module):
             # rows at or past offsets_E[-1] are padding; the comparison stays on the device (no sync)
             real_A1 = (torch.arange(x_AD.shape[0], device=x_AD.device) < offsets_E[-1]).unsqueeze(1)
             x_AD = torch.where(real_A1, x_AD, 0)  # NaN-safe, and where's gradient there is exactly 0
-        w_in, w_out = local_weight(self.w_in_EDF).to(dtype), local_weight(self.w_out_EHD).to(dtype)
-        h_AF = grouped_mm(x_AD, w_in, offsets_E)
         gate_hidden_A = gate_A if self._gate_on_hidden else None
-        if self.cfg.activation == "swiglu":  # the same values as activate(); one gradient buffer (swiglu.py)
-            act_AH = swiglu(h_AF, gate_hidden_A)
+        if row_buckets.needed(x_AD.device.type, dtype, x_AD.shape[0], counts_E.shape[0]):
+            # kernels compiled per shape (oneDNN, CPU bf16/fp16): group sizes from a small set (row_buckets.py)
+            bucket_offsets_E, dest_A, R = row_buckets.bucketed_layout(counts_E, x_AD.shape[0])
+            x_RD = x_AD.new_zeros(R, x_AD.shape[1]).index_copy(0, dest_A, x_AD)
+            gate_hidden_R = (None if gate_hidden_A is None
+                             else gate_hidden_A.new_zeros(R).index_copy(0, dest_A, gate_hidden_A))
+            y_AD = self._grouped_mlp(x_RD, bucket_offsets_E, dtype, gate_hidden_R).index_select(0, dest_A)
         else:
-            act_AH = activate(h_AF, self.cfg.activation)
-            if gate_hidden_A is not None:
-                act_AH = act_AH * gate_hidden_A.to(act_AH.dtype)[:, None]
-        y_AD = grouped_mm(act_AH, w_out, offsets_E)
+            y_AD = self._grouped_mlp(x_AD, offsets_E, dtype, gate_hidden_A)
         if padded:
             y_AD = torch.where(real_A1, y_AD, 0)  # the kernel leaves padding rows unwritten (any bits)
         if gate_A is not None and gate_hidden_A is None:
             y_AD = y_AD * gate_A.to(y_AD.dtype)[:, None]
         return y_AD
+
+    def _grouped_mlp(self, x_AD: Tensor, offsets_E: Tensor, dtype: torch.dtype, gate_A: Tensor | None) -> Tensor:
+        """The two grouped GEMMs and the activation (times ``gate_A`` on the hidden activation when given);
+        rows past ``offsets_E[-1]`` come out undefined."""
+        w_in, w_out = local_weight(self.w_in_EDF).to(dtype), local_weight(self.w_out_EHD).to(dtype)
+        h_AF = grouped_mm(x_AD, w_in, offsets_E)
+        if self.cfg.activation == "swiglu":  # the same values as activate(); one gradient buffer (swiglu.py)
+            return grouped_mm(swiglu(h_AF, gate_A), w_out, offsets_E)
+        act_AH = activate(h_AF, self.cfg.activation)
+        if gate_A is not None:
+            act_AH = act_AH * gate_A.to(act_AH.dtype)[:, None]
+        return grouped_mm(act_AH, w_out, offsets_E)
 
     def _forward_megablocks(self, x_AD: Tensor, counts_E: Tensor, dtype: torch.dtype) -> Tensor:
         return megablocks_backend.expert_mlp(x_AD, counts_E, local_weight(self.w_in_EDF),
