@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with torch.no_grad(), mh.routing(conv, "causal"):
             cache = conv.generate(prompt_BS, max_new_tokens=args.new_tokens, do_sample=False,
                                   return_dict_in_generate=True).past_key_values
-        stored = {i: int(cache.layers[i].len_B.sum()) for i in mh.mod_layers(conv)}
+        stored = {i: int(cache.layers[i].stored_tokens().sum()) for i in mh.mod_layers(conv)}
         rows.append({"model": "mod", "capacity": cap, "loss_topk": loss_topk, "loss_causal": loss_causal,
                      "routed": routed, "tok_per_s": tok_s, "tune_steps": args.tune_steps, "tune_s": tune_s,
                      "tune_first": hist[0], "tune_last": hist[-1], "dense_len": cache.get_seq_length(),

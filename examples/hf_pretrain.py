@@ -1,6 +1,6 @@
 """Pretrain a small byte-level Llama with transformers on the built-in corpus and save it as a local checkpoint.
 
-    PYTHONPATH=. python examples/hf_pretrain.py --out runs/llama_bytes            # ~15 min on 2 CPU cores
+    PYTHONPATH=. python examples/hf_pretrain.py --out runs/llama_bytes --threads 2   # ~13 min on 2 CPU cores
     PYTHONPATH=. python examples/hf_convert.py --model runs/llama_bytes --capacities 1 0.5 0.25 0.125
 
 Nothing can be downloaded on the machines this project is built on, so ``examples/hf_convert.py`` had no
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)

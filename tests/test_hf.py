@@ -402,18 +402,36 @@ def test_distill_without_teacher_uses_the_dense_model(hf):
         assert torch.equal(model(ids).logits, dense)  # the base did not move
 
 
-def test_example_runs_end_to_end(hf, tmp_path):
-    """examples/hf_convert.py at its smallest: convert, router-tune, measure, generate."""
+def _example(name: str):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "hf_convert.py"
-    spec = importlib.util.spec_from_file_location("hf_convert_example", path)
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    rows = example.main(["--tune-steps", "2", "--capacities", "0.5", "--new-tokens", "4", "--repeats", "1",
-                         "--eval-batches", "1", "--seq-len", "32", "--batch", "2", "--corpus-bytes", "600000",
-                         "--json", str(tmp_path / "out.json")])
+    return example
+
+
+CONVERT_SMALLEST = ["--tune-steps", "2", "--capacities", "0.5", "--new-tokens", "4", "--repeats", "1",
+                    "--eval-batches", "1", "--seq-len", "32", "--batch", "2", "--corpus-bytes", "600000"]
+
+
+def test_example_runs_end_to_end(hf, tmp_path):
+    """examples/hf_convert.py at its smallest: convert, router-tune, measure, generate."""
+    rows = _example("hf_convert").main([*CONVERT_SMALLEST, "--json", str(tmp_path / "out.json")])
     assert [r["model"] for r in rows] == ["original", "mod"] and (tmp_path / "out.json").is_file()
     mod = rows[1]
     assert 0 < mod["routed"] < 1 and all(v <= mod["dense_len"] for v in mod["stored_per_layer"].values())
+
+
+def test_pretrain_example_saves_a_checkpoint_that_converts(hf, tmp_path):
+    """examples/hf_pretrain.py writes a transformers checkpoint (config + safetensors) that hf_convert.py
+    loads with --model and converts."""
+    out = tmp_path / "llama"
+    summary = _example("hf_pretrain").main(["--out", str(out), "--hidden", "32", "--layers", "2", "--steps", "3",
+                                            "--batch", "2", "--seq-len", "32", "--corpus-bytes", "3000000"])
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert summary["steps"] == 3 and summary["val_loss"] < 5.6  # below uniform over bytes (ln 256 = 5.545)
+    rows = _example("hf_convert").main([*CONVERT_SMALLEST, "--model", str(out)])
+    assert [r["model"] for r in rows] == ["original", "mod"]
