@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from mode import stats_ci, sweep
-from mode.data import stdlib_corpus
+from mode.experiments import stats_ci, sweep
+from mode.train.data import stdlib_corpus
 from mode.layers.mod import MoD
 from mode.model import LMConfig, alternate
 from mode.train import Trainer, TrainConfig, build_optimizer

@@ -64,7 +64,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_device_arg, machine_info, print_table, sync, write_json  # noqa: E402
-from mode.data import stdlib_corpus  # noqa: E402
+from mode.train.data import stdlib_corpus  # noqa: E402
 from mode.layers.mod import MoD  # noqa: E402
 from mode.model import LM, LMConfig, alternate  # noqa: E402
 from mode.model.generate import decode_step, generate, prefill  # noqa: E402

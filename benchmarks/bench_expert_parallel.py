@@ -24,7 +24,7 @@
     EP=4 oversubscribes it: the ratios show the cost of sharding and exchanging on one machine, not a
     multi-GPU speed-up.
 
-With ``--device cuda`` the ranks are NCCL processes, one GPU each (set up by ``mode.distributed.init_distributed``,
+With ``--device cuda`` the ranks are NCCL processes, one GPU each (set up by ``mode.parallel.process_group.init_distributed``,
 as ``torchrun`` would), for EP = 1, 2 and 4 as far as the machine has GPUs; the baseline is EP = 1 (the same
 trainer on a mesh of one GPU).
 
@@ -50,7 +50,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_device_arg, machine_info, print_table, sync, write_json  # noqa: E402
-from mode.data import stdlib_corpus  # noqa: E402
+from mode.train.data import stdlib_corpus  # noqa: E402
 from mode.model import LMConfig  # noqa: E402
 from mode.train import Trainer, TrainConfig  # noqa: E402
 
@@ -111,7 +111,7 @@ def _phase(counter: _ByteCounter, fn, phase: str):
 def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg: dict, backend: str) -> None:
     import torch.distributed as dist
 
-    from mode import distributed as mdist
+    from mode.parallel import process_group as mdist
     from mode.parallel import ParallelDims, build_mesh
     from mode.parallel.ep_model import expert_parallel_layers
 
@@ -179,7 +179,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg
 def run_ep(world: int, model_cfg: LMConfig, cfg: dict, tmp: Path, backend: str = "gloo") -> list[dict]:
     import torch.multiprocessing as mp
 
-    from mode.distributed import free_port
+    from mode.parallel.process_group import free_port
 
     out = tmp / f"ep{world}"
     out.mkdir()

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from mode.data import Corpus  # noqa: E402
+from mode.train.data import Corpus  # noqa: E402
 from mode.parallel.command import PRESETS  # noqa: E402
 from mode.train import Trainer  # noqa: E402
 

@@ -30,8 +30,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine_info, print_table, save_figure, write_json  # noqa: E402
-from mode import stats_ci  # noqa: E402
-from mode.compare import RESULT_FILE, run_compare, run_dir  # noqa: E402
+from mode.experiments import stats_ci  # noqa: E402
+from mode.experiments.compare import RESULT_FILE, run_compare, run_dir  # noqa: E402
 
 VARIANTS = ("dense", "mod", "moe", "staged_mode", "integrated_mode")
 PRECISIONS = ("fp32", "bf16")

@@ -1,6 +1,6 @@
 """Host synchronisations per training step (forward + backward) of every local layer, and of the LM.
 
-Counted on any device with ``mode.host_sync.HostSyncCounter`` (ops that would block the host on a GPU).
+Counted on any device with ``mode.measure.host_sync.HostSyncCounter`` (ops that would block the host on a GPU).
 Prints a table and writes JSON (``--out``).
 
     PYTHONPATH=. python benchmarks/count_syncs.py --out benchmarks/results/syncs.json
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock
-from mode.host_sync import HostSyncCounter
+from mode.measure.host_sync import HostSyncCounter
 from mode.layers.mod import StagedMoDE
 from mode.layers.moe import IntegratedMoDE
 from mode.model.config import LMConfig

@@ -108,8 +108,8 @@ register_router("top_p", TopPConfig, TopPRouter)  # the one line: now usable as 
 
 def main() -> None:
     from mode.cli import main as mode_cli
-    from mode.data import stdlib_corpus
-    from mode.flops import forward_flops_per_token, measured_flops
+    from mode.train.data import stdlib_corpus
+    from mode.measure.flops import forward_flops_per_token, measured_flops
     from mode.model import LM, LMConfig, alternate
     from mode.train import TrainConfig, Trainer
 

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import mode.hf as mh  # noqa: E402
-from mode.data import stdlib_corpus  # noqa: E402
+from mode.train.data import stdlib_corpus  # noqa: E402
 
 
 def load(args):

@@ -5,7 +5,7 @@
 
 Nothing can be downloaded on the machines this project is built on, so ``examples/hf_convert.py`` had no
 trained model to convert. This trains one: ``LlamaForCausalLM`` from transformers itself (not mode's LM),
-the 256 byte values as its vocabulary, on the Python standard library's sources (``mode.data``), with
+the 256 byte values as its vocabulary, on the Python standard library's sources (``mode.train.data``), with
 AdamW, warm-up and cosine decay, then ``save_pretrained`` (safetensors). A trained model is what makes
 the conversion's numbers mean something: a random model's loss is ln 256 whatever routes.
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from mode.data import BatchSampler, eval_batches, stdlib_corpus  # noqa: E402
+from mode.train.data import BatchSampler, eval_batches, stdlib_corpus  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

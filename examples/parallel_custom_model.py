@@ -138,7 +138,7 @@ def main() -> None:
 
     world, rank, mesh = 1, 0, None
     if "WORLD_SIZE" in os.environ:  # started by torchrun
-        from mode import distributed as mdist
+        from mode.parallel import process_group as mdist
         from mode.parallel import ParallelDims, build_mesh, parallelize
 
         ctx = mdist.init_distributed("auto")  # gloo on CPU, NCCL on GPUs; with a timeout

@@ -1,6 +1,12 @@
-"""mode: Mixture-of-Depths, Mixture-of-Experts and MoDE layers for PyTorch."""
+"""mode: Mixture-of-Depths, Mixture-of-Experts and MoDE layers for PyTorch.
 
-from mode.dispatch import LocalDispatcher
+The package's layers (docs/architecture.md): the library core (``routing``, ``experts``, ``dispatch``,
+``layers``, ``model``), ``hf`` beside it, then ``measure``, ``train``, ``parallel`` and ``experiments``, each
+importing only those before it; ``cli`` on top.
+"""
+
+from mode import _moved
+from mode.dispatch import Dispatcher, LocalDispatcher
 from mode.experts import ExpertBank, ExpertConfig
 from mode.layers import MLP, CausalSelfAttention, IntegratedMoDE, MoD, MoEConfig, MoELayer, StagedMoDE, TransformerBlock
 from mode.routing import (
@@ -11,7 +17,10 @@ from mode.routing import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Aux", "CausalSelfAttention", "ExpertBank", "ExpertChoiceConfig", "ExpertChoiceRouter", "ExpertConfig",
+    "Aux", "CausalSelfAttention", "Dispatcher", "ExpertBank", "ExpertChoiceConfig", "ExpertChoiceRouter", "ExpertConfig",
     "IntegratedMoDE", "LocalDispatcher", "MLP", "MoD", "MoDRouter", "MoDRouterConfig", "MoEConfig", "MoELayer",
     "RoutingPlan", "RoutingStats", "StagedMoDE", "TokenChoiceConfig", "TokenChoiceRouter", "TransformerBlock",
 ]
+
+_moved.install()  # old module paths (mode.checkpoint, mode.distributed, ...) for one release
+import mode.parallel  # noqa: E402,F401  plugs the mesh runtime and the sharded-checkpoint reader into mode.train

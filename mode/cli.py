@@ -9,8 +9,8 @@ import sys
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
-    """The MoD recipe of the mod, mod_random and staged_mode variants (mode.compare.MoDRecipe)."""
-    from mode.compare import DEFAULT_RECIPE, ROUTED_BLOCKS
+    """The MoD recipe of the mod, mod_random and staged_mode variants (mode.experiments.compare.MoDRecipe)."""
+    from mode.experiments.compare import DEFAULT_RECIPE, ROUTED_BLOCKS
     from mode.routing.mod_topk import GATES
 
     p.add_argument("--mod-routed", default=DEFAULT_RECIPE.routed, choices=ROUTED_BLOCKS,
@@ -22,7 +22,7 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
 
 
 def _recipe(args):
-    from mode.compare import MoDRecipe
+    from mode.experiments.compare import MoDRecipe
 
     return MoDRecipe(routed=args.mod_routed, capacity=args.mod_capacity, gate=args.mod_gate)
 
@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     if args.command == "compare":
-        from mode.checkpoint import WriteError
-        from mode.compare import run_compare
+        from mode.train.checkpoint import WriteError
+        from mode.experiments.compare import run_compare
 
         try:
             run_compare(args.out, quick=args.quick, data=args.data, seed=args.seed, dense_steps=args.dense_steps,
@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _isoflop(args) -> int:
-    from mode.checkpoint import WriteError
-    from mode.isoflop import run_isoflop
+    from mode.train.checkpoint import WriteError
+    from mode.experiments.isoflop import run_isoflop
 
     try:
         run_isoflop(args.out, quick=args.preset or args.quick, data=args.data, seeds=args.seeds,
@@ -182,7 +182,7 @@ def _isoflop(args) -> int:
 
 
 def _export(args) -> int:
-    from mode.checkpoint import WriteError
+    from mode.train.checkpoint import WriteError
     from mode.parallel.checkpoint import export
 
     try:
@@ -198,7 +198,7 @@ def _export(args) -> int:
 
 
 def _sample(args) -> int:
-    from mode.data import decode, encode
+    from mode.train.data import decode, encode
     from mode.model.generate import generate
     from mode.train import load_model
 
@@ -217,7 +217,7 @@ def _sample(args) -> int:
 
 
 def _report(args) -> int:
-    from mode.report import run_report
+    from mode.experiments.report import run_report
 
     try:
         run_report(args.checkpoint, data=args.data, out=args.out, batches=args.batches, batch_size=args.batch_size,

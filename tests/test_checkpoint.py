@@ -1,4 +1,4 @@
-"""Checkpoints (mode.checkpoint): never run code from a file, clear errors on bad files, atomic writes that
+"""Checkpoints (mode.train.checkpoint): never run code from a file, clear errors on bad files, atomic writes that
 survive a kill or a full disk, bad output folders refused before training. docs/checkpoints.md."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 import torch
 from test_train import corpus, model_cfg, stable, train_cfg  # the tiny model and data of the training tests
 
-import mode.data
+import mode.train.data
 import mode.train
-from mode import checkpoint
-from mode.checkpoint import CheckpointError, WriteError, load_checkpoint, read_checkpoint
+from mode.train import checkpoint
+from mode.train.checkpoint import CheckpointError, WriteError, load_checkpoint, read_checkpoint
 from mode.cli import main
 from mode.train import Trainer
 
@@ -86,11 +86,11 @@ def test_cli_refuses_a_malicious_pickle(evil, capsys, command):
 
 
 def test_compare_resume_refuses_a_malicious_pickle(evil, tmp_path, capsys):
-    from mode.compare import run_compare
+    from mode.experiments.compare import run_compare
 
     path, marker = evil
     data = tmp_path / "text.txt"
-    data.write_text(Path(mode.data.__file__).read_text() * 3)
+    data.write_text(Path(mode.train.data.__file__).read_text() * 3)
     out = tmp_path / "cmp"
     args = ["compare", "--quick", "--data", str(data), "--dense-steps", "1", "--only", "dense", "--out", str(out),
             "--no-progress"]
@@ -110,7 +110,7 @@ def test_train_resume_refuses_a_malicious_pickle(tmp_path, capsys):
     marker = tmp_path / "marker"
     torch.save({"format": "mode-checkpoint", "version": 1, "payload": RunsCode(marker)}, out / "ckpt.pt")
     data = tmp_path / "text.txt"
-    data.write_text(Path(mode.data.__file__).read_text() * 3)
+    data.write_text(Path(mode.train.data.__file__).read_text() * 3)
     rc = main(["train", "--preset", "quick", "--steps", "1", "--data", str(data), "--out", str(out), "--resume",
                "--device", "cpu", "--no-progress"])
     assert rc == 2
@@ -344,7 +344,7 @@ def test_saving_something_unloadable_is_refused(tmp_path):
 
 
 class FaultyOs:
-    """``os`` as mode.checkpoint sees it, with failures injected: ``full(path)`` makes the write of a file
+    """``os`` as mode.train.checkpoint sees it, with failures injected: ``full(path)`` makes the write of a file
     opened at ``path`` run out of space half-way; ``denied(path)`` makes opening it fail."""
 
     def __init__(self, full=lambda path: False, denied=lambda path: False):
@@ -400,7 +400,7 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
 def test_full_disk_during_compare_is_a_clean_error(tmp_path, monkeypatch, capsys):
     data = tmp_path / "text.txt"
-    data.write_text(Path(mode.data.__file__).read_text() * 3)
+    data.write_text(Path(mode.train.data.__file__).read_text() * 3)
     out = tmp_path / "cmp"
     monkeypatch.setattr(checkpoint, "os", FaultyOs(full=lambda p: ".ckpt.pt." in p))
     rc = main(["compare", "--quick", "--data", str(data), "--dense-steps", "1", "--only", "dense", "--out",
@@ -415,10 +415,10 @@ def test_full_disk_during_compare_is_a_clean_error(tmp_path, monkeypatch, capsys
 
 def test_results_are_written_atomically(tmp_path, monkeypatch):
     """A failing write of compare.json leaves no compare.json (never a half report)."""
-    from mode.compare import run_compare
+    from mode.experiments.compare import run_compare
 
     data = tmp_path / "text.txt"
-    data.write_text(Path(mode.data.__file__).read_text() * 3)
+    data.write_text(Path(mode.train.data.__file__).read_text() * 3)
     monkeypatch.setattr(checkpoint, "os", FaultyOs(full=lambda p: ".compare.json." in p))
     with pytest.raises(WriteError, match="compare.json"):
         run_compare(tmp_path / "cmp", quick=True, data=str(data), dense_steps=1, only=["dense"], progress=False)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import mode.data
+import mode.train.data
 from mode.cli import main
-from mode.compare import (CLAIMS, dense_depths, dense_sweep, extra_variants, format_table, preset, run_compare,
+from mode.experiments.compare import (CLAIMS, dense_depths, dense_sweep, extra_variants, format_table, preset, run_compare,
                           variants)
-from mode.flops import forward_flops_per_token, train_flops_per_token
+from mode.measure.flops import forward_flops_per_token, train_flops_per_token
 
 SIX = ["dense", "mod", "mod_random", "moe", "staged_mode", "integrated_mode"]
 SWEEP = ["dense_1l", "dense_2l", "dense_3l"]  # the quick preset has 4 layers: the dense sweep adds 1, 2 and 3
@@ -28,7 +28,7 @@ DENSE_STEPS = 3
 
 def write_text_file(path: Path) -> Path:
     # real UTF-8 text, comfortably above min_file_bytes(128) = 2580 bytes
-    path.write_text(Path(mode.data.__file__).read_text() * 3 + "caf\u00e9 \u2211\n")
+    path.write_text(Path(mode.train.data.__file__).read_text() * 3 + "caf\u00e9 \u2211\n")
     return path
 
 
@@ -298,7 +298,7 @@ def test_killed_compare_resumes_to_identical_results(tmp_path, capsys):
     import sys
     import time
 
-    from mode import checkpoint
+    from mode.train import checkpoint
 
     data = write_text_file(tmp_path / "corpus.txt")
     args = ["--quick", "--data", str(data), "--dense-steps", "2", "--only", "dense", "mod", "mod_random",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from mode.data import (
+from mode.train.data import (
     VAL_EVERY_NTH_FILE, BatchSampler, Corpus, decode, encode, eval_batches, file_corpus, min_file_bytes,
     stdlib_corpus, stdlib_sources,
 )

@@ -374,7 +374,7 @@ def test_model_math_never_imports_torch_distributed():
     only the process-group plumbing (expert-parallel dispatch, launch helpers, stats all-reduce) does."""
     root = Path(__file__).resolve().parents[1] / "mode"
     model_math = [*(root / d for d in ("routing", "experts", "layers", "model")), root / "dispatch" / "local.py",
-                  root / "flops.py", root / "data.py", root / "stats.py"]
+                  root / "measure", root / "train" / "data.py"]
     files = [f for m in model_math for f in ([m] if m.suffix == ".py" else m.rglob("*.py"))]
     assert len(files) > 15
     offenders = [str(p.relative_to(root)) for p in files
@@ -384,7 +384,7 @@ def test_model_math_never_imports_torch_distributed():
 
 def test_only_the_parallel_package_and_the_distributed_helpers_import_torch_distributed():
     root = Path(__file__).resolve().parents[1] / "mode"
-    allowed = {"distributed.py", "distributed_stats.py", "dispatch/expert_parallel.py"}
+    allowed = {"dispatch/expert_parallel.py"}
     offenders = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                        if p.relative_to(root).parts[0] != "parallel" and str(p.relative_to(root)) not in allowed
                        and re.search(r"^\s*(import|from)\s+torch\.distributed", p.read_text(), re.M))
@@ -392,7 +392,7 @@ def test_only_the_parallel_package_and_the_distributed_helpers_import_torch_dist
 
 
 # ----------------------------------------------------------------------------------------------------
-# process-group set-up (mode.distributed.init_distributed), without starting a group: init_process_group
+# process-group set-up (mode.parallel.process_group.init_distributed), without starting a group: init_process_group
 # and the CUDA queries are replaced, so the NCCL path is checked on a CPU-only machine too.
 
 
@@ -430,7 +430,7 @@ def fake_dist(monkeypatch):
 
 
 def test_init_distributed_nccl_passes_device_id_and_sets_env_defaults(environ, fake_dist):
-    from mode import distributed as mdist
+    from mode.parallel import process_group as mdist
 
     environ.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     ctx = mdist.init_distributed("nccl", timeout_s=42)
@@ -446,7 +446,7 @@ def test_init_distributed_nccl_passes_device_id_and_sets_env_defaults(environ, f
 
 
 def test_nccl_env_defaults_never_override_the_user(environ, fake_dist):
-    from mode import distributed as mdist
+    from mode.parallel import process_group as mdist
 
     environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
                    TORCH_NCCL_ASYNC_ERROR_HANDLING="1",  # what torchrun exports when the user set nothing
@@ -458,7 +458,7 @@ def test_nccl_env_defaults_never_override_the_user(environ, fake_dist):
 
 
 def test_nccl_env_defaults_with_blocking_wait_leave_error_handling_alone():
-    from mode.distributed import NCCL_ENV_DEFAULTS, nccl_env_defaults
+    from mode.parallel.process_group import NCCL_ENV_DEFAULTS, nccl_env_defaults
 
     env = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
     applied = nccl_env_defaults(env)
@@ -468,7 +468,7 @@ def test_nccl_env_defaults_with_blocking_wait_leave_error_handling_alone():
 
 
 def test_init_distributed_gloo_has_no_device_id_and_no_nccl_env(environ, fake_dist):
-    from mode import distributed as mdist
+    from mode.parallel import process_group as mdist
 
     environ.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     ctx = mdist.init_distributed("gloo", timeout_s=5)
@@ -479,7 +479,7 @@ def test_init_distributed_gloo_has_no_device_id_and_no_nccl_env(environ, fake_di
 
 
 def test_init_distributed_nccl_rejects_more_processes_than_gpus(environ, fake_dist):
-    from mode import distributed as mdist
+    from mode.parallel import process_group as mdist
 
     environ.update(RANK="2", WORLD_SIZE="3", LOCAL_RANK="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     with pytest.raises(ValueError, match=r"LOCAL_RANK=2: this machine has 2 GPU\(s\); start at most one process "

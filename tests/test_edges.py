@@ -17,7 +17,7 @@ from mode import (
 )
 from mode.model import LM, LMConfig
 from mode.routing.capacity import ceil_of, floor_of
-from mode.stats import RoutingAccumulator
+from mode.measure.stats import RoutingAccumulator
 
 D, H = 16, 32
 

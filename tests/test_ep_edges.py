@@ -57,7 +57,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
 
     from mode import MoEConfig, MoELayer
     from mode.dispatch.expert_parallel import ExpertParallelDispatcher
-    from mode.host_sync import HostSyncCounter
+    from mode.measure.host_sync import HostSyncCounter
     from mode.parallel.ep_model import shard_layer, shard_model
 
     torch.set_num_threads(1)

@@ -52,7 +52,7 @@ import numpy as np
 import pytest
 import torch
 
-from mode.data import BatchSampler, Corpus
+from mode.train.data import BatchSampler, Corpus
 from mode.model import LM, LMConfig
 from mode.parallel.mesh import ParallelDims, mesh_dims
 from mode.train import Trainer, TrainConfig, build_optimizer, lr_at
@@ -183,7 +183,7 @@ def _wait_for(path: Path, deadline_s: float) -> None:
 
 
 def _pool2(rank: int, out: Path, out4: Path) -> dict:
-    from mode.distributed import CollectiveError
+    from mode.parallel.process_group import CollectiveError
     from mode.parallel import build_mesh
     from mode.parallel.checkpoint import export
 
@@ -243,7 +243,7 @@ def _pool2(rank: int, out: Path, out4: Path) -> dict:
 
 
 def _pool_stuck(rank: int, out: Path) -> dict:
-    from mode.distributed import CollectiveError
+    from mode.parallel.process_group import CollectiveError
     from mode.parallel import build_mesh
 
     t = Trainer(TOKEN_CHOICE, TRAIN, _corpus(), out, progress=False,
@@ -323,8 +323,9 @@ REPORTING = {"mesh4": [0, 1, 2, 3], "mesh2": [0, 1], "stuck": [0]}  # the stuck 
 def runs():
     import torch.multiprocessing as mp
 
-    from mode.checkpoint import load_model
-    from mode.parallel.checkpoint import read_metadata, save_folder
+    from mode.train.checkpoint import load_model
+    from mode.parallel.checkpoint import save_folder
+    from mode.parallel.dcp_safe import read_metadata
     from mode.train import evaluate
 
     with tempfile.TemporaryDirectory() as tmp_s:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mode.flops import (
+from mode.measure.flops import (
     TRAIN_MULTIPLIER, attention_flops, forward_flops, forward_flops_per_token, layer_flops, measured_flops,
     mlp_flops_per_token, realized_assignments, train_flops_per_token,
 )

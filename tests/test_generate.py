@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mode.layers.attention as attention_module
-from mode.data import eval_batches, file_corpus
-from mode.host_sync import HostSyncCounter
+from mode.train.data import eval_batches, file_corpus
+from mode.measure.host_sync import HostSyncCounter
 from mode.layers.kv_cache import KVCache
 from mode.layers.rope import apply_rope, rope_angles
 from mode.model import LM, LMConfig

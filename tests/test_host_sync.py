@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mode import MLP, IntegratedMoDE, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, StagedMoDE, TransformerBlock
-from mode.host_sync import HostSyncCounter
+from mode.measure.host_sync import HostSyncCounter
 from mode.model import LM, LMConfig
 
 D, H, B, S = 32, 64, 2, 24

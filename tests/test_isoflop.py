@@ -1,5 +1,5 @@
 """`mode isoflop`: step counts on budget, paired data order, a tiny sweep end to end (JSON, tables, PNGs,
-resume), the CLI, and the interval arithmetic of `mode.stats_ci` against hand-computed numbers."""
+resume), the CLI, and the interval arithmetic of `mode.experiments.stats_ci` against hand-computed numbers."""
 
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import mode.isoflop
+import mode.experiments.isoflop
 import mode.model
-from mode import stats_ci, sweep
+from mode.experiments import stats_ci, sweep
 from mode.cli import main
-from mode.compare import CLAIMS, variants
-from mode.data import file_corpus
-from mode.isoflop import (IsoflopPreset, format_report, parabola_fit, plan, preset, run_isoflop, size_config)
+from mode.experiments.compare import CLAIMS, variants
+from mode.train.data import file_corpus
+from mode.experiments.isoflop import run_isoflop
+from mode.experiments.isoflop_plan import IsoflopPreset, plan, preset, size_config
+from mode.experiments.isoflop_report import format_report, parabola_fit
 from mode.model import LMConfig
 from mode.train import TrainConfig, Trainer
 
@@ -237,9 +239,9 @@ def test_parallel_jobs_give_the_same_numbers(tmp_path):
 
 
 def test_cli_isoflop_runs_and_reports(tmp_path, capsys, monkeypatch):
-    import mode.isoflop
+    import mode.experiments.isoflop
 
-    monkeypatch.setattr(mode.isoflop, "preset", lambda quick: tiny_preset(budgets=(2e7, 3e7, 4.5e7),
+    monkeypatch.setattr(mode.experiments.isoflop, "preset", lambda quick: tiny_preset(budgets=(2e7, 3e7, 4.5e7),
                                                                           n_layers=(2, 3, 4, 5)))
     data = write_text_file(tmp_path / "c.txt")
     rc = main(["isoflop", "--quick", "--data", str(data), "--seeds", "2", "--only", "dense", "mod", "--out",

@@ -1,4 +1,4 @@
-"""Load-balance and per-token compute statistics (mode.stats, mode.token_compute), their accumulation over
+"""Load-balance and per-token compute statistics (mode.measure.stats, mode.measure.token_compute), their accumulation over
 steps and ranks, the training log's "routing" records, and `mode report`."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mode.data import Corpus
-from mode.flops import attention_flops, forward_flops, mlp_flops_per_token
+from mode.train.data import Corpus
+from mode.measure.flops import attention_flops, forward_flops, mlp_flops_per_token
 from mode.model import LM, LMConfig
 from mode.routing.mod_topk import MoDRouter, MoDRouterConfig
 from mode.routing.plan import RoutingStats
 from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
-from mode.stats import RoutingAccumulator, coefficient_of_variation, max_over_mean, rate_by_position
-from mode.token_compute import slots_to_positions, token_compute
+from mode.measure.stats import RoutingAccumulator, coefficient_of_variation, max_over_mean, rate_by_position
+from mode.measure.token_compute import slots_to_positions, token_compute
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -227,13 +227,15 @@ def _rank_accumulate(rank: int, acc: RoutingAccumulator) -> None:
 def _rank_worker(rank: int, world: int, store: str, out_dir: str) -> None:
     import torch.distributed as dist
 
+    from mode.parallel.stats_reduce import all_reduce_accumulator
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
         acc = RoutingAccumulator()
         _rank_accumulate(rank, acc)
-        acc.all_reduce(dist.group.WORLD)
+        all_reduce_accumulator(acc, dist.group.WORLD)
         torch.save(acc.state_dict(), Path(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -288,7 +290,7 @@ def corpus_of(path: Path) -> Corpus:
 
 
 def test_training_logs_routing_records_and_compare_reads_them(tmp_path):
-    from mode.compare import _routing_summary, format_table
+    from mode.experiments.compare import _routing_summary, format_table
     from mode.train import Trainer, TrainConfig
 
     cfg = tiny_cfg("dense", "mod", "integrated", top_k=1)
@@ -355,7 +357,7 @@ def forced_model() -> LM:
 
 
 def test_report_shows_a_forced_routing_pattern(tmp_path):
-    from mode.report import build_report, run_report
+    from mode.experiments.report import build_report, run_report
 
     model = forced_model()
     # heatmap: 'Z' only at the last 4 positions (C = 4) -> layer 0 routes exactly those positions
@@ -381,7 +383,7 @@ def test_report_shows_a_forced_routing_pattern(tmp_path):
 def test_report_with_causal_routing_maps_packed_slots():
     """Causal routing packs a variable number of routed tokens per row (fillers after them): the staged
     layer's experts still land only on routed positions, and the blocks count matches the MoD decisions."""
-    from mode.report import build_report
+    from mode.experiments.report import build_report
 
     torch.manual_seed(3)
     model = LM(tiny_cfg("staged", "mod", causal="aux_bce", top_k=2))

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from mode.checkpoint import load_checkpoint
-from mode.data import Corpus
-from mode.flops import train_flops_per_token
+from mode.train.checkpoint import load_checkpoint
+from mode.train.data import Corpus
+from mode.measure.flops import train_flops_per_token
 from mode.model import LMConfig
 from mode.train import Trainer, TrainConfig, evaluate, load_model, lr_at
 

@@ -1,6 +1,7 @@
+from mode.dispatch.base import Dispatcher
 from mode.dispatch.local import LocalDispatcher
 
-__all__ = ["ExpertParallelDispatcher", "LocalDispatcher"]
+__all__ = ["Dispatcher", "ExpertParallelDispatcher", "LocalDispatcher"]
 
 
 def __getattr__(name: str):

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mode.dispatch.base import Dispatcher
 from mode.dispatch.local import scatter_weighted
 from mode.routing.plan import RoutingPlan
 
@@ -107,7 +108,7 @@ def _exchange_stats(send: list[int], recv: list[int], rank: int, row_bytes: int)
                          received_rows=sum(recv) - recv[rank], row_bytes=row_bytes)
 
 
-class ExpertParallelDispatcher:
+class ExpertParallelDispatcher(Dispatcher):
     """Dispatcher for experts sharded contiguously over ``group`` (a process group built by the caller).
 
     ``last_dispatch`` / ``last_combine`` hold the :class:`ExchangeStats` of the latest forward

@@ -2,27 +2,22 @@
 
 Shape legend: T tokens, D hidden, A assignments grouped by expert, E experts.
 
-The dispatcher interface (``LocalDispatcher`` here, ``ExpertParallelDispatcher`` across processes):
-    dispatch(x_TD, plan) -> (x_RD, counts_R, state)   rows for *this* process's experts, grouped by
-                                                       expert, and the row count of each local expert
-    combine(y_RD, plan, state) -> y_TD                 weighted sum of each token's expert outputs
-    num_local_experts(num_experts) -> int              experts this process's ExpertBank holds
-    rows_padded(plan) -> bool                          optional: False when dispatch's rows hold no padding
-                                                       (the layer then lets the expert bank skip its masks)
-    combine_gated(y_RD, plan, state) -> y_TD           optional: combine rows the expert bank has already
-                                                       multiplied by their gates (it picks the cheaper place)
-Gates are applied in ``combine``, on the token's own process, so they never travel.
+The dispatcher interface is ``mode.dispatch.base.Dispatcher``. Here the rows are the plan's assignments in
+order, padding included, so the expert bank may apply the gates itself (``gates_in_experts``).
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from mode.dispatch.base import Dispatcher
 from mode.routing.plan import RoutingPlan
 
 
-class LocalDispatcher:
+class LocalDispatcher(Dispatcher):
     """All experts live in this process."""
+
+    gates_in_experts = True  # dispatch keeps the plan's rows in order: combine_gated can scatter gated rows
 
     def num_local_experts(self, num_experts: int) -> int:
         return num_experts

@@ -4,8 +4,8 @@ Shape legend: B batch, S tokens, T = B * S, D hidden, A/R rows grouped by expert
 
 Drop-in replacement for an MLP: ``forward(x_BSD, mask_BS=None) -> (y_BSD, Aux)`` returns only the
 experts' contribution (the surrounding block adds the residual). Tokens routed to no-op experts or
-dropped by capacity get zeros. The dispatcher is handed in (local by default, or an expert-parallel
-one built on a process group); nothing here imports ``torch.distributed``.
+dropped by capacity get zeros. The dispatcher (``mode.dispatch.base.Dispatcher``) is handed in (local by
+default, or an expert-parallel one built on a process group); nothing here imports ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from mode import _checks
+from mode.dispatch.base import Dispatcher
 from mode.dispatch.local import LocalDispatcher
 from mode.experts.bank import ExpertBank, ExpertConfig
 from mode.routing.plan import Aux
@@ -79,6 +79,9 @@ class MoELayer(nn.Module):
         if not isinstance(experts, ExpertBank):
             raise TypeError(f"experts={type(experts).__name__}: must be an ExpertBank")
         dispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
+        if not isinstance(dispatcher, Dispatcher):
+            raise TypeError(f"dispatcher={type(dispatcher).__name__}: must be a mode.dispatch.Dispatcher (subclass "
+                            "it: num_local_experts, dispatch, combine)")
         router = self.router
         local = dispatcher.num_local_experts(router.num_experts)  # E, or E / P when expert-parallel
         if experts.num_experts != local:
@@ -90,6 +93,7 @@ class MoELayer(nn.Module):
                              "(num_experts / expert-parallel group size)")
         self.experts = experts  # the same slot in _modules: parameter names and order are unchanged
         self.dispatcher = dispatcher
+        self._gates_in_experts = dispatcher.gates_in_experts  # the combine path, chosen once
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, dispatcher=None) -> "MoELayer":
@@ -99,13 +103,10 @@ class MoELayer(nn.Module):
         plan = self.router(x_BSD, mask_BS)  # validates x's shape and dtype
         B, S, D = x_BSD.shape
         x_RD, counts_R, state = self.dispatcher.dispatch(x_BSD.reshape(B * S, D), plan)  # B*S may be 0
-        # two optional parts of the dispatcher interface (mode/dispatch/local.py has both; expert parallel neither)
-        rows_padded = getattr(self.dispatcher, "rows_padded", None)
-        padded = True if rows_padded is None else rows_padded(plan)
-        combine_gated = getattr(self.dispatcher, "combine_gated", None)
-        if combine_gated is not None:  # the bank applies the gates where that is cheapest (bank.py)
+        padded = self.dispatcher.rows_padded(plan)
+        if self._gates_in_experts:  # the bank applies the gates where that is cheapest (bank.py)
             y_RD = self.experts(x_RD, counts_R, padded=padded, gate_A=plan.weight_A)
-            y_TD = combine_gated(y_RD, plan, state)
+            y_TD = self.dispatcher.combine_gated(y_RD, plan, state)
         else:  # gates stay on the token's own process: combine applies them
             y_RD = self.experts(x_RD, counts_R, padded=padded)
             y_TD = self.dispatcher.combine(y_RD, plan, state)

@@ -1,15 +1,20 @@
 """Scaling out on PyTorch's own engine (docs/distributed.md).
 
-    mesh         ``ParallelDims(dp, ep)`` and ``build_mesh``: the ``(dp, ep)`` DeviceMesh
-    apply        ``parallelize(model, mesh)``: expert parallelism (experts as DTensors on the ep dim, our
-                 token dispatcher) and FSDP2 for everything, applied from outside to any model
-    runtime      what ``mode.train.Trainer`` needs from a mesh (rows, sums, the gradient norm, checkpoints)
-    checkpoint   sharded checkpoints through DCP: save on any layout, load on any other, one-file export
-    blocks       the FSDP / compile units of a model (no torch.distributed)
-    ep_model     the plain-tensor expert sharding of one layer (``shard_layer``, ``shard_model``)
-    command      ``mode train``: the torchrun-ready training command
+    mesh           ``ParallelDims(dp, ep)`` and ``build_mesh``: the ``(dp, ep)`` DeviceMesh
+    apply          ``parallelize(model, mesh)``: expert parallelism (experts as DTensors on the ep dim, our
+                   token dispatcher) and FSDP2 for everything, applied from outside to any model
+    runtime        ``MeshRuntime``: what ``mode.train.Trainer`` needs from a mesh (``mode.train.runtime.Runtime``)
+    checkpoint     sharded checkpoints through DCP: save on any layout, load on any other, one-file export
+    dcp_safe       DCP metadata read without running code from the folder
+    ep_model       the plain-tensor expert sharding of one layer (``shard_layer``, ``shard_model``)
+    process_group  ``init_distributed``, timeouts, ``CollectiveError`` and the guard around collectives
+    stats_reduce   a ``RoutingAccumulator`` summed over the ranks of a group
+    command        ``mode train``: the torchrun-ready training command
 
-Importing ``mode.parallel`` imports nothing from ``torch.distributed``; the names below load on first use.
+``mode.train`` never imports this package; it defines two extension points that ``register`` fills (the
+package ``mode`` calls it on import): the runtime behind ``Trainer(mesh=...)`` and the reader of sharded
+checkpoint folders behind ``mode.train.checkpoint.load_checkpoint``. Importing ``mode.parallel`` imports
+nothing from ``torch.distributed``; the names below and both extension points load it on first use.
 """
 
 from __future__ import annotations
@@ -27,3 +32,27 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'mode.parallel' has no attribute {name!r}")
+
+
+def _mesh_runtime(mesh, timeout_s: float | None):
+    from mode.parallel.runtime import MeshRuntime  # torch.distributed only for a mesh
+
+    return MeshRuntime(mesh, timeout_s)
+
+
+def _read_sharded(path, training: bool = False) -> dict:
+    from mode.parallel.checkpoint import read_sharded  # torch.distributed only for sharded folders
+
+    return read_sharded(path, training=training)
+
+
+def register() -> None:
+    """Plug this package into ``mode.train``'s extension points (idempotent)."""
+    from mode.train.checkpoint import register_folder_reader
+    from mode.train.runtime import register_mesh_runtime
+
+    register_mesh_runtime(_mesh_runtime)
+    register_folder_reader(_read_sharded)
+
+
+register()

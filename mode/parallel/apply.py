@@ -15,7 +15,7 @@ What it does, in this order (every rank calls it with the same model, built with
        The bank computes on ``weight.to_local()`` (``mode.experts.bank.local_weight``).
     2. Every ``MoD`` wrapper gets ``skip_empty = False``: a rank whose MoD routes no token must still run
        the block, whose FSDP all-gathers and expert all-to-alls every rank enters.
-    3. ``compile=True``: ``torch.compile`` per block (``mode.parallel.blocks``), before sharding.
+    3. ``compile=True``: ``torch.compile`` per block (``mode.model.blocks``), before sharding.
     4. **FSDP2.** Each expert bank: ``fully_shard(bank, mesh=mesh, dp_mesh_dims=shard "dp")`` (its L
        experts sharded over dp). Each block, then the root: ``fully_shard`` on the flattened dp x ep mesh
        (every dense weight sharded W ways; attention, norms, routers, embeddings).
@@ -42,7 +42,7 @@ from mode.dispatch.expert_parallel import ExpertParallelDispatcher
 from mode.experts.bank import ExpertBank
 from mode.layers.mod import MoD
 from mode.layers.moe import MoELayer
-from mode.parallel.blocks import compile_blocks, resolve_blocks
+from mode.model.blocks import compile_blocks, resolve_blocks
 from mode.parallel.ep_model import shard_experts
 from mode.parallel.mesh import flat_mesh, mesh_dims
 
@@ -67,7 +67,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Modul
                 compile: bool = False, reshard_after_forward: bool | None = None) -> nn.Module:
     """Make ``model`` expert-parallel over ``mesh["ep"]`` and fully sharded over the whole mesh, in place;
     returns it. ``blocks``: the FSDP (and compile) units below the root (default: the children of the
-    model's outermost ``ModuleList``/``ModuleDict``, ``mode.parallel.blocks``). ``reshard_after_forward``
+    model's outermost ``ModuleList``/``ModuleDict``, ``mode.model.blocks``). ``reshard_after_forward``
     goes to every ``fully_shard`` (None: FSDP's default, True below the root)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={type(model).__name__}: must be an nn.Module")

@@ -10,29 +10,25 @@ The folder (docs/checkpoints.md)
     all E rows) and ``optimizer.<name>.<key>`` (AdamW's ``step``, ``exp_avg``, ``exp_avg_sq`` of each
     parameter, by parameter name).
 
-Atomic: a save goes to a fresh ``step-*`` folder; ``latest`` is replaced (``mode.checkpoint.atomic_write``)
+Atomic: a save goes to a fresh ``step-*`` folder; ``latest`` is replaced (``mode.train.checkpoint.atomic_write``)
 only when every rank's shards and ``meta.json`` are complete, then older folders are removed. A run killed
 while saving leaves the previous save in place (and a partial folder that the next save removes).
 
-Safe to load: DCP reads ``.metadata`` with plain ``pickle`` and non-tensor items with
-``torch.load(weights_only=False)``, either of which would run code from a hostile folder. ``SafeReader``
-reads ``.metadata`` with an unpickler that builds only DCP's own metadata classes, ``torch.Size`` and
-dtypes, and refuses a checkpoint holding any non-tensor item, so DCP only ever reads tensors (with
-``torch.load(weights_only=True)``). ``meta.json`` is JSON; both are validated like a single-file
-checkpoint (``mode.checkpoint``) before any model is built.
+Safe to load: DCP would run code from a hostile folder; every read here goes through
+``mode.parallel.dcp_safe.SafeReader``, which unpickles only DCP's own metadata and lets DCP read tensors
+only. ``meta.json`` is JSON; both are validated like a single-file checkpoint (``mode.train.checkpoint``)
+before any model is built.
 
 Single files: ``read_sharded(folder)`` returns the dict of the single-file format (full tensors,
-index-keyed AdamW state) in one process, with no process group: ``mode.checkpoint.load_checkpoint`` and
-``load_model`` (hence ``mode sample`` and ``mode report``) read a folder through it, and ``export`` writes
-it as one file. ``load_full`` distributes a single-file checkpoint's tensors into a parallelized model
+index-keyed AdamW state) in one process, with no process group. It is the folder reader registered with
+``mode.train.checkpoint`` (``mode.parallel.register``), so ``load_checkpoint`` and ``load_model`` (hence
+``mode sample`` and ``mode report``) read either kind; ``export`` writes a folder as one file. ``load_full`` distributes a single-file checkpoint's tensors into a parallelized model
 (import).
 """
 
 from __future__ import annotations
 
-import io
 import json
-import pickle
 import secrets
 import shutil
 import warnings
@@ -42,13 +38,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from mode import checkpoint
+from mode.model import LM
+from mode.parallel.dcp_safe import SafeReader, read_metadata
+from mode.train import checkpoint
+from mode.train.config import TrainConfig
+from mode.train.optim import build_optimizer
 
 FORMAT = "mode-sharded-checkpoint"
 VERSION = 1
@@ -59,71 +58,6 @@ ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")  # the AdamW state of one paramete
 
 
 # ---------------------------------------------------------------------------------------------- reading
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata and nothing else: its own classes, ``torch.Size``, dtypes, layouts, paths."""
-
-    def find_class(self, module: str, name: str):
-        if module == dcp_metadata.__name__:
-            obj = getattr(dcp_metadata, name, None)
-            if isinstance(obj, type) and obj.__module__ == module:  # defined there, not imported (typing.Any ...)
-                return obj
-        elif module == _StorageInfo.__module__ and name == "_StorageInfo":
-            return _StorageInfo
-        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        elif module == "torch.serialization" and name == "_get_layout":
-            return torch.serialization._get_layout
-        elif module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath",
-                                              "PureWindowsPath"):
-            import pathlib
-
-            return getattr(pathlib, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
-
-
-def read_metadata(folder: Path, where: str) -> dcp_metadata.Metadata:
-    """The DCP metadata of one save folder, unpickled safely and checked: tensors only, shard files inside
-    the folder."""
-    path = folder / ".metadata"
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise checkpoint.CheckpointError(f"{where}: no readable DCP metadata ({e.strerror or e})") from None
-    try:
-        md = _MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
-        raise checkpoint.CheckpointError(f"{where}: refused: its .metadata holds objects other than DCP "
-                                         f"metadata, and loading them could run code ({e})") from None
-    except Exception as e:  # noqa: BLE001 - a damaged file: one clear error
-        raise checkpoint.CheckpointError(f"{where}: its .metadata is not readable ({type(e).__name__}: {e})") from None
-    if not isinstance(md, dcp_metadata.Metadata) or not isinstance(md.state_dict_metadata, dict):
-        raise checkpoint.CheckpointError(f"{where}: its .metadata is not DCP metadata")
-    for key, item in md.state_dict_metadata.items():
-        if not isinstance(item, dcp_metadata.TensorStorageMetadata):
-            raise checkpoint.CheckpointError(f"{where}: item {key!r} is a {type(item).__name__}: a mode checkpoint "
-                                             "holds tensors only (other items would be unpickled with code)")
-    for info in (md.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if not isinstance(rel, str) or "/" in rel or "\\" in rel or rel.startswith(".") \
-                or not (folder / rel).is_file():
-            raise checkpoint.CheckpointError(f"{where}: shard file {rel!r}: must be a file inside the folder")
-    return md
-
-
-class SafeReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata comes from ``read_metadata`` (see the module docstring)."""
-
-    def __init__(self, folder: Path, where: str):
-        super().__init__(folder)
-        self._folder, self._where = Path(folder), where
-
-    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
-        md = read_metadata(self._folder, self._where)
-        md.storage_meta = md.storage_meta or dcp_metadata.StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
 
 
 def is_sharded(path: str | Path) -> bool:
@@ -151,7 +85,7 @@ def save_folder(path: str | Path) -> Path:
 
 def read_meta(folder: Path, where: str, training: bool) -> dict:
     """``meta.json`` of a save folder as the single-file checkpoint dict minus the tensors of the model and
-    the optimizer (RNG states and routing sums as tensors again), validated (``mode.checkpoint.check_state``;
+    the optimizer (RNG states and routing sums as tensors again), validated (``mode.train.checkpoint.check_state``;
     ``training``: the state for resuming must be complete)."""
     try:
         meta = json.loads((folder / META).read_text())
@@ -261,9 +195,6 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
 def read_sharded(path: str | Path, training: bool = False) -> dict:
     """A sharded checkpoint as the single-file checkpoint dict (full tensors; with ``training``, the AdamW
     state keyed like ``optimizer.state_dict()``), in this process, with no process group needed."""
-    from mode.model import LM
-    from mode.train import TrainConfig, build_optimizer
-
     folder = save_folder(path)
     where = f"checkpoint {str(path)!r}"
     meta = read_meta(folder, where, training)
@@ -287,7 +218,7 @@ def read_sharded(path: str | Path, training: bool = False) -> dict:
 
 
 def export(path: str | Path, out_file: str | Path) -> Path:
-    """Write a sharded checkpoint as one single-file checkpoint (``mode.checkpoint``'s format), atomically."""
+    """Write a sharded checkpoint as one single-file checkpoint (``mode.train.checkpoint``'s format), atomically."""
     state = read_sharded(path, training=True)
     return checkpoint.save_checkpoint(out_file, {k: v for k, v in state.items() if k not in ("format", "version")})
 
@@ -372,7 +303,7 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     """Save every rank's shards of ``model`` and ``optimizer`` and rank 0's ``meta`` (the non-tensor state)
     as a new save folder in ``path``; every rank of ``group`` (default: the world) calls it. Without a
     process group, this process saves alone. Returns the save folder once ``latest`` names it; a failed
-    write raises ``mode.checkpoint.WriteError`` on every rank, and ``latest`` keeps naming the previous save."""
+    write raises ``mode.train.checkpoint.WriteError`` on every rank, and ``latest`` keeps naming the previous save."""
     path = Path(path)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0

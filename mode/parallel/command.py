@@ -6,7 +6,7 @@
 
 Without torchrun (no ``RANK``/``WORLD_SIZE`` in the environment) the run is one process with no process
 group, and checkpoints are single files (``OUT/ckpt.pt``). Under torchrun every process joins the default
-group (gloo on CPU, NCCL on CUDA; ``mode.distributed.init_distributed``), builds the ``(dp, ep)`` mesh
+group (gloo on CPU, NCCL on CUDA; ``mode.parallel.process_group.init_distributed``), builds the ``(dp, ep)`` mesh
 and trains its rows of every batch; checkpoints are sharded (``OUT/ckpt/``). ``--resume`` continues from
 either kind found in OUT, ``--resume-from PATH`` from any checkpoint (a file or a sharded folder, any
 layout). docs/distributed.md.
@@ -52,7 +52,7 @@ PRESETS = {
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    from mode import distributed as mdist
+    from mode.parallel import process_group as mdist
 
     p = parser or argparse.ArgumentParser(prog="mode train")
     p.add_argument("--preset", default="quick", choices=sorted(PRESETS),
@@ -110,9 +110,9 @@ def under_torchrun() -> bool:
 
 def run(args) -> int:
     """The command; returns the exit status (2: a user mistake, 1: a failed collective or write)."""
-    from mode import checkpoint
-    from mode import distributed as mdist
-    from mode.data import file_corpus, min_file_bytes, stdlib_corpus
+    from mode.train import checkpoint
+    from mode.parallel import process_group as mdist
+    from mode.train.data import file_corpus, min_file_bytes, stdlib_corpus
     from mode.train import Trainer
 
     if args.threads is not None:

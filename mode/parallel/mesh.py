@@ -8,12 +8,12 @@ Shape legend: W = dp * ep processes; flat rank ``r = d * ep + e`` (``d`` the dp 
 
 ``ParallelDims`` is the small config (``dp``, ``ep``); ``build_mesh`` turns it into a
 ``torch.distributed.device_mesh.DeviceMesh`` named ``("dp", "ep")`` on the already initialised default
-process group (``mode.distributed.init_distributed``), plus its flattened ``dp_ep`` dim (all W ranks, what
+process group (``mode.parallel.process_group.init_distributed``), plus its flattened ``dp_ep`` dim (all W ranks, what
 dense weights are sharded on). Every rank must call ``build_mesh`` with the same dims.
 
 Timeouts: the mesh's sub-groups (one per dim) are new process groups, which torch would give its own
 default timeout (30 minutes), not the default group's; ``build_mesh`` passes ``timeout_s`` (default: the
-one ``mode.distributed`` resolves) to every one of them, so a dead or stuck peer fails every collective of
+one ``mode.parallel.process_group`` resolves) to every one of them, so a dead or stuck peer fails every collective of
 the run within the same time.
 """
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mode import _checks
-from mode import distributed as mdist
+from mode.parallel import process_group as mdist
 
 MESH_DIMS = ("dp", "ep")
 FLAT_DIM = "dp_ep"  # the flattened dp x ep dim: every rank, flat rank d * ep + e
@@ -94,7 +94,7 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu", timeout_s: float | 
         raise TypeError(f"dims={dims!r}: must be a ParallelDims")
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("build_mesh: torch.distributed is not initialised; call "
-                         "mode.distributed.init_distributed (or init_process_group with a timeout) first")
+                         "mode.parallel.process_group.init_distributed (or init_process_group with a timeout) first")
     world = dist.get_world_size()
     if dims.world_size != world:
         raise ValueError(f"dp={dims.dp}, ep={dims.ep}: dp * ep = {dims.world_size} must equal the number of "

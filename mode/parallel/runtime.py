@@ -3,8 +3,9 @@ summed scalars, the global gradient norm, routing statistics summed over ranks, 
 
 Shape legend: B global batch (sequences per step), W = dp * ep ranks, b = B / W rows per rank, S sequence.
 
-One process without a mesh is ``mode.train.OneProcess``, the same interface with no collectives; the trainer
-picks one of the two once, in ``__init__``. Every method here that communicates must be called by every
+It implements ``mode.train.runtime.Runtime``; one process without a mesh is ``mode.train.runtime.OneProcess``,
+the same interface with no collectives. Importing ``mode.parallel`` registers ``MeshRuntime`` as the factory
+behind ``Trainer(mesh=...)``. Every method here that communicates must be called by every
 rank in the same order (the trainer does).
 
 Rows: every rank draws the same global batch (same seeded sampler as one process) and keeps rows
@@ -23,11 +24,13 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from mode import distributed as mdist
+from mode.measure.stats import RoutingAccumulator
 from mode.parallel import checkpoint as sharded
+from mode.parallel import process_group as mdist
 from mode.parallel.apply import parallelize
 from mode.parallel.mesh import flat_mesh, mesh_dims
-from mode.stats import RoutingAccumulator
+from mode.parallel.stats_reduce import all_reduce_accumulator
+from mode.train import checkpoint
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> Tensor:
@@ -54,6 +57,8 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> Tensor:
 
 class MeshRuntime:
     """The trainer's view of a ``(dp, ep)`` mesh (``mode.parallel.build_mesh``)."""
+
+    checkpoint_name = "ckpt"  # a folder of DCP shards
 
     def __init__(self, mesh, timeout_s: float | None = None):
         self.mesh = mesh
@@ -107,9 +112,10 @@ class MeshRuntime:
     def reduce_routing(self, acc: RoutingAccumulator) -> RoutingAccumulator:
         """A copy of ``acc``'s sums added over every rank."""
         with self.guard("routing-stats all-reduce"):
-            return RoutingAccumulator().merge(acc).all_reduce(self.group)
+            return all_reduce_accumulator(RoutingAccumulator().merge(acc), self.group)
 
     def save(self, path: Path, model: nn.Module, optimizer, meta: dict) -> Path:
+        meta = {**meta, "parallel": {"dp": self.dims.dp, "ep": self.dims.ep, "world_size": self.world_size}}
         with self.guard("checkpoint save"):
             return sharded.save_sharded(path, model, optimizer, meta, group=self.group)
 
@@ -117,8 +123,6 @@ class MeshRuntime:
         """Resume from ``path``: a sharded checkpoint (each rank reads its chunks, whatever layout saved it)
         or a single file (every rank reads it and keeps its shards: import). ``check(state)`` sees the
         non-tensor state before any tensor is loaded (and may raise); returns that state."""
-        from mode import checkpoint
-
         with self.guard("checkpoint load"):
             if sharded.is_sharded(path):
                 return sharded.load_sharded(path, model, optimizer, check=check)

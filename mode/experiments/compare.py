@@ -12,7 +12,7 @@ own size is usually too big for a small budget, and beating it says little (issu
 
 ``seeds`` trains every variant once per seed; a seed fixes the data order, so runs of one seed are paired.
 The loss is measured on ``eval_windows`` fixed validation windows (the same for every run), and each
-claimed difference (``CLAIMS``) gets a paired t interval over the seeds (``mode.stats_ci``).
+claimed difference (``CLAIMS``) gets a paired t interval over the seeds (``mode.experiments.stats_ci``).
 
 A run survives being killed (docs/checkpoints.md): ``OUT/compare_run.json`` records the arguments, each
 variant checkpoints every ``ckpt_every_s`` seconds and writes ``OUT/<variant>/result.json`` when done. A
@@ -32,9 +32,11 @@ from pathlib import Path
 
 import torch
 
-from mode import _checks, checkpoint, run_record, stats_ci, sweep
-from mode.data import Corpus, file_corpus, min_file_bytes, stdlib_corpus
-from mode.flops import forward_flops_per_token, train_flops_per_token
+from mode import _checks
+from mode.experiments import run_record, stats_ci, sweep
+from mode.train import checkpoint
+from mode.train.data import Corpus, file_corpus, min_file_bytes, stdlib_corpus
+from mode.measure.flops import forward_flops_per_token, train_flops_per_token
 from mode.model import LMConfig, alternate
 from mode.model.causal_eval import causal_eval
 from mode.routing.mod_topk import GATES

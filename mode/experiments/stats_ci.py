@@ -1,7 +1,7 @@
 """Interval arithmetic for seeded comparisons: mean ± std, Student-t quantiles, paired differences.
 
 `mode compare --seeds N` and `mode isoflop --seeds N` train every variant once per seed, with the same
-data order for a given seed (``mode.data.BatchSampler`` is seeded by it). Two variants trained on seed
+data order for a given seed (``mode.train.data.BatchSampler`` is seeded by it). Two variants trained on seed
 ``s`` form a pair; the claim "A is lower than B" is read from the ``N`` paired differences ``a_s - b_s``:
 their mean, their sample standard deviation, and the 95% interval ``mean ± t(0.975, N - 1) * std / sqrt(N)``.
 A difference is *significant* when that interval excludes 0. With one seed there is no interval (``None``).

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from mode.model.lm import LM
 from mode.routing.keys import PARTS, router_key
-from mode.stats import RoutingAccumulator
+from mode.measure.stats import RoutingAccumulator
 
 WORD_BYTES = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") | frozenset(range(128, 256))
 
@@ -325,11 +325,11 @@ def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path 
                batch_size: int | None = None, causal_routing: bool = False, top: int = 10,
                quiet: bool = False) -> dict:
     """Load ``checkpoint`` (written by ``mode.train.Trainer``: a file or a sharded folder; read without running
-    code from it, see ``mode.checkpoint``), evaluate it on the validation split of ``data`` (default: the
+    code from it, see ``mode.train.checkpoint``), evaluate it on the validation split of ``data`` (default: the
     built-in corpus) and write the report into ``out`` (default: ``<ckpt dir>/report``)."""
     from mode import _checks
-    from mode.checkpoint import load_model
-    from mode.data import eval_batches, file_corpus, min_file_bytes, stdlib_corpus
+    from mode.train.checkpoint import load_model
+    from mode.train.data import eval_batches, file_corpus, min_file_bytes, stdlib_corpus
 
     _checks.check_int("batches", batches)
     if batch_size is not None:

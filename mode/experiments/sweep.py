@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mode.data import Corpus, eval_batches
-from mode.flops import train_flops_per_token
+from mode.train.data import Corpus, eval_batches
+from mode.measure.flops import train_flops_per_token
 from mode.model import LM, LMConfig
 from mode.train import Trainer, TrainConfig
 

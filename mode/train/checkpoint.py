@@ -9,9 +9,10 @@ The format (version 1; docs/checkpoints.md)
 
 Sharded folders
     Training on a device mesh writes a folder instead (``mode.parallel.checkpoint``: DCP shards plus
-    ``meta.json``). ``load_checkpoint`` and ``load_model`` read such a folder too, in this process, as the
-    same dict with full tensors, under the same rule: nothing in it is unpickled except DCP's own metadata
-    classes and tensors.
+    ``meta.json``). This module knows files only; the folder format registers its reader here
+    (``register_folder_reader``; importing ``mode.parallel`` does it), so ``load_checkpoint`` and
+    ``load_model`` read such a folder too, in this process, as the same dict with full tensors, under the
+    same rule: nothing in it is unpickled except DCP's own metadata classes and tensors.
 
 Reading never runs code from the file
     ``torch.load(weights_only=True)`` refuses every pickled object other than tensors and plain data, so a
@@ -41,6 +42,7 @@ import time
 import warnings
 import zipfile
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -298,17 +300,31 @@ def _check_keys(state: dict, spec: dict, where: str, required: bool) -> None:
             raise CheckpointError(f"{where}: {key} is a {type(v).__name__}, must be a {names}")
 
 
+FolderReader = Callable[..., dict]  # (path, training=...) -> the single-file checkpoint dict
+_folder_readers: list[FolderReader] = []  # mode.parallel registers the sharded format's reader on import
+
+
+def register_folder_reader(reader: FolderReader) -> None:
+    """Let ``load_checkpoint`` read checkpoint folders with ``reader(path, training=...)``, which returns the
+    dict of the single-file format (``mode.parallel`` registers ``read_sharded``; the same reader twice
+    changes nothing)."""
+    if reader not in _folder_readers:
+        _folder_readers.append(reader)
+
+
+def _read_folder(path: str | Path, training: bool) -> dict:
+    if not _folder_readers:
+        raise CheckpointError(f"checkpoint {str(path)!r}: a folder, and no reader of checkpoint folders is "
+                              "registered; sharded checkpoints are read by mode.parallel: import it first")
+    return _folder_readers[-1](path, training=training)
+
+
 def load_checkpoint(path: str | Path, training: bool = False) -> dict:
     """Read and validate a checkpoint: the model part always, the training state when ``training``
     (resuming). ``path`` is a single file, or a sharded checkpoint folder (``mode.parallel.checkpoint``,
     read in this process as the same dict, full tensors). Raises ``CheckpointError`` naming the file and
     the problem."""
-    if Path(path).is_dir():
-        from mode.parallel.checkpoint import read_sharded  # torch.distributed only for sharded folders
-
-        state = read_sharded(path, training=training)
-    else:
-        state = read_checkpoint(path)
+    state = _read_folder(path, training) if Path(path).is_dir() else read_checkpoint(path)
     check_state(state, f"checkpoint {str(path)!r}", training)
     return state
 

@@ -8,7 +8,7 @@ Definitions (see docs/reports.md)
     mlp_LBS   MLP computations the token received in layer i: 1 for a dense MLP (and a routed MoD block),
               the number of real-expert assignments that were computed (after capacity drops; no-op
               choices count 0) for MoE, integrated and staged layers
-    flops_BS  forward FLOPs spent on the token, from ``mode.flops``'s per-token costs:
+    flops_BS  forward FLOPs spent on the token, from ``mode.measure.flops``'s per-token costs:
                   attention   attention_flops(n, d) / n per traversed layer, n the tokens attending
                               together (S, or the routed count of that sequence in a MoD layer)
                   MLP         mlp_flops_per_token(d, hidden) per assignment
@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from mode.flops import attention_flops, forward_flops_per_token, mlp_flops_per_token
+from mode.measure.flops import attention_flops, forward_flops_per_token, mlp_flops_per_token
 from mode.model.config import LMConfig
 from mode.model.kinds import get_layer_kind
 from mode.routing.keys import MOD, MOE, router_key

@@ -1,7 +1,7 @@
 """Process-group set-up, and turning failed collectives into clear errors.
 
 Besides this module, ``torch.distributed`` is imported only by the ``mode.parallel`` package (mesh,
-parallelize, sharded checkpoints, the trainer's mesh runtime), ``mode.distributed_stats`` (inside a
+parallelize, sharded checkpoints, the trainer's mesh runtime), ``mode.parallel.stats_reduce`` (inside a
 function) and, on the model side, ``mode.dispatch.expert_parallel``. Nothing here runs at import time.
 
 Set-up (``init_distributed``)

@@ -2,13 +2,14 @@
 JSONL log, checkpoints that resume to the identical loss curve, and a progress bar. One loop, in one
 process or on a ``(dp, ep)`` device mesh (docs/distributed.md).
 
-The loop is the same everywhere; what depends on the setting is chosen once, in ``Trainer.__init__``, as
-its runtime: ``OneProcess`` (below: no collectives, single-file checkpoints, no ``torch.distributed``) or
-``mode.parallel.runtime.MeshRuntime`` (the model parallelized, this rank's rows, summed scalars, the global
-gradient norm, routing statistics summed over ranks, sharded checkpoints).
+The loop is the same everywhere; what depends on the setting is its runtime (``mode.train.runtime``),
+fixed once in ``Trainer.__init__``: ``OneProcess`` (no collectives, single-file checkpoints, no
+``torch.distributed``) or ``mode.parallel.runtime.MeshRuntime`` (the model parallelized, this rank's rows,
+summed scalars, the global gradient norm, routing statistics summed over ranks, sharded checkpoints). The
+caller chooses it: ``runtime=``, or ``mesh=`` (a runtime built by the factory ``mode.parallel`` registers).
 
 Checkpoints (every ``ckpt_every`` steps, every ``ckpt_every_s`` seconds, and at the end) are written
-atomically and read back without running code from them: one file in the format of ``mode.checkpoint``
+atomically and read back without running code from them: one file in the format of ``mode.train.checkpoint``
 in one process, a sharded folder on a mesh (``mode.parallel.checkpoint``); either resumes either kind of
 run. docs/checkpoints.md.
 
@@ -19,68 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm import tqdm
 
-from mode import _checks, checkpoint
-from mode.checkpoint import load_model  # noqa: F401 - the public name mode.train.load_model
-from mode.data import BatchSampler, Corpus, eval_batches
-from mode.flops import train_flops_per_token
+from mode import _checks
+from mode.measure.flops import train_flops_per_token
+from mode.measure.stats import RoutingAccumulator
 from mode.model import LM, LMConfig
-from mode.stats import RoutingAccumulator
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 1000
-    batch_size: int = 8
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    eval_every: int = 100
-    eval_batches: int = 8
-    log_every: int = 10
-    ckpt_every: int = 0  # 0: checkpoint only at the end
-    ckpt_every_s: float | None = None  # also checkpoint when this many seconds passed since the last one
-    stats_every: int | None = None  # log a routing-statistics record every this many steps; None: eval_every
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_batches", "log_every", "eval_every"):
-            _checks.check_int(name, getattr(self, name))
-        _checks.check_int("warmup_steps", self.warmup_steps, min_value=0)
-        _checks.check_int("ckpt_every", self.ckpt_every, min_value=0)
-        if self.stats_every is not None:
-            _checks.check_int("stats_every", self.stats_every)
-        if self.ckpt_every_s is not None:
-            _checks.check_positive("ckpt_every_s", self.ckpt_every_s)
-        _checks.check_positive("lr", self.lr)
-        _checks.check_fraction("min_lr_ratio", self.min_lr_ratio)
-        _checks.check_non_negative("weight_decay", self.weight_decay)
-        _checks.check_positive("grad_clip", self.grad_clip)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices decay; norms and gains do not
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+from mode.train import checkpoint
+from mode.train.config import TrainConfig
+from mode.train.data import BatchSampler, Corpus, eval_batches
+from mode.train.optim import build_optimizer, lr_at
+from mode.train.runtime import OneProcess, Runtime, mesh_runtime, resolve_device
 
 
 @torch.no_grad()
@@ -98,67 +54,17 @@ def evaluate(model: LM, batches, device: torch.device | None = None, autocast=co
     return sum(losses) / len(losses)
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"``: the current CUDA GPU when there is one, else the CPU; ``"cpu"``, ``"cuda"``, ``"cuda:N"``."""
-    if device == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device={device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: torch.cuda.is_available() is False here; use 'cpu' or 'auto'")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
-class OneProcess:
-    """The trainer's runtime in one process without a mesh (``mode compare``, ``mode isoflop``, notebooks):
-    the interface of ``mode.parallel.runtime.MeshRuntime`` with nothing to communicate. It never imports
-    ``torch.distributed``; checkpoints are single files."""
-
-    world_size, rank = 1, 0
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def describe(self) -> str:
-        return f"one process on {self.device}"
-
-    def guard(self, what: str):
-        return contextlib.nullcontext()
-
-    def prepare(self, model: nn.Module, compile: bool = False) -> nn.Module:
-        if compile:
-            from mode.parallel.blocks import compile_blocks  # no torch.distributed in there
-
-            compile_blocks(model)
-        return model
-
-    def rows(self, t_BS: Tensor) -> Tensor:
-        return t_BS.to(self.device)
-
-    def sum_scalars(self, values: list) -> list[float]:
-        return [float(v) for v in values]
-
-    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-    def reduce_routing(self, acc: RoutingAccumulator) -> RoutingAccumulator:
-        return acc
-
-
 class Trainer:
     """Trains one LM, in one process or on a device mesh; ``out_dir`` receives ``log.jsonl`` and the checkpoint.
+
+    The caller picks where it runs: ``runtime`` (a ``mode.train.runtime.Runtime``, e.g.
+    ``mode.parallel.MeshRuntime(mesh)``), or ``mesh`` (its runtime comes from the factory that importing
+    ``mode.parallel`` registers), or neither: one process.
 
     One process (``mesh=None``): the model as built, on ``device`` (``"cpu"``, the default, ``"cuda"``,
     ``"cuda:N"`` or ``"auto"``: CUDA when present); checkpoints are single files, ``out_dir/ckpt.pt``.
 
-    A mesh (``mode.parallel.build_mesh``, after ``mode.distributed.init_distributed``; ``device``: None or
+    A mesh (``mode.parallel.build_mesh``, after ``mode.parallel.process_group.init_distributed``; ``device``: None or
     ``"auto"``, or the mesh's device type): the LM is built with the same seed on every rank, then
     ``mode.parallel.parallelize``-d (experts sharded over ep, everything sharded by FSDP2); each rank trains
     on its rows of the global batch; checkpoints are sharded, ``out_dir/ckpt/`` (``mode.parallel.checkpoint``).
@@ -174,19 +80,22 @@ class Trainer:
     """
 
     def __init__(self, model_cfg: LMConfig, train_cfg: TrainConfig, corpus: Corpus, out_dir: str | Path,
-                 name: str = "model", progress: bool = True, *, mesh=None, device: str | torch.device | None = None,
-                 bf16: bool = False, compile: bool = False, timeout_s: float | None = None):
+                 name: str = "model", progress: bool = True, *, mesh=None, runtime: Runtime | None = None,
+                 device: str | torch.device | None = None, bf16: bool = False, compile: bool = False,
+                 timeout_s: float | None = None):
         _checks.check_bool("bf16", bf16)
         _checks.check_bool("compile", compile)
-        if mesh is None:
-            self.runtime = OneProcess(resolve_device("cpu" if device is None else device))
-        else:
-            from mode.parallel.runtime import MeshRuntime  # torch.distributed only for a mesh
-
-            self.runtime = MeshRuntime(mesh, timeout_s)
-            if device not in ("auto", None) and resolve_device(device).type != self.runtime.device.type:
-                raise ValueError(f"device={device!r}: the mesh is on {mesh.device_type!r}; pass device='auto' "
-                                 f"or {mesh.device_type!r}")
+        if runtime is not None and mesh is not None:
+            raise ValueError("mesh and runtime: give one of them (a runtime already knows its mesh)")
+        if runtime is not None and not isinstance(runtime, Runtime):
+            raise TypeError(f"runtime={type(runtime).__name__}: must implement mode.train.runtime.Runtime")
+        if runtime is None:
+            runtime = (OneProcess(resolve_device("cpu" if device is None else device)) if mesh is None
+                       else mesh_runtime(mesh, timeout_s))
+        if device not in ("auto", None) and resolve_device(device).type != runtime.device.type:
+            raise ValueError(f"device={device!r}: the mesh is on {runtime.device.type!r}; pass device='auto' "
+                             f"or {runtime.device.type!r}")
+        self.runtime = runtime
         self.device = self.runtime.device
         self.rank, self.world_size = self.runtime.rank, self.runtime.world_size
         if train_cfg.batch_size % self.world_size:
@@ -201,7 +110,7 @@ class Trainer:
         if self.rank == 0:
             checkpoint.prepare_dir(self.out_dir, "out_dir")  # a bad folder fails before any training
         self.log_path = self.out_dir / "log.jsonl"
-        self.ckpt_path = self.out_dir / ("ckpt.pt" if mesh is None else "ckpt")
+        self.ckpt_path = self.out_dir / self.runtime.checkpoint_name
         torch.manual_seed(train_cfg.seed)  # the same full model in one process and on every rank
         self.model = self.runtime.prepare(LM(model_cfg).to(self.device), compile=compile)
         self.params = list(self.model.parameters())
@@ -329,25 +238,20 @@ class Trainer:
         """Write the checkpoint atomically (the previous one stays whole until the new one is complete).
         One process: a single file. A mesh: a sharded save (every rank must call it)."""
         path = Path(path or self.ckpt_path)
-        if isinstance(self.runtime, OneProcess):
-            return checkpoint.save_checkpoint(path, {
-                **self._progress_state(), "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "routing_acc": self.routing.state_dict()})
         routing = self.runtime.reduce_routing(self.routing).state_dict()  # sums over ranks: what one process holds
-        meta = {**self._progress_state(), "routing_acc": routing,
-                "parallel": {"dp": self.runtime.dims.dp, "ep": self.runtime.dims.ep, "world_size": self.world_size}}
-        return self.runtime.save(path, self.model, self.optimizer, meta)
+        return self.runtime.save(path, self.model, self.optimizer, {**self._progress_state(), "routing_acc": routing})
 
     def _default_ckpt(self) -> Path:
         """This trainer's checkpoint, else the other kind in ``out_dir`` (resuming a sharded run in one
         process, or a single-process run on a mesh)."""
-        other = self.out_dir / ("ckpt" if self.ckpt_path.name == "ckpt.pt" else "ckpt.pt")
+        other = self.out_dir / ("ckpt" if self.ckpt_path.name == OneProcess.checkpoint_name else
+                                OneProcess.checkpoint_name)
         return self.ckpt_path if self.ckpt_path.exists() or not other.exists() else other
 
     def load(self, path: Path | str | None = None) -> None:
         """Resume from a checkpoint of this model: a single file or a sharded folder, written by one process
         or by any mesh (any world size, any (dp, ep)). Reads it without running code from it; a checkpoint
-        that is not valid for this model raises ``mode.checkpoint.CheckpointError`` (a ValueError) before
+        that is not valid for this model raises ``mode.train.checkpoint.CheckpointError`` (a ValueError) before
         any tensor changes. Default: ``ckpt_path`` (else the other kind found in ``out_dir``)."""
         path = Path(path) if path is not None else self._default_ckpt()
         where = f"checkpoint {str(path)!r}"
@@ -355,18 +259,7 @@ class Trainer:
         def check(state: dict) -> None:
             check_same_model(state["model_cfg"], self.model_cfg, where)
 
-        if isinstance(self.runtime, OneProcess):
-            state = checkpoint.load_checkpoint(path, training=True)  # a folder: read in full, here
-            check(state)
-            checkpoint.check_model_state(self.model.state_dict(), state["model"], where)
-            try:  # first: the one step that can still reject the file
-                self.optimizer.load_state_dict(state["optimizer"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise checkpoint.CheckpointError(f"{where}: its optimizer state does not fit this model: {e}") \
-                    from None
-            self.model.load_state_dict(state["model"])
-        else:
-            state = self.runtime.load(path, self.model, self.optimizer, check)
+        state = self.runtime.load(path, self.model, self.optimizer, check)
         self.step, self.flops, self.tokens, self.wall = state["step"], state["flops"], state["tokens"], state["wall"]
         self.elapsed = state.get("elapsed_s", 0.0)
         self.history = state["history"]

@@ -14,8 +14,8 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from mode import checkpoint
-from mode.data import Corpus
+from mode.train import checkpoint
+from mode.train.data import Corpus
 
 
 def fingerprint(corpus: Corpus) -> dict:

@@ -6,7 +6,7 @@ lengths: the layouts are exchanged first (``all_gather_object``), every rank pad
 (zeros are exact: missing means nothing was counted), and one ``all_reduce(SUM)`` of a flat float64
 vector does the rest. Afterwards every rank holds the totals over all ranks.
 
-``torch.distributed`` is imported inside the function, so importing this module (or ``mode.stats``)
+``torch.distributed`` is imported inside the function, so importing this module (or ``mode.measure.stats``)
 never pulls it into model code.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mode.stats import RoutingAccumulator
+from mode.measure.stats import RoutingAccumulator
 
 
 def all_reduce_accumulator(acc: RoutingAccumulator, group=None, device: torch.device | None = None

@@ -11,13 +11,13 @@ What gets summed, per router (the key is the stats name, e.g. ``layers.3.moe.rou
     calls, kept_E, requested_X, dropped, noop, tokens,
     entropy * tokens and tokens (for a token-weighted mean entropy), the same for causal accuracy,
     per original position: tokens, tokens with >= 1 computed assignment, assignments
-and per LM forward (``add_lm``, see ``mode.token_compute``) the per-token compute: token count, sums of
+and per LM forward (``add_lm``, see ``mode.measure.token_compute``) the per-token compute: token count, sums of
 blocks, MLP assignments and FLOPs, histograms of blocks and assignments, the same by position, and per
 layer the tokens that took the layer's routed path, by position.
 
 The exact definitions of every summary number are in docs/reports.md. Summaries are plain dicts of
-Python floats (JSON-ready). ``all_reduce`` lives in ``mode.distributed_stats``; this module never
-imports ``torch.distributed``.
+Python floats (JSON-ready). Summing over ranks is ``mode.parallel.stats_reduce.all_reduce_accumulator``;
+this module never imports ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import Tensor
 from mode.model.config import LMConfig
 from mode.routing.keys import MOD, MOE, parse_router_key, router_key
 from mode.routing.plan import Aux, RoutingStats
-from mode.token_compute import TokenCompute, max_mlp_per_layer, slots_to_positions, token_compute
+from mode.measure.token_compute import TokenCompute, max_mlp_per_layer, slots_to_positions, token_compute
 
 TOKENS = "tokens"  # scope of the LM-level per-token compute sums
 
@@ -200,12 +200,6 @@ class RoutingAccumulator:
         for key, v in other.sums.items():
             self._acc(key, v)
         return self
-
-    def all_reduce(self, group=None) -> "RoutingAccumulator":
-        """Sum over the ranks of ``group`` (every rank must call it); see ``mode.distributed_stats``."""
-        from mode.distributed_stats import all_reduce_accumulator  # torch.distributed only when asked
-
-        return all_reduce_accumulator(self, group)
 
     def reset(self) -> None:
         self.sums.clear()

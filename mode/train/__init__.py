@@ -1,0 +1,20 @@
+"""Training one model: the loop, its data, its checkpoints, its optimizer and schedule.
+
+    trainer     ``Trainer``: AdamW, schedule, clipping, aux losses, validation, JSONL log, exact resume
+    runtime     ``Runtime``, the protocol the trainer runs on, and ``OneProcess``; ``mode.parallel`` brings a mesh
+    config      ``TrainConfig``
+    optim       ``build_optimizer`` (AdamW) and ``lr_at`` (warm-up + cosine)
+    data        the byte corpora and the seeded, resumable batch sampler
+    checkpoint  the single-file checkpoint format and atomic writes
+
+This package imports the library core and ``mode.measure``, never ``mode.parallel`` (docs/architecture.md).
+"""
+
+from mode.train.config import TrainConfig
+from mode.train.optim import build_optimizer, lr_at
+from mode.train.runtime import OneProcess, Runtime, resolve_device
+from mode.train.checkpoint import load_model
+from mode.train.trainer import Trainer, evaluate
+
+__all__ = ["OneProcess", "Runtime", "TrainConfig", "Trainer", "build_optimizer", "evaluate", "load_model",
+           "lr_at", "resolve_device"]

@@ -1,0 +1,163 @@
+"""Where a training run executes: the ``Runtime`` protocol the ``Trainer`` is written against, and its
+one-process implementation.
+
+Shape legend: B global batch, b = B / W rows per process (W processes; one process: b = B), S sequence.
+
+The trainer's loop is the same everywhere; what depends on the setting lives behind ``Runtime``: how the
+model is prepared, which rows of a batch this process trains on, how scalars, gradient norms and routing
+statistics are reduced, and how checkpoints are written and read. Two implementations:
+
+    OneProcess                         (here) no collectives, single-file checkpoints, no torch.distributed
+    mode.parallel.runtime.MeshRuntime  a (dp, ep) device mesh: the model parallelized, sharded checkpoints
+
+``train/`` never imports ``parallel/``: a caller hands the trainer a runtime (``Trainer(runtime=...)``), or a
+mesh, which becomes a runtime through the factory ``mode.parallel`` registers here when it is imported
+(``register_mesh_runtime``). Every method that communicates must be called by every rank in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from mode.measure.stats import RoutingAccumulator
+from mode.model.blocks import compile_blocks
+from mode.train import checkpoint
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """What the trainer needs from the place it runs in."""
+
+    world_size: int  # W: processes that train together
+    rank: int  # this process's rank among them (0 writes the log)
+    device: torch.device
+    checkpoint_name: str  # the checkpoint's name in the run's folder: "ckpt.pt" (a file), "ckpt" (a folder)
+
+    def describe(self) -> str:
+        """One line for the command's banner."""
+
+    def guard(self, what: str):
+        """A context manager around collectives (turns a failed one into a clear error naming ``what``)."""
+
+    def prepare(self, model: nn.Module, compile: bool = False) -> nn.Module:
+        """The model ready to train here (compiled, parallelized)."""
+
+    def rows(self, t_BS: Tensor) -> Tensor:
+        """This process's rows of a global batch, on its device: ``t_bS``."""
+
+    def sum_scalars(self, values: list) -> list[float]:
+        """Each value summed over the processes (one collective for all of them)."""
+
+    def mean_over_ranks(self, t: Tensor) -> Tensor:
+        """``t`` (float64) averaged over the processes."""
+
+    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
+        """Clip by the global gradient norm; returns it."""
+
+    def reduce_routing(self, acc: RoutingAccumulator) -> RoutingAccumulator:
+        """Routing sums over every process (``acc`` itself in one process)."""
+
+    def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> Path:
+        """Write a checkpoint of ``model``, ``optimizer`` and the non-tensor state ``meta``, atomically."""
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, check: Callable) -> dict:
+        """Resume from ``path``; ``check(state)`` sees the non-tensor state before any tensor changes.
+        Returns the non-tensor state."""
+
+
+MeshRuntimeFactory = Callable[..., Runtime]  # (mesh, timeout_s) -> Runtime
+_mesh_runtimes: list[MeshRuntimeFactory] = []  # filled by mode.parallel when it is imported
+
+
+def register_mesh_runtime(factory: MeshRuntimeFactory) -> None:
+    """Make ``Trainer(mesh=...)`` build its runtime with ``factory(mesh, timeout_s)`` (``mode.parallel``
+    registers ``MeshRuntime``; registering the same factory again changes nothing)."""
+    if factory not in _mesh_runtimes:
+        _mesh_runtimes.append(factory)
+
+
+def mesh_runtime(mesh, timeout_s: float | None) -> Runtime:
+    """The runtime of a device mesh, from the registered factory."""
+    if not _mesh_runtimes:
+        raise ValueError("mesh: no mesh runtime is registered; build the mesh with mode.parallel.build_mesh "
+                         "(importing mode.parallel registers it), or pass runtime=mode.parallel.MeshRuntime(mesh)")
+    return _mesh_runtimes[-1](mesh, timeout_s)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"``: the current CUDA GPU when there is one, else the CPU; ``"cpu"``, ``"cuda"``, ``"cuda:N"``."""
+    if device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: torch.cuda.is_available() is False here; use 'cpu' or 'auto'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+class OneProcess:
+    """The trainer's runtime in one process without a mesh (``mode compare``, ``mode isoflop``, notebooks):
+    nothing to communicate, and it never imports ``torch.distributed``. Checkpoints are written as single
+    files; reading takes either kind (``mode.train.checkpoint.load_checkpoint``: a sharded folder through
+    the reader ``mode.parallel`` registers)."""
+
+    world_size, rank = 1, 0
+    checkpoint_name = "ckpt.pt"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def describe(self) -> str:
+        return f"one process on {self.device}"
+
+    def guard(self, what: str):
+        return contextlib.nullcontext()
+
+    def prepare(self, model: nn.Module, compile: bool = False) -> nn.Module:
+        if compile:
+            compile_blocks(model)
+        return model
+
+    def rows(self, t_BS: Tensor) -> Tensor:
+        return t_BS.to(self.device)
+
+    def sum_scalars(self, values: list) -> list[float]:
+        return [float(v) for v in values]
+
+    def mean_over_ranks(self, t: Tensor) -> Tensor:
+        return t.detach().double()
+
+    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def reduce_routing(self, acc: RoutingAccumulator) -> RoutingAccumulator:
+        return acc
+
+    def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> Path:
+        return checkpoint.save_checkpoint(path, {**meta, "model": model.state_dict(),
+                                                 "optimizer": optimizer.state_dict()})
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, check: Callable) -> dict:
+        where = f"checkpoint {str(path)!r}"
+        state = checkpoint.load_checkpoint(path, training=True)  # a folder: read in full, here
+        check(state)
+        checkpoint.check_model_state(model.state_dict(), state["model"], where)
+        try:  # first: the one step that can still reject the file
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise checkpoint.CheckpointError(f"{where}: its optimizer state does not fit this model: {e}") from None
+        model.load_state_dict(state["model"])
+        return state
