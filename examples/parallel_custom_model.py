@@ -16,7 +16,7 @@ device mesh and calls ``parallelize(model, mesh)``, which
 The training loop is the usual one with three differences: each rank takes its rows of the global batch,
 calls ``backward`` on ``loss / world_size`` (FSDP sums gradients; see ``mode.parallel.parallelize``), and
 clips with ``mode.parallel.clip_grad_norm_`` (parameters live on two meshes). The losses and gradient norms
-are those of one process on the same batches, up to float rounding (tests/test_ep_training.py checks it).
+are those of one process on the same batches, up to float rounding (tests/parallel/test_ep_training.py checks it).
 
 Shape legend: B global batch, b = B / world rows per rank, S sequence, D hidden, V vocabulary (256 bytes).
 """

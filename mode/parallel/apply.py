@@ -22,7 +22,7 @@ What it does, in this order (every rank calls it with the same model, built with
     5. **Gradient reduction: sums.** Divide factor 1.0 and force-sum on every FSDP module; the training
        loop calls ``backward`` on ``loss / W`` (``mode.train.Trainer``). On gloo a divide factor other
        than 1 fails (``PREMUL_SUM`` is not supported) and torch's own averaging divides twice in one layout;
-       summing ``loss / W`` is exact in every layout (tests/test_ep_training.py).
+       summing ``loss / W`` is exact in every layout (tests/parallel/test_ep_training.py).
 
 Gradient clipping with parameters on two meshes: ``mode.parallel.runtime.clip_grad_norm_`` (one norm per
 mesh, combined, then applied per mesh); ``torch.nn.utils.clip_grad_norm_`` refuses mixed meshes.

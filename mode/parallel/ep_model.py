@@ -2,7 +2,7 @@
 
 ``mode.parallel.parallelize`` is the way to train (it uses ``shard_experts`` and then makes the expert weights
 DTensors and applies FSDP2); the functions here shard the experts of a model over any process group as plain
-tensors, for layer-level use and tests (tests/test_distributed.py) where no DeviceMesh is wanted.
+tensors, for layer-level use and tests (tests/parallel/test_distributed.py) where no DeviceMesh is wanted.
 
 Shape legend: E experts in all, P ranks in the expert-parallel group, L = E / P experts per rank.
 

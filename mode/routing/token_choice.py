@@ -188,7 +188,7 @@ def _check_finite(logits_TX: Tensor) -> None:
 def _balance_loss(probs_TX: Tensor, requested_X: Tensor, top_k: int, valid_T: Tensor | None) -> Tensor:
     """``losses.load_balancing_loss`` from the choice counts the router has anyway (``requested_X``, valid
     choices per slot) instead of a (T, X) one-hot: the same value bit for bit (a float32 sum of ones is the
-    exact count), three passes over (T, X) fewer. ``tests/test_routers.py`` checks the two agree."""
+    exact count), three passes over (T, X) fewer. ``tests/core/test_routers.py`` checks the two agree."""
     num_slots = probs_TX.shape[-1]
     if valid_T is not None:
         probs_TX = probs_TX * valid_T[:, None]

@@ -70,7 +70,7 @@ class Trainer:
     on its rows of the global batch; checkpoints are sharded, ``out_dir/ckpt/`` (``mode.parallel.checkpoint``).
     Every rank constructs the trainer and calls the same methods in the same order; rank 0 writes the log.
     The losses, gradient norms and checkpoints are those of one process on the same batches, up to float
-    rounding (tests/test_ep_training.py), as long as the routing is per sequence or its limits are off:
+    rounding (tests/parallel/test_ep_training.py), as long as the routing is per sequence or its limits are off:
     token-choice capacity limits and the Switch load-balancing loss are computed over each rank's tokens
     (docs/distributed.md).
 

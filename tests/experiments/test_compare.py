@@ -307,7 +307,7 @@ def test_killed_compare_resumes_to_identical_results(tmp_path, capsys):
 
     out = tmp_path / "run"
     env = {**os.environ, checkpoint.STALL_ENV: "/mod_random/ckpt.pt@1",  # its second checkpoint stops half-way
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen([sys.executable, "-m", "mode.cli", "compare", *args, "--out", str(out),
                              "--ckpt-every-s", "1e-9"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

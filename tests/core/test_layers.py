@@ -449,3 +449,56 @@ def test_moe_layer_equals_the_dispatcher_combine_with_gates():
         x_AD, counts, _ = moe.dispatcher.dispatch(x.reshape(B * S, D), plan)
         want = scatter_weighted(moe.experts(x_AD, counts), plan).view(B, S, D)
         assert torch.equal(y, want), backend
+
+
+# ------------------------------------------------------------------------------------- the dispatcher seam
+
+
+def test_a_dispatcher_of_ones_own_plugs_into_the_layer():
+    """A third dispatcher subclasses mode.dispatch.Dispatcher and implements three methods; the defaults
+    (rows may be padded, gates applied in combine) give the local layer's output and gradients."""
+    from mode import Dispatcher, LocalDispatcher
+    from mode.dispatch.local import scatter_weighted
+
+    class Plain(Dispatcher):
+        def num_local_experts(self, num_experts):
+            return num_experts
+
+        def dispatch(self, x_TD, plan):
+            return x_TD.index_select(0, plan.token_idx_A), plan.counts_E, None
+
+        def combine(self, y_RD, plan, state):
+            return scatter_weighted(y_RD, plan)
+
+    torch.manual_seed(0)
+    local = MoELayer.from_config(MoEConfig(D, H, num_experts=4, top_k=2, num_noop=1))
+    assert local.dispatcher.gates_in_experts and not Plain.gates_in_experts
+    mine = copy.deepcopy(local)
+    mine.set_experts(mine.experts, Plain())
+    x = torch.randn(B, S, D, requires_grad=True)
+    y_local, _ = local(x)
+    (g_local,) = torch.autograd.grad(y_local.square().sum(), x)
+    y_mine, _ = mine(x)
+    (g_mine,) = torch.autograd.grad(y_mine.square().sum(), x)
+    torch.testing.assert_close(y_mine, y_local)
+    torch.testing.assert_close(g_mine, g_local)
+    with pytest.raises(NotImplementedError, match="gates_in_experts is False"):
+        Plain().combine_gated(None, None, None)
+    assert isinstance(LocalDispatcher(), Dispatcher)
+
+
+def test_a_dispatcher_must_subclass_the_interface():
+    class Duck:
+        def num_local_experts(self, n):
+            return n
+
+    with pytest.raises(TypeError, match=r"dispatcher=Duck: must be a mode.dispatch.Dispatcher"):
+        MoELayer.from_config(MoEConfig(D, H, num_experts=4), dispatcher=Duck())
+    with pytest.raises(TypeError, match="Can't instantiate abstract class"):
+        type("Half", (mode_dispatcher(),), {"num_local_experts": lambda self, n: n})()
+
+
+def mode_dispatcher():
+    from mode.dispatch import Dispatcher
+
+    return Dispatcher

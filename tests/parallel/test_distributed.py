@@ -372,7 +372,7 @@ def test_shard_experts_rejects_indivisible():
 def test_model_math_never_imports_torch_distributed():
     """Routers, experts, layers, the model and the local dispatcher never import torch.distributed;
     only the process-group plumbing (expert-parallel dispatch, launch helpers, stats all-reduce) does."""
-    root = Path(__file__).resolve().parents[1] / "mode"
+    root = Path(__file__).resolve().parents[2] / "mode"
     model_math = [*(root / d for d in ("routing", "experts", "layers", "model")), root / "dispatch" / "local.py",
                   root / "measure", root / "train" / "data.py"]
     files = [f for m in model_math for f in ([m] if m.suffix == ".py" else m.rglob("*.py"))]
@@ -383,7 +383,7 @@ def test_model_math_never_imports_torch_distributed():
 
 
 def test_only_the_parallel_package_and_the_distributed_helpers_import_torch_distributed():
-    root = Path(__file__).resolve().parents[1] / "mode"
+    root = Path(__file__).resolve().parents[2] / "mode"
     allowed = {"dispatch/expert_parallel.py"}
     offenders = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                        if p.relative_to(root).parts[0] != "parallel" and str(p.relative_to(root)) not in allowed

@@ -60,7 +60,7 @@ from mode.train import Trainer, TrainConfig, build_optimizer, lr_at
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.cpu_only("gloo ranks on CPU; the CPU run covers them (NCCL needs one GPU per rank)")]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JOIN_TIMEOUT_S = 240.0
 TRAIN_TIMEOUT_S = 60.0  # the training pools' collective timeout (generous: 2 shared cores)
 STUCK_TIMEOUT_S = 8.0  # the stuck pool's

@@ -233,3 +233,67 @@ def test_evaluate_restores_training_mode():
 def test_train_config_errors(field, value, msg):
     with pytest.raises(ValueError, match=re.escape(msg)):
         TrainConfig(**{field: value})
+
+
+# ------------------------------------------------------------------------------------- the runtime seam
+
+
+class RecordingRuntime:
+    """A runtime of one's own (mode.train.runtime.Runtime): OneProcess's behaviour, every call recorded."""
+
+    def __init__(self):
+        from mode.train.runtime import OneProcess
+
+        self.inner, self.calls = OneProcess(torch.device("cpu")), []
+        self.world_size, self.rank, self.device = 1, 0, self.inner.device
+        self.checkpoint_name = "mine.pt"
+
+    def __getattr__(self, name):
+        method = getattr(self.inner, name)
+        return lambda *a, **k: self.calls.append(name) or method(*a, **k)
+
+
+def test_a_runtime_of_ones_own_trains_like_one_process(tmp_path):
+    """The trainer goes through its runtime for rows, sums, clipping, routing and checkpoints: a runtime
+    that forwards to OneProcess trains the same run, and the checkpoint takes the runtime's name."""
+    from mode.train.runtime import Runtime
+
+    rt = RecordingRuntime()
+    assert isinstance(rt, Runtime)
+    cfg = model_cfg("moe", "staged")
+    mine = Trainer(cfg, train_cfg(), corpus(), tmp_path / "mine", progress=False, runtime=rt)
+    plain = Trainer(cfg, train_cfg(), corpus(), tmp_path / "plain", progress=False)
+    assert stable(mine.run()) == stable(plain.run())
+    assert mine.ckpt_path.name == "mine.pt" and mine.ckpt_path.is_file()
+    assert {"prepare", "rows", "sum_scalars", "clip_grad_norm_", "reduce_routing", "save"} <= set(rt.calls)
+
+
+def test_runtime_errors(tmp_path):
+    with pytest.raises(TypeError, match=r"runtime=str: must implement mode.train.runtime.Runtime"):
+        Trainer(model_cfg("dense"), train_cfg(), corpus(), tmp_path, progress=False, runtime="cpu")
+    with pytest.raises(ValueError, match=r"mesh and runtime: give one of them"):
+        Trainer(model_cfg("dense"), train_cfg(), corpus(), tmp_path, progress=False, runtime=RecordingRuntime(),
+                mesh=object())
+
+
+def test_without_registered_extensions_train_names_what_is_missing(tmp_path, monkeypatch):
+    """train/ never imports parallel/: with nothing registered, a mesh and a checkpoint folder get errors that
+    say what to import (mode.parallel registers both when the package mode is imported)."""
+    from mode.train import checkpoint, runtime
+
+    monkeypatch.setattr(runtime, "_mesh_runtimes", [])
+    monkeypatch.setattr(checkpoint, "_folder_readers", [])
+    with pytest.raises(ValueError, match=r"mesh: no mesh runtime is registered; build the mesh with "
+                                         r"mode.parallel.build_mesh"):
+        Trainer(model_cfg("dense"), train_cfg(), corpus(), tmp_path, progress=False, mesh=object())
+    with pytest.raises(checkpoint.CheckpointError, match=r"a folder, and no reader of checkpoint folders is "
+                                                         r"registered"):
+        load_checkpoint(tmp_path)
+
+
+def test_importing_mode_registers_the_parallel_extensions():
+    import mode.parallel
+    from mode.train import checkpoint, runtime
+
+    assert mode.parallel._mesh_runtime in runtime._mesh_runtimes
+    assert mode.parallel._read_sharded in checkpoint._folder_readers

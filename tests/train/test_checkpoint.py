@@ -22,7 +22,7 @@ from mode.train.checkpoint import CheckpointError, WriteError, load_checkpoint, 
 from mode.cli import main
 from mode.train import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class RunsCode:
@@ -456,7 +456,7 @@ def _wait_for_temp(proc: subprocess.Popen, folder: Path, timeout: float = 60.0) 
 def test_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, checkpoint.STALL_ENV: "ckpt.pt@2"}  # the third save (step 3) stops half-way
-    script = _KILLED_SAVE.format(tests=str(ROOT / "tests"), root=str(ROOT), out=str(out))
+    script = _KILLED_SAVE.format(tests=str(ROOT / "tests" / "train"), root=str(ROOT), out=str(out))
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE)
     try:
         tmp = _wait_for_temp(proc, out)

@@ -22,7 +22,7 @@ from mode.routing.keys import MOD, MOE, layer_prefix, parse_router_key, router_k
 from mode.measure.stats import RoutingAccumulator
 from mode.measure.token_compute import token_compute
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_router.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_router.py"
 
 
 @pytest.fixture

@@ -406,7 +406,7 @@ def _example(name: str):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"{name}_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
