@@ -4,7 +4,13 @@ Shape legend: B batch, S tokens, T = B * S, D hidden, A/R rows grouped by expert
 
 Drop-in replacement for an MLP: ``forward(x_BSD, mask_BS=None) -> (y_BSD, Aux)`` returns only the
 experts' contribution (the surrounding block adds the residual). Tokens routed to no-op experts or
-dropped by capacity get zeros. The dispatcher (``mode.dispatch.base.Dispatcher``) is handed in (local by
+dropped by capacity get zeros from the routed experts.
+
+Shared experts (DeepSeek-MoE, Qwen2-MoE; ``num_shared``): always-on experts that every token of the layer
+goes through, on its own process, with no routing and no dispatch. They are one MLP of hidden size
+``shared_hidden`` (default ``num_shared * d_hidden``: the same FLOPs as ``num_shared`` separate experts),
+added to the routed output, optionally scaled per token by ``sigmoid(x · w)`` (Qwen2-MoE's
+``shared_expert_gate``). A token sent to a no-op expert still gets the shared experts. The dispatcher (``mode.dispatch.base.Dispatcher``) is handed in (local by
 default, or an expert-parallel one built on a process group); nothing here imports ``torch.distributed``.
 """
 
@@ -12,11 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 
 from mode.dispatch.base import Dispatcher
 from mode.dispatch.local import LocalDispatcher
+from mode import _checks
 from mode.experts.bank import ExpertBank, ExpertConfig
+from mode.layers.mlp import MLP
 from mode.routing.plan import Aux
 from mode.routing.registry import get_router
 
@@ -41,10 +50,20 @@ class MoEConfig:
     activation: str = "gelu"
     backend: str = "auto"
     router_options: dict = field(default_factory=dict)  # extra fields of the router's own config
+    num_shared: int = 0  # always-on shared experts (DeepSeek-MoE, Qwen2-MoE)
+    shared_hidden: int | None = None  # their one MLP's hidden size; None: num_shared * d_hidden
+    shared_gate: bool = False  # Qwen2-MoE: the shared output times sigmoid(x · w), per token
 
     def __post_init__(self) -> None:
         if not isinstance(self.router_options, dict):
             raise TypeError(f"router_options={self.router_options!r}: must be a dict")
+        _checks.check_int("num_shared", self.num_shared, min_value=0)
+        _checks.check_bool("shared_gate", self.shared_gate)
+        if self.shared_hidden is not None:
+            _checks.check_int("shared_hidden", self.shared_hidden)
+        if self.num_shared == 0 and (self.shared_hidden is not None or self.shared_gate):
+            raise ValueError(f"shared_hidden={self.shared_hidden}, shared_gate={self.shared_gate}: need "
+                             "num_shared >= 1")
         get_router(self.router)  # a registered name
         self.router_config()  # validates the router fields now, not at first forward
         self.expert_config()
@@ -58,20 +77,42 @@ class MoEConfig:
         return ExpertConfig(d_model=self.d_model, d_hidden=self.d_hidden, num_experts=self.num_experts,
                             activation=self.activation, backend=self.backend)
 
+    @property
+    def shared_hidden_size(self) -> int:
+        """Hidden size of the shared experts' MLP (0: none)."""
+        return self.shared_hidden or self.num_shared * self.d_hidden
+
+    def build_shared(self) -> tuple[MLP | None, nn.Linear | None]:
+        """The shared experts' MLP and gate (None where not configured)."""
+        if not self.num_shared:
+            return None, None
+        gate = nn.Linear(self.d_model, 1, bias=False) if self.shared_gate else None
+        return MLP(self.d_model, self.shared_hidden_size, self.activation), gate
+
 
 def build_router(cfg: MoEConfig) -> nn.Module:
     return get_router(cfg.router).router_cls(cfg.router_config())
 
 
 class MoELayer(nn.Module):
-    def __init__(self, router: nn.Module, experts: ExpertBank, dispatcher=None):
+    """``shared``: the shared experts (an ``MLP``, or any module with the same call), run on every token;
+    ``shared_gate``: a ``Linear(d_model, 1)`` whose sigmoid scales their output per token."""
+
+    def __init__(self, router: nn.Module, experts: ExpertBank, dispatcher=None, shared: nn.Module | None = None,
+                 shared_gate: nn.Module | None = None):
         super().__init__()
         if not isinstance(router, nn.Module) or not hasattr(router, "num_experts"):
             raise TypeError(f"router={type(router).__name__}: must be a router module (nn.Module with num_experts)")
         if not isinstance(experts, ExpertBank):
             raise TypeError(f"experts={type(experts).__name__}: must be an ExpertBank")
+        if shared is not None and not isinstance(shared, nn.Module):
+            raise TypeError(f"shared={type(shared).__name__}: must be an nn.Module (e.g. mode.MLP)")
+        if shared_gate is not None and shared is None:
+            raise ValueError("shared_gate: needs shared experts (shared=None)")
         self.router = router
         self.set_experts(experts, dispatcher)
+        self.shared_experts = shared  # registered after the experts: the routed layer's parameter order stays
+        self.shared_gate = shared_gate
 
     def set_experts(self, experts: ExpertBank, dispatcher=None) -> None:
         """Use ``experts`` through ``dispatcher`` (None: local). ``mode.parallel`` calls this to make the
@@ -97,7 +138,9 @@ class MoELayer(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, dispatcher=None) -> "MoELayer":
-        return cls(build_router(cfg), ExpertBank(cfg.expert_config()), dispatcher)
+        router, experts = build_router(cfg), ExpertBank(cfg.expert_config())
+        shared, gate = cfg.build_shared()  # built after the routed layer: its random draws stay the same
+        return cls(router, experts, dispatcher, shared, gate)
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> tuple[Tensor, Aux]:
         plan = self.router(x_BSD, mask_BS)  # validates x's shape and dtype
@@ -110,7 +153,13 @@ class MoELayer(nn.Module):
         else:  # gates stay on the token's own process: combine applies them
             y_RD = self.experts(x_RD, counts_R, padded=padded)
             y_TD = self.dispatcher.combine(y_RD, plan, state)
-        return y_TD.view(B, S, D), Aux().merge(plan.aux)
+        y_BSD = y_TD.view(B, S, D)
+        if self.shared_experts is not None:  # every token, on its own process: nothing to dispatch
+            shared_BSD, _ = self.shared_experts(x_BSD)
+            if self.shared_gate is not None:
+                shared_BSD = torch.sigmoid(self.shared_gate(x_BSD)) * shared_BSD
+            y_BSD = y_BSD + shared_BSD
+        return y_BSD, Aux().merge(plan.aux)
 
 
 class IntegratedMoDE(MoELayer):
@@ -119,7 +168,8 @@ class IntegratedMoDE(MoELayer):
     A token sent to a no-op skips the MLP (its residual passes unchanged); attention still runs.
     """
 
-    def __init__(self, router: nn.Module, experts: ExpertBank, dispatcher=None):
+    def __init__(self, router: nn.Module, experts: ExpertBank, dispatcher=None, shared: nn.Module | None = None,
+                 shared_gate: nn.Module | None = None):
         if router.num_slots == router.num_experts:
             raise ValueError("num_noop=0: integrated MoDE needs at least one no-op expert (num_noop >= 1)")
-        super().__init__(router, experts, dispatcher)
+        super().__init__(router, experts, dispatcher, shared, shared_gate)

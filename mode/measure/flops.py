@@ -5,7 +5,7 @@ S x S product (as torch's flop counter does; causal kernels may skip half); elem
 activations, softmax, RoPE) is not counted. Training FLOPs are 3x forward (backward = 2x forward).
 
 A routed block counts attention and MLP for its C routed tokens only; tokens routed to a no-op expert
-or dropped count nothing. For layers whose compute depends on the routing (token choice with no-op
+or dropped count nothing. Shared experts count for every token that reaches the MoE layer. For layers whose compute depends on the routing (token choice with no-op
 experts or capacity), ``nominal`` assumes balanced routing and ``realized`` reads the counts from the
 forward pass's ``Aux`` stats (one host read for the whole model).
 
@@ -39,6 +39,15 @@ def mlp_flops_per_token(d: int, h: int, activation: str) -> float:
     return (6 if activation == "swiglu" else 4) * d * h
 
 
+def shared_flops_per_token(cfg: LMConfig) -> float:
+    """The shared experts of one MoE layer, per token that reaches the layer (0 without them): their MLP,
+    and the gate's projection when there is one."""
+    if not cfg.num_shared:
+        return 0.0
+    hidden = cfg.shared_hidden or cfg.num_shared * (cfg.expert_hidden or cfg.d_hidden)
+    return mlp_flops_per_token(cfg.d_model, hidden, cfg.activation) + (2 * cfg.d_model if cfg.shared_gate else 0)
+
+
 @dataclass
 class LayerFlops:
     kind: str
@@ -64,7 +73,8 @@ def layer_flops(cfg: LMConfig, kind: str, seq_len: int, assignments: float | Non
     if k.experts:
         rcfg = cfg.router_config(k)
         a = rcfg.assignments(n) if assignments is None else assignments
-        mlp = a * mlp_flops_per_token(d, cfg.expert_hidden or cfg.d_hidden, cfg.activation)
+        mlp = a * mlp_flops_per_token(d, cfg.expert_hidden or cfg.d_hidden, cfg.activation) \
+            + n * shared_flops_per_token(cfg)
         router += rcfg.router_flops(n)
     else:
         mlp = n * mlp_flops_per_token(d, cfg.d_hidden, cfg.activation)

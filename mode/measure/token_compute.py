@@ -11,7 +11,8 @@ Definitions (see docs/reports.md)
     flops_BS  forward FLOPs spent on the token, from ``mode.measure.flops``'s per-token costs:
                   attention   attention_flops(n, d) / n per traversed layer, n the tokens attending
                               together (S, or the routed count of that sequence in a MoD layer)
-                  MLP         mlp_flops_per_token(d, hidden) per assignment
+                  MLP         mlp_flops_per_token(d, hidden) per assignment, and the shared experts
+                              (shared_flops_per_token) for every token that reaches an MoE layer
                   routers     a router's per-token cost for every token it scores (a staged layer's
                               MoE router scores only the routed tokens)
                   head        2 * d * vocab
@@ -30,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from mode.measure.flops import attention_flops, forward_flops_per_token, mlp_flops_per_token
+from mode.measure.flops import attention_flops, forward_flops_per_token, mlp_flops_per_token, shared_flops_per_token
 from mode.model.config import LMConfig
 from mode.model.kinds import get_layer_kind
 from mode.routing.keys import MOD, MOE, router_key
@@ -104,6 +105,7 @@ def token_compute(cfg: LMConfig, aux: Aux, batch_shape: tuple[int, int]) -> Toke
     full_attn = float(attention_flops(S, d)) / S
     mlp_tok = mlp_flops_per_token(d, cfg.d_hidden, cfg.activation)
     exp_tok = mlp_flops_per_token(d, cfg.expert_hidden or cfg.d_hidden, cfg.activation)
+    shared_tok = shared_flops_per_token(cfg)  # every token that reaches an MoE layer
     for i, kind in enumerate(cfg.kinds):
         ones_BS = torch.ones(B, S, dtype=torch.float64, device=dev)
         if kind.mod is not None:  # attention (and the MLP's router) only for the tokens MoD routed
@@ -130,7 +132,7 @@ def token_compute(cfg: LMConfig, aux: Aux, batch_shape: tuple[int, int]) -> Toke
                     mlp_BS = slots_to_positions(slots_BC, routed_BS)
             else:
                 mlp_BS = _compute_BS(stats, name, (B, S)).double()
-            flops_BS = flops_BS + attn_BS * moe_router_tok + mlp_BS * exp_tok
+            flops_BS = flops_BS + attn_BS * (moe_router_tok + shared_tok) + mlp_BS * exp_tok
         attn_rows.append(attn_BS)
         mlp_rows.append(mlp_BS)
     dense = replace(cfg, layers=("dense",) * cfg.n_layers)

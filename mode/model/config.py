@@ -49,6 +49,9 @@ class LMConfig:
     balance_coef: float = 0.01
     z_coef: float = 1e-3
     backend: str = "auto"
+    num_shared: int = 0  # shared experts of every MoE layer (MoEConfig.num_shared)
+    shared_hidden: int | None = None  # None: num_shared * expert hidden size
+    shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared output
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, str) or not isinstance(self.layers, (list, tuple)):
@@ -102,7 +105,8 @@ class LMConfig:
             d_model=self.d_model, d_hidden=self.expert_hidden or self.d_hidden, num_experts=self.num_experts,
             router=self.router, top_k=self.top_k, num_noop=self.num_noop if with_noop else 0,
             capacity_factor=self.capacity_factor, balance_coef=self.balance_coef, z_coef=self.z_coef,
-            activation=self.activation, backend=self.backend, router_options=dict(self.router_options))
+            activation=self.activation, backend=self.backend, router_options=dict(self.router_options),
+            num_shared=self.num_shared, shared_hidden=self.shared_hidden, shared_gate=self.shared_gate)
 
     def router_config(self, kind: LayerKind):
         """The MoE router config of a layer of ``kind`` (which has experts)."""

@@ -19,7 +19,9 @@ What it does, in this order (every rank calls it with the same model, built with
     4. **FSDP2.** Each expert bank: ``fully_shard(bank, mesh=mesh, dp_mesh_dims=shard "dp")`` (its L
        experts sharded over dp). Each block, then the root: ``fully_shard`` on the flattened dp x ep mesh
        (every dense weight sharded W ways; attention, norms, routers, embeddings).
-    5. **Gradient reduction: sums.** Divide factor 1.0 and force-sum on every FSDP module; the training
+    5. Every token-choice router gets ``reduce_counts``: its choice counts summed over the whole dp x ep
+       mesh, for the balancing bias (``mode.routing.update_expert_bias``) and the global-batch balance loss.
+    6. **Gradient reduction: sums.** Divide factor 1.0 and force-sum on every FSDP module; the training
        loop calls ``backward`` on ``loss / W`` (``mode.train.Trainer``). On gloo a divide factor other
        than 1 fails (``PREMUL_SUM`` is not supported) and torch's own averaging divides twice in one layout;
        summing ``loss / W`` is exact in every layout (tests/parallel/test_ep_training.py).
@@ -45,6 +47,7 @@ from mode.layers.moe import MoELayer
 from mode.model.blocks import compile_blocks, resolve_blocks
 from mode.parallel.ep_model import shard_experts
 from mode.parallel.mesh import flat_mesh, mesh_dims
+from mode.parallel.stats_reduce import SumOverGroup
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
@@ -105,6 +108,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Modul
         # earlier (its specs are cached), and fully_shard wants the very object
         fully_shard(bank, mesh=bank.w_in_EDF.device_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"), **kw)
     flat = flat_mesh(mesh)
+    counts_over_mesh = SumOverGroup(flat.get_group())  # every rank holds a copy of every router
+    for m in model.modules():
+        if hasattr(m, "reduce_counts"):  # token-choice routers: bias balancing, the global balance loss
+            m.reduce_counts = counts_over_mesh
     for block in blocks:
         fully_shard(block, mesh=flat, **kw)
     fully_shard(model, mesh=flat, **kw)

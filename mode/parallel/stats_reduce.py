@@ -1,4 +1,6 @@
-"""Sum a ``RoutingAccumulator`` over the ranks of a process group (expert or data parallelism).
+"""Routing statistics summed over the ranks of a process group: a ``RoutingAccumulator``
+(``all_reduce_accumulator``) and the routers' choice counts (``SumOverGroup``, which ``parallelize`` installs
+as each router's ``reduce_counts`` for bias balancing and the global-batch balance loss).
 
 Every rank of ``group`` must call ``all_reduce_accumulator`` at the same point. Ranks may have seen
 different routers (e.g. a staged layer whose MoD routed no token on one rank) and different sequence
@@ -58,3 +60,18 @@ def all_reduce_accumulator(acc: RoutingAccumulator, group=None, device: torch.de
     acc.sums = {k: t.clone() for k, t in zip(keys, out)}
     acc.layer_kinds = kinds
     return acc
+
+
+class SumOverGroup:
+    """``t`` summed over the ranks of ``group`` (a detached copy): a router's ``reduce_counts``. Every rank
+    holding a copy of the router must call it at the same point (the router's forward, the bias update)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        out = t.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out

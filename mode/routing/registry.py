@@ -38,14 +38,15 @@ class RouterSpec:
     router_cls: type
 
     def config(self, fields: dict, options: dict | None = None):
-        """Build the router config from the MoE fields it declares (others are ignored) and ``options``."""
+        """Build the router config from the MoE fields it declares (others are ignored) and ``options``, which
+        take precedence (``LMConfig`` has no ``gate`` field: ``router_options={"gate": "sigmoid"}`` sets it)."""
         declared = {f.name for f in dataclasses.fields(self.config_cls)}
         options = dict(options or {})
         unknown = sorted(set(options) - declared)
         if unknown:
             raise ValueError(f"router_options={options!r}: {unknown} are not fields of "
                              f"{self.config_cls.__name__} (fields: {sorted(declared)})")
-        return self.config_cls(**{k: v for k, v in fields.items() if k in declared}, **options)
+        return self.config_cls(**{**{k: v for k, v in fields.items() if k in declared}, **options})
 
 
 ROUTERS: dict[str, RouterSpec] = {}

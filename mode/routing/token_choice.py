@@ -13,6 +13,25 @@ is dropless.
 
 The plan has the static size ``A = T * K``: no-op choices, drops and padded tokens stay in it as padding
 after the computed assignments, so no step makes the host wait for the device.
+
+The recipes of DeepSeek-V3 and Qwen-MoE (docs/routing.md), each off by default:
+    scale          ``routed_scaling_factor``: multiplies every gate, after renormalisation
+    n_group, topk_group   device-limited routing: the E real experts form ``n_group`` equal groups; a token
+                   keeps its ``topk_group`` best groups (a group scores the sum of its two best experts) and
+                   chooses inside them; no-op slots belong to no group and stay eligible
+    bias_balance   balancing without an auxiliary loss: a per-slot bias buffer ``bias_X`` is added to the
+                   scores for *choosing* only (the gates come from the unbiased scores); training forwards
+                   add their choice counts to ``load_X``, and ``mode.routing.bias_balance.update_expert_bias``
+                   moves the bias by ``bias_rate * sign(target - load)`` after each optimizer step
+    noop_target    with bias_balance and no-op slots: the target load holds this share of the choices on the
+                   no-op slots (a compute budget), the rest spread evenly over the real experts
+    balance_scope  the Switch balance loss over "batch" (this forward's tokens), "sequence" (per sequence,
+                   then averaged: DeepSeek-V3's complementary loss) or "global" (the choice counts summed over
+                   every rank before the loss is formed; ``reduce_counts``, installed by ``mode.parallel``)
+
+``reduce_counts`` (None in one process) is the only way cross-rank information reaches this module: a
+callable summing a tensor over the ranks that hold a copy of the router; this module never imports
+``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -29,6 +48,7 @@ from mode.routing.capacity import ceil_of
 from mode.routing.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 
 GATES = ("softmax", "sigmoid")
+BALANCE_SCOPES = ("batch", "sequence", "global")
 
 
 @dataclass
@@ -43,6 +63,13 @@ class TokenChoiceConfig:
     balance_coef: float = 0.01
     z_coef: float = 1e-3
     check_finite: bool = True  # reject NaN/inf logits (an asynchronous device assert on a GPU)
+    scale: float = 1.0  # routed_scaling_factor (DeepSeek-V3): multiplies the gates after renormalisation
+    n_group: int = 1  # device-limited routing: the real experts in n_group equal groups ...
+    topk_group: int | None = None  # ... of which each token keeps its best topk_group (None: all of them)
+    bias_balance: bool = False  # aux-loss-free balancing (DeepSeek-V3): a bias on the scores for choosing
+    bias_rate: float = 1e-3  # the bias update step (torchtitan's and Megatron's default)
+    noop_target: float | None = None  # bias_balance with no-op slots: the share of choices to hold on them
+    balance_scope: str = "batch"  # the balance loss over "batch", "sequence" or "global" (all ranks)
 
     def __post_init__(self) -> None:
         _checks.check_int("d_model", self.d_model)
@@ -62,6 +89,28 @@ class TokenChoiceConfig:
         _checks.check_non_negative("z_coef", self.z_coef)
         _checks.check_bool("renormalize", self.renormalize)
         _checks.check_bool("check_finite", self.check_finite)
+        _checks.check_positive("scale", self.scale)
+        _checks.check_int("n_group", self.n_group)
+        if self.num_experts % self.n_group:
+            raise ValueError(f"n_group={self.n_group}: must divide num_experts={self.num_experts} (equal groups)")
+        if self.topk_group is None:
+            self.topk_group = self.n_group
+        _checks.check_int("topk_group", self.topk_group)
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group={self.topk_group}: must be <= n_group={self.n_group}")
+        eligible = self.topk_group * (self.num_experts // self.n_group) + self.num_noop
+        if self.top_k > eligible:
+            raise ValueError(f"top_k={self.top_k}: must be <= the slots a token can choose from, topk_group * "
+                             f"num_experts / n_group + num_noop = {eligible}")
+        _checks.check_bool("bias_balance", self.bias_balance)
+        _checks.check_positive("bias_rate", self.bias_rate)
+        if self.noop_target is not None:
+            if not self.bias_balance or self.num_noop < 1:
+                raise ValueError(f"noop_target={self.noop_target}: needs bias_balance=True and num_noop >= 1 "
+                                 f"(got bias_balance={self.bias_balance}, num_noop={self.num_noop})")
+            if _checks.check_fraction("noop_target", self.noop_target) == 1.0:
+                raise ValueError(f"noop_target={self.noop_target}: must be in (0, 1) (1 would compute nothing)")
+        _checks.check_choice("balance_scope", self.balance_scope, BALANCE_SCOPES)
 
     # -- what the FLOP and per-token compute code asks (the router protocol, see mode.routing.registry) --
     @property
@@ -87,9 +136,21 @@ class TokenChoiceConfig:
             return None
         return ceil_of(self.capacity_factor, num_tokens * self.top_k, self.num_experts)
 
+    @property
+    def group_limited(self) -> bool:
+        return self.topk_group < self.n_group
+
+    def target_shares(self) -> list[float]:
+        """The share of the choices each slot should get under balanced routing: even over all slots, or
+        ``noop_target`` over the no-op slots and the rest evenly over the real experts."""
+        if self.noop_target is None:
+            return [1 / self.num_slots] * self.num_slots
+        real, noop = (1 - self.noop_target) / self.num_experts, self.noop_target / self.num_noop
+        return [real] * self.num_experts + [noop] * self.num_noop
+
     def assignments(self, seq_len: int) -> float:
         """Computed assignments per sequence under balanced routing (no-op slots take their share)."""
-        wanted = seq_len * self.top_k * self.num_experts / self.num_slots
+        wanted = seq_len * self.top_k * sum(self.target_shares()[:self.num_experts])
         cap = self.capacity(seq_len)
         return wanted if cap is None else min(wanted, self.num_experts * cap)
 
@@ -106,6 +167,12 @@ class TokenChoiceRouter(nn.Module):
         _checks.check_numel("(num_experts + num_noop, d_model)", self.num_slots, cfg.d_model)
         self.weight = nn.Parameter(torch.empty(self.num_slots, cfg.d_model))
         nn.init.normal_(self.weight, std=cfg.d_model**-0.5)
+        self.reduce_counts = None  # sums a tensor over the ranks holding this router (mode.parallel sets it)
+        if cfg.bias_balance:
+            self.register_buffer("bias_X", torch.zeros(self.num_slots))  # saved and resumed with the model
+            self.register_buffer("load_X", torch.zeros(self.num_slots), persistent=False)  # since the update
+            self.register_buffer("share_X", torch.tensor(cfg.target_shares()), persistent=False)
+        self._choose_by_score = not cfg.bias_balance and not cfg.group_limited  # topk of the gates themselves
 
     def capacity(self, num_tokens: int) -> int | None:
         """Per-expert assignment limit for ``num_tokens`` tokens (None when dropless)."""
@@ -130,18 +197,27 @@ class TokenChoiceRouter(nn.Module):
             else:
                 probs_TX = logits_TX.sigmoid()
                 balance_probs_TX = probs_TX / probs_TX.sum(-1, keepdim=True)
-            gate_TK, chosen_TK = probs_TX.topk(K, dim=-1)
+            if self._choose_by_score:
+                gate_TK, chosen_TK = probs_TX.topk(K, dim=-1)
+            else:  # the bias and the group limit change which slots are chosen, never the gate values
+                chosen_TK = self._choice_scores(probs_TX).topk(K, dim=-1).indices
+                gate_TK = probs_TX.gather(1, chosen_TK)
             if self.cfg.renormalize:
                 gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True)
+            if self.cfg.scale != 1.0:
+                gate_TK = gate_TK * self.cfg.scale
 
             # Flatten choice-major (all first choices, then all second choices...): that is drop priority.
             slot_A = chosen_TK.t().reshape(-1)
             token_A = torch.arange(T, device=dev).repeat(K)
             valid_A = None if valid_T is None else valid_T[token_A]
             requested_X = count_per(slot_A, self.num_slots, valid_A)  # choices per slot, before capacity
+            if self.cfg.bias_balance and self.training and torch.is_grad_enabled():
+                self.load_X += requested_X  # eval and no_grad forwards never move the bias
 
             aux = Aux()
-            aux.add_loss("balance", _balance_loss(balance_probs_TX, requested_X, K, valid_T), self.cfg.balance_coef)
+            aux.add_loss("balance", self._balance(balance_probs_TX, requested_X, chosen_TK, valid_T, B),
+                         self.cfg.balance_coef)
             aux.add_loss("z_loss", router_z_loss(logits_TX, valid_T), self.cfg.z_coef)
 
         gate_A = gate_TK.t().reshape(-1)
@@ -172,6 +248,33 @@ class TokenChoiceRouter(nn.Module):
                            num_tokens=T, aux=aux, padded=padded)
 
 
+    def _choice_scores(self, probs_TX: Tensor) -> Tensor:
+        """The scores the top-k chooses by: the gates plus the balancing bias, with the real experts outside
+        a token's ``topk_group`` best groups at -inf."""
+        choice_TX = probs_TX + self.bias_X if self.cfg.bias_balance else probs_TX
+        if not self.cfg.group_limited:
+            return choice_TX
+        T, E, G = choice_TX.shape[0], self.num_experts, self.cfg.n_group
+        real_TGE = choice_TX[:, :E].reshape(T, G, E // G)
+        group_TG = real_TGE.topk(min(2, E // G), dim=-1).values.sum(-1)  # a group scores its two best experts
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(
+            1, group_TG.topk(self.cfg.topk_group, dim=-1).indices, True)
+        real_TE = real_TGE.masked_fill(~keep_TG[:, :, None], float("-inf")).reshape(T, E)
+        return torch.cat([real_TE, choice_TX[:, E:]], dim=1)
+
+    def _balance(self, probs_TX: Tensor, requested_X: Tensor, chosen_TK: Tensor, valid_T: Tensor | None,
+                 batch: int) -> Tensor:
+        """The Switch balance loss at the configured scope."""
+        K = self.cfg.top_k
+        if self.cfg.balance_scope == "sequence":
+            return _sequence_balance_loss(probs_TX, chosen_TK, valid_T, batch)
+        if self.cfg.balance_scope == "global" and self.reduce_counts is not None:
+            n = probs_TX.new_full((1,), probs_TX.shape[0]) if valid_T is None else valid_T.sum().float()[None]
+            counts = self.reduce_counts(torch.cat([requested_X.to(probs_TX.dtype), n]))  # one collective
+            return _balance_loss(probs_TX, requested_X, K, valid_T, global_counts=counts)
+        return _balance_loss(probs_TX, requested_X, K, valid_T)
+
+
 def _check_finite(logits_TX: Tensor) -> None:
     """``_checks.check_finite_logits`` in one pass: min and max of the logits are finite exactly when every
     logit is (NaN propagates through both). Only a failure runs the full check, for its message."""
@@ -185,19 +288,42 @@ def _check_finite(logits_TX: Tensor) -> None:
         raise
 
 
-def _balance_loss(probs_TX: Tensor, requested_X: Tensor, top_k: int, valid_T: Tensor | None) -> Tensor:
+def _balance_loss(probs_TX: Tensor, requested_X: Tensor, top_k: int, valid_T: Tensor | None,
+                  global_counts: Tensor | None = None) -> Tensor:
     """``losses.load_balancing_loss`` from the choice counts the router has anyway (``requested_X``, valid
     choices per slot) instead of a (T, X) one-hot: the same value bit for bit (a float32 sum of ones is the
-    exact count), three passes over (T, X) fewer. ``tests/core/test_routers.py`` checks the two agree."""
+    exact count), three passes over (T, X) fewer. ``tests/core/test_routers.py`` checks the two agree.
+
+    ``global_counts``: the choice counts and the token count (last entry) summed over every rank; the
+    choice fractions ``f`` then come from them, the mean probabilities ``P`` (the gradient) from this rank."""
     num_slots = probs_TX.shape[-1]
     if valid_T is not None:
         probs_TX = probs_TX * valid_T[:, None]
         n = valid_T.sum().clamp_min(1)
     else:
         n = max(1, probs_TX.shape[0])
-    f_X = requested_X.to(probs_TX.dtype) / (n * top_k)
+    if global_counts is None:
+        f_X = requested_X.to(probs_TX.dtype) / (n * top_k)
+    else:
+        f_X = global_counts[:num_slots] / (global_counts[num_slots].clamp_min(1) * top_k)
     p_X = probs_TX.sum(0) / n
     return num_slots * (f_X * p_X).sum()
+
+
+def _sequence_balance_loss(probs_TX: Tensor, chosen_TK: Tensor, valid_T: Tensor | None, batch: int) -> Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: the Switch loss of each sequence alone, averaged over the
+    sequences that hold a real token."""
+    T, X = probs_TX.shape
+    K = chosen_TK.shape[1]
+    S = T // max(1, batch)
+    w_T = probs_TX.new_ones(T) if valid_T is None else valid_T.to(probs_TX.dtype)
+    seq_TK = torch.arange(T, device=probs_TX.device).div(S, rounding_mode="floor")[:, None].expand(T, K)
+    counts_BX = probs_TX.new_zeros(batch * X).index_add_(
+        0, (seq_TK * X + chosen_TK).reshape(-1), w_T[:, None].expand(T, K).reshape(-1)).view(batch, X)
+    n_B = w_T.view(batch, S).sum(1)
+    p_BX = (probs_TX * w_T[:, None]).view(batch, S, X).sum(1)
+    per_seq_B = X * (counts_BX * p_BX).sum(1) / (n_B.square().clamp_min(1) * K)
+    return per_seq_B.sum() / (n_B > 0).sum().clamp_min(1)
 
 
 def _within_capacity(slot_A: Tensor, computed_A: Tensor, num_experts: int, cap: int) -> Tensor:

@@ -32,6 +32,7 @@ from mode import _checks
 from mode.measure.flops import train_flops_per_token
 from mode.measure.stats import RoutingAccumulator
 from mode.model import LM, LMConfig
+from mode.routing.bias_balance import bias_routers, update_expert_bias
 from mode.train import checkpoint
 from mode.train.config import TrainConfig
 from mode.train.data import BatchSampler, Corpus, eval_batches
@@ -114,6 +115,7 @@ class Trainer:
         torch.manual_seed(train_cfg.seed)  # the same full model in one process and on every rank
         self.model = self.runtime.prepare(LM(model_cfg).to(self.device), compile=compile)
         self.params = list(self.model.parameters())
+        self.bias_routers = bias_routers(self.model)  # aux-loss-free balancing: updated after every step
         self.optimizer = build_optimizer(self.model, train_cfg)
         # Every rank draws the whole global batch from the same seeded sampler and keeps its rows.
         self.sampler = BatchSampler(corpus.train, train_cfg.batch_size, model_cfg.seq_len, train_cfg.seed)
@@ -191,6 +193,7 @@ class Trainer:
         self.grad_norm = rt.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        update_expert_bias(self.model, self.bias_routers)  # the step's choice counts, summed over ranks
         flops = train_flops_per_token(self.model_cfg, aux=out.aux) * x_bS.numel()  # realized routing, this rank
         due = self.rank == 0 and self._time_to_save()  # clocks differ: rank 0 decides for every rank
         loss_sum, flops, due = rt.sum_scalars([out.loss.detach(), flops, float(due)])  # one all-reduce

@@ -123,6 +123,13 @@ CASES = [(kind, {}, backend) for kind in LAYER_KINDS for backend in ("reference"
         ("mod", {"causal": "predictor", "predictor_hidden": 48}),  # the predictor MLP scores every token
         ("staged", {"causal": "predictor"}),
         ("mod", {"causal": "aux_bce"}),
+        # the recipes of DeepSeek-V3 and Qwen-MoE (docs/routing.md)
+        ("moe", {"num_shared": 2, "activation": "swiglu"}),  # DeepSeek: one shared MLP of 2 experts' width
+        ("moe", {"num_shared": 1, "shared_hidden": 48, "shared_gate": True, "top_k": 2}),  # Qwen2-MoE
+        ("staged", {"num_shared": 1, "shared_gate": True}),  # only the MoD-routed tokens reach the shared MLP
+        ("integrated", {"num_shared": 1, "router_options": {"bias_balance": True, "noop_target": 0.5}}),
+        ("moe", {"top_k": 2, "router_options": {"gate": "sigmoid", "n_group": 2, "topk_group": 1,
+                                                "bias_balance": True, "scale": 2.5}}),
     ]
 ]
 
