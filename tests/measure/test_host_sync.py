@@ -36,6 +36,15 @@ LAYERS = {
                                                                   router="expert_choice")),
     "staged": lambda: StagedMoDE(TransformerBlock(D, 2, moe(top_k=2, capacity_factor=1.25)),
                                  MoDRouter(MoDRouterConfig(d_model=D, capacity=0.5))),
+    # the recipes of DeepSeek-V3 and Qwen-MoE (docs/routing.md)
+    "moe_deepseek_v3": lambda: moe(top_k=2, gate="sigmoid", renormalize=True, num_shared=2, activation="swiglu",
+                                   router_options=dict(n_group=2, topk_group=1, bias_balance=True, scale=2.5,
+                                                       balance_scope="sequence")),
+    "moe_qwen2": lambda: moe(top_k=2, renormalize=True, num_shared=1, shared_hidden=48, shared_gate=True,
+                             router_options=dict(balance_scope="global")),
+    "integrated_budget": lambda: IntegratedMoDE.from_config(MoEConfig(
+        d_model=D, d_hidden=H, num_experts=4, num_noop=4, top_k=2,
+        router_options=dict(bias_balance=True, noop_target=0.5))),
 }
 
 
@@ -66,6 +75,21 @@ def test_lm_training_step_has_no_host_sync():
     with HostSyncCounter() as syncs:
         out = lm(idx, idx)
         (out.loss + out.aux.total()).backward()
+    assert syncs.count == 0, syncs.events
+
+
+def test_lm_training_step_with_the_moe_recipes_and_its_bias_update_have_no_host_sync():
+    from mode.routing import update_expert_bias
+
+    cfg = LMConfig(vocab_size=64, seq_len=S, d_model=D, n_heads=2, d_hidden=H, num_experts=4, num_noop=2, top_k=2,
+                   layers=("moe", "staged", "integrated"), num_shared=1, shared_gate=True,
+                   router_options=dict(gate="sigmoid", n_group=2, topk_group=1, bias_balance=True, scale=2.0))
+    lm = LM(cfg)
+    idx = torch.randint(0, 64, (B, S))
+    with HostSyncCounter() as syncs:
+        out = lm(idx, idx)
+        (out.loss + out.aux.total()).backward()
+        assert update_expert_bias(lm) == 3
     assert syncs.count == 0, syncs.events
 
 
