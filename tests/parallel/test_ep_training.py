@@ -71,7 +71,13 @@ TOKEN_CHOICE = LMConfig(seq_len=16, d_model=32, n_heads=2, d_hidden=64, layers=(
                         num_experts=8, num_noop=2, top_k=2, capacity=0.5, capacity_factor=None, balance_coef=0.0,
                         z_coef=1e-3)
 EXPERT_CHOICE = replace(TOKEN_CHOICE, router="expert_choice", top_k=1)
-MODELS = {"token_choice": TOKEN_CHOICE, "expert_choice": EXPERT_CHOICE}
+# DeepSeek-V3 / Qwen-MoE recipes: a balancing bias updated from the choice counts of every rank, the global-batch
+# balance loss (counts summed over the mesh before the loss), shared experts with Qwen2's gate, 4 groups (one per
+# ep rank at ep = 4) of which each token keeps 2, sigmoid gates scaled by 2.5
+RECIPES = replace(TOKEN_CHOICE, balance_coef=0.01, num_shared=1, shared_gate=True,
+                  router_options=dict(gate="sigmoid", renormalize=True, scale=2.5, n_group=4, topk_group=2,
+                                      bias_balance=True, bias_rate=0.01, balance_scope="global"))
+MODELS = {"token_choice": TOKEN_CHOICE, "expert_choice": EXPERT_CHOICE, "recipes": RECIPES}
 MODEL_AUX = replace(TOKEN_CHOICE, balance_coef=0.01, capacity_factor=1.0)  # per-rank balance loss and drops
 TRAIN = TrainConfig(steps=6, batch_size=8, lr=1e-3, warmup_steps=2, eval_every=3, eval_batches=2, log_every=1,
                     seed=3)
@@ -116,7 +122,8 @@ def _trained(t: Trainer) -> dict:
 
 def _run_summary(t: Trainer) -> dict:
     return {"curve": _curve(t.history), "val": [r["val_loss"] for r in t.history if "val_loss" in r],
-            "routing": [r for r in t.history if "routing" in r], "flops": t.flops, "step": t.step}
+            "routing": [r for r in t.history if "routing" in r], "flops": t.flops, "step": t.step,
+            "bias": [r.bias_X.tolist() for r in t.bias_routers]}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -428,6 +435,18 @@ def test_curve_and_grad_norm_equal_one_process(runs, name, layout):
         for key, value in b.items():
             assert math.isclose(a[key], value, rel_tol=0.02, abs_tol=4 / 256), (key, a[key], value)
     assert _curve(ref.history)[-1][0] < _curve(ref.history)[0][0]  # it does train
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dp{x[0]}xep{x[1]}")
+def test_balancing_bias_equals_one_process(runs, layout):
+    """The bias moves by the sign of the load summed over every rank: after 6 steps it is one process's, on
+    every rank (the counts are integers: summed in any order they are exact)."""
+    dp, ep = layout
+    ref = [r.bias_X.tolist() for r in runs["ref"]["recipes"].bias_routers]
+    assert len(ref) == 3 and any(v != 0 for b in ref for v in b)
+    for r, x in enumerate(_case_result(runs, "mesh4", f"recipes_{dp}x{ep}")):
+        for got, want in zip(x["bias"], ref, strict=True):
+            assert np.allclose(got, want, rtol=0, atol=1e-6), (layout, r, got, want)
 
 
 def test_shards_after_setup(runs):

@@ -532,3 +532,31 @@ def test_read_only_folder(tmp_path):
             checkpoint.prepare_dir(out)
     finally:
         out.chmod(0o700)
+
+
+# ------------------------------------------------------------------------------------- balancing biases
+
+
+RECIPES = dict(num_noop=1, num_shared=1, router_options=dict(bias_balance=True, bias_rate=0.01, gate="sigmoid"))
+
+
+@pytest.mark.parametrize("kind", ["file", "sharded"])
+def test_the_balancing_bias_survives_a_checkpoint_and_resumes_exactly(tmp_path, kind):
+    """The routers' bias_X is model state: saved in both checkpoint kinds, restored by load(), and a resumed
+    run continues the uninterrupted one bit for bit (biases included)."""
+    cfg = model_cfg("moe", "staged", "integrated", **RECIPES)
+    a = Trainer(cfg, train_cfg(), corpus(), tmp_path / "a", progress=False)
+    a.run()
+    b = Trainer(cfg, train_cfg(), corpus(), tmp_path / "b", progress=False)
+    b.run(stop_step=6)
+    saved = [r.bias_X.clone() for r in b.bias_routers]
+    assert len(saved) == 3 and all(v.abs().sum() > 0 for v in saved)
+    path = b.ckpt_path if kind == "file" else sharded(b, tmp_path / "b" / "sharded").parent
+    b2 = Trainer(cfg, train_cfg(), corpus(), tmp_path / "b2", progress=False)
+    assert not any(r.bias_X.any() for r in b2.bias_routers)
+    b2.load(path)
+    for got, want in zip((r.bias_X for r in b2.bias_routers), saved, strict=True):
+        assert torch.equal(got, want)
+    assert stable(b2.run()) == stable(a.history)
+    for r, q in zip(a.bias_routers, b2.bias_routers, strict=True):
+        assert torch.equal(r.bias_X, q.bias_X)
