@@ -49,6 +49,7 @@ CLAIMS = {
     "learned - random routing": ("mod", "mod_random"),
     "staged - integrated MoDE": ("staged_mode", "integrated_mode"),
     "MoE - best dense": ("moe", "dense"),
+    "budget-held integrated MoDE - MoD": ("integrated_budget", "mod"),
 }
 
 
@@ -130,7 +131,26 @@ def extra_variants(base: LMConfig, causal: str = "predictor") -> dict[str, LMCon
     return {
         "integrated_mode_matched": replace(base, layers=("integrated",) * n, num_noop=7 * base.num_experts),
         "staged_mode_matched": replace(base, layers=alternate(n, "moe", "staged"), capacity=0.5, causal=causal),
+        "integrated_budget": budget_held_integrated(base, variants(base, causal)["mod"]),
     }
+
+
+def budget_held_integrated(base: LMConfig, match: LMConfig) -> LMConfig:
+    """Integrated MoDE whose compute budget is held by the router itself (docs/routing.md): every layer
+    integrated, as many no-op slots as experts, aux-loss-free bias balancing that holds the share of choices
+    on no-op slots at the target that gives ``match``'s nominal forward FLOPs per token (MoD at 12.5% on
+    every other block: 0.85 to 0.89 of the choices skip the MLP at the presets, attention runs for all).
+    Each token decides alone, so sampling needs no predictor."""
+    def at(target: float) -> LMConfig:
+        return replace(base, layers=("integrated",) * base.n_layers, num_noop=base.num_experts, balance_coef=0.0,
+                       router_options={**base.router_options, "bias_balance": True, "noop_target": target})
+
+    lo, hi = forward_flops_per_token(at(0.25)), forward_flops_per_token(at(0.75))  # linear in the target
+    target = 0.25 + 0.5 * (lo - forward_flops_per_token(match)) / (lo - hi)
+    if not 0 < target < 1:
+        raise ValueError(f"integrated_budget: matching {forward_flops_per_token(match):.4g} FLOPs per token needs "
+                         f"noop_target={target:.3f}, outside (0, 1): attention alone costs more or the MLPs too little")
+    return at(round(target, 6))
 
 
 def dense_depths(n_layers: int) -> list[int]:

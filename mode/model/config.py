@@ -101,11 +101,14 @@ class LMConfig:
                                predictor_hidden=self.predictor_hidden)
 
     def moe_config(self, with_noop: bool) -> MoEConfig:
+        """The MoE config of a layer (``with_noop``: an integrated layer, with the no-op slots). A
+        ``noop_target`` in ``router_options`` applies to the layers that have no-op slots only."""
+        options = {k: v for k, v in self.router_options.items() if with_noop or k != "noop_target"}
         return MoEConfig(
             d_model=self.d_model, d_hidden=self.expert_hidden or self.d_hidden, num_experts=self.num_experts,
             router=self.router, top_k=self.top_k, num_noop=self.num_noop if with_noop else 0,
             capacity_factor=self.capacity_factor, balance_coef=self.balance_coef, z_coef=self.z_coef,
-            activation=self.activation, backend=self.backend, router_options=dict(self.router_options),
+            activation=self.activation, backend=self.backend, router_options=options,
             num_shared=self.num_shared, shared_hidden=self.shared_hidden, shared_gate=self.shared_gate)
 
     def router_config(self, kind: LayerKind):

@@ -442,6 +442,40 @@ def test_dense_model_generates_without_a_causal_method():
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@torch.no_grad()
+def test_budget_held_integrated_mode_decodes_like_the_full_pass(static):
+    """Integrated MoDE holding its no-op budget with a bias (and the DeepSeek/Qwen recipes beside it): token
+    choice decides each token alone, so KV-cached decoding equals the full pass with no causal method, and
+    generate() gives the same tokens as recomputing the full pass for every new token."""
+    torch.manual_seed(0)
+    cfg = cfg_for(("integrated", "moe", "integrated"), causal="none", num_noop=4, top_k=2, num_shared=1,
+                  shared_gate=True, router_options=dict(bias_balance=True, noop_target=0.5, gate="sigmoid",
+                                                        renormalize=True, scale=2.0, n_group=2, topk_group=1))
+    model = LM(cfg).eval()
+    with torch.no_grad():
+        model.embed.weight.normal_(std=1.0)
+        for m in model.modules():
+            if hasattr(m, "bias_X"):
+                m.bias_X.normal_(std=0.3)  # a trained bias: it decides choices
+    x = tokens(3, S, seed=4)
+    full = model(x)
+    noop = [float(st.noop / st.requested_X.sum()) for k, st in full.aux.stats.items() if k.startswith("layers.0")]
+    assert 0.1 < noop[0] < 0.9  # some tokens skip the MLP, some do not
+    logits_BV, caches, pos_B = prefill(model, x[:, :7].tolist(), capacity=S, static=static)
+    torch.testing.assert_close(logits_BV, full.logits_BSV[:, 6], rtol=1e-5, atol=1e-5)
+    for s in range(7, S):
+        logits_BV = decode_step(model, x[:, s], pos_B, caches)
+        pos_B = pos_B + 1
+        torch.testing.assert_close(logits_BV, full.logits_BSV[:, s], rtol=1e-5, atol=1e-5)
+    prompt = x[:2, :5]
+    out = generate(model, prompt.tolist(), max_new_tokens=6, temperature=0.0, static_cache=static)
+    seq = prompt
+    for _ in range(6):  # greedy by full recomputation
+        seq = torch.cat([seq, model(seq).logits_BSV[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert out == seq[:, 5:].tolist()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_cache_overflow_is_a_clear_error(static):
     model = make_lm(("dense", "mod"))
     _, caches, pos_B = prefill(model, [[1, 2, 3, 4]], capacity=4, static=static)
