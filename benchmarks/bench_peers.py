@@ -4,6 +4,12 @@
     PYTHONPATH=. python benchmarks/bench_peers.py --quick           # tiny sizes, seconds (the smoke test)
     PYTHONPATH=. python benchmarks/bench_peers.py --device cuda     # the same on a GPU (cuda:N, auto also work)
     PYTHONPATH=. python benchmarks/bench_peers.py --threads 1 --precision bf16   # mixed precision (peers_bf16.json)
+    PYTHONPATH=. python benchmarks/bench_peers.py --threads 1 --families  # Qwen2/Qwen3/DeepSeek-V3 blocks vs ours
+
+``--families``: transformers' own ``Qwen2MoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock`` and ``DeepseekV3MoE``
+(``experts_implementation="grouped_mm"``, random weights) against mode's layer configured as each
+(``mode.hf.moe_blocks.from_block``: the same function, checked before timing); ratio = mode's time / the
+block's in the same round. Writes peers_families.json.
 
 Implementations (D=512, 4096 tokens, top-2 SwiGLU experts, float32; 8 experts of hidden 1024 and 64 of 256):
     mode            ``MoELayer`` (token choice, softmax, top-2, renormalised), backend "auto" and "reference",
@@ -14,6 +20,9 @@ Implementations (D=512, 4096 tokens, top-2 SwiGLU experts, float32; 8 experts of
                     whose grouped experts cast to bfloat16, and the same with its expert matmuls kept in
                     float32 (its ``.bfloat16()`` casts turned into no-ops while its experts run)
     dense           ``mode.MLP(D, 2H, "swiglu")``: the dense MLP with the same active FLOPs, the baseline
+    mode + recipes  the same layer with the DeepSeek-V3 routing options that add no FLOPs switched on: bias
+                    balancing (a zero bias: the same choices) and the sequence-wise balance loss; and with 4
+                    expert groups of which each token keeps 2 (other choices: its agreement is not judged)
 Every implementation gets the same weights, copied from mode's layer into each peer's layout, so every
 one routes alike (softmax over the experts, top-2, the two gates renormalised to sum to 1: Mixtral's
 convention). Before anything is timed, each output and input gradient (of ``<y, g>``) is compared with
@@ -71,6 +80,13 @@ FLOAT32_TOL = 1e-4
 # 8 significant bits: ~4e-3 per rounding, a few roundings deep)
 BF16_REL_TOL = 5e-2
 MODE_FP32 = "mode, auto, float32 (no autocast)"
+# the routing recipes of DeepSeek-V3 (docs/routing.md) that add no FLOPs: the balancing bias (zero here, so the
+# same choices) and its load counting, the sequence-wise balance loss; then also 4 expert groups of which each
+# token keeps 2 (which changes the choices, so its output is reported, not judged)
+RECIPE_OPTIONS = dict(bias_balance=True, balance_scope="sequence")
+GROUPS = dict(n_group=4, topk_group=2)
+RECIPES_SAME = "mode, auto, + bias balancing, sequence loss"
+RECIPES_GROUPS = "mode, auto, + bias, sequence loss, 4 groups keep 2"
 DENSE_FP32 = "dense SwiGLU MLP, float32 (no autocast)"
 
 
@@ -81,6 +97,7 @@ class Impl:
     build: Callable[[MoELayer], nn.Module]  # from mode's layer (weights to copy); runs on the CPU
     returns_aux: bool = False  # mode's convention: (y, Aux)
     float32: bool = True  # computes in float32 (expected to agree with mode to FLOAT32_TOL)
+    same_function: bool = True  # False: routes differently by design (reported, not judged)
 
 
 def _version(dist: str) -> str | None:
@@ -315,8 +332,8 @@ def bench_config(cfg: dict, num_experts: int, hidden: int, impls: list[Impl], de
             computes_in = "float32"
         else:
             computes_in = "bfloat16 autocast" if bf16 else "bfloat16 experts"
-        if dy is None:
-            agrees = None  # the baselines: nothing compared
+        if dy is None or (impl is not None and not impl.same_function):
+            agrees = None  # the baselines, or a layer that routes differently by design: nothing judged
         elif computes_in == "float32":
             agrees = bool(dy <= FLOAT32_TOL and ddx <= FLOAT32_TOL)
         elif bf16:  # relative differences to mode's float32 output
@@ -330,6 +347,7 @@ def bench_config(cfg: dict, num_experts: int, hidden: int, impls: list[Impl], de
                             if name == "dense" else name),
             family=impl.family if impl else ("mode" if name == MODE_FP32 else "dense"), backend=backends.get(name),
             computes_in=computes_in, max_abs_diff_y=dy, max_abs_diff_dx=ddx,
+            same_function=impl.same_function if impl else None,
             diff_is_relative=bf16 if dy is not None else None, agrees=agrees,
             load_max_over_mean=float(kept_E.max() / kept_E.mean()),
             ms=1e3 * res["s_median"], **res))
@@ -372,6 +390,90 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     save_figure(fig, path)
 
 
+FAMILY_SHAPES = {"full": dict(tokens=4096, d_model=512, experts=64, hidden=256, top_k=4, n_group=8, topk_group=4,
+                              warmup=3, repeats=9),
+                 "quick": dict(tokens=128, d_model=32, experts=8, hidden=16, top_k=2, n_group=4, topk_group=2,
+                               warmup=1, repeats=3)}
+
+
+def family_blocks(shape: dict) -> dict[str, tuple[nn.Module, object]]:
+    """The three transformers blocks at ``shape`` (random weights), with their configs."""
+    from transformers import DeepseekV3Config, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    d, e, h, k = shape["d_model"], shape["experts"], shape["hidden"], shape["top_k"]
+    common = dict(hidden_size=d, moe_intermediate_size=h, num_experts_per_tok=k, experts_implementation="grouped_mm")
+    configs = {
+        "Qwen3-MoE": (Qwen3MoeSparseMoeBlock, Qwen3MoeConfig(num_experts=e, norm_topk_prob=True, **common)),
+        "Qwen2-MoE": (Qwen2MoeSparseMoeBlock, Qwen2MoeConfig(num_experts=e, shared_expert_intermediate_size=4 * h,
+                                                             norm_topk_prob=False, **common)),
+        "DeepSeek-V3": (DeepseekV3MoE, DeepseekV3Config(n_routed_experts=e, n_group=shape["n_group"],
+                                                        topk_group=shape["topk_group"], n_shared_experts=1,
+                                                        routed_scaling_factor=2.5, norm_topk_prob=True, **common)),
+    }
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    for name, (cls, config) in configs.items():
+        block = cls(config)
+        with torch.no_grad():  # transformers initialises some weights to zero: random ones exercise every path
+            for pname, t in [*block.named_parameters(), *block.named_buffers()]:
+                t.copy_(torch.randn(t.shape, generator=g) * (0.05 if "bias" in pname else t.shape[-1] ** -0.5))
+        out[name] = (block, config)
+    return out
+
+
+def bench_families(shape: dict, device: torch.device, seed: int) -> list[dict]:
+    """Each transformers block against mode's layer configured as it: agreement, then interleaved timing."""
+    from mode.hf.moe_blocks import from_block
+
+    torch.manual_seed(seed)
+    x = torch.randn(1, shape["tokens"], shape["d_model"], device=device, requires_grad=True)
+    g = torch.randn_like(x)
+    rows = []
+    for name, (block, config) in family_blocks(shape).items():
+        block = block.to(device)
+        ours = from_block(block, config)
+        y_b, dx_b = (t.clone() for t in make_step(block, x, g, False)())
+        y_m, dx_m = make_step(ours, x, g, True, with_aux=False)()
+        dy, ddx = max_abs_diff(y_m, y_b), max_abs_diff(dx_m, dx_b)
+        timing = time_interleaved({"mode": make_step(ours, x, g, True, with_aux=False),
+                                   "transformers": make_step(block, x, g, False)}, "transformers",
+                                  warmup=shape["warmup"], repeats=shape["repeats"], device=device)
+        rows.append(dict(family=name, tokens=shape["tokens"], d_model=shape["d_model"], experts=shape["experts"],
+                         hidden=shape["hidden"], top_k=shape["top_k"], max_abs_diff_y=dy, max_abs_diff_dx=ddx,
+                         agrees=bool(dy <= FLOAT32_TOL and ddx <= FLOAT32_TOL),
+                         mode_over_transformers=timing["mode"]["ratio_median"],
+                         spread=f"{timing['mode']['ratio_min']:.2f}-{timing['mode']['ratio_max']:.2f}",
+                         mode_ms=1e3 * timing["mode"]["s_median"], transformers_ms=1e3 * timing["transformers"]["s_median"]))
+        print(f"  {name:<12} mode / transformers {rows[-1]['mode_over_transformers']:.3f}  |dy| {dy:.1e}  "
+              f"|dx| {ddx:.1e}", file=sys.stderr, flush=True)
+    return rows
+
+
+def main_families(args, device: torch.device) -> dict:
+    shape = FAMILY_SHAPES["quick" if args.quick else "full"]
+    if args.repeats is not None:
+        shape = {**shape, "repeats": args.repeats}
+    info = machine_info(device)
+    info["versions"] = {dist: _version(dist) for dist in ("mode-torch", "transformers")}
+    rows = bench_families(shape, device, args.seed)
+    print()
+    print_table(rows, [("family", "transformers block", ""), ("mode_over_transformers", "mode / block", ".3f"),
+                       ("spread", "min-max", ""), ("mode_ms", "mode ms", ".1f"), ("transformers_ms", "block ms", ".1f"),
+                       ("max_abs_diff_y", "max |dy|", ".1e"), ("max_abs_diff_dx", "max |dx|", ".1e")])
+    payload = dict(benchmark="bench_peers --families",
+                   command=" ".join(["bench_peers.py"] + sys.argv[1:]), shape=shape, device=str(device),
+                   machine=info, notes="forward + backward of <y, g>, no aux losses; ratio = mode's wall time / "
+                                       "the transformers block's in the same round, median over rounds",
+                   results=rows)
+    stem = "peers_families" + ("_quick" if args.quick else "")
+    path = write_json(Path(args.out or ROOT / "benchmarks" / "results" / f"{stem}.json"), payload)
+    print(f"\nwrote {path}", file=sys.stderr)
+    return payload
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (smoke test)")
@@ -386,11 +488,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", choices=("float32", "bf16"), default="float32",
                    help="bf16: everything under bfloat16 autocast, beside mode and the dense MLP in float32")
+    p.add_argument("--families", action="store_true",
+                   help="transformers' Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 blocks against mode configured as each")
     add_device_arg(p)
     add_malloc_arg(p)
     args = p.parse_args(argv)
     bf16 = args.precision == "bf16"
     malloc = apply_malloc(args.malloc)
+    if args.families:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        return main_families(args, args.device)
     cfg = apply_run_args(args, QUICK if args.quick else FULL)
     configs = [c for c in cfg["configs"] if args.experts is None or c[0] in args.experts]
     if not configs:
@@ -401,7 +509,10 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"{stem}.json")
 
     impls = [Impl("mode, auto", "mode", lambda src: src, returns_aux=True),
-             Impl("mode, reference", "mode", lambda src: _rebuild_mode(src, "reference"), returns_aux=True)]
+             Impl("mode, reference", "mode", lambda src: _rebuild_mode(src, "reference"), returns_aux=True),
+             Impl(RECIPES_SAME, "mode", lambda src: _rebuild_mode(src, "auto", RECIPE_OPTIONS), returns_aux=True),
+             Impl(RECIPES_GROUPS, "mode", lambda src: _rebuild_mode(src, "auto", {**RECIPE_OPTIONS, **GROUPS}),
+                  returns_aux=True, same_function=False)]
     skipped = {}
     for family, loader in (("transformers", transformers_impls), ("torchtitan", torchtitan_impls)):
         with warnings.catch_warnings():
@@ -472,13 +583,14 @@ def main(argv: list[str] | None = None) -> dict:
     return payload
 
 
-def _rebuild_mode(src: MoELayer, backend: str) -> MoELayer:
-    """mode's layer with another expert backend and the same weights."""
+def _rebuild_mode(src: MoELayer, backend: str, router_options: dict | None = None) -> MoELayer:
+    """mode's layer with another expert backend (and router options) and the same weights."""
     cfg = src.experts.cfg
     layer = MoELayer.from_config(MoEConfig(
         d_model=cfg.d_model, d_hidden=cfg.d_hidden, num_experts=cfg.num_experts, router="token_choice",
-        top_k=TOP_K, gate="softmax", renormalize=True, capacity_factor=None, activation="swiglu", backend=backend))
-    layer.load_state_dict(src.state_dict())
+        top_k=TOP_K, gate="softmax", renormalize=True, capacity_factor=None, activation="swiglu", backend=backend,
+        router_options=dict(router_options or {})))
+    layer.load_state_dict(src.state_dict(), strict=not router_options)  # the options add a zero bias buffer
     return layer
 
 

@@ -65,8 +65,12 @@ def test_bench_peers_quick_runs_what_imports_and_says_why_not(tmp_path, device):
         assert math.isfinite(r["ratio_median"]) and r["ratio_median"] > 0, r
         if r["family"] == "dense":
             assert r["ratio_median"] == 1.0
+        elif r["same_function"] is False:  # group-limited routing chooses other experts: reported, not judged
+            assert r["agrees"] is None and r["family"] == "mode", r
         elif r["computes_in"] == "float32":  # same weights, same routing: the same numbers
             assert r["agrees"] is True, (r["implementation"], r["max_abs_diff_y"], r["max_abs_diff_dx"])
+    assert {"mode, auto, + bias balancing, sequence loss", "mode, auto, + bias, sequence loss, 4 groups keep 2"} \
+        <= {r["implementation"] for r in rows}
 
 
 def test_bench_peers_bf16_quick_measures_autocast_beside_float32(tmp_path):
@@ -107,3 +111,29 @@ def test_bf16_training_smoke_compares_paired_runs(tmp_path):
         assert math.isfinite(r["train_gap_late"]) and r["train_gap_max"] >= abs(r["train_gap_late"])
     assert out.with_suffix(".png").stat().st_size > 0
     assert (tmp_path / "work" / "bf16" / "compare.json").is_file()
+
+
+def test_bench_balance_smoke_trains_each_recipe_and_reports_the_load(tmp_path):
+    out = tmp_path / "balance.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_balance.py"), "--quick-test", "--no-progress",
+                    "--threads", "1", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                   check=True)
+    payload = json.loads(out.read_text())
+    assert [r["recipe"] for r in payload["results"]] == ["switch", "bias"]
+    for r in payload["results"]:
+        assert math.isfinite(r["loss"]) and r["max_mean"] >= 1.0 and r["tok_s"] > 0
+    assert "vs_switch" in payload["results"][1] and len(payload["runs"]["bias"][0]["max_mean_curve"]) == 10
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_peers_families_compares_each_transformers_block(tmp_path):
+    import pytest
+
+    pytest.importorskip("transformers", reason="transformers is not installed: no blocks to compare with")
+    out = tmp_path / "families.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--quick", "--families",
+                    "--threads", "1", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                   check=True)
+    rows = json.loads(out.read_text())["results"]
+    assert [r["family"] for r in rows] == ["Qwen3-MoE", "Qwen2-MoE", "DeepSeek-V3"]
+    assert all(r["agrees"] and r["mode_over_transformers"] > 0 for r in rows), rows
