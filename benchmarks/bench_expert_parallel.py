@@ -24,6 +24,12 @@
     EP=4 oversubscribes it: the ratios show the cost of sharding and exchanging on one machine, not a
     multi-GPU speed-up.
 
+(c) ``--groups``: device-limited routing (DeepSeek-V3's ``n_group`` / ``topk_group``). An LM of MoE layers with
+    16 experts, top-4, sigmoid gates, on 4 gloo ranks (4 experts each); the experts form 4 groups, one per
+    rank, and each token keeps its best M of them, M = 4 (no limit), 2, 1. Reported: the dispatch bytes the
+    ranks actually sent (intercepted, as in (a)), their ratio to the unlimited run's, and the most ranks any
+    token's rows went to (counted from the plans; at most M). Writes expert_parallel_groups.json.
+
 With ``--device cuda`` the ranks are NCCL processes, one GPU each (set up by ``mode.parallel.process_group.init_distributed``,
 as ``torchrun`` would), for EP = 1, 2 and 4 as far as the machine has GPUs; the baseline is EP = 1 (the same
 trainer on a mesh of one GPU).
@@ -62,6 +68,10 @@ QUICK = dict(byte_steps=2, warmup=1, timed=3)
 QUICK_MODEL = replace(MODEL, seq_len=32, d_model=32, d_hidden=64)
 WORLDS = (2, 4)
 CORPUS_BYTES = 2_000_000
+GROUPS_MODEL = LMConfig(seq_len=128, d_model=128, n_heads=4, d_hidden=512, expert_hidden=128, num_experts=16, top_k=4,
+                        layers=("moe",) * 4, balance_coef=0.0,
+                        router_options=dict(gate="sigmoid", renormalize=True, n_group=4, bias_balance=True))
+GROUPS_KEEP = (4, 2, 1)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -108,7 +118,8 @@ def _phase(counter: _ByteCounter, fn, phase: str):
     return wrapped
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg: dict, backend: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg: dict, backend: str,
+            dedup: bool = False) -> None:
     import torch.distributed as dist
 
     from mode.parallel import process_group as mdist
@@ -123,18 +134,23 @@ def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg
     device = ctx.device
     mesh = build_mesh(ParallelDims(1, world), device.type, ctx.timeout_s)
     mcfg = LMConfig(**model_cfg)
+    from mode.parallel.runtime import MeshRuntime
+
     trainer = Trainer(mcfg, TRAIN, stdlib_corpus(max_bytes=CORPUS_BYTES), Path(out_dir) / "run", progress=False,
-                      mesh=mesh)
+                      runtime=MeshRuntime(mesh, ctx.timeout_s, dedup=dedup))
     layers = expert_parallel_layers(trainer.model)
     L = mcfg.num_experts // world
     D, esize = mcfg.d_model, trainer.model.embed.weight.element_size()
 
     # (a) bytes: the minimum from the routers' plans, the actual from the intercepted collectives.
-    minimum = {"rows": 0, "noop": 0, "dropped": 0, "dispatch_calls": []}
+    minimum = {"rows": 0, "noop": 0, "dropped": 0, "dispatch_calls": [], "max_ranks_per_token": 0}
 
     def plan_hook(module, inputs, plan):
         computed = int(plan.counts_E.sum())  # a plan may end in padding after its computed assignments
         remote = int((plan.expert_idx_A[:computed] // L != rank).sum())
+        ranks_TP = torch.zeros(plan.num_tokens, world, dtype=torch.bool, device=plan.counts_E.device)
+        ranks_TP[plan.token_idx_A[:computed], plan.expert_idx_A[:computed] // L] = True  # where its rows go
+        minimum["max_ranks_per_token"] = max(minimum["max_ranks_per_token"], int(ranks_TP.sum(1).max()))
         minimum["rows"] += remote
         minimum["dispatch_calls"].append(remote * D * esize)
         st = plan.aux.stats["router"]
@@ -171,19 +187,21 @@ def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg
     result = {"sent": counter.sent, "dispatch_calls_actual": counter.dispatch_calls,
               "dispatch_calls_min": minimum["dispatch_calls"], "min_bytes": minimum["rows"] * D * esize,
               "noop": minimum["noop"], "dropped": minimum["dropped"], "last_dispatch_stats_bytes": stats_sent,
+              "max_ranks_per_token": minimum["max_ranks_per_token"],
               "times": times}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-def run_ep(world: int, model_cfg: LMConfig, cfg: dict, tmp: Path, backend: str = "gloo") -> list[dict]:
+def run_ep(world: int, model_cfg: LMConfig, cfg: dict, tmp: Path, backend: str = "gloo",
+           dedup: bool = False) -> list[dict]:
     import torch.multiprocessing as mp
 
     from mode.parallel.process_group import free_port
 
     out = tmp / f"ep{world}"
     out.mkdir()
-    mp.start_processes(_worker, args=(world, free_port(), str(out), asdict(model_cfg), cfg, backend),
+    mp.start_processes(_worker, args=(world, free_port(), str(out), asdict(model_cfg), cfg, backend, dedup),
                        nprocs=world, join=True, start_method="spawn")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -214,12 +232,52 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None  # EP = 1 sends nothing: no ratio
 
 
+def main_groups(args) -> dict:
+    """(c): one EP = 4 gloo run per M (tokens keep their best M of 4 groups, one group per rank)."""
+    cfg = dict(byte_steps=2, warmup=0, timed=1) if args.quick else dict(byte_steps=3, warmup=0, timed=1)
+    base = replace(GROUPS_MODEL, seq_len=32, d_model=32, d_hidden=64, expert_hidden=32) if args.quick else GROUPS_MODEL
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp_s:
+        for dedup in (False, True):
+            for keep in GROUPS_KEEP:
+                model_cfg = replace(base, router_options={**base.router_options, "topk_group": keep})
+                where = Path(tmp_s) / f"keep{keep}_dedup{int(dedup)}"
+                where.mkdir()
+                res = run_ep(4, model_cfg, cfg, where, dedup=dedup)
+                rows.append({"keep_groups": keep, "dedup": dedup,
+                             "dispatch_bytes": sum(r["sent"]["dispatch"] for r in res),
+                             "max_ranks_per_token": max(r["max_ranks_per_token"] for r in res)})
+    for r in rows:
+        r["vs_unlimited_per_assignment"] = r["dispatch_bytes"] / rows[0]["dispatch_bytes"]
+    info = machine_info(torch.device("cpu"))
+    print(f"\nDevice-limited routing on 4 gloo ranks: E={base.num_experts} in 4 groups (one per rank), top-"
+          f"{base.top_k}, {len(base.layers)} MoE layers, global batch {TRAIN.batch_size} x {base.seq_len}, "
+          f"{cfg['byte_steps']} training steps\n")
+    print_table(rows, [("keep_groups", "groups kept (M)", "d"), ("dedup", "one row per (token, rank)", ""),
+                       ("dispatch_bytes", "dispatch bytes sent", ",d"),
+                       ("vs_unlimited_per_assignment", "/ unlimited, one row per assignment", ".3f"),
+                       ("max_ranks_per_token", "max ranks per token", "d")])
+    payload = dict(benchmark="expert_parallel --groups", machine=info, quick=args.quick, model=asdict(base),
+                   steps=cfg, notes="dispatch bytes: everything the forward dispatch all-to-alls sent to other "
+                                    "ranks (rows; with dedup also the int64 row index and float32 gate of each "
+                                    "assignment), intercepted, summed over ranks and byte steps; combine and "
+                                    "backward move the same rows back", results=rows)
+    out = args.out or str(ROOT / "benchmarks" / "results" / ("expert_parallel_groups_quick.json" if args.quick
+                                                             else "expert_parallel_groups.json"))
+    path = write_json(out, payload)
+    print(f"\nwrote {path}")
+    return payload
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/expert_parallel[_quick].json)")
+    p.add_argument("--groups", action="store_true", help="(c): the bytes device-limited routing saves, 4 ranks")
     add_device_arg(p)
     args = p.parse_args(argv)
+    if args.groups:
+        return main_groups(args)
     cfg = QUICK if args.quick else FULL
     model_cfg = QUICK_MODEL if args.quick else MODEL
     device = args.device

@@ -25,6 +25,15 @@ Everything the router computes stays per rank: capacity limits and aux losses ar
 tokens. The router (and every other non-expert parameter) is replicated; its gradient must be
 all-reduced by the training loop, like any data-parallel gradient, never inside ``forward``.
 
+``dedup=True`` sends each token once per destination rank instead of once per assignment (DeepSeek-V3's
+device-limited routing only saves bytes this way: top-k assignments of one token on the same rank share
+its row). Dispatch then also sends, per assignment, the index of its row among the rows sent to that rank
+(int64) and its gate (float32, differentiable); the receiving rank gathers each assignment's row from the
+received unique rows, and ``combine`` applies the gates there and sums each token's outputs per rank before
+sending one row per (token, rank) back. The number of unique rows per destination joins the counts
+exchange, so the layer still makes one host sync. With top-1 routing every row is unique: dedup only adds
+12 bytes per assignment.
+
 This is the only model-side module that imports ``torch.distributed``; it moves tokens and knows nothing of
 layers. Building a rank's shard of a layer or a model is ``mode.parallel.ep_model``'s job.
 """
@@ -39,7 +48,7 @@ from torch import Tensor
 
 from mode.dispatch.base import Dispatcher
 from mode.dispatch.local import scatter_weighted
-from mode.routing.plan import RoutingPlan
+from mode.routing.plan import RoutingPlan, count_per
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,10 @@ class _EPState:
     send_splits: list[int]  # rows this rank sends to each rank (dispatch)
     recv_splits: list[int]  # rows this rank receives from each rank (dispatch)
     order_R: Tensor | None  # received row -> local-expert-major row; None when L == 1 (already ordered)
+    # dedup only: the received unique row of each local assignment, its gate, and the tokens of the sent rows
+    row_R: Tensor | None = None
+    gate_R: Tensor | None = None
+    token_U: Tensor | None = None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -115,7 +128,7 @@ class ExpertParallelDispatcher(Dispatcher):
     all-to-alls (for benchmarks; backward moves the same rows the other way).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, num_experts: int):
+    def __init__(self, group: dist.ProcessGroup | None, num_experts: int, dedup: bool = False):
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed must be initialised (init_process_group) before "
                              "building an ExpertParallelDispatcher")
@@ -133,6 +146,9 @@ class ExpertParallelDispatcher(Dispatcher):
         self.num_experts = num_experts
         self.local_experts = num_experts // self.world_size
         self.first_expert = self.rank * self.local_experts
+        if not isinstance(dedup, bool):
+            raise TypeError(f"dedup={dedup!r}: must be a bool")
+        self.dedup = dedup  # chosen once: one row per (token, destination rank), or one per assignment
         # Chosen once: with one expert per rank, source-major order already is expert-major.
         self._needs_permute = self.local_experts > 1
         self.last_dispatch: ExchangeStats | None = None
@@ -151,6 +167,8 @@ class ExpertParallelDispatcher(Dispatcher):
         if plan.num_experts != self.num_experts:
             raise ValueError(f"plan.num_experts={plan.num_experts}: must equal the dispatcher's "
                              f"num_experts={self.num_experts}")
+        if self.dedup:
+            return self._dispatch_unique(x_TD, plan)
         P, L = self.world_size, self.local_experts
 
         # Counts first: recv_counts_PL[p, l] = rows rank p sends to our local expert l.
@@ -182,6 +200,8 @@ class ExpertParallelDispatcher(Dispatcher):
         return x_RD, counts_L, _EPState(send_splits, recv_splits, order_R)
 
     def combine(self, y_RD: Tensor, plan: RoutingPlan, state: _EPState) -> Tensor:
+        if self.dedup:
+            return self._combine_unique(y_RD, plan, state)
         y_recv_RD = y_RD
         if state.order_R is not None:
             inverse_R = torch.empty_like(state.order_R)
@@ -191,6 +211,74 @@ class ExpertParallelDispatcher(Dispatcher):
         self.last_combine = _exchange_stats(state.recv_splits, state.send_splits, self.rank,
                                             y_RD.shape[-1] * y_RD.element_size())
         return scatter_weighted(y_AD, plan)  # gates applied on the token's own rank; padding got no rows
+
+    # -- one row per (token, destination rank) ------------------------------------------------------------
+
+    def _dispatch_unique(self, x_TD: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor, _EPState]:
+        """Shape legend here: A plan assignments (computed first), U unique (destination, token) rows this
+        rank sends, V unique rows it receives, R assignments its experts compute (local-expert-major)."""
+        P, L, T = self.world_size, self.local_experts, plan.num_tokens
+        dev = x_TD.device
+        A = plan.num_assignments
+        computed_A = plan.computed_A()
+        dest_A = torch.where(computed_A, plan.expert_idx_A // L, P)  # padding: a rank after every real one
+        key_A = dest_A * T + plan.token_idx_A
+        order_A = torch.argsort(key_A, stable=True)
+        key_sorted_A = key_A[order_A]
+        first_A = torch.ones(A, dtype=torch.bool, device=dev)
+        first_A[1:] = key_sorted_A[1:] != key_sorted_A[:-1]
+        unique_sorted_A = torch.cumsum(first_A.long(), 0) - 1  # the unique row of each sorted assignment
+        unique_A = torch.empty_like(unique_sorted_A)
+        unique_A[order_A] = unique_sorted_A
+        # per destination: unique rows, then where each destination's rows start
+        rows_P = count_per(dest_A[order_A], P + 1, first_A)[:P]
+        start_P = torch.cumsum(rows_P, 0) - rows_P
+        send_counts_PL = plan.counts_E.to(torch.int64).reshape(P, L)
+        send_PL1 = torch.cat([send_counts_PL, rows_P[:, None]], dim=1)  # assignment counts + unique rows
+        recv_PL1 = torch.empty_like(send_PL1)
+        dist.all_to_all_single(recv_PL1, send_PL1, group=self.group)
+        recv_counts_PL = recv_PL1[:, :L]
+        # The one host sync of the layer: every split size below, read at once.
+        sizes = torch.cat([send_counts_PL.sum(1), recv_counts_PL.sum(1), rows_P, recv_PL1[:, L]]).tolist()
+        send_splits, recv_splits = sizes[:P], sizes[P:2 * P]
+        send_rows, recv_rows = sizes[2 * P:3 * P], sizes[3 * P:]
+        n_sent, n_unique = sum(send_splits), sum(send_rows)
+
+        token_U = torch.zeros(A, dtype=plan.token_idx_A.dtype, device=dev).index_put_(
+            (unique_A,), plan.token_idx_A)[:n_unique]  # duplicates write the same token
+        x_recv_VD = all_to_all_rows(x_TD.index_select(0, token_U), recv_rows, send_rows, self.group)
+        # per computed assignment (plan order: destination-major): its row among those sent to its rank
+        within_A = (unique_A - start_P[dest_A.clamp_max(P - 1)])[:n_sent]
+        within_recv_R = torch.empty(sum(recv_splits), dtype=within_A.dtype, device=dev)
+        dist.all_to_all_single(within_recv_R, within_A.contiguous(), recv_splits, send_splits, group=self.group)
+        gate_recv_R = all_to_all_rows(plan.weight_A[:n_sent], recv_splits, send_splits, self.group)
+        # the received assignments, source-major: offset each source's indices by where its rows start
+        recv_rows_P = recv_PL1[:, L]
+        source_R = torch.repeat_interleave(torch.arange(P, device=dev), recv_counts_PL.sum(1),
+                                           output_size=sum(recv_splits))
+        row_R = within_recv_R + (torch.cumsum(recv_rows_P, 0) - recv_rows_P)[source_R]
+        order_R = None
+        if self._needs_permute:
+            expert_of_R = torch.repeat_interleave(torch.arange(L, device=dev).repeat(P), recv_counts_PL.reshape(-1),
+                                                  output_size=sum(recv_splits))
+            order_R = torch.argsort(expert_of_R, stable=True)
+            row_R, gate_recv_R = row_R.index_select(0, order_R), gate_recv_R.index_select(0, order_R)
+        x_RD = x_recv_VD.index_select(0, row_R)
+
+        row_bytes = x_TD.shape[-1] * x_TD.element_size()
+        self.last_dispatch = _exchange_stats(send_rows, recv_rows, self.rank, row_bytes)
+        state = _EPState(send_rows, recv_rows, order_R, row_R=row_R, gate_R=gate_recv_R, token_U=token_U)
+        return x_RD, recv_counts_PL.sum(0), state
+
+    def _combine_unique(self, y_RD: Tensor, plan: RoutingPlan, state: _EPState) -> Tensor:
+        """Gates applied here, each token's outputs summed per received row, one row per (token, rank) back."""
+        weighted_RD = y_RD * state.gate_R.to(y_RD.dtype)[:, None]
+        y_recv_VD = weighted_RD.new_zeros(sum(state.recv_splits), y_RD.shape[-1]).index_add(0, state.row_R,
+                                                                                             weighted_RD)
+        y_UD = all_to_all_rows(y_recv_VD, state.send_splits, state.recv_splits, self.group)
+        self.last_combine = _exchange_stats(state.recv_splits, state.send_splits, self.rank,
+                                            y_RD.shape[-1] * y_RD.element_size())
+        return y_UD.new_zeros(plan.num_tokens, y_UD.shape[-1]).index_add_(0, state.token_U, y_UD)
 
     @property
     def last_sent_bytes(self) -> int:

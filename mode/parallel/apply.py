@@ -67,11 +67,13 @@ def _distribute_bank(bank: ExpertBank, mesh: DeviceMesh) -> None:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Module] | None = None,
-                compile: bool = False, reshard_after_forward: bool | None = None) -> nn.Module:
+                compile: bool = False, reshard_after_forward: bool | None = None, dedup: bool = False) -> nn.Module:
     """Make ``model`` expert-parallel over ``mesh["ep"]`` and fully sharded over the whole mesh, in place;
     returns it. ``blocks``: the FSDP (and compile) units below the root (default: the children of the
     model's outermost ``ModuleList``/``ModuleDict``, ``mode.model.blocks``). ``reshard_after_forward``
-    goes to every ``fully_shard`` (None: FSDP's default, True below the root)."""
+    goes to every ``fully_shard`` (None: FSDP's default, True below the root). ``dedup``: the expert-parallel
+    dispatchers send one row per (token, destination rank) instead of one per assignment
+    (``ExpertParallelDispatcher``; worth it with top-k > 1, above all with device-limited routing)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={type(model).__name__}: must be an nn.Module")
     dims = mesh_dims(mesh)
@@ -92,7 +94,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Modul
         E = layer.router.num_experts
         if dims.ep > 1:
             layer.set_experts(shard_experts(layer.experts, ep_rank, dims.ep),
-                              ExpertParallelDispatcher(ep_mesh.get_group(), E))  # one per layer: its own stats
+                              ExpertParallelDispatcher(ep_mesh.get_group(), E, dedup=dedup))  # one per layer
         _distribute_bank(layer.experts, mesh)
         banks.append(layer.experts)
     for m in model.modules():

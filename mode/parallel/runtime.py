@@ -60,8 +60,9 @@ class MeshRuntime:
 
     checkpoint_name = "ckpt"  # a folder of DCP shards
 
-    def __init__(self, mesh, timeout_s: float | None = None):
+    def __init__(self, mesh, timeout_s: float | None = None, dedup: bool = False):
         self.mesh = mesh
+        self.dedup = dedup  # parallelize's: one row per (token, destination rank) in the all-to-alls
         self.dims = mesh_dims(mesh)
         self.timeout_s = timeout_s
         self.world_size = self.dims.world_size
@@ -85,7 +86,7 @@ class MeshRuntime:
 
     def prepare(self, model: nn.Module, compile: bool = False) -> nn.Module:
         with self.guard("parallelize"):
-            model = parallelize(model, self.mesh, compile=compile)
+            model = parallelize(model, self.mesh, compile=compile, dedup=self.dedup)
             self._flat = flat_mesh(self.mesh)
         self.row_rank = self._flat.get_local_rank()
         return model

@@ -52,6 +52,13 @@ CASES = {
     "integrated_mode_skewed": ("skewed", dict(top_k=1, num_noop=1, capacity_factor=None), False),
     "staged_mode": ("staged", dict(top_k=1, capacity_factor=1.0), False),
     "reference_backend": ("moe", dict(top_k=2, capacity_factor=1.0, backend="reference"), False),
+    # dedup=True: one row per (token, destination rank); gates applied on the expert's rank
+    "dedup_top2_capacity_drop": ("moe", dict(top_k=2, capacity_factor=0.5, renormalize=True, dedup=True), True),
+    "dedup_top4_groups": ("moe", dict(top_k=4, gate="sigmoid", renormalize=True, dedup=True, router_options=dict(
+        n_group=2, topk_group=1, bias_balance=True, scale=2.5)), False),
+    "dedup_integrated_shared": ("integrated", dict(top_k=3, num_noop=2, num_shared=1, shared_gate=True,
+                                                   dedup=True), True),
+    "dedup_staged": ("staged", dict(top_k=2, capacity_factor=1.0, dedup=True), False),
 }
 SHAPES = [(2, 8), (1, 5), (3, 7), (2, 6)]  # per group rank: uneven token counts (16, 5, 21, 12)
 # The spawned ranks are gloo processes on CPU whatever the session's device: a CUDA session skips them.
@@ -126,6 +133,8 @@ def _run_case(case: str, group, dist) -> dict:
     from mode.dispatch.expert_parallel import ExpertParallelDispatcher
 
     kind, overrides, use_mask = CASES[case]
+    overrides = dict(overrides)
+    dedup = overrides.pop("dedup", False)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     out = {"failures": [], "max_err": {}}
 
@@ -159,7 +168,7 @@ def _run_case(case: str, group, dist) -> dict:
             moe_in = xs[r] if kind != "staged" else None
             ref_plans.append(None if moe_in is None else moe.router(moe_in, masks[r]).compact())
 
-    dispatcher = ExpertParallelDispatcher(group, E)
+    dispatcher = ExpertParallelDispatcher(group, E, dedup=dedup)
     ep = _ep_model(full, dispatcher)
     ep.zero_grad(set_to_none=True)
     x = xs[rank].clone().requires_grad_(True)
@@ -194,11 +203,18 @@ def _run_case(case: str, group, dist) -> dict:
                     "combine_sent": dispatcher.last_combine.sent_bytes}
     rstats = aux.stats[[k for k in aux.stats if k.endswith("router") and not k.startswith("mod.")][0]]
     computed = int(rstats.requested_X[:E].sum() - rstats.dropped)  # real choices minus capacity drops
-    if st.sent_rows + st.local_rows != computed:
+    if dedup and ref_plans[rank] is not None:  # one row per (token, destination rank), fewer than the choices
+        plan = ref_plans[rank]
+        computed = len(set(zip(plan.token_idx_A.tolist(), (plan.expert_idx_A // L).tolist())))
+        remote = len({(t, e // L) for t, e in zip(plan.token_idx_A.tolist(), plan.expert_idx_A.tolist())
+                      if e // L != rank})
+        out["rows_saved"] = int(rstats.requested_X[:E].sum() - rstats.dropped) - computed
+    if st.sent_rows + st.local_rows != computed and not (dedup and ref_plans[rank] is None):
         out["failures"].append(f"rows sent {st.sent_rows} + local {st.local_rows} != computed assignments "
                                f"{computed} (no-op {int(rstats.noop)}, dropped {int(rstats.dropped)})")
     if ref_plans[rank] is not None:
-        remote = int((ref_plans[rank].expert_idx_A // L != rank).sum())
+        if not dedup:
+            remote = int((ref_plans[rank].expert_idx_A // L != rank).sum())
         if st.sent_bytes != remote * D * 4:
             out["failures"].append(f"sent_bytes={st.sent_bytes} != {remote} remote rows * D * 4")
         if dispatcher.last_sent_bytes != st.sent_bytes:
@@ -344,6 +360,17 @@ def test_byte_count(results, world):
     assert res0["bytes"]["sent"] == res0["rows"]["sent"] * D * 4 > 0
     noop_rows = sum(res[f"world{world}/integrated_mode_top2"]["rows"]["noop"] for res in results[world])
     assert noop_rows > 0
+
+
+@GLOO_ONLY
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_dedup_sends_one_row_per_token_and_rank(results, world):
+    """With dedup, a token whose top-k experts share a rank sends its row there once (the workers check the
+    rows against the unique (token, rank) pairs of the plan): top-4 over 8 experts saves rows on every rank."""
+    for res in results[world]:
+        r = res[f"world{world}/dedup_top4_groups"]
+        assert r["rows_saved"] > 0, r
+        assert r["bytes"]["sent"] == r["rows"]["sent"] * D * 4
 
 
 @GLOO_ONLY
