@@ -64,6 +64,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="auto: CUDA (NCCL, one GPU per process) when present, else CPU (gloo)")
     p.add_argument("--bf16", action="store_true", help="forward under bfloat16 autocast (weights stay float32)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (slow first step on CPU)")
+    p.add_argument("--dedup-rows", action="store_true",
+                   help="expert parallelism sends one row per (token, destination rank) instead of one per "
+                        "assignment (top-k > 1, device-limited routing; docs/routing.md)")
     p.add_argument("--data", help="a UTF-8 text file (default: the Python standard library's sources)")
     p.add_argument("--out", default="runs/train", help="folder for log.jsonl and the checkpoint (rank 0 logs)")
     p.add_argument("--layers", help="comma-separated layer kinds, e.g. moe,staged,moe,integrated")
@@ -144,8 +147,13 @@ def run(args) -> int:
             device = args.device
         corpus = (file_corpus(args.data, min_file_bytes(model_cfg.seq_len)) if args.data
                   else stdlib_corpus(max_bytes=max_bytes))
+        runtime = None
+        if mesh is not None:
+            from mode.parallel.runtime import MeshRuntime
+
+            runtime = MeshRuntime(mesh, ctx.timeout_s, dedup=args.dedup_rows)
         trainer = Trainer(model_cfg, train_cfg, corpus, args.out, name="train", progress=not args.no_progress,
-                          mesh=mesh, device=device, bf16=args.bf16, compile=args.compile,
+                          runtime=runtime, device=device, bf16=args.bf16, compile=args.compile,
                           timeout_s=None if ctx is None else ctx.timeout_s)
         if trainer.rank == 0:
             split = (f"{model_cfg.num_experts} experts -> {model_cfg.num_experts // dims.ep} per ep rank; "
