@@ -43,6 +43,7 @@ RECIPES = {
     "bias+seq": dict(balance_coef=1e-4, router_options=dict(bias_balance=True, balance_scope="sequence")),
 }
 BASELINE = "switch"
+CURVE_EVERY = 10  # the JSON keeps every 10th step of the max/mean curves (the PNG has them all)
 
 
 def run(name: str, seed: int, steps: int, work: Path, corpus, val, progress: bool) -> dict:
@@ -124,7 +125,9 @@ def main(argv: list[str] | None = None) -> dict:
     payload = dict(benchmark="bench_balance",
                    command=" ".join(["bench_balance.py"] + (argv if argv is not None else sys.argv[1:])),
                    seeds=seeds, steps=args.steps, recipes={k: RECIPES[k] for k in args.only}, machine=info,
-                   results=rows, runs=results)
+                   results=rows, curve_every=CURVE_EVERY,
+                   runs={k: [{**r, "max_mean_curve": r["max_mean_curve"][::CURVE_EVERY]} for r in v]
+                         for k, v in results.items()})
     name = "bench_balance_quick.json" if args.quick_test else "bench_balance.json"
     path = write_json(Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name, payload)
     png = path.with_suffix(".png")

@@ -122,7 +122,7 @@ def test_bench_balance_smoke_trains_each_recipe_and_reports_the_load(tmp_path):
     assert [r["recipe"] for r in payload["results"]] == ["switch", "bias"]
     for r in payload["results"]:
         assert math.isfinite(r["loss"]) and r["max_mean"] >= 1.0 and r["tok_s"] > 0
-    assert "vs_switch" in payload["results"][1] and len(payload["runs"]["bias"][0]["max_mean_curve"]) == 10
+    assert "vs_switch" in payload["results"][1] and len(payload["runs"]["bias"][0]["max_mean_curve"]) == 1  # every 10th
     assert out.with_suffix(".png").stat().st_size > 0
 
 
