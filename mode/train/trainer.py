@@ -73,7 +73,8 @@ class Trainer:
     The losses, gradient norms and checkpoints are those of one process on the same batches, up to float
     rounding (tests/parallel/test_ep_training.py), as long as the routing is per sequence or its limits are off:
     token-choice capacity limits and the Switch load-balancing loss are computed over each rank's tokens
-    (docs/distributed.md).
+    (docs/distributed.md), unless the loss's scope is "global" (docs/routing.md). Routers that balance with a
+    bias are updated after every optimizer step (``mode.routing.update_expert_bias``).
 
     ``bf16``: forward under ``torch.autocast(bfloat16)`` (weights, gradients and AdamW stay float32).
     ``compile``: ``torch.compile`` each block. ``timeout_s``: named in the ``CollectiveError`` raised when a
