@@ -87,6 +87,16 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
             y, aux = moe_ep(x)
             (y.sum() + aux.total()).backward()
         out["syncs"] = syncs.count
+
+        # 4. one row per (token, destination rank): an empty rank takes part, and still one sync per step
+        torch.manual_seed(1)
+        dedup_ep = shard_layer(moe_full, ExpertParallelDispatcher(dist.group.WORLD, E, dedup=True))
+        _compare(dedup_ep, moe_full, torch.randn(2, 0 if rank == 0 else 7, D), False, out, "dedup_empty_rank")
+        x = torch.randn(2, 5, D, requires_grad=True)
+        with HostSyncCounter() as syncs:
+            y, aux = dedup_ep(x)
+            (y.sum() + aux.total()).backward()
+        out["dedup_syncs"] = syncs.count
         dist.barrier()
     except Exception:  # noqa: BLE001 - reported to the parent
         out["failures"].append(traceback.format_exc())
@@ -138,3 +148,9 @@ def test_rank_with_an_empty_batch_takes_part(results):
 
 def test_expert_parallel_layer_syncs_once(results):
     assert [res["syncs"] for res in results] == [1] * WORLD
+    assert [res["dedup_syncs"] for res in results] == [1] * WORLD
+
+
+def test_dedup_dispatch_with_an_empty_rank_matches_single_process(results):
+    for res in results:
+        assert res["dedup_empty_rank"]["y"] and res["dedup_empty_rank"]["dx"]
