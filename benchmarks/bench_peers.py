@@ -446,7 +446,8 @@ def bench_families(shape: dict, device: torch.device, seed: int) -> list[dict]:
                          agrees=bool(dy <= FLOAT32_TOL and ddx <= FLOAT32_TOL),
                          mode_over_transformers=timing["mode"]["ratio_median"],
                          spread=f"{timing['mode']['ratio_min']:.2f}-{timing['mode']['ratio_max']:.2f}",
-                         mode_ms=1e3 * timing["mode"]["s_median"], transformers_ms=1e3 * timing["transformers"]["s_median"]))
+                         mode_ms=1e3 * timing["mode"]["s_median"],
+                         transformers_ms=1e3 * timing["transformers"]["s_median"]))
         print(f"  {name:<12} mode / transformers {rows[-1]['mode_over_transformers']:.3f}  |dy| {dy:.1e}  "
               f"|dx| {ddx:.1e}", file=sys.stderr, flush=True)
     return rows

@@ -42,18 +42,17 @@ def layer(name: str) -> str:
     return "core" if first in CORE else first
 
 
-def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, int]]:
+def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, int]]:
     """(imported mode module, line) for every import in the file, lazy ones included. ``from P import n``
     counts as importing ``P.n`` when that is a module, else ``P``."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "mode"]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            # the package imports absolutely, so that every import names its layer
+            assert node.level == 0, f"{path}:{node.lineno}: a relative import; import mode.* absolutely"
+            base = node.module
             if base.split(".")[0] != "mode":
                 continue
             for a in node.names:
@@ -64,7 +63,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, in
 
 def graph() -> dict[str, list[tuple[str, int]]]:
     known = modules()
-    return {name: imports(name, path, known) for name, path in known.items()}
+    return {name: imports(path, known) for name, path in known.items()}
 
 
 def test_every_module_has_a_layer():

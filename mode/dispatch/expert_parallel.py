@@ -183,21 +183,24 @@ class ExpertParallelDispatcher(Dispatcher):
 
         x_recv_RD = all_to_all_rows(x_AD, recv_splits, send_splits, self.group)
 
-        order_R = None
-        x_RD = x_recv_RD
-        if self._needs_permute:
-            # Rows arrive source-major (each source's rows grouped by expert): a stable sort on the local
-            # expert id makes them expert-major, keeping source order inside an expert.
-            expert_of_row_R = torch.repeat_interleave(
-                torch.arange(L, device=x_TD.device).repeat(P), recv_counts_PL.reshape(-1),
-                output_size=sum(recv_splits))  # output_size known on host: no second sync
-            order_R = torch.argsort(expert_of_row_R, stable=True)
-            x_RD = x_recv_RD.index_select(0, order_R)
+        order_R = self._expert_major_order(recv_counts_PL, sum(recv_splits))
+        x_RD = x_recv_RD if order_R is None else x_recv_RD.index_select(0, order_R)
         counts_L = recv_counts_PL.sum(0)
 
         row_bytes = x_TD.shape[-1] * x_TD.element_size()
         self.last_dispatch = _exchange_stats(send_splits, recv_splits, self.rank, row_bytes)
         return x_RD, counts_L, _EPState(send_splits, recv_splits, order_R)
+
+    def _expert_major_order(self, recv_counts_PL: Tensor, received: int) -> Tensor | None:
+        """The permutation that takes received rows (source-major, each source's rows grouped by local
+        expert) to local-expert-major order, keeping source order inside an expert; None with one local
+        expert (already in order). ``received``: the row count, known on the host (no second sync)."""
+        if not self._needs_permute:
+            return None
+        P, L = recv_counts_PL.shape
+        expert_of_row_R = torch.repeat_interleave(torch.arange(L, device=recv_counts_PL.device).repeat(P),
+                                                  recv_counts_PL.reshape(-1), output_size=received)
+        return torch.argsort(expert_of_row_R, stable=True)
 
     def combine(self, y_RD: Tensor, plan: RoutingPlan, state: _EPState) -> Tensor:
         if self.dedup:
@@ -257,11 +260,8 @@ class ExpertParallelDispatcher(Dispatcher):
         source_R = torch.repeat_interleave(torch.arange(P, device=dev), recv_counts_PL.sum(1),
                                            output_size=sum(recv_splits))
         row_R = within_recv_R + (torch.cumsum(recv_rows_P, 0) - recv_rows_P)[source_R]
-        order_R = None
-        if self._needs_permute:
-            expert_of_R = torch.repeat_interleave(torch.arange(L, device=dev).repeat(P), recv_counts_PL.reshape(-1),
-                                                  output_size=sum(recv_splits))
-            order_R = torch.argsort(expert_of_R, stable=True)
+        order_R = self._expert_major_order(recv_counts_PL, sum(recv_splits))
+        if order_R is not None:
             row_R, gate_recv_R = row_R.index_select(0, order_R), gate_recv_R.index_select(0, order_R)
         x_RD = x_recv_VD.index_select(0, row_R)
 

@@ -10,8 +10,10 @@ Shared experts (DeepSeek-MoE, Qwen2-MoE; ``num_shared``): always-on experts that
 goes through, on its own process, with no routing and no dispatch. They are one MLP of hidden size
 ``shared_hidden`` (default ``num_shared * d_hidden``: the same FLOPs as ``num_shared`` separate experts),
 added to the routed output, optionally scaled per token by ``sigmoid(x · w)`` (Qwen2-MoE's
-``shared_expert_gate``). A token sent to a no-op expert still gets the shared experts. The dispatcher (``mode.dispatch.base.Dispatcher``) is handed in (local by
-default, or an expert-parallel one built on a process group); nothing here imports ``torch.distributed``.
+``shared_expert_gate``). A token sent to a no-op expert still gets the shared experts.
+
+The dispatcher (``mode.dispatch.base.Dispatcher``) is handed in (local by default, or an expert-parallel one
+built on a process group); nothing here imports ``torch.distributed``.
 """
 
 from __future__ import annotations

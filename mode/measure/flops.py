@@ -5,9 +5,10 @@ S x S product (as torch's flop counter does; causal kernels may skip half); elem
 activations, softmax, RoPE) is not counted. Training FLOPs are 3x forward (backward = 2x forward).
 
 A routed block counts attention and MLP for its C routed tokens only; tokens routed to a no-op expert
-or dropped count nothing. Shared experts count for every token that reaches the MoE layer. For layers whose compute depends on the routing (token choice with no-op
-experts or capacity), ``nominal`` assumes balanced routing and ``realized`` reads the counts from the
-forward pass's ``Aux`` stats (one host read for the whole model).
+or dropped count nothing. Shared experts count for every token that reaches the MoE layer. For layers whose
+compute depends on the routing (token choice with no-op experts or capacity), ``nominal`` assumes balanced
+routing and ``realized`` reads the counts from the forward pass's ``Aux`` stats (one host read for the whole
+model).
 
 Nothing here knows a layer kind or a router by name: a layer's ``LayerKind`` (``mode.model.kinds``) says
 whether MoD routes it and whether its MLP has experts, and the router configs answer how many tokens they

@@ -1,5 +1,6 @@
 """Which submodules of a model are its "blocks": the units FSDP shards and gathers one at a time, and that
-``torch.compile`` compiles one at a time. No ``torch.distributed`` here: the single-process trainer compiles with it, ``mode.parallel`` shards by it.
+``torch.compile`` compiles one at a time. No ``torch.distributed`` here: the single-process trainer compiles
+with it, ``mode.parallel`` shards by it.
 
 The default rule works for the LM and for most hand-written transformers: every child of the model's
 outermost ``nn.ModuleList`` / ``nn.ModuleDict`` containers (``model.layers[i]``, ``model.blocks["moe"]``),

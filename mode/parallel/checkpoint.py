@@ -22,7 +22,8 @@ before any model is built.
 Single files: ``read_sharded(folder)`` returns the dict of the single-file format (full tensors,
 index-keyed AdamW state) in one process, with no process group. It is the folder reader registered with
 ``mode.train.checkpoint`` (``mode.parallel.register``), so ``load_checkpoint`` and ``load_model`` (hence
-``mode sample`` and ``mode report``) read either kind; ``export`` writes a folder as one file. ``load_full`` distributes a single-file checkpoint's tensors into a parallelized model
+``mode sample`` and ``mode report``) read either kind; ``export`` writes a folder as one file.
+``load_full`` distributes a single-file checkpoint's tensors into a parallelized model
 (import).
 """
 
