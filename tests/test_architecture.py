@@ -17,7 +17,7 @@ CORE = {"_checks": 0, "cpu_allocator": 0, "routing": 1, "experts": 1, "dispatch"
 # import anything.
 MAY_IMPORT = {
     "core": {"core"},
-    "hf": {"core", "measure"},
+    "hf": {"core", "measure", "parallel"},
     "measure": {"core"},
     "train": {"core", "measure"},
     "parallel": {"core", "measure", "train"},

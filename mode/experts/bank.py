@@ -39,6 +39,13 @@ call, no host sync. An explicit backend that cannot run in this environment rais
 construction; one that cannot handle a (device, dtype) raises ValueError at the first such call.
 Every backend computes the same function on the same parameters; tests check they agree.
 
+Weight layout (``ExpertConfig.layout``)
+    "EDF" (the default): ``w_in_EDF (E, D, F)`` and ``w_out_EHD (E, H, D)``, multiplied as ``x @ w``.
+    "EFD": ``w_in_EFD (E, F, D)`` and ``w_out_EDH (E, D, H)``, nn.Linear's order: transformers 5.x keeps
+    its experts so (``gate_up_proj``, ``down_proj``), and ``mode.hf.to_mode_moe`` adopts those very tensors.
+    Every backend computes on transposed views (``weights()``), so the function is the same; "megablocks"
+    needs "EDF". ``w_in`` / ``w_out`` name the stored parameters whatever the layout.
+
 Sharded weights (``mode.parallel.parallelize``)
     Expert parallelism may replace the two weights by DTensors of the global shape ``(E_all, ...)``
     sharded on dim 0; ``num_experts`` is then this process's share ``E = E_all / ep``. The forward computes
@@ -64,6 +71,10 @@ from mode.experts.swiglu import swiglu
 
 ACTIVATIONS = ("gelu", "swiglu")
 BACKENDS = ("auto", "reference", "grouped", "megablocks")
+# Weight layouts: "EDF" (w_in_EDF (E, D, F), w_out_EHD (E, H, D): x @ w) or "EFD" (w_in_EFD (E, F, D),
+# w_out_EDH (E, D, H): nn.Linear's order, as transformers 5.x stores its experts (gate_up_proj, down_proj) and
+# torchtitan its w1/w2/w3). The bank computes with (E, D, F) / (E, H, D) views of either (``weights``).
+LAYOUTS = ("EDF", "EFD")
 
 
 @dataclass
@@ -73,8 +84,10 @@ class ExpertConfig:
     num_experts: int
     activation: str = "gelu"
     backend: str = "auto"
+    layout: str = "EDF"  # how the weights are stored (LAYOUTS); the computation is the same
 
     def __post_init__(self) -> None:
+        _checks.check_choice("layout", self.layout, LAYOUTS)
         _checks.check_int("d_model", self.d_model)
         _checks.check_int("d_hidden", self.d_hidden)
         _checks.check_int("num_experts", self.num_experts)
@@ -136,9 +149,20 @@ class ExpertBank(nn.Module):
         self.num_experts = cfg.num_experts
         self.sizes = {"d_model": cfg.d_model, "d_hidden": cfg.d_hidden}  # F = H or 2H: aligned with H
         check_backend_environment(cfg.backend, self.sizes)
+        if cfg.backend == "megablocks" and cfg.layout != "EDF":
+            raise ValueError(f"layout={cfg.layout!r}: backend='megablocks' needs contiguous (E, D, F) weights, "
+                             "layout='EDF'")
         width = 2 * cfg.d_hidden if cfg.activation == "swiglu" else cfg.d_hidden
-        self.w_in_EDF = nn.Parameter(torch.empty(cfg.num_experts, cfg.d_model, width))
-        self.w_out_EHD = nn.Parameter(torch.empty(cfg.num_experts, cfg.d_hidden, cfg.d_model))
+        E, D, H = cfg.num_experts, cfg.d_model, cfg.d_hidden
+        if cfg.layout == "EDF":
+            self.w_in_EDF = nn.Parameter(torch.empty(E, D, width))
+            self.w_out_EHD = nn.Parameter(torch.empty(E, H, D))
+            self._names = ("w_in_EDF", "w_out_EHD")
+        else:
+            self.w_in_EFD = nn.Parameter(torch.empty(E, width, D))
+            self.w_out_EDH = nn.Parameter(torch.empty(E, D, H))
+            self._names = ("w_in_EFD", "w_out_EDH")
+        self._transposed = cfg.layout == "EFD"  # chosen once: views in weights()
         self.reset_parameters()
         self._impls = {
             "reference": self._forward_reference,
@@ -150,13 +174,33 @@ class ExpertBank(nn.Module):
         self._gate_on_hidden = cfg.d_hidden < cfg.d_model
 
     def reset_parameters(self, out_std: float | None = None) -> None:
-        nn.init.normal_(self.w_in_EDF, std=1 / math.sqrt(self.cfg.d_model))
-        nn.init.normal_(self.w_out_EHD, std=out_std or 1 / math.sqrt(self.cfg.d_hidden))
+        nn.init.normal_(self.w_in, std=1 / math.sqrt(self.cfg.d_model))
+        nn.init.normal_(self.w_out, std=out_std or 1 / math.sqrt(self.cfg.d_hidden))
+
+    @property
+    def w_in(self) -> nn.Parameter:
+        """The input weight as stored: ``w_in_EDF`` or ``w_in_EFD`` (``cfg.layout``)."""
+        return getattr(self, self._names[0])
+
+    @property
+    def w_out(self) -> nn.Parameter:
+        """The output weight as stored: ``w_out_EHD`` or ``w_out_EDH``."""
+        return getattr(self, self._names[1])
+
+    def weights(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """The weights this process computes with, as ``(w_in_EDF, w_out_EHD)`` (views of an "EFD" bank's,
+        local shards of sharded ones), cast to ``dtype`` when given."""
+        w_in, w_out = local_weight(self.w_in), local_weight(self.w_out)
+        if dtype is not None:
+            w_in, w_out = w_in.to(dtype), w_out.to(dtype)
+        if self._transposed:
+            return w_in.transpose(1, 2), w_out.transpose(1, 2)
+        return w_in, w_out
 
     @property
     def backend(self) -> str:
         """The backend that runs an input in the weights' own dtype on their device."""
-        return self.backend_for(self.w_in_EDF.device, self.w_in_EDF.dtype)
+        return self.backend_for(self.w_in.device, self.w_in.dtype)
 
     def backend_for(self, device: torch.device, dtype: torch.dtype) -> str:
         key = (device, dtype)
@@ -213,8 +257,8 @@ class ExpertBank(nn.Module):
         num_padding = _check_host_counts(counts, x_AD.shape[0])
         x_AD = x_AD.to(dtype)
         # unbind once: indexing w[e] per expert makes each backward fill a zero grad of the whole (E, ...) weight
-        w_in = local_weight(self.w_in_EDF).to(dtype).unbind(0)
-        w_out = local_weight(self.w_out_EHD).to(dtype).unbind(0)
+        w_in_EDF, w_out_EHD = self.weights(dtype)
+        w_in, w_out = w_in_EDF.unbind(0), w_out_EHD.unbind(0)
         *pieces, _padding = x_AD.split([*counts, num_padding])  # padding rows are never read: no NaN gets in
         outs = [activate(x_eD @ w_in[e], self.cfg.activation) @ w_out[e] for e, x_eD in enumerate(pieces)]
         # zeros in the outputs' dtype: torch.cat under autocast would promote to the widest input
@@ -248,7 +292,7 @@ class ExpertBank(nn.Module):
     def _grouped_mlp(self, x_AD: Tensor, offsets_E: Tensor, dtype: torch.dtype, gate_A: Tensor | None) -> Tensor:
         """The two grouped GEMMs and the activation (times ``gate_A`` on the hidden activation when given);
         rows past ``offsets_E[-1]`` come out undefined."""
-        w_in, w_out = local_weight(self.w_in_EDF).to(dtype), local_weight(self.w_out_EHD).to(dtype)
+        w_in, w_out = self.weights(dtype)
         h_AF = grouped_mm(x_AD, w_in, offsets_E)
         if self.cfg.activation == "swiglu":  # the same values as activate(); one gradient buffer (swiglu.py)
             return grouped_mm(swiglu(h_AF, gate_A), w_out, offsets_E)
@@ -258,8 +302,7 @@ class ExpertBank(nn.Module):
         return grouped_mm(act_AH, w_out, offsets_E)
 
     def _forward_megablocks(self, x_AD: Tensor, counts_E: Tensor, dtype: torch.dtype) -> Tensor:
-        return megablocks_backend.expert_mlp(x_AD, counts_E, local_weight(self.w_in_EDF),
-                                             local_weight(self.w_out_EHD), dtype,
+        return megablocks_backend.expert_mlp(x_AD, counts_E, *self.weights(), dtype,
                                              lambda h: activate(h, self.cfg.activation))
 
 

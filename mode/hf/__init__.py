@@ -1,5 +1,6 @@
 """Mixture-of-Depths, MoE and MoDE for the transformers decoders users already have (``pip install
-'mode-torch[hf]'``, transformers 5.x): Llama, Qwen2 and Mistral with sdpa or eager attention.
+'mode-torch[hf]'``, transformers 5.x): MoD for Llama, Qwen2 and Mistral with sdpa or eager attention; the MoE
+models (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) on mode's MoE layers, expert-parallel.
 
     import mode.hf as mh
     mh.to_mod(model, layers="every_other", capacity=0.125, gate="ste", causal="aux_bce")   # in place
@@ -9,6 +10,8 @@
     mh.upcycle(model, num_experts=8, top_k=2) # MLPs -> MoE of copies (starts equal to the dense model)
     mh.router_tune(model, batches, steps=100) # base frozen, routers trained (lm or distill)
     mh.save_conversion(model, "dir"); mh.load_conversion(original_model, "dir")
+    mh.to_mode_moe(moe_model)                 # Mixtral/OLMoE/Qwen2-MoE/Qwen3-MoE/DeepSeek-V3 blocks -> mode layers
+    mh.save_transformers(moe_model, "dir")    # ... and back to a plain transformers checkpoint
 
 See docs/hf.md for what is supported, what is refused and why.
 """
@@ -21,7 +24,8 @@ from mode.hf.routing import collect_aux, routing
 from mode.hf.upcycle import UpcycledMLP, upcycle, upcycled_mlps
 from mode.hf.tune import freeze_base, router_parameters, router_tune
 from mode.hf.conversion_io import load_conversion, save_conversion
+from mode.hf.moe_convert import ConvertedMoE, converted_moe, save_transformers, to_mode_moe
 
-__all__ = ["MoDCacheLayer", "MoDLayerMixin", "UpcycledMLP", "collect_aux", "freeze_base", "load_conversion",
+__all__ = ["ConvertedMoE", "MoDCacheLayer", "converted_moe", "save_transformers", "to_mode_moe", "MoDLayerMixin", "UpcycledMLP", "collect_aux", "freeze_base", "load_conversion",
            "mod_layers", "router_parameters", "router_tune", "routing", "save_conversion", "to_mod", "upcycle",
            "upcycled_mlps"]

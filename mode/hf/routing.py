@@ -44,15 +44,15 @@ def routing(model: nn.Module, mode: str) -> Iterator[nn.Module]:
 
 def collect_aux(model: nn.Module) -> Aux:
     """The routing results of the last forward: ``layers.{i}.mod.*`` losses (the causal BCE) and stats
-    (``layers.{i}.mod.router``), and ``layers.{i}.moe.*`` for upcycled MoE layers. ``total()`` is what to add
+    (``layers.{i}.mod.router``), and ``layers.{i}.moe.*`` for upcycled and converted MoE layers. ``total()`` is what to add
     to the training loss."""
     aux = Aux()
     for i, layer in mod_layers(model).items():
         if layer.mod_aux is not None:
             aux.merge(layer.mod_aux, f"layers.{i}.mod.")
-    from mode.hf.upcycle import upcycled_mlps  # late: upcycling imports the MoE stack
+    from mode.hf.upcycle import MoESlot, upcycled_mlps  # late: upcycling imports the MoE stack
 
-    for i, mlp in upcycled_mlps(model).items():
+    for i, mlp in upcycled_mlps(model, MoESlot).items():
         if mlp.last_aux is not None:
             aux.merge(mlp.last_aux, f"layers.{i}.moe.")
     return aux

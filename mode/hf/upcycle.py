@@ -34,19 +34,26 @@ from mode.experts.bank import ExpertBank
 from mode.routing.plan import Aux
 
 
-class UpcycledMLP(nn.Module):
+class MoESlot(nn.Module):
     """The MLP slot of a decoder layer holding a mode MoE layer: ``mlp(x) -> y`` as transformers calls it;
-    the routing result of the last call is kept in ``last_aux``."""
+    the routing result of the last call is kept in ``last_aux`` (``mode.hf.collect_aux`` reads it)."""
 
-    def __init__(self, moe: MoELayer, spec: dict):
+    def __init__(self, moe: MoELayer):
         super().__init__()
         self.moe = moe
-        self.spec = dict(spec)
         self.last_aux: Aux | None = None
 
     def forward(self, x_BSD: Tensor) -> Tensor:
         y_BSD, self.last_aux = self.moe(x_BSD)
         return y_BSD.to(x_BSD.dtype)
+
+
+class UpcycledMLP(MoESlot):
+    """A dense MLP upcycled into an MoE (``spec``: the ``upcycle`` arguments, saved with the conversion)."""
+
+    def __init__(self, moe: MoELayer, spec: dict):
+        super().__init__(moe)
+        self.spec = dict(spec)
 
 
 def upcycle(model: nn.Module, layers: str | Sequence[int] = "all", num_experts: int = 8, top_k: int = 2,
@@ -109,10 +116,10 @@ def upcycled_mlp(mlp: nn.Module, spec: dict, noise: float = 0.0) -> UpcycledMLP:
     return UpcycledMLP(moe, spec)
 
 
-def upcycled_mlps(model: nn.Module) -> dict[int, UpcycledMLP]:
-    """The upcycled MLPs of ``model`` by layer index."""
+def upcycled_mlps(model: nn.Module, kind: type[MoESlot] = UpcycledMLP) -> dict[int, MoESlot]:
+    """The upcycled MLPs of ``model`` by layer index (``kind=MoESlot``: every MoE slot, converted ones too)."""
     try:
         layers = decoder_layers(model)
     except ValueError:
         return {}
-    return {i: layer.mlp for i, layer in enumerate(layers) if isinstance(getattr(layer, "mlp", None), UpcycledMLP)}
+    return {i: layer.mlp for i, layer in enumerate(layers) if isinstance(getattr(layer, "mlp", None), kind)}

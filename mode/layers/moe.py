@@ -55,6 +55,7 @@ class MoEConfig:
     num_shared: int = 0  # always-on shared experts (DeepSeek-MoE, Qwen2-MoE)
     shared_hidden: int | None = None  # their one MLP's hidden size; None: num_shared * d_hidden
     shared_gate: bool = False  # Qwen2-MoE: the shared output times sigmoid(x · w), per token
+    expert_layout: str = "EDF"  # ExpertConfig.layout: "EFD" stores the experts as transformers does
 
     def __post_init__(self) -> None:
         if not isinstance(self.router_options, dict):
@@ -77,7 +78,8 @@ class MoEConfig:
 
     def expert_config(self) -> ExpertConfig:
         return ExpertConfig(d_model=self.d_model, d_hidden=self.d_hidden, num_experts=self.num_experts,
-                            activation=self.activation, backend=self.backend)
+                            activation=self.activation, backend=self.backend,
+                            layout=self.expert_layout)
 
     @property
     def shared_hidden_size(self) -> int:
@@ -145,7 +147,12 @@ class MoELayer(nn.Module):
         return cls(router, experts, dispatcher, shared, gate)
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> tuple[Tensor, Aux]:
-        plan = self.router(x_BSD, mask_BS)  # validates x's shape and dtype
+        return self.apply_plan(x_BSD, self.router(x_BSD, mask_BS))  # the router validates x's shape and dtype
+
+    def apply_plan(self, x_BSD: Tensor, plan) -> tuple[Tensor, Aux]:
+        """Everything after routing: dispatch, experts, combine, shared experts. ``plan``: this layer's
+        router's ``RoutingPlan`` for ``x_BSD`` (a caller that reads the plan first, e.g. the router logits
+        transformers records, routes and then calls this)."""
         B, S, D = x_BSD.shape
         x_RD, counts_R, state = self.dispatcher.dispatch(x_BSD.reshape(B * S, D), plan)  # B*S may be 0
         padded = self.dispatcher.rows_padded(plan)

@@ -108,7 +108,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Modul
     for bank in banks:
         # the weights' own mesh object: equal to ``mesh``, but DTensor may hand back an equal one made
         # earlier (its specs are cached), and fully_shard wants the very object
-        fully_shard(bank, mesh=bank.w_in_EDF.device_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"), **kw)
+        fully_shard(bank, mesh=bank.w_in.device_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"), **kw)
     flat = flat_mesh(mesh)
     counts_over_mesh = SumOverGroup(flat.get_group())  # every rank holds a copy of every router
     for m in model.modules():

@@ -48,10 +48,10 @@ def shard_experts(full: ExpertBank, rank: int, world_size: int) -> ExpertBank:
     L = E // world_size
     lo = rank * L
     shard = ExpertBank(dataclasses.replace(full.cfg, num_experts=L))
-    shard.to(device=full.w_in_EDF.device, dtype=full.w_in_EDF.dtype)
+    shard.to(device=full.w_in.device, dtype=full.w_in.dtype)
     with torch.no_grad():
-        shard.w_in_EDF.copy_(full.w_in_EDF[lo:lo + L])
-        shard.w_out_EHD.copy_(full.w_out_EHD[lo:lo + L])
+        for name, p in full.named_parameters(recurse=False):  # each weight's experts are its rows
+            getattr(shard, name).copy_(p[lo:lo + L])
     return shard
 
 

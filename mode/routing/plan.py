@@ -112,6 +112,7 @@ class RoutingPlan:
     seq_capacity: int | None = None
     valid_A: Tensor | None = None
     padded: bool = True  # False: the router knows when it is built that A == counts_E.sum() (no padding)
+    logits_TX: Tensor | None = None  # the router's logits over its slots (T, X), where it computes them
 
     @property
     def num_experts(self) -> int:

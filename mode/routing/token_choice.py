@@ -245,7 +245,7 @@ class TokenChoiceRouter(nn.Module):
             batch_shape=(B, S),
         )
         return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
-                           num_tokens=T, aux=aux, padded=padded)
+                           num_tokens=T, aux=aux, padded=padded, logits_TX=logits_TX)
 
     def _choice_scores(self, probs_TX: Tensor) -> Tensor:
         """The scores the top-k chooses by: the gates plus the balancing bias, with the real experts outside

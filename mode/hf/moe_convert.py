@@ -1,0 +1,205 @@
+"""``to_mode_moe``: the sparse MoE blocks of a transformers 5.x MoE model become ``mode`` layers, in place;
+``save_transformers`` writes the model back as an ordinary transformers checkpoint.
+
+    import mode.hf as mh
+    mh.to_mode_moe(model)                        # Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3
+    parallelize(model, mesh)                     # mode.parallel: experts over ep, FSDP2 for the rest
+    aux = mh.collect_aux(model)                  # layers.{i}.moe.* routing stats (and our losses)
+    mh.save_transformers(model, "out")           # every rank calls it; AutoModelForCausalLM loads "out"
+
+What changes and what does not
+    * Each block becomes a ``ConvertedMoE`` holding a ``MoELayer`` (``mode.hf.moe_blocks``) built on the
+      block's own tensors: the expert weights stay the 3D ``gate_up_proj`` / ``down_proj`` Parameters
+      (``ExpertBank`` layout "EFD"), the router takes ``gate.weight``, shared experts stay transformers'
+      MLP modules. Nothing is copied; the logits equal the original's (float32: 1e-5), in train and eval,
+      with padding, and ``generate()`` is unchanged (tests/hf/test_hf_moe.py).
+    * Attention, norms, embeddings and the decoder layers are transformers' own: any attention backend works.
+    * State-dict names change below each block (``mlp.moe.router.weight`` for ``mlp.gate.weight`` ...); the
+      map back is found by tensor identity at conversion (``moe_blocks.hf_names``) and kept on the slot.
+    * ``output_router_logits`` behaves as before: each slot owns a parameter-free module of the family's
+      router class (``router_logits``) that it calls with our router's logits, so transformers' output
+      recorder sees them exactly where it saw its router's, and the model's ``aux_loss`` (Switch balance
+      loss times ``router_aux_loss_coef``) is computed by transformers as before. Our ``Aux`` is there too
+      (``collect_aux``), with the coefficients given to ``to_mode_moe`` (0 by default: not double-counted).
+    * DeepSeek-V3's ``e_score_correction_bias`` becomes our router's ``bias_X``: it decides the choice as
+      before; ``mode.routing.update_expert_bias(model)`` moves it (``mode.train.Trainer`` calls it), a
+      plain transformers loop leaves it where it is, as transformers does.
+
+Refused, by name: model types whose MoE block is not one of the five, quantised models, router jitter, a
+``hidden_act`` other than silu, experts with biases, an already converted model.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from mode.hf.moe_blocks import FAMILIES, adopt_block, hf_names
+from mode.hf.upcycle import MoESlot
+from mode.layers.moe import MoELayer
+
+MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+# What mode lacks for a few MoE families people ask about (the refusal names it)
+MISSING = {
+    "gpt_oss": "experts with biases and gpt-oss's clamped SwiGLU (alpha, limit), and attention sinks",
+    "deepseek_v2": "DeepSeek-V2's softmax group-limited routing without the correction bias (untested here)",
+    "qwen3_next": "Qwen3-Next's linear-attention layers and shared-expert gate layout (untested here)",
+    "granitemoe": "GraniteMoE's fused expert linear layout (untested here)",
+    "jamba": "Jamba's Mamba layers and MoE layout (untested here)",
+}
+
+
+class ConvertedMoE(MoESlot):
+    """A transformers sparse-MoE block computed by a ``MoELayer``: ``mlp(x_BSD) -> y_BSD`` as the decoder
+    layer calls it. ``family``: the model type; ``names``: the layer's state-dict name -> the block's;
+    ``router_logits``: the family router's recording point (see the module docstring)."""
+
+    def __init__(self, moe: MoELayer, family: str, names: dict[str, str], router_logits: nn.Module | None):
+        super().__init__(moe)
+        self.family = family
+        self.names = dict(names)
+        self.router_logits = router_logits
+
+    def forward(self, x_BSD: Tensor) -> Tensor:
+        plan = self.moe.router(x_BSD)
+        if self.router_logits is not None:
+            self.router_logits(plan.logits_TX)  # returns them: transformers' recorder hook keeps them
+        y_BSD, self.last_aux = self.moe.apply_plan(x_BSD, plan)
+        return y_BSD.to(x_BSD.dtype)
+
+
+@functools.cache
+def _logits_point(router_cls: type, index: int) -> type:
+    """A parameter-free subclass of a transformers router class whose forward returns the logits it is
+    given at output position ``index``: transformers' ``OutputRecorder(router_cls, index)`` hooks it."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+
+    def forward(self, logits_TE: Tensor) -> tuple:
+        return (None,) * index + (logits_TE,)
+
+    return type(f"{router_cls.__name__}Logits", (router_cls,),
+                {"__init__": __init__, "forward": forward, "__module__": __name__,
+                 "__doc__": f"Where {router_cls.__name__}'s logits are recorded (mode.hf.moe_convert)."})
+
+
+def _router_recorder(model: nn.Module):
+    """transformers' ``OutputRecorder`` for ``router_logits`` on this model class, or None."""
+    spec = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
+    return spec if spec is not None and getattr(spec, "target_class", None) is not None else None
+
+
+def _check_model(model: nn.Module) -> tuple[object, str]:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"model={type(model).__name__}: must be a transformers PreTrainedModel (it has no .config)")
+    config = config.get_text_config(decoder=True)
+    model_type = getattr(config, "model_type", None)
+    quant = getattr(model.config, "quantization_config", None) or getattr(model, "hf_quantizer", None)
+    if quant is not None:
+        raise ValueError(f"quantization_config={quant!r}: to_mode_moe needs the expert weights as float tensors "
+                         "(mode's experts are not quantised); load the model unquantised")
+    if any(isinstance(m, ConvertedMoE) for m in model.modules()):
+        raise ValueError("model: is already converted (it holds ConvertedMoE layers)")
+    if model_type not in MOE_MODEL_TYPES:
+        why = MISSING.get(model_type, "its MoE block is not one of these")
+        raise ValueError(f"model_type={model_type!r}: to_mode_moe converts {', '.join(MOE_MODEL_TYPES)}; "
+                         f"missing for this model: {why}")
+    return config, model_type
+
+
+def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float = 0.0,
+                z_coef: float = 0.0) -> nn.Module:
+    """Replace every sparse MoE block of ``model`` (a transformers causal LM or base model of a supported
+    family) by a ``ConvertedMoE``, in place; returns the model. ``backend``: the experts' (``ExpertBank``);
+    ``balance_coef`` / ``z_coef``: our Switch balance and z losses in ``collect_aux(model).total()``."""
+    config, model_type = _check_model(model)
+    blocks = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+              if type(child).__name__ in FAMILIES]
+    if not blocks:
+        raise ValueError(f"model={type(model).__name__}: holds no sparse MoE block (looked for "
+                         f"{', '.join(sorted(FAMILIES))})")
+    recorder = _router_recorder(model)
+    hooked = getattr(model, "_output_capturing_hooks_installed", False)
+    for parent, name, block in blocks:
+        layer = adopt_block(block, config, backend=backend, balance_coef=balance_coef, z_coef=z_coef)
+        point = None
+        if recorder is not None:
+            point = _logits_point(recorder.target_class, recorder.index)()
+            if hooked:  # transformers installs its hooks once per model: add this one by hand
+                from transformers.utils.output_capturing import install_output_capuring_hook
+
+                install_output_capuring_hook(point, "router_logits", recorder.index)
+        setattr(parent, name, ConvertedMoE(layer, model_type, hf_names(layer, block), point))
+    return model
+
+
+def converted_moe(model: nn.Module) -> dict[str, ConvertedMoE]:
+    """Module name -> every ``ConvertedMoE`` of ``model``."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, ConvertedMoE)}
+
+
+def transformers_names(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` (the converted model's state dict, full tensors) under transformers' names."""
+    rename = {}
+    for slot_name, slot in converted_moe(model).items():
+        for ours, theirs in slot.names.items():
+            rename[f"{slot_name}.moe.{ours}"] = f"{slot_name}.{theirs}"
+    return {rename.get(k, k): v for k, v in state.items()}
+
+
+def save_transformers(model: nn.Module, path: str | os.PathLike) -> Path | None:
+    """Write a converted model (parallelized or not) as an ordinary transformers checkpoint folder
+    (``save_pretrained``: config, generation config, safetensors), gathered from the shards. Every rank of
+    a parallelized model calls it; rank 0 writes (into a temporary folder renamed into place, so ``path``
+    is either the previous folder or the complete new one) and returns the path, the others return None
+    once it is written. ``AutoModelForCausalLM.from_pretrained(path)`` needs no ``mode`` to load it."""
+    from mode.parallel.full_state import barrier, full_state_dict
+
+    if not converted_moe(model):
+        raise ValueError("model: holds no ConvertedMoE layer (convert it with mode.hf.to_mode_moe first); "
+                         "save a plain transformers model with its own save_pretrained")
+    state = full_state_dict(model)
+    out = None
+    if state is not None:
+        out = _write_transformers(model, transformers_names(model, state), Path(path))
+    barrier(model)
+    return out
+
+
+def _write_transformers(model: nn.Module, state: dict[str, Tensor], path: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # the gathered tensors are assigned: nothing is allocated twice
+        fresh = AutoModelForCausalLM.from_config(model.config)
+    expected = set(fresh.state_dict())
+    if set(state) != expected:
+        raise ValueError(f"the converted model's tensors do not match a fresh {type(fresh).__name__}: missing "
+                         f"{sorted(expected - set(state))[:5]}, unexpected {sorted(set(state) - expected)[:5]}")
+    fresh.load_state_dict(state, strict=True, assign=True)
+    fresh.generation_config = getattr(model, "generation_config", fresh.generation_config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        fresh.save_pretrained(tmp, safe_serialization=True)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
