@@ -69,21 +69,26 @@ CONFIG_KW = dict(
     max_position_embeddings=128,
 )
 
-# name -> DistributedConfig kwargs
+# name -> (DistributedConfig kwargs, overrides of CONFIG_KW)
+# With the brief's config (num_key_value_heads=2) TP over 4 ranks cannot split the KV heads (32 k_proj features
+# -> 8 per rank = half a head), so the TP variants are also run with num_key_value_heads=4 ("_kv4"), which
+# changes no collective's shape (they carry (tokens, hidden) activations, vocab logits and small routing data).
+KV4 = dict(num_key_value_heads=4)
 VARIANTS = {
     # the documented way: TP plan on attention/embeddings/lm_head + EP plan on the experts;
-    # ep_implementation="auto" -> AllToAllEP while training
-    "tp4_ep4_auto": dict(tp_size=4, ep_size=4),
-    # masking + all-reduce (the old ep_router + moe_tp_experts behaviour), needs ep_size == tp_size
-    "tp4_ep4_all_reduce": dict(tp_size=4, ep_size=4, ep_implementation="all_reduce"),
-    # the deprecated flag: ep_size=tp_size and tp_plan={} (experts-only plan)
-    "legacy_enable_expert_parallel": dict(tp_size=4, enable_expert_parallel=True),
-    # the documented replacement of the flag: EP plan only, no TP rule
-    "tp4_ep4_empty_tp_plan": dict(tp_size=4, ep_size=4, tp_plan={}),
-    # EP over data-parallel ranks (FSDP2 on the dense part, efsdp=1): every rank still gets the same batch here
-    "fsdp4_ep4": dict(fsdp_size=4, ep_size=4),
+    # ep_implementation="auto" -> AllToAllEP while training (AllReduceEP under no_grad)
+    "tp4_ep4_auto": (dict(tp_size=4, ep_size=4), {}),
+    "tp4_ep4_auto_kv4": (dict(tp_size=4, ep_size=4), KV4),
+    # masking + all-reduce (what the removed ep_router + moe_tp_experts plan did); needs ep_size == tp_size
+    "tp4_ep4_all_reduce_kv4": (dict(tp_size=4, ep_size=4, ep_implementation="all_reduce"), KV4),
+    # the deprecated flag: becomes ep_size=tp_size with tp_plan={} (experts-only plan)
+    "legacy_enable_expert_parallel": (dict(tp_size=4, enable_expert_parallel=True), {}),
+    # what the deprecation warning recommends instead: EP plan only, no TP rule
+    "tp4_ep4_empty_tp_plan": (dict(tp_size=4, ep_size=4, tp_plan={}), {}),
+    # EP over data-parallel ranks (tp_size=1, FSDP2 on the dense part, efsdp=1); same batch on every rank here
+    "fsdp4_ep4": (dict(fsdp_size=4, ep_size=4), {}),
     # baseline without EP: moe_tp_experts (each rank holds a 1/4 slice of every expert)
-    "tp4_only": dict(tp_size=4),
+    "tp4_only_kv4": (dict(tp_size=4), KV4),
 }
 
 _SKIP = {"wait_tensor", "_wrap_tensor_autograd"}
@@ -93,12 +98,11 @@ def _group_of(arg):
     """(rank in group, group size) for a ProcessGroup object or a functional-collective group name."""
     if isinstance(arg, str):
         pg = dist.distributed_c10d._resolve_process_group(arg)
+    elif isinstance(arg, torch.ScriptObject):  # what c10d.* ops receive under a dispatch mode
+        pg = dist.ProcessGroup.unbox(arg)
     else:
         pg = arg
-    try:
-        return pg.rank(), pg.size()
-    except Exception:  # a ScriptObject wrapper
-        return dist.get_rank(pg), dist.get_world_size(pg)
+    return pg.rank(), pg.size()
 
 
 def _nbytes(t):
@@ -344,11 +348,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _build_reference(model_dir):
+def _build_reference(model_dir, overrides):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(**CONFIG_KW)
+    config = Qwen3MoeConfig(**{**CONFIG_KW, **overrides})
     model = Qwen3MoeForCausalLM(config)
     model.save_pretrained(model_dir)
     # reload, so the reference runs exactly what every rank loads
@@ -361,10 +365,10 @@ def _build_reference(model_dir):
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     torch.save(dict(input_ids=ids, loss=out.loss.detach(), grads=grads), os.path.join(model_dir, "ref.pt"))
     return dict(
-        config=CONFIG_KW,
+        config={**CONFIG_KW, **overrides},
         experts_implementation=getattr(model.config, "_experts_implementation", None),
         attn_implementation=getattr(model.config, "_attn_implementation", None),
-        ref_loss=float(out.loss),
+        ref_loss=float(out.loss.detach()),
     )
 
 
@@ -405,7 +409,8 @@ def _fmt_bytes(b):
 
 def _print_variant(variant, per_rank):
     r0 = per_rank[0]
-    print(f"\n=== {variant}: DistributedConfig({', '.join(f'{k}={v!r}' for k, v in r0['dist_kwargs'].items())})")
+    print(f"\n=== {variant}: DistributedConfig({', '.join(f'{k}={v!r}' for k, v in r0['dist_kwargs'].items())})"
+          + (f" | config overrides {VARIANTS[variant][1]}" if VARIANTS[variant][1] else ""))
     if not all(r.get("ok") for r in per_rank):
         for r in per_rank:
             if not r.get("ok"):
@@ -455,15 +460,27 @@ def main():
     import transformers
 
     out["transformers"] = transformers.__version__
-    with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory() as result_dir:
-        out["reference"] = _build_reference(model_dir)
-        print(f"transformers {transformers.__version__}, torch {torch.__version__}; reference loss {out['reference']['ref_loss']:.6f}")
-        for variant, kw in VARIANTS.items():
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    out["references"] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        result_dir = os.path.join(tmp, "results")
+        os.makedirs(result_dir)
+        for variant, (kw, overrides) in VARIANTS.items():
             if only and variant not in only:
                 continue
+            tag = "_".join(f"{k}{v}" for k, v in sorted(overrides.items())) or "base"
+            model_dir = os.path.join(tmp, f"model_{tag}")
+            if tag not in out["references"]:
+                out["references"][tag] = _build_reference(model_dir, overrides)
             t0 = time.time()
             per_rank, hung = _run_variant(variant, kw, model_dir, result_dir)
-            entry = dict(dist_kwargs=kw, hung=hung, wall_s=time.time() - t0, ok=all(r.get("ok") for r in per_rank))
+            entry = dict(
+                dist_kwargs=kw,
+                config_overrides=overrides,
+                hung=hung,
+                wall_s=time.time() - t0,
+                ok=all(r.get("ok") for r in per_rank),
+            )
             entry["ranks"] = []
             for r in per_rank:
                 rr = {k: v for k, v in r.items() if k not in ("records", "infer_records")}

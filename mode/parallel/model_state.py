@@ -1,0 +1,108 @@
+"""Sharded checkpoints of any model, ``parallelize``d or not, with PyTorch's own state-dict API and DCP.
+
+    save_state("ckpt", model, optimizer, extra={"step": 3})   # every rank of the mesh calls it
+    extra = load_state("ckpt", model, optimizer)               # on any layout, or in one process
+
+``mode.train.Trainer`` has its own checkpoints (``mode.parallel.checkpoint``: the LM's config and training
+state with them); these are for a model of your own or a converted transformers model in your own loop.
+
+What is written. ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` names every
+tensor by its parameter's name (FSDP and DTensor shards at their *global* shapes: expert weights with all E
+rows), and ``dcp.save`` writes each rank's shards. Only tensors go into DCP: the model's state and the
+optimizer's per-parameter state (AdamW: ``step``, ``exp_avg``, ``exp_avg_sq``); the optimizer's
+hyper-parameters are those of the optimizer you load into, and ``extra`` (JSON) is written beside it as
+``extra.json``. So a checkpoint saved on a (2, 2) mesh loads on (1, 2), on (1, 3), or into a plain model
+with no process group, each rank reading only the chunks of its own shards.
+
+Safe and atomic. Reads go through ``mode.parallel.dcp_safe.SafeReader`` (no code from the folder runs).
+A save goes to a temporary folder beside ``path`` that rank 0 renames onto ``path`` once every rank's shards
+and ``extra.json`` are complete: ``path`` holds the previous checkpoint or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+
+from mode.parallel.dcp_safe import SafeReader
+from mode.train import checkpoint
+
+EXTRA = "extra.json"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, list | None]:
+    """The tensors to save or load into, and the optimizer's parameter groups (hyper-parameters)."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}, None
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # creates the optimizer's state if it has none yet
+    return {"model": model_sd, "optimizer": optim_sd["state"]}, optim_sd["param_groups"]
+
+
+def save_state(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+               extra: dict | None = None) -> Path:
+    """Write ``model`` (and ``optimizer``) to the folder ``path``; every rank of the model's process group calls
+    it (in one process without a group, this process writes alone). ``extra``: JSON-serialisable."""
+    path = Path(path)
+    text = json.dumps(extra or {})  # not JSON: the error comes before anything is written
+    distributed = _distributed()
+    rank = dist.get_rank() if distributed else 0
+    token = [f".{path.name}.tmp-{secrets.token_hex(4)}" if rank == 0 else None]
+    if distributed:
+        dist.broadcast_object_list(token, src=0)
+    tmp = path.parent / token[0]
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # without a group DCP warns that it saves in one process: intended
+        warnings.simplefilter("ignore" if not distributed else "default")
+        dcp.save(_tensor_state(model, optimizer)[0], storage_writer=FileSystemWriter(tmp), no_dist=not distributed)
+    if rank == 0:
+        checkpoint.atomic_write_text(tmp / EXTRA, text)
+        old = path.parent / f".{path.name}.old-{secrets.token_hex(4)}" if path.exists() else None
+        if old is not None:
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    if distributed:
+        dist.barrier()  # nobody reads ``path`` before rank 0 has renamed it
+    return path
+
+
+def load_state(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load a ``save_state`` folder into ``model`` (and ``optimizer``, whose hyper-parameters stay its own);
+    returns ``extra``. Every rank of the model's process group calls it; a plain model in a process without
+    a group loads alone."""
+    path = Path(path)
+    where = f"checkpoint {str(path)!r}"
+    try:
+        extra = json.loads((path / EXTRA).read_text())
+    except (OSError, ValueError) as e:
+        raise checkpoint.CheckpointError(f"{where}: {EXTRA} is missing or not JSON ({e}); not a save_state "
+                                         "folder") from None
+    state, param_groups = _tensor_state(model, optimizer)
+    reader = SafeReader(path, where)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore" if not _distributed() else "default")
+        dcp.load(state, storage_reader=reader, no_dist=not _distributed())
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict={"state": state["optimizer"], "param_groups": param_groups})
+    return extra
