@@ -310,6 +310,13 @@ def _worker(rank, variant, dist_kwargs, model_dir, port, result_dir):
         result["ref_loss"] = float(ref["loss"])
         max_rel = 0.0
         worst = None
+        # FSDP2 "keep_full_weight" modules (lm_head) stay unsharded after backward; their gradients sit on the
+        # sharded parameters, which reshard() puts back on the module
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
         for n, p in model.named_parameters():
             if p.grad is None:
                 g = None

@@ -12,6 +12,7 @@ models (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) on mode's MoE layers,
     mh.save_conversion(model, "dir"); mh.load_conversion(original_model, "dir")
     mh.to_mode_moe(moe_model)                 # Mixtral/OLMoE/Qwen2-MoE/Qwen3-MoE/DeepSeek-V3 blocks -> mode layers
     mh.save_transformers(moe_model, "dir")    # ... and back to a plain transformers checkpoint
+    acc, summary = mh.moe_report(moe_model, ids)  # per-layer expert load, drops, experts and FLOPs per token
 
 See docs/hf.md for what is supported, what is refused and why.
 """
@@ -24,8 +25,8 @@ from mode.hf.routing import collect_aux, routing
 from mode.hf.upcycle import UpcycledMLP, upcycle, upcycled_mlps
 from mode.hf.tune import freeze_base, router_parameters, router_tune
 from mode.hf.conversion_io import load_conversion, save_conversion
-from mode.hf.moe_convert import ConvertedMoE, converted_moe, save_transformers, to_mode_moe
+from mode.hf.moe_convert import ConvertedMoE, converted_moe, moe_report, save_transformers, to_mode_moe
 
-__all__ = ["ConvertedMoE", "MoDCacheLayer", "converted_moe", "save_transformers", "to_mode_moe", "MoDLayerMixin", "UpcycledMLP", "collect_aux", "freeze_base", "load_conversion",
+__all__ = ["ConvertedMoE", "MoDCacheLayer", "converted_moe", "moe_report", "save_transformers", "to_mode_moe", "MoDLayerMixin", "UpcycledMLP", "collect_aux", "freeze_base", "load_conversion",
            "mod_layers", "router_parameters", "router_tune", "routing", "save_conversion", "to_mod", "upcycle",
            "upcycled_mlps"]

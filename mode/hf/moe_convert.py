@@ -41,8 +41,12 @@ import torch
 from torch import Tensor, nn
 
 from mode.hf.moe_blocks import FAMILIES, adopt_block, hf_names
-from mode.hf.upcycle import MoESlot
+from mode.hf.routing import collect_aux
+from mode.hf.upcycle import MoESlot, upcycled_mlps
 from mode.layers.moe import MoELayer
+from mode.measure.flops import mlp_flops_per_token
+from mode.measure.stats import RoutingAccumulator
+from mode.routing.keys import MOE, router_key
 
 MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 # What mode lacks for a few MoE families people ask about (the refusal names it)
@@ -127,13 +131,15 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
         raise ValueError(f"model={type(model).__name__}: holds no sparse MoE block (looked for "
                          f"{', '.join(sorted(FAMILIES))})")
     recorder = _router_recorder(model)
-    hooked = getattr(model, "_output_capturing_hooks_installed", False)
+    # transformers installs its recording hooks once, on the first recording forward of the model that records
+    # (the base model inside a *ForCausalLM): after that, a new recording point gets its hook from us
+    hooked = any(getattr(m, "_output_capturing_hooks_installed", False) for m in model.modules())
     for parent, name, block in blocks:
         layer = adopt_block(block, config, backend=backend, balance_coef=balance_coef, z_coef=z_coef)
         point = None
         if recorder is not None:
             point = _logits_point(recorder.target_class, recorder.index)()
-            if hooked:  # transformers installs its hooks once per model: add this one by hand
+            if hooked:
                 from transformers.utils.output_capturing import install_output_capuring_hook
 
                 install_output_capuring_hook(point, "router_logits", recorder.index)
@@ -203,3 +209,49 @@ def _write_transformers(model: nn.Module, state: dict[str, Tensor], path: Path) 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+@torch.no_grad()
+def moe_report(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None,
+               acc: RoutingAccumulator | None = None) -> tuple[RoutingAccumulator, dict]:
+    """Load balance and per-token compute of a converted model on one batch of token ids (``mode report``'s
+    accumulator): runs the model (eval, no grad; its train/eval mode is restored), adds every converted
+    layer's routing to ``acc`` (a fresh one by default; pass one to sum over batches) and returns it with
+    its summary: per layer the expert shares, max/mean load, drops, no-op share, routing entropy and
+    ``experts_per_token`` (routed experts computed per real token); overall ``moe_flops_per_token`` (the
+    converted layers' expert, shared-expert and router FLOPs per real token, 2 per multiply-add)."""
+    slots = upcycled_mlps(model, ConvertedMoE)
+    if not slots:
+        raise ValueError("model: holds no ConvertedMoE layer (convert it with mode.hf.to_mode_moe first)")
+    acc = acc if acc is not None else RoutingAccumulator()
+    mask_BS = None if attention_mask is None else attention_mask.bool()
+    was_training = model.training
+    model.eval()
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask)
+    finally:
+        model.train(was_training)
+    acc.add(collect_aux(model), mask_BS)  # layers.{i}.moe.router, as mode report names them
+    summary = acc.summary()
+    flops = 0.0
+    for i, slot in slots.items():
+        name = router_key(i, MOE)
+        if name not in acc.router_names():
+            continue
+        per_token = acc.router_summary(name, positions=False)["assignments_per_token"]
+        summary["layers"][str(i)]["experts_per_token"] = per_token
+        per_assignment, fixed = _flops_per_token(slot.moe)
+        flops += per_token * per_assignment + fixed
+    summary["overall"]["moe_flops_per_token"] = flops
+    return acc, summary
+
+
+def _flops_per_token(moe: MoELayer) -> tuple[float, float]:
+    """(FLOPs of one routed expert assignment, FLOPs every token pays: router, shared experts and gate)."""
+    cfg = moe.experts.cfg
+    fixed = 2.0 * cfg.d_model * moe.router.num_slots
+    if moe.shared_experts is not None:
+        fixed += mlp_flops_per_token(cfg.d_model, moe.shared_experts.mlp.gate_proj.out_features, "swiglu")
+    if moe.shared_gate is not None:
+        fixed += 2.0 * cfg.d_model
+    return mlp_flops_per_token(cfg.d_model, cfg.d_hidden, cfg.activation), fixed

@@ -149,6 +149,7 @@ class RoutingAccumulator:
         count_BS = torch.ones_like(compute_BS)
         if mask_BS is not None and tuple(mask_BS.shape) == tuple(compute_BS.shape):
             count_BS = mask_BS.to(compute_BS)
+            compute_BS = compute_BS * count_BS  # a padding position's compute is not a token's
         self._acc(k + "pos_tokens_S", count_BS.sum(0))
         self._acc(k + "pos_selected_S", (compute_BS > 0).double().sum(0))
         self._acc(k + "pos_compute_S", compute_BS.sum(0))

@@ -1,0 +1,222 @@
+"""transformers MoE models converted by ``mode.hf.to_mode_moe``: the same function (logits, losses, gradients,
+``generate``, ``output_router_logits``) on the model's own tensors, the way back to a plain transformers folder,
+the report, and the refusals. The expert-parallel side is tests/parallel/test_hf_moe_ep.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install "
+                                                          "'mode-torch[hf]'): the models to convert")
+
+import mode.hf as mh  # noqa: E402
+from mode.hf.moe_convert import transformers_names  # noqa: E402
+from mode.routing import update_expert_bias  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import moe_models as mm  # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, mm.V, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    mask[2, :1] = 0
+    return ids, mask
+
+
+def _pair(family: str, **overrides):
+    model = mm.build(family, **overrides)
+    ref = copy.deepcopy(model)
+    return ref, mh.to_mode_moe(model)
+
+
+@pytest.mark.parametrize("family", mm.FAMILIES)
+def test_converted_model_computes_the_original_on_its_own_tensors(family):
+    model = mm.build(family)
+    ref = copy.deepcopy(model)
+    blocks = {name: m for name, m in model.named_modules() if type(m).__name__ in mh.moe_convert.FAMILIES}
+    tensors = {name: (b.gate.weight, b.experts.gate_up_proj, b.experts.down_proj) for name, b in blocks.items()}
+    mh.to_mode_moe(model)
+    slots = mh.converted_moe(model)
+    assert sorted(slots) == sorted(blocks) and slots
+    for name, slot in slots.items():  # nothing copied: the very Parameters
+        gate, gate_up, down = tensors[name]
+        assert slot.moe.router.weight is gate
+        assert slot.moe.experts.w_in_EFD is gate_up and slot.moe.experts.w_out_EDH is down
+    ids, mask = _batch()
+    for training in (True, False):
+        model.train(training)
+        ref.train(training)
+        out_ref = ref(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=True)
+        out = model(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=True)
+        torch.testing.assert_close(out.logits, out_ref.logits, **TOL)
+        torch.testing.assert_close(out.loss, out_ref.loss, **TOL)
+        if out_ref.aux_loss is not None:  # output_router_logits: transformers' own balance loss, as before
+            torch.testing.assert_close(out.aux_loss, out_ref.aux_loss, **TOL)
+        assert len(out.router_logits) == len(out_ref.router_logits) == len(slots)
+        for a, b in zip(out.router_logits, out_ref.router_logits):
+            torch.testing.assert_close(a, b, **TOL)
+    model.train()
+    ref.train()
+    for m in (model, ref):
+        m.zero_grad()
+        m(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    ours = transformers_names(model, {n: p.grad for n, p in model.named_parameters()})
+    theirs = {n: p.grad for n, p in ref.named_parameters()}
+    assert set(ours) == set(theirs)
+    for n, g in theirs.items():
+        torch.testing.assert_close(ours[n], g, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("family", mm.FAMILIES)
+def test_generate_is_unchanged(family):
+    ref, model = _pair(family)
+    ids, mask = _batch(1)
+    ref.eval()
+    model.eval()
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_router_logits_recorded_when_transformers_hooked_the_model_before_conversion():
+    model = mm.build("qwen3_moe")
+    ref = copy.deepcopy(model)
+    ids, mask = _batch()
+    model(input_ids=ids, attention_mask=mask, output_router_logits=True)  # transformers installs its hooks now
+    mh.to_mode_moe(model)
+    out = model(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    out_ref = ref(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    assert len(out.router_logits) == 2
+    torch.testing.assert_close(out.aux_loss, out_ref.aux_loss, **TOL)
+
+
+def test_our_losses_are_off_by_default_and_on_when_asked():
+    model = mh.to_mode_moe(mm.build("mixtral"), balance_coef=0.01, z_coef=1e-3)
+    ids, mask = _batch()
+    model(input_ids=ids, attention_mask=mask)
+    aux = mh.collect_aux(model)
+    assert sorted(aux.losses) == ["layers.0.moe.balance", "layers.0.moe.z_loss", "layers.1.moe.balance",
+                                  "layers.1.moe.z_loss"]
+    assert float(aux.total().detach()) > 0
+    plain = mh.to_mode_moe(mm.build("mixtral"))
+    plain(input_ids=ids, attention_mask=mask)
+    assert float(mh.collect_aux(plain).total()) == 0.0
+
+
+def test_deepseek_bias_balancing_moves_the_transformers_buffer():
+    model = mh.to_mode_moe(mm.build("deepseek_v3"))
+    slot = next(iter(mh.converted_moe(model).values()))
+    before = slot.moe.router.bias_X.clone()
+    ids, mask = _batch()
+    model.train()
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    update_expert_bias(model)
+    assert not torch.equal(slot.moe.router.bias_X, before)
+    saved = transformers_names(model, model.state_dict())
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(saved[key], slot.moe.router.bias_X)
+
+
+def test_round_trip_to_a_plain_transformers_folder(tmp_path):
+    """Each family, trained one step, written by save_transformers, loaded by transformers in a process where
+    ``import mode`` fails: the same logits."""
+    expected = {}
+    for family in mm.FAMILIES:
+        model = mh.to_mode_moe(mm.build(family))
+        ids, mask = _batch()
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.05 * p.grad
+        folder = mh.save_transformers(model, tmp_path / family)
+        assert sorted(f.name for f in folder.iterdir()) == ["config.json", "generation_config.json",
+                                                           "model.safetensors"]
+        model.eval()
+        with torch.no_grad():
+            expected[family] = model(input_ids=ids, attention_mask=mask).logits
+        torch.save({"ids": ids, "mask": mask}, tmp_path / f"{family}.batch.pt")
+    code = f"""
+import json, sys
+sys.modules["mode"] = None  # transformers alone: `import mode` would raise
+import torch, transformers
+out = {{}}
+for family in {list(mm.FAMILIES)!r}:
+    m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r} + "/" + family, dtype=torch.float32).eval()
+    b = torch.load({str(tmp_path)!r} + "/" + family + ".batch.pt")
+    with torch.no_grad():
+        torch.save(m(input_ids=b["ids"], attention_mask=b["mask"]).logits, {str(tmp_path)!r} + "/" + family + ".out.pt")
+    out[family] = type(m).__name__
+print(json.dumps(out))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    classes = json.loads(res.stdout.strip().splitlines()[-1])
+    assert classes["qwen3_moe"] == "Qwen3MoeForCausalLM" and classes["mixtral"] == "MixtralForCausalLM"
+    for family, logits in expected.items():
+        torch.testing.assert_close(torch.load(tmp_path / f"{family}.out.pt"), logits, **TOL)
+
+
+def test_save_replaces_the_folder_whole(tmp_path):
+    model = mh.to_mode_moe(mm.build("qwen3_moe"))
+    mh.save_transformers(model, tmp_path / "out")
+    with torch.no_grad():
+        next(iter(mh.converted_moe(model).values())).moe.experts.w_in_EFD.add_(1.0)
+    mh.save_transformers(model, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary or old folder left
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    torch.testing.assert_close(again.model.layers[0].mlp.experts.gate_up_proj,
+                               model.model.layers[0].mlp.moe.experts.w_in_EFD)
+
+
+def test_report_counts_every_layer_on_real_tokens_only():
+    model = mh.to_mode_moe(mm.build("qwen2_moe"))
+    ids, mask = _batch()
+    acc, summary = mh.moe_report(model, ids, mask)
+    assert sorted(summary["layers"]) == ["0", "1"]
+    for layer in summary["layers"].values():
+        assert layer["experts_per_token"] == pytest.approx(2.0)  # dropless top-2; padding is not a token
+        assert sum(layer["expert_frac"]) == pytest.approx(1.0, abs=1e-5)
+        assert layer["dropped_frac"] == 0.0 and layer["noop_share"] == 0.0
+    D, H, Hs, E = mm.D, 48, 40, 8
+    per_layer = 2 * 6 * D * H + 6 * D * Hs + 2 * D + 2 * D * E  # routed, shared, its gate, router
+    assert summary["overall"]["moe_flops_per_token"] == pytest.approx(2 * per_layer)
+    assert model.training  # restored
+    acc2, _ = mh.moe_report(model, ids, mask, acc=acc)  # sums over batches
+    assert acc2 is acc and acc.router_summary("layers.0.moe.router")["calls"] == 2
+
+
+def test_refusals_name_what_is_missing():
+    with pytest.raises(ValueError, match="model_type='llama'.*missing"):
+        mh.to_mode_moe(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)))
+    gpt_oss = transformers.GptOssConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                        num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="gpt_oss.*biases"):
+        mh.to_mode_moe(transformers.GptOssForCausalLM(gpt_oss))
+    model = mm.build("qwen3_moe")
+    model.config.quantization_config = {"quant_method": "bitsandbytes"}
+    with pytest.raises(ValueError, match="quantization_config"):
+        mh.to_mode_moe(model)
+    with pytest.raises(ValueError, match="router_jitter_noise=0.1"):
+        mh.to_mode_moe(mm.build("mixtral", router_jitter_noise=0.1))
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        mh.to_mode_moe(mm.build("olmoe", hidden_act="gelu"))
+    converted = mh.to_mode_moe(mm.build("olmoe"))
+    with pytest.raises(ValueError, match="already converted"):
+        mh.to_mode_moe(converted)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        mh.to_mode_moe(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="no ConvertedMoE"):
+        mh.save_transformers(mm.build("olmoe"), "unused")
