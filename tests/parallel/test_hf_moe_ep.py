@@ -1,0 +1,266 @@
+"""A converted transformers MoE model (``mode.hf.to_mode_moe``) trained on a (dp, ep) mesh (gloo, CPU) equals
+one process: ``parallelize`` unchanged, the training loop of examples/hf_moe_ep.py, DCP checkpoints through
+``mode.parallel.model_state`` across layouts, and ``save_transformers`` gathered from the shards.
+
+Two spawned pools, started together by one module fixture (each rank writes what it saw to a file, judged here):
+    * 4 processes: Mixtral and Qwen3-MoE at (dp, ep) = (2, 2) and (1, 4), 6 steps; the Qwen3 (2, 2) run
+      saves a checkpoint after step 3 and, at the end, a transformers folder;
+    * 2 processes: resume that checkpoint at (1, 2) and train steps 4 to 6.
+The parent computes the single-process references, resumes the checkpoint in one process with no process
+group, and loads the transformers folder with plain transformers.
+
+Exactness: every rank holds the same number of rows (the mean of the per-rank cross-entropies is the global
+mean), our routing losses are off (the converted default) and routing is dropless, so the mesh computes the
+single-process function: losses to 1e-5 and gradient norms to 1e-4 relative, as tests/parallel/test_ep_training.py.
+The token ids are i.i.d. Zipf draws (no runs of identical tokens whose near-tied routing scores could flip
+under float rounding).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install "
+                                                          "'mode-torch[hf]'): the models to convert")
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.cpu_only("gloo ranks on CPU; the CPU run covers them (NCCL needs one GPU per rank)")]
+
+ROOT = Path(__file__).resolve().parents[2]
+HF_TESTS = ROOT / "tests" / "hf"
+JOIN_TIMEOUT_S = 240.0
+TIMEOUT_S = 60.0
+TOL = 1e-5
+NORM_RTOL = 1e-4
+STEPS, SAVE_AT, BATCH, SEQ = 6, 3, 8, 16
+LAYOUTS = [(2, 2), (1, 4)]
+FAMILIES = ("mixtral", "qwen3_moe")
+SAVER = ("qwen3_moe", 2, 2)
+
+
+def _models():
+    if str(HF_TESTS) not in sys.path:
+        sys.path.insert(0, str(HF_TESTS))
+    import moe_models
+
+    return moe_models
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("hf_moe_ep", ROOT / "examples" / "hf_moe_ep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Global batches of i.i.d. Zipf token ids (no pad, bos or eos ids) and their next tokens."""
+    V = _models().V
+    g = torch.Generator().manual_seed(0)
+    p = 1.0 / torch.arange(1, V - 2, dtype=torch.float64)
+    ids = torch.multinomial(p / p.sum(), STEPS * BATCH * (SEQ + 1), replacement=True, generator=g) + 3
+    ids = ids.view(STEPS, BATCH, SEQ + 1)
+    return [(ids[s, :, :-1], ids[s, :, 1:]) for s in range(STEPS)]
+
+
+def _model(family: str):
+    import mode.hf as mh
+
+    return mh.to_mode_moe(_models().build(family))
+
+
+def _optimizer(model):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# worker side
+
+
+def _case(res: dict, key: str, fn) -> None:
+    try:
+        res[key] = fn()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        res[key] = {"failure": traceback.format_exc()}
+
+
+def _pool4(rank: int, out: Path) -> dict:
+    import mode.hf as mh
+    from mode.parallel import ParallelDims, build_mesh, parallelize
+    from mode.parallel.model_state import save_state
+
+    ex, batches, res = _example(), _batches(), {}
+    for family in FAMILIES:
+        for dp, ep in LAYOUTS:
+            def run(family=family, dp=dp, ep=ep):
+                mesh = build_mesh(ParallelDims(dp, ep), timeout_s=TIMEOUT_S)
+                model = parallelize(_model(family), mesh)
+                opt = _optimizer(model)
+                kw = dict(world_size=4, row_rank=rank, optimizer=opt)
+                if (family, dp, ep) != SAVER:
+                    return {"curve": ex.train(model, batches, **kw)}
+                curve = ex.train(model, batches[:SAVE_AT], **kw)
+                save_state(out / "ckpt3", model, opt, extra={"step": SAVE_AT})
+                if rank == 0:
+                    (out / "ckpt3.ready").write_text("")
+                curve += ex.train(model, batches[SAVE_AT:], first_step=SAVE_AT + 1, **kw)
+                folder = mh.save_transformers(model, out / "hf")
+                return {"curve": curve, "folder": None if folder is None else str(folder)}
+            _case(res, f"{family}_{dp}x{ep}", run)
+    return res
+
+
+def _pool2(rank: int, out4: Path) -> dict:
+    from mode.parallel import ParallelDims, build_mesh, parallelize
+    from mode.parallel.model_state import load_state
+
+    ex, res = _example(), {}
+
+    def resume():
+        t0 = time.monotonic()
+        while not (out4 / "ckpt3.ready").exists():
+            if time.monotonic() - t0 > JOIN_TIMEOUT_S / 2:
+                raise TimeoutError("the (2, 2) run's checkpoint did not appear")
+            time.sleep(0.2)
+        mesh = build_mesh(ParallelDims(1, 2), timeout_s=TIMEOUT_S)
+        model = parallelize(_model("qwen3_moe"), mesh)
+        opt = _optimizer(model)
+        step = load_state(out4 / "ckpt3", model, opt)["step"]
+        return {"start": step, "curve": ex.train(model, _batches()[step:], world_size=2, row_rank=rank,
+                                                 optimizer=opt, first_step=step + 1)}
+    _case(res, "resume_1x2", resume)
+    return res
+
+
+def _worker(rank: int, world: int, store: str, out_dir: str, pool: str, out4: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    out = Path(out_dir)
+    try:
+        res = _pool4(rank, out) if pool == "mesh4" else _pool2(rank, Path(out4))
+    except Exception:  # noqa: BLE001 - reported to the parent
+        res = {"failure": traceback.format_exc()}
+    (out / f"rank{rank}.json").write_text(json.dumps(res))
+    dist.barrier()
+    os._exit(0)  # no teardown that could wait on a peer
+
+
+# ----------------------------------------------------------------------------------------------------
+# parent side
+
+
+POOLS = {"mesh4": 4, "mesh2": 2}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    import torch.multiprocessing as mp
+
+    from mode.parallel.model_state import load_state
+
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        ctxs = {}
+        for name, world in POOLS.items():
+            (tmp / name).mkdir()
+            ctxs[name] = mp.start_processes(
+                _worker, args=(world, str(tmp / f"store_{name}"), str(tmp / name), name, str(tmp / "mesh4")),
+                nprocs=world, join=False, start_method="spawn")
+        started = time.monotonic()
+        try:
+            ex, batches = _example(), _batches()
+            ref, trained = {}, {}
+            for family in FAMILIES:
+                model = _model(family)
+                ref[family] = ex.train(model, batches, optimizer=_optimizer(model))
+                trained[family] = model
+            pending = dict(ctxs)
+            while pending:
+                for name, ctx in list(pending.items()):
+                    if all((tmp / name / f"rank{r}.json").exists() for r in range(POOLS[name])) \
+                            or not any(p.is_alive() for p in ctx.processes):
+                        del pending[name]
+                time.sleep(0.2)
+                if time.monotonic() - started > JOIN_TIMEOUT_S:
+                    pytest.fail(f"pools {sorted(pending)} did not finish in {JOIN_TIMEOUT_S:.0f} s (a hang?)")
+            results = {name: [json.loads(p.read_text()) if (p := tmp / name / f"rank{r}.json").exists() else None
+                              for r in range(world)] for name, world in POOLS.items()}
+            parent = {}
+            if (tmp / "mesh4" / "ckpt3.ready").exists():  # one process, no process group
+                model = _model("qwen3_moe")
+                opt = _optimizer(model)
+                step = load_state(tmp / "mesh4" / "ckpt3", model, opt)["step"]
+                parent["resume_one"] = {"start": step, "curve": ex.train(model, batches[step:], optimizer=opt,
+                                                                         first_step=step + 1)}
+            if (tmp / "mesh4" / "hf" / "config.json").exists():
+                plain = transformers.AutoModelForCausalLM.from_pretrained(tmp / "mesh4" / "hf", dtype=torch.float32)
+                x = batches[0][0]
+                with torch.no_grad():
+                    parent["hf_logits"] = (plain.eval()(input_ids=x).logits,
+                                           trained["qwen3_moe"].eval()(input_ids=x).logits)
+                    parent["hf_class"] = type(plain).__name__
+            yield {"results": results, "ref": ref, "parent": parent}
+        finally:
+            for ctx in ctxs.values():
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+
+
+def _case_result(runs, pool: str, case: str) -> list[dict]:
+    out = []
+    for r, x in enumerate(runs["results"][pool]):
+        assert x is not None, f"{pool} rank {r} wrote no result"
+        assert "failure" not in x, f"{pool} rank {r}:\n{x['failure']}"
+        assert "failure" not in x[case], f"{pool} rank {r} {case}:\n{x[case]['failure']}"
+        out.append(x[case])
+    return out
+
+
+def _assert_curve(actual, expected, what: str) -> None:
+    assert len(actual) == len(expected), (what, len(actual), len(expected))
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(actual, expected), 1):
+        assert abs(loss - ref_loss) <= TOL, f"{what} step {step}: loss {loss} vs {ref_loss}"
+        assert math.isclose(norm, ref_norm, rel_tol=NORM_RTOL), f"{what} step {step}: grad norm {norm} vs {ref_norm}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dp{x[0]}xep{x[1]}")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_model_trains_on_the_mesh_as_in_one_process(runs, family, layout):
+    dp, ep = layout
+    for r, res in enumerate(_case_result(runs, "mesh4", f"{family}_{dp}x{ep}")):
+        _assert_curve(res["curve"], runs["ref"][family], f"{family} ({dp}, {ep}) rank {r}")
+
+
+def test_checkpoint_saved_on_2x2_resumes_on_1x2_and_in_one_process(runs):
+    expected = runs["ref"]["qwen3_moe"][SAVE_AT:]
+    for r, res in enumerate(_case_result(runs, "mesh2", "resume_1x2")):
+        assert res["start"] == SAVE_AT
+        _assert_curve(res["curve"], expected, f"resume (1, 2) rank {r}")
+    one = runs["parent"].get("resume_one")
+    assert one is not None, "the (2, 2) run wrote no checkpoint"
+    assert one["start"] == SAVE_AT
+    _assert_curve(one["curve"], expected, "resume in one process")
+
+
+def test_transformers_folder_gathered_from_the_shards_loads_in_plain_transformers(runs):
+    saver = _case_result(runs, "mesh4", f"{SAVER[0]}_{SAVER[1]}x{SAVER[2]}")
+    assert saver[0]["folder"] is not None and all(r["folder"] is None for r in saver[1:])  # rank 0 writes
+    assert runs["parent"].get("hf_class") == "Qwen3MoeForCausalLM"
+    theirs, ours = runs["parent"]["hf_logits"]  # the mesh-trained model vs the one-process-trained one
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
