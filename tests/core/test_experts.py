@@ -350,3 +350,44 @@ def test_gate_of_the_wrong_shape_is_rejected():
     bank = make_bank("grouped", "swiglu")
     with pytest.raises(ValueError, match=r"gate_A: must be a floating tensor of shape \(A,\)=\(9,\)"):
         bank(torch.randn(9, D), torch.tensor(COUNTS), gate_A=torch.rand(8))
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_efd_layout_computes_what_edf_computes_on_the_same_weights(activation, backend):
+    """layout="EFD" (transformers' gate_up_proj / down_proj order) holds the transposes and computes the same
+    function: outputs, input gradients and (transposed) weight gradients, with padding and gates."""
+    cfg = ExpertConfig(d_model=16, d_hidden=24, num_experts=4, activation=activation, backend=backend)
+    edf = ExpertBank(cfg)
+    efd = ExpertBank(ExpertConfig(**{**cfg.__dict__, "layout": "EFD"}))
+    assert sorted(n for n, _ in efd.named_parameters()) == ["w_in_EFD", "w_out_EDH"]
+    with torch.no_grad():
+        efd.w_in_EFD.copy_(edf.w_in_EDF.transpose(1, 2))
+        efd.w_out_EDH.copy_(edf.w_out_EHD.transpose(1, 2))
+    counts = torch.tensor([3, 0, 5, 2])
+    x = torch.randn(12, 16)  # 10 real rows, 2 padding
+    gate = torch.rand(12)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = edf(xa, counts, gate_A=gate), efd(xb, counts, gate_A=gate)
+    torch.testing.assert_close(yb, ya, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(efd.w_in_EFD.grad, edf.w_in_EDF.grad.transpose(1, 2), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(efd.w_out_EDH.grad, edf.w_out_EHD.grad.transpose(1, 2), rtol=1e-6, atol=1e-6)
+    assert efd.w_in is efd.w_in_EFD and edf.w_out is edf.w_out_EHD
+
+
+def test_layout_is_checked():
+    with pytest.raises(ValueError, match="layout='DEF'"):
+        ExpertConfig(d_model=16, d_hidden=16, num_experts=2, layout="DEF")
+
+
+def test_sharding_an_efd_bank_keeps_its_layout_and_rows():
+    from mode.parallel.ep_model import shard_experts
+
+    full = ExpertBank(ExpertConfig(d_model=16, d_hidden=16, num_experts=4, activation="swiglu", layout="EFD"))
+    shard = shard_experts(full, 1, 2)
+    assert shard.cfg.layout == "EFD" and shard.num_experts == 2
+    assert torch.equal(shard.w_in_EFD, full.w_in_EFD[2:]) and torch.equal(shard.w_out_EDH, full.w_out_EDH[2:])
