@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from mode.dispatch.base import Dispatcher
 from mode.dispatch.local import LocalDispatcher
 from mode import _checks
-from mode.experts.bank import ExpertBank, ExpertConfig
+from mode.experts.bank import LAYOUTS, ExpertBank, ExpertConfig
 from mode.layers.mlp import MLP
 from mode.routing.plan import Aux
 from mode.routing.registry import get_router
@@ -62,6 +62,7 @@ class MoEConfig:
             raise TypeError(f"router_options={self.router_options!r}: must be a dict")
         _checks.check_int("num_shared", self.num_shared, min_value=0)
         _checks.check_bool("shared_gate", self.shared_gate)
+        _checks.check_choice("expert_layout", self.expert_layout, LAYOUTS)
         if self.shared_hidden is not None:
             _checks.check_int("shared_hidden", self.shared_hidden)
         if self.num_shared == 0 and (self.shared_hidden is not None or self.shared_gate):

@@ -49,6 +49,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+import pools
 import pytest
 import torch
 
@@ -328,8 +329,6 @@ REPORTING = {"mesh4": [0, 1, 2, 3], "mesh2": [0, 1], "stuck": [0]}  # the stuck 
 
 @pytest.fixture(scope="module")
 def runs():
-    import torch.multiprocessing as mp
-
     from mode.train.checkpoint import load_model
     from mode.parallel.checkpoint import save_folder
     from mode.parallel.dcp_safe import read_metadata
@@ -337,12 +336,7 @@ def runs():
 
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
-        ctxs = {}
-        for name, world in POOLS.items():
-            (tmp / name).mkdir()
-            ctxs[name] = mp.start_processes(
-                _worker, args=(world, str(tmp / f"store_{name}"), str(tmp / name), name, str(tmp / "mesh4")),
-                nprocs=world, join=False, start_method="spawn")
+        ctxs = pools.start(_worker, POOLS, tmp)
         started = time.monotonic()
         try:
             ex = _example()
@@ -352,17 +346,7 @@ def runs():
             ref_custom = ex.train(ex.TinyMoDE(), _custom_batches())
             torch.manual_seed(TRAIN.seed)
             init = LM(TOKEN_CHOICE).state_dict()  # the weights every rank starts from
-            pending = dict(ctxs)
-            while pending:
-                for name, ctx in list(pending.items()):
-                    reported = all((tmp / name / f"rank{r}.json").exists() for r in REPORTING[name])
-                    if reported or not any(p.is_alive() for p in ctx.processes):
-                        del pending[name]
-                time.sleep(0.2)
-                if time.monotonic() - started > JOIN_TIMEOUT_S:
-                    pytest.fail(f"pools {sorted(pending)} did not finish in {JOIN_TIMEOUT_S:.0f} s (a hang?)")
-            results = {name: [json.loads(p.read_text()) if (p := tmp / name / f"rank{r}.json").exists() else None
-                              for r in range(world)] for name, world in POOLS.items()}
+            results = pools.wait(ctxs, POOLS, tmp, REPORTING, started, JOIN_TIMEOUT_S)
             # Everything that needs the checkpoint folders runs before they go away.
             parent = {}
             ckpt3 = tmp / "mesh4" / CKPT3
@@ -386,10 +370,7 @@ def runs():
             yield {"results": results, "ref": ref, "ref_aux": ref_aux, "ref_custom": ref_custom, "init": init,
                    "parent": parent, "wall": time.monotonic() - started}
         finally:
-            for ctx in ctxs.values():
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
+            pools.kill(ctxs)
 
 
 def _case_result(runs, pool: str, case: str, ranks=None) -> list[dict]:

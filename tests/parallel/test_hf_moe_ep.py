@@ -29,6 +29,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+import pools
 import pytest
 import torch
 
@@ -169,18 +170,11 @@ POOLS = {"mesh4": 4, "mesh2": 2}
 
 @pytest.fixture(scope="module")
 def runs():
-    import torch.multiprocessing as mp
-
     from mode.parallel.model_state import load_state
 
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
-        ctxs = {}
-        for name, world in POOLS.items():
-            (tmp / name).mkdir()
-            ctxs[name] = mp.start_processes(
-                _worker, args=(world, str(tmp / f"store_{name}"), str(tmp / name), name, str(tmp / "mesh4")),
-                nprocs=world, join=False, start_method="spawn")
+        ctxs = pools.start(_worker, POOLS, tmp)
         started = time.monotonic()
         try:
             ex, batches = _example(), _batches()
@@ -189,17 +183,8 @@ def runs():
                 model = _model(family)
                 ref[family] = ex.train(model, batches, optimizer=_optimizer(model))
                 trained[family] = model
-            pending = dict(ctxs)
-            while pending:
-                for name, ctx in list(pending.items()):
-                    if all((tmp / name / f"rank{r}.json").exists() for r in range(POOLS[name])) \
-                            or not any(p.is_alive() for p in ctx.processes):
-                        del pending[name]
-                time.sleep(0.2)
-                if time.monotonic() - started > JOIN_TIMEOUT_S:
-                    pytest.fail(f"pools {sorted(pending)} did not finish in {JOIN_TIMEOUT_S:.0f} s (a hang?)")
-            results = {name: [json.loads(p.read_text()) if (p := tmp / name / f"rank{r}.json").exists() else None
-                              for r in range(world)] for name, world in POOLS.items()}
+            results = pools.wait(ctxs, POOLS, tmp, {name: list(range(w)) for name, w in POOLS.items()}, started,
+                                 JOIN_TIMEOUT_S)
             parent = {}
             if (tmp / "mesh4" / "ckpt3.ready").exists():  # one process, no process group
                 model = _model("qwen3_moe")
@@ -216,10 +201,7 @@ def runs():
                     parent["hf_class"] = type(plain).__name__
             yield {"results": results, "ref": ref, "parent": parent}
         finally:
-            for ctx in ctxs.values():
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
+            pools.kill(ctxs)
 
 
 def _case_result(runs, pool: str, case: str) -> list[dict]:
