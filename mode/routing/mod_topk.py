@@ -21,7 +21,9 @@ the host wait for the device: C is known from the shapes, every count stays on t
 Causal routing (paper sec. 3.5). Top-C looks at future tokens, so sampling needs a per-token decision:
     "predictor": a small MLP on a stop-gradient copy of the router input predicts "in the top-C" (BCE)
     "aux_bce":   a BCE loss on the router logits themselves teaches r > 0 <=> in the top-C
-With ``causal=True`` a token is routed when its decision logit is > 0 (sigmoid > 0.5); each sequence
+With ``causal=True`` a token is routed when its decision logit is > 0 (sigmoid > 0.5), and every token at
+``capacity=1.0`` (where top-C routes them all, whatever the decision has learned: a layer converted at
+capacity 1.0 stays the identity in eval mode too); each sequence
 routes its own number of tokens, packed into C = max count slots per row (``valid_A`` marks real ones);
 reading that C is the one host sync of a causal call.
 """
@@ -128,7 +130,10 @@ class MoDRouter(nn.Module):
         if self.cfg.check_finite:
             _checks.check_finite_logits("MoDRouter", r_BS)
         if causal:
-            routed_BS = self.decision_logits(x_BSD, r_BS) > 0
+            if self.cfg.capacity == 1.0:  # top-C routes every token: so does the causal decision, trained or not
+                routed_BS = torch.ones_like(r_BS, dtype=torch.bool)
+            else:
+                routed_BS = self.decision_logits(x_BSD, r_BS) > 0
             if mask_BS is not None:
                 routed_BS &= mask_BS
             if routed_BS.numel() == 0:

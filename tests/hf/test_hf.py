@@ -96,6 +96,28 @@ def test_capacity_one_equals_original(hf, family, attn, left_pad):
         assert type(conv.model.layers[0]).__name__ == f"MoD{type(model.model.layers[0]).__name__}"
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("causal", ["aux_bce", "predictor"])
+def test_capacity_one_is_the_identity_in_train_and_eval_for_every_causal_method(hf, family, causal):
+    """The default routing ("auto"): top-C in train(), the causal decision in eval(). At capacity 1.0 the causal
+    decision routes every token, trained or not (it once routed the untrained ``r > 0``: about half of them),
+    so the converted model is the original in both modes, and so is greedy generation."""
+    model = tiny(family)
+    ids, mask = batch(left_pad=3)
+    real = mask.bool()
+    for gate in ("one", "ste"):
+        conv = hf.to_mod(copy.deepcopy(model), layers=[1, 3], capacity=1.0, gate=gate, causal=causal)
+        for training in (True, False):
+            model.train(training)
+            conv.train(training)
+            with torch.no_grad():
+                ref = model(ids, attention_mask=mask, use_cache=False).logits
+                out = conv(ids, attention_mask=mask, use_cache=False).logits
+            assert (out[real] - ref[real]).abs().max() <= 1e-6, (gate, training)
+        kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(conv.generate(ids, **kw), model.generate(ids, **kw)), gate
+
+
 def test_raw_and_sigmoid_gates_change_the_model_ste_keeps_it_and_trains_the_router(hf):
     model = tiny("llama")
     ids, mask = batch()
