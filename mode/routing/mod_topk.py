@@ -21,6 +21,11 @@ the host wait for the device: C is known from the shapes, every count stays on t
 Causal routing (paper sec. 3.5). Top-C looks at future tokens, so sampling needs a per-token decision:
     "predictor": a small MLP on a stop-gradient copy of the router input predicts "in the top-C" (BCE)
     "aux_bce":   a BCE loss on the router logits themselves teaches r > 0 <=> in the top-C
+    "threshold": route when r > t, a buffer steered to the target share (MoDification, arXiv 2410.14268):
+                 every training forward moves t toward the ``1 - capacity`` quantile of the batch's scores
+                 (an EMA, ``threshold_momentum``; the first batch sets it). Nothing is learned for it, so it
+                 suits converted models whose router alone is tuned; a causal call before any training
+                 forward is refused (the threshold is NaN until then)
 With ``causal=True`` a token is routed when its decision logit is > 0 (sigmoid > 0.5), and every token at
 ``capacity=1.0`` (where top-C routes them all, whatever the decision has learned: a layer converted at
 capacity 1.0 stays the identity in eval mode too); each sequence
@@ -42,7 +47,7 @@ from mode.routing.plan import Aux, RoutingPlan, RoutingStats, scalar
 
 GATES = ("raw", "sigmoid", "one", "ste")
 SELECTIONS = ("learned", "random")
-CAUSAL_METHODS = ("none", "predictor", "aux_bce")
+CAUSAL_METHODS = ("none", "predictor", "aux_bce", "threshold")
 
 
 @dataclass
@@ -53,8 +58,9 @@ class MoDRouterConfig:
     # "ste": value 1, gradient of r (straight-through; keeps a converted pretrained block's output)
     gate: str = "raw"
     selection: str = "learned"  # "random": uniformly random top-C (the paper's stochastic-routing control)
-    causal: str = "none"  # how sampling decides causally: "predictor" or "aux_bce" (see module doc)
+    causal: str = "none"  # how sampling decides causally: "predictor", "aux_bce" or "threshold" (module doc)
     causal_coef: float = 0.1  # weight of the causal BCE loss
+    threshold_momentum: float = 0.05  # "threshold": the weight of each training batch's quantile in the EMA
     predictor_hidden: int = 64
     check_finite: bool = True
 
@@ -65,6 +71,8 @@ class MoDRouterConfig:
         _checks.check_choice("selection", self.selection, SELECTIONS)
         _checks.check_choice("causal", self.causal, CAUSAL_METHODS)
         _checks.check_non_negative("causal_coef", self.causal_coef)
+        if _checks.check_fraction("threshold_momentum", self.threshold_momentum) == 0.0:
+            raise ValueError(f"threshold_momentum={self.threshold_momentum}: must be in (0, 1] (0 never moves it)")
         _checks.check_int("predictor_hidden", self.predictor_hidden)
         _checks.check_bool("check_finite", self.check_finite)
 
@@ -103,6 +111,8 @@ class MoDRouter(nn.Module):
         if cfg.causal == "predictor":
             self.predictor = nn.Sequential(nn.Linear(cfg.d_model, cfg.predictor_hidden), nn.SiLU(),
                                            nn.Linear(cfg.predictor_hidden, 1))
+        if cfg.causal == "threshold":  # NaN until the first training forward: saved and resumed with the model
+            self.register_buffer("threshold", torch.tensor(float("nan")))
 
     def seq_capacity(self, seq_len: int) -> int:
         return self.cfg.seq_capacity(seq_len)
@@ -114,6 +124,12 @@ class MoDRouter(nn.Module):
 
     def decision_logits(self, x_BSD: Tensor, r_BS: Tensor) -> Tensor:
         """Causal per-token logits: > 0 means "route". The predictor never sends gradient into x."""
+        if self.cfg.causal == "threshold":
+            if torch.isnan(self.threshold):  # one host read, on the causal path only
+                raise ValueError("causal='threshold': the threshold is not calibrated yet; run forwards in train "
+                                 "mode first (training, mode.hf.router_tune, or model.train() on a few batches "
+                                 "under torch.no_grad()): each moves it to the capacity's quantile of the scores")
+            return r_BS - self.threshold
         if self.predictor is not None:
             with _checks.float32_region(x_BSD.device):
                 x_in = x_BSD.detach().to(self.predictor[0].weight.dtype)
@@ -152,9 +168,22 @@ class MoDRouter(nn.Module):
         pos_BC = select_BS.topk(C, dim=1, sorted=False).indices.sort(dim=1).values  # original order
         valid_BC = None if mask_BS is None else mask_BS.gather(1, pos_BC)
         plan = self.plan_from_positions(r_BS, pos_BC, valid_BC, mask_BS)
-        if self.cfg.causal != "none":
+        if self.cfg.causal in ("predictor", "aux_bce"):
             self._add_causal_loss(plan, x_BSD, r_BS, pos_BC, mask_BS)
+        elif self.cfg.causal == "threshold" and self.training:
+            self._steer_threshold(r_BS, mask_BS)
         return plan
+
+    @torch.no_grad()
+    def _steer_threshold(self, r_BS: Tensor, mask_BS: Tensor | None) -> None:
+        """Move the threshold toward this batch's ``1 - capacity`` quantile of the real tokens' scores (the
+        first batch sets it), so that ``r > threshold`` routes the capacity's share of tokens."""
+        r_N = r_BS.detach().reshape(-1) if mask_BS is None else r_BS.detach()[mask_BS]
+        if r_N.numel() == 0:
+            return
+        q = torch.quantile(r_N.float(), 1.0 - self.cfg.capacity)
+        m = self.cfg.threshold_momentum
+        self.threshold.copy_(torch.where(torch.isnan(self.threshold), q, (1 - m) * self.threshold + m * q))
 
     def _add_causal_loss(self, plan: RoutingPlan, x_BSD: Tensor, r_BS: Tensor, pos_BC: Tensor,
                          mask_BS: Tensor | None) -> None:

@@ -118,6 +118,46 @@ def test_capacity_one_is_the_identity_in_train_and_eval_for_every_causal_method(
         assert torch.equal(conv.generate(ids, **kw), model.generate(ids, **kw)), gate
 
 
+@pytest.mark.parametrize("capacity", [0.25, 0.5, 0.75])
+def test_threshold_routing_steers_the_share_to_the_target_on_unseen_windows(hf, capacity):
+    """causal="threshold": training forwards steer the threshold to the capacity's quantile of the scores;
+    eval mode (the causal decision) then routes about the target share of real tokens on windows of text the
+    calibration never saw, in every converted layer. Before any training forward, eval mode refuses.
+
+    The band here is 4 points on unseen windows of the same files. The issue's 3 points on held-out *files*
+    is not met by this tiny random model (its scores follow the byte statistics of a file: 0.22-0.31 at a
+    target of 0.25 on the validation files, docs/hf.md), so it is not claimed."""
+    from mode.measure.stats import RoutingAccumulator
+    from mode.train.data import stdlib_corpus
+
+    torch.manual_seed(0)
+    data = stdlib_corpus(max_bytes=2_000_000).train
+    model = hf.to_mod(tiny("llama"), layers=[1, 3], capacity=capacity, gate="ste", causal="threshold")
+
+    def windows(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, len(data) - 64, (n,), generator=g)
+        return torch.stack([torch.from_numpy(data[i:i + 64].astype("int64")) % (V - 1) + 1 for i in starts])
+
+    with pytest.raises(ValueError, match="threshold is not calibrated"):
+        with torch.no_grad():
+            model(windows(2, 0), use_cache=False)
+    model.train()
+    with torch.no_grad():
+        for step in range(100):  # calibration: the routers' scores only; nothing is trained
+            model(windows(16, step), use_cache=False)
+    model.eval()
+    acc = RoutingAccumulator()
+    with torch.no_grad():
+        for step in range(16):  # other windows (other seeds): text the calibration did not see
+            model(windows(32, 10_000 + step), use_cache=False)
+            acc.add(hf.collect_aux(model))
+    for name in ("layers.1.mod.router", "layers.3.mod.router"):
+        share = acc.router_summary(name)["selected_frac"]
+        assert abs(share - capacity) <= 0.04, (name, share, capacity)
+    assert "model.layers.1.mod_router.threshold" in model.state_dict()  # saved and resumed with the model
+
+
 def test_raw_and_sigmoid_gates_change_the_model_ste_keeps_it_and_trains_the_router(hf):
     model = tiny("llama")
     ids, mask = batch()
