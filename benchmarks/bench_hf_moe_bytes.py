@@ -67,11 +67,10 @@ def batch() -> torch.Tensor:
     return torch.randint(3, 256, (BATCH, SEQ + 1), generator=g)
 
 
-def _step(model, ids_bS, counter=None, scale: float = 1.0 / WORLD):
+def _step(model, opt, ids_bS, counter=None, scale: float = 1.0 / WORLD):
     """One training step (forward, backward, AdamW) on these rows; the counter's phase follows it."""
     import torch.nn.functional as F
 
-    opt = model._bench_opt
     if counter is not None:
         counter.phase = "forward"
     logits = model(input_ids=ids_bS[:, :-1]).logits
@@ -95,12 +94,12 @@ def run_mode(rank: int, dp: int, ep: int, dedup: bool) -> dict:
     torch.manual_seed(0)
     model = mh.to_mode_moe(tf.AutoModelForCausalLM.from_config(qwen3_config()).float())
     parallelize(model, build_mesh(ParallelDims(dp, ep), timeout_s=60), dedup=dedup)
-    model._bench_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     b = BATCH // WORLD
     rows = batch()[rank * b:(rank + 1) * b]
-    _step(model, rows)  # warm-up
+    _step(model, opt, rows)  # warm-up
     with CollectiveBytes() as counter:
-        _step(model, rows, counter)
+        _step(model, opt, rows, counter)
     return counter.table()
 
 
@@ -121,11 +120,11 @@ def run_transformers(rank: int, tmp: str) -> dict:
     model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                     distributed_config=DistributedConfig(tp_size=WORLD, ep_size=WORLD))
     model.train()
-    model._bench_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     rows = batch()  # tensor parallelism: the same (whole) batch on every rank
-    _step(model, rows, scale=1.0)  # warm-up
+    _step(model, opt, rows, scale=1.0)  # warm-up
     with CollectiveBytes() as counter:
-        _step(model, rows, counter, scale=1.0)
+        _step(model, opt, rows, counter, scale=1.0)
     return counter.table()
 
 

@@ -58,7 +58,7 @@ def family_of(block: nn.Module) -> str:
     return FAMILIES[name]
 
 
-def check_config(config, family: str) -> None:
+def check_config(config) -> None:
     """The options of a family's config that mode's layer does not compute refuse here, by name."""
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: mode's SwiGLU experts use silu")
@@ -73,7 +73,7 @@ def moe_config(config, family: str, *, backend: str = "auto", balance_coef: floa
     """The ``MoEConfig`` of a transformers config's sparse block (``family``: a value of ``FAMILIES``)."""
     if family not in _SIZES:
         raise ValueError(f"family={family!r}: must be one of {sorted(_SIZES)}")
-    check_config(config, family)
+    check_config(config)
     experts_field, hidden_field = _SIZES[family]
     renormalize = True if family == "mixtral" else bool(config.norm_topk_prob)
     common = dict(d_model=config.hidden_size, d_hidden=getattr(config, hidden_field),
@@ -150,5 +150,4 @@ def hf_names(layer: MoELayer, block: nn.Module) -> dict[str, str]:
 
 def from_block(block: nn.Module, config=None, **kw) -> MoELayer:
     """A ``MoELayer`` computing what ``block`` computes, on a copy of its tensors (``adopt_block`` shares them)."""
-    config = config if config is not None else getattr(block, "config", None)
     return adopt_block(copy.deepcopy(block), config, **kw)

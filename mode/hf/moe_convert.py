@@ -47,8 +47,9 @@ from mode.layers.moe import MoELayer
 from mode.measure.flops import mlp_flops_per_token
 from mode.measure.stats import RoutingAccumulator
 from mode.routing.keys import MOE, router_key
+from mode.train.checkpoint import replace_dir
 
-MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_MODEL_TYPES = tuple(FAMILIES.values())  # a family's model_type is its name in moe_blocks
 # What mode lacks for a few MoE families people ask about (the refusal names it)
 MISSING = {
     "gpt_oss": "experts with biases and gpt-oss's clamped SwiGLU (alpha, limit), and attention sinks",
@@ -198,13 +199,7 @@ def _write_transformers(model: nn.Module, state: dict[str, Tensor], path: Path) 
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import warnings
 from pathlib import Path
 
@@ -73,12 +72,7 @@ def save_state(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim
         dcp.save(_tensor_state(model, optimizer)[0], storage_writer=FileSystemWriter(tmp), no_dist=not distributed)
     if rank == 0:
         checkpoint.atomic_write_text(tmp / EXTRA, text)
-        old = path.parent / f".{path.name}.old-{secrets.token_hex(4)}" if path.exists() else None
-        if old is not None:
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        checkpoint.replace_dir(tmp, path)
     if distributed:
         dist.barrier()  # nobody reads ``path`` before rank 0 has renamed it
     return path

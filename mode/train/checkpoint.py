@@ -36,6 +36,7 @@ import dataclasses
 import io
 import numbers
 import os
+import shutil
 import pickle
 import secrets
 import time
@@ -143,6 +144,22 @@ def atomic_write(path: str | Path, data: bytes) -> Path:
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, text.encode("utf-8"))
+
+
+def replace_dir(tmp: str | Path, path: str | Path) -> Path:
+    """Put the complete folder ``tmp`` at ``path`` (a sibling of it), replacing any folder there: the old one
+    is renamed aside, ``tmp`` renamed in, the parent fsynced, then the old one removed. ``path`` names the old
+    folder or the new one at every moment, never a mix (a crash between the two renames leaves the old one
+    aside, under a name starting with ``.<name>.old-``)."""
+    tmp, path = Path(tmp), Path(path)
+    old = path.parent / f".{path.name}.old-{secrets.token_hex(4)}" if path.exists() else None
+    if old is not None:
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
 
 
 def prepare_dir(path: str | Path, name: str = "out") -> Path:
