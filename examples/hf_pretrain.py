@@ -6,7 +6,8 @@
 Nothing can be downloaded on the machines this project is built on, so ``examples/hf_convert.py`` had no
 trained model to convert. This trains one: ``LlamaForCausalLM`` from transformers itself (not mode's LM),
 the 256 byte values as its vocabulary, on the Python standard library's sources (``mode.train.data``), with
-AdamW, warm-up and cosine decay, then ``save_pretrained`` (safetensors). A trained model is what makes
+``mode.train``'s optimizer and schedule (AdamW, matrices decay; linear warm-up, cosine decay to a tenth),
+then ``save_pretrained`` (safetensors). A trained model is what makes
 the conversion's numbers mean something: a random model's loss is ln 256 whatever routes.
 
 Needs the ``hf`` extra (``pip install -e '.[hf]'``). Shape legend: B batch, S sequence.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -26,7 +26,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from mode.train.config import TrainConfig  # noqa: E402
 from mode.train.data import BatchSampler, eval_batches, stdlib_corpus  # noqa: E402
+from mode.train.optim import build_optimizer, lr_at  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -57,10 +59,9 @@ def main(argv: list[str] | None = None) -> dict:
     corpus = stdlib_corpus(max_bytes=args.corpus_bytes)
     sampler = BatchSampler(corpus.train, args.batch, args.seq_len, args.seed)
     val = eval_batches(corpus.val, args.batch, args.seq_len, 8)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = max(1, args.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
+    train_cfg = TrainConfig(steps=args.steps, batch_size=args.batch, lr=args.lr,
+                            warmup_steps=max(1, args.steps // 20), seed=args.seed)
+    opt = build_optimizer(model, train_cfg)
 
     def val_loss() -> float:
         model.eval()
@@ -77,11 +78,12 @@ def main(argv: list[str] | None = None) -> dict:
     for step in bar:
         x_BS, y_BS = sampler.next()
         loss = F.cross_entropy(model(x_BS).logits.transpose(1, 2), y_BS)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, train_cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip)
         opt.step()
-        sched.step()
         if step % 10 == 0:
             tok_s = (step + 1) * args.batch * args.seq_len / (time.perf_counter() - start)
             bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tok_s:,.0f}")

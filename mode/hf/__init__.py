@@ -4,6 +4,8 @@ models (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) on mode's MoE layers,
 
     import mode.hf as mh
     mh.to_mod(model, layers="every_other", capacity=0.125, gate="ste", causal="aux_bce")   # in place
+    mh.to_mod(model, capacity=0.5, part="attention")   # skip only attention (no K/V for skipped tokens)
+    mh.calibrate(model, batches)              # steer the causal thresholds to the capacity's share
     model.generate(...)                       # eval mode routes causally; MoD layers keep sparse KV caches
     with mh.routing(model, "topk"): ...       # pick the routing explicitly
     aux = mh.collect_aux(model)               # layers.{i}.mod.* / layers.{i}.moe.* losses and stats
@@ -23,10 +25,10 @@ from mode.hf.convert import mod_layers, to_mod
 from mode.hf.mod_layer import MoDLayerMixin
 from mode.hf.routing import collect_aux, routing
 from mode.hf.upcycle import UpcycledMLP, upcycle, upcycled_mlps
-from mode.hf.tune import freeze_base, router_parameters, router_tune
+from mode.hf.tune import calibrate, freeze_base, router_parameters, router_tune
 from mode.hf.conversion_io import load_conversion, save_conversion
 from mode.hf.moe_convert import ConvertedMoE, converted_moe, moe_report, save_transformers, to_mode_moe
 
-__all__ = ["ConvertedMoE", "MoDCacheLayer", "converted_moe", "moe_report", "save_transformers", "to_mode_moe", "MoDLayerMixin", "UpcycledMLP", "collect_aux", "freeze_base", "load_conversion",
+__all__ = ["ConvertedMoE", "calibrate", "MoDCacheLayer", "converted_moe", "moe_report", "save_transformers", "to_mode_moe", "MoDLayerMixin", "UpcycledMLP", "collect_aux", "freeze_base", "load_conversion",
            "mod_layers", "router_parameters", "router_tune", "routing", "save_conversion", "to_mod", "upcycle",
            "upcycled_mlps"]

@@ -9,7 +9,7 @@ from torch import nn
 
 from mode import _checks
 from mode.hf._compat import check_attention, check_model_type, decoder_config, decoder_layers, layer_index
-from mode.hf.mod_layer import MoDLayerMixin, mod_class
+from mode.hf.mod_layer import PARTS, MoDLayerMixin, mod_class
 from mode.routing.mod_topk import CAUSAL_METHODS, GATES, MoDRouter, MoDRouterConfig
 
 LAYER_PATTERNS = ("every_other", "all")
@@ -34,20 +34,28 @@ def resolve_layers(layers: str | Sequence[int], n_layers: int) -> list[int]:
 
 def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capacity: float = 0.125,
            gate: str = "ste", causal: str = "aux_bce", causal_coef: float = 0.1,
-           predictor_hidden: int = 64) -> nn.Module:
+           predictor_hidden: int = 64, part: str = "layer", steer_decision: bool = True) -> nn.Module:
     """Convert decoder layers of ``model`` (Llama, Qwen2, Mistral; sdpa or eager attention) to MoD, in place.
 
     ``capacity``: fraction of each sequence routed through a converted layer when training (top-C).
+    ``part``: what a token the router does not pick skips: ``"layer"`` (the whole layer), ``"attention"``
+    (only the attention half: no K/V is stored for it there) or ``"mlp"`` (only the MLP half).
     ``gate``: what multiplies a routed token's update, see ``mode.routing.mod_topk``; the default ``"ste"``
     leaves the model's output unchanged at capacity 1.0 and still trains the router. ``causal``: how the
-    layer decides token by token when sampling (``"aux_bce"`` or ``"predictor"``; ``"none"`` cannot
-    generate). Returns ``model``; the spec of the conversion is kept in ``model.mode_conversion``.
+    layer decides token by token when sampling (``"aux_bce"``, ``"predictor"``, ``"threshold"``; ``"none"``
+    cannot generate). ``steer_decision`` (aux_bce / predictor): the decision passes a threshold steered to
+    the capacity's share by train-mode forwards, so an untrained decision routes the target share; below
+    capacity 1.0, causal routing is refused until a train-mode forward (``router_tune``, ``calibrate``) has
+    set it. Returns ``model``; the spec of the conversion is kept in ``model.mode_conversion``.
     """
     check_model_type(model)
     config = decoder_config(model)
     check_attention(config)
     _checks.check_choice("gate", gate, GATES)
     _checks.check_choice("causal", causal, CAUSAL_METHODS)
+    _checks.check_choice("part", part, PARTS)
+    _checks.check_bool("steer_decision", steer_decision)
+    steer = steer_decision and causal in ("aux_bce", "predictor")
     all_layers = decoder_layers(model)
     chosen = resolve_layers(layers, len(all_layers))
     d_model = config.hidden_size
@@ -57,9 +65,16 @@ def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capaci
         if isinstance(layer, MoDLayerMixin):
             raise ValueError(f"layers: layer {i} is already a MoD layer")
         assert layer_index(layer) == i, "decoder layer order differs from self_attn.layer_idx"
+        missing = [name for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+                   if not hasattr(layer, name)]
+        if missing:
+            raise ValueError(f"layers: layer {i} ({type(layer).__name__}) has no {missing}: to_mod needs the "
+                             "Llama-style pre-norm layer (attention, then MLP)")
         router = MoDRouter(MoDRouterConfig(d_model=d_model, capacity=capacity, gate=gate, causal=causal,
-                                           causal_coef=causal_coef, predictor_hidden=predictor_hidden))
+                                           causal_coef=causal_coef, predictor_hidden=predictor_hidden,
+                                           steer_decision=steer))
         layer.mod_router = router.to(device=ref.device, dtype=torch.float32)  # routers stay in float32
+        layer.mod_part = part
         layer.__class__ = mod_class(type(layer))
     if hasattr(model, "_get_candidate_generator"):  # generate()'s entry to assisted / speculative decoding
         model._get_candidate_generator = _refuse_assisted
@@ -67,7 +82,7 @@ def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capaci
     mod = spec.setdefault("mod", {})
     for i in chosen:
         mod[str(i)] = {"capacity": capacity, "gate": gate, "causal": causal, "causal_coef": causal_coef,
-                       "predictor_hidden": predictor_hidden}
+                       "predictor_hidden": predictor_hidden, "part": part, "steer_decision": steer_decision}
     model.mode_conversion = spec
     return model
 

@@ -8,13 +8,20 @@ one new submodule, ``mod_router`` (mode's ``MoDRouter``). Nothing else moves: th
 original ones plus ``...mod_router.*``, and transformers' hooks that match decoder layers by class
 (``output_hidden_states``) still match and record the full ``(B, S, D)`` output.
 
-A call: the router picks the routed tokens (top-C of each row when training, or the causal decision
-``r > 0`` when sampling, see ``mode.hf.routing``); pads never route. The routed tokens are gathered
-together with the model's own cos/sin at their true positions and the model's own mask restricted to them
-(``mode.hf.mask``); the original layer runs on those C tokens; each routed token gets
-``x + g * (layer(x) - x)`` (the gate ``g`` from the router, exactly 1 for ``gate="ste"`` and ``"one"``) and
-is scattered back; the other tokens are copied through unchanged. With a cache, the layer's cache becomes
-a ``MoDCacheLayer``, which stores only routed tokens (``mode.hf.cache``).
+A call: the router picks the routed tokens (top-C of each row when training, or the causal decision when
+sampling, see ``mode.hf.routing``); pads never route. What a token the router does not pick skips is
+``mod_part``:
+    "layer"      the whole layer (Raposo et al.): routed tokens go through the original layer's forward
+    "attention"  only the attention half (Router-Tuning / MindSkip, arXiv 2410.13184); every token then goes
+                 through the MLP half
+    "mlp"        only the MLP half; every token goes through the attention half first (the model's own dense
+                 cache), and the router reads the attention's output
+For "layer" and "attention" the routed tokens are gathered together with the model's own cos/sin at their
+true positions and the model's own mask restricted to them (``mode.hf.mask``), so the attention sees only
+routed keys; the layer's cache becomes a ``MoDCacheLayer``, which stores only routed tokens
+(``mode.hf.cache``). Each routed token gets ``x + g * (part(x) - x)`` (the gate ``g`` from the router,
+exactly 1 for ``gate="ste"`` and ``"one"``) and is scattered back; the other tokens are copied through
+unchanged.
 """
 
 from __future__ import annotations
@@ -29,14 +36,17 @@ from mode.routing.mod_topk import MoDRouter
 from mode.routing.plan import Aux
 
 ROUTING = ("auto", "topk", "causal", "dense")  # "dense": the original layer, no routing (a teacher)
+PARTS = ("layer", "attention", "mlp")  # what a token the router does not pick skips
 
 
 class MoDLayerMixin:
-    """Put in front of a decoder-layer class by ``to_mod``; expects ``self.mod_router`` and
-    ``self.mod_routing`` (one of ``ROUTING``), and leaves the last call's routing result in ``self.mod_aux``."""
+    """Put in front of a decoder-layer class by ``to_mod``; expects ``self.mod_router``, ``self.mod_routing``
+    (one of ``ROUTING``) and ``self.mod_part`` (one of ``PARTS``), and leaves the last call's routing result
+    in ``self.mod_aux``."""
 
     mod_router: MoDRouter
     mod_routing: str = "auto"
+    mod_part: str = "layer"
     mod_aux: Aux | None = None
 
     def mod_causal(self) -> bool:  # not called in "dense" mode
@@ -46,11 +56,18 @@ class MoDLayerMixin:
             return not self.training and self.mod_router.cfg.causal != "none"
         return self.mod_routing == "causal"
 
+    # The two halves of the decoder layer (Llama, Qwen2 and Mistral write it exactly so; a test checks that
+    # attention-then-MLP through these equals the layer's own forward).
+    def attention_sublayer(self, x_BSD: Tensor, **attn_kwargs) -> Tensor:
+        return x_BSD + self.self_attn(hidden_states=self.input_layernorm(x_BSD), **attn_kwargs)[0]
+
+    def mlp_sublayer(self, h_BSD: Tensor) -> Tensor:
+        return h_BSD + self.mlp(self.post_attention_layernorm(h_BSD))
+
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
                 position_embeddings: tuple[Tensor, Tensor] | None = None, **kwargs) -> Tensor:
         x_BSD = hidden_states
-        B, S, D = x_BSD.shape
         attn = self.self_attn
         if self.mod_routing == "dense":
             self.mod_aux = None
@@ -62,11 +79,24 @@ class MoDLayerMixin:
                                    past_key_values=past_key_values, use_cache=use_cache,
                                    position_embeddings=position_embeddings, **kwargs)
         check_attention(attn.config)
+        if self.mod_part == "mlp":  # attention over every token (the model's own cache), then route the MLP
+            P = 0 if past_key_values is None else past_key_values.get_seq_length(attn.layer_idx)
+            real_BS, causal = self._routing_inputs(x_BSD, attention_mask, P)
+            h_BSD = self.attention_sublayer(x_BSD, attention_mask=attention_mask, position_ids=position_ids,
+                                            past_key_values=past_key_values, use_cache=use_cache,
+                                            position_embeddings=position_embeddings, **kwargs)
+            plan, slot_BC, valid_BC = self._route(h_BSD, real_BS, causal)
+            if plan.seq_capacity == 0:
+                return h_BSD
+            h_BCD = _gather_rows(h_BSD, slot_BC)
+            return self._combine(h_BSD, h_BCD, self.mlp_sublayer(h_BCD), plan, slot_BC, valid_BC)
+
         if position_embeddings is None:
             raise ValueError("position_embeddings=None: a MoD layer gathers the model's own cos/sin at the routed "
                              "tokens' positions; call it through the model")
         cache = None if past_key_values is None else mod_cache_layer(past_key_values, attn.layer_idx)
         P = 0 if cache is None else cache.get_seq_length()
+        S = x_BSD.shape[1]
         # Qwen2 keeps the window on the attention (None for its full layers), Mistral only in the config.
         window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
         if cache is not None and window is not None and P + S > window:
@@ -74,30 +104,52 @@ class MoDLayerMixin:
                              "sparse cache needs the whole sequence within the window (the mask switches to "
                              "window coordinates once it fills); raise the window or convert full-attention "
                              "layers only")
+        real_BS, causal = self._routing_inputs(x_BSD, attention_mask, P)
+        plan, slot_BC, valid_BC = self._route(x_BSD, real_BS, causal)
+        if plan.seq_capacity == 0:  # nothing routed (causal decode, most steps): no attention, nothing stored
+            if cache is not None:
+                cache.skip(S)
+            return x_BSD if self.mod_part == "layer" else self.mlp_sublayer(x_BSD)
+
+        x_BCD = _gather_rows(x_BSD, slot_BC)
+        sublayer = super().forward if self.mod_part == "layer" else self.attention_sublayer
+        y_BCD = self._sparse_attention_call(sublayer, x_BCD, slot_BC, valid_BC, cache, P, S, attention_mask,
+                                            position_ids, past_key_values, use_cache, position_embeddings, **kwargs)
+        out_BSD = self._combine(x_BSD, x_BCD, y_BCD, plan, slot_BC, valid_BC)
+        return out_BSD if self.mod_part == "layer" else self.mlp_sublayer(out_BSD)
+
+    def _routing_inputs(self, x_BSD: Tensor, attention_mask: Tensor | None, P: int) -> tuple[Tensor | None, bool]:
+        """``(real_BS, causal)``: which tokens are real (pads never route) and how this call routes."""
+        B, S, _ = x_BSD.shape
         hf_mask.check_mask(attention_mask, B, S, P)
         causal = self.mod_causal()
         if not causal and P > 0:
             raise ValueError("mod routing='topk' with a cache that already holds tokens: top-C routing looks at "
                              "the whole sequence and cannot decode token by token; use causal routing "
                              "(model.eval(), or mode.hf.routing(model, 'causal'))")
+        return hf_mask.real_tokens(attention_mask, B, S, P), causal
 
-        real_BS = hf_mask.real_tokens(attention_mask, B, S, P)
+    def _route(self, x_BSD: Tensor, real_BS: Tensor | None, causal: bool):
+        """The router's plan for ``x_BSD`` and its slots: ``slot_BC`` (positions in the call), ``valid_BC``."""
+        B, S, _ = x_BSD.shape
         plan = self.mod_router(x_BSD, real_BS, causal=causal)
         self.mod_aux = plan.aux
         C = plan.seq_capacity
-        if C == 0:  # nothing routed (causal decode, most steps): the layer is skipped and stores nothing
-            if cache is not None:
-                cache.skip(S)
-            return x_BSD
-
         dev = x_BSD.device
         slot_BC = plan.token_idx_A.view(B, C) - torch.arange(B, device=dev)[:, None] * S
         valid_BC = (torch.ones(B, C, dtype=torch.bool, device=dev) if plan.valid_A is None
                     else plan.valid_A.view(B, C))
-        x_BCD = x_BSD.gather(1, slot_BC[..., None].expand(B, C, D))
+        return plan, slot_BC, valid_BC
+
+    def _sparse_attention_call(self, sublayer, x_BCD: Tensor, slot_BC: Tensor, valid_BC: Tensor, cache, P: int,
+                               S: int, attention_mask, position_ids, past_key_values, use_cache, position_embeddings,
+                               **kwargs) -> Tensor:
+        """``sublayer`` (the whole layer, or its attention half) on the routed tokens: the model's cos/sin at
+        their true positions, its mask restricted to them, the sparse cache holding only routed keys."""
+        B, C = slot_BC.shape
+        dev = x_BCD.device
         cos, sin = (_gather_rows(t, slot_BC) for t in position_embeddings)  # RoPE at the true positions
         pos_BC = None if position_ids is None else _gather_rows(position_ids, slot_BC)
-
         # Key columns, in the order the attention will see them: this row's stored keys, then the C new ones.
         query_col_BC = P + slot_BC
         stored_slot_BL, stored_len_B = (None, None) if cache is None else cache.stored()
@@ -108,16 +160,14 @@ class MoDLayerMixin:
             cols_BJ = torch.cat([stored_slot_BL, query_col_BC], 1)
             col_ok_BJ = torch.cat([torch.arange(L, device=dev) < stored_len_B[:, None], valid_BC], 1)
             own_col_BC = L + torch.arange(C, device=dev).expand(B, C)
-        fmt = torch.bool if attn.config._attn_implementation == "sdpa" else x_BSD.dtype
+        fmt = torch.bool if self.self_attn.config._attn_implementation == "sdpa" else x_BCD.dtype
         sub_mask = hf_mask.restrict(attention_mask, slot_BC, query_col_BC, cols_BJ, col_ok_BJ, valid_BC,
                                     own_col_BC, fmt)
-
         if cache is not None:
             cache.stage(valid_BC, query_col_BC, S)
         try:
-            y_BCD = super().forward(x_BCD, attention_mask=sub_mask, position_ids=pos_BC,
-                                    past_key_values=past_key_values, use_cache=use_cache,
-                                    position_embeddings=(cos, sin), **kwargs)
+            y_BCD = sublayer(x_BCD, attention_mask=sub_mask, position_ids=pos_BC, past_key_values=past_key_values,
+                             use_cache=use_cache, position_embeddings=(cos, sin), **kwargs)
         except BaseException:
             if cache is not None:
                 cache.unstage()  # the cache stays as it was before this call
@@ -125,7 +175,12 @@ class MoDLayerMixin:
         if isinstance(y_BCD, tuple):  # transformers 5.x layers return a bare tensor; older ones a tuple
             y_BCD = y_BCD[0]
         assert cache is None or cache.committed(), "the layer's attention did not write to the MoD cache layer"
+        return y_BCD
 
+    def _combine(self, x_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, plan, slot_BC: Tensor,
+                 valid_BC: Tensor) -> Tensor:
+        """Each routed token gets ``x + g * (y - x)`` and is scattered back; the others pass unchanged."""
+        B, C, D = x_BCD.shape
         gate = self.mod_router.cfg.gate
         if gate != "one":
             w_BC1 = plan.weight_A.view(B, C, 1).to(x_BCD.dtype)

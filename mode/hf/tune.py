@@ -132,6 +132,35 @@ def router_tune(model: nn.Module, batches: Iterable, steps: int, lr: float = 1e-
     return history
 
 
+@torch.no_grad()
+def calibrate(model: nn.Module, batches: Iterable) -> dict[int, float]:
+    """Set the steered routing thresholds of ``model``'s MoD layers (``causal="threshold"``, or
+    ``steer_decision``) from top-C forwards in train mode over ``batches``, without gradients and without
+    changing a weight: the first batch sets each threshold to its quantile, the others move it (EMA).
+    Returns each steered layer's threshold. Thresholds set before are started afresh."""
+    steered = {i: layer.mod_router for i, layer in mod_layers(model).items() if layer.mod_router.steers}
+    if not steered:
+        raise ValueError("calibrate: the model has no MoD layer with a steered threshold (to_mod with "
+                         "causal='threshold', or 'aux_bce' / 'predictor' with steer_decision=True)")
+    for router in steered.values():
+        router.threshold.fill_(float("nan"))
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.train()
+    seen = 0
+    try:
+        for batch in batches:
+            ids_BS, mask_BS = _as_batch(batch, device)
+            with routing(model, "topk"):
+                model(ids_BS, attention_mask=mask_BS, position_ids=_positions(mask_BS), use_cache=False)
+            seen += 1
+    finally:
+        model.train(was_training)
+    if seen == 0:
+        raise ValueError("batches: yielded nothing")
+    return {i: float(router.threshold) for i, router in steered.items()}
+
+
 def _teacher_logits(model, teacher, ids_BS, mask_BS, pos_BS) -> Tensor:
     if teacher is not None:
         return teacher(ids_BS, attention_mask=mask_BS, position_ids=pos_BS, use_cache=False).logits

@@ -26,6 +26,11 @@ Causal routing (paper sec. 3.5). Top-C looks at future tokens, so sampling needs
                  (an EMA, ``threshold_momentum``; the first batch sets it). Nothing is learned for it, so it
                  suits converted models whose router alone is tuned; a causal call before any training
                  forward is refused (the threshold is NaN until then)
+``steer_decision=True`` (what ``mode.hf.to_mod`` uses) gives "predictor" and "aux_bce" the same steered
+threshold: a token is routed when its decision logit passes ``threshold``, which training forwards move to
+the ``1 - capacity`` quantile of the decision logits. An untrained decision then routes the target share
+from the first calibrated call on, instead of whatever share ``logit > 0`` happens to give (about half the
+tokens for a fresh router); as the BCE loss teaches ``logit > 0 <=> top-C``, the threshold goes to 0.
 With ``causal=True`` a token is routed when its decision logit is > 0 (sigmoid > 0.5), and every token at
 ``capacity=1.0`` (where top-C routes them all, whatever the decision has learned: a layer converted at
 capacity 1.0 stays the identity in eval mode too); each sequence
@@ -61,6 +66,7 @@ class MoDRouterConfig:
     causal: str = "none"  # how sampling decides causally: "predictor", "aux_bce" or "threshold" (module doc)
     causal_coef: float = 0.1  # weight of the causal BCE loss
     threshold_momentum: float = 0.05  # "threshold": the weight of each training batch's quantile in the EMA
+    steer_decision: bool = False  # "predictor" / "aux_bce": route when the logit passes a steered threshold
     predictor_hidden: int = 64
     check_finite: bool = True
 
@@ -73,6 +79,10 @@ class MoDRouterConfig:
         _checks.check_non_negative("causal_coef", self.causal_coef)
         if _checks.check_fraction("threshold_momentum", self.threshold_momentum) == 0.0:
             raise ValueError(f"threshold_momentum={self.threshold_momentum}: must be in (0, 1] (0 never moves it)")
+        _checks.check_bool("steer_decision", self.steer_decision)
+        if self.steer_decision and self.causal not in ("predictor", "aux_bce"):
+            raise ValueError(f"steer_decision=True with causal={self.causal!r}: only 'predictor' and 'aux_bce' have a "
+                             "learned decision to steer ('threshold' always steers; 'none' has no decision)")
         _checks.check_int("predictor_hidden", self.predictor_hidden)
         _checks.check_bool("check_finite", self.check_finite)
 
@@ -111,8 +121,13 @@ class MoDRouter(nn.Module):
         if cfg.causal == "predictor":
             self.predictor = nn.Sequential(nn.Linear(cfg.d_model, cfg.predictor_hidden), nn.SiLU(),
                                            nn.Linear(cfg.predictor_hidden, 1))
-        if cfg.causal == "threshold":  # NaN until the first training forward: saved and resumed with the model
+        if self.steers:  # NaN until the first training forward: saved and resumed with the model
             self.register_buffer("threshold", torch.tensor(float("nan")))
+
+    @property
+    def steers(self) -> bool:
+        """Does the causal decision compare against the steered ``threshold`` buffer?"""
+        return self.cfg.causal == "threshold" or self.cfg.steer_decision
 
     def seq_capacity(self, seq_len: int) -> int:
         return self.cfg.seq_capacity(seq_len)
@@ -122,19 +137,25 @@ class MoDRouter(nn.Module):
         with _checks.float32_region(x_BSD.device):
             return x_BSD.float() @ self.weight.float()
 
-    def decision_logits(self, x_BSD: Tensor, r_BS: Tensor) -> Tensor:
-        """Causal per-token logits: > 0 means "route". The predictor never sends gradient into x."""
-        if self.cfg.causal == "threshold":
-            if torch.isnan(self.threshold):  # one host read, on the causal path only
-                raise ValueError("causal='threshold': the threshold is not calibrated yet; run forwards in train "
-                                 "mode first (training, mode.hf.router_tune, or model.train() on a few batches "
-                                 "under torch.no_grad()): each moves it to the capacity's quantile of the scores")
-            return r_BS - self.threshold
+    def raw_decision_logits(self, x_BSD: Tensor, r_BS: Tensor) -> Tensor:
+        """The learned (or, for "threshold", the plain) decision logits before any threshold: the predictor's
+        output, else the router's scores. The predictor never sends gradient into x."""
         if self.predictor is not None:
             with _checks.float32_region(x_BSD.device):
                 x_in = x_BSD.detach().to(self.predictor[0].weight.dtype)
                 return self.predictor(x_in).squeeze(-1).float()
         return r_BS
+
+    def decision_logits(self, x_BSD: Tensor, r_BS: Tensor) -> Tensor:
+        """Causal per-token logits: > 0 means "route"."""
+        logit_BS = self.raw_decision_logits(x_BSD, r_BS)
+        if not self.steers:
+            return logit_BS
+        if torch.isnan(self.threshold):  # one host read, on the causal path only
+            raise ValueError(f"causal={self.cfg.causal!r}: the routing threshold is not calibrated yet; run forwards "
+                             "in train mode first (training, mode.hf.router_tune, or mode.hf.calibrate(model, "
+                             "batches)): each moves it to the capacity's quantile of the decision logits")
+        return logit_BS - self.threshold
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, causal: bool = False) -> RoutingPlan:
         _checks.check_hidden("x", x_BSD, self.cfg.d_model, device=self.weight.device)
@@ -168,28 +189,28 @@ class MoDRouter(nn.Module):
         pos_BC = select_BS.topk(C, dim=1, sorted=False).indices.sort(dim=1).values  # original order
         valid_BC = None if mask_BS is None else mask_BS.gather(1, pos_BC)
         plan = self.plan_from_positions(r_BS, pos_BC, valid_BC, mask_BS)
-        if self.cfg.causal in ("predictor", "aux_bce"):
-            self._add_causal_loss(plan, x_BSD, r_BS, pos_BC, mask_BS)
-        elif self.cfg.causal == "threshold" and self.training:
-            self._steer_threshold(r_BS, mask_BS)
+        if self.cfg.causal in ("predictor", "aux_bce", "threshold"):
+            logit_BS = self.raw_decision_logits(x_BSD, r_BS)
+            if self.cfg.causal != "threshold":
+                self._add_causal_loss(plan, logit_BS, pos_BC, mask_BS)
+            if self.steers and self.training:
+                self._steer_threshold(logit_BS, mask_BS)
         return plan
 
     @torch.no_grad()
-    def _steer_threshold(self, r_BS: Tensor, mask_BS: Tensor | None) -> None:
-        """Move the threshold toward this batch's ``1 - capacity`` quantile of the real tokens' scores (the
-        first batch sets it), so that ``r > threshold`` routes the capacity's share of tokens."""
-        r_N = r_BS.detach().reshape(-1) if mask_BS is None else r_BS.detach()[mask_BS]
+    def _steer_threshold(self, logit_BS: Tensor, mask_BS: Tensor | None) -> None:
+        """Move the threshold toward this batch's ``1 - capacity`` quantile of the real tokens' decision
+        logits (the first batch sets it), so that ``logit > threshold`` routes the capacity's share of tokens."""
+        r_N = logit_BS.detach().reshape(-1) if mask_BS is None else logit_BS.detach()[mask_BS]
         if r_N.numel() == 0:
             return
         q = torch.quantile(r_N.float(), 1.0 - self.cfg.capacity)
         m = self.cfg.threshold_momentum
         self.threshold.copy_(torch.where(torch.isnan(self.threshold), q, (1 - m) * self.threshold + m * q))
 
-    def _add_causal_loss(self, plan: RoutingPlan, x_BSD: Tensor, r_BS: Tensor, pos_BC: Tensor,
-                         mask_BS: Tensor | None) -> None:
+    def _add_causal_loss(self, plan: RoutingPlan, logit_BS: Tensor, pos_BC: Tensor, mask_BS: Tensor | None) -> None:
         """BCE teaching the causal decision logit to predict top-C membership (the training target)."""
-        target_BS = torch.zeros_like(r_BS).scatter_(1, pos_BC, 1.0)  # 1 where top-C
-        logit_BS = self.decision_logits(x_BSD, r_BS)
+        target_BS = torch.zeros_like(logit_BS).scatter_(1, pos_BC, 1.0)  # 1 where top-C
         weight_BS = None if mask_BS is None else mask_BS.float()
         loss = F.binary_cross_entropy_with_logits(logit_BS, target_BS, weight=weight_BS, reduction="sum")
         n_real = plan.aux.stats["router"].tokens

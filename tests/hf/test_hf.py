@@ -6,51 +6,16 @@ installed (CI installs only ``.[test]``); the straight-through gate of ``MoDRout
 """
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from mode.routing.mod_topk import GATES, MoDRouter, MoDRouterConfig
 
-FAMILIES = ("llama", "qwen2", "mistral")
-ATTENTIONS = ("sdpa", "eager")
-V, PAD = 97, 0
-
-
-@pytest.fixture
-def hf():
-    pytest.importorskip("transformers", reason="mode.hf needs transformers 5.x: pip install -e '.[hf]'")
-    import mode.hf as mh
-
-    return mh
-
-
-def tiny(family: str, attn: str = "sdpa", layers: int = 4, **overrides):
-    """A tiny random decoder (hidden 64, GQA 4/2), eval mode."""
-    import transformers as tf
-
-    cfg_cls, model_cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-                          "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-                          "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[family]
-    kw = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-              attn_implementation=attn, pad_token_id=PAD, bos_token_id=None, eos_token_id=None)
-    kw.update(overrides)
-    return model_cls(cfg_cls(**kw)).eval()
-
-
-def batch(B: int = 2, S: int = 12, left_pad: int = 0):
-    """Token ids and a 2D mask; row 1 is left-padded by ``left_pad`` tokens."""
-    ids = torch.randint(1, V, (B, S))
-    mask = torch.ones(B, S, dtype=torch.long)
-    if left_pad:
-        ids[1, :left_pad], mask[1, :left_pad] = PAD, 0
-    return ids, mask
-
-
-def positions(mask):
-    """Positions as generate() numbers them: real tokens only."""
-    return (mask.cumsum(-1) - 1).clamp_min(0)
+sys.path.insert(0, str(Path(__file__).parent))
+from mod_models import ATTENTIONS, FAMILIES, V, batch, converted, positions, tiny  # noqa: E402
 
 
 # -- the straight-through gate (no transformers needed) --
@@ -92,7 +57,7 @@ def test_capacity_one_equals_original(hf, family, attn, left_pad):
         assert [h.shape for h in out.hidden_states] == [h.shape for h in ref.hidden_states]
         added = set(conv.state_dict()) - keys
         assert keys <= set(conv.state_dict())
-        assert added == {"model.layers.0.mod_router.weight", "model.layers.2.mod_router.weight"}
+        assert added == {f"model.layers.{i}.mod_router.{n}" for i in (0, 2) for n in ("weight", "threshold")}
         assert type(conv.model.layers[0]).__name__ == f"MoD{type(model.model.layers[0]).__name__}"
 
 
@@ -119,20 +84,23 @@ def test_capacity_one_is_the_identity_in_train_and_eval_for_every_causal_method(
 
 
 @pytest.mark.parametrize("capacity", [0.25, 0.5, 0.75])
-def test_threshold_routing_steers_the_share_to_the_target_on_unseen_windows(hf, capacity):
-    """causal="threshold": training forwards steer the threshold to the capacity's quantile of the scores;
-    eval mode (the causal decision) then routes about the target share of real tokens on windows of text the
-    calibration never saw, in every converted layer. Before any training forward, eval mode refuses.
+@pytest.mark.parametrize("causal", ["threshold", "aux_bce", "predictor"])
+def test_steered_thresholds_route_the_target_share_on_unseen_windows(hf, capacity, causal):
+    """causal="threshold", and the untrained aux_bce / predictor decisions (steer_decision): forwards in train
+    mode steer each layer's threshold to the capacity's quantile of the decision logits; eval mode (the causal
+    decision) then routes about the target share of real tokens on windows of text the calibration never saw,
+    in every converted layer, without any training. Before calibration, eval mode refuses.
 
     The band here is 4 points on unseen windows of the same files. The issue's 3 points on held-out *files*
     is not met by this tiny random model (its scores follow the byte statistics of a file: 0.22-0.31 at a
-    target of 0.25 on the validation files, docs/hf.md), so it is not claimed."""
+    target of 0.25 on the validation files, docs/hf.md), so it is not claimed here; on the pretrained model
+    it is measured by benchmarks/hf_mod_pretrained.py."""
     from mode.measure.stats import RoutingAccumulator
     from mode.train.data import stdlib_corpus
 
     torch.manual_seed(0)
     data = stdlib_corpus(max_bytes=2_000_000).train
-    model = hf.to_mod(tiny("llama"), layers=[1, 3], capacity=capacity, gate="ste", causal="threshold")
+    model = hf.to_mod(tiny("llama"), layers=[1, 3], capacity=capacity, gate="ste", causal=causal)
 
     def windows(n, seed):
         g = torch.Generator().manual_seed(seed)
@@ -142,19 +110,19 @@ def test_threshold_routing_steers_the_share_to_the_target_on_unseen_windows(hf, 
     with pytest.raises(ValueError, match="threshold is not calibrated"):
         with torch.no_grad():
             model(windows(2, 0), use_cache=False)
-    model.train()
-    with torch.no_grad():
-        for step in range(100):  # calibration: the routers' scores only; nothing is trained
-            model(windows(16, step), use_cache=False)
-    model.eval()
+    thresholds = hf.calibrate(model, (windows(16, step) for step in range(100)))  # nothing is trained
+    assert sorted(thresholds) == [1, 3] and model.training is False
     acc = RoutingAccumulator()
     with torch.no_grad():
         for step in range(16):  # other windows (other seeds): text the calibration did not see
             model(windows(32, 10_000 + step), use_cache=False)
             acc.add(hf.collect_aux(model))
+    # An untrained predictor's logits take few distinct values on this tiny model (its layer-3 input is
+    # mostly a function of the byte itself), so a quantile lands on a lump: 0.83 at 0.75. Its band is wider.
+    band = 0.10 if causal == "predictor" else 0.04
     for name in ("layers.1.mod.router", "layers.3.mod.router"):
         share = acc.router_summary(name)["selected_frac"]
-        assert abs(share - capacity) <= 0.04, (name, share, capacity)
+        assert abs(share - capacity) <= band, (name, share, capacity)
     assert "model.layers.1.mod_router.threshold" in model.state_dict()  # saved and resumed with the model
 
 
@@ -236,7 +204,7 @@ def _routed_positions(hf, model, seq, mask):
 @pytest.mark.parametrize("attn", ATTENTIONS)
 @pytest.mark.parametrize("B,left_pad", [(1, 0), (2, 3)])
 def test_greedy_generate_equals_full_forward_and_caches_hold_routed_tokens(hf, family, attn, B, left_pad):
-    model = hf.to_mod(tiny(family, attn), layers=[0, 2], capacity=0.5, gate="raw")
+    model = converted(hf, family, attn, layers=[0, 2], capacity=0.5, gate="raw")
     ids, mask = batch(B=B, S=8, left_pad=left_pad)
     N = 10
     with torch.no_grad():
@@ -265,7 +233,7 @@ def test_greedy_generate_equals_full_forward_and_caches_hold_routed_tokens(hf, f
 def test_manual_decode_loop_equals_full_forward_and_skipped_token_writes_nothing(hf):
     from transformers import DynamicCache
 
-    model = hf.to_mod(tiny("mistral"), layers=[1], capacity=0.5)
+    model = converted(hf, "mistral", layers=[1], capacity=0.5)
     ids, mask = batch(B=2, S=6, left_pad=2)
     cont = torch.randint(1, V, (2, 8))
     full = torch.cat([ids, cont], 1)
@@ -294,7 +262,7 @@ def test_manual_decode_loop_equals_full_forward_and_skipped_token_writes_nothing
 
 
 def test_beam_search_and_sampling_with_sparse_caches_match_cache_free_generation(hf):
-    model = hf.to_mod(tiny("llama"), layers=[1, 3], capacity=0.5)
+    model = converted(hf, "llama", layers=[1, 3], capacity=0.5)
     ids, mask = batch(B=2, S=7, left_pad=2)
     kw = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False)
     with torch.no_grad():
@@ -312,7 +280,7 @@ def test_beam_search_and_sampling_with_sparse_caches_match_cache_free_generation
 # -- unsupported cases raise clear errors --
 
 def test_unsupported_cases_raise(hf):
-    model = hf.to_mod(tiny("llama"), layers=[0, 2], capacity=0.5)
+    model = converted(hf, "llama", layers=[0, 2], capacity=0.5)
     ids, mask = batch(B=1, S=6)
     with pytest.raises(ValueError, match="StaticLayer: MoD layers need a DynamicCache"):
         model.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="static")
@@ -345,7 +313,7 @@ def test_unsupported_cases_raise(hf):
     with pytest.raises(ValueError, match="attn_implementation='flex_attention'"), torch.no_grad():
         flex.model.layers[0](x, attention_mask=None, position_embeddings=cos_sin)
     # a sliding window shorter than the cached sequence
-    short = hf.to_mod(tiny("mistral", sliding_window=6), layers=[1])
+    short = hf.to_mod(tiny("mistral", sliding_window=6), layers=[1], steer_decision=False)
     with pytest.raises(ValueError, match="sliding_window=6"):
         short.generate(ids, max_new_tokens=4, do_sample=False)
     # bad layer choice, bad gate, converting twice

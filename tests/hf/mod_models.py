@@ -1,0 +1,43 @@
+"""Tiny random Llama / Qwen2 / Mistral decoders and batches for the MoD conversion tests (no downloads), and
+``converted`` (a tiny model after ``to_mod`` and ``calibrate``). The ``hf`` fixture is in conftest.py."""
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "mistral")
+ATTENTIONS = ("sdpa", "eager")
+V, PAD = 97, 0
+
+
+def tiny(family: str, attn: str = "sdpa", layers: int = 4, **overrides):
+    """A tiny random decoder (hidden 64, GQA 4/2), eval mode."""
+    import transformers as tf
+
+    cfg_cls, model_cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+                          "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+                          "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[family]
+    kw = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              attn_implementation=attn, pad_token_id=PAD, bos_token_id=None, eos_token_id=None)
+    kw.update(overrides)
+    return model_cls(cfg_cls(**kw)).eval()
+
+
+def batch(B: int = 2, S: int = 12, left_pad: int = 0):
+    """Token ids and a 2D mask; row 1 is left-padded by ``left_pad`` tokens."""
+    ids = torch.randint(1, V, (B, S))
+    mask = torch.ones(B, S, dtype=torch.long)
+    if left_pad:
+        ids[1, :left_pad], mask[1, :left_pad] = PAD, 0
+    return ids, mask
+
+
+def positions(mask):
+    """Positions as generate() numbers them: real tokens only."""
+    return (mask.cumsum(-1) - 1).clamp_min(0)
+
+
+def converted(hf, family: str, attn: str = "sdpa", **kw):
+    """``tiny(family)`` converted by ``to_mod(**kw)``, its steered thresholds calibrated on random ids."""
+    model = hf.to_mod(tiny(family, attn), **kw)
+    hf.calibrate(model, [torch.randint(1, V, (4, 16), generator=torch.Generator().manual_seed(7))])
+    return model
