@@ -136,14 +136,14 @@ def router_tune(model: nn.Module, batches: Iterable, steps: int, lr: float = 1e-
 def calibrate(model: nn.Module, batches: Iterable) -> dict[int, float]:
     """Set the steered routing thresholds of ``model``'s MoD layers (``causal="threshold"``, or
     ``steer_decision``) from top-C forwards in train mode over ``batches``, without gradients and without
-    changing a weight: the first batch sets each threshold to its quantile, the others move it (EMA).
-    Returns each steered layer's threshold. Thresholds set before are started afresh."""
+    changing a weight: each threshold becomes the mean over the batches of each batch's quantile.
+    Returns each steered layer's threshold. Thresholds set before are replaced."""
     steered = {i: layer.mod_router for i, layer in mod_layers(model).items() if layer.mod_router.steers}
     if not steered:
         raise ValueError("calibrate: the model has no MoD layer with a steered threshold (to_mod with "
                          "causal='threshold', or 'aux_bce' / 'predictor' with steer_decision=True)")
-    for router in steered.values():
-        router.threshold.fill_(float("nan"))
+    before = {i: router.threshold.clone() for i, router in steered.items()}
+    sums = {i: torch.zeros_like(t) for i, t in before.items()}
     device = next(model.parameters()).device
     was_training = model.training
     model.train()
@@ -151,11 +151,17 @@ def calibrate(model: nn.Module, batches: Iterable) -> dict[int, float]:
     try:
         for batch in batches:
             ids_BS, mask_BS = _as_batch(batch, device)
+            for router in steered.values():
+                router.threshold.fill_(float("nan"))  # this forward sets it to this batch's quantile
             with routing(model, "topk"):
                 model(ids_BS, attention_mask=mask_BS, position_ids=_positions(mask_BS), use_cache=False)
+            for i, router in steered.items():
+                sums[i] += router.threshold
             seen += 1
     finally:
         model.train(was_training)
+        for i, router in steered.items():
+            router.threshold.copy_(sums[i] / seen if seen else before[i])
     if seen == 0:
         raise ValueError("batches: yielded nothing")
     return {i: float(router.threshold) for i, router in steered.items()}
