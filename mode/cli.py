@@ -1,6 +1,6 @@
 """The `mode` command line: `mode compare`, `mode isoflop`, `mode train`, `mode export`, `mode sample`,
-`mode report` (more subcommands join as they land). `python -m mode ...` is the same; torchrun starts
-`mode train` as `torchrun ... -m mode train ...`."""
+`mode report`, `mode tokenize` (more subcommands join as they land). `python -m mode ...` is the same;
+torchrun starts `mode train` as `torchrun ... -m mode train ...`."""
 
 from __future__ import annotations
 
@@ -108,12 +108,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--tokenizer", help="the tokenizer.json of a model trained on token shards, when the one its "
+                                       "checkpoint names has moved (same sha256; docs/data.md)")
+
+    p = sub.add_parser("tokenize", help="text to a folder of token shards for mode train --data (docs/data.md)")
+    p.add_argument("text", nargs="?", help="a UTF-8 text file or a folder of them (default: the built-in corpus, "
+                                           "the Python standard library's sources)")
+    p.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json (nothing is downloaded)")
+    p.add_argument("--out", required=True, help="a new or empty folder for the shards and meta.json")
+    p.add_argument("--max-bytes", type=int, help="read at most this many bytes of text (whole files)")
+    p.add_argument("--shard-tokens", type=int, help="ids per shard (default 100,000,000)")
+    p.add_argument("--eot", help="a token of the tokenizer to put after every document, e.g. '<|endoftext|>'")
 
     p = sub.add_parser("report", help="load balance and per-token compute of a trained checkpoint: table, JSON, PNGs")
     p.add_argument("checkpoint", help="a ckpt.pt written by training (e.g. runs/compare/mod/ckpt.pt) or a "
                                       "sharded checkpoint folder")
-    p.add_argument("--data", help="a UTF-8 text file whose validation split (last 10%%) is evaluated "
-                                  "(default: the validation split of the built-in corpus)")
+    p.add_argument("--data", help="a UTF-8 text file whose validation split (last 10%%) is evaluated, or a "
+                                  "folder of token shards (default: the token folder the checkpoint was "
+                                  "trained on, else the validation split of the built-in corpus)")
     p.add_argument("--out", help="output folder (default: <checkpoint folder>/report)")
     p.add_argument("--batches", type=int, default=8, help="evaluation batches (default 8)")
     p.add_argument("--batch-size", type=int, help="sequences per batch (default: the checkpoint's training batch)")
@@ -156,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args)
     elif args.command == "sample":
         return _sample(args)
+    elif args.command == "tokenize":
+        return _tokenize(args)
     elif args.command == "report":
         return _report(args)
     return 0
@@ -198,21 +212,41 @@ def _export(args) -> int:
 
 
 def _sample(args) -> int:
-    from mode.train.data import decode, encode
+    from mode.train.data import text_codec
     from mode.model.generate import generate
     from mode.train import load_model
 
     try:
-        model, _ = load_model(args.checkpoint)
+        model, state = load_model(args.checkpoint)
+        codec = text_codec(state.get("data"), f"checkpoint {args.checkpoint!r}", args.tokenizer)  # bytes or tokens
         prompts = args.prompt or ["def "]
-        outs = generate(model, [encode(p).tolist() for p in prompts], args.max_new_tokens,
+        outs = generate(model, [codec.encode(p) for p in prompts], args.max_new_tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"mode sample: error: {e}", file=sys.stderr)
         return 2
     for prompt, out in zip(prompts, outs):
         print(f"--- prompt: {prompt!r}")
-        print(prompt + decode(out))
+        print(prompt + codec.decode(out))
+    return 0
+
+
+def _tokenize(args) -> int:
+    from mode.train.checkpoint import WriteError
+    from mode.train.tokenize import DEFAULT_SHARD_TOKENS, tokenize
+
+    try:
+        meta = tokenize(args.tokenizer, args.out, args.text, max_bytes=args.max_bytes, eot=args.eot,
+                        shard_tokens=DEFAULT_SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens,
+                        progress=print)
+    except ValueError as e:
+        print(f"mode tokenize: error: {e}", file=sys.stderr)
+        return 2
+    except WriteError as e:
+        print(f"mode tokenize: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}: {len(meta.shards)} shard(s) of {meta.dtype} ids, vocab {meta.vocab_size}, from "
+          f"{meta.source} (mode train --data {args.out})")
     return 0
 
 

@@ -231,7 +231,7 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
                 "seeds": seeds, "dense_steps": steps_dense, "only": sorted(only) if only else None,
                 "causal": causal, "mod_recipe": asdict(recipe), "corpus": run_record.fingerprint(corpus),
                 "model": asdict(base),
-                "train": {k: v for k, v in asdict(p.train).items() if k != "ckpt_every_s"},
+                "train": p.train.identity(),
                 "eval_windows": p.eval_windows}
     if bf16:  # only when set: run records written before the option existed stay resumable
         identity["bf16"] = True

@@ -132,7 +132,7 @@ def run_isoflop(out_dir: str | Path, quick: bool | str = False, data: str | None
                 "bf16": bf16,
                 "mod_recipe": asdict(recipe),
                 "corpus": run_record.fingerprint(corpus), "model": asdict(p.base),
-                "train": {k: v for k, v in asdict(p.train).items() if k != "ckpt_every_s"},
+                "train": p.train.identity(),
                 "sweep": {"aspect": p.aspect, "head_dim": p.head_dim, "mlp_ratio": p.mlp_ratio,
                           "eval_windows": p.eval_windows, "eval_batch_size": p.eval_batch_size}}
     stale = [out / f for f in OUTPUTS]

@@ -92,6 +92,21 @@ def top_bytes(t: TokenTable, top: int = 10, min_count: int = 5) -> dict:
     return _most_least(rows, top, min_count)
 
 
+def top_tokens(t: TokenTable, vocab_size: int, label, top: int = 10, min_count: int = 5) -> dict:
+    """Token ids of a vocabulary of ``vocab_size`` (a model trained on token shards), named by ``label(id)``,
+    ranked by mean FLOPs per occurrence (ids seen fewer than ``min_count`` times are left out)."""
+    ids = t.ids_NS.reshape(-1)
+    count = torch.bincount(ids, minlength=vocab_size).double()
+    sums = {name: torch.bincount(ids, weights=v.reshape(-1).double(), minlength=vocab_size).tolist()
+            for name, v in (("flops", t.flops_NS), ("blocks", t.blocks_NS), ("mlp", t.mlp_NS))}
+    rows = []
+    for i in (count >= min_count).nonzero().flatten().tolist():  # only the ids seen often enough
+        n = float(count[i])
+        rows.append({"token": i, "text": label(i), "count": int(n), "mean_flops": sums["flops"][i] / n,
+                     "mean_blocks": sums["blocks"][i] / n, "mean_mlp": sums["mlp"][i] / n})
+    return _most_least(rows, top, min_count)
+
+
 def top_words(t: TokenTable, top: int = 10, min_count: int = 3) -> dict:
     """Whole words (maximal runs of letters, digits, '_' and non-ASCII bytes, not cut by a window edge),
     ranked by the mean over occurrences of the word's mean per-byte FLOPs."""
@@ -135,8 +150,10 @@ def flops_histogram(t: TokenTable, bins: int = 40) -> dict:
 
 
 def build_report(model: LM, batches, *, causal_routing: bool = False, buckets: int = 32, top: int = 10,
-                 min_byte_count: int = 5, min_word_count: int = 3) -> tuple[dict, TokenTable]:
-    """Everything ``mode report`` writes, as a JSON-ready dict (plus the per-token table)."""
+                 min_byte_count: int = 5, min_word_count: int = 3, token_label=None) -> tuple[dict, TokenTable]:
+    """Everything ``mode report`` writes, as a JSON-ready dict (plus the per-token table). ``token_label``:
+    the ids are tokens of a tokenizer (``label(id)`` names one): ``top_tokens`` replaces the byte and word
+    tables."""
     acc, table = collect(model, batches, causal_routing)
     cfg = model.cfg
     S = table.ids_NS.shape[1]
@@ -155,7 +172,8 @@ def build_report(model: LM, batches, *, causal_routing: bool = False, buckets: i
     tokens["flops_hist"] = flops_histogram(table)
     tokens["dense_flops_per_token"] = table.dense_flops_per_token
     report = {
-        "model": {"layers": list(cfg.layers), "seq_len": cfg.seq_len, "d_model": cfg.d_model,
+        "model": {"layers": list(cfg.layers), "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len,
+                  "d_model": cfg.d_model,
                   "capacity": cfg.capacity, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
                   "num_noop": cfg.num_noop, "router": cfg.router, "capacity_factor": cfg.capacity_factor},
         "data": {"sequences": int(table.ids_NS.shape[0]), "seq_len": int(S), "tokens": int(table.ids_NS.numel()),
@@ -165,9 +183,12 @@ def build_report(model: LM, batches, *, causal_routing: bool = False, buckets: i
         "heatmap": {"position_buckets": edges, "layers": [f"{i}: {k}" for i, k in enumerate(cfg.layers)],
                     "routed_frac": [layer["routed_by_position"] for layer in layers]},
         "token_compute": tokens,
-        "top_bytes": top_bytes(table, top, min_byte_count),
-        "top_words": top_words(table, top, min_word_count),
     }
+    if token_label is None:
+        report["top_bytes"] = top_bytes(table, top, min_byte_count)
+        report["top_words"] = top_words(table, top, min_word_count)
+    else:
+        report["top_tokens"] = top_tokens(table, cfg.vocab_size, token_label, top, min_byte_count)
     return _json_safe(report), table
 
 
@@ -218,7 +239,10 @@ def format_report(report: dict) -> str:
               "  share of tokens by blocks traversed: "
               + "  ".join(f"{k}: {v:.1%}" for k, v in enumerate(t["blocks_hist"]) if v > 0)]
     dense = t["dense_flops_per_token"]
-    for what, key, label in (("Bytes", "top_bytes", "text"), ("Words", "top_words", "word")):
+    for what, key, label in (("Bytes", "top_bytes", "text"), ("Words", "top_words", "word"),
+                             ("Tokens", "top_tokens", "text")):
+        if key not in report:  # bytes and words, or tokens
+            continue
         block = report[key]
         for side in ("most", "least"):
             lines += ["", f"{what} with the {side} compute (mean per occurrence, seen >= {block['min_count']} times)",
@@ -325,11 +349,12 @@ def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path 
                batch_size: int | None = None, causal_routing: bool = False, top: int = 10,
                quiet: bool = False) -> dict:
     """Load ``checkpoint`` (written by ``mode.train.Trainer``: a file or a sharded folder; read without running
-    code from it, see ``mode.train.checkpoint``), evaluate it on the validation split of ``data`` (default: the
-    built-in corpus) and write the report into ``out`` (default: ``<ckpt dir>/report``)."""
+    code from it, see ``mode.train.checkpoint``), evaluate it on the validation split of ``data`` (a text file or
+    a folder of token shards; default: the token folder the checkpoint was trained on, else the built-in corpus)
+    and write the report into ``out`` (default: ``<ckpt dir>/report``)."""
     from mode import _checks
     from mode.train.checkpoint import load_model
-    from mode.train.data import eval_batches, file_corpus, min_file_bytes, stdlib_corpus
+    from mode.train.data import eval_batches, load_corpus
 
     _checks.check_int("batches", batches)
     if batch_size is not None:
@@ -341,9 +366,25 @@ def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path 
     cfg = model.cfg
     bs = batch_size or _checks.check_int(f"checkpoint {str(ckpt)!r}: train_cfg.batch_size",
                                          state.get("train_cfg", {}).get("batch_size", 8))
-    corpus = file_corpus(data, min_file_bytes(cfg.seq_len)) if data else stdlib_corpus()
+    record = state.get("data") or {}
+    if not data and record.get("kind") == "tokens":  # a model of token ids is evaluated on its own shards
+        data = record["path"]
+        if not Path(data).is_dir():
+            raise ValueError(f"checkpoint {str(ckpt)!r}: trained on the token shards in {data!r}, which are "
+                             "missing; pass --data FOLDER (shards of the same tokenizer)")
+    corpus = load_corpus(data or None, cfg.seq_len)
+    if corpus.vocab_size > cfg.vocab_size:
+        raise ValueError(f"data={str(data)!r}: ids up to {corpus.vocab_size - 1} ({corpus.source}), the checkpoint's "
+                         f"model has vocab_size={cfg.vocab_size}; evaluate it on the data it was trained on")
     windows = eval_batches(corpus.val, bs, cfg.seq_len, batches)
-    report, _ = build_report(model, windows, causal_routing=causal_routing, top=top)
+    label = None
+    if corpus.path is not None:  # token ids: named by the shards' tokenizer (by number when they have none)
+        from mode.train.tokens import load_tokenizer
+
+        tok = None if corpus.tokenizer is None else load_tokenizer(corpus.tokenizer.path)
+        label = ((lambda i: f"#{i}") if tok is None else
+                 (lambda i: repr(tok.decode([i], skip_special_tokens=False))))  # quoted: spaces and \n show
+    report, _ = build_report(model, windows, causal_routing=causal_routing, top=top, token_label=label)
     report["checkpoint"] = {"path": str(ckpt), "step": state.get("step")}
     report["data"]["source"] = corpus.source
     out_dir = Path(out) if out is not None else ckpt.parent / "report"

@@ -3,6 +3,8 @@
     mesh           ``ParallelDims(dp, ep)`` and ``build_mesh``: the ``(dp, ep)`` DeviceMesh
     apply          ``parallelize(model, mesh)``: expert parallelism (experts as DTensors on the ep dim, our
                    token dispatcher) and FSDP2 for everything, applied from outside to any model
+    meta_init      ``build_on_meta(fn, seed=)`` then ``materialize(model, device)``: build on the meta device,
+                   parallelize, and write only this rank's shards, with the eager build's exact values
     runtime        ``MeshRuntime``: what ``mode.train.Trainer`` needs from a mesh (``mode.train.runtime.Runtime``)
     checkpoint     sharded checkpoints through DCP: save on any layout, load on any other, one-file export
     dcp_safe       DCP metadata read without running code from the folder
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 _LAZY = {"ParallelDims": "mode.parallel.mesh", "build_mesh": "mode.parallel.mesh",
          "parallelize": "mode.parallel.apply", "MeshRuntime": "mode.parallel.runtime",
-         "clip_grad_norm_": "mode.parallel.runtime"}
+         "clip_grad_norm_": "mode.parallel.runtime", "init_distributed": "mode.parallel.process_group",
+         "collective_guard": "mode.parallel.process_group", "CollectiveError": "mode.parallel.process_group",
+         "build_on_meta": "mode.parallel.meta_init", "materialize": "mode.parallel.meta_init"}
 
 __all__ = sorted(_LAZY)
 

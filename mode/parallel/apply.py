@@ -26,6 +26,9 @@ What it does, in this order (every rank calls it with the same model, built with
        than 1 fails (``PREMUL_SUM`` is not supported) and torch's own averaging divides twice in one layout;
        summing ``loss / W`` is exact in every layout (tests/parallel/test_ep_training.py).
 
+A model built on the meta device (``mode.parallel.meta_init``) is parallelized the same way, on meta; then
+``materialize(model, device)`` gives each rank its shards of the eager initial values.
+
 Gradient clipping with parameters on two meshes: ``mode.parallel.runtime.clip_grad_norm_`` (one norm per
 mesh, combined, then applied per mesh); ``torch.nn.utils.clip_grad_norm_`` refuses mixed meshes.
 """
@@ -45,6 +48,7 @@ from mode.experts.bank import ExpertBank
 from mode.layers.mod import MoD
 from mode.layers.moe import MoELayer
 from mode.model.blocks import compile_blocks, resolve_blocks
+from mode.model.deferred_init import guard_forward, is_meta_built
 from mode.parallel.ep_model import shard_experts
 from mode.parallel.mesh import flat_mesh, mesh_dims
 from mode.parallel.stats_reduce import SumOverGroup
@@ -121,4 +125,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Modul
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
+    if is_meta_built(model):  # built on meta: a forward before materialize names the fix (before FSDP's hooks)
+        guard_forward(model)
     return model

@@ -11,13 +11,19 @@ The folder (docs/checkpoints.md)
     parameter, by parameter name).
 
 Atomic: a save goes to a fresh ``step-*`` folder; ``latest`` is replaced (``mode.train.checkpoint.atomic_write``)
-only when every rank's shards and ``meta.json`` are complete, then older folders are removed. A run killed
-while saving leaves the previous save in place (and a partial folder that the next save removes).
+only when every rank's shards, ``meta.json`` and ``SHA256SUMS`` are complete, then older folders are removed.
+A run killed while saving leaves the previous save in place (and a partial folder that the next save removes).
 
-Safe to load: DCP would run code from a hostile folder; every read here goes through
-``mode.parallel.dcp_safe.SafeReader``, which unpickles only DCP's own metadata and lets DCP read tensors
-only. ``meta.json`` is JSON; both are validated like a single-file checkpoint (``mode.train.checkpoint``)
-before any model is built.
+In the background: ``save_sharded_async`` copies this rank's shards to CPU memory (the only part the training
+loop waits for), then ``dcp.async_save`` writes them and a thread finishes the save (sums, ``meta.json``,
+``latest``), all on a process group of its own (gloo), so its collectives never interleave with training's.
+``PendingSave.wait()`` returns when ``latest`` names it; start no other save, and end no process, before.
+
+Safe to load, and checked: DCP would run code from a hostile folder; every read here goes through
+``mode.parallel.dcp_safe.SafeReader``, which unpickles only DCP's own metadata, lets DCP read tensors only,
+and checks each file against ``SHA256SUMS`` before using it (``mode.train.checkpoint.ChecksumError`` names
+a file that changed). ``meta.json`` is JSON; both are validated like a single-file checkpoint
+(``mode.train.checkpoint``) before any model is built.
 
 Single files: ``read_sharded(folder)`` returns the dict of the single-file format (full tensors,
 index-keyed AdamW state) in one process, with no process group. It is the folder reader registered with
@@ -33,19 +39,20 @@ import json
 import secrets
 import shutil
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mode.model import LM
-from mode.parallel.dcp_safe import SafeReader, read_metadata
+from mode.parallel import dcp_safe
+from mode.parallel.dcp_safe import ChecksumWriter, SafeReader
 from mode.train import checkpoint
 from mode.train.config import TrainConfig
 from mode.train.optim import build_optimizer
@@ -84,10 +91,12 @@ def save_folder(path: str | Path) -> Path:
     return path / name
 
 
-def read_meta(folder: Path, where: str, training: bool) -> dict:
+def read_meta(folder: Path, where: str, training: bool, reader: SafeReader | None = None) -> dict:
     """``meta.json`` of a save folder as the single-file checkpoint dict minus the tensors of the model and
     the optimizer (RNG states and routing sums as tensors again), validated (``mode.train.checkpoint.check_state``;
-    ``training``: the state for resuming must be complete)."""
+    ``training``: the state for resuming must be complete); checked against ``SHA256SUMS`` first (``reader``)."""
+    if reader is not None:
+        reader.verify(META)
     try:
         meta = json.loads((folder / META).read_text())
     except (OSError, ValueError) as e:
@@ -164,15 +173,22 @@ def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, by_name:
 def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  check=None, local: bool = False) -> dict:
     """Load a sharded checkpoint into ``model`` (and ``optimizer``), each rank reading only the chunks of its
-    own shards; returns the rest of the state (``read_meta``), which ``check(state)`` sees first (it may
-    raise). Every rank of the model's mesh calls it. ``local``: this process alone loads a plain model (no
-    collectives, whether or not a process group exists)."""
+    own shards (and verifying the files it reads against ``SHA256SUMS``); returns the rest of the state
+    (``read_meta``), which ``check(state)`` sees first (it may raise). Every rank of the model's mesh calls
+    it. ``local``: this process alone loads a plain model (no collectives, whether or not a process group
+    exists)."""
     folder = save_folder(path)
     where = f"checkpoint {str(path)!r}"
-    meta = read_meta(folder, where, training=optimizer is not None)
+    reader = SafeReader(folder, where)
+    meta = read_meta(folder, where, optimizer is not None, reader)
     if check is not None:
         check(meta)
-    reader = SafeReader(folder, where)
+    _load_tensors(reader, where, model, optimizer, local)
+    return meta
+
+
+def _load_tensors(reader: SafeReader, where: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                  local: bool) -> None:
     md = reader.read_metadata()
     model_sd = model.state_dict()
     _check_shapes(model_sd, md, "model.", where)
@@ -181,16 +197,10 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
         state["optimizer"] = _optimizer_skeleton(model, optimizer, md)
         for name, entry in state["optimizer"].items():
             _check_shapes({k: entry[k] for k in ("exp_avg", "exp_avg_sq")}, md, f"optimizer.{name}.", where)
-    if local:
-        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point
-            warnings.simplefilter("ignore")
-            dcp.load(state, storage_reader=reader, no_dist=True)
-    else:
-        dcp.load(state, storage_reader=reader)
+    dcp_safe.load(state, reader, no_dist=local)
     model.load_state_dict(state["model"])
     if optimizer is not None:
         _load_optimizer(model, optimizer, state["optimizer"])
-    return meta
 
 
 def read_sharded(path: str | Path, training: bool = False) -> dict:
@@ -198,9 +208,10 @@ def read_sharded(path: str | Path, training: bool = False) -> dict:
     state keyed like ``optimizer.state_dict()``), in this process, with no process group needed."""
     folder = save_folder(path)
     where = f"checkpoint {str(path)!r}"
-    meta = read_meta(folder, where, training)
+    reader = SafeReader(folder, where)
+    meta = read_meta(folder, where, training, reader)
     cfg = checkpoint.model_config_from_dict(meta.get("model_cfg"), where)
-    md = read_metadata(folder, where)
+    md = reader.read_metadata()
     with torch.device("meta"):  # shapes first: a checkpoint that does not fit its config allocates nothing
         _check_shapes(LM(cfg).state_dict(), md, "model.", where)
     model = LM(cfg)
@@ -211,7 +222,7 @@ def read_sharded(path: str | Path, training: bool = False) -> dict:
         except (TypeError, ValueError) as e:
             raise checkpoint.CheckpointError(f"{where}: train_cfg is invalid: {e}") from None
         optimizer = build_optimizer(model, tcfg)
-    load_sharded(folder, model, optimizer, local=True)
+    _load_tensors(reader, where, model, optimizer, local=True)
     state = dict(meta, model={k: v.detach().clone() for k, v in model.state_dict().items()})
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
@@ -299,15 +310,8 @@ def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) 
             for p in _optimizer_params(optimizer) if p in optimizer.state and optimizer.state[p]}
 
 
-def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
-                 group=None) -> Path:
-    """Save every rank's shards of ``model`` and ``optimizer`` and rank 0's ``meta`` (the non-tensor state)
-    as a new save folder in ``path``; every rank of ``group`` (default: the world) calls it. Without a
-    process group, this process saves alone. Returns the save folder once ``latest`` names it; a failed
-    write raises ``mode.train.checkpoint.WriteError`` on every rank, and ``latest`` keeps naming the previous save."""
-    path = Path(path)
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank(group) if distributed else 0
+def _save_folder_name(path: Path, meta: dict, group, distributed: bool, rank: int) -> Path:
+    """Rank 0 creates ``path`` and names a fresh save folder in it; every rank gets the name (a broadcast)."""
     error: OSError | None = None
     token: list = [None]
     if rank == 0:
@@ -322,18 +326,28 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     if token[0] is None:
         raise error or checkpoint.WriteError(f"rank 0 could not create the checkpoint folder {str(path)!r} "
                                              "(see its error)")
-    folder = path / token[0]
-    state = {"model": model.state_dict(), "optimizer": optimizer_state_by_name(model, optimizer)}
-    try:  # DCP gathers every rank's outcome: one rank's failure raises on all of them
-        with warnings.catch_warnings():  # without a group DCP warns that it saves in one process: intended
-            warnings.simplefilter("ignore" if not distributed else "default")
-            dcp.save(state, storage_writer=FileSystemWriter(folder), process_group=group, no_dist=not distributed)
-    except CheckpointException as e:
-        raise checkpoint.WriteError(f"could not write the sharded checkpoint {str(folder)!r}: {e} (the previous "
-                                    f"save, named by {str(path / LATEST)!r}, is unchanged)") from None
+    return path / token[0]
+
+
+def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return {"model": model.state_dict(), "optimizer": optimizer_state_by_name(model, optimizer)}
+
+
+def _write_error(folder: Path, path: Path, e: BaseException) -> checkpoint.WriteError:
+    return checkpoint.WriteError(f"could not write the sharded checkpoint {str(folder)!r}: {e} (the previous "
+                                 f"save, named by {str(path / LATEST)!r}, is unchanged)")
+
+
+def _finish(path: Path, folder: Path, sums: dict[str, str], meta_text: str, group, distributed: bool,
+            rank: int) -> Path:
+    """After every rank's shards are written: gather the sums, rank 0 writes ``meta.json``, ``SHA256SUMS``,
+    then ``latest`` (the switch), and removes older saves. A failure anywhere raises on every rank."""
+    error: OSError | None = None
+    sums = dcp_safe.gather_sums(sums, group, distributed)
     if rank == 0:
         try:
-            checkpoint.atomic_write_text(folder / META, _meta_json(meta))
+            checkpoint.atomic_write_text(folder / META, meta_text)
+            dcp_safe.write_manifest(folder, sums, extra_files=(META,))
             checkpoint.atomic_write_text(path / LATEST, folder.name + "\n")  # the switch: now the newest save
         except OSError as e:
             error = e
@@ -351,3 +365,71 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
             if old.name != folder.name and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
     return folder
+
+
+def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
+                 group=None) -> Path:
+    """Save every rank's shards of ``model`` and ``optimizer`` and rank 0's ``meta`` (the non-tensor state)
+    as a new save folder in ``path``, with ``SHA256SUMS``; every rank of ``group`` (default: the world) calls
+    it. Without a process group, this process saves alone. Returns the save folder once ``latest`` names it;
+    a failed write raises ``mode.train.checkpoint.WriteError`` on every rank, and ``latest`` keeps naming the
+    previous save."""
+    path = Path(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(group) if distributed else 0
+    meta_text = _meta_json(meta)
+    folder = _save_folder_name(path, meta, group, distributed, rank)
+    writer = ChecksumWriter(folder)
+    try:  # DCP gathers every rank's outcome: one rank's failure raises on all of them
+        with warnings.catch_warnings():  # without a group DCP warns that it saves in one process: intended
+            warnings.simplefilter("ignore" if not distributed else "default")
+            dcp.save(_tensor_state(model, optimizer), storage_writer=writer, process_group=group,
+                     no_dist=not distributed)
+    except CheckpointException as e:
+        raise _write_error(folder, path, e) from None
+    return _finish(path, folder, writer.sums, meta_text, group, distributed, rank)
+
+
+class PendingSave:
+    """A save running in the background (``save_sharded_async``). ``wait()`` returns its folder once ``latest``
+    names it, or raises what the save raised (``WriteError``; a failed collective as it came)."""
+
+    def __init__(self, folder: Path, future: Future):
+        self.folder, self._future = folder, future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout_s: float | None = None) -> Path:
+        return self._future.result(timeout_s)
+
+
+def save_sharded_async(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
+                       group, save_group) -> PendingSave:
+    """``save_sharded`` in the background: returns once this rank's shards are copied to CPU memory; the
+    files, the sums, ``meta.json`` and ``latest`` are written by ``dcp.async_save`` and a thread of this
+    process, whose collectives all run on ``save_group``: a gloo group of the same ranks as ``group``, used
+    by nothing else (``dist.new_group(ranks, backend="gloo")``; the training collectives on ``group`` go on
+    meanwhile). Every rank of ``group`` calls it, and calls ``wait()`` on the result before the next save,
+    a load, or the end of the process. Costs one CPU copy of this rank's shards until the save ends."""
+    path = Path(path)
+    rank = dist.get_rank(group)
+    meta_text = _meta_json(meta)  # now: the state of this step, and a non-JSON meta fails here
+    folder = _save_folder_name(path, meta, group, True, rank)
+    writer = ChecksumWriter(folder)
+    try:
+        written = dcp.async_save(_tensor_state(model, optimizer), storage_writer=writer, process_group=save_group)
+    except CheckpointException as e:
+        raise _write_error(folder, path, e) from None
+
+    def finish() -> Path:
+        try:
+            written.result()
+        except CheckpointException as e:
+            raise _write_error(folder, path, e) from None
+        return _finish(path, folder, writer.sums, meta_text, save_group, True, rank)
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="mode-checkpoint")
+    future = pool.submit(finish)
+    pool.shutdown(wait=False)  # the thread ends with ``finish``
+    return PendingSave(folder, future)

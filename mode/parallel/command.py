@@ -67,7 +67,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--dedup-rows", action="store_true",
                    help="expert parallelism sends one row per (token, destination rank) instead of one per "
                         "assignment (top-k > 1, device-limited routing; docs/routing.md)")
-    p.add_argument("--data", help="a UTF-8 text file (default: the Python standard library's sources)")
+    p.add_argument("--data", help="a UTF-8 text file, or a folder of token shards (.bin/.npy and meta.json, e.g. "
+                                  "from mode tokenize; the model takes its vocab_size; docs/data.md) (default: "
+                                  "the Python standard library's sources)")
     p.add_argument("--out", default="runs/train", help="folder for log.jsonl and the checkpoint (rank 0 logs)")
     p.add_argument("--layers", help="comma-separated layer kinds, e.g. moe,staged,moe,integrated")
     p.add_argument("--router", help="MoE router: token_choice or expert_choice")
@@ -78,10 +80,25 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--balance-coef", type=float)
     p.add_argument("--steps", type=int)
     p.add_argument("--batch-size", type=int, help="global batch (sequences per step), split over the processes")
+    p.add_argument("--grad-accum", type=int, metavar="N",
+                   help="gradient accumulation: each process's rows in N micro-batches per optimizer step, with "
+                        "the whole batch's loss and gradient (N must divide batch size / processes; "
+                        "docs/training.md)")
+    p.add_argument("--ac", action="store_true",
+                   help="activation checkpointing: every block keeps only its input and is recomputed in "
+                        "backward (less memory, about one more forward of compute; docs/training.md)")
     p.add_argument("--lr", type=float)
     p.add_argument("--eval-every", type=int)
     p.add_argument("--ckpt-every", type=int, help="also checkpoint every this many steps (default: at the end only)")
     p.add_argument("--ckpt-every-s", type=float, help="also checkpoint every this many seconds (rank 0's clock)")
+    p.add_argument("--async-save", action="store_true",
+                   help="on a mesh, write checkpoints in the background (dcp.async_save): the step that saves waits "
+                        "only for a CPU copy of the shards (docs/distributed.md)")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files to OUT/tb (needs the extra: pip install 'mode-torch[tb]')")
+    p.add_argument("--peak-tflops", type=float,
+                   help="one device's peak dense bf16 TFLOP/s, for the logged model FLOPs utilisation (default: "
+                        "known GPUs only, e.g. H100 SXM 989; none on a CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT (either kind)")
     p.add_argument("--resume-from", help="continue from this checkpoint: a single file or a sharded folder, "
@@ -102,8 +119,13 @@ def configs(args) -> tuple[LMConfig, TrainConfig, int | None]:
     if args.layers:
         m["layers"] = tuple(s.strip() for s in args.layers.split(",") if s.strip())
     t = dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
-             ckpt_every=args.ckpt_every, ckpt_every_s=args.ckpt_every_s)
+             ckpt_every=args.ckpt_every, ckpt_every_s=args.ckpt_every_s, grad_accum=args.grad_accum,
+             peak_tflops=args.peak_tflops)
     t = {k: v for k, v in t.items() if v is not None}
+    if args.ac:
+        t["activation_checkpointing"] = True
+    if args.tensorboard:
+        t["tensorboard"] = True
     return replace(preset.model, **m), replace(preset.train, seed=args.seed, **t), preset.max_corpus_bytes
 
 
@@ -115,7 +137,7 @@ def run(args) -> int:
     """The command; returns the exit status (2: a user mistake, 1: a failed collective or write)."""
     from mode.train import checkpoint
     from mode.parallel import process_group as mdist
-    from mode.train.data import file_corpus, min_file_bytes, stdlib_corpus
+    from mode.train.data import load_corpus
     from mode.train import Trainer
 
     if args.threads is not None:
@@ -145,13 +167,13 @@ def run(args) -> int:
                 raise ValueError(f"--dp={args.dp} --ep={args.ep}: more than one process; start the command with "
                                  f"torchrun --nproc-per-node {(args.dp or 1) * (args.ep or 1)} -m mode train ...")
             device = args.device
-        corpus = (file_corpus(args.data, min_file_bytes(model_cfg.seq_len)) if args.data
-                  else stdlib_corpus(max_bytes=max_bytes))
+        corpus = load_corpus(args.data or None, model_cfg.seq_len, max_bytes)
+        model_cfg = replace(model_cfg, vocab_size=corpus.vocab_size)  # bytes: 256; token shards: theirs
         runtime = None
         if mesh is not None:
             from mode.parallel.runtime import MeshRuntime
 
-            runtime = MeshRuntime(mesh, ctx.timeout_s, dedup=args.dedup_rows)
+            runtime = MeshRuntime(mesh, ctx.timeout_s, dedup=args.dedup_rows, async_save=args.async_save)
         trainer = Trainer(model_cfg, train_cfg, corpus, args.out, name="train", progress=not args.no_progress,
                           runtime=runtime, device=device, bf16=args.bf16, compile=args.compile,
                           timeout_s=None if ctx is None else ctx.timeout_s)
@@ -161,8 +183,12 @@ def run(args) -> int:
             print(f"mode train: {trainer.runtime.describe()}, device {trainer.device}"
                   + (f", backend {ctx.backend}, timeout {ctx.timeout_s:g} s" if ctx else "")
                   + (", bf16 autocast" if args.bf16 else "") + (", compiled" if args.compile else "")
+                  + (", activation checkpointing" if train_cfg.activation_checkpointing else "")
                   + f": {split}global batch {train_cfg.batch_size} = {trainer.world_size} x {trainer.local_batch} "
-                  f"sequences of {model_cfg.seq_len}; layers {','.join(model_cfg.layers)}; corpus {corpus.source}",
+                  f"sequences of {model_cfg.seq_len}"
+                  + (f" ({train_cfg.grad_accum} micro-batches of {trainer.local_batch // train_cfg.grad_accum} per "
+                     "process)" if train_cfg.grad_accum > 1 else "")
+                  + f"; layers {','.join(model_cfg.layers)}; corpus {corpus.source}",
                   flush=True)
         if args.resume or args.resume_from:
             trainer.load(args.resume_from)

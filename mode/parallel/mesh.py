@@ -97,8 +97,11 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu", timeout_s: float | 
                          "mode.parallel.process_group.init_distributed (or init_process_group with a timeout) first")
     world = dist.get_world_size()
     if dims.world_size != world:
+        alone = (f"; this process is a group of one: start the script with torchrun --nproc-per-node "
+                 f"{dims.world_size} (init_distributed(world_size={dims.world_size}) refuses to start otherwise)"
+                 if world == 1 else "")
         raise ValueError(f"dp={dims.dp}, ep={dims.ep}: dp * ep = {dims.world_size} must equal the number of "
-                         f"processes {world}")
+                         f"processes {world}{alone}")
     override = _group_options(mdist.resolve_timeout(timeout_s))
     mesh = init_device_mesh(device_type, (dims.dp, dims.ep), mesh_dim_names=MESH_DIMS,
                             backend_override=None if override is None else {name: override for name in MESH_DIMS})

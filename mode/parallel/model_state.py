@@ -14,9 +14,12 @@ hyper-parameters are those of the optimizer you load into, and ``extra`` (JSON) 
 ``extra.json``. So a checkpoint saved on a (2, 2) mesh loads on (1, 2), on (1, 3), or into a plain model
 with no process group, each rank reading only the chunks of its own shards.
 
-Safe and atomic. Reads go through ``mode.parallel.dcp_safe.SafeReader`` (no code from the folder runs).
-A save goes to a temporary folder beside ``path`` that rank 0 renames onto ``path`` once every rank's shards
-and ``extra.json`` are complete: ``path`` holds the previous checkpoint or the new one, never a mix.
+Safe, checked and atomic. Reads go through ``mode.parallel.dcp_safe.SafeReader`` (no code from the folder
+runs; every file it reads is first checked against ``SHA256SUMS``: a changed byte is a
+``mode.train.checkpoint.ChecksumError`` naming the file). A save goes to a temporary folder beside ``path``:
+each rank hashes the files it wrote, and rank 0 writes ``extra.json`` and ``SHA256SUMS`` there and renames
+the folder onto ``path`` once every rank's shards are complete: ``path`` holds the previous checkpoint or the
+new one, never a mix.
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
-from mode.parallel.dcp_safe import SafeReader
+from mode.parallel import dcp_safe
+from mode.parallel.dcp_safe import ChecksumWriter, SafeReader
 from mode.train import checkpoint
 
 EXTRA = "extra.json"
@@ -67,11 +70,14 @@ def save_state(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     tmp = path.parent / token[0]
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
+    writer = ChecksumWriter(tmp)  # hashes the files this rank writes
     with warnings.catch_warnings():  # without a group DCP warns that it saves in one process: intended
         warnings.simplefilter("ignore" if not distributed else "default")
-        dcp.save(_tensor_state(model, optimizer)[0], storage_writer=FileSystemWriter(tmp), no_dist=not distributed)
+        dcp.save(_tensor_state(model, optimizer)[0], storage_writer=writer, no_dist=not distributed)
+    sums = dcp_safe.gather_sums(writer.sums, None, distributed)
     if rank == 0:
         checkpoint.atomic_write_text(tmp / EXTRA, text)
+        dcp_safe.write_manifest(tmp, sums, extra_files=(EXTRA,))
         checkpoint.replace_dir(tmp, path)
     if distributed:
         dist.barrier()  # nobody reads ``path`` before rank 0 has renamed it
@@ -84,16 +90,18 @@ def load_state(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     a group loads alone."""
     path = Path(path)
     where = f"checkpoint {str(path)!r}"
+    if not (path / EXTRA).is_file():
+        raise checkpoint.CheckpointError(f"{where}: no {EXTRA} in it; not a save_state folder")
+    reader = SafeReader(path, where)  # reads SHA256SUMS (an old folder without one: a warning)
+    reader.verify(EXTRA)
     try:
         extra = json.loads((path / EXTRA).read_text())
     except (OSError, ValueError) as e:
-        raise checkpoint.CheckpointError(f"{where}: {EXTRA} is missing or not JSON ({e}); not a save_state "
+        raise checkpoint.CheckpointError(f"{where}: {EXTRA} is not readable JSON ({e}); not a save_state "
                                          "folder") from None
+    reader.read_metadata()  # checked and unpickled safely on every rank, before any collective
     state, param_groups = _tensor_state(model, optimizer)
-    reader = SafeReader(path, where)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore" if not _distributed() else "default")
-        dcp.load(state, storage_reader=reader, no_dist=not _distributed())
+    dcp_safe.load(state, reader, no_dist=not _distributed())
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:

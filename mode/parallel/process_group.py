@@ -6,15 +6,18 @@ function) and, on the model side, ``mode.dispatch.expert_parallel``. Nothing her
 
 Set-up (``init_distributed``)
     * rank, world size and local rank come from the environment ``torchrun`` sets (``RANK``,
-      ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); without them the process runs
-      as a group of one (handy for smoke runs);
+      ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); without any of them the process
+      runs as a group of one (handy for smoke runs), unless ``world_size`` > 1 was asked for: then, and when
+      ``RANK``/``WORLD_SIZE`` are set without the rest, it refuses with a ``ValueError`` saying how to start the processes (several
+      copies of a script started by hand would otherwise each train alone, silently);
     * backend ``"auto"``: NCCL when CUDA is available (one GPU per process, ``cuda:LOCAL_RANK``), else gloo
       on CPU;
     * every collective has a timeout: ``timeout_s`` argument, else ``$MODE_DIST_TIMEOUT_S``, else
       ``DEFAULT_TIMEOUT_S``. A rank that dies makes its peers fail at their next collective (gloo: the
       closed connection is noticed at once); a rank that is stuck makes them fail after the timeout.
-      ``collective_guard`` turns such failures into a ``CollectiveError`` that says which rank, which
-      step and what probably happened, instead of a bare backend message or a hang;
+      ``collective_guard`` (also ``mode.parallel.collective_guard``, for your own loop) turns such failures
+      into a ``CollectiveError`` that says which rank, what it was doing and what probably happened, instead
+      of a bare backend message or a hang;
     * NCCL: ``device_id=cuda:LOCAL_RANK`` goes to ``init_process_group``, so the communicator is built there
       (a broken network fails at set-up, not at the first all-to-all). NCCL reports a dead peer or a
       timeout from its watchdog thread, not from the collective call, so ``collective_guard`` never sees
@@ -119,13 +122,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> DistContext:
-    """Initialise the default process group from torchrun's environment (or as a group of one)."""
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets for every process
+
+
+def _check_launch_env(world_size: int | None) -> bool:
+    """Whether this process was started as one of a group (``RANK`` and ``WORLD_SIZE`` set); a ``ValueError``
+    when only part of ``LAUNCH_ENV`` is, or when neither is and ``world_size`` > 1 was asked for."""
+    present = [n for n in ("RANK", "WORLD_SIZE") if n in os.environ]  # MASTER_* alone may be a shell default
+    how = ("start every process with torchrun (one machine: torchrun --nproc-per-node {n} SCRIPT; several: "
+           "docs/distributed.md), or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each yourself")
+    n = world_size if world_size is not None else "N"
+    if not present:
+        if world_size is not None and world_size > 1:
+            raise ValueError(f"init_distributed(world_size={world_size}): this process was not started by "
+                             f"torchrun (RANK and WORLD_SIZE are not set), so it would be a process group of "
+                             f"one and train alone; " + how.format(n=n))
+        return False
+    if len(present) == 1:
+        missing = [x for x in LAUNCH_ENV if x not in os.environ]
+        raise ValueError(f"init_distributed: {present[0]} is set but {', '.join(missing)} not: a process of a "
+                         "group needs all four; " + how.format(n=n))
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        missing = [x for x in LAUNCH_ENV if x not in os.environ]
+        raise ValueError(f"init_distributed: RANK and WORLD_SIZE set but {', '.join(missing)} not: the "
+                         "processes need the address and port of rank 0 to meet; " + how.format(n=n))
+    if world_size is not None and int(os.environ["WORLD_SIZE"]) != world_size:
+        raise ValueError(f"init_distributed(world_size={world_size}): WORLD_SIZE={os.environ['WORLD_SIZE']} "
+                         f"processes were started; start {world_size} (torchrun --nproc-per-node ...)")
+    return True
+
+
+def init_distributed(backend: str = "auto", timeout_s: float | None = None,
+                     world_size: int | None = None) -> DistContext:
+    """Initialise the default process group from torchrun's environment, or, with none of it set and
+    ``world_size`` None or 1, as a group of one. ``world_size``: the number of processes this run needs (e.g.
+    ``ParallelDims(dp, ep).world_size``); anything else is a ``ValueError`` before any group exists."""
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                   or world_size < 1):
+        raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
     timeout_s = resolve_timeout(timeout_s)
     backend = resolve_backend(backend)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # not under torchrun: a group of one
+    if not _check_launch_env(world_size):  # not under torchrun: a group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -161,8 +200,15 @@ def looks_like_collective_failure(e: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def collective_guard(what: str, rank: int, world_size: int, timeout_s: float | None):
-    """Re-raise a failed collective inside the block as a ``CollectiveError`` naming the rank and ``what``."""
+def collective_guard(what: str, timeout_s: float | None = None, *, rank: int | None = None,
+                     world_size: int | None = None):
+    """Re-raise a failed collective inside the block as a ``CollectiveError`` naming this rank and ``what``
+    (e.g. ``"training step 12"``); any other exception passes unchanged. ``timeout_s``: the process group's
+    timeout, quoted in the message; ``rank``, ``world_size``: default the default group's.
+
+        with collective_guard(f"step {step}", ctx.timeout_s):
+            loss.backward()
+    """
     try:
         yield
     except CollectiveError:
@@ -170,6 +216,11 @@ def collective_guard(what: str, rank: int, world_size: int, timeout_s: float | N
     except RuntimeError as e:
         if not looks_like_collective_failure(e):
             raise
+        initialized = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if initialized else 0
+        if world_size is None:
+            world_size = dist.get_world_size() if initialized else 1
         limit = f"{timeout_s:g} s" if timeout_s is not None else "the process-group timeout"
         raise CollectiveError(
             f"rank {rank}/{world_size}: a collective failed during {what}: another rank died, is stuck "

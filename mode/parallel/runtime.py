@@ -16,6 +16,7 @@ gradient is that of the global mean, as in one process.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from mode.parallel import checkpoint as sharded
 from mode.parallel import process_group as mdist
 from mode.parallel.apply import parallelize
 from mode.parallel.mesh import flat_mesh, mesh_dims
+from mode.parallel.meta_init import is_meta_built, materialize
 from mode.parallel.stats_reduce import all_reduce_accumulator
 from mode.train import checkpoint
 
@@ -60,9 +62,18 @@ class MeshRuntime:
 
     checkpoint_name = "ckpt"  # a folder of DCP shards
 
-    def __init__(self, mesh, timeout_s: float | None = None, dedup: bool = False):
+    def __init__(self, mesh, timeout_s: float | None = None, dedup: bool = False, async_save: bool = False,
+                 meta_init: bool = True):
         self.mesh = mesh
+        # meta_init: the trainer builds the LM on meta and prepare() materializes this rank's shards only, with
+        # the values of the eager build (mode.parallel.meta_init); False: every rank builds the full model first
+        self.builds_on_meta = meta_init
         self.dedup = dedup  # parallelize's: one row per (token, destination rank) in the all-to-alls
+        # async_save: checkpoints written in the background (dcp.async_save on a gloo group of their own); the
+        # step that saves waits only for the copy of this rank's shards to CPU memory
+        self.async_save = async_save
+        self._save_group = None  # that group, made at the first save (every rank saves together)
+        self._pending = None  # the save in flight (checkpoint.PendingSave)
         self.dims = mesh_dims(mesh)
         self.timeout_s = timeout_s
         self.world_size = self.dims.world_size
@@ -82,12 +93,14 @@ class MeshRuntime:
         return f"mesh dp={self.dims.dp} x ep={self.dims.ep} ({self.world_size} process{plural})"
 
     def guard(self, what: str):
-        return mdist.collective_guard(what, self.rank, self.world_size, self.timeout_s)
+        return mdist.collective_guard(what, self.timeout_s, rank=self.rank, world_size=self.world_size)
 
     def prepare(self, model: nn.Module, compile: bool = False) -> nn.Module:
         with self.guard("parallelize"):
             model = parallelize(model, self.mesh, compile=compile, dedup=self.dedup)
             self._flat = flat_mesh(self.mesh)
+        if is_meta_built(model):  # built on meta (builds_on_meta): this rank's shards, nothing more
+            materialize(model, self.device)
         self.row_rank = self._flat.get_local_rank()
         return model
 
@@ -110,20 +123,47 @@ class MeshRuntime:
     def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
         return clip_grad_norm_(params, max_norm)
 
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Gradient accumulation: FSDP2 reduces (reduce-scatters) the gradients in the backward of a
+        micro-batch only when ``enabled``; in between, every FSDP module of ``model`` adds them up unsharded
+        (``FSDPModule.set_requires_gradient_sync``, FSDP1's ``no_sync``). The trainer enables it for the
+        last micro-batch of a step: one reduction of the sum, the same gradients as one per micro-batch."""
+        model.set_requires_gradient_sync(enabled)  # the root: recurses into every block and expert bank
+
     def reduce_routing(self, acc: RoutingAccumulator) -> RoutingAccumulator:
         """A copy of ``acc``'s sums added over every rank."""
         with self.guard("routing-stats all-reduce"):
             return all_reduce_accumulator(RoutingAccumulator().merge(acc), self.group)
 
     def save(self, path: Path, model: nn.Module, optimizer, meta: dict) -> Path:
+        """A sharded save (every rank calls it). With ``async_save``: waits for the previous save, starts this
+        one in the background and returns its folder (complete, and named by ``latest``, after
+        ``wait_saves()``)."""
         meta = {**meta, "parallel": {"dp": self.dims.dp, "ep": self.dims.ep, "world_size": self.world_size}}
+        self.wait_saves()
         with self.guard("checkpoint save"):
-            return sharded.save_sharded(path, model, optimizer, meta, group=self.group)
+            if not self.async_save:
+                return sharded.save_sharded(path, model, optimizer, meta, group=self.group)
+            if self._save_group is None:
+                self._save_group = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo",
+                                                  timeout=timedelta(seconds=mdist.resolve_timeout(self.timeout_s)))
+            self._pending = sharded.save_sharded_async(path, model, optimizer, meta, self.group, self._save_group)
+            return self._pending.folder
+
+    def wait_saves(self) -> Path | None:
+        """Wait for the background save in flight, if any (``async_save``); returns its folder, or raises what
+        it raised. The trainer calls it at the end of ``run()``; the next save and a load call it first."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        with self.guard("checkpoint save (in the background)"):
+            return pending.wait()
 
     def load(self, path: Path, model: nn.Module, optimizer, check) -> dict:
         """Resume from ``path``: a sharded checkpoint (each rank reads its chunks, whatever layout saved it)
         or a single file (every rank reads it and keeps its shards: import). ``check(state)`` sees the
         non-tensor state before any tensor is loaded (and may raise); returns that state."""
+        self.wait_saves()
         with self.guard("checkpoint load"):
             if sharded.is_sharded(path):
                 return sharded.load_sharded(path, model, optimizer, check=check)

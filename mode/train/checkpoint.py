@@ -5,7 +5,8 @@ The format (version 1; docs/checkpoints.md)
     str, int, float, bool, None): ``format`` = "mode-checkpoint", ``version``, ``model_cfg`` (the
     ``LMConfig`` as a dict), ``model`` (the state dict), and for resuming ``train_cfg``, ``optimizer``,
     ``step``, ``flops``, ``tokens``, ``wall``, ``elapsed_s``, ``history``, ``sampler_rng``,
-    ``torch_rng``, ``cuda_rng`` (a list, one per GPU; empty without CUDA) and ``routing_acc``.
+    ``torch_rng``, ``cuda_rng`` (a list, one per GPU; empty without CUDA) and ``routing_acc``; ``data``
+    (``mode.train.data.Corpus.record``: bytes or token shards, and the tokenizer that decodes them).
 
 Sharded folders
     Training on a device mesh writes a folder instead (``mode.parallel.checkpoint``: DCP shards plus
@@ -17,7 +18,8 @@ Sharded folders
 Reading never runs code from the file
     ``torch.load(weights_only=True)`` refuses every pickled object other than tensors and plain data, so a
     file built to run a command when unpickled is rejected before anything in it runs. The zip's CRC32s
-    are checked first (truncation and flipped bits are caught; torch.load alone reads neither), then the
+    are checked first (truncation and flipped bits are caught, the latter as ``ChecksumError``; torch.load
+    alone reads neither), then the
     structure: a file that is not a valid checkpoint raises ``CheckpointError`` (a ``ValueError``) naming
     the file and what is wrong. The model is rebuilt from the validated ``LMConfig`` on the meta device and
     its keys and shapes compared with the file before any memory is allocated for it.
@@ -62,12 +64,17 @@ _MODEL_KEYS = {"model_cfg": dict, "model": dict}
 _TRAIN_KEYS = {"train_cfg": dict, "optimizer": dict, "step": int, "flops": (int, float), "tokens": int,
                "wall": (int, float), "history": list, "sampler_rng": Tensor, "torch_rng": Tensor}
 _OPTIONAL_KEYS = {"step": int, "cuda_rng": list, "routing_acc": dict, "elapsed_s": (int, float),
-                  "expert_parallel": dict, "parallel": dict}
+                  "expert_parallel": dict, "parallel": dict, "data": dict}
 _PLAIN = (str, int, float, bool, type(None))
 
 
 class CheckpointError(ValueError):
     """A file that is not a valid checkpoint: unreadable, truncated, corrupt, unsafe, or of the wrong shape."""
+
+
+class ChecksumError(CheckpointError):
+    """A file whose bytes changed since it was saved: a zip member failing its CRC32 (single files), or a
+    sharded checkpoint's file whose SHA-256 differs from its ``SHA256SUMS`` line (``mode.parallel.dcp_safe``)."""
 
 
 class WriteError(OSError):
@@ -279,7 +286,7 @@ def read_checkpoint(path: str | Path) -> dict:
     except OSError as e:
         raise CheckpointError(f"{where}: cannot be read: {e.strerror or e}") from e
     if bad is not None:
-        raise CheckpointError(f"{where}: corrupt: {bad!r} inside it fails its CRC32 check")
+        raise ChecksumError(f"{where}: corrupt: {bad!r} inside it fails its CRC32 check")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

@@ -1,9 +1,10 @@
 """``TrainConfig``: the optimisation and bookkeeping of one training run (steps, batch, schedule, AdamW,
-clipping, evaluation, logging and checkpoint cadence, seed)."""
+clipping, gradient accumulation, activation checkpointing, evaluation, logging and checkpoint cadence, seed).
+docs/training.md."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from mode import _checks
 
@@ -24,6 +25,10 @@ class TrainConfig:
     ckpt_every_s: float | None = None  # also checkpoint when this many seconds passed since the last one
     stats_every: int | None = None  # log a routing-statistics record every this many steps; None: eval_every
     seed: int = 0
+    grad_accum: int = 1  # micro-batches per optimizer step (mode.train.accumulate): the whole batch's loss
+    activation_checkpointing: bool = False  # recompute each block in backward (mode.model.checkpointing)
+    tensorboard: bool = False  # also write TensorBoard event files to out_dir/tb (the "tb" extra)
+    peak_tflops: float | None = None  # one device's peak rate for the logged MFU (None: known GPUs only)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_batches", "log_every", "eval_every"):
@@ -38,3 +43,24 @@ class TrainConfig:
         _checks.check_fraction("min_lr_ratio", self.min_lr_ratio)
         _checks.check_non_negative("weight_decay", self.weight_decay)
         _checks.check_positive("grad_clip", self.grad_clip)
+        _checks.check_int("grad_accum", self.grad_accum)
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"grad_accum={self.grad_accum}: must divide batch_size={self.batch_size} (each step "
+                             "splits the batch into grad_accum micro-batches of equal size)")
+        _checks.check_bool("activation_checkpointing", self.activation_checkpointing)
+        _checks.check_bool("tensorboard", self.tensorboard)
+        if self.peak_tflops is not None:
+            _checks.check_positive("peak_tflops", self.peak_tflops)
+
+    def identity(self) -> dict:
+        """The fields that decide what a run computes, which ``mode compare`` and ``mode isoflop`` record to
+        resume only the same run: all but ``NOT_COMPUTED``, and ``grad_accum`` only when it is not 1 (so that
+        records written before it existed stay resumable)."""
+        out = {k: v for k, v in asdict(self).items() if k not in NOT_COMPUTED}
+        if out["grad_accum"] == 1:
+            del out["grad_accum"]
+        return out
+
+
+# When to save, what to log, and recomputing activations change no number a run computes.
+NOT_COMPUTED = ("ckpt_every_s", "activation_checkpointing", "tensorboard", "peak_tflops")

@@ -1,19 +1,27 @@
-"""Byte-level text data: the built-in corpus (the Python standard library's own sources) or any file.
+"""Training data: byte-level text (the built-in corpus, the Python standard library's own sources, or any
+file), or a folder of pre-tokenized shards (``mode.train.tokens``), and the seeded batch sampler over either.
 
-Shape legend: B batch, S sequence length. Tokens are bytes (vocabulary 256), so any UTF-8 text works
-without a trained tokenizer.
+Shape legend: B batch, S sequence length. Byte tokens have the vocabulary 256, so any UTF-8 text works
+without a trained tokenizer; token shards bring their own vocabulary (and tokenizer).
+
+A split (``Corpus.train``, ``Corpus.val``) is one 1-D array of ids, or a tuple of parts (token shards, read
+lazily) that no window crosses: part p of N_p ids offers N_p - S - 1 window starts, and the sampler draws
+from the starts of all parts at once, so one array gives exactly the windows it gave before parts existed.
 """
 
 from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from mode.train.tokens import TokenizerRef, load_tokenizer, open_token_folder
 
 VOCAB_SIZE = 256
 VAL_EVERY_NTH_FILE = 20  # built-in corpus: every 20th source file (in sorted order) is held out
@@ -27,16 +35,36 @@ def decode(ids) -> str:
     return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
+Split = np.ndarray | tuple  # one array of ids, or parts (TokenShard) that windows never cross
+
+
+def split_parts(split: Split) -> tuple:
+    return split if isinstance(split, tuple) else (split,)
+
+
+def split_tokens(split: Split) -> int:
+    return sum(len(p) for p in split_parts(split))
+
+
 @dataclass
 class Corpus:
-    train: np.ndarray  # uint8 byte ids
-    val: np.ndarray
+    train: Split  # uint8 byte ids, or token shards
+    val: Split
     source: str  # where it came from, for logs
+    vocab_size: int = VOCAB_SIZE  # every id is below it
+    tokenizer: TokenizerRef | None = None  # token shards: what turns their ids into text
+    path: str | None = None  # token shards: the folder
 
     def __post_init__(self) -> None:
         for split in ("train", "val"):
-            if len(getattr(self, split)) == 0:
+            if split_tokens(getattr(self, split)) == 0:
                 raise ValueError(f"corpus {self.source!r}: the {split} split is empty")
+
+    def record(self) -> dict:
+        """What a checkpoint keeps of its data: enough to decode its ids (``text_codec``) and say what it was."""
+        return {"kind": "bytes" if self.path is None else "tokens", "source": self.source,
+                "vocab_size": self.vocab_size, "path": self.path,
+                "tokenizer": None if self.tokenizer is None else self.tokenizer.to_dict()}
 
 
 def stdlib_sources() -> list[Path]:
@@ -69,6 +97,9 @@ def stdlib_corpus(max_bytes: int | None = None) -> Corpus:
 def file_corpus(path: str | os.PathLike, min_bytes: int, val_fraction: float = 0.1) -> Corpus:
     """Any UTF-8 text file; the last ``val_fraction`` of it is validation."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"data={str(path)!r}: a folder, no such file: here data is a text file (folders of "
+                         "token shards are read by load_corpus: mode train, mode report; docs/data.md)")
     if not p.is_file():
         raise ValueError(f"data={str(path)!r}: no such file")
     raw = p.read_bytes()
@@ -89,35 +120,104 @@ def file_corpus(path: str | os.PathLike, min_bytes: int, val_fraction: float = 0
     return Corpus(train=arr[:cut], val=arr[cut:], source=str(p))
 
 
+def token_corpus(path: str | os.PathLike, seq_len: int | None = None) -> Corpus:
+    """A folder of token shards (rules: ``mode.train.tokens``); ``seq_len`` checks both splits hold a window."""
+    folder = open_token_folder(path, seq_len)
+    return Corpus(train=folder.train, val=folder.val, source=folder.source, vocab_size=folder.vocab_size,
+                  tokenizer=folder.tokenizer, path=str(folder.path))
+
+
+def load_corpus(data: str | os.PathLike | None, seq_len: int, max_bytes: int | None = None) -> Corpus:
+    """What ``--data`` names: a folder of token shards, a UTF-8 text file, or (None) the built-in corpus
+    (its first ``max_bytes`` bytes, whole files)."""
+    if data is None:
+        return stdlib_corpus(max_bytes=max_bytes)
+    if Path(data).is_dir():
+        return token_corpus(data, seq_len)
+    return file_corpus(data, min_file_bytes(seq_len))
+
+
 def min_file_bytes(seq_len: int, val_fraction: float = 0.1) -> int:
     """Smallest file whose validation split still holds two windows of ``seq_len + 1`` bytes."""
     return int(np.ceil(2 * (seq_len + 1) / val_fraction))
 
 
-class BatchSampler:
-    """Random training windows from a seeded generator whose state is checkpointed with the run."""
+class Windows:
+    """The windows of ``seq_len + 1`` ids of a split: window g is the g-th start over its parts in order (part
+    p offers N_p - S - 1 starts; no window crosses a part's end). Reads only the windows asked for."""
 
-    def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, seed: int):
-        if len(data) < seq_len + 2:
-            raise ValueError(f"data has {len(data)} tokens: needs more than seq_len + 1 = {seq_len + 1}")
-        self.data = torch.from_numpy(data.astype(np.int64))
+    def __init__(self, split: Split, seq_len: int, what: str = "data"):
+        self.parts, self.seq_len = split_parts(split), seq_len
+        self.ends_P = np.cumsum([max(0, len(p) - seq_len - 1) for p in self.parts])  # starts before part p + 1
+        self.count = int(self.ends_P[-1])
+        if self.count < 1:
+            n = split_tokens(split)
+            many = "" if len(self.parts) == 1 else f" in {len(self.parts)} shards, none longer than {seq_len + 1}"
+            raise ValueError(f"{what} has {n} tokens{many}: needs more than seq_len + 1 = {seq_len + 1}"
+                             + (" in one shard (windows never cross a shard's end)" if many else ""))
+
+    def read(self, starts_W: Tensor) -> Tensor:
+        """The windows ``starts_W`` (global start indices) as int64 ids, shape (W, S + 1)."""
+        part_W = np.searchsorted(self.ends_P, starts_W.numpy(), side="right")
+        rows = []
+        for g, p in zip(starts_W.tolist(), part_W.tolist()):
+            at = g - (int(self.ends_P[p - 1]) if p else 0)
+            rows.append(np.asarray(self.parts[p][at:at + self.seq_len + 1], dtype=np.int64))
+        return torch.from_numpy(np.stack(rows))
+
+
+class BatchSampler:
+    """Random training windows from a seeded generator whose state is checkpointed with the run.
+
+    ``data``: one array of ids or token shards (``Split``); shards stay on disk, each batch reads its windows."""
+
+    def __init__(self, data: Split, batch_size: int, seq_len: int, seed: int):
+        self.windows = Windows(data, seq_len)
         self.batch_size, self.seq_len = batch_size, seq_len
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[Tensor, Tensor]:
-        starts_B = torch.randint(0, len(self.data) - self.seq_len - 1, (self.batch_size,), generator=self.generator,
+        starts_B = torch.randint(0, self.windows.count, (self.batch_size,), generator=self.generator,
                                  device="cpu")  # the generator is a CPU one, whatever the default device
-        window_BS = self.data[starts_B[:, None] + torch.arange(self.seq_len + 1, device="cpu")]
+        window_BS = self.windows.read(starts_B)
         return window_BS[:, :-1], window_BS[:, 1:]
 
 
-def eval_batches(data: np.ndarray, batch_size: int, seq_len: int, num_batches: int) -> list[tuple[Tensor, Tensor]]:
+def eval_batches(data: Split, batch_size: int, seq_len: int, num_batches: int) -> list[tuple[Tensor, Tensor]]:
     """Fixed, evenly spaced validation windows (the same for every model and every evaluation)."""
     n_windows = batch_size * num_batches
-    span = len(data) - seq_len - 1
-    if span < 1:
-        raise ValueError(f"validation split has {len(data)} tokens: needs more than seq_len + 1 = {seq_len + 1}")
-    tokens = torch.from_numpy(data.astype(np.int64))
-    starts = torch.linspace(0, span - 1, n_windows).long()
-    windows = tokens[starts[:, None] + torch.arange(seq_len + 1)]
-    return [(w[:, :-1], w[:, 1:]) for w in windows.split(batch_size)]
+    windows = Windows(data, seq_len, "validation split")
+    starts = torch.linspace(0, windows.count - 1, n_windows).long()
+    window_WS = windows.read(starts)
+    return [(w[:, :-1], w[:, 1:]) for w in window_WS.split(batch_size)]
+
+
+# ----------------------------------------------------------------------------------------------- decoding
+
+
+@dataclass(frozen=True)
+class Codec:
+    """Text to ids and back, for prompts and samples."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    name: str
+
+
+def text_codec(record: dict | None, where: str, tokenizer: str | os.PathLike | None = None) -> Codec:
+    """The codec of a checkpoint's data (``Corpus.record()``, None for checkpoints older than it: bytes).
+    Token data decodes with its tokenizer: the recorded file, or ``tokenizer`` (a copy of it; same sha256)."""
+    if record is None or record.get("kind", "bytes") == "bytes":
+        if tokenizer is not None:
+            raise ValueError(f"{where}: tokenizer={str(tokenizer)!r}: the checkpoint was trained on bytes, which "
+                             "need no tokenizer")
+        return Codec(lambda text: encode(text).tolist(), decode, "bytes")
+    if record.get("tokenizer") is None:
+        if tokenizer is None:
+            raise ValueError(f"{where}: trained on token ids ({record.get('source')}) with no tokenizer recorded; "
+                             "pass --tokenizer PATH (the tokenizer.json the shards were written with)")
+        tok = load_tokenizer(tokenizer)
+    else:
+        tok = TokenizerRef.from_dict(record["tokenizer"], where).load(where, tokenizer)
+    return Codec(lambda text: tok.encode(text, add_special_tokens=False).ids,
+                 lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False), "tokens")

@@ -13,6 +13,12 @@ statistics are reduced, and how checkpoints are written and read. Two implementa
 ``train/`` never imports ``parallel/``: a caller hands the trainer a runtime (``Trainer(runtime=...)``), or a
 mesh, which becomes a runtime through the factory ``mode.parallel`` registers here when it is imported
 (``register_mesh_runtime``). Every method that communicates must be called by every rank in the same order.
+
+Optional, outside the protocol: ``set_gradient_sync(model, enabled)``, which gradient accumulation calls
+before each micro-batch's backward (``MeshRuntime``: FSDP reduces the gradients of the last one only). A
+runtime without it reduces the way its ``backward`` does, every micro-batch. ``builds_on_meta = True``:
+the trainer builds the LM on the meta device (``mode.model.deferred_init.build_on_meta``) and ``prepare``
+must materialize it (``MeshRuntime``: its shards only, with the eager build's values).
 """
 
 from __future__ import annotations

@@ -32,8 +32,11 @@ from mode import _checks
 from mode.measure.flops import train_flops_per_token
 from mode.measure.stats import RoutingAccumulator
 from mode.model import LM, LMConfig
+from mode.model.checkpointing import checkpoint_blocks
+from mode.model.deferred_init import build_on_meta
 from mode.routing.bias_balance import bias_routers, update_expert_bias
-from mode.train import checkpoint
+from mode.train import checkpoint, log_sinks
+from mode.train.accumulate import GradAccumulation
 from mode.train.config import TrainConfig
 from mode.train.data import BatchSampler, Corpus, eval_batches
 from mode.train.optim import build_optimizer, lr_at
@@ -76,6 +79,11 @@ class Trainer:
     (docs/distributed.md), unless the loss's scope is "global" (docs/routing.md). Routers that balance with a
     bias are updated after every optimizer step (``mode.routing.update_expert_bias``).
 
+    Gradient accumulation (``train_cfg.grad_accum`` = N): each rank's rows in N micro-batches per optimizer
+    step, with the whole batch's loss and gradient (``mode.train.accumulate``); on a mesh, FSDP reduces the
+    gradients after the last micro-batch only. Activation checkpointing (``activation_checkpointing``): every
+    block recomputed in backward (``mode.model.checkpointing``). The log: docs/training.md.
+
     ``bf16``: forward under ``torch.autocast(bfloat16)`` (weights, gradients and AdamW stay float32).
     ``compile``: ``torch.compile`` each block. ``timeout_s``: named in the ``CollectiveError`` raised when a
     collective fails (the process group's own timeout is set where it is initialised).
@@ -103,7 +111,18 @@ class Trainer:
         if train_cfg.batch_size % self.world_size:
             raise ValueError(f"batch_size={train_cfg.batch_size}: must be divisible by the number of processes "
                              f"{self.world_size} (each trains on batch_size / processes rows of every batch)")
+        if (train_cfg.batch_size // self.world_size) % train_cfg.grad_accum:
+            raise ValueError(f"grad_accum={train_cfg.grad_accum}: must divide the rows each process trains on, "
+                             f"batch_size / processes = {train_cfg.batch_size} / {self.world_size} = "
+                             f"{train_cfg.batch_size // self.world_size} (micro-batches of equal size)")
+        if train_cfg.activation_checkpointing and compile:
+            raise ValueError("activation_checkpointing=True with compile=True: not supported together yet; "
+                             "choose one")
+        if model_cfg.vocab_size < corpus.vocab_size:  # an id past the embedding would fail mid-run
+            raise ValueError(f"model_cfg.vocab_size={model_cfg.vocab_size}: the data's ids go up to "
+                             f"{corpus.vocab_size - 1} ({corpus.source}); must be >= {corpus.vocab_size}")
         self.model_cfg, self.cfg, self.name = model_cfg, train_cfg, name
+        self.data = corpus.record()  # kept in the checkpoint: mode sample decodes with it
         self.progress = progress and self.rank == 0
         self.bf16, self.compile = bf16, compile
         self._autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16
@@ -114,8 +133,16 @@ class Trainer:
         self.log_path = self.out_dir / "log.jsonl"
         self.ckpt_path = self.out_dir / self.runtime.checkpoint_name
         torch.manual_seed(train_cfg.seed)  # the same full model in one process and on every rank
-        self.model = self.runtime.prepare(LM(model_cfg).to(self.device), compile=compile)
+        # a runtime that shards builds on meta and materializes its shards only: the eager build's values
+        model = (build_on_meta(lambda: LM(model_cfg)) if getattr(self.runtime, "builds_on_meta", False)
+                 else LM(model_cfg).to(self.device))
+        self.model = self.runtime.prepare(model, compile=compile)
+        if train_cfg.activation_checkpointing:
+            checkpoint_blocks(self.model)  # on the prepared model: FSDP's hooks stay outside the checkpoints
         self.params = list(self.model.parameters())
+        self.accumulation = GradAccumulation(self.model, train_cfg.grad_accum, self._autocast, self.device)
+        # FSDP: reduce the gradients after the last micro-batch only (runtimes without it: always in sync)
+        self._gradient_sync = getattr(self.runtime, "set_gradient_sync", None) if train_cfg.grad_accum > 1 else None
         self.bias_routers = bias_routers(self.model)  # aux-loss-free balancing: updated after every step
         self.optimizer = build_optimizer(self.model, train_cfg)
         # Every rank draws the whole global batch from the same seeded sampler and keeps its rows.
@@ -129,6 +156,13 @@ class Trainer:
         self.grad_norm: Tensor | None = None  # the last step's global gradient norm (before clipping)
         self._last_save = 0.0  # time.monotonic() of the last checkpoint (or of the start of run())
         self._save_due = False  # rank 0's ckpt_every_s decision, summed with the last step's scalars
+        # MFU's denominator: every process's device at its peak (None: a CPU or an unknown GPU, no MFU)
+        peak = log_sinks.peak_flops(self.device, train_cfg.peak_tflops)
+        self.peak_flops = None if peak is None else peak * self.world_size
+        if train_cfg.tensorboard:
+            log_sinks.summary_writer_class()  # fails on every rank alike when tensorboard is missing
+        self.tensorboard = (log_sinks.TensorBoardLog(self.out_dir / "tb")
+                            if train_cfg.tensorboard and self.rank == 0 else None)  # rank 0 writes the logs
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, stop_step: int | None = None) -> list[dict]:
@@ -142,17 +176,18 @@ class Trainer:
                    dynamic_ncols=True)
         stats_every = self.cfg.stats_every or self.cfg.eval_every
         while self.step < stop:
-            t0 = time.perf_counter()
+            t0, flops0 = time.perf_counter(), self.flops
             loss, lr = self.train_step()
             dt = time.perf_counter() - t0
             self.wall += dt
             tok_s = self.cfg.batch_size * self.model_cfg.seq_len / dt
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", flops=f"{self.flops:.2e}")
+            step_mfu = log_sinks.mfu(self.flops - flops0, dt, self.peak_flops)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", flops=f"{self.flops:.2e}",
+                            **({} if step_mfu is None else {"mfu": f"{step_mfu:.1%}"}))
             if self.step % self.cfg.log_every == 0 or self.step == stop:
                 self._log({"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(self.grad_norm),
-                           "tokens": self.tokens, "flops": self.flops, "wall": self.wall,
-                           "tok_s": self.tokens / self.wall})
+                           "tokens": self.tokens, "flops": self.flops, "wall": self.wall, **self._speed()})
             if self.step % stats_every == 0 or self.step == self.cfg.steps:
                 record = self.routing_record()
                 if record is not None:
@@ -160,7 +195,7 @@ class Trainer:
                 self.routing.reset()
             if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps:
                 self._log({"step": self.step, "val_loss": self.evaluate(), "tokens": self.tokens,
-                           "flops": self.flops, "wall": self.wall})
+                           "flops": self.flops, "wall": self.wall, **self._speed()})
             self.elapsed += time.perf_counter() - t0  # before saving: the checkpoint counts this step
             if (self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0) or self._save_due:
                 self.save()
@@ -168,7 +203,21 @@ class Trainer:
         bar.close()
         if saved_at != self.step:
             self.save()
+        wait_saves = getattr(self.runtime, "wait_saves", None)  # MeshRuntime(async_save=True) saves in the background
+        if wait_saves is not None:
+            wait_saves()  # run() returns with its last checkpoint complete
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
         return self.history
+
+    def _speed(self) -> dict:
+        """Training tokens per second (all processes) and, with a known peak, the model FLOPs utilisation
+        (mode.train.log_sinks), both averaged over the training steps so far (evaluation excluded)."""
+        speed = {"tok_s": self.tokens / self.wall}
+        mfu = log_sinks.mfu(self.flops, self.wall, self.peak_flops)
+        if mfu is not None:
+            speed["mfu"] = mfu
+        return speed
 
     def _time_to_save(self) -> bool:
         every = self.cfg.ckpt_every_s
@@ -186,18 +235,27 @@ class Trainer:
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        with self._autocast():
-            out = self.model(x_bS, y_bS)
-        self.routing.add_lm(self.model_cfg, out.aux, tuple(x_bS.shape))  # detached sums, no host sync
-        # loss / W: FSDP sums the gradients over the ranks, giving the gradient of the global mean
-        ((out.loss + out.aux.total()) / self.world_size).backward()
+        n = self.cfg.grad_accum
+        micro = self.accumulation.split(x_bS, y_bS)  # n micro-batches (n = 1: the rows themselves)
+        ce_sum, flops = 0.0, 0.0
+        with self.accumulation.whole_batch_routing(micro):  # "global" balance loss: the whole batch's counts
+            for i, (x_mS, y_mS) in enumerate(micro):
+                if self._gradient_sync is not None:
+                    self._gradient_sync(self.model, i == n - 1)  # FSDP reduces once, after the last one
+                with self._autocast():
+                    out = self.model(x_mS, y_mS)
+                self.routing.add_lm(self.model_cfg, out.aux, tuple(x_mS.shape))  # detached sums, no host sync
+                # loss / (W n): FSDP sums the gradients over the ranks, the micro-batches add up in .grad:
+                # the gradient of the global mean
+                ((out.loss + out.aux.total()) / (self.world_size * n)).backward()
+                ce_sum = ce_sum + out.loss.detach()
+                flops += train_flops_per_token(self.model_cfg, aux=out.aux) * x_mS.numel()  # realized routing
         self.grad_norm = rt.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         update_expert_bias(self.model, self.bias_routers)  # the step's choice counts, summed over ranks
-        flops = train_flops_per_token(self.model_cfg, aux=out.aux) * x_bS.numel()  # realized routing, this rank
         due = self.rank == 0 and self._time_to_save()  # clocks differ: rank 0 decides for every rank
-        loss_sum, flops, due = rt.sum_scalars([out.loss.detach(), flops, float(due)])  # one all-reduce
+        loss_sum, flops, due = rt.sum_scalars([ce_sum / n, flops, float(due)])  # one all-reduce
         self._save_due = due > 0
         self.flops += flops
         self.tokens += x_BS.numel()
@@ -230,10 +288,13 @@ class Trainer:
         if self.rank == 0:
             with self.log_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+            if self.tensorboard is not None:
+                self.tensorboard.write(record)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _progress_state(self) -> dict:
-        return {"model_cfg": asdict(self.model_cfg), "train_cfg": asdict(self.cfg), "step": self.step,
+        return {"model_cfg": asdict(self.model_cfg), "train_cfg": asdict(self.cfg), "data": self.data,
+                "step": self.step,
                 "flops": self.flops, "tokens": self.tokens, "wall": self.wall, "elapsed_s": self.elapsed,
                 "history": self.history, "sampler_rng": self.sampler.generator.get_state(),
                 **checkpoint.rng_state()}

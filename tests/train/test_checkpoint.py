@@ -130,6 +130,16 @@ def sharded(t: Trainer, folder: Path) -> Path:
     return save_sharded(folder, t.model, t.optimizer, meta)
 
 
+def resum(folder: Path) -> None:
+    """Rewrite the folder's SHA256SUMS to match its files as they are now: what someone who edits a folder by
+    hand, or builds a hostile one, does too (so the checks behind the checksums are tested)."""
+    from mode.parallel import dcp_safe
+
+    sums = dcp_safe.read_manifest(folder, "test")
+    (folder / dcp_safe.MANIFEST).write_text(dcp_safe.manifest_text(
+        {name: dcp_safe.sha256_file(folder / name) for name in sums}))
+
+
 def test_sharded_checkpoint_resumes_exactly_in_one_process(tmp_path):
     """Saved and resumed through DCP in one process: the uninterrupted run, bit for bit; export gives the
     single file the trainer itself writes (same tensors)."""
@@ -171,6 +181,7 @@ def test_sharded_checkpoint_with_a_malicious_metadata_pickle_is_refused(sharded_
     import pickle
 
     (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    resum(folder)  # a hostile folder comes with matching checksums
     with pytest.raises(CheckpointError, match="refused: its .metadata holds objects other than DCP metadata"):
         checkpoint.load_model(sharded_ckpt)
     for command in ("sample", "report"):
@@ -226,6 +237,8 @@ def test_bad_sharded_checkpoints_get_clear_errors(sharded_ckpt, how, msg):
         meta["model_cfg"]["d_model"] = 8
         meta["model_cfg"]["d_hidden"] = 16
         (folder / "meta.json").write_text(json.dumps(meta))
+    if how in ("bad_meta", "wrong_shape"):
+        resum(folder)  # edited by hand, checksums included: the next checks still hold
     with pytest.raises(CheckpointError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         checkpoint.load_model(sharded_ckpt)
 
@@ -264,6 +277,30 @@ def test_damaged_files_get_a_clear_error(tmp_path, capsys, how, msg):
         assert str(info.value).startswith(f"checkpoint {str(path)!r}: ")
     assert main(["sample", str(path)]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_a_flipped_byte_in_any_member_of_a_file_is_a_checksum_error_naming_it(tmp_path):
+    """The single file's checksums are the zip's CRC32s, one per member (the pickle, every tensor's storage,
+    the version records): a flipped byte in any of them is a ChecksumError naming that member."""
+    import struct
+    import zipfile
+
+    from mode.train.checkpoint import ChecksumError
+
+    good = trained(tmp_path).ckpt_path
+    data = good.read_bytes()
+    with zipfile.ZipFile(good) as z:
+        members = [m for m in z.infolist() if m.file_size > 0]
+    assert len(members) > 5 and any(m.filename.endswith("data.pkl") for m in members)
+    for m in members:
+        name_len, extra_len = struct.unpack("<HH", data[m.header_offset + 26:m.header_offset + 30])
+        start = m.header_offset + 30 + name_len + extra_len  # the member's bytes (stored, not compressed)
+        bad = bytearray(data)
+        bad[start + m.compress_size // 2] ^= 0x01
+        path = tmp_path / "flipped.pt"
+        path.write_bytes(bytes(bad))
+        with pytest.raises(ChecksumError, match=f"corrupt: '{m.filename}' inside it fails its CRC32 check"):
+            load_checkpoint(path)
 
 
 def _save_raw(path: Path, obj) -> Path:
