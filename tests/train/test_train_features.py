@@ -18,7 +18,6 @@ import contextlib
 import math
 import re
 import sys
-from dataclasses import replace
 
 import numpy as np
 import pytest
