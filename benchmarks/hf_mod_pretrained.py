@@ -180,7 +180,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     out_path = Path(args.out)
     done = json.loads(out_path.read_text()) if out_path.is_file() else {"rows": []}
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "threads")}
+    # what a row's numbers depend on (the grid's selection does not: rows of another selection are kept)
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("out", "threads", "capacities", "parts", "methods", "mode", "mode_capacity")}
     if done.get("settings", settings) != settings:
         raise ValueError(f"{out_path} holds rows measured with other settings; pass another --out")
     rows = {r["name"]: r for r in done["rows"]}
@@ -213,15 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   {**extra, "tuning": "router+fine-tune"}, calibration)
         save()
 
-    for capacity in args.capacities:
-        for part in args.parts:
-            for method in args.methods:
-                extra = {"kind": "mod", "capacity": capacity, "part": part, "method": method}
-                run(f"MoD c={capacity} part={part} {method}",
-                    lambda m, c=capacity, pt=part, me=method: mh.to_mod(
-                        m, layers=layers, capacity=c, gate="ste", causal=METHODS[me], part=pt),
-                    extra, args.steps)
-    if args.mode:
+    if args.mode:  # MoDE rows first: the grid below is the longer part
         c = args.mode_capacity
         run(f"staged MoDE c={c} (4 experts top-1)",
             lambda m: mh.to_mod(mh.upcycle(m, layers=layers, num_experts=4, top_k=1), layers=layers, capacity=c,
@@ -231,6 +225,14 @@ def main(argv: list[str] | None = None) -> dict:
         run("integrated MoDE (4 experts + 4 no-op, top-1)",
             lambda m: mh.upcycle(m, layers=layers, num_experts=4, top_k=1, num_noop=4),
             {"kind": "integrated", "capacity": None}, 0)
+    for capacity in args.capacities:
+        for part in args.parts:
+            for method in args.methods:
+                extra = {"kind": "mod", "capacity": capacity, "part": part, "method": method}
+                run(f"MoD c={capacity} part={part} {method}",
+                    lambda m, c=capacity, pt=part, me=method: mh.to_mod(
+                        m, layers=layers, capacity=c, gate="ste", causal=METHODS[me], part=pt),
+                    extra, args.steps)
     save()
     print_table(base, list(rows.values()))
     md = out_path.with_suffix(".md")
@@ -243,6 +245,9 @@ def table_markdown(base: dict, rows: list[dict]) -> str:
     lines = [f"original held-out loss {base['loss']:.4f} nats/byte", "",
              "| conversion | tuning | loss | Δ loss (nats, %) | share | KV ÷ orig | tok/s ÷ orig |",
              "|---|---|---|---|---|---|---|"]
+    kinds = {"mod": 0, "staged": 1, "integrated": 2}
+    rows = sorted(rows, key=lambda r: (kinds[r["kind"]], -(r["capacity"] or 0), PARTS.index(r.get("part", "layer")),
+                                       r.get("method", ""), r["tuning"] != "router"))
     for r in rows:
         lines.append(f"| {r['name'].rsplit(' ', 1)[0] if r['name'].endswith(('router', '+fine-tune')) else r['name']}"
                      f" | {r['tuning']} | {r['loss']:.4f} | {r['d_loss']:+.4f} ({r['d_loss_pct']:+.1f}%) | "

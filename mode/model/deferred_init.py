@@ -11,6 +11,8 @@ buffer with its full value as soon as that value is final. Nothing else is kept,
 tensor plus whatever the construction itself keeps alive at that point: a value that is overwritten before
 anyone reads it (a ``nn.Linear``'s own init, redrawn by the LM's ``_init_weights``) is drawn into a scratch
 tensor and dropped at once, and operations whose results nobody uses (``empty``, views) are not run at all.
+After dropping a large tensor the replay hands the C heap's free pages back to the OS
+(``mode.cpu_allocator.release_free_memory``): glibc would otherwise keep them resident.
 
 ``mode.parallel.materialize`` is the user of ``replay``: it puts the model (parallelized or not) on its device
 with ``to_empty`` and copies each emitted value, or only this rank's shard of it, into place. This module
@@ -40,16 +42,20 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mode.cpu_allocator import release_free_memory
+
 _META = torch.device("meta")
 # in-place ops that overwrite every element of ``self`` without reading it (when ``self`` spans its storage)
 _OVERWRITES = {"normal_", "uniform_", "fill_", "zero_", "copy_", "random_", "exponential_", "bernoulli_",
                "log_normal_", "cauchy_", "geometric_"}
 _DATA_CONSTRUCTORS = (torch.tensor, torch.as_tensor, torch.asarray)
 _RECORD_ATTR = "_mode_meta_record"
+_TRIM_BYTES = 1 << 20  # dropping a storage this large hands the heap's free pages back to the OS
 
 
-class MetaInitError(RuntimeError):
-    """A model built on meta cannot be recorded, replayed or used as asked (the message says why)."""
+class MetaInitError(ValueError):
+    """A model built on meta cannot be recorded, replayed or used as asked (the message says why): a
+    ``ValueError``, as every user mistake in this library."""
 
 
 @dataclass(frozen=True)
@@ -213,12 +219,31 @@ def build_on_meta(fn: Callable[[], nn.Module], *, seed: int | None = None) -> nn
     with no memory behind its parameters and buffers. ``seed``: ``torch.manual_seed(seed)`` first, as an
     eager build would do (else the global generator's current state is the one eager construction would
     start from). Leaves the global generator where ``fn()`` built eagerly would have left it."""
-    if not callable(fn):
-        raise TypeError(f"fn={type(fn).__name__}: must be a callable that builds the model, e.g. lambda: LM(cfg)")
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed={seed!r}: must be an int or None")
         torch.manual_seed(seed)
+    model, record = _record(fn)
+    setattr(model, _RECORD_ATTR, record)
+    _replay(record, None, restore_rng=False)  # the draws only: the generators end where eager construction's do
+    record.rng_end = torch.get_rng_state()
+    guard_forward(model)
+    return model
+
+
+def build_draws_only(fn: Callable[[], nn.Module]) -> nn.Module:
+    """``fn()`` built on the meta device, the generators advanced exactly as building it eagerly advances them
+    (each draw made into a scratch tensor and dropped at once); nothing is kept to materialize it. For code
+    that stands in for an eager construction whose values it does not need, but whose draws later ones
+    follow (``mode.parallel.ep_model.shard_experts`` on a model built on meta)."""
+    model, record = _record(fn)
+    _replay(record, None, restore_rng=False)
+    return model
+
+
+def _record(fn: Callable[[], nn.Module]) -> tuple[nn.Module, MetaRecord]:
+    if not callable(fn):
+        raise TypeError(f"fn={type(fn).__name__}: must be a callable that builds the model, e.g. lambda: LM(cfg)")
     recorder = _Recorder()
     rng_start = torch.get_rng_state()
     with torch.device("meta"), _DataOnCPU(), recorder:
@@ -238,13 +263,8 @@ def build_on_meta(fn: Callable[[], nn.Module], *, seed: int | None = None) -> nn
             if key not in recorder.nbytes:
                 raise MetaInitError(f"{kind} {name!r}: was made outside fn; build every tensor of the model inside it")
             names[name] = _Ref(key, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
-    record = MetaRecord(recorder.ops, recorder.nbytes, names, rng_start)
     recorder.keep.clear()
-    setattr(model, _RECORD_ATTR, record)
-    replay(model, None, restore_rng=False)  # the draws only: the generators end where eager construction's do
-    record.rng_end = torch.get_rng_state()
-    guard_forward(model)
-    return model
+    return model, MetaRecord(recorder.ops, recorder.nbytes, names, rng_start)
 
 
 def guard_forward(model: nn.Module) -> None:
@@ -275,29 +295,35 @@ def is_meta_built(model: nn.Module) -> bool:
 # -- replay ------------------------------------------------------------------------------------------------
 
 
-def _plan(record: MetaRecord, names) -> tuple[list[bool], list[list[int]]]:
-    """Which ops to run (every draw, or a write somebody reads later or that is a final value of ``names``) and,
-    per op, the storages whose last use it is (emitted if final, then dropped). One backward pass: liveness.
-    When the values of ``names`` need no random number, no draw runs at all."""
-    live, needed = _liveness(record, names, draws=False)
+def _plan(record: MetaRecord, names) -> tuple[list[bool], list[list[int]], list[list[int]]]:
+    """Which ops to run (every draw, or a write whose value is read later or is a final value of ``names``),
+    and, per op, the storages to emit after it (a final value: its last use) and to drop after it (a value
+    nobody reads again: the next use overwrites it, or there is none). One backward pass: liveness. When the
+    values of ``names`` need no random number, no draw runs at all."""
+    live, dead = _liveness(record, names, draws=False)
     if any(live[i] and op.rng for i, op in enumerate(record.ops)):  # a random value: then the whole stream
-        live, needed = _liveness(record, names, draws=True)
-    if needed:
-        raise MetaInitError("the recording reads a storage it never made (a tensor built outside fn)")
+        live, dead = _liveness(record, names, draws=True)
+    final = {record.names[n].key for n in names}
     last: dict[int, int] = {}
     for i, op in enumerate(record.ops):
         if live[i] and op.func is not None:
-            for k in (*op.reads, *op.overwrites, *(k for k, _, _ in op.created)):
+            for k in _touched(op):
                 last[k] = i
-    drops: list[list[int]] = [[] for _ in record.ops]
-    for k, i in last.items():
-        drops[i].append(k)
-    return live, drops
+    emits: list[list[int]] = [[] for _ in record.ops]
+    for k in final:
+        emits[last[k]].append(k)
+    drops = [sorted(set(dead[i]) | set(emits[i])) for i in range(len(record.ops))]
+    return live, emits, drops
 
 
-def _liveness(record: MetaRecord, names, draws: bool) -> tuple[list[bool], set]:
-    needed = {record.names[n].key for n in names}
+def _touched(op: _Op) -> set:
+    return {*op.reads, *op.overwrites, *(k for k, _, _ in op.created)}
+
+
+def _liveness(record: MetaRecord, names, draws: bool) -> tuple[list[bool], list[list[int]]]:
+    needed = {record.names[n].key for n in names}  # storages whose current value is still to be used
     live = [False] * len(record.ops)
+    dead: list[list[int]] = [[] for _ in record.ops]
     for i in range(len(record.ops) - 1, -1, -1):
         op = record.ops[i]
         if op.func is None:
@@ -306,9 +332,12 @@ def _liveness(record: MetaRecord, names, draws: bool) -> tuple[list[bool], set]:
         made = {k for k, _, _ in op.created}
         if (draws and op.rng) or (made | op.overwrites | op.partial) & needed:
             live[i] = True
+            dead[i] = [k for k in _touched(op) if k not in needed]  # after this op, nobody reads it again
             needed -= op.overwrites | made
             needed |= op.reads
-    return live, needed
+    if needed:
+        raise MetaInitError("the recording reads a storage it never made (a tensor built outside fn)")
+    return live, dead
 
 
 def _view(storage, ref: _Ref) -> Tensor:
@@ -326,11 +355,15 @@ def replay(model: nn.Module, emit: Callable[[str, Tensor], None] | None, *, rest
     record = meta_record(model)
     if record is None:
         raise MetaInitError(f"{type(model).__name__}: was not built by build_on_meta (nothing to replay)")
+    _replay(record, emit, restore_rng, names)
+
+
+def _replay(record: MetaRecord, emit, restore_rng: bool, names=None) -> None:
     names = set(record.names if names is None else names)
     by_key: dict[int, list[str]] = {}
     for name in names:
         by_key.setdefault(record.names[name].key, []).append(name)
-    live, drops = _plan(record, names)
+    live, emits, drops = _plan(record, names)
     full_stream = any(live[i] and op.rng for i, op in enumerate(record.ops))
     generators = {op.generator for op in record.ops if op.func is None and op.generator is not None}
     saved = (torch.get_rng_state(), {g: g.get_state() for g in generators})
@@ -364,11 +397,15 @@ def replay(model: nn.Module, emit: Callable[[str, Tensor], None] | None, *, rest
                 out = [t for t in pytree.tree_leaves(op.func(*args, **kwargs)) if isinstance(t, Tensor)]
                 for k, ref, j in op.created:
                     _bind(bound, k, ref, out[j], record.nbytes[k])
-                for k in drops[i]:
-                    if emit is not None:
-                        for name in by_key.get(k, ()):
+                if emit is not None:
+                    for k in emits[i]:
+                        for name in by_key[k]:
                             emit(name, _view(bound[k], record.names[name]))
+                for k in drops[i]:
                     del bound[k]
+                del out, args, kwargs  # nothing of this op outlives it but what ``bound`` keeps
+                if any(record.nbytes[k] >= _TRIM_BYTES for k in drops[i]):
+                    release_free_memory()  # else glibc keeps the freed blocks resident (mode.cpu_allocator)
         if record.rng_end is not None and full_stream:  # every replay draws the stream the first one drew
             assert torch.equal(torch.get_rng_state(), record.rng_end), "the replay drew another random stream"
     finally:

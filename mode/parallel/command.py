@@ -91,6 +91,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--eval-every", type=int)
     p.add_argument("--ckpt-every", type=int, help="also checkpoint every this many steps (default: at the end only)")
     p.add_argument("--ckpt-every-s", type=float, help="also checkpoint every this many seconds (rank 0's clock)")
+    p.add_argument("--eager-init", action="store_true",
+                   help="on a mesh, every rank builds the full model before sharding it (default: built on the "
+                        "meta device, each rank materializes its shards only, with the same values; "
+                        "docs/distributed.md)")
     p.add_argument("--async-save", action="store_true",
                    help="on a mesh, write checkpoints in the background (dcp.async_save): the step that saves waits "
                         "only for a CPU copy of the shards (docs/distributed.md)")
@@ -173,7 +177,8 @@ def run(args) -> int:
         if mesh is not None:
             from mode.parallel.runtime import MeshRuntime
 
-            runtime = MeshRuntime(mesh, ctx.timeout_s, dedup=args.dedup_rows, async_save=args.async_save)
+            runtime = MeshRuntime(mesh, ctx.timeout_s, dedup=args.dedup_rows, async_save=args.async_save,
+                                  meta_init=not args.eager_init)
         trainer = Trainer(model_cfg, train_cfg, corpus, args.out, name="train", progress=not args.no_progress,
                           runtime=runtime, device=device, bf16=args.bf16, compile=args.compile,
                           timeout_s=None if ctx is None else ctx.timeout_s)

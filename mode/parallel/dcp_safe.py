@@ -142,12 +142,18 @@ def verify_file(folder: Path, name: str, sums: dict[str, str] | None, where: str
 
 def verify_folder(folder: str | Path) -> list[str]:
     """Check every file listed in a save folder's ``SHA256SUMS`` (after copying a checkpoint to another
-    machine); returns the names checked, or raises ``ChecksumError`` naming the first bad file."""
+    machine); returns the names checked, or raises ``ChecksumError`` naming the first bad file. ``folder``: a
+    save folder, or a trainer's checkpoint folder (the save its ``latest`` names)."""
     folder = Path(folder)
     where = f"checkpoint {str(folder)!r}"
-    sums = read_manifest(folder, where)
-    if sums is None:
+    latest = folder / "latest"
+    if not (folder / MANIFEST).exists() and latest.is_file():
+        name = latest.read_text().strip()
+        if name and "/" not in name and "\\" not in name and name not in (".", ".."):
+            folder = folder / name
+    if not (folder / MANIFEST).is_file():
         raise checkpoint.ChecksumError(f"{where}: no {MANIFEST} in it: nothing to verify")
+    sums = read_manifest(folder, where)
     for name in sorted(sums):
         verify_file(folder, name, sums, where)
     return sorted(sums)

@@ -32,6 +32,7 @@ from mode.dispatch.expert_parallel import ExpertParallelDispatcher
 from mode.experts.bank import ExpertBank
 from mode.layers.mod import MoD
 from mode.layers.moe import MoELayer
+from mode.model.deferred_init import build_draws_only
 
 
 def shard_experts(full: ExpertBank, rank: int, world_size: int) -> ExpertBank:
@@ -47,8 +48,12 @@ def shard_experts(full: ExpertBank, rank: int, world_size: int) -> ExpertBank:
         raise ValueError(f"rank={rank}: must be in [0, world_size={world_size})")
     L = E // world_size
     lo = rank * L
-    shard = ExpertBank(dataclasses.replace(full.cfg, num_experts=L))
-    shard.to(device=full.w_in.device, dtype=full.w_in.dtype)
+    cfg = dataclasses.replace(full.cfg, num_experts=L)
+    if full.w_in.is_meta:  # built on meta (mode.parallel.meta_init): no memory, the same draws as the line below
+        shard = build_draws_only(lambda: ExpertBank(cfg)).to(dtype=full.w_in.dtype)
+    else:
+        shard = ExpertBank(cfg)  # its init draws from the global generator (a run's later draws follow them)
+        shard.to(device=full.w_in.device, dtype=full.w_in.dtype)
     with torch.no_grad():
         for name, p in full.named_parameters(recurse=False):  # each weight's experts are its rows
             getattr(shard, name).copy_(p[lo:lo + L])

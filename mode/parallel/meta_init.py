@@ -33,7 +33,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp split of the ep-sharded experts
 
 from mode.model.deferred_init import MetaInitError, build_on_meta, is_meta_built, meta_record, replay
 
@@ -75,14 +76,23 @@ def _retie(groups: list[list[tuple[nn.Module, str, bool]]]) -> None:
 
 
 def _local_piece(full: Tensor, target: Tensor, name: str) -> Tensor:
-    if isinstance(target, DTensor):
-        piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
-        local = target.to_local()
-        if piece.shape != local.shape:
-            raise MetaInitError(f"{name}: this rank holds {tuple(local.shape)} of {tuple(target.shape)}, but "
-                                f"{list(target.placements)} cut {tuple(piece.shape)}")
-        return piece
-    return full
+    """This rank's piece of the full value: what ``distribute_tensor(full, mesh, placements)`` holds here.
+    Placements that split dim 0 only (FSDP2's and the experts'): the rows, found by distributing their indices,
+    sliced as a view when contiguous (no copy of the full tensor); others: ``distribute_tensor`` itself."""
+    if not isinstance(target, DTensor):
+        return full
+    mesh, placements = target.device_mesh, target.placements
+    if all(isinstance(pl, Replicate) or (isinstance(pl, (Shard, _StridedShard)) and pl.dim == 0) for pl in placements):
+        rows = distribute_tensor(torch.arange(full.shape[0]), mesh, placements, src_data_rank=None).to_local()
+        contiguous = rows.numel() == 0 or torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + rows.numel()))
+        piece = full.narrow(0, int(rows[0]), rows.numel()) if contiguous and rows.numel() else full.index_select(0, rows)
+    else:
+        piece = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+    local = target.to_local()
+    if piece.shape != local.shape:
+        raise MetaInitError(f"{name}: this rank holds {tuple(local.shape)} of {tuple(target.shape)}, but "
+                            f"{list(placements)} cut {tuple(piece.shape)}")
+    return piece
 
 
 def _transformers_model(model: nn.Module) -> str | None:

@@ -494,6 +494,7 @@ def test_a_flipped_byte_in_a_trainers_sharded_checkpoint_is_a_checksum_error(tmp
     save_sharded(tmp_path / "ckpt", t.model, t.optimizer, {**t._progress_state(), "routing_acc": t.routing.state_dict()})
     folder = save_folder(tmp_path / "ckpt")
     assert dcp_safe.verify_folder(folder) == [".metadata", "__0_0.distcp", "meta.json"]
+    assert dcp_safe.verify_folder(tmp_path / "ckpt") == [".metadata", "__0_0.distcp", "meta.json"]  # via latest
     _flip(folder / name, 0.3)
     for read in (load_model, lambda p: Trainer(LM_CFG, LM_TRAIN, _corpus(), tmp_path / "other", progress=False).load(p),
                  dcp_safe.verify_folder):

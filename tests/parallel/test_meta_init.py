@@ -16,9 +16,10 @@ Spawned pools (tests/parallel/pools.py, started together by one module fixture; 
       MeshRuntime(meta_init=False): 3 steps with random MoD routing (the global generator after building
       matters), losses and gradient norms equal exactly, final shards equal. A converted transformers model
       materialized from a DCP checkpoint the parent wrote (init=load_state), gathered and compared.
-    * mem4, 4 processes, (2, 2): a 107M-parameter LM (428 MB of float32 weights, 1.28 GB with AdamW's two
+    * mem4, 4 processes, (2, 2): a 107M-parameter LM (409 MiB of float32 weights, 1,226 MiB with AdamW's two
       moments) built on meta; each rank's peak RSS growth over its RSS before building is measured after
-      materialize and after AdamW's state exists: near its shard share, far below the full model.
+      materialize and after AdamW's state exists: near its shard share, far below the full model (measured:
+      141 MiB for a 102 MiB shard whose largest full tensor is 32 MiB; 452-461 MiB with gradients and AdamW).
 """
 
 from __future__ import annotations
@@ -73,10 +74,10 @@ KINDS = {
 MESH_MODELS = {"token_choice": BASE, "expert_choice": replace(BASE, router="expert_choice", top_k=1),
                "recipes": RECIPES}
 TRAIN_MODEL = replace(BASE, layers=("mod_random", "moe", "staged", "integrated"))
-# mem4: 6 MoE layers of 16 experts (d 512, hidden 1024) = 107M parameters; the largest tensor is 8.4M (33.5 MB)
+# mem4: 6 MoE layers of 16 experts (d 512, hidden 1024) = 107M parameters; the largest tensor is 8.4M (32 MiB)
 MEM_MODEL = LMConfig(seq_len=64, d_model=512, n_heads=8, d_hidden=1024, layers=("moe",) * 6, num_experts=16,
                      top_k=2, capacity_factor=None, balance_coef=0.0)
-MEM_SLACK = 128 * 2**20  # allocator and process-group noise on top of shards + transient full tensors
+MEM_SLACK = 64 * 2**20  # allocator and process-group noise on top of the shards + one full tensor
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -471,7 +472,7 @@ def test_mesh_converted_model_from_checkpoint(runs):
 
 @_cpu_only
 def test_peak_memory_per_rank_is_the_shard_share(runs):
-    """Each rank's peak RSS growth (from its RSS before building): its shards plus transient full tensors,
+    """Each rank's peak RSS growth (from its RSS before building): its shards plus one full tensor at a time,
     not the full model. With AdamW's moments it fits a budget (half the full model's weights + moments) that
     the full model alone would overflow."""
     xs = _case_result(runs, "mem4", None)
@@ -480,7 +481,7 @@ def test_peak_memory_per_rank_is_the_shard_share(runs):
     for r, x in enumerate(xs):
         assert x["full_bytes"] == full
         assert x["shard_bytes"] <= full / 4 * 1.01, (r, x)  # the 1/4 share (uneven dense splits round up)
-        bound = x["shard_bytes"] + 2 * x["largest_bytes"] + MEM_SLACK
+        bound = x["shard_bytes"] + x["largest_bytes"] + MEM_SLACK  # the shards + one full tensor at a time
         assert x["peak_materialized"] <= bound, (r, x["peak_materialized"] / 2**20, bound / 2**20)
         assert x["peak_materialized"] < full / 2, (r, x)
         budget = 3 * full / 2  # half of the full model's weights + AdamW's two moments
