@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     # what a row's numbers depend on (the grid's selection does not: rows of another selection are kept)
     settings = {k: v for k, v in vars(args).items()
                 if k not in ("out", "threads", "capacities", "parts", "methods", "mode", "mode_capacity")}
-    if done.get("settings", settings) != settings:
+    stored = done.get("settings", settings)
+    if {k: stored.get(k) for k in settings} != settings:
         raise ValueError(f"{out_path} holds rows measured with other settings; pass another --out")
     rows = {r["name"]: r for r in done["rows"]}
 

@@ -427,7 +427,7 @@ def save_sharded_async(path: str | Path, model: nn.Module, optimizer: torch.opti
             written.result()
         except CheckpointException as e:
             raise _write_error(folder, path, e) from None
-        return _finish(path, folder, writer.sums, meta_text, save_group, True, rank)
+        return _finish(path, folder, writer.sums, meta_text, save_group, True, dist.get_rank(save_group))
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="mode-checkpoint")
     future = pool.submit(finish)
