@@ -41,3 +41,12 @@ def converted(hf, family: str, attn: str = "sdpa", **kw):
     model = hf.to_mod(tiny(family, attn), **kw)
     hf.calibrate(model, [torch.randint(1, V, (4, 16), generator=torch.Generator().manual_seed(7))])
     return model
+
+
+def causal_forward(hf, model, seq, mask):
+    """Per MoD layer, the causal decisions of one cache-free full forward: (B, S) bool."""
+    with torch.no_grad(), hf.routing(model, "causal"):
+        logits = model(seq, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
+    stats = hf.collect_aux(model).stats
+    return logits, {i: stats[f"layers.{i}.mod.router"].compute_T.view(seq.shape).bool()
+                    for i in hf.mod_layers(model)}

@@ -15,7 +15,7 @@ import torch
 from mode.routing.mod_topk import GATES, MoDRouter, MoDRouterConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mod_models import ATTENTIONS, FAMILIES, V, batch, converted, positions, tiny  # noqa: E402
+from mod_models import ATTENTIONS, FAMILIES, V, batch, causal_forward, converted, positions, tiny  # noqa: E402
 
 
 # -- the straight-through gate (no transformers needed) --
@@ -191,15 +191,6 @@ def test_frozen_base_only_routers_learn_and_base_is_bitwise_unchanged(hf):
 
 # -- sparse KV caches inside generate() --
 
-def _routed_positions(hf, model, seq, mask):
-    """Per MoD layer, the causal decisions of one cache-free full forward: (B, S) bool."""
-    with torch.no_grad(), hf.routing(model, "causal"):
-        logits = model(seq, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
-    stats = hf.collect_aux(model).stats
-    return logits, {i: stats[f"layers.{i}.mod.router"].compute_T.view(seq.shape).bool()
-                    for i in hf.mod_layers(model)}
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("attn", ATTENTIONS)
 @pytest.mark.parametrize("B,left_pad", [(1, 0), (2, 3)])
@@ -213,7 +204,7 @@ def test_greedy_generate_equals_full_forward_and_caches_hold_routed_tokens(hf, f
     seq, cache = g.sequences, g.past_key_values
     fed = seq[:, :-1]  # the last token is sampled, never fed
     fed_mask = torch.cat([mask, torch.ones(B, N - 1, dtype=torch.long)], 1)
-    ref, routed = _routed_positions(hf, model, fed, fed_mask)
+    ref, routed = causal_forward(hf, model, fed, fed_mask)
     steps = torch.stack(g.logits, 1)
     assert (steps - ref[:, 7:]).abs().max() <= 1e-5
     assert torch.equal(ref[:, 7:].argmax(-1), seq[:, 8:])
@@ -238,7 +229,7 @@ def test_manual_decode_loop_equals_full_forward_and_skipped_token_writes_nothing
     cont = torch.randint(1, V, (2, 8))
     full = torch.cat([ids, cont], 1)
     full_mask = torch.cat([mask, torch.ones(2, 8, dtype=torch.long)], 1)
-    ref, routed = _routed_positions(hf, model, full, full_mask)
+    ref, routed = causal_forward(hf, model, full, full_mask)
     cache = DynamicCache(config=model.config)
     pos = positions(full_mask)
     with torch.no_grad(), hf.routing(model, "causal"):

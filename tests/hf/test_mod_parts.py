@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mod_models import FAMILIES, V, batch, converted, positions, tiny  # noqa: E402
+from mod_models import FAMILIES, V, batch, causal_forward, converted, tiny  # noqa: E402
 
 PARTS = ("layer", "attention", "mlp")
 
@@ -83,13 +83,6 @@ def test_the_skipped_sublayer_runs_for_picked_tokens_only(hf, part):
         assert int(out.past_key_values.layers[1].len_B.sum()) == picked
 
 
-def _causal_forward(hf, model, seq, mask):
-    with torch.no_grad(), hf.routing(model, "causal"):
-        logits = model(seq, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
-    stats = hf.collect_aux(model).stats
-    return logits, {i: stats[f"layers.{i}.mod.router"].compute_T.view(seq.shape).bool() for i in hf.mod_layers(model)}
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("part", PARTS)
 def test_generate_equals_recomputation_for_every_part(hf, family, part):
@@ -102,7 +95,7 @@ def test_generate_equals_recomputation_for_every_part(hf, family, part):
     seq, cache = g.sequences, g.past_key_values
     fed = seq[:, :-1]
     fed_mask = torch.cat([mask, torch.ones(B, N - 1, dtype=torch.long)], 1)
-    ref, routed = _causal_forward(hf, model, fed, fed_mask)
+    ref, routed = causal_forward(hf, model, fed, fed_mask)
     assert (torch.stack(g.logits, 1) - ref[:, 7:]).abs().max() <= 1e-5
     assert torch.equal(ref[:, 7:].argmax(-1), seq[:, 8:])
     for i, routed_BS in routed.items():
