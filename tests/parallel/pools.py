@@ -1,11 +1,16 @@
 """Spawned process pools for the multi-process tests: every pool starts at once, each rank writes what it saw to
 ``<tmp>/<pool>/rank<r>.json`` and the parent judges the files (not exit codes: gloo's shutdown may abort a
-finished rank). ``worker(rank, world, store, out_dir, pool, out4)`` is the test module's own."""
+finished rank). ``worker(rank, world, store, out_dir, pool, out4)`` is the test module's own; it calls
+``run_rank`` with the work of its pool."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -46,3 +51,44 @@ def kill(ctxs: dict) -> None:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+def run_rank(rank: int, world: int, store: str, out_dir: str, timeout_s: float, work: Callable[[], dict],
+             barrier: bool = False, destroy: bool = False) -> None:
+    """In a spawned rank: join the gloo group (``timeout_s``), run ``work()`` (an exception is reported as
+    ``{"failure": traceback}``), write the result to ``out_dir/rank<r>.json``, optionally wait for the peers
+    (``barrier``) and leave the group (``destroy``), then exit at once: no teardown that could wait on a
+    peer that left, stalls or sleeps."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        res = work()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        res = {"failure": traceback.format_exc()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+    if barrier:
+        dist.barrier()
+    if destroy:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def run_case(res: dict, key: str, fn: Callable[[], dict]) -> None:
+    """``res[key] = fn()``, or the traceback as ``{"failure": ...}``: one failing case does not hide the rest."""
+    try:
+        res[key] = fn()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        res[key] = {"failure": traceback.format_exc()}
+
+
+def wait_for_file(path: Path, deadline_s: float) -> None:
+    """Wait for another pool's signal file (e.g. a checkpoint it finished); TimeoutError after ``deadline_s``."""
+    t0 = time.monotonic()
+    while not path.exists():
+        if time.monotonic() - t0 > deadline_s:
+            raise TimeoutError(f"{path} did not appear in {deadline_s:.0f} s")
+        time.sleep(0.2)

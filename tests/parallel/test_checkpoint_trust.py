@@ -31,9 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -121,13 +119,6 @@ def _flip(path: Path, at: float = 0.5) -> None:
 # worker side
 
 
-def _case(res: dict, key: str, fn) -> None:
-    try:
-        res[key] = fn()
-    except Exception:  # noqa: BLE001 - reported to the parent
-        res[key] = {"failure": traceback.format_exc()}
-
-
 def _pool4(rank: int, out: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -160,7 +151,7 @@ def _pool4(rank: int, out: Path) -> dict:
             (out / "ready").write_text("")
         curve += _steps(model, optimizer, batches[SAVE_AT:], 4, rank)
         return {"curve": curve, "seen": seen}
-    _case(res, "custom", custom)
+    pools.run_case(res, "custom", custom)
 
     def async_trainer():
         mesh = build_mesh(ParallelDims(2, 2), timeout_s=TIMEOUT_S)
@@ -169,16 +160,8 @@ def _pool4(rank: int, out: Path) -> dict:
         t.run(stop_step=STEPS)  # saves at 2 and 4 in the background; returns once the last one is complete
         return {"curve": [(r["loss"], r["grad_norm"]) for r in t.history if "loss" in r],
                 "pending_after_run": runtime._pending is not None}
-    _case(res, "async", async_trainer)
+    pools.run_case(res, "async", async_trainer)
     return res
-
-
-def _wait_for(path: Path, deadline_s: float) -> None:
-    t0 = time.monotonic()
-    while not path.exists():
-        if time.monotonic() - t0 > deadline_s:
-            raise TimeoutError(f"{path} did not appear in {deadline_s:.0f} s")
-        time.sleep(0.2)
 
 
 def _pool3(rank: int, out: Path, out4: Path) -> dict:
@@ -191,7 +174,7 @@ def _pool3(rank: int, out: Path, out4: Path) -> dict:
 
     ex, res = _example(), {}
     batches = _batches()
-    _wait_for(out4 / "ready", JOIN_TIMEOUT_S)
+    pools.wait_for_file(out4 / "ready", JOIN_TIMEOUT_S)
     mesh = build_mesh(ParallelDims(1, 3), timeout_s=TIMEOUT_S)
 
     def fresh():
@@ -206,13 +189,13 @@ def _pool3(rank: int, out: Path, out4: Path) -> dict:
         dcp.load(state, checkpoint_id=out4 / "raw")  # each rank reads the chunks of its own shards
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return {"curve": _steps(model, optimizer, batches[SAVE_AT:], 3, rank)}
-    _case(res, "raw", raw)
+    pools.run_case(res, "raw", raw)
 
     def ours():
         model, optimizer = fresh()
         step = load_state(out4 / "ours", model, optimizer)["step"]
         return {"step": step, "curve": _steps(model, optimizer, batches[SAVE_AT:], 3, rank)}
-    _case(res, "ours", ours)
+    pools.run_case(res, "ours", ours)
 
     def flipped():
         model, optimizer = fresh()
@@ -228,7 +211,7 @@ def _pool3(rank: int, out: Path, out4: Path) -> dict:
             error = {"type": type(e).__name__, "message": str(e)}
         unchanged = all(torch.equal(v.to_local(), before[k]) for k, v in model.state_dict().items())
         return {"error": error, "unchanged": unchanged}
-    _case(res, "flipped", flipped)
+    pools.run_case(res, "flipped", flipped)
 
     def peer_leaves():
         dist.barrier()
@@ -249,25 +232,14 @@ def _pool3(rank: int, out: Path, out4: Path) -> dict:
         except Exception as e:  # noqa: BLE001 - reported to the parent
             seen["guarded"] = {"type": type(e).__name__, "message": str(e)[:800]}
         return seen
-    _case(res, "peer_leaves", peer_leaves)
+    pools.run_case(res, "peer_leaves", peer_leaves)
     return res
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str, pool: str, out4: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT_S))
     out = Path(out_dir)
-    try:
-        res = {"mesh4": lambda: _pool4(rank, out), "mesh3": lambda: _pool3(rank, out, Path(out4))}[pool]()
-    except Exception:  # noqa: BLE001 - reported to the parent
-        res = {"failure": traceback.format_exc()}
-    (out / f"rank{rank}.json").write_text(json.dumps(res))
-    if pool == "mesh4":
-        dist.barrier()
-    os._exit(0)  # no teardown that could wait on a peer that left
+    work = {"mesh4": lambda: _pool4(rank, out), "mesh3": lambda: _pool3(rank, out, Path(out4))}[pool]
+    pools.run_rank(rank, world, store, out_dir, TIMEOUT_S, work, barrier=pool == "mesh4")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -43,9 +43,7 @@ import os
 import signal
 import tempfile
 import time
-import traceback
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -144,13 +142,6 @@ def _shards(t: Trainer) -> dict:
     return out
 
 
-def _case(res: dict, key: str, fn) -> None:
-    try:
-        res[key] = fn()
-    except Exception:  # noqa: BLE001 - reported to the parent
-        res[key] = {"failure": traceback.format_exc()}
-
-
 def _pool4(rank: int, out: Path) -> dict:
     from mode.parallel import build_mesh, parallelize
 
@@ -170,7 +161,7 @@ def _pool4(rank: int, out: Path) -> dict:
                         (out / f"{CKPT3}.ready").write_text("")
                 t.run()
                 return {**_run_summary(t), **extra, "ckpt": str(t.ckpt_path)}
-            _case(res, f"{name}_{dp}x{ep}", run)
+            pools.run_case(res, f"{name}_{dp}x{ep}", run)
 
     def custom():
         ex = _example()
@@ -178,16 +169,8 @@ def _pool4(rank: int, out: Path) -> dict:
         torch.manual_seed(0)
         model = parallelize(ex.TinyMoDE(), mesh)
         return {"curve": ex.train(model, _custom_batches(), world_size=4, row_rank=rank)}
-    _case(res, "custom", custom)
+    pools.run_case(res, "custom", custom)
     return res
-
-
-def _wait_for(path: Path, deadline_s: float) -> None:
-    t0 = time.monotonic()
-    while not path.exists():
-        if time.monotonic() - t0 > deadline_s:
-            raise TimeoutError(f"{path} did not appear in {deadline_s:.0f} s")
-        time.sleep(0.2)
 
 
 def _pool2(rank: int, out: Path, out4: Path) -> dict:
@@ -203,34 +186,34 @@ def _pool2(rank: int, out: Path, out4: Path) -> dict:
     def aux():
         t = Trainer(MODEL_AUX, TRAIN, corpus, out / "aux", progress=False, mesh=mesh(1, 2))
         return _trained(t)
-    _case(res, "aux", aux)
+    pools.run_case(res, "aux", aux)
 
     def bf16():
         t = Trainer(TOKEN_CHOICE, replace(TRAIN, steps=2), corpus, out / "bf16", progress=False, mesh=mesh(2, 1),
                     bf16=True)
         return _trained(t)
-    _case(res, "bf16", bf16)
+    pools.run_case(res, "bf16", bf16)
 
     ready = out4 / f"{CKPT3}.ready"
     for dp, ep in [(1, 2), (2, 1)]:
         def resume(dp=dp, ep=ep):
-            _wait_for(ready, JOIN_TIMEOUT_S / 2)
+            pools.wait_for_file(ready, JOIN_TIMEOUT_S / 2)
             t = Trainer(TOKEN_CHOICE, TRAIN, corpus, out / f"resume_{dp}x{ep}", progress=False, mesh=mesh(dp, ep))
             t.load(out4 / CKPT3)
             assert t.step == SAVE_AT, t.step
             return _trained(t)
-        _case(res, f"resume_{dp}x{ep}", resume)
+        pools.run_case(res, f"resume_{dp}x{ep}", resume)
 
     def import_file():
         single = out / "ckpt3.pt"
         if rank == 0:
             export(out4 / CKPT3, single)  # this process alone, no collectives
             (out / "ckpt3.pt.ready").write_text("")
-        _wait_for(out / "ckpt3.pt.ready", 60)
+        pools.wait_for_file(out / "ckpt3.pt.ready", 60)
         t = Trainer(TOKEN_CHOICE, TRAIN, corpus, out / "import", progress=False, mesh=mesh(1, 2))
         t.load(single)
         return _trained(t)
-    _case(res, "import", import_file)
+    pools.run_case(res, "import", import_file)
 
     def killed():
         t = Trainer(TOKEN_CHOICE, TRAIN, corpus, out / "killed", progress=False, mesh=mesh(1, 2),
@@ -246,7 +229,7 @@ def _pool2(rank: int, out: Path, out4: Path) -> dict:
         except CollectiveError as e:
             return {"error": str(e), "seconds": time.monotonic() - t0}
         return {"error": None, "seconds": time.monotonic() - t0}
-    _case(res, "killed", killed)
+    pools.run_case(res, "killed", killed)
     return res
 
 
@@ -269,23 +252,11 @@ def _pool_stuck(rank: int, out: Path) -> dict:
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str, pool: str, out4: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    timeout = STUCK_TIMEOUT_S if pool == "stuck" else TRAIN_TIMEOUT_S
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout))
     out = Path(out_dir)
-    try:
-        res = {"mesh4": lambda: _pool4(rank, out), "mesh2": lambda: _pool2(rank, out, Path(out4)),
-               "stuck": lambda: _pool_stuck(rank, out)}[pool]()
-    except Exception:  # noqa: BLE001 - reported to the parent
-        res = {"failure": traceback.format_exc()}
-    (out / f"rank{rank}.json").write_text(json.dumps(res))
-    if pool == "mesh4":
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(0)  # no teardown that could wait on a dead or sleeping peer
+    work = {"mesh4": lambda: _pool4(rank, out), "mesh2": lambda: _pool2(rank, out, Path(out4)),
+            "stuck": lambda: _pool_stuck(rank, out)}[pool]
+    pools.run_rank(rank, world, store, out_dir, STUCK_TIMEOUT_S if pool == "stuck" else TRAIN_TIMEOUT_S, work,
+                   barrier=pool == "mesh4", destroy=pool == "mesh4")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -19,14 +19,10 @@ under float rounding).
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import os
 import sys
 import tempfile
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pools
@@ -90,13 +86,6 @@ def _optimizer(model):
 # worker side
 
 
-def _case(res: dict, key: str, fn) -> None:
-    try:
-        res[key] = fn()
-    except Exception:  # noqa: BLE001 - reported to the parent
-        res[key] = {"failure": traceback.format_exc()}
-
-
 def _pool4(rank: int, out: Path) -> dict:
     import mode.hf as mh
     from mode.parallel import ParallelDims, build_mesh, parallelize
@@ -119,7 +108,7 @@ def _pool4(rank: int, out: Path) -> dict:
                 curve += ex.train(model, batches[SAVE_AT:], first_step=SAVE_AT + 1, **kw)
                 folder = mh.save_transformers(model, out / "hf")
                 return {"curve": curve, "folder": None if folder is None else str(folder)}
-            _case(res, f"{family}_{dp}x{ep}", run)
+            pools.run_case(res, f"{family}_{dp}x{ep}", run)
     return res
 
 
@@ -141,24 +130,13 @@ def _pool2(rank: int, out4: Path) -> dict:
         step = load_state(out4 / "ckpt3", model, opt)["step"]
         return {"start": step, "curve": ex.train(model, _batches()[step:], world_size=2, row_rank=rank,
                                                  optimizer=opt, first_step=step + 1)}
-    _case(res, "resume_1x2", resume)
+    pools.run_case(res, "resume_1x2", resume)
     return res
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str, pool: str, out4: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT_S))
-    out = Path(out_dir)
-    try:
-        res = _pool4(rank, out) if pool == "mesh4" else _pool2(rank, Path(out4))
-    except Exception:  # noqa: BLE001 - reported to the parent
-        res = {"failure": traceback.format_exc()}
-    (out / f"rank{rank}.json").write_text(json.dumps(res))
-    dist.barrier()
-    os._exit(0)  # no teardown that could wait on a peer
+    work = (lambda: _pool4(rank, Path(out_dir))) if pool == "mesh4" else (lambda: _pool2(rank, Path(out4)))
+    pools.run_rank(rank, world, store, out_dir, TIMEOUT_S, work, barrier=True)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -25,15 +25,12 @@ Spawned pools (tests/parallel/pools.py, started together by one module fixture; 
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 import pools
@@ -289,21 +286,6 @@ def _compare_local(eager: nn.Module, meta: nn.Module) -> list[str]:
     return _differences(a, b)
 
 
-def _case(res: dict, key: str, fn) -> None:
-    try:
-        res[key] = fn()
-    except Exception:  # noqa: BLE001 - reported to the parent
-        res[key] = {"failure": traceback.format_exc()}
-
-
-def _wait_for(path: Path, deadline_s: float) -> None:
-    t0 = time.monotonic()
-    while not path.exists():
-        if time.monotonic() - t0 > deadline_s:
-            raise TimeoutError(f"{path} did not appear in {deadline_s:.0f} s")
-        time.sleep(0.2)
-
-
 def _pool_mesh(rank: int, out: Path) -> dict:
     from mode.parallel import ParallelDims, build_mesh, parallelize
     from mode.parallel.full_state import full_state_dict
@@ -326,8 +308,8 @@ def _pool_mesh(rank: int, out: Path) -> dict:
                 "dtensors": sum(hasattr(p, "to_local") for p in model.parameters())}
 
     for name, cfg in MESH_MODELS.items():
-        _case(res, name, lambda name=name, cfg=cfg: compare(name, lambda: LM(cfg), SEED))
-    _case(res, "custom", lambda: compare("custom", _example().TinyMoDE, 0))
+        pools.run_case(res, name, lambda name=name, cfg=cfg: compare(name, lambda: LM(cfg), SEED))
+    pools.run_case(res, "custom", lambda: compare("custom", _example().TinyMoDE, 0))
 
     def trainer():
         from mode.parallel.runtime import MeshRuntime
@@ -348,7 +330,7 @@ def _pool_mesh(rank: int, out: Path) -> dict:
             curves.append([(r["loss"], r["grad_norm"]) for r in t.history if "loss" in r])
         return {"curves": curves, "differ": _compare_local(eager.model, meta.model),
                 "builds_on_meta": [meta.runtime.builds_on_meta, eager.runtime.builds_on_meta]}
-    _case(res, "trainer", trainer)
+    pools.run_case(res, "trainer", trainer)
 
     def converted():
         hf = _hf()
@@ -358,14 +340,14 @@ def _pool_mesh(rank: int, out: Path) -> dict:
 
         mh, moe_models = hf
         ckpt = out / "hf_ckpt"
-        _wait_for(out / "hf_ckpt.ready", JOIN_TIMEOUT_S / 2)
+        pools.wait_for_file(out / "hf_ckpt.ready", JOIN_TIMEOUT_S / 2)
         model = parallelize(build_on_meta(lambda: _converted(mh, moe_models)), mesh())
         materialize(model, "cpu", init=lambda m: load_state(ckpt, m))
         full = full_state_dict(model)
         if rank == 0:
             torch.save(full, out / "full_converted.pt")
         return {"dtensors": sum(hasattr(p, "to_local") for p in model.parameters())}
-    _case(res, "converted", converted)
+    pools.run_case(res, "converted", converted)
     return res
 
 
@@ -395,18 +377,9 @@ def _pool_mem(rank: int, out: Path) -> dict:
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str, pool: str, out4: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT_S))
     out = Path(out_dir)
-    try:
-        res = {"mesh4": lambda: _pool_mesh(rank, out), "mem4": lambda: _pool_mem(rank, out)}[pool]()
-    except Exception:  # noqa: BLE001 - reported to the parent
-        res = {"failure": traceback.format_exc()}
-    (out / f"rank{rank}.json").write_text(json.dumps(res))
-    os._exit(0)  # no teardown that could wait on a peer
+    work = {"mesh4": lambda: _pool_mesh(rank, out), "mem4": lambda: _pool_mem(rank, out)}[pool]
+    pools.run_rank(rank, world, store, out_dir, TIMEOUT_S, work)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -13,13 +13,10 @@ Single-process references: tests/train/test_train_features.py.
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 import time
-import traceback
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -80,37 +77,32 @@ def _summary(t: Trainer) -> dict:
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str, pool: str, out4: str) -> None:
-    import os
+    pools.run_rank(rank, world, store, out_dir, TIMEOUT_S, lambda: _cases(rank, Path(out_dir)), barrier=True,
+                   destroy=True)
 
-    import torch.distributed as dist
 
+def _cases(rank: int, out: Path) -> dict:
     from mode.parallel import build_mesh
     from mode.parallel.mesh import ParallelDims
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT_S))
-    out, res = Path(out_dir), {}
+    def case(name: str, kw: dict) -> dict:
+        mesh = build_mesh(ParallelDims(2, 2), timeout_s=TIMEOUT_S)
+        t = Trainer(MODEL, replace(TRAIN, **kw), _corpus(), out / name, progress=False, mesh=mesh,
+                    timeout_s=TIMEOUT_S)
+        calls = []
+        sync = t._gradient_sync
+        if sync is not None:
+            t._gradient_sync = lambda model, on: calls.append(on) or sync(model, on)
+        grads = _capture_first_grads(t, lambda g: g.full_tensor())  # a collective per tensor, every rank
+        t.run()
+        if rank == 0:
+            torch.save(grads, out / f"{name}_grads.pt")
+        return {**_summary(t), "sync_calls": calls[:4]}
+
+    res = {}
     for name, kw in CASES.items():
-        try:
-            mesh = build_mesh(ParallelDims(2, 2), timeout_s=TIMEOUT_S)
-            t = Trainer(MODEL, replace(TRAIN, **kw), _corpus(), out / name, progress=False, mesh=mesh,
-                        timeout_s=TIMEOUT_S)
-            calls = []
-            sync = t._gradient_sync
-            if sync is not None:
-                t._gradient_sync = lambda model, on: calls.append(on) or sync(model, on)
-            grads = _capture_first_grads(t, lambda g: g.full_tensor())  # a collective per tensor, every rank
-            t.run()
-            if rank == 0:
-                torch.save(grads, out / f"{name}_grads.pt")
-            res[name] = {**_summary(t), "sync_calls": calls[:4]}
-        except Exception:  # noqa: BLE001 - reported to the parent
-            res[name] = {"failure": traceback.format_exc()}
-    (out / f"rank{rank}.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # no teardown that could wait on a peer
+        pools.run_case(res, name, lambda name=name, kw=kw: case(name, kw))
+    return res
 
 
 # ----------------------------------------------------------------------------------------------------
