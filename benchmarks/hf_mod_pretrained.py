@@ -56,6 +56,7 @@ def held_out_loss(model, batches) -> tuple[float, float]:
     """Mean loss over ``batches`` in eval mode (causal routing) and the converted layers' routed share."""
     model.eval()
     losses, routed, tokens = [], 0.0, 0.0
+    has_mod = bool(mh.mod_layers(model))
     with torch.no_grad():
         for x_BS in batches:
             losses.append(float(lm_loss(model(x_BS, use_cache=False).logits, x_BS, None)))
@@ -63,7 +64,7 @@ def held_out_loss(model, batches) -> tuple[float, float]:
                 if key.endswith(".mod.router"):  # MoD: tokens through the layer
                     routed += float(stats.kept_E.sum())
                     tokens += float(stats.tokens)
-                elif key.endswith(".moe.router") and not mh.mod_layers(model):  # integrated: to a real expert
+                elif key.endswith(".moe.router") and not has_mod:  # integrated: to a real expert
                     routed += float(stats.tokens - stats.noop)
                     tokens += float(stats.tokens)
     return sum(losses) / len(losses), (routed / tokens if tokens else 1.0)
@@ -93,7 +94,8 @@ def decode(model, prompt_BS, new: int):
 def decode_ratio(model, original, prompt_BS, new: int, repeats: int) -> float:
     """Greedy decode tokens/s of ``model`` ÷ ``original``'s, timed alternately (median of ``repeats``)."""
     times: dict[str, list[float]] = {"model": [], "original": []}
-    decode(model, prompt_BS, 4), decode(original, prompt_BS, 4)  # warm-up
+    for m in (model, original):  # warm-up
+        decode(m, prompt_BS, 4)
     for _ in range(repeats):
         for name, m in (("original", original), ("model", model)):
             start = time.perf_counter()
@@ -235,9 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
                         m, layers=layers, capacity=c, gate="ste", causal=METHODS[me], part=pt),
                     extra, args.steps)
     save()
-    print_table(base, list(rows.values()))
+    table = table_markdown(base, list(rows.values()))
+    print(table)
     md = out_path.with_suffix(".md")
-    atomic_write_text(md, table_markdown(base, list(rows.values())))
+    atomic_write_text(md, table)
     print(f"wrote {out_path} and {md}")
     return {"base": base, "rows": list(rows.values())}
 
@@ -254,10 +257,6 @@ def table_markdown(base: dict, rows: list[dict]) -> str:
                      f" | {r['tuning']} | {r['loss']:.4f} | {r['d_loss']:+.4f} ({r['d_loss_pct']:+.1f}%) | "
                      f"{r['share']:.3f} | {r['kv_ratio']:.3f} | {r['tok_s_ratio']:.2f} |")
     return "\n".join(lines) + "\n"
-
-
-def print_table(base: dict, rows: list[dict]) -> None:
-    print(table_markdown(base, rows))
 
 
 if __name__ == "__main__":
