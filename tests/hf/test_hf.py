@@ -6,6 +6,7 @@ installed (CI installs only ``.[test]``); the straight-through gate of ``MoDRout
 """
 
 import copy
+import math
 import sys
 from pathlib import Path
 
@@ -456,3 +457,20 @@ def test_pretrain_example_saves_a_checkpoint_that_converts(hf, tmp_path):
     assert summary["steps"] == 3 and summary["val_loss"] < 5.6  # below uniform over bytes (ln 256 = 5.545)
     rows = _example("hf_convert").main([*CONVERT_SMALLEST, "--model", str(out)])
     assert [r["model"] for r in rows] == ["original", "mod"]
+
+    # benchmarks/hf_mod_pretrained.py at its smallest on the same checkpoint: every row measured, then resumed
+    bench = _example("../benchmarks/hf_mod_pretrained")
+    args = ["--model", str(out), "--capacities", "0.5", "--parts", "attention", "mlp", "--methods", "threshold",
+            "--steps", "1", "--batch", "2", "--seq-len", "32", "--val-batches", "1", "--new-tokens", "2",
+            "--repeats", "1", "--mode", "--out", str(tmp_path / "bench.json")]
+    first = bench.main(args)
+    names = [r["name"] for r in first["rows"]]
+    kinds = [r["kind"] for r in first["rows"]]  # 2 parts x 2 tunings, staged x 2, integrated
+    assert len(names) == len(set(names)) == 7
+    assert (kinds.count("mod"), kinds.count("staged"), kinds.count("integrated")) == (4, 2, 1)
+    for r in first["rows"]:
+        assert 0 < r["share"] < 1 and math.isfinite(r["loss"]) and r["kv_ratio"] > 0
+    attention = next(r for r in first["rows"] if r.get("part") == "attention")
+    assert attention["kv_ratio"] < 1  # skipped tokens store no K/V; the MLP part keeps every token's
+    assert next(r for r in first["rows"] if r.get("part") == "mlp")["kv_ratio"] == 1
+    assert bench.main(args)["rows"] == first["rows"]  # done rows are read back, not measured again
