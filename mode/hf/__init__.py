@@ -29,6 +29,7 @@ from mode.hf.tune import calibrate, freeze_base, router_parameters, router_tune
 from mode.hf.conversion_io import load_conversion, save_conversion
 from mode.hf.moe_convert import ConvertedMoE, converted_moe, moe_report, save_transformers, to_mode_moe
 
-__all__ = ["ConvertedMoE", "calibrate", "MoDCacheLayer", "converted_moe", "moe_report", "save_transformers", "to_mode_moe", "MoDLayerMixin", "UpcycledMLP", "collect_aux", "freeze_base", "load_conversion",
-           "mod_layers", "router_parameters", "router_tune", "routing", "save_conversion", "to_mod", "upcycle",
-           "upcycled_mlps"]
+__all__ = ["calibrate", "collect_aux", "converted_moe", "ConvertedMoE", "freeze_base", "load_conversion",
+           "mod_layers", "MoDCacheLayer", "MoDLayerMixin", "moe_report", "router_parameters", "router_tune",
+           "routing", "save_conversion", "save_transformers", "to_mod", "to_mode_moe", "upcycle", "upcycled_mlps",
+           "UpcycledMLP"]

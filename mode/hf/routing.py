@@ -44,8 +44,8 @@ def routing(model: nn.Module, mode: str) -> Iterator[nn.Module]:
 
 def collect_aux(model: nn.Module) -> Aux:
     """The routing results of the last forward: ``layers.{i}.mod.*`` losses (the causal BCE) and stats
-    (``layers.{i}.mod.router``), and ``layers.{i}.moe.*`` for upcycled and converted MoE layers. ``total()`` is what to add
-    to the training loss."""
+    (``layers.{i}.mod.router``), and ``layers.{i}.moe.*`` for upcycled and converted MoE layers. ``total()``
+    is what to add to the training loss."""
     aux = Aux()
     for i, layer in mod_layers(model).items():
         if layer.mod_aux is not None:
