@@ -116,13 +116,15 @@ class MoD(nn.Module):
         finite exactly where ``r`` is (``r`` itself, or ``silu(r)``). One host read of ``logits_BK`` gives the
         decisions and the NaN check together.
 
-        Reference: ``router.scores`` then ``router.decision_logits`` (with autograd, under autocast, or for
-        a predictor of another shape). Fast path (no grad, float32, the built predictor): the router vector
+        Reference: ``router.scores`` then ``router.decision_logits`` (with autograd, under autocast, for a
+        predictor of another shape, or a decision that is not the predictor's logit alone: capacity 1.0, a
+        steered threshold). Fast path (no grad, float32, the built predictor): the router vector
         and the predictor's first layer as one matmul, and a second matmul that gives the decision and
         passes ``silu(r)`` through: 3 kernels instead of 6. In a decode step each kernel runs cold (the
         dense layer before it evicted the caches), so kernels, not FLOPs, are a skipped layer's cost.
         """
-        fused = self._fused_router_weights() if self._bare_predictor and not torch.is_grad_enabled() else None
+        fused = (self._fused_router_weights() if self._bare_predictor and self.router.plain_decision
+                 and not torch.is_grad_enabled() else None)
         if fused is None or torch.is_autocast_enabled(x_B1D.device.type) or x_B1D.dtype != torch.float32:
             r_B1 = self.router.scores(x_B1D)
             decide_B1 = self.router.decision_logits(x_B1D, r_B1)

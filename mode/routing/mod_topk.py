@@ -146,8 +146,17 @@ class MoDRouter(nn.Module):
                 return self.predictor(x_in).squeeze(-1).float()
         return r_BS
 
+    @property
+    def plain_decision(self) -> bool:
+        """Is the causal decision the raw logit itself (no capacity-1.0 rule, no steered threshold)? Decoding
+        may then compute it in its own fused kernels."""
+        return self.cfg.capacity < 1.0 and not self.steers
+
     def decision_logits(self, x_BSD: Tensor, r_BS: Tensor) -> Tensor:
-        """Causal per-token logits: > 0 means "route"."""
+        """Causal per-token logits: > 0 means "route". At capacity 1.0, +inf for every token: top-C routes them
+        all, so the causal decision does too, trained or not."""
+        if self.cfg.capacity == 1.0:
+            return torch.full_like(r_BS, float("inf"))
         logit_BS = self.raw_decision_logits(x_BSD, r_BS)
         if not self.steers:
             return logit_BS
@@ -167,10 +176,7 @@ class MoDRouter(nn.Module):
         if self.cfg.check_finite:
             _checks.check_finite_logits("MoDRouter", r_BS)
         if causal:
-            if self.cfg.capacity == 1.0:  # top-C routes every token: so does the causal decision, trained or not
-                routed_BS = torch.ones_like(r_BS, dtype=torch.bool)
-            else:
-                routed_BS = self.decision_logits(x_BSD, r_BS) > 0
+            routed_BS = self.decision_logits(x_BSD, r_BS) > 0
             if mask_BS is not None:
                 routed_BS &= mask_BS
             if routed_BS.numel() == 0:
@@ -189,7 +195,7 @@ class MoDRouter(nn.Module):
         pos_BC = select_BS.topk(C, dim=1, sorted=False).indices.sort(dim=1).values  # original order
         valid_BC = None if mask_BS is None else mask_BS.gather(1, pos_BC)
         plan = self.plan_from_positions(r_BS, pos_BC, valid_BC, mask_BS)
-        if self.cfg.causal in ("predictor", "aux_bce", "threshold"):
+        if self.cfg.causal != "none":
             logit_BS = self.raw_decision_logits(x_BSD, r_BS)
             if self.cfg.causal != "threshold":
                 self._add_causal_loss(plan, logit_BS, pos_BC, mask_BS)
@@ -201,10 +207,10 @@ class MoDRouter(nn.Module):
     def _steer_threshold(self, logit_BS: Tensor, mask_BS: Tensor | None) -> None:
         """Move the threshold toward this batch's ``1 - capacity`` quantile of the real tokens' decision
         logits (the first batch sets it), so that ``logit > threshold`` routes the capacity's share of tokens."""
-        r_N = logit_BS.detach().reshape(-1) if mask_BS is None else logit_BS.detach()[mask_BS]
-        if r_N.numel() == 0:
+        logit_N = logit_BS.detach().reshape(-1) if mask_BS is None else logit_BS.detach()[mask_BS]
+        if logit_N.numel() == 0:
             return
-        q = torch.quantile(r_N.float(), 1.0 - self.cfg.capacity)
+        q = torch.quantile(logit_N.float(), 1.0 - self.cfg.capacity)
         m = self.cfg.threshold_momentum
         self.threshold.copy_(torch.where(torch.isnan(self.threshold), q, (1 - m) * self.threshold + m * q))
 

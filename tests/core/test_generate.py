@@ -184,6 +184,43 @@ def test_prefill_then_decode_equals_full_forward(method, layers, static):
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("case", ["capacity_one", "steered"])
+@torch.no_grad()
+def test_decode_routes_what_the_full_pass_routes_when_the_decision_is_not_the_bare_logit(case, static):
+    """Decoding computes the predictor's logit in fused kernels. At capacity 1.0 every token routes, and with a
+    steered threshold (``steer_decision``) a token routes when the logit passes it: in both the decision is
+    not that logit, and a decode step must still route what the full pass routes."""
+    from dataclasses import replace
+
+    from mode.layers.mod import MoD
+    from mode.routing.mod_topk import MoDRouter
+
+    model = make_lm(("dense", "mod"), "predictor", capacity=1.0 if case == "capacity_one" else 0.25)
+    x = tokens(3, S, seed=2)
+    if case == "steered":
+        old = model.layers[1]
+        router = MoDRouter(replace(old.router.cfg, steer_decision=True))
+        router.load_state_dict({**old.router.state_dict(), "threshold": router.threshold}, strict=True)
+        x_BSD = layer_inputs(model, lambda: model(x, causal_routing=True))[1][0]
+        logits = router.raw_decision_logits(x_BSD, router.scores(x_BSD))
+        router.threshold.fill_(float(torch.quantile(logits.flatten(), 0.8)))  # ~20% route, not the 40% of > 0
+        model.layers[1] = MoD(old.block, router)
+    full = model(x, causal_routing=True)
+    routed = decisions(full, 1)
+    if case == "capacity_one":
+        assert routed.all()
+    else:
+        assert_mixed_routing(model, full)
+        assert 0.05 < float(routed.float().mean()) < 0.35  # the threshold, not the bare logit, decided
+    logits_BV, caches, pos_B = prefill(model, x[:, :7].tolist(), capacity=S, static=static)
+    for s_ in range(7, S):
+        logits_BV = decode_step(model, x[:, s_], pos_B, caches)
+        pos_B = pos_B + 1
+        torch.testing.assert_close(logits_BV, full.logits_BSV[:, s_], rtol=1e-5, atol=1e-5)
+    assert caches[1].len_B.tolist() == routed.sum(1).tolist()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("method,layers", CASES, ids=CASE_IDS)
 @torch.no_grad()
 def test_prompts_of_different_lengths_decode_like_the_full_pass(method, layers, static):
