@@ -23,7 +23,6 @@ beside writing or reading the same bytes.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import pickle
 import re
@@ -44,7 +43,6 @@ from mode.train import checkpoint
 MANIFEST = "SHA256SUMS"  # "<sha256 hex>  <file name>" per line, as coreutils' sha256sum writes and checks
 METADATA = ".metadata"
 _LINE = re.compile(r"([0-9a-f]{64}) [ *]([^/\\]+)")
-_CHUNK = 1 << 20
 
 
 class UnverifiedCheckpointWarning(UserWarning):
@@ -52,14 +50,6 @@ class UnverifiedCheckpointWarning(UserWarning):
 
 
 # ---------------------------------------------------------------------------------------------- checksums
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)  # hashlib releases the GIL on large buffers: a background save stays background
-    return h.hexdigest()
 
 
 class ChecksumWriter(FileSystemWriter):
@@ -74,7 +64,7 @@ class ChecksumWriter(FileSystemWriter):
         fut = super().write_data(plan, planner)
         results = fut.wait()  # FileSystemWriter writes synchronously: the files are closed here
         for name in sorted({r.storage_data.relative_path for r in results}):
-            self.sums[name] = sha256_file(Path(self.path) / name)
+            self.sums[name] = checkpoint.sha256_file(Path(self.path) / name)
         return fut
 
 
@@ -96,7 +86,7 @@ def write_manifest(folder: Path, sums: dict[str, str], extra_files: tuple[str, .
     ``sums`` and write ``SHA256SUMS`` atomically; returns the full manifest."""
     full = dict(sums)
     for name in (METADATA, *extra_files):
-        full[name] = sha256_file(folder / name)
+        full[name] = checkpoint.sha256_file(folder / name)
     checkpoint.atomic_write_text(folder / MANIFEST, manifest_text(full))
     return full
 
@@ -130,7 +120,7 @@ def verify_file(folder: Path, name: str, sums: dict[str, str] | None, where: str
         raise checkpoint.ChecksumError(f"{where}: {name} is not listed in its {MANIFEST}: the folder was changed "
                                        "after it was saved")
     try:
-        actual = sha256_file(folder / name)
+        actual = checkpoint.sha256_file(folder / name)
     except OSError as e:
         raise checkpoint.ChecksumError(f"{where}: {name} is listed in {MANIFEST} but cannot be read "
                                        f"({e.strerror or e})") from None

@@ -35,6 +35,7 @@ Writing is atomic
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import numbers
 import os
@@ -147,6 +148,16 @@ def atomic_write(path: str | Path, data: bytes) -> Path:
                          "unchanged)") from e
     _fsync_dir(folder)  # the rename itself survives a power cut
     return path
+
+
+def sha256_file(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes (hex), read 1 MiB at a time. hashlib releases the GIL on large buffers,
+    so a background save that hashes its files stays in the background."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

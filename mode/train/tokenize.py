@@ -34,7 +34,7 @@ from mode import _checks
 from mode.train import checkpoint
 from mode.train.data import VAL_EVERY_NTH_FILE, stdlib_sources
 from mode.train.tokens import (
-    META, SUFFIXES, VAL_FRACTION, ShardSpec, TokenizerRef, TokenMeta, dtype_for_vocab, file_sha256, load_tokenizer,
+    META, SUFFIXES, VAL_FRACTION, ShardSpec, TokenizerRef, TokenMeta, dtype_for_vocab, load_tokenizer,
 )
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # ids a shard (200 MB as uint16)
@@ -176,7 +176,7 @@ def tokenize(tokenizer: str | os.PathLike, out: str | os.PathLike, text: str | o
     tok_copy = out_dir / TOKENIZER_FILE
     if tok_path.resolve() != tok_copy.resolve():
         checkpoint.atomic_write(tok_copy, tok_path.read_bytes())
-    ref = TokenizerRef(TOKENIZER_FILE, file_sha256(tok_copy))  # relative: the folder moves as one
+    ref = TokenizerRef(TOKENIZER_FILE, checkpoint.sha256_file(tok_copy))  # relative: the folder moves as one
     meta = TokenMeta(dtype, vocab, ref, tuple(writers["train"].shards + writers["val"].shards), source)
     checkpoint.atomic_write_text(out_dir / META, json.dumps(meta.to_json(), indent=2) + "\n")
     if progress is not None:

@@ -32,13 +32,14 @@ The rules
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from mode.train.checkpoint import sha256_file
 
 META = "meta.json"
 FORMAT = "mode-tokens"
@@ -56,14 +57,6 @@ _SHARD_KEYS = ("file", "split", "tokens")
 def dtype_for_vocab(vocab_size: int) -> str:
     """The smallest shard dtype that holds every id of a vocabulary of ``vocab_size``."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
@@ -93,7 +86,7 @@ class TokenizerRef:
             hint = "" if path is not None else "; pass --tokenizer PATH to a copy of it"
             raise ValueError(f"{where}: trained on token ids of the tokenizer {str(file)!r} (sha256 "
                              f"{self.sha256[:12]}...), which is missing{hint}")
-        digest = file_sha256(file)
+        digest = sha256_file(file)
         if digest != self.sha256:
             raise ValueError(f"{where}: tokenizer {str(file)!r} has sha256 {digest[:12]}..., the run was trained "
                              f"with {self.sha256[:12]}...: not the same tokenizer, its ids would decode wrong")
@@ -284,7 +277,7 @@ def read_meta(folder: Path) -> TokenMeta | None:
         file = (folder / t["path"]).resolve()
         if not file.is_file():
             raise ValueError(f"{path}: tokenizer path {t['path']!r}: no such file ({file})")
-        digest = file_sha256(file)
+        digest = sha256_file(file)
         if t.get("sha256") and t["sha256"] != digest:
             raise ValueError(f"{path}: tokenizer {str(file)!r} has sha256 {digest}, meta.json says {t['sha256']}: "
                              "not the tokenizer these shards were written with")

@@ -137,7 +137,7 @@ def resum(folder: Path) -> None:
 
     sums = dcp_safe.read_manifest(folder, "test")
     (folder / dcp_safe.MANIFEST).write_text(dcp_safe.manifest_text(
-        {name: dcp_safe.sha256_file(folder / name) for name in sums}))
+        {name: checkpoint.sha256_file(folder / name) for name in sums}))
 
 
 def test_sharded_checkpoint_resumes_exactly_in_one_process(tmp_path):

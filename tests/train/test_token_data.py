@@ -17,8 +17,9 @@ from mode.model import LMConfig
 from mode.train import TrainConfig, Trainer
 from mode.train.checkpoint import load_checkpoint
 from mode.train.data import BatchSampler, Corpus, eval_batches, load_corpus, text_codec, token_corpus
+from mode.train.checkpoint import sha256_file
 from mode.train.tokens import (
-    META, VAL_FRACTION, TokenShard, dtype_for_vocab, file_sha256, open_token_folder, split_of,
+    META, VAL_FRACTION, TokenShard, dtype_for_vocab, open_token_folder, split_of,
 )
 
 SEQ = 16
@@ -491,7 +492,7 @@ def test_tokenize_builtin_corpus_writes_shards_and_meta(shards, bpe):
 
     meta = json.loads((shards / META).read_text())
     assert meta["format"] == "mode-tokens" and meta["dtype"] == "uint16" and meta["vocab_size"] == 512
-    assert meta["tokenizer"] == {"path": "tokenizer.json", "sha256": file_sha256(bpe)}  # a copy in the folder
+    assert meta["tokenizer"] == {"path": "tokenizer.json", "sha256": sha256_file(bpe)}  # a copy in the folder
     assert (shards / "tokenizer.json").read_bytes() == bpe.read_bytes()
     train = [s for s in meta["shards"] if s["split"] == "train"]
     val = [s for s in meta["shards"] if s["split"] == "val"]
@@ -506,7 +507,7 @@ def test_tokenize_builtin_corpus_writes_shards_and_meta(shards, bpe):
     got = np.fromfile(shards / val[0]["file"], dtype="<u2")[:len(expected)]
     assert got.tolist() == expected
     corpus = token_corpus(shards, 64)
-    assert corpus.vocab_size == 512 and corpus.tokenizer.sha256 == file_sha256(bpe)
+    assert corpus.vocab_size == 512 and corpus.tokenizer.sha256 == sha256_file(bpe)
     assert sum(len(p) for p in corpus.train) == sum(s["tokens"] for s in train)
 
 
@@ -598,7 +599,7 @@ def test_train_sample_and_report_on_token_shards(shards, bpe, tmp_path, capsys):
     assert state["model_cfg"]["vocab_size"] == 512
     assert state["data"]["kind"] == "tokens" and state["data"]["vocab_size"] == 512
     assert state["data"]["tokenizer"] == {"path": str((shards / "tokenizer.json").resolve()),
-                                          "sha256": file_sha256(bpe)}
+                                          "sha256": sha256_file(bpe)}
     assert state["model"]["embed.weight"].shape[0] == 512
     cfg = LMConfig(**state["model_cfg"])
     assert forward_flops(cfg)[-1].total == 2 * cfg.seq_len * cfg.d_model * 512  # the head follows the vocab
