@@ -8,8 +8,11 @@ where it stopped) and Markdown.
 
 For each capacity (0.75 / 0.5 / 0.25), each part the router skips (``layer`` / ``attention`` / ``mlp``) and
 each causal method (``topk``: the aux-BCE decision trained to predict top-C, its threshold steered to the
-target share; ``threshold``: MoDification's steered threshold on the router score), a fresh copy of the
-model is converted on every other layer (gate "ste"), router-tuned for ``--steps`` steps (distillation from
+target share; ``threshold``: MoDification's steered threshold on the router score; ``random``: the
+baseline, each sequence's top-C drawn at random, untuned, routed in train mode: no decode), a fresh copy of the
+model is converted (gate "ste") on the layers of each ``--layer-sets`` entry (default: every other layer;
+``cheapest:K``: the K layers whose part costs the least loss when every token skips it, ``mh.skip_costs`` on
+training text, printed and stored first), router-tuned for ``--steps`` steps (distillation from
 the original, the base frozen: the ``router`` row), then fine-tuned whole for ``--steps`` more steps (LM
 loss, AdamW and schedule of ``mode.train``: the ``+fine-tune`` row). Each row is measured on held-out
 files of the corpus (``mode.train.data``'s validation split), in eval mode, i.e. with the causal decision
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -49,7 +53,7 @@ from mode.train.data import BatchSampler, eval_batches, stdlib_corpus  # noqa: E
 from mode.train.optim import build_optimizer, lr_at  # noqa: E402
 
 PARTS = ("layer", "attention", "mlp")
-METHODS = {"topk": "aux_bce", "threshold": "threshold"}
+METHODS = {"topk": "aux_bce", "threshold": "threshold", "random": None}  # causal method; random: no router
 
 
 def held_out_loss(model, batches) -> tuple[float, float]:
@@ -132,15 +136,15 @@ def fine_tune(model, sampler: BatchSampler, steps: int, lr: float, routers_only:
     return losses
 
 
-def measure(name: str, model, original, base: dict, val, prompt_BS, args, layers: list[int], extra: dict,
-            calibration: list) -> dict:
+def measure(name: str, model, original, base: dict, val, prompt_BS, args, layers: list[int], orig_kv: int,
+            extra: dict, calibration: list) -> dict:
     if any(layer.mod_router.steers for layer in mh.mod_layers(model).values()):
         mh.calibrate(model, calibration)  # thresholds from training text: the EMA lags a router still moving
     loss, share = held_out_loss(model, val)
     out = decode(model, prompt_BS, args.new_tokens)
     row = {"name": name, **extra, "loss": loss, "d_loss": loss - base["loss"],
            "d_loss_pct": 100 * (loss - base["loss"]) / base["loss"], "share": share,
-           "kv_ratio": kv_bytes(out.past_key_values, layers) / base["kv"],
+           "kv_ratio": kv_bytes(out.past_key_values, layers) / orig_kv,
            "tok_s_ratio": decode_ratio(model, original, prompt_BS, args.new_tokens, args.repeats)}
     print(f"{name:<44} loss {loss:.4f} ({row['d_loss']:+.4f}, {row['d_loss_pct']:+.1f}%) share {share:.3f} "
           f"KV {row['kv_ratio']:.3f} tok/s {row['tok_s_ratio']:.2f}x", flush=True)
@@ -153,6 +157,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--capacities", type=float, nargs="+", default=[0.75, 0.5, 0.25])
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--layer-sets", nargs="+", default=["every_other"],
+                   help="which layers to convert: every_other (1, 3, 5, ...), cheapest:K (the K layers whose part "
+                        "costs least when skipped by every token, mh.skip_costs on training text) or 1,3,5")
     p.add_argument("--steps", type=int, default=40, help="router-tuning steps, and as many fine-tuning steps")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     for p_ in original.parameters():
         p_.requires_grad_(False)
     n_layers = original.config.num_hidden_layers
-    layers = list(range(1, n_layers, 2))  # every other layer, the first one dense
+    every_other = list(range(1, n_layers, 2))  # the first layer dense
     corpus = stdlib_corpus()
     val = [x_BS for x_BS, _ in eval_batches(corpus.val, args.batch, args.seq_len, args.val_batches)]
     prompt_BS = val[0][:4, :128]
@@ -184,58 +191,100 @@ def main(argv: list[str] | None = None) -> dict:
     done = json.loads(out_path.read_text()) if out_path.is_file() else {"rows": []}
     # what a row's numbers depend on (the grid's selection does not: rows of another selection are kept)
     settings = {k: v for k, v in vars(args).items()
-                if k not in ("out", "threads", "capacities", "parts", "methods", "mode", "mode_capacity")}
+                if k not in ("out", "threads", "capacities", "parts", "methods", "layer_sets", "mode", "mode_capacity")}
     stored = done.get("settings", settings)
     if {k: stored.get(k) for k in settings} != settings:
         raise ValueError(f"{out_path} holds rows measured with other settings; pass another --out")
-    rows = {r["name"]: r for r in done["rows"]}
+    rows = {r["name"]: {**r, "layers": r.get("layers", every_other)} for r in done["rows"]}
 
     def save() -> None:
         doc = {"settings": settings, "device": "cpu", "threads": torch.get_num_threads(),
-               "torch": torch.__version__, "base": base, "rows": list(rows.values())}
+               "torch": torch.__version__, "base": base, "skip_costs": costs, "rows": list(rows.values())}
         atomic_write_text(out_path, json.dumps(doc, indent=2) + "\n")
 
     base_loss, _ = held_out_loss(original, val)
-    base = {"loss": base_loss, "kv": kv_bytes(decode(original, prompt_BS, args.new_tokens).past_key_values, layers)}
-    print(f"original: held-out loss {base_loss:.4f} nats/byte; converted layers {layers}", flush=True)
+    orig_cache = decode(original, prompt_BS, args.new_tokens).past_key_values
+    base = {"loss": base_loss, "kv": kv_bytes(orig_cache, every_other)}
+    print(f"original: held-out loss {base_loss:.4f} nats/byte", flush=True)
+    # what each layer's part costs when every token skips it (training text: the layers are chosen on it)
+    costs = done.get("skip_costs") or {part: {str(i): c for i, c in mh.skip_costs(original, calibration, part).items()}
+                                       for part in PARTS}
+    print("skip cost (nats/byte) per layer, every token skipping it:", flush=True)
+    for part, by_layer in costs.items():
+        print(f"  {part:<9} " + " ".join(f"{i}:{c:+.3f}" for i, c in by_layer.items()), flush=True)
 
-    def run(name: str, build, extra: dict, tune_steps: int) -> None:
+    def layer_set(spec: str, part: str) -> tuple[list[int], str]:
+        """The converted layers of ``spec`` and the suffix it adds to a row's name ('' for every_other)."""
+        if spec == "every_other":
+            return every_other, ""
+        if spec.startswith("cheapest:"):
+            chosen = mh.cheapest({int(i): c for i, c in costs[part].items()}, int(spec.split(":")[1]))
+        else:
+            chosen = sorted(int(i) for i in spec.split(","))
+        return chosen, f" layers={spec}"
+
+    def run_random(name: str, capacity: float, part: str, extra: dict, layers: list[int]) -> None:
+        """The baseline a router must beat: each sequence's top-C drawn uniformly at random, no tuning (train-
+        mode routing, which picks exactly C per sequence; a random choice needs no causal decision)."""
+        if name in rows:
+            return
+        torch.manual_seed(0)
+        model = mh.to_mod(copy.deepcopy(original), layers=layers, capacity=capacity, gate="ste", causal="threshold",
+                          part=part)
+        for layer in mh.mod_layers(model).values():
+            layer.mod_router.cfg = dataclasses.replace(layer.mod_router.cfg, selection="random")
+        with mh.routing(model, "topk"):
+            loss, share = held_out_loss(model, val)
+        rows[name] = {"name": name, **extra, "layers": layers, "tuning": "none", "loss": loss,
+                      "d_loss": loss - base["loss"], "d_loss_pct": 100 * (loss - base["loss"]) / base["loss"],
+                      "share": share, "kv_ratio": None, "tok_s_ratio": None}
+        print(f"{name:<44} loss {loss:.4f} ({rows[name]['d_loss']:+.4f}, {rows[name]['d_loss_pct']:+.1f}%) "
+              f"share {share:.3f}", flush=True)
+        save()
+
+    def run(name: str, build, extra: dict, tune_steps: int, layers: list[int]) -> None:
         names = [f"{name} router", f"{name} +fine-tune"] if tune_steps else [f"{name} +fine-tune"]
         if all(n in rows for n in names):
             return
+        orig_kv, extra = kv_bytes(orig_cache, layers), {**extra, "layers": layers}
         torch.manual_seed(0)
         model = build(copy.deepcopy(original))
         sampler = BatchSampler(corpus.train, args.batch, args.seq_len, seed=1)
         if tune_steps:
             fine_tune(model, sampler, tune_steps, args.router_lr, routers_only=True, teacher=original)
-            rows[names[0]] = measure(names[0], model, original, base, val, prompt_BS, args, layers,
+            rows[names[0]] = measure(names[0], model, original, base, val, prompt_BS, args, layers, orig_kv,
                                      {**extra, "tuning": "router"}, calibration)
             save()
             fine_tune(model, sampler, args.steps, args.ft_lr, routers_only=False)
         else:
             fine_tune(model, sampler, 2 * args.steps, args.ft_lr, routers_only=False)
-        rows[names[-1]] = measure(names[-1], model, original, base, val, prompt_BS, args, layers,
+        rows[names[-1]] = measure(names[-1], model, original, base, val, prompt_BS, args, layers, orig_kv,
                                   {**extra, "tuning": "router+fine-tune"}, calibration)
         save()
 
     if args.mode:  # MoDE rows first: the grid below is the longer part
         c = args.mode_capacity
         run(f"staged MoDE c={c} (4 experts top-1)",
-            lambda m: mh.to_mod(mh.upcycle(m, layers=layers, num_experts=4, top_k=1), layers=layers, capacity=c,
-                                gate="ste", causal="aux_bce"),
-            {"kind": "staged", "capacity": c}, args.steps)
+            lambda m: mh.to_mod(mh.upcycle(m, layers=every_other, num_experts=4, top_k=1), layers=every_other,
+                                capacity=c, gate="ste", causal="aux_bce"),
+            {"kind": "staged", "capacity": c}, args.steps, every_other)
         # integrated: 4 copies + 4 no-ops, top-1: a token picks a real expert or skips the MLP (attention runs)
         run("integrated MoDE (4 experts + 4 no-op, top-1)",
-            lambda m: mh.upcycle(m, layers=layers, num_experts=4, top_k=1, num_noop=4),
-            {"kind": "integrated", "capacity": None}, 0)
-    for capacity in args.capacities:
-        for part in args.parts:
-            for method in args.methods:
-                extra = {"kind": "mod", "capacity": capacity, "part": part, "method": method}
-                run(f"MoD c={capacity} part={part} {method}",
-                    lambda m, c=capacity, pt=part, me=method: mh.to_mod(
-                        m, layers=layers, capacity=c, gate="ste", causal=METHODS[me], part=pt),
-                    extra, args.steps)
+            lambda m: mh.upcycle(m, layers=every_other, num_experts=4, top_k=1, num_noop=4),
+            {"kind": "integrated", "capacity": None}, 0, every_other)
+    for spec in args.layer_sets:
+        for capacity in args.capacities:
+            for part in args.parts:
+                layers, suffix = layer_set(spec, part)
+                for method in args.methods:
+                    extra = {"kind": "mod", "capacity": capacity, "part": part, "method": method}
+                    if method == "random":
+                        run_random(f"MoD c={capacity} part={part} random{suffix}", capacity, part, extra, layers)
+                        continue
+                    run(f"MoD c={capacity} part={part} {method}{suffix}",
+                        lambda m, c=capacity, pt=part, me=method, ls=layers: mh.to_mod(
+                            m, layers=ls, capacity=c, gate="ste", causal=METHODS[me], part=pt),
+                        extra, args.steps, layers)
     save()
     table = table_markdown(base, list(rows.values()))
     print(table)
@@ -245,17 +294,23 @@ def main(argv: list[str] | None = None) -> dict:
     return {"base": base, "rows": list(rows.values())}
 
 
+def _num(value: float | None, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
 def table_markdown(base: dict, rows: list[dict]) -> str:
     lines = [f"original held-out loss {base['loss']:.4f} nats/byte", "",
              "| conversion | tuning | loss | Δ loss (nats, %) | share | KV ÷ orig | tok/s ÷ orig |",
              "|---|---|---|---|---|---|---|"]
     kinds = {"mod": 0, "staged": 1, "integrated": 2}
-    rows = sorted(rows, key=lambda r: (kinds[r["kind"]], -(r["capacity"] or 0), PARTS.index(r.get("part", "layer")),
-                                       r.get("method", ""), r["tuning"] != "router"))
+    rows = sorted(rows, key=lambda r: (kinds[r["kind"]], len(r.get("layers", [])), str(r.get("layers")),
+                                       -(r["capacity"] or 0), PARTS.index(r.get("part", "layer")),
+                                       r.get("method", ""), ("none", "router").index(r["tuning"])
+                                       if r["tuning"] in ("none", "router") else 2))
     for r in rows:
         lines.append(f"| {r['name'].rsplit(' ', 1)[0] if r['name'].endswith(('router', '+fine-tune')) else r['name']}"
                      f" | {r['tuning']} | {r['loss']:.4f} | {r['d_loss']:+.4f} ({r['d_loss_pct']:+.1f}%) | "
-                     f"{r['share']:.3f} | {r['kv_ratio']:.3f} | {r['tok_s_ratio']:.2f} |")
+                     f"{r['share']:.3f} | {_num(r['kv_ratio'], '.3f')} | {_num(r['tok_s_ratio'], '.2f')} |")
     return "\n".join(lines) + "\n"
 
 

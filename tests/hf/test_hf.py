@@ -6,6 +6,7 @@ installed (CI installs only ``.[test]``); the straight-through gate of ``MoDRout
 """
 
 import copy
+import json
 import math
 import sys
 from pathlib import Path
@@ -460,15 +461,27 @@ def test_pretrain_example_saves_a_checkpoint_that_converts(hf, tmp_path):
 
     # benchmarks/hf_mod_pretrained.py at its smallest on the same checkpoint: every row measured, then resumed
     bench = _example("../benchmarks/hf_mod_pretrained")
-    args = ["--model", str(out), "--capacities", "0.5", "--parts", "attention", "mlp", "--methods", "threshold",
+    args = ["--model", str(out), "--capacities", "0.5", "--parts", "attention", "mlp",
+            "--methods", "threshold", "random",
             "--steps", "1", "--batch", "2", "--seq-len", "32", "--val-batches", "1", "--new-tokens", "2",
-            "--repeats", "1", "--mode", "--out", str(tmp_path / "bench.json")]
+            "--repeats", "1", "--mode", "--layer-sets", "every_other", "cheapest:1",
+            "--out", str(tmp_path / "bench.json")]
     first = bench.main(args)
     names = [r["name"] for r in first["rows"]]
-    kinds = [r["kind"] for r in first["rows"]]  # 2 parts x 2 tunings, staged x 2, integrated
-    assert len(names) == len(set(names)) == 7
-    assert (kinds.count("mod"), kinds.count("staged"), kinds.count("integrated")) == (4, 2, 1)
+    kinds = [r["kind"] for r in first["rows"]]  # 2 layer sets x 2 parts x (2 tunings, random); staged x 2; integrated
+    assert len(names) == len(set(names)) == 15
+    assert (kinds.count("mod"), kinds.count("staged"), kinds.count("integrated")) == (12, 2, 1)
+    costs = json.loads((tmp_path / "bench.json").read_text())["skip_costs"]  # per part, per layer
+    assert sorted(costs) == ["attention", "layer", "mlp"] and len(costs["mlp"]) == 2
     for r in first["rows"]:
+        if r["name"].endswith("layers=cheapest:1"):  # the layer whose part costs least when skipped
+            assert r["layers"] == [int(min(costs[r["part"]], key=costs[r["part"]].get))], r
+        else:
+            assert r["layers"] == [1]
+    for r in first["rows"]:
+        if r.get("method") == "random":  # exactly C of each sequence's 32 tokens, no decode measured
+            assert r["share"] == 0.5 and r["tuning"] == "none" and r["kv_ratio"] is None
+            continue
         assert 0 < r["share"] < 1 and math.isfinite(r["loss"]) and r["kv_ratio"] > 0
     attention = next(r for r in first["rows"] if r.get("part") == "attention")
     assert attention["kv_ratio"] < 1  # skipped tokens store no K/V; the MLP part keeps every token's

@@ -1,0 +1,101 @@
+"""``skip_costs``: which layers can a router skip? The loss each decoder layer costs when every token skips
+its attention, its MLP or the whole layer (all others run), measured on the user's batches.
+
+It bounds what a MoD conversion of that layer can lose (a router at capacity C skips the part for a share
+1 - C of the tokens, at best the cheapest ones), so the layers with the smallest costs are the ones to
+convert first: ``layers=sorted(costs, key=costs.get)[:k]`` for ``to_mod``.
+
+Shape legend: B batch, S sequence, D model width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from mode import _checks
+from mode.hf._compat import check_model_type, decoder_layers
+from mode.hf.convert import resolve_layers
+from mode.hf.mod_layer import PARTS
+from mode.hf.tune import _as_batch, _positions, lm_loss
+
+
+def _zero_output(module, args, output):
+    """The sublayer adds nothing to the residual stream (attention returns (out, weights), an MLP a tensor)."""
+    if isinstance(output, tuple):
+        return (torch.zeros_like(output[0]),) + output[1:]
+    return torch.zeros_like(output)
+
+
+def _identity_layer(module, args, kwargs, output):
+    """The whole decoder layer returns its input: the residual stream passes unchanged."""
+    x_BSD = args[0] if args else kwargs["hidden_states"]
+    return (x_BSD,) + output[1:] if isinstance(output, tuple) else x_BSD
+
+
+@contextlib.contextmanager
+def skipped(model: nn.Module, layer: int, part: str):
+    """Within the block, every token skips ``part`` of decoder layer ``layer`` (forward hooks, removed after)."""
+    _checks.check_choice("part", part, PARTS)
+    target = decoder_layers(model)[layer]
+    if part == "layer":
+        handle = target.register_forward_hook(_identity_layer, with_kwargs=True)
+    else:
+        handle = getattr(target, "self_attn" if part == "attention" else "mlp").register_forward_hook(_zero_output)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def _mean_loss(model: nn.Module, batches: Sequence) -> float:
+    device = next(model.parameters()).device
+    total, weight = 0.0, 0
+    for batch in batches:
+        ids_BS, mask_BS = _as_batch(batch, device)
+        logits = model(ids_BS, attention_mask=mask_BS, position_ids=_positions(mask_BS), use_cache=False).logits
+        # the target tokens lm_loss averages over
+        n = int(ids_BS[:, 1:].numel() if mask_BS is None else (mask_BS[:, 1:] * mask_BS[:, :-1]).sum())
+        total += float(lm_loss(logits, ids_BS, mask_BS)) * n
+        weight += n
+    if weight == 0:
+        raise ValueError("batches: hold no target token (each row needs at least two real tokens)")
+    return total / weight
+
+
+def skip_costs(model: nn.Module, batches: Iterable, part: str = "attention",
+               layers: str | Sequence[int] = "all") -> dict[int, float]:
+    """For each layer in ``layers``: the mean next-token loss (nats/token, over the real target tokens of
+    ``batches``) with ``part`` of that layer skipped by every token, minus the model's own loss. Eval mode,
+    no cache, the model is left as it was (its train/eval mode too). ``batches``: (B, S) token ids or dicts
+    with ``input_ids`` and ``attention_mask`` (left padding), as for ``router_tune``.
+    """
+    check_model_type(model)
+    _checks.check_choice("part", part, PARTS)
+    chosen = resolve_layers(layers, len(decoder_layers(model)))
+    batches = list(batches)
+    if not batches:
+        raise ValueError("batches: empty; skip_costs needs at least one batch to measure a loss on")
+    was_training = model.training
+    model.eval()
+    try:
+        base = _mean_loss(model, batches)
+        costs = {}
+        for i in chosen:
+            with skipped(model, i, part):
+                costs[i] = _mean_loss(model, batches) - base
+    finally:
+        model.train(was_training)
+    return costs
+
+
+def cheapest(costs: dict[int, float], k: int) -> list[int]:
+    """The ``k`` layers with the smallest costs, in layer order (for ``to_mod(layers=...)``)."""
+    _checks.check_int("k", k)
+    if k > len(costs):
+        raise ValueError(f"k={k}: must be at most the number of measured layers ({len(costs)})")
+    return sorted(sorted(costs, key=lambda i: (costs[i], i))[:k])
