@@ -192,9 +192,11 @@ def main(argv: list[str] | None = None) -> dict:
     # what a row's numbers depend on (the grid's selection does not: rows of another selection are kept)
     settings = {k: v for k, v in vars(args).items()
                 if k not in ("out", "threads", "capacities", "parts", "methods", "layer_sets", "mode", "mode_capacity")}
+    settings["model"] = Path(args.model).name  # the checkpoint folder's name: a results file resumes from any path
     stored = done.get("settings", settings)
+    stored = {**stored, "model": Path(stored["model"]).name}
     if {k: stored.get(k) for k in settings} != settings:
-        raise ValueError(f"{out_path} holds rows measured with other settings; pass another --out")
+        raise ValueError(f"{out_path} holds rows measured with other settings ({stored}); pass another --out")
     rows = {r["name"]: {**r, "layers": r.get("layers", every_other)} for r in done["rows"]}
 
     def save() -> None:
