@@ -5,11 +5,14 @@ finished rank). ``worker(rank, world, store, out_dir, pool, out4)`` is the test 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -51,6 +54,35 @@ def kill(ctxs: dict) -> None:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+@dataclass
+class Running:
+    """The pools of one ``running`` block: their folder, when they started, and ``wait`` for their files."""
+
+    tmp: Path
+    ctxs: dict
+    pools: dict[str, int]
+    started: float
+
+    def wait(self, reporting: dict[str, list[int]] | None, timeout_s: float) -> dict[str, list[dict | None]]:
+        """``wait`` for the ranks in ``reporting`` (None: every rank of every pool)."""
+        if reporting is None:
+            reporting = {name: list(range(world)) for name, world in self.pools.items()}
+        return wait(self.ctxs, self.pools, self.tmp, reporting, self.started, timeout_s)
+
+
+@contextlib.contextmanager
+def running(worker, pools: dict[str, int]) -> Iterator[Running]:
+    """Start every pool in a fresh temporary folder; whatever is still alive is killed when the block ends
+    (a module fixture yields inside it)."""
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        ctxs = start(worker, pools, tmp)
+        try:
+            yield Running(tmp, ctxs, pools, time.monotonic())
+        finally:
+            kill(ctxs)
 
 
 def run_rank(rank: int, world: int, store: str, out_dir: str, timeout_s: float, work: Callable[[], dict],

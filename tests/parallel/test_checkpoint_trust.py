@@ -29,7 +29,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -277,37 +276,32 @@ def runs():
     from mode.parallel import dcp_safe
     from mode.parallel.checkpoint import save_folder
 
-    with tempfile.TemporaryDirectory() as tmp_s:
-        tmp = Path(tmp_s)
-        ctxs = pools.start(_worker, POOLS, tmp)
-        started = time.monotonic()
-        try:
-            ex = _example()
-            torch.manual_seed(0)
-            model = ex.TinyMoDE(experts=EXPERTS)
-            ref_custom = _steps(model, _optimizer(model), _batches())  # one process, 4 steps
-            ref_lm = Trainer(LM_CFG, LM_TRAIN, _corpus(), tmp / "ref_lm", progress=False)
-            ref_lm.run()
-            results = pools.wait(ctxs, POOLS, tmp, REPORTING, started, JOIN_TIMEOUT_S)
-            parent = {}
-            for how in ("ours", "raw"):
-                if (tmp / "mesh4" / how).exists():
-                    parent[how] = _plain_resume(ex, tmp / "mesh4" / how, how)
-            ckpt = tmp / "mesh4" / "async" / "ckpt"
-            if ckpt.exists():
-                folder = save_folder(ckpt)
-                parent["async_folders"] = sorted(p.name for p in ckpt.iterdir())
-                parent["async_verified"] = dcp_safe.verify_folder(folder)
-                t = Trainer(LM_CFG, LM_TRAIN, _corpus(), tmp / "async_resumed", progress=False)
-                t.load(ckpt)
-                parent["async_resumed_at"] = t.step
-                t.run()
-                parent["async_resumed"] = [(r["loss"], r["grad_norm"]) for r in t.history if "loss" in r]
-            yield {"results": results, "ref_custom": ref_custom,
-                   "ref_lm": [(r["loss"], r["grad_norm"]) for r in ref_lm.history if "loss" in r],
-                   "parent": parent}
-        finally:
-            pools.kill(ctxs)
+    with pools.running(_worker, POOLS) as run:
+        tmp = run.tmp
+        ex = _example()
+        torch.manual_seed(0)
+        model = ex.TinyMoDE(experts=EXPERTS)
+        ref_custom = _steps(model, _optimizer(model), _batches())  # one process, 4 steps
+        ref_lm = Trainer(LM_CFG, LM_TRAIN, _corpus(), tmp / "ref_lm", progress=False)
+        ref_lm.run()
+        results = run.wait(REPORTING, JOIN_TIMEOUT_S)
+        parent = {}
+        for how in ("ours", "raw"):
+            if (tmp / "mesh4" / how).exists():
+                parent[how] = _plain_resume(ex, tmp / "mesh4" / how, how)
+        ckpt = tmp / "mesh4" / "async" / "ckpt"
+        if ckpt.exists():
+            folder = save_folder(ckpt)
+            parent["async_folders"] = sorted(p.name for p in ckpt.iterdir())
+            parent["async_verified"] = dcp_safe.verify_folder(folder)
+            t = Trainer(LM_CFG, LM_TRAIN, _corpus(), tmp / "async_resumed", progress=False)
+            t.load(ckpt)
+            parent["async_resumed_at"] = t.step
+            t.run()
+            parent["async_resumed"] = [(r["loss"], r["grad_norm"]) for r in t.history if "loss" in r]
+        yield {"results": results, "ref_custom": ref_custom,
+               "ref_lm": [(r["loss"], r["grad_norm"]) for r in ref_lm.history if "loss" in r],
+               "parent": parent}
 
 
 def _case_result(runs, pool: str, case: str, ranks=None) -> list[dict]:

@@ -305,43 +305,38 @@ def runs():
     from mode.parallel.dcp_safe import read_metadata
     from mode.train import evaluate
 
-    with tempfile.TemporaryDirectory() as tmp_s:
-        tmp = Path(tmp_s)
-        ctxs = pools.start(_worker, POOLS, tmp)
-        started = time.monotonic()
-        try:
-            ex = _example()
-            ref = {name: _single(cfg, tmp / f"ref_{name}") for name, cfg in MODELS.items()}
-            ref_aux = _micro_batched(MODEL_AUX, 2)
-            torch.manual_seed(0)  # as the ranks do before building the example's model
-            ref_custom = ex.train(ex.TinyMoDE(), _custom_batches())
-            torch.manual_seed(TRAIN.seed)
-            init = LM(TOKEN_CHOICE).state_dict()  # the weights every rank starts from
-            results = pools.wait(ctxs, POOLS, tmp, REPORTING, started, JOIN_TIMEOUT_S)
-            # Everything that needs the checkpoint folders runs before they go away.
-            parent = {}
-            ckpt3 = tmp / "mesh4" / CKPT3
-            if (tmp / "mesh4" / f"{CKPT3}.ready").exists():
-                t = Trainer(TOKEN_CHOICE, TRAIN, _corpus(), tmp / "resume_one", progress=False)
-                t.load(ckpt3)  # one process, no process group, from a 4-process (2, 2) checkpoint
-                parent["resume_one"] = {"start": t.step, **_trained(t)}
-                md = read_metadata(save_folder(ckpt3), "ckpt3")
-                parent["expert_rows"] = {k: list(v.size) for k, v in md.state_dict_metadata.items()
-                                         if ".experts." in k and not k.endswith(".step")}
-            final = tmp / "mesh4" / "token_choice_2x2" / "ckpt"
-            if final.exists():
-                model, state = load_model(final)
-                parent["final_val"] = evaluate(model, ref["token_choice"].val_batches)
-                parent["final_step"] = state["step"]
-            exported = tmp / "mesh2" / "ckpt3.pt"
-            if exported.exists():
-                a, _ = load_model(exported)
-                b, _ = load_model(ckpt3)
-                parent["export_equal"] = all(torch.equal(a.state_dict()[k], v) for k, v in b.state_dict().items())
-            yield {"results": results, "ref": ref, "ref_aux": ref_aux, "ref_custom": ref_custom, "init": init,
-                   "parent": parent, "wall": time.monotonic() - started}
-        finally:
-            pools.kill(ctxs)
+    with pools.running(_worker, POOLS) as run:
+        tmp = run.tmp
+        ex = _example()
+        ref = {name: _single(cfg, tmp / f"ref_{name}") for name, cfg in MODELS.items()}
+        ref_aux = _micro_batched(MODEL_AUX, 2)
+        torch.manual_seed(0)  # as the ranks do before building the example's model
+        ref_custom = ex.train(ex.TinyMoDE(), _custom_batches())
+        torch.manual_seed(TRAIN.seed)
+        init = LM(TOKEN_CHOICE).state_dict()  # the weights every rank starts from
+        results = run.wait(REPORTING, JOIN_TIMEOUT_S)
+        # Everything that needs the checkpoint folders runs before they go away.
+        parent = {}
+        ckpt3 = tmp / "mesh4" / CKPT3
+        if (tmp / "mesh4" / f"{CKPT3}.ready").exists():
+            t = Trainer(TOKEN_CHOICE, TRAIN, _corpus(), tmp / "resume_one", progress=False)
+            t.load(ckpt3)  # one process, no process group, from a 4-process (2, 2) checkpoint
+            parent["resume_one"] = {"start": t.step, **_trained(t)}
+            md = read_metadata(save_folder(ckpt3), "ckpt3")
+            parent["expert_rows"] = {k: list(v.size) for k, v in md.state_dict_metadata.items()
+                                     if ".experts." in k and not k.endswith(".step")}
+        final = tmp / "mesh4" / "token_choice_2x2" / "ckpt"
+        if final.exists():
+            model, state = load_model(final)
+            parent["final_val"] = evaluate(model, ref["token_choice"].val_batches)
+            parent["final_step"] = state["step"]
+        exported = tmp / "mesh2" / "ckpt3.pt"
+        if exported.exists():
+            a, _ = load_model(exported)
+            b, _ = load_model(ckpt3)
+            parent["export_equal"] = all(torch.equal(a.state_dict()[k], v) for k, v in b.state_dict().items())
+        yield {"results": results, "ref": ref, "ref_aux": ref_aux, "ref_custom": ref_custom, "init": init,
+               "parent": parent, "wall": time.monotonic() - run.started}
 
 
 def _case_result(runs, pool: str, case: str, ranks=None) -> list[dict]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -150,36 +149,30 @@ POOLS = {"mesh4": 4, "mesh2": 2}
 def runs():
     from mode.parallel.model_state import load_state
 
-    with tempfile.TemporaryDirectory() as tmp_s:
-        tmp = Path(tmp_s)
-        ctxs = pools.start(_worker, POOLS, tmp)
-        started = time.monotonic()
-        try:
-            ex, batches = _example(), _batches()
-            ref, trained = {}, {}
-            for family in FAMILIES:
-                model = _model(family)
-                ref[family] = ex.train(model, batches, optimizer=_optimizer(model))
-                trained[family] = model
-            results = pools.wait(ctxs, POOLS, tmp, {name: list(range(w)) for name, w in POOLS.items()}, started,
-                                 JOIN_TIMEOUT_S)
-            parent = {}
-            if (tmp / "mesh4" / "ckpt3.ready").exists():  # one process, no process group
-                model = _model("qwen3_moe")
-                opt = _optimizer(model)
-                step = load_state(tmp / "mesh4" / "ckpt3", model, opt)["step"]
-                parent["resume_one"] = {"start": step, "curve": ex.train(model, batches[step:], optimizer=opt,
-                                                                         first_step=step + 1)}
-            if (tmp / "mesh4" / "hf" / "config.json").exists():
-                plain = transformers.AutoModelForCausalLM.from_pretrained(tmp / "mesh4" / "hf", dtype=torch.float32)
-                x = batches[0][0]
-                with torch.no_grad():
-                    parent["hf_logits"] = (plain.eval()(input_ids=x).logits,
-                                           trained["qwen3_moe"].eval()(input_ids=x).logits)
-                    parent["hf_class"] = type(plain).__name__
-            yield {"results": results, "ref": ref, "parent": parent}
-        finally:
-            pools.kill(ctxs)
+    with pools.running(_worker, POOLS) as run:
+        tmp = run.tmp
+        ex, batches = _example(), _batches()
+        ref, trained = {}, {}
+        for family in FAMILIES:
+            model = _model(family)
+            ref[family] = ex.train(model, batches, optimizer=_optimizer(model))
+            trained[family] = model
+        results = run.wait(None, JOIN_TIMEOUT_S)
+        parent = {}
+        if (tmp / "mesh4" / "ckpt3.ready").exists():  # one process, no process group
+            model = _model("qwen3_moe")
+            opt = _optimizer(model)
+            step = load_state(tmp / "mesh4" / "ckpt3", model, opt)["step"]
+            parent["resume_one"] = {"start": step, "curve": ex.train(model, batches[step:], optimizer=opt,
+                                                                     first_step=step + 1)}
+        if (tmp / "mesh4" / "hf" / "config.json").exists():
+            plain = transformers.AutoModelForCausalLM.from_pretrained(tmp / "mesh4" / "hf", dtype=torch.float32)
+            x = batches[0][0]
+            with torch.no_grad():
+                parent["hf_logits"] = (plain.eval()(input_ids=x).logits,
+                                       trained["qwen3_moe"].eval()(input_ids=x).logits)
+                parent["hf_class"] = type(plain).__name__
+        yield {"results": results, "ref": ref, "parent": parent}
 
 
 def _case_result(runs, pool: str, case: str) -> list[dict]:

@@ -28,7 +28,6 @@ import importlib.util
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -391,31 +390,26 @@ REPORTING = {"mesh4": [0, 1, 2, 3], "mem4": [0, 1, 2, 3]}
 
 @pytest.fixture(scope="module")
 def runs():
-    with tempfile.TemporaryDirectory() as tmp_s:
-        tmp = Path(tmp_s)
-        ctxs = pools.start(_worker, POOLS, tmp)
-        started = time.monotonic()
-        try:
-            refs = {}
-            for name, cfg in MESH_MODELS.items():
-                torch.manual_seed(SEED)
-                refs[name] = LM(cfg).state_dict()
-            torch.manual_seed(0)
-            refs["custom"] = _example().TinyMoDE().state_dict()
-            hf = _hf()
-            if hf is not None:
-                from mode.parallel.model_state import save_state
+    with pools.running(_worker, POOLS) as run:
+        tmp = run.tmp
+        refs = {}
+        for name, cfg in MESH_MODELS.items():
+            torch.manual_seed(SEED)
+            refs[name] = LM(cfg).state_dict()
+        torch.manual_seed(0)
+        refs["custom"] = _example().TinyMoDE().state_dict()
+        hf = _hf()
+        if hf is not None:
+            from mode.parallel.model_state import save_state
 
-                eager = _converted(*hf)
-                save_state(tmp / "mesh4" / "hf_ckpt", eager)  # one process, no process group
-                (tmp / "mesh4" / "hf_ckpt.ready").write_text("")
-                refs["converted"] = eager.state_dict()
-            results = pools.wait(ctxs, POOLS, tmp, REPORTING, started, JOIN_TIMEOUT_S)
-            gathered = {name: torch.load(p, weights_only=True) for name in refs
-                        if (p := tmp / "mesh4" / f"full_{name}.pt").exists()}
-            yield {"results": results, "refs": refs, "gathered": gathered, "wall": time.monotonic() - started}
-        finally:
-            pools.kill(ctxs)
+            eager = _converted(*hf)
+            save_state(tmp / "mesh4" / "hf_ckpt", eager)  # one process, no process group
+            (tmp / "mesh4" / "hf_ckpt.ready").write_text("")
+            refs["converted"] = eager.state_dict()
+        results = run.wait(REPORTING, JOIN_TIMEOUT_S)
+        gathered = {name: torch.load(p, weights_only=True) for name in refs
+                    if (p := tmp / "mesh4" / f"full_{name}.pt").exists()}
+        yield {"results": results, "refs": refs, "gathered": gathered, "wall": time.monotonic() - run.started}
 
 
 def _case_result(runs, pool: str, case: str | None) -> list[dict]:

@@ -14,8 +14,6 @@ Single-process references: tests/train/test_train_features.py.
 from __future__ import annotations
 
 import math
-import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -112,20 +110,15 @@ def _cases(rank: int, out: Path) -> dict:
 @pytest.fixture(scope="module")
 def runs():
     pool = {"mesh4": 4}
-    with tempfile.TemporaryDirectory() as tmp_s:
-        tmp = Path(tmp_s)
-        ctxs = pools.start(_worker, pool, tmp)
-        started = time.monotonic()
-        try:
-            ref = Trainer(MODEL, TRAIN, _corpus(), tmp / "ref", progress=False)  # the whole batch, no features
-            ref_grads = _capture_first_grads(ref, lambda g: g)
-            ref.run()
-            results = pools.wait(ctxs, pool, tmp, {"mesh4": [0, 1, 2, 3]}, started, JOIN_TIMEOUT_S)
-            grads = {name: torch.load(p) if (p := tmp / "mesh4" / f"{name}_grads.pt").exists() else None
-                     for name in CASES}
-            yield {"ref": _summary(ref), "ref_grads": ref_grads, "results": results["mesh4"], "grads": grads}
-        finally:
-            pools.kill(ctxs)
+    with pools.running(_worker, pool) as run:
+        tmp = run.tmp
+        ref = Trainer(MODEL, TRAIN, _corpus(), tmp / "ref", progress=False)  # the whole batch, no features
+        ref_grads = _capture_first_grads(ref, lambda g: g)
+        ref.run()
+        results = run.wait(None, JOIN_TIMEOUT_S)  # every rank reports
+        grads = {name: torch.load(p) if (p := tmp / "mesh4" / f"{name}_grads.pt").exists() else None
+                 for name in CASES}
+        yield {"ref": _summary(ref), "ref_grads": ref_grads, "results": results["mesh4"], "grads": grads}
 
 
 def _case(runs, name: str) -> list[dict]:
