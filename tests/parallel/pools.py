@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -124,3 +125,30 @@ def wait_for_file(path: Path, deadline_s: float) -> None:
         if time.monotonic() - t0 > deadline_s:
             raise TimeoutError(f"{path} did not appear in {deadline_s:.0f} s")
         time.sleep(0.2)
+
+
+def case_results(results: dict[str, list[dict | None]], pool: str, case: str | None, ranks=None) -> list[dict]:
+    """Each rank of ``pool`` (of ``ranks``, default all): its result for ``case`` (``None``: the rank's whole
+    result), from ``wait``'s ``results``; fails the test with the rank's traceback when it wrote nothing,
+    failed, or has no such case."""
+    out = []
+    for r, x in enumerate(results[pool]):
+        if ranks is not None and r not in ranks:
+            continue
+        assert x is not None, f"{pool} rank {r} wrote no result"
+        assert "failure" not in x, f"{pool} rank {r}:\n{x['failure']}"
+        if case is not None:
+            assert case in x, f"{pool} rank {r} has no {case!r} result: {sorted(x)}"
+            assert "failure" not in x[case], f"{pool} rank {r} {case}:\n{x[case]['failure']}"
+            x = x[case]
+        out.append(x)
+    return out
+
+
+def assert_curve(actual, expected, what: str, *, tol: float, norm_rtol: float) -> None:
+    """A training curve of (loss, grad norm) per step equals the reference: loss within ``tol``, grad norm
+    within ``norm_rtol`` (relative)."""
+    assert len(actual) == len(expected), (what, len(actual), len(expected))
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(actual, expected), 1):
+        assert abs(loss - ref_loss) <= tol, f"{what} step {step}: loss {loss} vs {ref_loss}"
+        assert math.isclose(norm, ref_norm, rel_tol=norm_rtol), f"{what} step {step}: grad norm {norm} vs {ref_norm}"

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
+import functools
 import os
 import shutil
 import subprocess
@@ -304,36 +304,19 @@ def runs():
                "parent": parent}
 
 
-def _case_result(runs, pool: str, case: str, ranks=None) -> list[dict]:
-    out = []
-    for r, x in enumerate(runs["results"][pool]):
-        if ranks is not None and r not in ranks:
-            continue
-        assert x is not None, f"{pool} rank {r} wrote no result"
-        assert "failure" not in x, f"{pool} rank {r}:\n{x['failure']}"
-        assert case in x, f"{pool} rank {r} has no {case!r} result: {sorted(x)}"
-        assert "failure" not in x[case], f"{pool} rank {r} {case}:\n{x[case]['failure']}"
-        out.append(x[case])
-    return out
-
-
-def _assert_curve(actual, expected, what: str) -> None:
-    assert len(actual) == len(expected), (what, len(actual), len(expected))
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(actual, expected), 1):
-        assert abs(loss - ref_loss) <= TOL, f"{what} step {step}: loss {loss} vs {ref_loss}"
-        assert math.isclose(norm, ref_norm, rel_tol=NORM_RTOL), f"{what} step {step}: grad norm {norm} vs {ref_norm}"
+_assert_curve = functools.partial(pools.assert_curve, tol=TOL, norm_rtol=NORM_RTOL)
 
 
 def test_own_model_saved_on_2x2_resumes_on_1x3_and_with_no_process_group(runs):
     """PyTorch's get_state_dict + dcp.save / dcp.load + set_state_dict, and save_state / load_state: saved on
     (2, 2) after step 2, loaded on (1, 3) and into a plain model in one process; steps 3-4 are the
     uninterrupted run's (which is the single-process run's)."""
-    mesh4 = _case_result(runs, "mesh4", "custom")
+    mesh4 = pools.case_results(runs["results"], "mesh4", "custom")
     for r, x in enumerate(mesh4):
         _assert_curve(x["curve"], runs["ref_custom"], f"(2, 2) rank {r}")
     after = runs["ref_custom"][SAVE_AT:]
     for how in ("raw", "ours"):
-        for r, x in enumerate(_case_result(runs, "mesh3", how)):
+        for r, x in enumerate(pools.case_results(runs["results"], "mesh3", how)):
             _assert_curve(x["curve"], after, f"{how}: resumed on (1, 3), rank {r}")
             if how == "ours":
                 assert x["step"] == SAVE_AT
@@ -343,7 +326,7 @@ def test_own_model_saved_on_2x2_resumes_on_1x3_and_with_no_process_group(runs):
 def test_expert_weights_on_a_2x2_mesh_show_strided_shard_and_their_local_rows(runs):
     """What docs/distributed.md shows a user: 6 experts on (dp, ep) = (2, 2). ep rank e holds experts
     [3e, 3e+3); FSDP splits those 3 over dp as 2 + 1 (torch.chunk: uneven sizes, no padding shown)."""
-    seen = [x["seen"] for x in _case_result(runs, "mesh4", "custom")]
+    seen = [x["seen"] for x in pools.case_results(runs["results"], "mesh4", "custom")]
     for r, s in enumerate(seen):
         assert s["type"] == "DTensor" and s["mesh"] == ["dp", "ep"] and s["global"] == [EXPERTS, 32, 64], s
         assert s["placements"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", s
@@ -354,7 +337,7 @@ def test_expert_weights_on_a_2x2_mesh_show_strided_shard_and_their_local_rows(ru
 
 
 def test_a_flipped_byte_is_refused_on_every_rank_before_any_tensor_changes(runs):
-    for r, x in enumerate(_case_result(runs, "mesh3", "flipped")):
+    for r, x in enumerate(pools.case_results(runs["results"], "mesh3", "flipped")):
         assert x["error"] is not None, f"rank {r} loaded a corrupt checkpoint"
         assert x["error"]["type"] == "ChecksumError", x
         assert "__1_0.distcp is corrupt: its SHA-256 is " in x["error"]["message"], x
@@ -363,7 +346,7 @@ def test_a_flipped_byte_is_refused_on_every_rank_before_any_tensor_changes(runs)
 
 
 def test_collective_guard_turns_a_raw_backend_error_of_your_own_loop_into_collective_error(runs):
-    for r, x in enumerate(_case_result(runs, "mesh3", "peer_leaves", ranks=[0, 1])):
+    for r, x in enumerate(pools.case_results(runs["results"], "mesh3", "peer_leaves", ranks=[0, 1])):
         assert x["raw"] is not None and x["raw"]["type"] in ("RuntimeError", "DistBackendError", "DistError"), x
         g = x["guarded"]
         assert g is not None and g["type"] == "CollectiveError", x
@@ -375,7 +358,7 @@ def test_async_checkpoints_of_the_trainer_complete_and_resume_exactly(runs):
     """MeshRuntime(async_save=True): the curve is the single-process one, run() returns with the last save
     complete (latest names it, its SHA256SUMS verify, the step-2 save removed), and one process resumes it
     to the uninterrupted curve."""
-    for r, x in enumerate(_case_result(runs, "mesh4", "async")):
+    for r, x in enumerate(pools.case_results(runs["results"], "mesh4", "async")):
         _assert_curve(x["curve"], runs["ref_lm"][:STEPS], f"async (2, 2) rank {r}")
         assert not x["pending_after_run"]
     parent = runs["parent"]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import functools
 import math
 import os
 import signal
@@ -339,25 +340,7 @@ def runs():
                "parent": parent, "wall": time.monotonic() - run.started}
 
 
-def _case_result(runs, pool: str, case: str, ranks=None) -> list[dict]:
-    res = runs["results"][pool]
-    out = []
-    for r, x in enumerate(res):
-        if ranks is not None and r not in ranks:
-            continue
-        assert x is not None, f"{pool} rank {r} wrote no result"
-        assert "failure" not in x, f"{pool} rank {r}:\n{x['failure']}"
-        assert case in x, f"{pool} rank {r} has no {case!r} result: {sorted(x)}"
-        assert "failure" not in x[case], f"{pool} rank {r} {case}:\n{x[case]['failure']}"
-        out.append(x[case])
-    return out
-
-
-def _assert_curve(actual, expected, what: str, tol: float = TOL, norm_rtol: float = NORM_RTOL) -> None:
-    assert len(actual) == len(expected), (what, len(actual), len(expected))
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(actual, expected), 1):
-        assert abs(loss - ref_loss) <= tol, f"{what} step {step}: loss {loss} vs {ref_loss}"
-        assert math.isclose(norm, ref_norm, rel_tol=norm_rtol), f"{what} step {step}: grad norm {norm} vs {ref_norm}"
+_assert_curve = functools.partial(pools.assert_curve, tol=TOL, norm_rtol=NORM_RTOL)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -369,7 +352,8 @@ def _assert_curve(actual, expected, what: str, tol: float = TOL, norm_rtol: floa
 def test_curve_and_grad_norm_equal_one_process(runs, name, layout):
     dp, ep = layout
     ref = runs["ref"][name]
-    for r, x in enumerate(_case_result(runs, "mesh4", f"{name}_{dp}x{ep}")):  # every rank: the global numbers
+    # every rank: the global numbers
+    for r, x in enumerate(pools.case_results(runs["results"], "mesh4", f"{name}_{dp}x{ep}")):
         _assert_curve(x["curve"], _curve(ref.history), f"{name} ({dp}, {ep}) rank {r}")
         ref_val = [v["val_loss"] for v in ref.history if "val_loss" in v]
         assert len(x["val"]) == len(ref_val) and max(abs(a - b) for a, b in zip(x["val"], ref_val)) <= TOL
@@ -391,7 +375,7 @@ def test_balancing_bias_equals_one_process(runs, layout):
     dp, ep = layout
     ref = [r.bias_X.tolist() for r in runs["ref"]["recipes"].bias_routers]
     assert len(ref) == 3 and any(v != 0 for b in ref for v in b)
-    for r, x in enumerate(_case_result(runs, "mesh4", f"recipes_{dp}x{ep}")):
+    for r, x in enumerate(pools.case_results(runs["results"], "mesh4", f"recipes_{dp}x{ep}")):
         for got, want in zip(x["bias"], ref, strict=True):
             assert np.allclose(got, want, rtol=0, atol=1e-6), (layout, r, got, want)
 
@@ -400,7 +384,7 @@ def test_shards_after_setup(runs):
     """(2, 2): each rank's expert rows are its own part of the full weight (the ranks' parts differ and
     tile all E rows exactly once: a plain-tensor shard replicated over the ep ranks would fail); each dense
     weight is split over the 4 ranks (1/4 each where its first dimension divides)."""
-    shards = [x["shards"] for x in _case_result(runs, "mesh4", "token_choice_2x2")]
+    shards = [x["shards"] for x in pools.case_results(runs["results"], "mesh4", "token_choice_2x2")]
     init = runs["init"]
     for name, full in init.items():
         if ".experts." not in name:
@@ -434,50 +418,50 @@ def test_resume_on_other_layouts_and_one_process(runs):
     """Saved at step 3 on (2, 2); resumed on (1, 2), (2, 1) and in one process: the uninterrupted curve."""
     expected = _curve(runs["ref"]["token_choice"].history)
     for layout in ("1x2", "2x1"):
-        for r, x in enumerate(_case_result(runs, "mesh2", f"resume_{layout}")):
+        for r, x in enumerate(pools.case_results(runs["results"], "mesh2", f"resume_{layout}")):
             _assert_curve(x["curve"], expected, f"resumed on {layout} rank {r}")
     one = runs["parent"]["resume_one"]
     assert one["start"] == SAVE_AT
     _assert_curve(one["curve"], expected, "resumed in one process")
     # the continued (2, 2) run itself, and its final sharded checkpoint read in one process
-    x = _case_result(runs, "mesh4", "token_choice_2x2")[0]
+    x = pools.case_results(runs["results"], "mesh4", "token_choice_2x2")[0]
     assert runs["parent"]["final_step"] == TRAIN.steps
     assert abs(runs["parent"]["final_val"] - x["val"][-1]) <= TOL
 
 
 def test_export_then_import_a_single_file(runs):
     assert runs["parent"]["export_equal"]
-    for r, x in enumerate(_case_result(runs, "mesh2", "import")):
+    for r, x in enumerate(pools.case_results(runs["results"], "mesh2", "import")):
         _assert_curve(x["curve"], _curve(runs["ref"]["token_choice"].history), f"imported rank {r}")
 
 
 def test_aux_losses_per_rank(runs):
     """Balance loss and capacity on: 2 row groups == one process with 2 micro-batches per step."""
-    x = _case_result(runs, "mesh2", "aux")[0]
+    x = pools.case_results(runs["results"], "mesh2", "aux")[0]
     _assert_curve(x["curve"], runs["ref_aux"], "balance loss and capacity on 2 row groups")
 
 
 def test_bf16_autocast_trains(runs):
-    x = _case_result(runs, "mesh2", "bf16")[0]
+    x = pools.case_results(runs["results"], "mesh2", "bf16")[0]
     fp32 = _curve(runs["ref"]["token_choice"].history)[:2]
     assert all(math.isfinite(loss) and math.isfinite(norm) for loss, norm in x["curve"])
     assert max(abs(a[0] - b[0]) for a, b in zip(x["curve"], fp32)) < 0.05  # bfloat16 rounding, not a bug
 
 
 def test_user_model_parallelized(runs):
-    for r, x in enumerate(_case_result(runs, "mesh4", "custom")):
+    for r, x in enumerate(pools.case_results(runs["results"], "mesh4", "custom")):
         _assert_curve(x["curve"], runs["ref_custom"], f"examples/parallel_custom_model.py at (2, 2) rank {r}")
 
 
 def test_killed_rank_raises_within_the_timeout(runs):
-    x = _case_result(runs, "mesh2", "killed", ranks=[0])[0]
+    x = pools.case_results(runs["results"], "mesh2", "killed", ranks=[0])[0]
     assert x["error"] is not None, x
     assert "rank 0/2" in x["error"] and "training step 3" in x["error"] and "another rank died" in x["error"]
     assert x["seconds"] < TRAIN_TIMEOUT_S, x  # the closed connection is noticed well before the timeout
 
 
 def test_stuck_rank_raises_after_the_timeout(runs):
-    x = _case_result(runs, "stuck", "stuck", ranks=[0])[0]
+    x = pools.case_results(runs["results"], "stuck", "stuck", ranks=[0])[0]
     assert x["error"] is not None and "rank 0/2" in x["error"] and "training step 2" in x["error"], x
     assert STUCK_TIMEOUT_S * 0.8 <= x["seconds"] < STUCK_TIMEOUT_S + 20, x
 

@@ -19,7 +19,7 @@ under float rounding).
 from __future__ import annotations
 
 import importlib.util
-import math
+import functools
 import sys
 import time
 from pathlib import Path
@@ -175,34 +175,20 @@ def runs():
         yield {"results": results, "ref": ref, "parent": parent}
 
 
-def _case_result(runs, pool: str, case: str) -> list[dict]:
-    out = []
-    for r, x in enumerate(runs["results"][pool]):
-        assert x is not None, f"{pool} rank {r} wrote no result"
-        assert "failure" not in x, f"{pool} rank {r}:\n{x['failure']}"
-        assert "failure" not in x[case], f"{pool} rank {r} {case}:\n{x[case]['failure']}"
-        out.append(x[case])
-    return out
-
-
-def _assert_curve(actual, expected, what: str) -> None:
-    assert len(actual) == len(expected), (what, len(actual), len(expected))
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(actual, expected), 1):
-        assert abs(loss - ref_loss) <= TOL, f"{what} step {step}: loss {loss} vs {ref_loss}"
-        assert math.isclose(norm, ref_norm, rel_tol=NORM_RTOL), f"{what} step {step}: grad norm {norm} vs {ref_norm}"
+_assert_curve = functools.partial(pools.assert_curve, tol=TOL, norm_rtol=NORM_RTOL)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dp{x[0]}xep{x[1]}")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_converted_model_trains_on_the_mesh_as_in_one_process(runs, family, layout):
     dp, ep = layout
-    for r, res in enumerate(_case_result(runs, "mesh4", f"{family}_{dp}x{ep}")):
+    for r, res in enumerate(pools.case_results(runs["results"], "mesh4", f"{family}_{dp}x{ep}")):
         _assert_curve(res["curve"], runs["ref"][family], f"{family} ({dp}, {ep}) rank {r}")
 
 
 def test_checkpoint_saved_on_2x2_resumes_on_1x2_and_in_one_process(runs):
     expected = runs["ref"]["qwen3_moe"][SAVE_AT:]
-    for r, res in enumerate(_case_result(runs, "mesh2", "resume_1x2")):
+    for r, res in enumerate(pools.case_results(runs["results"], "mesh2", "resume_1x2")):
         assert res["start"] == SAVE_AT
         _assert_curve(res["curve"], expected, f"resume (1, 2) rank {r}")
     one = runs["parent"].get("resume_one")
@@ -212,7 +198,7 @@ def test_checkpoint_saved_on_2x2_resumes_on_1x2_and_in_one_process(runs):
 
 
 def test_transformers_folder_gathered_from_the_shards_loads_in_plain_transformers(runs):
-    saver = _case_result(runs, "mesh4", f"{SAVER[0]}_{SAVER[1]}x{SAVER[2]}")
+    saver = pools.case_results(runs["results"], "mesh4", f"{SAVER[0]}_{SAVER[1]}x{SAVER[2]}")
     assert saver[0]["folder"] is not None and all(r["folder"] is None for r in saver[1:])  # rank 0 writes
     assert runs["parent"].get("hf_class") == "Qwen3MoeForCausalLM"
     theirs, ours = runs["parent"]["hf_logits"]  # the mesh-trained model vs the one-process-trained one

@@ -412,24 +412,13 @@ def runs():
         yield {"results": results, "refs": refs, "gathered": gathered, "wall": time.monotonic() - run.started}
 
 
-def _case_result(runs, pool: str, case: str | None) -> list[dict]:
-    out = []
-    for r, x in enumerate(runs["results"][pool]):
-        assert x is not None, f"{pool} rank {r} wrote no result"
-        assert "failure" not in x, f"{pool} rank {r}:\n{x['failure']}"
-        if case is not None:
-            assert "failure" not in x[case], f"{pool} rank {r} {case}:\n{x[case]['failure']}"
-            x = x[case]
-        out.append(x)
-    return out
-
 
 @_cpu_only
 @pytest.mark.parametrize("name", [*MESH_MODELS, "custom"])
 def test_mesh_shards_equal_eager_shards(runs, name):
     """(2, 2): each rank's shards and buffers equal those of the eager build parallelized on the same mesh,
     the generator ends in the same state, and the gathered full state is the one-process eager model's."""
-    for r, x in enumerate(_case_result(runs, "mesh4", name)):
+    for r, x in enumerate(pools.case_results(runs["results"], "mesh4", name)):
         assert x["differ"] == [], (r, x["differ"])
         assert x["rng_equal"], r
         assert x["dtensors"] > 0
@@ -441,7 +430,7 @@ def test_mesh_shards_equal_eager_shards(runs, name):
 @_cpu_only
 def test_mesh_training_equals_eager_build(runs):
     """The Trainer builds on meta by default; 3 steps with random MoD routing equal the eager build's exactly."""
-    for r, x in enumerate(_case_result(runs, "mesh4", "trainer")):
+    for r, x in enumerate(pools.case_results(runs["results"], "mesh4", "trainer")):
         meta, eager = x["curves"]
         assert len(meta) == 3 and meta == eager, (r, meta, eager)
         assert x["differ"] == [], (r, x["differ"])
@@ -452,7 +441,7 @@ def test_mesh_training_equals_eager_build(runs):
 def test_mesh_converted_model_from_checkpoint(runs):
     if "converted" not in runs["refs"]:
         pytest.skip("transformers is not installed (pip install 'mode-torch[hf]')")
-    for x in _case_result(runs, "mesh4", "converted"):
+    for x in pools.case_results(runs["results"], "mesh4", "converted"):
         assert x["dtensors"] > 0
     gathered, ref = runs["gathered"]["converted"], runs["refs"]["converted"]
     assert [k for k in ref if not _same(gathered[k], ref[k])] == []
@@ -463,7 +452,7 @@ def test_peak_memory_per_rank_is_the_shard_share(runs):
     """Each rank's peak RSS growth (from its RSS before building): its shards plus one full tensor at a time,
     not the full model. With AdamW's moments it fits a budget (half the full model's weights + moments) that
     the full model alone would overflow."""
-    xs = _case_result(runs, "mem4", None)
+    xs = pools.case_results(runs["results"], "mem4", None)
     full = xs[0]["full_bytes"]
     assert xs[0]["params"] > 100e6
     for r, x in enumerate(xs):

@@ -118,21 +118,12 @@ def runs():
         results = run.wait(None, JOIN_TIMEOUT_S)  # every rank reports
         grads = {name: torch.load(p) if (p := tmp / "mesh4" / f"{name}_grads.pt").exists() else None
                  for name in CASES}
-        yield {"ref": _summary(ref), "ref_grads": ref_grads, "results": results["mesh4"], "grads": grads}
-
-
-def _case(runs, name: str) -> list[dict]:
-    out = []
-    for r, x in enumerate(runs["results"]):
-        assert x is not None, f"rank {r} wrote no result"
-        assert "failure" not in x[name], f"rank {r} {name}:\n{x[name]['failure']}"
-        out.append(x[name])
-    return out
+        yield {"ref": _summary(ref), "ref_grads": ref_grads, "results": results, "grads": grads}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_first_step_gradients_equal_one_process_whole_batch(runs, name):
-    _case(runs, name)
+    pools.case_results(runs["results"], "mesh4", name)
     got, want = runs["grads"][name], runs["ref_grads"]
     assert got is not None and got.keys() == want.keys() and want, (sorted(got or {}), sorted(want))
     worst = max(float((got[k] - want[k]).abs().max()) for k in want)
@@ -142,7 +133,7 @@ def test_first_step_gradients_equal_one_process_whole_batch(runs, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_curve_and_bias_equal_one_process_whole_batch(runs, name):
     ref = runs["ref"]
-    for r, x in enumerate(_case(runs, name)):
+    for r, x in enumerate(pools.case_results(runs["results"], "mesh4", name)):
         assert len(x["curve"]) == len(ref["curve"]) == TRAIN.steps
         for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(x["curve"], ref["curve"]), 1):
             assert abs(loss - ref_loss) <= 1e-5, f"{name} rank {r} step {step}: loss {loss} vs {ref_loss}"
@@ -154,7 +145,7 @@ def test_curve_and_bias_equal_one_process_whole_batch(runs, name):
 
 
 def test_fsdp_reduces_after_the_last_micro_batch_only(runs):
-    for x in _case(runs, "accum2"):
+    for x in pools.case_results(runs["results"], "mesh4", "accum2"):
         assert x["sync_calls"] == [False, True, False, True]  # two steps' worth
-    for x in _case(runs, "ac"):
+    for x in pools.case_results(runs["results"], "mesh4", "ac"):
         assert x["sync_calls"] == []  # one micro-batch: FSDP as usual
