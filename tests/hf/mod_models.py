@@ -50,3 +50,17 @@ def causal_forward(hf, model, seq, mask):
     stats = hf.collect_aux(model).stats
     return logits, {i: stats[f"layers.{i}.mod.router"].compute_T.view(seq.shape).bool()
                     for i in hf.mod_layers(model)}
+
+
+def layer_io(hf, model, i: int, ids, mask):
+    """One top-k forward: MoD layer ``i``'s input and output hidden states and its routed tokens, (B, S) bool."""
+    layer = model.model.layers[i]
+    seen = {}
+    handle = layer.register_forward_hook(lambda m, args, kwargs, out: seen.update(x=args[0], y=out),
+                                         with_kwargs=True)
+    try:
+        with torch.no_grad(), hf.routing(model, "topk"):
+            model(ids, attention_mask=mask)
+    finally:
+        handle.remove()
+    return seen["x"], seen["y"], layer.mod_aux.stats["router"].compute_T.view(ids.shape).bool()

@@ -17,7 +17,8 @@ import torch
 from mode.routing.mod_topk import GATES, MoDRouter, MoDRouterConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mod_models import ATTENTIONS, FAMILIES, V, batch, causal_forward, converted, positions, tiny  # noqa: E402
+from mod_models import (ATTENTIONS, FAMILIES, V, batch, causal_forward, converted, layer_io,  # noqa: E402
+                        positions, tiny)
 
 
 # -- the straight-through gate (no transformers needed) --
@@ -148,18 +149,13 @@ def test_raw_and_sigmoid_gates_change_the_model_ste_keeps_it_and_trains_the_rout
 @pytest.mark.parametrize("attn", ATTENTIONS)
 def test_skipped_tokens_copied_bit_for_bit_and_c_routed(hf, attn):
     model = hf.to_mod(tiny("qwen2", attn), layers=[1], capacity=0.5)
-    layer = model.model.layers[1]
-    seen = {}
-    layer.register_forward_hook(lambda m, args, kwargs, out: seen.update(x=args[0], y=out), with_kwargs=True)
     ids, mask = batch(S=12, left_pad=4)
-    with torch.no_grad(), hf.routing(model, "topk"):
-        model(ids, attention_mask=mask)
-    routed = layer.mod_aux.stats["router"].compute_T.view(2, 12).bool()
+    x, y, routed = layer_io(hf, model, 1, ids, mask)
     assert routed.sum(1).tolist() == [6, 6]  # C = 0.5 * 12 per row; row 1 has 8 real tokens for its 6 slots
     assert not routed[~mask.bool()].any()  # padding never routes
-    assert torch.equal(seen["y"][~routed], seen["x"][~routed])
-    assert not torch.equal(seen["y"][routed], seen["x"][routed])
-    assert seen["y"].shape == seen["x"].shape
+    assert torch.equal(y[~routed], x[~routed])
+    assert not torch.equal(y[routed], x[routed])
+    assert y.shape == x.shape
 
 
 def test_frozen_base_only_routers_learn_and_base_is_bitwise_unchanged(hf):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mod_models import FAMILIES, V, batch, causal_forward, converted, tiny  # noqa: E402
+from mod_models import FAMILIES, V, batch, causal_forward, converted, layer_io, tiny  # noqa: E402
 
 PARTS = ("layer", "attention", "mlp")
 
@@ -115,13 +115,7 @@ def test_attention_part_skips_attention_but_not_the_mlp(hf):
     skipped (``part="layer"`` copies it through unchanged)."""
     model = converted(hf, "qwen2", layers=[1], capacity=0.5, part="attention")
     layer = model.model.layers[1]
-    seen = {}
-    layer.register_forward_hook(lambda m, args, kwargs, out: seen.update(x=args[0], y=out), with_kwargs=True)
-    ids, mask = batch(S=12, left_pad=4)
-    with torch.no_grad(), hf.routing(model, "topk"):
-        model(ids, attention_mask=mask)
-    routed = layer.mod_aux.stats["router"].compute_T.view(2, 12).bool()
-    x, y = seen["x"], seen["y"]
+    x, y, routed = layer_io(hf, model, 1, *batch(S=12, left_pad=4))
     with torch.no_grad():
         torch.testing.assert_close(y[~routed], layer.mlp_sublayer(x)[~routed], rtol=0, atol=1e-6)
     assert not torch.allclose(y[routed], layer.mlp_sublayer(x)[routed])

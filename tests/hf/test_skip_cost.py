@@ -1,11 +1,14 @@
 """``mode.hf.skip_costs``: the loss a layer costs when every token skips its attention, MLP or whole layer."""
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.hf.mod_models import FAMILIES, V, batch, tiny
+sys.path.insert(0, str(Path(__file__).parent))
+from mod_models import FAMILIES, V, batch, tiny  # noqa: E402
 
 # Zeroing what the part adds to the residual stream, by hand: the model the hooks must reproduce.
 ZEROED = {"attention": ("self_attn.o_proj",), "mlp": ("mlp.down_proj",),
