@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import mode.hf as mh  # noqa: E402
+from mode.hf.convert import resolve_layers  # noqa: E402
 from mode.hf.tune import lm_loss  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 from mode.train.config import TrainConfig  # noqa: E402
@@ -142,12 +143,20 @@ def measure(name: str, model, original, base: dict, val, prompt_BS, args, layers
         mh.calibrate(model, calibration)  # thresholds from training text: the EMA lags a router still moving
     loss, share = held_out_loss(model, val)
     out = decode(model, prompt_BS, args.new_tokens)
+    row = loss_row(name, extra, base, loss, share)
+    row["kv_ratio"] = kv_bytes(out.past_key_values, layers) / orig_kv
+    row["tok_s_ratio"] = decode_ratio(model, original, prompt_BS, args.new_tokens, args.repeats)
+    print(f"KV {row['kv_ratio']:.3f} tok/s {row['tok_s_ratio']:.2f}x", flush=True)
+    return row
+
+
+def loss_row(name: str, extra: dict, base: dict, loss: float, share: float) -> dict:
+    """A row's loss, its change against the original and the routed share (printed, the line left open)."""
     row = {"name": name, **extra, "loss": loss, "d_loss": loss - base["loss"],
            "d_loss_pct": 100 * (loss - base["loss"]) / base["loss"], "share": share,
-           "kv_ratio": kv_bytes(out.past_key_values, layers) / orig_kv,
-           "tok_s_ratio": decode_ratio(model, original, prompt_BS, args.new_tokens, args.repeats)}
-    print(f"{name:<44} loss {loss:.4f} ({row['d_loss']:+.4f}, {row['d_loss_pct']:+.1f}%) share {share:.3f} "
-          f"KV {row['kv_ratio']:.3f} tok/s {row['tok_s_ratio']:.2f}x", flush=True)
+           "kv_ratio": None, "tok_s_ratio": None}
+    print(f"{name:<44} loss {loss:.4f} ({row['d_loss']:+.4f}, {row['d_loss_pct']:+.1f}%) share {share:.3f} ",
+          end="", flush=True)
     return row
 
 
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     for p_ in original.parameters():
         p_.requires_grad_(False)
     n_layers = original.config.num_hidden_layers
-    every_other = list(range(1, n_layers, 2))  # the first layer dense
+    every_other = resolve_layers("every_other", n_layers)  # 1, 3, 5, ...: the first layer dense
     corpus = stdlib_corpus()
     val = [x_BS for x_BS, _ in eval_batches(corpus.val, args.batch, args.seq_len, args.val_batches)]
     prompt_BS = val[0][:4, :128]
@@ -222,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
         if spec.startswith("cheapest:"):
             chosen = mh.cheapest({int(i): c for i, c in costs[part].items()}, int(spec.split(":")[1]))
         else:
-            chosen = sorted(int(i) for i in spec.split(","))
+            chosen = resolve_layers([int(i) for i in spec.split(",")], n_layers)
         return chosen, f" layers={spec}"
 
     def run_random(name: str, capacity: float, part: str, extra: dict, layers: list[int]) -> None:
@@ -237,11 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
             layer.mod_router.cfg = dataclasses.replace(layer.mod_router.cfg, selection="random")
         with mh.routing(model, "topk"):
             loss, share = held_out_loss(model, val)
-        rows[name] = {"name": name, **extra, "layers": layers, "tuning": "none", "loss": loss,
-                      "d_loss": loss - base["loss"], "d_loss_pct": 100 * (loss - base["loss"]) / base["loss"],
-                      "share": share, "kv_ratio": None, "tok_s_ratio": None}
-        print(f"{name:<44} loss {loss:.4f} ({rows[name]['d_loss']:+.4f}, {rows[name]['d_loss_pct']:+.1f}%) "
-              f"share {share:.3f}", flush=True)
+        rows[name] = loss_row(name, {**extra, "layers": layers, "tuning": "none"}, base, loss, share)
+        print(flush=True)
         save()
 
     def run(name: str, build, extra: dict, tune_steps: int, layers: list[int]) -> None:
