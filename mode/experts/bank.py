@@ -106,13 +106,15 @@ def check_backend_environment(name: str, sizes: dict[str, int]) -> None:
         megablocks_backend.require()
 
 
-def resolve_backend(name: str, device_type: str, dtype: torch.dtype, sizes: dict[str, int]) -> str:
+def resolve_backend(name: str, device_type: str, dtype: torch.dtype, sizes: dict[str, int],
+                    num_experts: int | None = None) -> str:
     """The concrete backend for ``name`` on (device_type, dtype), or ValueError with the reason it cannot run.
 
-    ``sizes`` are the row lengths the GEMMs see (``{"d_model": D, "d_hidden": H}``)."""
+    ``sizes`` are the row lengths the GEMMs see (``{"d_model": D, "d_hidden": H}``); ``num_experts`` the
+    experts on this process (torch._grouped_mm on CUDA runs at most 1023)."""
     if name == "reference":
         return "reference"
-    grouped_reason = gmm_mod.unsupported_reason(device_type, dtype, sizes)
+    grouped_reason = gmm_mod.unsupported_reason(device_type, dtype, sizes, num_experts)
     if name == "grouped":
         if grouped_reason is not None:
             raise ValueError(f"backend='grouped': {grouped_reason}; use backend='reference' or 'auto'")
@@ -206,7 +208,8 @@ class ExpertBank(nn.Module):
         key = (device, dtype)
         name = self._resolved.get(key)
         if name is None:
-            name = self._resolved[key] = resolve_backend(self.cfg.backend, device.type, dtype, self.sizes)
+            name = self._resolved[key] = resolve_backend(self.cfg.backend, device.type, dtype, self.sizes,
+                                                         self.num_experts)
         return name
 
     def forward(self, x_AD: Tensor, counts_E: Tensor, *, padded: bool = True,

@@ -18,6 +18,13 @@ aten/src/ATen/native/GroupedMMUtils.h and cuda/GroupedBlas.cpp, which share the 
               starts elsewhere.
     versions  torch 2.8 has the op for bfloat16 on sm90 only; the CPU and the other dtypes and GPUs came
               with 2.9's fallback path, so "grouped" needs torch>=2.9 here.
+    groups    on CUDA at most 1023 groups (experts on one process): the CUTLASS kernel (GroupMM.cu) and
+              cuBLASLt's grouped GEMM refuse 1024 or more. ``unsupported_reason`` refuses more on CUDA in
+              every dtype, so that the rule does not depend on which kernel a GPU would pick.
+    dw layout the backward's 2-D x 2-D form (dw) gets ``x_AK.t()`` column-major and ``dy_AN`` row-major:
+              the one layout for which the CUDA kernel admits empty groups and group sizes that are not
+              multiples of 8 (a row-major first operand trips device-side asserts that end the process), so
+              ``_grouped_mm_t`` makes ``x_AK`` contiguous before transposing it.
 Its meta kernel (what ``torch.compile`` traces with) only admits bfloat16, so it is wrapped here in a
 custom op with its own shape function, backward and autocast rule:
     dx_AK = grouped_mm(dy_AN, w_EKN^T)                     (the same segments)
@@ -35,6 +42,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEVICE_TYPES = ("cpu", "cuda", "meta")  # meta: the ops' shape functions (no kernel runs)
 _DTYPE_NAMES = "float32, bfloat16, float16"
 MIN_TORCH = (2, 9)
+MAX_CUDA_GROUPS = 1023  # torch._grouped_mm on CUDA: "Can't process more than 1024 groups" (group_count < 1024)
 
 
 def grouped_mm_available() -> bool:
@@ -49,11 +57,14 @@ def row_alignment(dtype: torch.dtype) -> int:
     return 16 // dtype.itemsize
 
 
-def unsupported_reason(device_type: str, dtype: torch.dtype, sizes: dict[str, int]) -> str | None:
+def unsupported_reason(device_type: str, dtype: torch.dtype, sizes: dict[str, int],
+                       num_experts: int | None = None) -> str | None:
     """Why ``torch._grouped_mm`` cannot run a grouped GEMM here, or None when it can.
 
     ``sizes`` names every row length (in features and out features) the GEMMs will see, e.g.
-    ``{"d_model": 64, "d_hidden": 256}``; each must be a multiple of ``row_alignment(dtype)``."""
+    ``{"d_model": 64, "d_hidden": 256}``; each must be a multiple of ``row_alignment(dtype)``.
+    ``num_experts``: the groups of one call (the experts on this process); on CUDA at most
+    ``MAX_CUDA_GROUPS``."""
     if not grouped_mm_available():
         return (f"torch {torch.__version__} has no torch._grouped_mm that runs on CPU and in float32 "
                 f"(it needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]})")
@@ -68,6 +79,10 @@ def unsupported_reason(device_type: str, dtype: torch.dtype, sizes: dict[str, in
             return (f"{name}={size} is not a multiple of {align}: torch._grouped_mm needs 16-byte aligned rows, "
                     f"so in {dtype} every row length must be a multiple of {align} (8 for bfloat16/float16, "
                     "4 for float32)")
+    if device_type == "cuda" and num_experts is not None and num_experts > MAX_CUDA_GROUPS:
+        return (f"num_experts={num_experts} experts on one process: torch._grouped_mm on CUDA runs at most "
+                f"{MAX_CUDA_GROUPS} groups (its kernels refuse 1024 or more); shard the experts over more "
+                "expert-parallel processes")
     return None
 
 
@@ -87,7 +102,8 @@ def check_grouped_mm_args(x_AK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Non
     if cast_to is None and w_EKN.dtype != x_AK.dtype:  # under autocast both are cast to one dtype
         raise TypeError(f"w_EKN.dtype={w_EKN.dtype}: must equal x_AK.dtype={x_AK.dtype}")
     reason = unsupported_reason(x_AK.device.type, cast_to or x_AK.dtype,
-                                {"x_AK.shape[1]": w_EKN.shape[1], "w_EKN.shape[2]": w_EKN.shape[2]})
+                                {"x_AK.shape[1]": w_EKN.shape[1], "w_EKN.shape[2]": w_EKN.shape[2]},
+                                num_experts=w_EKN.shape[0])
     if reason is not None:
         raise ValueError(f"grouped_mm: {reason}")
 
@@ -140,6 +156,9 @@ if grouped_mm_available():
 
     @torch.library.custom_op("mode::grouped_mm_t", mutates_args=())
     def _grouped_mm_t(x_AK: Tensor, dy_AN: Tensor, offsets_E: Tensor) -> Tensor:
+        # x_AK.t() must be column-major (x_AK row-major): the only 2-D x 2-D layout in which the CUDA kernel
+        # admits empty groups and group sizes that are not multiples of 8 (module docstring, "dw layout")
+        x_AK = x_AK.contiguous()
         dw_EKN = torch._grouped_mm(_kernel_ready(x_AK).t(), _kernel_ready(dy_AN), offs=offsets_E)
         if dw_EKN.device.type == "cuda":
             # An expert with no rows must get an exactly-zero gradient; the sm100 kernel has been reported

@@ -148,6 +148,47 @@ def test_size_rule_matches_what_the_kernel_accepts_on_cpu():
                           offs=offs)
 
 
+def test_more_than_1023_experts_per_process_are_refused_on_cuda_only():
+    """torch._grouped_mm on CUDA refuses 1024 or more groups: "grouped" says so; "auto" picks another backend."""
+    for dtype in (torch.bfloat16, torch.float32):
+        assert gmm_mod.unsupported_reason("cuda", dtype, SIZES, num_experts=gmm_mod.MAX_CUDA_GROUPS) is None
+        reason = gmm_mod.unsupported_reason("cuda", dtype, SIZES, num_experts=1024)
+        assert reason is not None and "num_experts=1024" in reason and "1023" in reason
+        assert gmm_mod.unsupported_reason("cpu", dtype, SIZES, num_experts=4096) is None  # the CPU has no limit
+    with pytest.raises(ValueError, match=r"backend='grouped': num_experts=1024 .* at most 1023 groups"):
+        resolve_backend("grouped", "cuda", torch.bfloat16, SIZES, num_experts=1024)
+    assert resolve_backend("auto", "cuda", torch.bfloat16, SIZES, num_experts=1024) != "grouped"
+    bank = ExpertBank(ExpertConfig(d_model=8, d_hidden=8, num_experts=1024))  # resolving needs no GPU
+    assert bank.backend_for(torch.device("cpu"), torch.bfloat16) == "grouped"
+    assert bank.backend_for(torch.device("cuda"), torch.bfloat16) != "grouped"
+    if torch.cuda.is_available():  # the op's own check, before any kernel runs
+        with pytest.raises(ValueError, match=r"grouped_mm: num_experts=1024 "):
+            grouped_mm(torch.randn(4, 8, device="cuda"), torch.randn(1024, 8, 8, device="cuda"),
+                       torch.zeros(1024, dtype=torch.int32, device="cuda"))
+
+
+@needs_grouped_mm
+def test_dw_gemm_gets_a_column_major_activation_whatever_x_is(monkeypatch):
+    """The backward's 2-D x 2-D GEMM is handed x_AK.t() column-major even when x_AK is not row-major: the one
+    layout the CUDA kernel accepts with empty groups and group sizes that are not multiples of 8."""
+    offs = torch.tensor([3, 3, 8, 9], dtype=torch.int32)  # an empty group, sizes 3, 5, 1
+    x_KA = torch.randn(D, 9)
+    dy_AN = torch.randn(9, H)
+    seen = []
+    real = torch._grouped_mm
+
+    def spy(a, b, *args, **kwargs):
+        seen.append((a.dim(), a.stride(), tuple(a.shape)))
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    dw_EKN = torch.ops.mode.grouped_mm_t(x_KA.t(), dy_AN, offs)  # x_AK column-major (a transposed view)
+    assert seen == [(2, (1, D), (D, 9))]  # a = x_AK.t() with x_AK row-major
+    starts = [0, 3, 3, 8]
+    want = torch.stack([x_KA[:, s:e] @ dy_AN[s:e] for s, e in zip(starts, offs.tolist())])
+    torch.testing.assert_close(dw_EKN, want)
+
+
 # --- a torch without torch._grouped_mm (MegaBlocks' torch 2.7.0), with and without MegaBlocks --------
 
 
