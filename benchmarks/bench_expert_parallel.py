@@ -2,7 +2,14 @@
 
     PYTHONPATH=. python benchmarks/bench_expert_parallel.py            # default run (a few minutes, 2 CPU cores)
     PYTHONPATH=. python benchmarks/bench_expert_parallel.py --quick    # smoke run
-    PYTHONPATH=. python benchmarks/bench_expert_parallel.py --device cuda   # NCCL, one GPU per rank
+    PYTHONPATH=. python benchmarks/bench_expert_parallel.py --device cuda --bf16   # NCCL, one GPU per rank
+
+``--dtype float32`` (the default) or ``bfloat16`` (``--bf16``): the trainers run with ``bf16=True``, i.e. the
+forward under ``torch.autocast(bfloat16)`` with float32 weights and AdamW, as ``mode train --bf16``. Use it
+on CUDA: the experts' grouped GEMM has its fast kernel in bfloat16 only (float32 takes torch's looped
+fallback with a host sync per GEMM). Under autocast the forward dispatch sends the rows in the dtype they
+reach the MoE layer with and the combine sends the experts' bfloat16 outputs, so each phase's minimum is
+counted in the element size that phase actually sent (``row_esize`` in the JSON).
 
 (a) Bytes. For EP = 2 and 4 ranks (gloo, CPU), a few training steps of a small LM with MoE layers,
     integrated-MoDE layers (no-op experts) and a capacity limit (dropped tokens). Every call of
@@ -12,6 +19,7 @@
     router's plan: computed (token, expert) assignments whose expert lives on another rank x D x element
     size — no-op and dropped tokens are not in the plan. Every row must cross once per direction, so
         dispatch / min = 1.00,  combine / min = 1.00,  backward / (2 x min) = 1.00
+    (the backward's minimum is the dispatch's plus the combine's, 2 x min where both send one dtype)
     (the per-call dispatch ratio is checked too). The per-expert counts exchange (E int64 per rank and
     layer call) is reported separately.
 (b) Step time. One training step (forward, backward, gradient all-reduce, clipping, AdamW) of the same
@@ -55,7 +63,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import add_device_arg, machine_info, print_table, sync, write_json  # noqa: E402
+from benchmarks.common import (add_device_arg, add_dtype_arg, dtype_choice, machine_info, print_table,  # noqa: E402
+                               sync, write_json)
 from mode.train.data import stdlib_corpus  # noqa: E402
 from mode.model import LMConfig  # noqa: E402
 from mode.train import Trainer, TrainConfig  # noqa: E402
@@ -84,6 +93,7 @@ class _ByteCounter:
     def __init__(self, dist, group_rank: int):
         self.dist, self.rank, self.phase = dist, group_rank, "backward"
         self.sent = {"dispatch": 0, "combine": 0, "backward": 0, "counts": 0}
+        self.esize: dict[str, int] = {}  # element size of the rows each forward phase sent (autocast: may differ)
         self.dispatch_calls: list[int] = []
         self._orig = dist.all_to_all_single
 
@@ -97,6 +107,8 @@ class _ByteCounter:
                 row_bytes = input.numel() // max(n, 1) * esize if n else 0
                 off_rank = (sum(input_split_sizes) - input_split_sizes[self.rank]) * row_bytes
                 self.sent[self.phase] += off_rank
+                if self.phase in ("dispatch", "combine") and input.dim() == 2:  # the (rows, D) payload
+                    self.esize.setdefault(self.phase, esize)
                 if self.phase == "dispatch":
                     self.dispatch_calls.append(off_rank)
             return self._orig(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
@@ -119,7 +131,7 @@ def _phase(counter: _ByteCounter, fn, phase: str):
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg: dict, backend: str,
-            dedup: bool = False) -> None:
+            dedup: bool = False, bf16: bool = False) -> None:
     import torch.distributed as dist
 
     from mode.parallel import process_group as mdist
@@ -137,7 +149,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg
     from mode.parallel.runtime import MeshRuntime
 
     trainer = Trainer(mcfg, TRAIN, stdlib_corpus(max_bytes=CORPUS_BYTES), Path(out_dir) / "run", progress=False,
-                      runtime=MeshRuntime(mesh, ctx.timeout_s, dedup=dedup))
+                      runtime=MeshRuntime(mesh, ctx.timeout_s, dedup=dedup), bf16=bf16)
     layers = expert_parallel_layers(trainer.model)
     L = mcfg.num_experts // world
     D, esize = mcfg.d_model, trainer.model.embed.weight.element_size()
@@ -152,7 +164,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg
         ranks_TP[plan.token_idx_A[:computed], plan.expert_idx_A[:computed] // L] = True  # where its rows go
         minimum["max_ranks_per_token"] = max(minimum["max_ranks_per_token"], int(ranks_TP.sum(1).max()))
         minimum["rows"] += remote
-        minimum["dispatch_calls"].append(remote * D * esize)
+        minimum["dispatch_calls"].append(remote)  # rows; bytes below, in the element size dispatch sent
         st = plan.aux.stats["router"]
         minimum["noop"] += int(st.noop)
         minimum["dropped"] += int(st.dropped)
@@ -172,6 +184,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg
     for h in hooks:
         h.remove()
     stats_sent = sum(layer.dispatcher.last_dispatch.sent_bytes for layer in layers.values())  # last step only
+    row_esize = {phase: counter.esize.get(phase, esize) for phase in ("dispatch", "combine")}
 
     # (b) step time, rank 0's clock (the step ends with collectives, so ranks finish together).
     for _ in range(cfg["warmup"]):
@@ -185,7 +198,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg
         sync(device)  # a GPU step ends when its kernels do, not when they are queued
         times.append(time.perf_counter() - t0)
     result = {"sent": counter.sent, "dispatch_calls_actual": counter.dispatch_calls,
-              "dispatch_calls_min": minimum["dispatch_calls"], "min_bytes": minimum["rows"] * D * esize,
+              "dispatch_calls_min": [r * D * row_esize["dispatch"] for r in minimum["dispatch_calls"]],
+              "min_bytes": minimum["rows"] * D * row_esize["dispatch"],
+              "min_bytes_combine": minimum["rows"] * D * row_esize["combine"], "row_esize": row_esize,
               "noop": minimum["noop"], "dropped": minimum["dropped"], "last_dispatch_stats_bytes": stats_sent,
               "max_ranks_per_token": minimum["max_ranks_per_token"],
               "times": times}
@@ -194,30 +209,31 @@ def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg
 
 
 def run_ep(world: int, model_cfg: LMConfig, cfg: dict, tmp: Path, backend: str = "gloo",
-           dedup: bool = False) -> list[dict]:
+           dedup: bool = False, bf16: bool = False) -> list[dict]:
     import torch.multiprocessing as mp
 
     from mode.parallel.process_group import free_port
 
     out = tmp / f"ep{world}"
     out.mkdir()
-    mp.start_processes(_worker, args=(world, free_port(), str(out), asdict(model_cfg), cfg, backend, dedup),
+    mp.start_processes(_worker, args=(world, free_port(), str(out), asdict(model_cfg), cfg, backend, dedup, bf16),
                        nprocs=world, join=True, start_method="spawn")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def single_process_times(model_cfg: LMConfig, cfg: dict, tmp: Path, threads: int | None = None) -> list[float]:
+def single_process_times(model_cfg: LMConfig, cfg: dict, tmp: Path, threads: int | None = None,
+                         bf16: bool = False) -> list[float]:
     default = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _time_trainer(model_cfg, cfg, tmp)
+        return _time_trainer(model_cfg, cfg, tmp, bf16)
     finally:
         torch.set_num_threads(default)
 
 
-def _time_trainer(model_cfg: LMConfig, cfg: dict, tmp: Path) -> list[float]:
-    trainer = Trainer(model_cfg, TRAIN, stdlib_corpus(max_bytes=CORPUS_BYTES), tmp, progress=False)
+def _time_trainer(model_cfg: LMConfig, cfg: dict, tmp: Path, bf16: bool = False) -> list[float]:
+    trainer = Trainer(model_cfg, TRAIN, stdlib_corpus(max_bytes=CORPUS_BYTES), tmp, progress=False, bf16=bf16)
     for _ in range(cfg["warmup"]):
         trainer.train_step()
     times = []
@@ -243,7 +259,7 @@ def main_groups(args) -> dict:
                 model_cfg = replace(base, router_options={**base.router_options, "topk_group": keep})
                 where = Path(tmp_s) / f"keep{keep}_dedup{int(dedup)}"
                 where.mkdir()
-                res = run_ep(4, model_cfg, cfg, where, dedup=dedup)
+                res = run_ep(4, model_cfg, cfg, where, dedup=dedup, bf16=args.dtype == "bfloat16")
                 rows.append({"keep_groups": keep, "dedup": dedup,
                              "dispatch_bytes": sum(r["sent"]["dispatch"] for r in res),
                              "max_ranks_per_token": max(r["max_ranks_per_token"] for r in res)})
@@ -258,6 +274,7 @@ def main_groups(args) -> dict:
                        ("vs_unlimited_per_assignment", "/ unlimited, one row per assignment", ".3f"),
                        ("max_ranks_per_token", "max ranks per token", "d")])
     payload = dict(benchmark="expert_parallel --groups", machine=info, quick=args.quick, model=asdict(base),
+                   dtype=args.dtype,
                    steps=cfg, notes="dispatch bytes: everything the forward dispatch all-to-alls sent to other "
                                     "ranks (rows; with dedup also the int64 row index and float32 gate of each "
                                     "assignment), intercepted, summed over ranks and byte steps; combine and "
@@ -275,7 +292,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", help="JSON path (default benchmarks/results/expert_parallel[_quick].json)")
     p.add_argument("--groups", action="store_true", help="(c): the bytes device-limited routing saves, 4 ranks")
     add_device_arg(p)
+    add_dtype_arg(p)
     args = p.parse_args(argv)
+    bf16 = dtype_choice(args.dtype) == torch.bfloat16
     if args.groups:
         return main_groups(args)
     cfg = QUICK if args.quick else FULL
@@ -288,14 +307,14 @@ def main(argv: list[str] | None = None) -> dict:
         tmp = Path(tmp_s)
         if cuda:  # one GPU per rank; EP = 1 (one GPU) is the baseline
             worlds = tuple(w for w in (1, *WORLDS) if w <= torch.cuda.device_count())
-            ep = {w: run_ep(w, model_cfg, cfg, tmp, "nccl") for w in worlds}
+            ep = {w: run_ep(w, model_cfg, cfg, tmp, "nccl", bf16=bf16) for w in worlds}
             base_before = base_after = one_before = one_after = ep[1][0]["times"]
         else:
-            base_before = single_process_times(model_cfg, cfg, tmp / "sp_before")
-            one_before = single_process_times(model_cfg, cfg, tmp / "sp1_before", threads=1)
-            ep = {w: run_ep(w, model_cfg, cfg, tmp) for w in WORLDS}
-            base_after = single_process_times(model_cfg, cfg, tmp / "sp_after")
-            one_after = single_process_times(model_cfg, cfg, tmp / "sp1_after", threads=1)
+            base_before = single_process_times(model_cfg, cfg, tmp / "sp_before", bf16=bf16)
+            one_before = single_process_times(model_cfg, cfg, tmp / "sp1_before", threads=1, bf16=bf16)
+            ep = {w: run_ep(w, model_cfg, cfg, tmp, bf16=bf16) for w in WORLDS}
+            base_after = single_process_times(model_cfg, cfg, tmp / "sp_after", bf16=bf16)
+            one_after = single_process_times(model_cfg, cfg, tmp / "sp1_after", threads=1, bf16=bf16)
     base = statistics.median(base_before + base_after)
     one = statistics.median(one_before + one_after)
     if not cuda:
@@ -303,7 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "vs_single_1t": base / one})
         rows.append({"ranks": 1, "threads": 1, "step_ms": one * 1e3, "vs_single": one / base, "vs_single_1t": 1.0})
     for w, res in ep.items():
-        min_bytes = sum(r["min_bytes"] for r in res)
+        min_bytes = sum(r["min_bytes"] for r in res)  # dispatch's element size
+        min_combine = sum(r["min_bytes_combine"] for r in res)  # combine's (bfloat16 outputs under autocast)
         sent = {k: sum(r["sent"][k] for r in res) for k in ("dispatch", "combine", "backward", "counts")}
         per_call = [a / m for r in res for a, m in zip(r["dispatch_calls_actual"], r["dispatch_calls_min"]) if m]
         calls_match = all(len(r["dispatch_calls_actual"]) == len(r["dispatch_calls_min"]) and
@@ -311,11 +331,12 @@ def main(argv: list[str] | None = None) -> dict:
         step = statistics.median(res[0]["times"])
         rows.append({
             "ranks": w, "threads": 1, "step_ms": step * 1e3, "vs_single": step / base, "vs_single_1t": step / one,
-            "dispatch_ratio": _ratio(sent["dispatch"], min_bytes), "combine_ratio": _ratio(sent["combine"], min_bytes),
-            "backward_ratio": _ratio(sent["backward"], 2 * min_bytes),
+            "dispatch_ratio": _ratio(sent["dispatch"], min_bytes), "combine_ratio": _ratio(sent["combine"], min_combine),
+            "backward_ratio": _ratio(sent["backward"], min_bytes + min_combine),
             "per_call_ratio_min": min(per_call, default=None), "per_call_ratio_max": max(per_call, default=None),
             "every_call_exact": calls_match,
-            "min_bytes": min_bytes, "dispatch_bytes": sent["dispatch"], "combine_bytes": sent["combine"],
+            "min_bytes": min_bytes, "min_bytes_combine": min_combine, "row_esize": res[0]["row_esize"],
+            "dispatch_bytes": sent["dispatch"], "combine_bytes": sent["combine"],
             "backward_bytes": sent["backward"], "counts_bytes": sent["counts"],
             "noop_assignments": sum(r["noop"] for r in res), "dropped_assignments": sum(r["dropped"] for r in res),
             "dispatch_calls": sum(len(r["dispatch_calls_actual"]) for r in res),
@@ -323,7 +344,10 @@ def main(argv: list[str] | None = None) -> dict:
         })
     where = (f"NCCL, one {info['device_name']} per rank" if cuda
              else f"gloo, CPU; {info['cpu_count']} cores")
-    print(f"\nExpert-parallel bytes and step time ({where}; torch {info['torch']})")
+    print(f"\nExpert-parallel bytes and step time ({where}; torch {info['torch']}; {args.dtype})")
+    if cuda and not bf16:
+        print("note: float32 on CUDA times torch._grouped_mm's looped fallback (a host sync per GEMM); "
+              "--dtype bfloat16 (--bf16) times its fast kernel")
     print(f"model: layers {','.join(model_cfg.layers)}, d_model {model_cfg.d_model}, E={model_cfg.num_experts} "
           f"(+{model_cfg.num_noop} no-op), top-{model_cfg.top_k}, capacity factor {model_cfg.capacity_factor}; "
           f"global batch {TRAIN.batch_size} x {model_cfg.seq_len}\n")
@@ -341,8 +365,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "each on the same machine")
     payload = dict(
         benchmark="expert_parallel", machine=info, quick=args.quick, model=asdict(model_cfg),
-        train=dict(batch_size=TRAIN.batch_size, lr=TRAIN.lr), steps=cfg,
-        device=str(device),
+        train=dict(batch_size=TRAIN.batch_size, lr=TRAIN.lr, bf16=bf16), steps=cfg,
+        device=str(device), dtype=args.dtype,
         notes=("bytes: rows sent to other ranks by every all_to_all_single, intercepted, over the byte steps, "
                "summed over ranks; min = plan assignments whose expert is on another rank x D x element size "
                f"(no-op and dropped tokens are not in the plan). Step time baseline: {baseline}."),

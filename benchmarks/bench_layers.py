@@ -2,10 +2,15 @@
 
     PYTHONPATH=. python benchmarks/bench_layers.py            # default run (a few minutes on 2 CPU cores)
     PYTHONPATH=. python benchmarks/bench_layers.py --quick    # smoke run, small shapes, seconds
-    PYTHONPATH=. python benchmarks/bench_layers.py --device cuda   # the same on the GPU (cuda:N, auto also work)
+    PYTHONPATH=. python benchmarks/bench_layers.py --device cuda --bf16   # on the GPU (cuda:N, auto also work)
+
+``--dtype float32`` (the default) or ``bfloat16`` (``--bf16``): bfloat16 runs every forward, candidate and
+baseline, under ``torch.autocast(bfloat16)`` with float32 weights (as ``mode train --bf16`` trains). On CUDA
+time bfloat16: the experts' grouped GEMM has its fast kernel (CUTLASS, sm90/sm100) in bfloat16 only, and in
+float32 takes torch's looped fallback with a host sync per GEMM. The JSON records the dtype.
 
 (a) MoE layer vs a dense MLP with the same *active* FLOPs: top-k routing over experts of hidden H costs
-    what a dense MLP of hidden k*H costs (plus the router). Token-choice router, dropless, float32,
+    what a dense MLP of hidden k*H costs (plus the router). Token-choice router, dropless, in ``--dtype``,
     for each expert backend. Ratio > 1 is the overhead of routing, dispatch and grouped matmuls.
 (b) MoD block (capacity 0.125) around a dense TransformerBlock vs the dense TransformerBlock, next to
     the analytic FLOP ratio.
@@ -35,8 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, apply_run_args,  # noqa: E402
-                               fwd_bwd_step, machine_info, print_table, time_pair, write_json)
+from benchmarks.common import (add_device_arg, add_dtype_arg, add_malloc_arg, apply_malloc,  # noqa: E402
+                               apply_run_args, autocast, dtype_choice, fwd_bwd_step, machine_info, print_table,
+                               time_pair, write_json)
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
 
 FULL = dict(tokens=4096, d_model=512, expert_hidden=2048, mod_batch=8, mod_seq=512, n_heads=8, warmup=3, repeats=5)
@@ -57,7 +63,8 @@ def block_flops(n: int, d: int, h: int, causal_half: bool = False) -> float:
     return 8 * n * d * d + scores_values + 4 * n * d * h
 
 
-def bench_moe(cfg: dict, device: torch.device, seed: int) -> list[dict]:
+def bench_moe(cfg: dict, device: torch.device, seed: int, autocast_dtype: torch.dtype | None = None) -> list[dict]:
+    """``autocast_dtype``: forward under ``torch.autocast`` in that dtype (None: float32, no autocast)."""
     d, h, T = cfg["d_model"], cfg["expert_hidden"], cfg["tokens"]
     rows = []
     for k in TOP_KS:
@@ -66,15 +73,15 @@ def bench_moe(cfg: dict, device: torch.device, seed: int) -> list[dict]:
             x = torch.randn(1, T, d, device=device, requires_grad=True)
             g = torch.randn(1, T, d, device=device)
             dense = MLP(d, k * h).to(device)
-            base_step = fwd_bwd_step(dense, x, g)
+            base_step = fwd_bwd_step(dense, x, g, autocast_dtype)
             for backend in BACKENDS:
                 torch.manual_seed(seed + 1)  # same router weights, hence the same routing, for every backend
                 moe = MoELayer.from_config(MoEConfig(
                     d_model=d, d_hidden=h, num_experts=e, router="token_choice", top_k=k,
                     capacity_factor=None, backend=backend)).to(device)
-                with torch.no_grad():
+                with torch.no_grad(), autocast(device, autocast_dtype):
                     kept_E = moe(x)[1].stats["router"].kept_E
-                res = time_pair(fwd_bwd_step(moe, x, g), base_step, warmup=cfg["warmup"],
+                res = time_pair(fwd_bwd_step(moe, x, g, autocast_dtype), base_step, warmup=cfg["warmup"],
                                 repeats=cfg["repeats"], device=device)
                 rows.append(dict(
                     case=f"MoE top-{k} E={e} / MLP h={k * h}", kind="moe", backend=backend, top_k=k, num_experts=e,
@@ -89,7 +96,8 @@ def bench_moe(cfg: dict, device: torch.device, seed: int) -> list[dict]:
     return rows
 
 
-def bench_mod(cfg: dict, device: torch.device, seed: int, capacity: float = 0.125) -> dict:
+def bench_mod(cfg: dict, device: torch.device, seed: int, capacity: float = 0.125,
+              autocast_dtype: torch.dtype | None = None) -> dict:
     d, heads, B, S = cfg["d_model"], cfg["n_heads"], cfg["mod_batch"], cfg["mod_seq"]
     h = 4 * d
     torch.manual_seed(seed)
@@ -99,7 +107,8 @@ def bench_mod(cfg: dict, device: torch.device, seed: int, capacity: float = 0.12
     router = MoDRouter(MoDRouterConfig(d_model=d, capacity=capacity))
     mod = MoD(TransformerBlock(d, heads, MLP(d, h)), router).to(device)
     C = router.seq_capacity(S)
-    res = time_pair(fwd_bwd_step(mod, x, g), fwd_bwd_step(dense, x, g), warmup=cfg["warmup"],
+    res = time_pair(fwd_bwd_step(mod, x, g, autocast_dtype), fwd_bwd_step(dense, x, g, autocast_dtype),
+                    warmup=cfg["warmup"],
                     repeats=cfg["repeats"], device=device)
 
     def ratio(causal_half: bool) -> float:
@@ -127,18 +136,23 @@ def main(argv: list[str] | None = None) -> dict:
                    help="torch.set_num_threads(N) before timing (default: leave torch's default)")
     p.add_argument("--seed", type=int, default=0)
     add_device_arg(p)
+    add_dtype_arg(p)
     add_malloc_arg(p)
     args = p.parse_args(argv)
     malloc = apply_malloc(args.malloc)
 
     cfg = apply_run_args(args, QUICK if args.quick else FULL)
     device = args.device
+    compute = dtype_choice(args.dtype)
     out = args.out or str(ROOT / "benchmarks" / "results" / ("layers_quick.json" if args.quick else "layers.json"))
 
     info = machine_info(device)
     print(f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {device} "
-          f"({info['device_name']})", file=sys.stderr)
-    rows = bench_moe(cfg, device, args.seed) + [bench_mod(cfg, device, args.seed)]
+          f"({info['device_name']}), {args.dtype}", file=sys.stderr)
+    if device.type == "cuda" and compute is None:
+        print("note: float32 on CUDA times torch._grouped_mm's looped fallback (a host sync per GEMM), not its "
+              "fast kernel, which is bfloat16 only; pass --dtype bfloat16 (--bf16) to time that", file=sys.stderr)
+    rows = bench_moe(cfg, device, args.seed, compute) + [bench_mod(cfg, device, args.seed, autocast_dtype=compute)]
     if hasattr(os, "getloadavg"):
         info["loadavg_1_5_15_at_end"] = [round(v, 2) for v in os.getloadavg()]
 
@@ -155,7 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
     payload = dict(
         benchmark="bench_layers",
         command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-        config=cfg, device=str(device), dtype="float32", machine=info, malloc=malloc,
+        config=cfg, device=str(device), dtype=args.dtype,
+        autocast=None if compute is None else f"torch.autocast({device.type!r}, {compute}); weights float32",
+        machine=info, malloc=malloc,
         notes=("ratio = candidate / baseline wall time of forward+backward, median of interleaved pairs; "
                "cpu_ratio_median: the same with process CPU time (all threads). "
                "MoE: token-choice, dropless; baseline MLP hidden = top_k * expert_hidden (same active FLOPs). "

@@ -9,6 +9,7 @@ Thread count is left at torch's default; it is recorded with the results.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -72,6 +73,34 @@ def machine_info(device: torch.device | None = None) -> dict:
     return info
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    """``--dtype float32|bfloat16`` (``--bf16`` is ``--dtype bfloat16``): the compute dtype of the timed steps.
+    bfloat16 runs the forward under ``torch.autocast(bfloat16)`` with float32 weights, gradients and routers,
+    as ``Trainer(bf16=True)`` and ``mode train --bf16`` do. Use it on CUDA: the experts' grouped GEMM runs
+    torch's fast kernel (CUTLASS, sm90/sm100) in bfloat16 only; in float32 it takes a looped fallback that
+    reads the expert offsets on the host (a host sync per GEMM), which is not what a GPU run should time."""
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                        help="float32 (default) or bfloat16 (forward under torch.autocast(bfloat16), weights "
+                             "float32; on CUDA the experts' fast grouped GEMM is bfloat16 only)")
+    parser.add_argument("--bf16", dest="dtype", action="store_const", const="bfloat16",
+                        help="the same as --dtype bfloat16")
+
+
+def dtype_choice(name: str) -> torch.dtype | None:
+    """The autocast dtype of a ``--dtype`` choice: None for float32 (no autocast), torch.bfloat16 for bfloat16."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r}: must be one of {tuple(DTYPES)}")
+    return None if DTYPES[name] == torch.float32 else DTYPES[name]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """``torch.autocast(device.type, dtype)``, or a context that does nothing when ``dtype`` is None."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
 def add_malloc_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--malloc", choices=("retain", "glibc"), default="retain",
                         help="retain: keep freed CPU memory in the process (mode.cpu_allocator, the default); "
@@ -101,10 +130,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def fwd_bwd_step(module: nn.Module, x: Tensor, grad_out: Tensor) -> Callable[[], None]:
+def fwd_bwd_step(module: nn.Module, x: Tensor, grad_out: Tensor,
+                 autocast_dtype: torch.dtype | None = None) -> Callable[[], None]:
     """One training-like step: forward, backward of ``<y, grad_out> + aux.total()``, grads dropped first.
 
-    The module follows the library convention ``module(x) -> (y, Aux)``.
+    The module follows the library convention ``module(x) -> (y, Aux)``. ``autocast_dtype``: run the forward
+    under ``torch.autocast(x.device.type, autocast_dtype)`` (the backward follows the forward's dtypes).
     """
     params = [p for p in module.parameters() if p.requires_grad]
 
@@ -112,9 +143,10 @@ def fwd_bwd_step(module: nn.Module, x: Tensor, grad_out: Tensor) -> Callable[[],
         for p in params:
             p.grad = None
         x.grad = None
-        y, aux = module(x)
+        with autocast(x.device, autocast_dtype):
+            y, aux = module(x)
         total = aux.total()
-        outs, grads = [y], [grad_out]
+        outs, grads = [y], [grad_out]  # autograd casts a float32 grad_out to a bfloat16 y's dtype
         if total.requires_grad:  # the dense baseline has no aux loss
             outs.append(total)
             grads.append(None)

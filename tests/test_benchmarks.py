@@ -40,6 +40,21 @@ def test_bench_performance_quick_writes_every_case(tmp_path, device):
         assert isinstance(row["meets_target"], bool), row
 
 
+def test_bench_layers_bf16_quick_times_under_autocast_and_records_the_dtype(tmp_path, device):
+    """--bf16 (--dtype bfloat16): every forward under bfloat16 autocast (on CUDA the experts' fast grouped
+    GEMM is bfloat16 only); the JSON says so."""
+    out = tmp_path / "layers.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_layers.py"), "--quick", "--bf16", "--repeats", "1",
+                    "--warmup", "0", "--threads", "1", "--device", str(device), "--out", str(out)], cwd=tmp_path,
+                   env=env, capture_output=True, text=True, timeout=300, check=True)
+    payload = json.loads(out.read_text())
+    assert payload["dtype"] == "bfloat16" and payload["device"] == str(device)
+    assert payload["autocast"] == f"torch.autocast({device.type!r}, torch.bfloat16); weights float32"
+    assert len(payload["results"]) == 9  # top-1/2 x E=8/64 x reference/grouped, and the MoD block
+    assert all(math.isfinite(r["ratio_median"]) and r["ratio_median"] > 0 for r in payload["results"])
+
+
 def test_bench_peers_quick_runs_what_imports_and_says_why_not(tmp_path, device):
     """The peer benchmark at tiny sizes: mode's rows always; transformers / torchtitan rows where they
     import, else a reason in the JSON (CI installs only .[test], so there they are skipped)."""

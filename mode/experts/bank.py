@@ -26,6 +26,8 @@ Backends
     "reference"  a readable loop over experts (one matmul pair per expert); reads counts_E on the host
     "grouped"    torch._grouped_mm over all experts at once (torch>=2.9; CPU and CUDA; float32, bfloat16,
                  float16; D and H multiples of 16 / itemsize); no host sync on CUDA in bfloat16 (sm90/sm100).
+                 In other dtypes on CUDA torch falls back to a loop with a host sync per GEMM: the bank warns
+                 once per process (``grouped_mm.SlowPathWarning``); compute under bfloat16 autocast there.
                  On the CPU in bfloat16/float16 with >= 256 rows per expert it lays the rows out at bucketed
                  group sizes (``mode.experts.row_buckets``: oneDNN compiles a kernel per GEMM shape)
     "megablocks" grouped_gemm from MegaBlocks (CUDA, bfloat16, the torch 2.7.0 stack; optional extra)
@@ -237,6 +239,8 @@ class ExpertBank(nn.Module):
         dtype = autocast_dtype(x_AD) or x_AD.dtype
         name = self.backend_for(x_AD.device, dtype)
         if name == "grouped":
+            if x_AD.is_cuda and dtype != torch.bfloat16:  # torch's looped fallback: warns once per process
+                gmm_mod.warn_if_slow(x_AD.device.type, dtype)
             return self._forward_grouped(x_AD, counts_E, dtype, padded=padded, gate_A=gate_A)
         y_AD = self._impls[name](x_AD, counts_E, dtype)
         return y_AD if gate_A is None else y_AD * gate_A.to(y_AD.dtype)[:, None]

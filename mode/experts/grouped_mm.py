@@ -35,6 +35,8 @@ the device (float64 is left alone, as autocast does for its own ops) and compute
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -50,6 +52,30 @@ def grouped_mm_available() -> bool:
     dtype); 2.9 added the fallback that runs it on the CPU, on other GPUs and in float32/float16."""
     major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     return hasattr(torch, "_grouped_mm") and (major, minor) >= MIN_TORCH
+
+
+class SlowPathWarning(UserWarning):
+    """The grouped GEMM will run on CUDA in a dtype whose kernel is torch's slow fallback (not bfloat16)."""
+
+
+_warned_slow: set[torch.dtype] = set()  # dtypes already warned about in this process
+
+
+def warn_if_slow(device_type: str, dtype: torch.dtype) -> None:
+    """Warn once per process and dtype when grouped GEMMs are about to run on CUDA in a dtype other than
+    bfloat16: torch's fast kernel is bfloat16 only, and its fallback reads the offsets on the host (a host
+    sync per GEMM, 6 per MoE layer and training step) and loops over the experts. Silent while
+    ``torch.compile`` traces (a warning there would break the graph)."""
+    if device_type != "cuda" or dtype == torch.bfloat16 or dtype in _warned_slow or torch.compiler.is_compiling():
+        return
+    _warned_slow.add(dtype)
+    warnings.warn(
+        f"mode.experts: expert GEMMs run in {dtype} on CUDA. torch._grouped_mm's fast kernel (CUTLASS, "
+        "sm90/sm100) is bfloat16 only; in other dtypes it copies the expert offsets to the host (a host sync per "
+        "GEMM: 2 per MoE layer forward, 6 per training step) and runs one matmul per expert. Compute in bfloat16: "
+        "torch.autocast('cuda', dtype=torch.bfloat16) (Trainer(bf16=True), mode train --bf16, "
+        "generate(..., bf16=True), the benchmarks' --bf16) or a bfloat16 model. (Said once per process.)",
+        SlowPathWarning, stacklevel=2)
 
 
 def row_alignment(dtype: torch.dtype) -> int:

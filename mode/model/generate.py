@@ -18,10 +18,19 @@ static on CUDA and dynamic elsewhere). Both produce the same tokens and the same
              block only on the routed rows, or not at all; caches are written and read through slices of
              each row (no copy, no mask when the rows' lengths are equal). For CPUs, where skipping work
              is what saves time and a sync costs nothing.
+
+Precision (``generate(bf16=...)``): by default the model decodes in its own dtype. ``bf16=True`` runs prefill
+and every step under ``torch.autocast(device, bfloat16)`` with bfloat16 KV caches (weights untouched). On CUDA
+that is what the static path needs to stay sync-free in a float32 model with experts: torch's grouped GEMM
+has its fast kernel in bfloat16 only, and in float32 falls back to a loop that reads the expert offsets on
+the host (two host syncs per MoE layer and step; the expert bank warns once, ``SlowPathWarning``). A model
+already in bfloat16 needs no autocast. The logits are then bfloat16 (sampling with a temperature draws
+from their float32 softmax).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -68,9 +77,9 @@ def sample_next(logits_BV: Tensor, temperature: float, top_k: int | None, genera
 
 @torch.no_grad()
 def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int,
-            static: bool = False) -> tuple[Tensor, list, Tensor]:
+            static: bool = False, cache_dtype: torch.dtype | None = None) -> tuple[Tensor, list, Tensor]:
     """Run the prompts; returns (last-token logits_BV, caches, next positions_B). ``static`` picks the decode
-    path of the returned caches (see the module doc)."""
+    path of the returned caches (see the module doc); ``cache_dtype`` their dtype (default: the weights')."""
     causal = _check_generatable(model)
     check_prompts(prompts, model.cfg.vocab_size)
     B = len(prompts)
@@ -81,7 +90,7 @@ def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int,
         idx_BP[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
     mask_BP = torch.arange(P)[None, :] < lens_B[:, None]
     device = model.embed.weight.device
-    caches = model.new_caches(B, capacity, static=_checks.check_bool("static", static))
+    caches = model.new_caches(B, capacity, static=_checks.check_bool("static", static), dtype=cache_dtype)
     out = model(idx_BP.to(device), mask_BS=mask_BP.to(device) if int(lens_B.min()) < P else None,
                 caches=caches, causal_routing=causal)
     logits_BV = out.logits_BSV[torch.arange(B), lens_B - 1]
@@ -100,24 +109,30 @@ def decode_step(model: LM, tokens_B: Tensor, positions_B: Tensor, caches: list) 
 @torch.no_grad()
 def generate(model: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, eos_id: int | None = None, seed: int | None = None,
-             static_cache: bool | None = None) -> list[list[int]]:
+             static_cache: bool | None = None, bf16: bool = False) -> list[list[int]]:
     """Sample continuations (token ids, prompt excluded) for a batch of prompts.
 
     ``static_cache``: the decode path (module doc); None picks static on CUDA, dynamic elsewhere. Each step
     reads the sampled tokens on the host once (the step's one host sync), which also checks ``eos_id``.
+    ``bf16``: decode under ``torch.autocast(bfloat16)`` with bfloat16 KV caches (module doc, "Precision"); on
+    CUDA a float32 model with experts needs it for the fast, sync-free grouped GEMM.
     """
     _checks.check_int("max_new_tokens", max_new_tokens)
     _checks.check_non_negative("temperature", temperature)
     if top_k is not None:
         _checks.check_int("top_k", top_k)
+    _checks.check_bool("bf16", bf16)
     device = model.embed.weight.device
     static = device.type == "cuda" if static_cache is None else _checks.check_bool("static_cache", static_cache)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
     check_prompts(prompts, model.cfg.vocab_size)
     capacity = max(len(p) for p in prompts) + max_new_tokens
-    logits_BV, caches, pos_B = prefill(model, prompts, capacity, static=static)
+    with autocast():
+        logits_BV, caches, pos_B = prefill(model, prompts, capacity, static=static,
+                                           cache_dtype=torch.bfloat16 if bf16 else None)
     B = len(prompts)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -129,7 +144,8 @@ def generate(model: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
                 done[b] = token == eos_id
         if all(done) or step == max_new_tokens - 1:
             break
-        logits_BV = decode_step(model, next_B, pos_B, caches)
+        with autocast():
+            logits_BV = decode_step(model, next_B, pos_B, caches)
         pos_B = pos_B + 1
     model.train(was_training)
     return out

@@ -91,10 +91,12 @@ class LM(nn.Module):
             loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets.reshape(-1))
         return LMOutput(logits_BSV, loss, aux)
 
-    def new_caches(self, batch: int, capacity: int, static: bool = False) -> list[KVCache]:
+    def new_caches(self, batch: int, capacity: int, static: bool = False,
+                   dtype: torch.dtype | None = None) -> list[KVCache]:
         """One empty KV cache per layer for ``batch`` sequences of up to ``capacity`` tokens. ``static``
         picks the decode path (see ``mode.model.generate``): True never makes the host wait for the device
-        within a step, False lets MoD layers skip their work for skipped tokens."""
+        within a step, False lets MoD layers skip their work for skipped tokens. ``dtype``: the keys' and
+        values' dtype (default: the weights'; bfloat16 when decoding under bfloat16 autocast)."""
         p = self.embed.weight
-        return [KVCache(batch, self.cfg.n_heads, capacity, self.cfg.d_model // self.cfg.n_heads, p.dtype, p.device,
-                        static=static) for _ in self.layers]
+        return [KVCache(batch, self.cfg.n_heads, capacity, self.cfg.d_model // self.cfg.n_heads,
+                        p.dtype if dtype is None else dtype, p.device, static=static) for _ in self.layers]

@@ -189,6 +189,42 @@ def test_dw_gemm_gets_a_column_major_activation_whatever_x_is(monkeypatch):
     torch.testing.assert_close(dw_EKN, want)
 
 
+def test_slow_cuda_dtypes_warn_once_per_process(monkeypatch):
+    """float32 (or float16) grouped GEMMs on CUDA take torch's looped fallback with host syncs: one clear
+    warning per process and dtype, naming the way out; bfloat16 and the CPU say nothing."""
+    import warnings
+
+    monkeypatch.setattr(gmm_mod, "_warned_slow", set())
+    with pytest.warns(gmm_mod.SlowPathWarning, match=r"torch\.float32 on CUDA.*bfloat16 only.*host sync") as record:
+        gmm_mod.warn_if_slow("cuda", torch.float32)
+    assert "torch.autocast('cuda', dtype=torch.bfloat16)" in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning below fails the test
+        gmm_mod.warn_if_slow("cuda", torch.float32)  # said once
+        gmm_mod.warn_if_slow("cuda", torch.bfloat16)
+        gmm_mod.warn_if_slow("cpu", torch.float32)
+    with pytest.warns(gmm_mod.SlowPathWarning, match=r"torch\.float16 on CUDA"):
+        gmm_mod.warn_if_slow("cuda", torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_grouped_mm
+def test_float32_bank_on_cuda_warns_and_bfloat16_autocast_does_not(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(gmm_mod, "_warned_slow", set())
+    bank = make_bank("grouped").cuda()
+    x = torch.randn(N_REAL, D, device="cuda")
+    counts = torch.tensor(COUNTS, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            bank(x, counts)
+    with pytest.warns(gmm_mod.SlowPathWarning):
+        bank(x, counts)
+
+
 # --- a torch without torch._grouped_mm (MegaBlocks' torch 2.7.0), with and without MegaBlocks --------
 
 

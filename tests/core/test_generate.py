@@ -580,6 +580,42 @@ def test_static_decode_makes_no_host_sync_and_generate_one_per_step(layers):
     assert all_syncs.count - prefill_syncs.count == steps, all_syncs.by_reason
 
 
+class GroupedGemmDtypes(TorchDispatchMode):
+    """Records the input dtypes of every grouped expert GEMM (``mode::grouped_mm``, below autocast)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[tuple[torch.dtype, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith("mode.grouped_mm"):
+            self.dtypes.add(tuple(a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@torch.no_grad()
+def test_bf16_generation_runs_the_experts_in_bfloat16_with_bfloat16_caches(static):
+    """generate(bf16=True): prefill and every step under bfloat16 autocast (on CUDA the experts' grouped GEMM
+    has its fast, sync-free kernel in bfloat16 only), bfloat16 KV caches; the float32 weights are untouched."""
+    model = make_lm(("moe", "staged"), "predictor")
+    x = tokens(3, S, seed=17)
+    prompts = [x[0, :5].tolist(), x[1, :9].tolist(), x[2, :7].tolist()]
+    with GroupedGemmDtypes() as spy:
+        outs = generate(model, prompts, max_new_tokens=6, temperature=0, static_cache=static, bf16=True)
+    assert [len(o) for o in outs] == [6, 6, 6] and all(0 <= t < V for o in outs for t in o)
+    assert spy.dtypes == {(torch.bfloat16, torch.bfloat16)}, spy.dtypes
+    assert {p.dtype for p in model.parameters()} == {torch.float32} and not model.training
+    with GroupedGemmDtypes() as fp32_spy:  # the default: the model's own dtype
+        generate(model, prompts, max_new_tokens=2, temperature=0, static_cache=static)
+    assert fp32_spy.dtypes == {(torch.float32, torch.float32)}, fp32_spy.dtypes
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        _, caches, _ = prefill(model, prompts, capacity=16, static=static, cache_dtype=torch.bfloat16)
+    assert {c.k_BHLK.dtype for c in caches} == {c.v_BHLK.dtype for c in caches} == {torch.bfloat16}
+    with pytest.raises(TypeError, match=lit("bf16='yes': must be a bool")):
+        generate(model, prompts, max_new_tokens=2, bf16="yes")
+
+
 @torch.no_grad()
 def test_dynamic_decode_syncs_once_per_mod_layer():
     model = make_lm(("dense", "mod", "dense", "mod"), fraction=0.4)
