@@ -1,4 +1,5 @@
-"""Count the operations that would block the host on a GPU, by running the code on any device (CPU too).
+"""Count the operations that would block the host on a GPU, by running the code on any device (CPU too);
+and, on a GPU, the synchronisations that really happen.
 
 A CUDA program stays fast while the host only *queues* kernels. These operations make the host wait for
 the device (or copy host data to it inside the step) and so stall the queue:
@@ -19,10 +20,31 @@ Usage::
 
 The counter sees what runs under it (forward and backward, including autograd's own ops); it does not
 see work inside ``torch.compile``-d graphs, which is traced rather than run op by op.
+
+**What HostSyncCounter counts are would-be syncs, not measurements.** It matches operator names at the
+Python dispatch level, on any device, so it is the CPU-side budget check, and it can be wrong both ways:
+    * it misses syncs made inside an operator: ``torch._grouped_mm``'s CUDA fallback (every dtype but
+      bfloat16, and GPUs other than sm90/sm100) copies the offsets to the host; ``torch.equal`` on CUDA
+      reads its result with ``.item()`` inside the op;
+    * it misses blocking copies (``aten._to_copy``/``copy_`` are not in its list): ``.cpu()``, and a
+      ``.to("cuda")`` of pageable host memory without ``non_blocking=True`` (a ``cudaStreamSynchronize``);
+    * it counts ``.tolist()`` and scalar reads of CPU tensors, which cost nothing.
+
+``CudaSyncCounter`` is the ground truth on a GPU: it turns on CUDA's own sync debug mode
+(``torch.cuda.set_sync_debug_mode``), in which every synchronising CUDA call that torch makes (stream and
+device synchronisation, blocking copies, scalar reads, ``nonzero``, inside operators too) reports itself::
+
+    with CudaSyncCounter() as syncs:          # needs a CUDA device
+        decode_step(model, tokens_B, positions_B, caches)
+    assert syncs.count == 0, syncs.events     # [(where, message), ...]
+
+torch calls the debug mode a prototype that "does not yet detect all synchronizing operations" (e.g. a
+sync in a third-party extension's own CUDA code); it does see every path torch itself syncs on.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import torch
@@ -57,8 +79,9 @@ def _reason(func, args, kwargs) -> str | None:
 
 
 class HostSyncCounter(TorchDispatchMode):
-    """Context manager: ``count`` host synchronisations, ``events`` one ``(op, reason)`` per sync,
-    ``by_reason`` a ``Counter`` of reasons."""
+    """Context manager: ``count`` would-be host synchronisations (module doc: what it sees and misses),
+    ``events`` one ``(op, reason)`` per sync, ``by_reason`` a ``Counter`` of reasons. On a GPU,
+    ``CudaSyncCounter`` counts the real ones."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -94,3 +117,51 @@ class HostSyncCounter(TorchDispatchMode):
     def __exit__(self, *exc):
         torch.Tensor.tolist = self._tolist
         return super().__exit__(*exc)
+
+
+SYNC_MESSAGE = "synchronizing cuda operation"  # c10: "called a synchronizing CUDA operation" (compared lower-cased)
+_PROTOTYPE_NOTICE = "synchronization debug mode is a prototype"  # set_sync_debug_mode's own one-time warning
+
+
+class CudaSyncCounter:
+    """Context manager (CUDA only): the synchronising CUDA operations that really run inside it, as CUDA's
+    sync debug mode reports them (module doc). ``count``; ``events``, one ``(where, message)`` per sync,
+    ``where`` the Python ``file:line`` that made it. ``error=True`` raises ``RuntimeError`` at the first sync
+    instead (its traceback names the call). Syncs in the backward count too: autograd replays the warnings of
+    its device threads on the calling thread. The previous debug mode is restored on exit, and warnings
+    other than the sync reports are re-issued."""
+
+    def __init__(self, error: bool = False):
+        if not isinstance(error, bool):
+            raise TypeError(f"error={error!r}: must be a bool")
+        self.mode = "error" if error else "warn"
+        self.events: list[tuple[str, str]] = []
+        self._catch = None
+        self._previous = None
+
+    @property
+    def count(self) -> int:
+        return len(self.events)
+
+    def __enter__(self) -> "CudaSyncCounter":
+        if not torch.cuda.is_available():
+            raise ValueError("CudaSyncCounter: torch.cuda.is_available() is False here; it counts the syncs CUDA "
+                             "reports, so it needs a CUDA device (on the CPU, HostSyncCounter counts would-be syncs)")
+        self.events = []
+        self._catch = warnings.catch_warnings(record=True)
+        self._records = self._catch.__enter__()
+        warnings.simplefilter("always")  # every sync, even many from one line
+        self._previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(self.mode)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_sync_debug_mode(self._previous)
+        records = list(self._records)
+        self._catch.__exit__(*exc)
+        for w in records:
+            text = str(w.message)
+            if SYNC_MESSAGE in text.lower():
+                self.events.append((f"{w.filename}:{w.lineno}", text))
+            elif _PROTOTYPE_NOTICE not in text.lower():
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
