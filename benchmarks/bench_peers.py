@@ -486,6 +486,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) (default: torch's)")
     p.add_argument("--experts", type=int, nargs="*", default=None,
                    help="run only the configurations with these expert counts (e.g. --experts 64)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per call (default: the preset's)")
+    p.add_argument("--d-model", type=int, default=None, help="model width D (default: the preset's)")
+    p.add_argument("--configs", nargs="+", default=None, metavar="E:H",
+                   help="expert count and expert hidden per configuration, e.g. 8:2048 64:512 (default: the "
+                        "preset's); the GPU suite uses sizes a GPU is not idle on")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", choices=("float32", "bf16"), default="float32",
                    help="bf16: everything under bfloat16 autocast, beside mode and the dense MLP in float32")
@@ -501,6 +506,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.set_num_threads(args.threads)
         return main_families(args, args.device)
     cfg = apply_run_args(args, QUICK if args.quick else FULL)
+    cfg.update(shape_overrides(args))
     configs = [c for c in cfg["configs"] if args.experts is None or c[0] in args.experts]
     if not configs:
         raise SystemExit(f"--experts {args.experts}: no configuration has that many experts "
@@ -582,6 +588,26 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{cfg['tokens']} tokens, d={cfg['d_model']}, top-2 SwiGLU")
     print(f"\nwrote {path} and {png}", file=sys.stderr)
     return payload
+
+
+def shape_overrides(args: argparse.Namespace) -> dict:
+    """``--tokens``, ``--d-model`` and ``--configs E:H ...`` as preset keys; each value checked."""
+    out: dict = {}
+    for key in ("tokens", "d_model"):
+        value = getattr(args, key)
+        if value is not None:
+            if value < 1:
+                raise SystemExit(f"--{key.replace('_', '-')}={value}: must be >= 1")
+            out[key] = value
+    if args.configs is not None:
+        configs = []
+        for text in args.configs:
+            parts = text.split(":")
+            if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise SystemExit(f"--configs {text!r}: must be E:H with two positive integers, e.g. 8:2048")
+            configs.append((int(parts[0]), int(parts[1])))
+        out["configs"] = tuple(configs)
+    return out
 
 
 def _rebuild_mode(src: MoELayer, backend: str, router_options: dict | None = None) -> MoELayer:

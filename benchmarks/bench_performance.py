@@ -58,9 +58,12 @@ def bench_moe_balanced(cfg: dict, device: torch.device, seed: int) -> dict:
     return row
 
 
-def bench_lm_step(quick: bool, device: torch.device, seed: int, warmup: int, repeats: int) -> dict:
-    """Full training step (forward, backward, AdamW) of an MoD LM vs the dense LM of the same shape."""
-    S, B, d, layers = (256, 2, 128, 4) if quick else (512, 4, 256, 6)
+def bench_lm_step(quick: bool, device: torch.device, seed: int, warmup: int, repeats: int,
+                  shape: tuple[int, int, int, int] | None = None) -> dict:
+    """Full training step (forward, backward, AdamW) of an MoD LM vs the dense LM of the same shape.
+
+    ``shape``: (seq_len, batch, d_model, layers), default by ``quick``; the GPU suite passes a larger one."""
+    S, B, d, layers = shape or ((256, 2, 128, 4) if quick else (512, 4, 256, 6))
     base = dict(seq_len=S, d_model=d, n_heads=max(2, d // 64), d_hidden=4 * d, vocab_size=256)
     cfg_dense = LMConfig(layers=("dense",) * layers, **base)
     cfg_mod = LMConfig(layers=alternate(layers, "dense", "mod"), capacity=0.125, **base)
@@ -83,7 +86,7 @@ def bench_lm_step(quick: bool, device: torch.device, seed: int, warmup: int, rep
     res = time_pair(step_fn(cfg_mod), step_fn(cfg_dense), warmup=warmup, repeats=repeats, device=device)
     flop_ratio = forward_flops_per_token(cfg_mod) / forward_flops_per_token(cfg_dense)
     return dict(case=f"MoD LM step / dense LM step (S={S}, d={d}, {layers} layers)", kind="lm", backend="-",
-                flop_ratio=flop_ratio, target=0.62, **res)
+                seq=S, batch=B, d_model=d, layers=layers, flop_ratio=flop_ratio, target=0.62, **res)
 
 
 def bench_compile(quick: bool, device: torch.device, seed: int, warmup: int, repeats: int) -> list[dict]:

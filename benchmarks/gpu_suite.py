@@ -1,0 +1,813 @@
+"""The GPU suite: one command that turns a few minutes of GPU time into every GPU number ``mode`` lacks.
+
+    PYTHONPATH=. python benchmarks/gpu_suite.py --out DIR [--budget-s 480]     # on the GPU (docs/gpu.md)
+    PYTHONPATH=. python benchmarks/gpu_suite.py --smoke --out DIR               # the rehearsal, on a CPU (~2 min)
+
+Stages, in this order, each in its own subprocess with its own time limit, under one overall deadline:
+
+    env      nvidia-smi, versions, and two measured ceilings: a large bf16 matmul (TFLOP/s) and a
+             device-to-device copy (GB/s, bytes read + written)
+    tests    the test suite on CUDA (MODE_TEST_DEVICE=cuda), the files that exercise the device first, with
+             the stage's time limit; what it skipped, by reason
+    moe      benchmarks/bench_peers.py in bf16: our MoE layer / the dense SwiGLU MLP of the same active FLOPs
+             at 8 and 64 experts, beside transformers' grouped_mm Mixtral/Qwen3 blocks and torchtitan's block
+             in the same rounds; achieved TFLOP/s of the layer against the matmul ceiling
+    mod      the MoD block (capacity 0.125) and the MoD LM training step / dense, each beside its FLOP ratio
+             (bf16 autocast, as ``mode train --bf16``)
+    decode   benchmarks/bench_decode.py: MoD / dense decode tokens/s at batch 1 and 8, dynamic and static paths
+    train    ``mode train --preset base --bf16`` for a fixed number of steps, eager and ``--compile``:
+             steady-state tokens/s and MFU (against the datasheet peak and against the measured ceiling)
+    nccl     ``torchrun --nproc-per-node 1 -m mode train`` (NCCL, the mesh path through ``parallelize``,
+             MeshRuntime, a sharded checkpoint) and a resume from it
+    profile  torch.profiler over the MoE layers, the MoD and dense blocks and a training step of the base
+             preset: wall time against the device's busy time, and the kernels that take the most of it
+
+A stage that raises, exits non-zero or runs past its limit is recorded with its error and the last lines of
+its output, and the next stage starts. After every stage ``DIR/gpu_suite.json`` is rewritten (atomically)
+with the device, the versions and each stage's status, seconds and numbers; ``DIR/gpu_suite.log`` holds
+every stage's output. At the end one short table is printed (only the last lines of a GPU run's output come
+back) together with the goals (met / missed / not measured).
+
+``--smoke`` runs every stage at its smallest on whatever device there is (the CPU here): it proves that the
+command, the JSON and the table work before GPU time is spent on them. ``--only``/``--skip`` pick stages
+(a second run after a failure reruns only what failed). ``--inject STAGE=raise|hang`` makes a stage fail
+on purpose (the isolation test).
+
+Scratch files (training runs, benchmark JSONs) go to ``--work`` (default: a temporary folder), so that DIR
+holds only the three files a GPU run can bring back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+RESULT_NAME = "gpu_suite.json"
+LOG_NAME = "gpu_suite.log"
+TAIL_LINES = 25
+MIN_STAGE_S = 10.0  # a stage with less time than this left before the deadline is not started
+KILL_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    budget_s: float  # its time limit on the GPU
+    smoke_budget_s: float  # and in the rehearsal
+    doc: str
+
+
+STAGES = (
+    Stage("env", 45, 60, "nvidia-smi, versions, bf16 matmul and copy ceilings"),
+    Stage("tests", 100, 150, "the test suite on CUDA"),
+    Stage("moe", 90, 150, "MoE layer / dense MLP, bf16, beside transformers and torchtitan"),
+    Stage("mod", 60, 90, "MoD block and LM step / dense, beside their FLOP ratios"),
+    Stage("decode", 75, 120, "MoD / dense decode tokens/s at batch 1 and 8"),
+    Stage("train", 150, 150, "mode train --preset base --bf16, eager and compiled: tokens/s and MFU"),
+    Stage("nccl", 60, 120, "torchrun, one rank, NCCL: mesh training, sharded checkpoint, resume"),
+    Stage("profile", 60, 90, "torch.profiler: wall time vs device busy time and the top kernels of each workload"),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+
+# The goals of the first GPU run (docs/gpu.md): (key in the stage's numbers, rule, threshold, what it says)
+GOALS = (
+    ("moe", "moe_ratio_E8", "<=", 1.15, "MoE layer (E=8) <= 1.15 x dense MLP of the same active FLOPs, bf16"),
+    ("moe", "moe_ratio_E64", "<=", 1.15, "MoE layer (E=64) <= 1.15 x dense MLP of the same active FLOPs, bf16"),
+    ("moe", "ahead_of_peers_E8", "==", True, "MoE layer ahead of every transformers/torchtitan block at E=8"),
+    ("moe", "ahead_of_peers_E64", "==", True, "MoE layer ahead of every transformers/torchtitan block at E=64"),
+    ("mod", "block_gap", "<=", 0.05, "MoD block ratio within +0.05 of its FLOP ratio"),
+    ("mod", "lm_gap", "<=", 0.05, "MoD LM step ratio within +0.05 of its FLOP ratio"),
+    ("decode", "speedup_b1", ">=", 1.7, "MoD decode >= 1.7 x dense at batch 1 (best path)"),
+    ("train", "mfu_eager", ">=", 0.40, "mode train --preset base --bf16 MFU >= 40% (eager)"),
+    ("train", "mfu_compile", ">=", 0.40, "mode train --preset base --bf16 MFU >= 40% (--compile)"),
+)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the stages (each runs in its own process: ``gpu_suite.py --run-stage NAME``)
+# --------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Ctx:
+    smoke: bool
+    work: Path  # scratch folder of this stage
+    device: "object"  # torch.device
+    limit_s: float  # the stage's time limit (inner timeouts stay under it)
+
+
+def _device(smoke: bool):
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if not smoke:
+        raise RuntimeError("no CUDA device is visible (torch.cuda.is_available() is False); on a machine without "
+                           "a GPU run the rehearsal: --smoke")
+    return torch.device("cpu")
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], None], device, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _versions() -> dict:
+    import importlib.metadata
+    import platform
+
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
+    try:
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    except Exception as err:  # noqa: BLE001 - a version probe must not end the stage
+        out["nccl"] = f"unavailable: {err}"
+    for dist in ("triton", "transformers", "torchtitan", "tokenizers", "accelerate", "numpy"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def stage_env(ctx: Ctx) -> dict:
+    import torch
+
+    smi = shutil.which("nvidia-smi")
+    nvidia_smi = None
+    if smi:
+        query = "name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit,pcie.link.gen.max"
+        nvidia_smi = subprocess.run([smi, f"--query-gpu={query}", "--format=csv"], capture_output=True, text=True,
+                                    timeout=30).stdout.strip()
+        print(nvidia_smi)
+    device = ctx.device
+    info = {"device": str(device), "nvidia_smi": nvidia_smi or "nvidia-smi not found", **_versions()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
+                    memory_gib=round(props.total_memory / 2**30, 1), sm_count=props.multi_processor_count)
+    else:
+        import platform
+
+        info.update(device_name=platform.processor() or platform.machine())
+
+    # the matmul ceiling: bf16 (n, n) @ (n, n), 2 n^3 FLOPs
+    n = 8192 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    mm_s = _median_time(lambda: torch.mm(a, b), device, warmup=3, repeats=10 if ctx.smoke else 30)
+    tflops = 2 * n**3 / mm_s / 1e12
+    # the copy ceiling: read + write of a large buffer
+    nbytes = (2 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    copy_s = _median_time(lambda: dst.copy_(src), device, warmup=2, repeats=10 if ctx.smoke else 20)
+    gbs = 2 * nbytes / copy_s / 1e9
+    print(f"bf16 matmul {n}^3: {tflops:.1f} TFLOP/s; copy {nbytes >> 20} MiB: {gbs:.0f} GB/s (read + write)")
+    numbers = {"matmul_bf16_tflops": tflops, "copy_gbs": gbs, "device_name": info["device_name"]}
+    return {"numbers": numbers, "details": {**info, "matmul_n": n, "copy_bytes": nbytes}}
+
+
+# The test files that exercise the device, first; the rest of the suite after them, as time allows.
+TEST_ORDER = ("tests/test_device_switch.py", "tests/core", "tests/measure", "tests/train",
+              "tests/parallel/test_meta_init.py", "tests/test_architecture.py", "tests/hf", "tests/experiments",
+              "tests/test_errors.py", "tests/test_fuzz.py")
+SMOKE_TESTS = ("tests/test_device_switch.py", "tests/core/test_registry.py")
+_RESULT_RE = re.compile(r"^(\S+::\S+.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+_XDIST_RE = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+)")
+XDIST_WORKERS = 8  # pytest-xdist processes sharing the one GPU, when the plugin is there
+_SKIP_RE = re.compile(r"^SKIPPED \[(\d+)\] ([^:]+(?::\d+)?): (.*)$")
+
+
+def parse_pytest(text: str) -> dict:
+    """Counts, failing tests and skip reasons from ``pytest -v -rfEs`` output (complete or cut off)."""
+    counts: dict[str, int] = {}
+    failed = []
+    for line in text.splitlines():
+        m = _RESULT_RE.match(line)
+        x = None if m else _XDIST_RE.match(line)
+        if m or x:
+            nodeid, status = (m.group(1), m.group(2).lower()) if m else (x.group(2), x.group(1).lower())
+            counts[status] = counts.get(status, 0) + 1
+            if status in ("failed", "error"):
+                failed.append(nodeid)
+    skips: dict[str, int] = {}
+    for line in text.splitlines():
+        m = _SKIP_RE.match(line)
+        if m:
+            reason = m.group(3).strip()
+            skips[reason] = skips.get(reason, 0) + int(m.group(1))
+    summary = next((line.strip("= ") for line in reversed(text.splitlines())
+                    if re.search(r"\d+ (passed|failed|error)", line) and line.startswith("=")), None)
+    return {"counts": counts, "failed": sorted(set(failed)), "skip_reasons": skips, "summary": summary}
+
+
+def stage_tests(ctx: Ctx) -> dict:
+    targets = [t for t in (SMOKE_TESTS if ctx.smoke else TEST_ORDER) if (ROOT / t).exists()]
+    env = dict(os.environ, MODE_TEST_DEVICE=ctx.device.type if ctx.device.type == "cuda" else "cpu",
+               PYTHONUNBUFFERED="1")
+    log = ctx.work / "pytest.log"
+    import importlib.util
+
+    xdist = not ctx.smoke and importlib.util.find_spec("xdist") is not None
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "--timeout", "90",
+           "-o", "addopts=", *(["-n", str(XDIST_WORKERS)] if xdist else []), *targets]
+    print(" ".join(cmd), flush=True)
+    inner = max(ctx.limit_s - 15, 5)  # leave time to parse and report what ran before the limit
+    cut_off = False
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=inner)
+        except subprocess.TimeoutExpired:
+            cut_off = True
+            _kill_group(proc)
+    text = log.read_text(errors="replace")
+    print("\n".join(text.splitlines()[-40:]))
+    parsed = parse_pytest(text)
+    c = parsed["counts"]
+    numbers = {"passed": c.get("passed", 0), "failed": c.get("failed", 0) + c.get("error", 0),
+               "skipped": c.get("skipped", 0), "cut_off": cut_off, "returncode": proc.returncode}
+    details = {"command": " ".join(cmd), "targets": targets, "time_limit_s": inner, **parsed}
+    if cut_off:
+        details["note"] = f"pytest ran past {inner:.0f} s and was stopped; the counts are of what ran before"
+    return {"numbers": numbers, "details": details}
+
+
+# bf16 shapes a GPU is not idle on: 16k tokens, d 1024; E=8 of hidden 2048 and E=64 of hidden 512, top-2
+MOE_GPU_ARGS = ["--tokens", "16384", "--d-model", "1024", "--configs", "8:2048", "64:512",
+                "--warmup", "3", "--repeats", "15"]
+PEER_FAMILIES = ("transformers", "torchtitan")
+
+
+def stage_moe(ctx: Ctx) -> dict:
+    from benchmarks import bench_peers
+
+    out = ctx.work / "peers_bf16.json"
+    argv = ["--precision", "bf16", "--device", str(ctx.device), "--out", str(out)]
+    argv += ["--quick", "--threads", "2"] if ctx.smoke else MOE_GPU_ARGS
+    payload = bench_peers.main(argv)
+    numbers: dict = {}
+    for E in sorted({r["num_experts"] for r in payload["results"]}):
+        rows = [r for r in payload["results"] if r["num_experts"] == E]
+        ours = next(r for r in rows if r["implementation"] == "mode, auto")
+        dense = next(r for r in rows if r["family"] == "dense" and "bf16" in r["implementation"])
+        k, d, h, T = ours["top_k"], ours["d_model"], ours["expert_hidden"], ours["tokens"]
+        flops = 3 * (2 * T * k * 3 * d * h)  # fwd + bwd of the active SwiGLU experts (3 matmuls, bwd 2x fwd)
+        # the ratio's key says E by its size class: E8 is the few-experts case, E64 the many (also in --quick)
+        key = "E8" if E == min(r["num_experts"] for r in payload["results"]) else "E64"
+        numbers[f"moe_ratio_{key}"] = ours["ratio_median"]
+        numbers[f"moe_tflops_{key}"] = flops / ours["s_median"] / 1e12
+        numbers[f"dense_tflops_{key}"] = flops / dense["s_median"] / 1e12
+        numbers[f"moe_us_per_token_{key}"] = 1e6 * ours["s_median"] / T
+        peers = {r["implementation"]: r["ratio_median"] for r in rows if r["family"] in PEER_FAMILIES}
+        numbers[f"best_peer_ratio_{key}"] = min(peers.values()) if peers else None
+        numbers[f"ahead_of_peers_{key}"] = all(ours["ratio_median"] < v for v in peers.values()) if peers else None
+        numbers[f"num_experts_{key}"] = E
+    return {"numbers": numbers, "details": {"skipped": payload["skipped"], "config": payload["config"],
+                                            "results": payload["results"]}}
+
+
+MOD_GPU_BLOCK = dict(d_model=1024, n_heads=16, mod_batch=8, mod_seq=2048, warmup=3, repeats=15)
+MOD_GPU_LM = (1024, 16, 1024, 8)  # seq_len, batch, d_model, layers
+MOD_SMOKE_BLOCK = dict(d_model=64, n_heads=2, mod_batch=2, mod_seq=128, warmup=1, repeats=3)
+MOD_SMOKE_LM = (128, 2, 64, 2)
+
+
+def stage_mod(ctx: Ctx) -> dict:
+    import torch
+
+    from benchmarks.bench_layers import bench_mod
+    from benchmarks.bench_performance import bench_lm_step
+
+    device = ctx.device
+    block_cfg, lm_shape = (MOD_SMOKE_BLOCK, MOD_SMOKE_LM) if ctx.smoke else (MOD_GPU_BLOCK, MOD_GPU_LM)
+    # bf16 autocast for the whole measurement, as mode train --bf16 (weights, optimizer float32)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        block = bench_mod(block_cfg, device, seed=0)
+        lm = bench_lm_step(False, device, seed=0, warmup=block_cfg["warmup"], repeats=block_cfg["repeats"],
+                           shape=lm_shape)
+    print(f"MoD block {block['ratio_median']:.3f} (FLOP ratio {block['flop_ratio']:.3f}); "
+          f"LM step {lm['ratio_median']:.3f} (FLOP ratio {lm['flop_ratio']:.3f})")
+    numbers = {"block_ratio": block["ratio_median"], "block_flop_ratio": block["flop_ratio"],
+               "block_gap": block["ratio_median"] - block["flop_ratio"],
+               "lm_ratio": lm["ratio_median"], "lm_flop_ratio": lm["flop_ratio"],
+               "lm_gap": lm["ratio_median"] - lm["flop_ratio"],
+               "block_dense_ms": 1e3 * block["baseline_s_median"], "lm_dense_ms": 1e3 * lm["baseline_s_median"]}
+    return {"numbers": numbers, "details": {"dtype": "bf16 autocast", "block": block, "lm": lm}}
+
+
+def stage_decode(ctx: Ctx) -> dict:
+    from benchmarks import bench_decode
+
+    out = ctx.work / "decode.json"
+    argv = ["--device", str(ctx.device), "--out", str(out)]
+    argv += ["--quick", "--repeats", "2"] if ctx.smoke else ["--sizes", "base", "--repeats", "5", "--threads", "0"]
+    payload = bench_decode.main(argv)
+    numbers: dict = {}
+    for r in payload["results"]:
+        numbers[f"speedup_{r['size']}_b{r['batch']}_{r['path']}"] = r["decode_speedup"]
+        numbers[f"flop_bound_{r['size']}_b{r['batch']}"] = r["flop_bound"]
+    first = payload["results"][0]["size"]
+    for B in sorted({r["batch"] for r in payload["results"]}):
+        best = [r["decode_speedup"] for r in payload["results"] if r["batch"] == B and r["size"] == first]
+        numbers["speedup_b1" if B == 1 else f"speedup_b{B}"] = max(best)
+    return {"numbers": numbers, "details": {"config": payload["config"], "results": payload["results"]}}
+
+
+def steady_speed(records: list[dict], skip_steps: int) -> dict:
+    """tokens/s and FLOP/s between the first logged step past ``skip_steps`` and the last one (the logged
+    ``tok_s`` averages from step 1, start-up and compilation included)."""
+    rows = [r for r in records if "tok_s" in r and "val_loss" not in r]
+    if len(rows) < 2:
+        raise RuntimeError(f"need two logged training steps to time the steady state, found {len(rows)}")
+    later = [r for r in rows if r["step"] > skip_steps] or rows[-1:]
+    a = next((r for r in reversed(rows) if r["step"] <= later[0]["step"] - 1), rows[0])
+    b = rows[-1]
+    dt = b["wall"] - a["wall"]
+    return {"from_step": a["step"], "to_step": b["step"], "tok_s": (b["tokens"] - a["tokens"]) / dt,
+            "flop_s": (b["flops"] - a["flops"]) / dt, "final_loss": b["loss"], "first_loss": rows[0]["loss"],
+            "tok_s_logged_cumulative": b["tok_s"], "mfu_logged_cumulative": b.get("mfu")}
+
+
+TRAIN_GPU = dict(preset="base", steps=60, skip=20)
+TRAIN_SMOKE = dict(preset="quick", steps=20, skip=10)
+
+
+def _run_logged(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
+    print("$ " + " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, _ = proc.communicate()
+        print(out[-4000:])
+        raise RuntimeError(f"{cmd[2:5]} ran past {timeout:.0f} s") from None
+    print(out[-4000:])
+    return proc.returncode, out
+
+
+def stage_train(ctx: Ctx) -> dict:
+    from mode.train.log_sinks import peak_flops  # the datasheet peak the trainer's MFU uses
+
+    p = TRAIN_SMOKE if ctx.smoke else TRAIN_GPU
+    device = "cuda" if ctx.device.type == "cuda" else "cpu"
+    numbers: dict = {}
+    details: dict = {}
+    env_ceiling = _read_stage_numbers(ctx.work.parent, "env").get("matmul_bf16_tflops")
+    peak = peak_flops(ctx.device)
+    t_start = time.monotonic()
+    for variant, extra in (("eager", []), ("compile", ["--compile"])):
+        left = ctx.limit_s - (time.monotonic() - t_start) - 5
+        if left < 20:
+            details[variant] = {"error": f"not run: {left:.0f} s left in the stage"}
+            continue
+        out = ctx.work / f"train_{variant}"
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, "-m", "mode", "train", "--preset", p["preset"], "--bf16", "--device", device,
+               "--steps", str(p["steps"]), "--eval-every", str(10 * p["steps"]), "--no-progress",
+               "--out", str(out), *extra]
+        try:  # a variant that fails or runs out of time is recorded; the other one's numbers stay
+            rc, text = _run_logged(cmd, timeout=left)
+            if rc != 0:
+                raise RuntimeError(f"mode train ({variant}) exited with {rc}: {_last_error(text)}")
+            records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
+            speed = steady_speed(records, p["skip"])
+        except RuntimeError as err:
+            details[variant] = {"command": " ".join(cmd[1:]), "error": str(err)}
+            print(f"train ({variant}): {err}", flush=True)
+            continue
+        numbers[f"tok_s_{variant}"] = speed["tok_s"]
+        numbers[f"tflops_{variant}"] = speed["flop_s"] / 1e12
+        if peak:
+            numbers[f"mfu_{variant}"] = speed["flop_s"] / peak
+        if env_ceiling:
+            numbers[f"mfu_vs_measured_{variant}"] = speed["flop_s"] / (env_ceiling * 1e12)
+        details[variant] = {"command": " ".join(cmd[1:]), **speed}
+    if not numbers:
+        raise RuntimeError("neither training run gave numbers: " + "; ".join(
+            f"{v}: {details[v].get('error')}" for v in ("eager", "compile")))
+    if "tok_s_eager" in numbers and "tok_s_compile" in numbers:
+        numbers["compile_speedup"] = numbers["tok_s_compile"] / numbers["tok_s_eager"]
+    details["peak_flops_datasheet"] = peak
+    details["measured_ceiling_tflops"] = env_ceiling
+    return {"numbers": numbers, "details": details}
+
+
+def stage_nccl(ctx: Ctx) -> dict:
+    import torch
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    device = "cuda" if ctx.device.type == "cuda" else "cpu"
+    out = ctx.work / "nccl_run"
+    shutil.rmtree(out, ignore_errors=True)
+    common = ["-m", "mode", "train", "--preset", "quick", "--device", device, "--no-progress", "--out", str(out),
+              "--timeout", "60"]
+    if device == "cuda":
+        common.append("--bf16")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t_start = time.monotonic()
+    rc, text = _run_logged(torchrun + common + ["--steps", "20"], timeout=ctx.limit_s / 2, env=env)
+    if rc != 0:
+        raise RuntimeError(f"torchrun mode train exited with {rc}: {_last_error(text)}")
+    first_s = time.monotonic() - t_start
+    if not (out / "ckpt").is_dir():
+        raise RuntimeError(f"no sharded checkpoint in {out}: {sorted(p.name for p in out.iterdir())}")
+    rc, text2 = _run_logged(torchrun + common + ["--steps", "30", "--resume"],
+                            timeout=max(ctx.limit_s - (time.monotonic() - t_start) - 5, 10), env=env)
+    if rc != 0:
+        raise RuntimeError(f"torchrun mode train --resume exited with {rc}: {_last_error(text2)}")
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in records if "loss" in r]
+    backend = "nccl" if device == "cuda" else "gloo"
+    said = re.findall(r"\b(nccl|gloo)\b", text)
+    numbers = {"backend": backend, "backend_in_output": said[0] if said else None, "last_step": max(steps),
+               "final_loss": [r["loss"] for r in records if "loss" in r][-1], "first_run_s": first_s,
+               "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if device == "cuda" else None}
+    if max(steps) != 30:
+        raise RuntimeError(f"the resumed run logged steps {steps}, expected to end at 30")
+    return {"numbers": numbers, "details": {"log": records[-3:]}}
+
+
+def profile_step(step: Callable[[], None], device, iters: int, top: int = 8) -> dict:
+    """Where one step's time goes: wall time per step against the device's busy time (the sum of its kernels),
+    and the kernels (ops on a CPU) that take the most of it, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    for _ in range(3):
+        step()
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        _sync(device)
+        wall = (time.perf_counter() - t0) / iters
+
+    def own(e) -> float:  # microseconds of the event itself, on the device (CUDA) or the CPU
+        if cuda:
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        return e.self_cpu_time_total
+
+    events = [e for e in prof.key_averages() if own(e) > 0]
+    busy_us = sum(own(e) for e in events) / iters
+    ranked = sorted(events, key=own, reverse=True)[:top]
+    total_us = sum(own(e) for e in events) or 1.0
+    return {"wall_ms": 1e3 * wall, "device_busy_ms": busy_us / 1e3 if cuda else None,
+            "busy_fraction": (busy_us / 1e6) / wall if cuda else None,
+            "top": [{"name": e.key[:120], "ms_per_step": own(e) / iters / 1e3, "share": own(e) / total_us,
+                     "calls_per_step": e.count / iters} for e in ranked]}
+
+
+def stage_profile(ctx: Ctx) -> dict:
+    import torch
+
+    from benchmarks.bench_layers import bench_mod  # noqa: F401 - same module graph as the mod stage
+    from benchmarks.common import fwd_bwd_step
+    from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock
+    from mode.model import LM
+    from mode.parallel.command import PRESETS
+
+    device = ctx.device
+    if ctx.smoke:
+        T, d, moe_cfgs, blk, preset, batch, iters = 256, 64, ((4, 64), (16, 16)), MOD_SMOKE_BLOCK, "quick", 4, 2
+    else:
+        T, d, moe_cfgs, blk, preset, batch, iters = 16384, 1024, ((8, 2048), (64, 512)), MOD_GPU_BLOCK, "base", 64, 5
+    workloads: dict[str, Callable[[], None]] = {}
+    torch.manual_seed(0)
+    x = torch.randn(1, T, d, device=device, requires_grad=True)
+    g = torch.randn(1, T, d, device=device)
+    for E, H in moe_cfgs:
+        moe = MoELayer.from_config(MoEConfig(d_model=d, d_hidden=H, num_experts=E, top_k=2, activation="swiglu",
+                                             capacity_factor=None)).to(device)
+        workloads[f"moe E={E} H={H}"] = fwd_bwd_step(moe, x, g)
+        workloads[f"dense MLP 2H={2 * H}"] = fwd_bwd_step(MLP(d, 2 * H, activation="swiglu").to(device), x, g)
+    dm, heads, B, S = blk["d_model"], blk["n_heads"], blk["mod_batch"], blk["mod_seq"]
+    xb = torch.randn(B, S, dm, device=device, requires_grad=True)
+    gb = torch.randn(B, S, dm, device=device)
+    workloads["MoD block c=0.125"] = fwd_bwd_step(MoD(TransformerBlock(dm, heads, MLP(dm, 4 * dm)), MoDRouter(
+        MoDRouterConfig(d_model=dm, capacity=0.125))).to(device), xb, gb)
+    workloads["dense block"] = fwd_bwd_step(TransformerBlock(dm, heads, MLP(dm, 4 * dm)).to(device), xb, gb)
+    model_cfg = PRESETS[preset].model
+    model = LM(model_cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx = torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.seq_len), device=device)
+
+    def train_step() -> None:
+        out = model(idx, idx)
+        (out.loss + out.aux.total()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    workloads[f"train step, preset {preset}, batch {batch}"] = train_step
+    results = {}
+    for name, step in workloads.items():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            results[name] = profile_step(step, device, iters)
+        r = results[name]
+        busy = "" if r["device_busy_ms"] is None else f", device busy {r['device_busy_ms']:.2f} ms"
+        print(f"{name}: {r['wall_ms']:.2f} ms per step{busy}")
+        for t in r["top"][:5]:
+            print(f"    {t['ms_per_step']:8.3f} ms  {100 * t['share']:5.1f}%  x{t['calls_per_step']:.0f}  {t['name']}")
+    numbers = {f"{k}: wall_ms": v["wall_ms"] for k, v in results.items()}
+    numbers.update({f"{k}: busy_fraction": v["busy_fraction"] for k, v in results.items()
+                    if v["busy_fraction"] is not None})
+    return {"numbers": numbers, "details": {"dtype": "bf16 autocast", "iters": iters, "workloads": results}}
+
+
+STAGE_FNS: dict[str, Callable[[Ctx], dict]] = {
+    "env": stage_env, "tests": stage_tests, "moe": stage_moe, "mod": stage_mod, "decode": stage_decode,
+    "train": stage_train, "nccl": stage_nccl, "profile": stage_profile,
+}
+
+
+def _last_error(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    errs = [line for line in lines if re.match(r"^\w*(Error|Exception)\b|^\w+\.\w*Error", line.strip())]
+    return (errs or lines or ["(no output)"])[-1].strip()[:500]
+
+
+def _read_stage_numbers(work: Path, name: str) -> dict:
+    path = work / name / "result.json"
+    try:
+        return json.loads(path.read_text()).get("numbers", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def run_stage_child(name: str, work: Path, smoke: bool, limit_s: float, inject: str | None) -> int:
+    """The child process: run one stage, write ``work/NAME/result.json``; exit 0 on success."""
+    stage_work = work / name
+    stage_work.mkdir(parents=True, exist_ok=True)
+    if inject == "raise":
+        raise RuntimeError(f"injected failure in stage {name!r}")
+    if inject == "hang":
+        print(f"stage {name!r}: hanging on purpose", flush=True)
+        while True:
+            time.sleep(1)
+    ctx = Ctx(smoke=smoke, work=stage_work, device=_device(smoke), limit_s=limit_s)
+    result = STAGE_FNS[name](ctx)
+    _write_json_atomic(stage_work / "result.json", result)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the orchestrator
+# --------------------------------------------------------------------------------------------------------------
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the child's whole process group, then SIGKILL after a grace period."""
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _parse_inject(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, _, how = item.partition("=")
+        if name not in STAGE_NAMES or how not in ("raise", "hang"):
+            raise SystemExit(f"--inject {item!r}: must be STAGE=raise or STAGE=hang with STAGE one of "
+                             f"{', '.join(STAGE_NAMES)}")
+        out[name] = how
+    return out
+
+
+def _pick(names: list[str] | None, flag: str) -> list[str]:
+    for n in names or []:
+        if n not in STAGE_NAMES:
+            raise SystemExit(f"{flag} {n!r}: must be one of {', '.join(STAGE_NAMES)}")
+    return list(names or [])
+
+
+def run_suite(out: Path, work: Path, budget_s: float, smoke: bool, only: list[str], skip: list[str],
+              inject: dict[str, str], stage_budget: dict[str, float]) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + budget_s
+    started = time.time()
+    payload = {"suite": "gpu_suite", "command": " ".join(["gpu_suite.py", *sys.argv[1:]]), "smoke": smoke,
+               "budget_s": budget_s, "started_unix": started, "stages": {}}
+    log_path = out / LOG_NAME
+    log_path.write_text("")
+    for stage in STAGES:
+        if (only and stage.name not in only) or stage.name in skip:
+            continue
+        record: dict = {"doc": stage.doc}
+        left = deadline - time.monotonic()
+        limit = min(stage_budget.get(stage.name, stage.smoke_budget_s if smoke else stage.budget_s), left)
+        if left < MIN_STAGE_S:
+            record.update(status="not run", reason=f"the overall deadline ({budget_s:.0f} s): {left:.0f} s left")
+            payload["stages"][stage.name] = record
+            _write_json_atomic(out / RESULT_NAME, payload)
+            continue
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--run-stage", stage.name, "--work", str(work),
+               "--stage-limit-s", f"{limit:.1f}"] + (["--smoke"] if smoke else [])
+        if stage.name in inject:
+            cmd += ["--inject", f"{stage.name}={inject[stage.name]}"]
+        print(f"[gpu_suite] stage {stage.name}: limit {limit:.0f} s", file=sys.stderr, flush=True)
+        stage_log = work / f"{stage.name}.log"
+        t0 = time.monotonic()
+        with open(stage_log, "w") as fh:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
+            try:
+                proc.wait(timeout=limit)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc)
+        seconds = time.monotonic() - t0
+        text = stage_log.read_text(errors="replace")
+        with open(log_path, "a") as fh:
+            fh.write(f"\n===== stage {stage.name} ({seconds:.1f} s, rc {proc.returncode}) =====\n{text}")
+        tail = text.strip().splitlines()[-TAIL_LINES:]
+        result_path = work / stage.name / "result.json"
+        record["seconds"] = round(seconds, 1)
+        record["limit_s"] = round(limit, 1)
+        if timed_out:
+            record.update(status="timeout", error=f"ran past its limit of {limit:.0f} s and was killed", tail=tail)
+        elif proc.returncode != 0 or not result_path.exists():
+            record.update(status="failed", error=_last_error(text), returncode=proc.returncode, tail=tail)
+        else:
+            result = json.loads(result_path.read_text())
+            record.update(status="ok", numbers=result["numbers"], details=result["details"])
+        if record["status"] != "ok" and result_path.exists():
+            result_path.unlink()  # a failed rerun must not leave an earlier run's numbers for later stages
+        if stage.name == "env" and record["status"] == "ok":
+            payload["device"] = record["details"].get("device_name")
+            payload["versions"] = {k: record["details"].get(k) for k in
+                                   ("python", "torch", "torch_cuda", "cudnn", "nccl", "triton", "transformers",
+                                    "torchtitan", "nvidia_smi")}
+        payload["stages"][stage.name] = record
+        payload["goals"] = evaluate_goals(payload["stages"], smoke)
+        _write_json_atomic(out / RESULT_NAME, payload)
+        print(f"[gpu_suite] stage {stage.name}: {record['status']} in {seconds:.1f} s", file=sys.stderr, flush=True)
+    payload["seconds"] = round(time.time() - started, 1)
+    payload["goals"] = evaluate_goals(payload["stages"], smoke)
+    _write_json_atomic(out / RESULT_NAME, payload)
+    return payload
+
+
+def evaluate_goals(stages: dict, smoke: bool = False) -> list[dict]:
+    """Each goal against its stage's number: met, missed, not measured, or (a smoke run's toy shapes on the
+    CPU) not judged."""
+    out = []
+    for stage, key, rule, threshold, text in GOALS:
+        numbers = stages.get(stage, {}).get("numbers", {})
+        value = numbers.get(key)
+        if value is None:
+            verdict = "not measured"
+        elif smoke:
+            verdict = "not judged"
+        elif rule == "<=":
+            verdict = "met" if value <= threshold else "missed"
+        elif rule == ">=":
+            verdict = "met" if value >= threshold else "missed"
+        else:
+            verdict = "met" if value == threshold else "missed"
+        out.append({"goal": text, "stage": stage, "key": key, "value": value, "rule": f"{rule} {threshold}",
+                    "verdict": verdict})
+    return out
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+HEADLINE = {
+    "env": ("device_name", "matmul_bf16_tflops", "copy_gbs"),
+    "tests": ("passed", "failed", "skipped", "cut_off"),
+    "moe": ("moe_ratio_E8", "best_peer_ratio_E8", "moe_ratio_E64", "best_peer_ratio_E64", "moe_tflops_E8"),
+    "mod": ("block_ratio", "block_flop_ratio", "lm_ratio", "lm_flop_ratio"),
+    "decode": ("speedup_b1", "speedup_b8"),
+    "train": ("tok_s_eager", "mfu_eager", "tok_s_compile", "mfu_compile", "mfu_vs_measured_eager"),
+    "nccl": ("backend", "last_step", "final_loss"),
+    "profile": (),
+}
+
+
+def print_summary(payload: dict) -> None:
+    print(f"\ngpu_suite: {payload.get('device', '?')}, torch {payload.get('versions', {}).get('torch', '?')}, "
+          f"{payload.get('seconds', '?')} s of {payload['budget_s']:.0f}{' (smoke)' if payload['smoke'] else ''}")
+    for name, rec in payload["stages"].items():
+        if rec["status"] == "ok":
+            nums = rec["numbers"]
+            what = ", ".join(f"{k}={_fmt(nums[k])}" for k in HEADLINE.get(name, ()) if k in nums)
+            if name == "profile":
+                what = "device busy: " + ", ".join(f"{k.split(':')[0]} {v:.0%}" for k, v in nums.items()
+                                                   if k.endswith("busy_fraction")) or "wall ms per step: " + \
+                    ", ".join(f"{k.split(':')[0]} {v:.1f}" for k, v in nums.items())
+        else:
+            what = rec.get("error") or rec.get("reason", "")
+        print(f"  {name:<7}{rec['status']:<8}{rec.get('seconds', 0):>6.1f}s  {what}"[:300])
+    for g in payload.get("goals", []):
+        print(f"  goal {g['verdict']:<12} {g['goal']}: {_fmt(g['value'])}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="folder for gpu_suite.json and gpu_suite.log (on the GPU machine: $OUT)")
+    p.add_argument("--budget-s", type=float, default=480.0, help="overall deadline in seconds (default 480)")
+    p.add_argument("--smoke", action="store_true", help="every stage at its smallest, on any device (rehearsal)")
+    p.add_argument("--only", nargs="+", help=f"run only these stages ({', '.join(STAGE_NAMES)})")
+    p.add_argument("--skip", nargs="+", help="leave these stages out")
+    p.add_argument("--stage-budget", nargs="+", default=[], metavar="STAGE=S",
+                   help="override a stage's time limit in seconds, e.g. tests=60")
+    p.add_argument("--inject", nargs="+", default=[], metavar="STAGE=raise|hang",
+                   help="make a stage fail on purpose (to test that stages are isolated)")
+    p.add_argument("--work", help="scratch folder (default: a new temporary folder)")
+    p.add_argument("--run-stage", choices=STAGE_NAMES, help=argparse.SUPPRESS)
+    p.add_argument("--stage-limit-s", type=float, default=60.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.run_stage:
+        inject = _parse_inject(args.inject).get(args.run_stage)
+        try:
+            return run_stage_child(args.run_stage, Path(args.work), args.smoke, args.stage_limit_s, inject)
+        except Exception:  # noqa: BLE001 - the parent records the error from this output
+            traceback.print_exc()
+            return 1
+
+    if not args.out:
+        raise SystemExit("--out DIR: required (the folder for gpu_suite.json and gpu_suite.log)")
+    if args.budget_s <= 0:
+        raise SystemExit(f"--budget-s={args.budget_s}: must be > 0")
+    stage_budget = {}
+    for item in args.stage_budget:
+        name, _, secs = item.partition("=")
+        try:
+            value = float(secs)
+        except ValueError:
+            value = -1.0
+        if name not in STAGE_NAMES or value <= 0:
+            raise SystemExit(f"--stage-budget {item!r}: must be STAGE=SECONDS with STAGE one of "
+                             f"{', '.join(STAGE_NAMES)} and SECONDS > 0")
+        stage_budget[name] = value
+    only, skip = _pick(args.only, "--only"), _pick(args.skip, "--skip")
+    inject = _parse_inject(args.inject)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu_suite_"))
+    payload = run_suite(Path(args.out), work, args.budget_s, args.smoke, only, skip, inject, stage_budget)
+    print_summary(payload)
+    print(f"\nwrote {Path(args.out) / RESULT_NAME} and {LOG_NAME}", file=sys.stderr)
+    return 0 if all(r["status"] == "ok" for r in payload["stages"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
