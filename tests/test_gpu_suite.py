@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import gpu_suite  # noqa: E402
+from benchmarks import gpu_report, gpu_suite  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only("runs the suite's --smoke rehearsal as subprocesses on the CPU")
 
@@ -48,6 +48,8 @@ def test_smoke_run_names_every_stage_in_json_and_table(tmp_path):
     assert payload["versions"]["torch"]
     # a smoke run's toy shapes are not held against the goals
     assert {g["verdict"] for g in payload["goals"]} <= {"not judged", "not measured"}
+    markdown = gpu_report.render(payload)  # the page docs/results-gpu.md is written from
+    assert "### Goals" in markdown and all(f"### {name}" in markdown for name in gpu_suite.STAGE_NAMES)
     log = (tmp_path / "out" / gpu_suite.LOG_NAME).read_text()
     assert all(f"===== stage {name} " in log for name in gpu_suite.STAGE_NAMES)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [gpu_suite.RESULT_NAME, gpu_suite.LOG_NAME]
