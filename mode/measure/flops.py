@@ -8,7 +8,9 @@ A routed block counts attention and MLP for its C routed tokens only; tokens rou
 or dropped count nothing. Shared experts count for every token that reaches the MoE layer. For layers whose
 compute depends on the routing (token choice with no-op experts or capacity), ``nominal`` assumes balanced
 routing and ``realized`` reads the counts from the forward pass's ``Aux`` stats (one host read for the whole
-model).
+model; ``read=False`` leaves them on the device and returns a float64 0-dim tensor there instead, the same
+value computed by the same operations in the same order, for the trainer to read with the step's other
+scalars in its one host sync).
 
 Nothing here knows a layer kind or a router by name: a layer's ``LayerKind`` (``mode.model.kinds``) says
 whether MoD routes it and whether its MLP has experts, and the router configs answer how many tokens they
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from mode.model.config import LMConfig
@@ -87,33 +90,42 @@ def realized_assignments(aux: Aux, layer: int) -> float | None:
     return realized_assignments_per_layer(aux, layer + 1)[layer]
 
 
-def realized_assignments_per_layer(aux: Aux, n_layers: int) -> list[float | None]:
+def realized_assignments_per_layer(aux: Aux, n_layers: int, read: bool = True) -> list[float | Tensor | None]:
     """``realized_assignments`` of layers ``0 .. n_layers - 1`` (None for a layer without experts), read to
-    the host in one transfer."""
+    the host in one transfer; ``read=False``: left on the device as float64 0-dim tensors (no host sync)."""
     found = {i: aux.stats[router_key(i, MOE)] for i in range(n_layers) if router_key(i, MOE) in aux.stats}
     if not found:
         return [None] * n_layers
     kept = torch.stack([st.kept_E.double().sum() / max(1, st.batch_shape[0]) for st in found.values()])
-    values = dict(zip(found, kept.tolist()))  # the one host read
+    values = dict(zip(found, kept.tolist() if read else kept.unbind()))  # the one host read (read=True)
     return [values.get(i) for i in range(n_layers)]
 
 
-def forward_flops(cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None) -> list[LayerFlops]:
-    """Per-layer forward FLOPs of one sequence (nominal, or realized when ``aux`` is given), plus the head."""
+def forward_flops(cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None,
+                  read: bool = True) -> list[LayerFlops]:
+    """Per-layer forward FLOPs of one sequence (nominal, or realized when ``aux`` is given), plus the head.
+    ``read=False``: a realized layer's ``mlp`` and ``total`` are float64 0-dim tensors on the device."""
     s = seq_len or cfg.seq_len
-    realized = realized_assignments_per_layer(aux, cfg.n_layers) if aux is not None else [None] * cfg.n_layers
+    realized = (realized_assignments_per_layer(aux, cfg.n_layers, read) if aux is not None
+                else [None] * cfg.n_layers)
     out = [layer_flops(cfg, kind, s, a) for kind, a in zip(cfg.layers, realized)]
     out.append(LayerFlops("head", 0.0, 2 * s * cfg.d_model * cfg.vocab_size, 0.0))
     return out
 
 
-def forward_flops_per_token(cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None) -> float:
+def forward_flops_per_token(cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None,
+                            read: bool = True) -> float | Tensor:
+    """``read=False`` with realized routing: a float64 0-dim tensor on the device (no host sync)."""
     s = seq_len or cfg.seq_len
-    return sum(f.total for f in forward_flops(cfg, s, aux)) / s
+    return sum(f.total for f in forward_flops(cfg, s, aux, read)) / s
 
 
-def train_flops_per_token(cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None) -> float:
-    return TRAIN_MULTIPLIER * forward_flops_per_token(cfg, seq_len, aux)
+def train_flops_per_token(cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None,
+                          read: bool = True) -> float | Tensor:
+    """Training FLOPs per token (3x forward). With ``aux``, the realized routing: read to the host once, or with
+    ``read=False`` kept on the device as a float64 0-dim tensor (the same value; the trainer reads it with
+    the step's other scalars). A model without experts gives a float either way."""
+    return TRAIN_MULTIPLIER * forward_flops_per_token(cfg, seq_len, aux, read)
 
 
 def _sdpa_cpu_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:

@@ -96,6 +96,17 @@ def mesh_runtime(mesh, timeout_s: float | None) -> Runtime:
     return _mesh_runtimes[-1](mesh, timeout_s)
 
 
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``. A CPU tensor bound for a GPU goes through pinned memory with ``non_blocking=True``:
+    the copy is queued on the current stream (before the kernels that read it) and the host does not wait
+    for it, where a copy from pageable memory synchronises the stream. The pinned buffer is a fresh copy,
+    which the caching host allocator keeps until the copy is done. Elsewhere ``t.to(device)`` (on the CPU,
+    ``t`` itself)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """``"auto"``: the current CUDA GPU when there is one, else the CPU; ``"cpu"``, ``"cuda"``, ``"cuda:N"``."""
     if device == "auto":
@@ -138,10 +149,19 @@ class OneProcess:
         return model
 
     def rows(self, t_BS: Tensor) -> Tensor:
-        return t_BS.to(self.device)
+        return to_device(t_BS, self.device)  # on a GPU: pinned, non-blocking
 
     def sum_scalars(self, values: list) -> list[float]:
-        return [float(v) for v in values]
+        """Each value as a float; the tensors among them (loss, realized FLOPs) read in one transfer, the
+        step's one host sync on a GPU. The same floats as ``float(v)`` for each (float64 holds every
+        float32 and bfloat16 value exactly)."""
+        at = [i for i, v in enumerate(values) if isinstance(v, Tensor)]
+        out = [None if isinstance(v, Tensor) else float(v) for v in values]
+        if at:
+            read = torch.stack([values[i].detach().reshape(()).to(self.device, torch.float64) for i in at]).tolist()
+            for i, value in zip(at, read):
+                out[i] = value
+        return out
 
     def mean_over_ranks(self, t: Tensor) -> Tensor:
         return t.detach().double()

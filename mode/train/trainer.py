@@ -40,7 +40,7 @@ from mode.train.accumulate import GradAccumulation
 from mode.train.config import TrainConfig
 from mode.train.data import BatchSampler, Corpus, eval_batches
 from mode.train.optim import build_optimizer, lr_at
-from mode.train.runtime import OneProcess, Runtime, mesh_runtime, resolve_device
+from mode.train.runtime import OneProcess, Runtime, mesh_runtime, resolve_device, to_device
 
 
 @torch.no_grad()
@@ -51,7 +51,7 @@ def evaluate(model: LM, batches, device: torch.device | None = None, autocast=co
     losses = []
     for x, y in batches:
         if device is not None:
-            x, y = x.to(device), y.to(device)
+            x, y = to_device(x, device), to_device(y, device)
         with autocast():
             losses.append(float(model(x, y).loss))
     model.train(was_training)
@@ -249,13 +249,14 @@ class Trainer:
                 # the gradient of the global mean
                 ((out.loss + out.aux.total()) / (self.world_size * n)).backward()
                 ce_sum = ce_sum + out.loss.detach()
-                flops += train_flops_per_token(self.model_cfg, aux=out.aux) * x_mS.numel()  # realized routing
+                # realized routing, kept on the device (read=False): read with the step's other scalars below
+                flops = flops + train_flops_per_token(self.model_cfg, aux=out.aux, read=False) * x_mS.numel()
         self.grad_norm = rt.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         update_expert_bias(self.model, self.bias_routers)  # the step's choice counts, summed over ranks
         due = self.rank == 0 and self._time_to_save()  # clocks differ: rank 0 decides for every rank
-        loss_sum, flops, due = rt.sum_scalars([ce_sum / n, flops, float(due)])  # one all-reduce
+        loss_sum, flops, due = rt.sum_scalars([ce_sum / n, flops, float(due)])  # one all-reduce, one host read
         self._save_due = due > 0
         self.flops += flops
         self.tokens += x_BS.numel()

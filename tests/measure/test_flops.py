@@ -12,6 +12,7 @@ from mode.measure.flops import (
     mlp_flops_per_token, realized_assignments, train_flops_per_token,
 )
 from mode.model import LAYER_KINDS, LM, LMConfig, alternate
+from mode.model.kinds import get_layer_kind
 
 B, S, D, H, V, E = 2, 32, 32, 64, 256, 4
 
@@ -91,6 +92,25 @@ def test_train_flops_are_three_times_forward(kind):
     out = LM(cfg)(torch.randint(0, V, (B, S)))
     assert train_flops_per_token(cfg, S, aux=out.aux) == pytest.approx(
         3 * forward_flops_per_token(cfg, S, aux=out.aux), rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_realized_flops_left_on_the_device_equal_the_read_ones_bit_for_bit(kind):
+    """read=False (the trainer's step: the FLOPs are read with the loss in the step's one host sync) computes
+    the same float64 value by the same operations, without reading anything."""
+    from mode.measure.host_sync import HostSyncCounter
+
+    cfg = cfg_for(kind, capacity_factor=1.25, top_k=2, layers=("dense", kind, kind))
+    out = LM(cfg)(torch.randint(0, V, (3, S)))  # 3 rows: the per-sequence mean is not a dyadic fraction
+    with HostSyncCounter() as syncs:
+        kept = train_flops_per_token(cfg, S, aux=out.aux, read=False)
+    assert syncs.count == 0, syncs.events
+    read = train_flops_per_token(cfg, S, aux=out.aux)
+    if any(k.experts for k in map(get_layer_kind, cfg.layers)):
+        assert isinstance(kept, torch.Tensor) and kept.dtype == torch.float64 and kept.dim() == 0
+        assert kept.device == out.logits_BSV.device and float(kept) == read
+    else:
+        assert kept == read  # no realized routing: a float either way
 
 
 def test_nominal_mod_is_cheaper_than_dense():

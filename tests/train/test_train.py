@@ -268,6 +268,57 @@ def test_a_runtime_of_ones_own_trains_like_one_process(tmp_path):
     assert {"prepare", "rows", "sum_scalars", "clip_grad_norm_", "reduce_routing", "save"} <= set(rt.calls)
 
 
+def test_one_process_reads_the_step_scalars_in_one_transfer():
+    """OneProcess.sum_scalars: the same floats as float(v) for each value, the tensors read in one go (the
+    step's one host sync on a GPU)."""
+    from mode.measure.host_sync import HostSyncCounter
+    from mode.train.runtime import OneProcess, to_device
+
+    values = [torch.tensor(1 / 3), torch.tensor(2 / 3, dtype=torch.float64), torch.tensor(1 / 7, dtype=torch.bfloat16),
+              5.0, 1]
+    rt = OneProcess(torch.device("cpu"))
+    with HostSyncCounter() as syncs:
+        got = rt.sum_scalars(values)
+    assert syncs.by_reason == {"list read": 1}, syncs.events
+    assert got == [float(v) for v in values] and all(type(v) is float for v in got)
+    t = torch.arange(6).reshape(2, 3)
+    assert rt.rows(t) is t and to_device(t, torch.device("cpu")) is t  # the CPU path is unchanged: no copy
+
+
+def test_realized_flops_reach_the_step_sync_unread(tmp_path):
+    """A training step leaves the realized FLOPs on the device until sum_scalars reads them with the loss."""
+    from mode.train.runtime import OneProcess
+
+    class Spy(OneProcess):
+        def sum_scalars(self, values):
+            seen.append([type(v) for v in values])
+            return super().sum_scalars(values)
+
+    seen: list = []
+    plain = Trainer(model_cfg("moe", "integrated"), train_cfg(steps=2, grad_accum=2), corpus(), tmp_path / "plain",
+                    progress=False)
+    spied = Trainer(model_cfg("moe", "integrated"), train_cfg(steps=2, grad_accum=2), corpus(), tmp_path / "spy",
+                    progress=False, runtime=Spy(torch.device("cpu")))
+    assert stable(spied.run()) == stable(plain.run())
+    assert seen and all(types[:2] == [torch.Tensor, torch.Tensor] for types in seen), seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_cuda_training_step_syncs_once(tmp_path):
+    """The one-sync step on a GPU, counted by CUDA itself: batches copied from pinned memory without
+    blocking, the realized FLOPs read with the loss. Reports every other sync a step makes."""
+    from mode.measure.host_sync import CudaSyncCounter
+
+    t = Trainer(model_cfg("moe", "integrated", "staged"), train_cfg(steps=4), corpus(), tmp_path, progress=False,
+                device="cuda", bf16=True)
+    t.train_step()
+    torch.cuda.synchronize()
+    with CudaSyncCounter() as syncs:
+        t.train_step()
+    assert syncs.count == 1, syncs.events
+
+
 def test_runtime_errors(tmp_path):
     with pytest.raises(TypeError, match=r"runtime=str: must implement mode.train.runtime.Runtime"):
         Trainer(model_cfg("dense"), train_cfg(), corpus(), tmp_path, progress=False, runtime="cpu")
