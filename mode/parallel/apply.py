@@ -9,16 +9,21 @@ What it does, in this order (every rank calls it with the same model, built with
        too) keeps its router and gets, through ``MoELayer.set_experts``, an ``ExpertBank`` holding rank e's
        experts ``[e*L, (e+1)*L)`` and an ``ExpertParallelDispatcher`` on ``mesh["ep"]``'s group (ep = 1:
        all experts, the local dispatcher). The bank's two weights become DTensors of the global shape
-       ``(E, ...)`` with placements ``[Replicate(), Shard(0)]`` on the ``(dp, ep)`` mesh: DCP then saves
+       ``(E, ...)``, ``Shard(0)`` over ep (torch >= 2.13: ``[Replicate(), Shard(0)]`` on the ``(dp, ep)``
+       mesh; older torch: ``[Shard(0)]`` on ``mesh["ep"]``, see 4.): DCP then saves
        all E rows, and FSDP knows that the ep ranks hold different tensors (a plain-tensor shard would be
        silently treated as one replicated tensor: a wrong grad norm, a checkpoint of one ep group only).
        The bank computes on ``weight.to_local()`` (``mode.experts.bank.local_weight``).
     2. Every ``MoD`` wrapper gets ``skip_empty = False``: a rank whose MoD routes no token must still run
        the block, whose FSDP all-gathers and expert all-to-alls every rank enters.
     3. ``compile=True``: ``torch.compile`` per block (``mode.model.blocks``), before sharding.
-    4. **FSDP2.** Each expert bank: ``fully_shard(bank, mesh=mesh, dp_mesh_dims=shard "dp")`` (its L
-       experts sharded over dp). Each block, then the root: ``fully_shard`` on the flattened dp x ep mesh
-       (every dense weight sharded W ways; attention, norms, routers, embeddings).
+    4. **FSDP2.** Each expert bank: its L experts sharded over dp, by ``fully_shard(bank, mesh=mesh,
+       dp_mesh_dims=DataParallelMeshDims(shard="dp"))`` where torch has it (2.13 and later), else by
+       ``fully_shard(bank, mesh=mesh["dp"])`` on the ep DTensors (torch 2.11; 2.12 untested; FSDP joins the two
+       meshes into a ``(dp, ep)`` one itself). Either way the weights end up as DTensors on a ``(dp, ep)``
+       mesh with placements ``[_StridedShard(0, sf=ep), Shard(0)]`` (``Shard(0)`` over dp when ep = 1).
+       Each block, then the root: ``fully_shard`` on the flattened dp x ep mesh (every dense weight sharded
+       W ways; attention, norms, routers, embeddings).
     5. Every token-choice router gets ``reduce_counts``: its choice counts summed over the whole dp x ep
        mesh, for the balancing bias (``mode.routing.update_expert_bias``) and the global-batch balance loss.
     6. **Gradient reduction: sums.** Divide factor 1.0 and force-sum on every FSDP module; the training
@@ -35,12 +40,15 @@ mesh, combined, then applied per mesh); ``torch.nn.utils.clip_grad_norm_`` refus
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Iterable
 
+import torch
+import torch.distributed.fsdp as _fsdp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mode.dispatch.expert_parallel import ExpertParallelDispatcher
@@ -54,6 +62,16 @@ from mode.parallel.mesh import flat_mesh, mesh_dims
 from mode.parallel.stats_reduce import SumOverGroup
 
 
+# Chosen once, by what the installed torch offers: fully_shard(..., dp_mesh_dims=) on the whole (dp, ep) mesh
+# (torch >= 2.13), or the older EP path (the bank on mesh["ep"], fully_shard on mesh["dp"]; tested on torch 2.11).
+SPMD_MESH_DIMS = (hasattr(_fsdp, "DataParallelMeshDims")
+                  and "dp_mesh_dims" in inspect.signature(fully_shard).parameters)
+# The oldest torch the mesh path is tested on (2.11 with the older EP path, 2.13 with dp_mesh_dims). Older ones
+# (the MegaBlocks stack's 2.7.0, docs/backends.md) run the one-process library only; parallelize refuses them.
+MIN_TORCH = (2, 11)
+TORCH_VERSION = tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+
+
 def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
     """Module name -> every ``MoELayer`` in ``model`` (the model itself included)."""
     return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
@@ -64,10 +82,22 @@ def is_parallelized(model: nn.Module) -> bool:
 
 
 def _distribute_bank(bank: ExpertBank, mesh: DeviceMesh) -> None:
-    """Turn the bank's (L, ...) weights into DTensors of global shape (E, ...), Shard(0) on the ep dim."""
+    """Turn the bank's (L, ...) weights into DTensors of global shape (E, ...), Shard(0) on the ep dim: on the
+    whole (dp, ep) mesh, Replicate over dp, where fully_shard takes ``dp_mesh_dims``; else on ``mesh["ep"]``."""
+    on, placements = (mesh, [Replicate(), Shard(0)]) if SPMD_MESH_DIMS else (mesh["ep"], [Shard(0)])
     for name, p in list(bank.named_parameters(recurse=False)):
-        dt = DTensor.from_local(p.detach(), mesh, [Replicate(), Shard(0)], run_check=False)
+        dt = DTensor.from_local(p.detach(), on, placements, run_check=False)
         bank.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+
+def _shard_bank(bank: ExpertBank, mesh: DeviceMesh, kw: dict) -> None:
+    """FSDP2 over dp on a bank made by ``_distribute_bank``."""
+    if SPMD_MESH_DIMS:
+        # the weights' own mesh object: equal to ``mesh``, but DTensor may hand back an equal one made
+        # earlier (its specs are cached), and fully_shard wants the very object
+        fully_shard(bank, mesh=bank.w_in.device_mesh, dp_mesh_dims=_fsdp.DataParallelMeshDims(shard="dp"), **kw)
+    else:  # FSDP concatenates mesh["dp"] with the weights' ep mesh (torch 2.11: _fsdp_param, DTensor params)
+        fully_shard(bank, mesh=mesh["dp"], **kw)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Module] | None = None,
@@ -78,6 +108,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Modul
     goes to every ``fully_shard`` (None: FSDP's default, True below the root). ``dedup``: the expert-parallel
     dispatchers send one row per (token, destination rank) instead of one per assignment
     (``ExpertParallelDispatcher``; worth it with top-k > 1, above all with device-limited routing)."""
+    if TORCH_VERSION < MIN_TORCH:
+        raise ValueError(f"torch {torch.__version__}: parallelize needs torch>={'.'.join(map(str, MIN_TORCH))} "
+                         "(the oldest it is tested on; 2.11 and 2.13 are); "
+                         "install a newer torch, or train in one process")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={type(model).__name__}: must be an nn.Module")
     dims = mesh_dims(mesh)
@@ -110,9 +144,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Modul
 
     kw = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
     for bank in banks:
-        # the weights' own mesh object: equal to ``mesh``, but DTensor may hand back an equal one made
-        # earlier (its specs are cached), and fully_shard wants the very object
-        fully_shard(bank, mesh=bank.w_in.device_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"), **kw)
+        _shard_bank(bank, mesh, kw)
     flat = flat_mesh(mesh)
     counts_over_mesh = SumOverGroup(flat.get_group())  # every rank holds a copy of every router
     for m in model.modules():
