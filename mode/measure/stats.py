@@ -75,9 +75,9 @@ def rate_by_position(selected_S: Tensor, tokens_S: Tensor, buckets: int | None =
     if buckets is not None:
         S = sel.numel()
         b = min(buckets, S)
-        bucket_S = torch.arange(S) * b // S
-        sel = torch.zeros(b, dtype=torch.float64).index_add_(0, bucket_S, sel)
-        tok = torch.zeros(b, dtype=torch.float64).index_add_(0, bucket_S, tok)
+        bucket_S = torch.arange(S, device="cpu") * b // S  # on the host with sel and tok, whatever the default
+        sel = torch.zeros(b, dtype=torch.float64, device="cpu").index_add_(0, bucket_S, sel)
+        tok = torch.zeros(b, dtype=torch.float64, device="cpu").index_add_(0, bucket_S, tok)
     return [float(s) / float(t) if t > 0 else float("nan") for s, t in zip(sel, tok)]
 
 

@@ -341,7 +341,7 @@ def _liveness(record: MetaRecord, names, draws: bool) -> tuple[list[bool], list[
 
 
 def _view(storage, ref: _Ref) -> Tensor:
-    return torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.shape, ref.stride)
+    return torch.empty(0, dtype=ref.dtype, device=storage.device).set_(storage, ref.offset, ref.shape, ref.stride)
 
 
 def replay(model: nn.Module, emit: Callable[[str, Tensor], None] | None, *, restore_rng: bool = True,
@@ -392,7 +392,7 @@ def _replay(record: MetaRecord, emit, restore_rng: bool, names=None) -> None:
                     continue
                 for k in op.overwrites:
                     if k not in bound:  # nothing kept from before: a fresh scratch of the storage's size
-                        bound[k] = torch.empty(record.nbytes[k], dtype=torch.uint8).untyped_storage()
+                        bound[k] = torch.empty(record.nbytes[k], dtype=torch.uint8, device="cpu").untyped_storage()
                 args, kwargs = pytree.tree_map(real, (op.args, op.kwargs), is_leaf=lambda x: isinstance(x, _Ref))
                 out = [t for t in pytree.tree_leaves(op.func(*args, **kwargs)) if isinstance(t, Tensor)]
                 for k, ref, j in op.created:
@@ -421,5 +421,5 @@ def _bind(bound: dict, key: int, ref: _Ref, out: Tensor, nbytes: int) -> None:
             and out.dtype == ref.dtype):
         bound[key] = storage
         return
-    bound[key] = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()  # the meta layout, as recorded
+    bound[key] = torch.empty(nbytes, dtype=torch.uint8, device="cpu").untyped_storage()  # the meta layout, as recorded
     _view(bound[key], ref).copy_(out)

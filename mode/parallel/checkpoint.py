@@ -110,12 +110,12 @@ def read_meta(folder: Path, where: str, training: bool, reader: SafeReader | Non
     try:
         for key in ("sampler_rng", "torch_rng"):
             if key in state:
-                state[key] = torch.tensor(state[key], dtype=torch.uint8)
+                state[key] = torch.tensor(state[key], dtype=torch.uint8, device="cpu")  # RNG states live on the host
         if "cuda_rng" in state:
-            state["cuda_rng"] = [torch.tensor(r, dtype=torch.uint8) for r in state["cuda_rng"]]
+            state["cuda_rng"] = [torch.tensor(r, dtype=torch.uint8, device="cpu") for r in state["cuda_rng"]]
         if "routing_acc" in state:
             acc = state["routing_acc"]
-            state["routing_acc"] = {"sums": {k: torch.tensor(v, dtype=torch.float64)
+            state["routing_acc"] = {"sums": {k: torch.tensor(v, dtype=torch.float64, device="cpu")
                                              for k, v in acc.get("sums", {}).items()},
                                     "layer_kinds": acc.get("layer_kinds")}
     except (TypeError, ValueError, RuntimeError, AttributeError, OverflowError) as e:
@@ -157,7 +157,7 @@ def _optimizer_skeleton(model: nn.Module, optimizer: torch.optim.Optimizer, md: 
         name = names[id(p)]
         if f"optimizer.{name}.exp_avg" not in items:
             continue  # never stepped (no gradient yet): no state, as in the saving run
-        out[name] = {"step": torch.zeros((), dtype=torch.float32),
+        out[name] = {"step": torch.zeros((), dtype=torch.float32, device="cpu"),  # non-capturable AdamW's
                      "exp_avg": torch.zeros_like(p.detach()), "exp_avg_sq": torch.zeros_like(p.detach())}
     return out
 

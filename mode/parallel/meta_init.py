@@ -83,8 +83,12 @@ def _local_piece(full: Tensor, target: Tensor, name: str) -> Tensor:
         return full
     mesh, placements = target.device_mesh, target.placements
     if all(isinstance(pl, Replicate) or (isinstance(pl, (Shard, _StridedShard)) and pl.dim == 0) for pl in placements):
-        rows = distribute_tensor(torch.arange(full.shape[0]), mesh, placements, src_data_rank=None).to_local()
-        contiguous = rows.numel() == 0 or torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + rows.numel()))
+        # host indices: distribute_tensor moves them to the mesh's device (CUDA under NCCL), ``full`` is the CPU
+        # replay's value; whatever the default device is
+        rows = distribute_tensor(torch.arange(full.shape[0], device="cpu"), mesh, placements,
+                                 src_data_rank=None).to_local().cpu()
+        contiguous = rows.numel() == 0 or torch.equal(
+            rows, torch.arange(int(rows[0]), int(rows[0]) + rows.numel(), device="cpu"))
         piece = full.narrow(0, int(rows[0]), rows.numel()) if contiguous and rows.numel() else full.index_select(0, rows)
     else:
         piece = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()

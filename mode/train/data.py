@@ -187,7 +187,7 @@ def eval_batches(data: Split, batch_size: int, seq_len: int, num_batches: int) -
     """Fixed, evenly spaced validation windows (the same for every model and every evaluation)."""
     n_windows = batch_size * num_batches
     windows = Windows(data, seq_len, "validation split")
-    starts = torch.linspace(0, windows.count - 1, n_windows).long()
+    starts = torch.linspace(0, windows.count - 1, n_windows, device="cpu").long()  # host indices, read by numpy
     window_WS = windows.read(starts)
     return [(w[:, :-1], w[:, 1:]) for w in window_WS.split(batch_size)]
 

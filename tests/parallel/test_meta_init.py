@@ -124,6 +124,15 @@ def _converted(mh, moe_models):
 # one process
 
 
+@pytest.fixture(autouse=True)
+def _eager_on_cpu():
+    """The replay draws from the CPU generator, so the eager builds it is compared with are built on the CPU,
+    also under MODE_TEST_DEVICE=cuda (whose default device would draw them from the CUDA generator);
+    test_materialize_on_the_test_device puts the values on the test device."""
+    with torch.device("cpu"):
+        yield
+
+
 @pytest.mark.parametrize("name", list(KINDS))
 def test_meta_build_equals_eager_build(name):
     cfg = KINDS[name]
@@ -143,6 +152,23 @@ def test_meta_build_equals_eager_build(name):
     torch.manual_seed(0)
     ref = eager(x, x)
     assert torch.equal(out.logits_BSV, ref.logits_BSV) and torch.equal(out.loss, ref.loss)
+
+
+def test_materialize_on_the_test_device(device):
+    """materialize(model, device): the eager CPU build's values, on ``device`` (the GPU under
+    MODE_TEST_DEVICE=cuda: the replay's CPU values copied into the device's tensors)."""
+    cfg = KINDS["recipes_buffers"]
+    torch.manual_seed(SEED)
+    eager = LM(cfg).to(device)
+    model = materialize(build_on_meta(lambda: LM(cfg), seed=SEED), device)
+    assert {t.device for t in _tensors(model).values()} == {device}
+    assert _differences(_tensors(model), _tensors(eager)) == []
+    x = torch.randint(0, 256, (2, 16), device=device)
+    torch.manual_seed(0)
+    out = model(x, x)
+    torch.manual_seed(0)
+    ref = eager(x, x)
+    torch.testing.assert_close(out.logits_BSV, ref.logits_BSV, rtol=0, atol=0 if device.type == "cpu" else 1e-5)
 
 
 def test_user_model_and_reseeding_and_own_generator():
