@@ -5,7 +5,8 @@ The format (version 1; docs/checkpoints.md)
     str, int, float, bool, None): ``format`` = "mode-checkpoint", ``version``, ``model_cfg`` (the
     ``LMConfig`` as a dict), ``model`` (the state dict), and for resuming ``train_cfg``, ``optimizer``,
     ``step``, ``flops``, ``tokens``, ``wall``, ``elapsed_s``, ``history``, ``sampler_rng``,
-    ``torch_rng``, ``cuda_rng`` (a list, one per GPU; empty without CUDA) and ``routing_acc``; ``data``
+    ``torch_rng``, ``cuda_rng`` (a list: the state of the GPU the saving process trains on; empty where it
+    never used CUDA; files written before held one state per visible GPU) and ``routing_acc``; ``data``
     (``mode.train.data.Corpus.record``: bytes or token shards, and the tokenizer that decodes them).
 
 Sharded folders
@@ -253,22 +254,45 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
     return atomic_write(path, buf.getvalue())
 
 
-def rng_state() -> dict:
-    """Every RNG a training step draws from, besides the data sampler's own generator."""
-    return {"torch_rng": torch.get_rng_state(),
-            "cuda_rng": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else []}
+def _cuda_index(device: torch.device | int | None) -> int:
+    """The GPU a process trains on: ``device`` (a CUDA device or its index), else the current one (under
+    torchrun each rank's own, ``mode.parallel.process_group``)."""
+    if device is None:
+        return torch.cuda.current_device()
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device={device}: must be a CUDA device (the GPU whose RNG state is saved)")
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def set_rng_state(state: dict) -> None:
+def rng_state(device: torch.device | int | None = None) -> dict:
+    """Every RNG a training step draws from, besides the data sampler's own generator: the CPU generator and
+    the generator of the GPU this process trains on (``device``; default: the current GPU). Only that one:
+    every rank saves its own and reads no other GPU's. ``cuda_rng`` is empty where this process never
+    initialised CUDA (its GPU generators were never drawn from; nor is CUDA started here to read them)."""
+    cuda = [torch.cuda.get_rng_state(_cuda_index(device))] if torch.cuda.is_initialized() else []
+    return {"torch_rng": torch.get_rng_state(), "cuda_rng": cuda}
+
+
+def set_rng_state(state: dict, device: torch.device | int | None = None) -> None:
+    """Restore what ``rng_state`` saved: the CPU generator, and the saved GPU state into this process's GPU
+    (``device``; default: the current GPU). A file from before held one state per visible GPU: the entry of
+    this process's GPU is restored (there is none when the file comes from a machine with fewer GPUs: a
+    warning, and GPU random draws are not the saved run's)."""
     torch.set_rng_state(state["torch_rng"])
     cuda = state.get("cuda_rng") or []
-    if cuda and torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        if len(cuda) != n:  # another machine: resuming works, but GPU random draws are not the saved run's
-            warnings.warn(f"cuda_rng: the checkpoint holds the RNG states of {len(cuda)} GPU(s), this process "
-                          f"sees {n}: restoring the first {min(n, len(cuda))}", stacklevel=2)
-        for i, s in enumerate(cuda[:n]):
-            torch.cuda.set_rng_state(s, i)
+    if not cuda or not torch.cuda.is_available():
+        return
+    index = _cuda_index(device)
+    if len(cuda) == 1:
+        saved = cuda[0]
+    elif index < len(cuda):  # the older format: one state per GPU of the saving machine
+        saved = cuda[index]
+    else:
+        warnings.warn(f"cuda_rng: the checkpoint holds the RNG states of {len(cuda)} GPUs, none for this "
+                      f"process's GPU cuda:{index}: its generator is left as it is", stacklevel=2)
+        return
+    torch.cuda.set_rng_state(saved, index)
 
 
 # ---------------------------------------------------------------------------------------------- reading

@@ -597,3 +597,77 @@ def test_the_balancing_bias_survives_a_checkpoint_and_resumes_exactly(tmp_path, 
     assert stable(b2.run()) == stable(a.history)
     for r, q in zip(a.bias_routers, b2.bias_routers, strict=True):
         assert torch.equal(r.bias_X, q.bias_X)
+
+
+# ------------------------------------------------------------------------------------------- GPU RNG states
+
+
+class FakeCuda:
+    """torch.cuda's RNG calls on a machine with ``n`` GPUs, this process on ``current``: records every read
+    and write; ``get_rng_state_all`` (every GPU's state, read from every rank) must not be called."""
+
+    def __init__(self, monkeypatch, n: int = 4, current: int = 2, initialized: bool = True):
+        self.reads, self.writes = [], []
+        for name, fn in {"is_available": lambda: True, "is_initialized": lambda: initialized,
+                         "device_count": lambda: n, "current_device": lambda: current,
+                         "get_rng_state": self.get, "set_rng_state": self.set,
+                         "get_rng_state_all": self.get_all}.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+    @staticmethod
+    def state(i: int) -> torch.Tensor:
+        return torch.full((16,), 10 + i, dtype=torch.uint8)
+
+    def get(self, device):
+        self.reads.append(device)
+        return self.state(device)
+
+    def set(self, state, device):
+        self.writes.append((int(state[0]), device))
+
+    def get_all(self):
+        raise AssertionError("get_rng_state_all reads every GPU's state")
+
+
+def test_only_this_processs_gpu_rng_state_is_saved(monkeypatch):
+    cuda = FakeCuda(monkeypatch, n=4, current=2)
+    state = checkpoint.rng_state()
+    assert cuda.reads == [2] and len(state["cuda_rng"]) == 1 and torch.equal(state["cuda_rng"][0], cuda.state(2))
+    assert torch.equal(state["torch_rng"], torch.get_rng_state())
+    assert len(checkpoint.rng_state(torch.device("cuda", 3))["cuda_rng"]) == 1 and cuda.reads[-1] == 3
+    with pytest.raises(ValueError, match=r"device=cpu: must be a CUDA device \(the GPU whose RNG state is saved\)"):
+        checkpoint.rng_state("cpu")
+
+
+def test_no_gpu_rng_state_where_cuda_was_never_initialised(monkeypatch):
+    """A CPU run on a GPU machine: nothing of CUDA was drawn from, and saving does not start CUDA."""
+    cuda = FakeCuda(monkeypatch, initialized=False)
+    assert checkpoint.rng_state()["cuda_rng"] == [] and cuda.reads == []
+
+
+def test_the_saved_gpu_state_goes_to_this_processs_gpu(monkeypatch):
+    cuda = FakeCuda(monkeypatch, n=4, current=2)
+    checkpoint.set_rng_state({"torch_rng": torch.get_rng_state(), "cuda_rng": [cuda.state(0)]})
+    assert cuda.writes == [(10, 2)]  # the saving process's GPU (cuda:0 there) into this one's (cuda:2)
+    checkpoint.set_rng_state({"torch_rng": torch.get_rng_state(), "cuda_rng": []})
+    assert cuda.writes == [(10, 2)]
+
+
+def test_an_older_checkpoint_with_every_gpus_state_restores_this_processs_own(tmp_path, monkeypatch):
+    """Files written before held get_rng_state_all(): one state per GPU of the saving machine. Resuming
+    restores the entry of this process's GPU; a file from a machine with fewer GPUs restores none (a
+    warning), and still resumes."""
+    t = trained(tmp_path)
+    state = load_checkpoint(t.ckpt_path, training=True)
+    old = tmp_path / "old.pt"
+    checkpoint.save_checkpoint(old, {**state, "cuda_rng": [FakeCuda.state(i) for i in range(3)]})
+    resumed, far = (Trainer(model_cfg("dense", "mod"), train_cfg(steps=2), corpus(), tmp_path / name, progress=False)
+                    for name in ("r", "f"))  # built before torch.cuda is faked
+    cuda = FakeCuda(monkeypatch, n=4, current=1)
+    resumed.load(old)
+    assert resumed.step == 2 and cuda.writes == [(11, 1)]
+    cuda = FakeCuda(monkeypatch, n=4, current=3)
+    with pytest.warns(UserWarning, match=r"cuda_rng: the checkpoint holds the RNG states of 3 GPUs, none for "
+                                         r"this process's GPU cuda:3: its generator is left as it is"):
+        far.load(old)
+    assert far.step == 2 and cuda.writes == []
