@@ -751,12 +751,12 @@ def print_summary(payload: dict) -> None:
             nums = rec["numbers"]
             what = ", ".join(f"{k}={_fmt(nums[k])}" for k in HEADLINE.get(name, ()) if k in nums)
             if name == "profile":
-                what = "device busy: " + ", ".join(f"{k.split(':')[0]} {v:.0%}" for k, v in nums.items()
-                                                   if k.endswith("busy_fraction")) or "wall ms per step: " + \
-                    ", ".join(f"{k.split(':')[0]} {v:.1f}" for k, v in nums.items())
+                busy = [f"{k.split(':')[0]} {v:.0%}" for k, v in nums.items() if k.endswith("busy_fraction")]
+                what = ("device busy: " + ", ".join(busy)) if busy else "wall ms per step: " + ", ".join(
+                    f"{k.split(':')[0]} {v:.1f}" for k, v in nums.items())
         else:
             what = rec.get("error") or rec.get("reason", "")
-        print(f"  {name:<7}{rec['status']:<8}{rec.get('seconds', 0):>6.1f}s  {what}"[:300])
+        print(f"  {name:<8}{rec['status']:<8}{rec.get('seconds', 0):>6.1f}s  {what}"[:300])
     for g in payload.get("goals", []):
         print(f"  goal {g['verdict']:<12} {g['goal']}: {_fmt(g['value'])}")
 

@@ -36,7 +36,7 @@ def test_smoke_run_names_every_stage_in_json_and_table(tmp_path):
     for name, rec in payload["stages"].items():
         assert rec["status"] == "ok", (name, rec)
         assert rec["numbers"], name
-        assert f"\n  {name:<7}ok" in proc.stdout
+        assert f"\n  {name:<8}ok" in proc.stdout
     nums = {name: rec["numbers"] for name, rec in payload["stages"].items()}
     assert nums["env"]["matmul_bf16_tflops"] > 0 and nums["env"]["copy_gbs"] > 0
     assert nums["tests"]["passed"] > 0 and nums["tests"]["failed"] == 0
@@ -67,7 +67,7 @@ def test_a_stage_that_raises_or_hangs_is_recorded_and_the_next_stage_runs(tmp_pa
     assert st["mod"]["status"] == "timeout" and 8 <= st["mod"]["seconds"] < 8 + 2 * gpu_suite.KILL_GRACE_S + 5
     assert any("hanging on purpose" in line for line in st["mod"]["tail"])
     assert st["decode"]["status"] == "ok" and st["decode"]["numbers"]["speedup_b1"] > 0
-    assert "moe    failed" in proc.stdout and "mod    timeout" in proc.stdout
+    assert "moe     failed" in proc.stdout and "mod     timeout" in proc.stdout
 
 
 def test_the_overall_deadline_stops_later_stages(tmp_path):
