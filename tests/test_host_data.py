@@ -32,12 +32,14 @@ CFG = LMConfig(seq_len=16, d_model=32, n_heads=2, d_hidden=64, layers=("dense", 
 
 @contextlib.contextmanager
 def default_device(device: str):
+    """``torch.set_default_device(device)`` for the block; then the session's default again (the CPU as
+    None: ``set_default_device("cpu")`` would leave a device mode on that later tests would see)."""
     before = torch.get_default_device()
     torch.set_default_device(device)
     try:
         yield
     finally:
-        torch.set_default_device(before)
+        torch.set_default_device(None if before.type == "cpu" else before)
 
 
 def test_the_meta_default_device_catches_host_code_that_names_no_device():
