@@ -235,6 +235,20 @@ def parse_pytest(text: str) -> dict:
     return {"counts": counts, "failed": sorted(set(failed)), "skip_reasons": skips, "summary": summary}
 
 
+def group_failures(failures: list[dict], top: int = 40) -> list[dict]:
+    """Failures with the same exception message and library frame, counted, most frequent first (numbers in
+    the message are kept: a shape or a value is usually the clue)."""
+    groups: dict[tuple, dict] = {}
+    for f in failures:
+        key = (f["message"][:200], f.get("library_frame"))
+        g = groups.setdefault(key, {"count": 0, "message": f["message"], "library_frame": f.get("library_frame"),
+                                    "test_frame": f.get("test_frame"), "example": f["test"], "files": set()})
+        g["count"] += 1
+        g["files"].add(f["test"].split("::")[0])
+    ranked = sorted(groups.values(), key=lambda g: -g["count"])[:top]
+    return [{**g, "files": sorted(g["files"])} for g in ranked]
+
+
 def stage_tests(ctx: Ctx) -> dict:
     targets = [t for t in (SMOKE_TESTS if ctx.smoke else TEST_ORDER) if (ROOT / t).exists()]
     env = dict(os.environ, MODE_TEST_DEVICE=ctx.device.type if ctx.device.type == "cuda" else "cpu",
@@ -243,8 +257,11 @@ def stage_tests(ctx: Ctx) -> dict:
     import importlib.util
 
     xdist = not ctx.smoke and importlib.util.find_spec("xdist") is not None
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "--timeout", "90",
-           "-o", "addopts=", *(["-n", str(XDIST_WORKERS)] if xdist else []), *targets]
+    failures_path = ctx.work / "failures.jsonl"
+    failures_path.unlink(missing_ok=True)
+    env["MODE_FAILURES_JSONL"] = str(failures_path)
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "-p", "benchmarks.pytest_failures",
+           "--timeout", "90", "-o", "addopts=", *(["-n", str(XDIST_WORKERS)] if xdist else []), *targets]
     print(" ".join(cmd), flush=True)
     inner = max(ctx.limit_s - 15, 5)  # leave time to parse and report what ran before the limit
     cut_off = False
@@ -258,6 +275,11 @@ def stage_tests(ctx: Ctx) -> dict:
     text = log.read_text(errors="replace")
     print("\n".join(text.splitlines()[-40:]))
     parsed = parse_pytest(text)
+    failures = [json.loads(line) for line in failures_path.read_text().splitlines()] if failures_path.exists() else []
+    parsed["failure_groups"] = group_failures(failures)
+    for g in parsed["failure_groups"]:
+        print(f"FAILURE GROUP x{g['count']}: {g['message']}\n    at {g['library_frame']} / {g['test_frame']}; "
+              f"e.g. {g['example']}")
     c = parsed["counts"]
     numbers = {"passed": c.get("passed", 0), "failed": c.get("failed", 0) + c.get("error", 0),
                "skipped": c.get("skipped", 0), "cut_off": cut_off, "returncode": proc.returncode}
@@ -486,7 +508,11 @@ def profile_step(step: Callable[[], None], device, iters: int, top: int = 8) -> 
             return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
         return e.self_cpu_time_total
 
-    events = [e for e in prof.key_averages() if own(e) > 0]
+    from torch.autograd import DeviceType
+
+    # on CUDA only the kernels (device events) count: an aten op's device time is its kernels' time again
+    events = [e for e in prof.key_averages() if own(e) > 0
+              and (not cuda or getattr(e, "device_type", None) == DeviceType.CUDA)]
     busy_us = sum(own(e) for e in events) / iters
     ranked = sorted(events, key=own, reverse=True)[:top]
     total_us = sum(own(e) for e in events) or 1.0

@@ -144,3 +144,27 @@ def test_parse_pytest_reads_xdist_lines():
     parsed = gpu_suite.parse_pytest(text)
     assert parsed["counts"] == {"passed": 1, "failed": 1}
     assert parsed["failed"] == ["tests/core/test_a.py::test_two[cuda]"]
+
+
+def test_failures_plugin_writes_each_failure_with_its_reason_and_groups_them(tmp_path):
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "@pytest.mark.parametrize('n', [1, 2])\n"
+        "def test_mismatch(n):\n"
+        "    raise RuntimeError('Expected all tensors to be on the same device')\n"
+        "def test_ok():\n"
+        "    pass\n"
+        "def test_assert():\n"
+        "    assert 1 == 2\n")
+    jsonl = tmp_path / "failures.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "benchmarks.pytest_failures", "-p",
+                           "no:cacheprovider", str(tmp_path / "test_sample.py")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**__import__("os").environ, "MODE_FAILURES_JSONL": str(jsonl),
+                                                       "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 1, proc.stdout
+    failures = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(failures) == 3 and all(f["when"] == "call" for f in failures)
+    groups = gpu_suite.group_failures(failures)
+    assert groups[0]["count"] == 2 and "same device" in groups[0]["message"]
+    assert groups[0]["test_frame"].endswith("test_sample.py:4")
+    assert groups[1]["count"] == 1 and "assert 1 == 2" in groups[1]["message"]
