@@ -295,6 +295,43 @@ MOE_GPU_ARGS = ["--tokens", "16384", "--d-model", "1024", "--configs", "8:2048",
 PEER_FAMILIES = ("transformers", "torchtitan")
 
 
+def compiled_ratio(candidate, baseline, x, g, device, warmup: int, repeats: int) -> dict:
+    """``torch.compile``-d candidate / compiled baseline, forward + backward under bf16 autocast, interleaved
+    pairs after a warm-up whose first call compiles: what eager's per-op launch cost hides (the host-bound
+    share the profile stage shows)."""
+    import torch
+
+    from benchmarks.common import time_pair
+
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    torch._dynamo.config.capture_scalar_outputs = True
+    steps = []
+    for module in (candidate, baseline):
+        compiled = torch.compile(module)
+        params = [p for p in module.parameters() if p.requires_grad]
+
+        def step(compiled=compiled, params=params) -> None:
+            for p in params:
+                p.grad = None
+            x.grad = None
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                out = compiled(x)
+            y, aux = out if isinstance(out, tuple) else (out, None)
+            total = None if aux is None else aux.total()
+            outs, grads = ([y, total], [g, None]) if total is not None and total.requires_grad else ([y], [g])
+            torch.autograd.backward(outs, grads)
+
+        steps.append(step)
+    t0 = time.monotonic()
+    steps[0]()
+    steps[1]()
+    _sync(device)
+    compile_s = time.monotonic() - t0
+    res = time_pair(steps[0], steps[1], warmup=warmup, repeats=repeats, device=device)
+    return {"ratio": res["ratio_median"], "candidate_ms": 1e3 * res["candidate_s_median"],
+            "baseline_ms": 1e3 * res["baseline_s_median"], "compile_s": compile_s}
+
+
 def stage_moe(ctx: Ctx) -> dict:
     from benchmarks import bench_peers
 
@@ -319,8 +356,25 @@ def stage_moe(ctx: Ctx) -> dict:
         numbers[f"best_peer_ratio_{key}"] = min(peers.values()) if peers else None
         numbers[f"ahead_of_peers_{key}"] = all(ours["ratio_median"] < v for v in peers.values()) if peers else None
         numbers[f"num_experts_{key}"] = E
+    # the same layer and dense MLP compiled (first configuration only in the smoke run: CPU compiles are slow)
+    import torch
+
+    from mode import MLP
+
+    compiled = {}
+    cfg = payload["config"]
+    for E, H in (cfg["configs"][:1] if ctx.smoke else cfg["configs"]):
+        key = "E8" if E == min(c[0] for c in cfg["configs"]) else "E64"
+        torch.manual_seed(0)
+        x = torch.randn(1, cfg["tokens"], cfg["d_model"], device=ctx.device, requires_grad=True)
+        g = torch.randn(1, cfg["tokens"], cfg["d_model"], device=ctx.device)
+        layer = bench_peers.build_mode(cfg, E, H, "auto", seed=1).to(ctx.device)
+        dense = MLP(cfg["d_model"], bench_peers.TOP_K * H, activation="swiglu").to(ctx.device)
+        compiled[key] = compiled_ratio(layer, dense, x, g, ctx.device, warmup=2, repeats=5 if ctx.smoke else 15)
+        numbers[f"moe_ratio_compiled_{key}"] = compiled[key]["ratio"]
+        print(f"compiled E={E}: {compiled[key]}", flush=True)
     return {"numbers": numbers, "details": {"skipped": payload["skipped"], "config": payload["config"],
-                                            "results": payload["results"]}}
+                                            "compiled": compiled, "results": payload["results"]}}
 
 
 MOD_GPU_BLOCK = dict(d_model=1024, n_heads=16, mod_batch=8, mod_seq=2048, warmup=3, repeats=15)
@@ -342,14 +396,28 @@ def stage_mod(ctx: Ctx) -> dict:
         block = bench_mod(block_cfg, device, seed=0)
         lm = bench_lm_step(False, device, seed=0, warmup=block_cfg["warmup"], repeats=block_cfg["repeats"],
                            shape=lm_shape)
+    from mode import MLP, MoD, MoDRouter, MoDRouterConfig, TransformerBlock
+
+    d, heads, B, S = block_cfg["d_model"], block_cfg["n_heads"], block_cfg["mod_batch"], block_cfg["mod_seq"]
+    torch.manual_seed(0)
+    x = torch.randn(B, S, d, device=device, requires_grad=True)
+    g = torch.randn(B, S, d, device=device)
+    mod = MoD(TransformerBlock(d, heads, MLP(d, 4 * d)), MoDRouter(MoDRouterConfig(d_model=d, capacity=0.125,
+                                                                                   check_finite=False)))
+    compiled = compiled_ratio(mod.to(device), TransformerBlock(d, heads, MLP(d, 4 * d)).to(device), x, g, device,
+                              warmup=2, repeats=block_cfg["repeats"])
+    print(f"compiled MoD block / compiled dense block: {compiled}")
     print(f"MoD block {block['ratio_median']:.3f} (FLOP ratio {block['flop_ratio']:.3f}); "
           f"LM step {lm['ratio_median']:.3f} (FLOP ratio {lm['flop_ratio']:.3f})")
     numbers = {"block_ratio": block["ratio_median"], "block_flop_ratio": block["flop_ratio"],
                "block_gap": block["ratio_median"] - block["flop_ratio"],
                "lm_ratio": lm["ratio_median"], "lm_flop_ratio": lm["flop_ratio"],
                "lm_gap": lm["ratio_median"] - lm["flop_ratio"],
-               "block_dense_ms": 1e3 * block["baseline_s_median"], "lm_dense_ms": 1e3 * lm["baseline_s_median"]}
-    return {"numbers": numbers, "details": {"dtype": "bf16 autocast", "block": block, "lm": lm}}
+               "block_dense_ms": 1e3 * block["baseline_s_median"], "lm_dense_ms": 1e3 * lm["baseline_s_median"],
+               "block_ratio_compiled": compiled["ratio"],
+               "block_gap_compiled": compiled["ratio"] - block["flop_ratio"]}
+    return {"numbers": numbers, "details": {"dtype": "bf16 autocast", "block": block, "lm": lm,
+                                            "block_compiled": compiled}}
 
 
 def stage_decode(ctx: Ctx) -> dict:
@@ -760,8 +828,9 @@ def _fmt(value) -> str:
 HEADLINE = {
     "env": ("device_name", "matmul_bf16_tflops", "copy_gbs"),
     "tests": ("passed", "failed", "skipped", "cut_off"),
-    "moe": ("moe_ratio_E8", "best_peer_ratio_E8", "moe_ratio_E64", "best_peer_ratio_E64", "moe_tflops_E8"),
-    "mod": ("block_ratio", "block_flop_ratio", "lm_ratio", "lm_flop_ratio"),
+    "moe": ("moe_ratio_E8", "best_peer_ratio_E8", "moe_ratio_E64", "best_peer_ratio_E64", "moe_ratio_compiled_E8",
+            "moe_ratio_compiled_E64"),
+    "mod": ("block_ratio", "block_ratio_compiled", "block_flop_ratio", "lm_ratio", "lm_flop_ratio"),
     "decode": ("speedup_b1", "speedup_b8"),
     "train": ("tok_s_eager", "mfu_eager", "tok_s_compile", "mfu_compile", "mfu_vs_measured_eager"),
     "nccl": ("backend", "last_step", "final_loss"),
