@@ -53,8 +53,16 @@ def render(payload: dict) -> str:
         lines += _table(["number", "value"], [[k, v] for k, v in rec["numbers"].items()])
         details = rec.get("details", {})
         if name == "tests":
-            if details.get("failed"):
-                lines += ["", "Failed: " + ", ".join(f"`{t}`" for t in details["failed"])]
+            if details.get("failure_groups"):
+                lines += ["", "Failures, grouped by message and library frame:", ""]
+                lines += _table(["tests", "message", "library frame", "test frame", "example"],
+                                [[g["count"], g["message"][:160].replace("|", "/"), g["library_frame"],
+                                  g["test_frame"], g["example"]] for g in details["failure_groups"]])
+            elif details.get("failed"):
+                shown = details["failed"][:25]
+                more = len(details["failed"]) - len(shown)
+                lines += ["", "Failed (no reasons recorded in this run): " + ", ".join(f"`{t}`" for t in shown)
+                          + (f" and {more} more" if more else "")]
             if details.get("skip_reasons"):
                 lines += ["", "Skipped, by reason:", ""]
                 lines += _table(["reason", "tests"], sorted(details["skip_reasons"].items(), key=lambda kv: -kv[1]))

@@ -3,6 +3,11 @@ phase, the exception line, and the deepest frame in the library and in the tests
 named by ``MODE_FAILURES_JSONL``. A stage cut off at its time limit still has every failure's reason, and
 with pytest-xdist only the controller writes (each report reaches it once).
 
+A CUDA device-side assert (``torch._assert_async`` on bad input, an index out of range in a kernel) leaves
+the process's CUDA context unusable: every later test in that process fails with the same error (the
+first H200 run lost 776 tests so). So an xdist worker that reports one ends itself after that test, and
+xdist starts a fresh worker for the rest.
+
     MODE_FAILURES_JSONL=failures.jsonl python -m pytest -p benchmarks.pytest_failures ...
 """
 
@@ -43,9 +48,22 @@ def failure_record(report) -> dict:
             "test_frame": f"{tests[-1][0]}:{tests[-1][1]}" if tests else None}
 
 
+DEVICE_ASSERT = "device-side assert triggered"
+_poisoned = False
+
+
 def pytest_runtest_logreport(report) -> None:
+    global _poisoned
     path = os.environ.get(ENV)
-    if not path or not report.failed or (_config is not None and hasattr(_config, "workerinput")):
+    if not path or not report.failed:
+        return
+    if _config is not None and hasattr(_config, "workerinput"):  # an xdist worker: the controller writes
+        _poisoned = _poisoned or DEVICE_ASSERT in (report.longreprtext or "")
         return
     with open(path, "a") as fh:
         fh.write(json.dumps(failure_record(report)) + "\n")
+
+
+def pytest_runtest_logfinish(nodeid, location) -> None:
+    if _poisoned:  # the report is already on its way to the controller; xdist replaces this worker
+        os._exit(70)
