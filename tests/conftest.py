@@ -17,6 +17,11 @@ Markers (a reason is the first argument):
     bitwise    asserts bit-for-bit equality that holds on the CPU but not on CUDA, where index_add_ and the
                attention backward add with atomics in no fixed order; runs on CUDA only under
                MODE_TEST_DETERMINISTIC=1.
+    device_assert  feeds NaN/inf (or other bad values) to a check that, on CUDA, is a device-side assert
+               (``torch._assert_async``: sync-free, so no ValueError is raised where the bad value goes in).
+               A device-side assert poisons the CUDA context of the whole process, failing every later test
+               in it, so on CUDA these are skipped; tests/test_device_asserts.py runs representative cases in
+               fresh subprocesses to prove the checks fire there.
 """
 
 import os
@@ -64,6 +69,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cpu_only(reason): skipped unless the test device is the CPU")
     config.addinivalue_line("markers", "bitwise(reason): bit-for-bit claim; on CUDA runs only with "
                                        f"{DETERMINISTIC_ENV}=1")
+    config.addinivalue_line("markers", "device_assert(reason): trips a device-side assert on CUDA; skipped there "
+                                       "(checked in a subprocess by tests/test_device_asserts.py)")
     raw, source = config.getoption("--device"), "--device"
     if raw is None:
         raw, source = os.environ.get(DEVICE_ENV, "cpu"), DEVICE_ENV
@@ -100,6 +107,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         for marker in item.iter_markers("cpu_only"):
             item.add_marker(pytest.mark.skip(reason=f"cpu_only on {device}: {_reason(marker)}"))
+        if device.type == "cuda":
+            for marker in item.iter_markers("device_assert"):
+                item.add_marker(pytest.mark.skip(reason=f"device_assert on {device}: {_reason(marker)}; a device-side "
+                                                        "assert would poison this process's CUDA context: checked in "
+                                                        "a subprocess by tests/test_device_asserts.py"))
         if not deterministic:
             for marker in item.iter_markers("bitwise"):
                 item.add_marker(pytest.mark.skip(reason=f"bitwise on {device} without {DETERMINISTIC_ENV}=1: "

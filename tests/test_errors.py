@@ -159,6 +159,7 @@ def test_not_a_tensor(name):
         ROUTERS[name]()([[[0.0] * D]])
 
 
+@pytest.mark.device_assert("every router's finite check is a torch._assert_async on CUDA")
 @pytest.mark.parametrize("name", list(ROUTERS))
 @pytest.mark.parametrize("bad", ["nan", "inf"])
 def test_non_finite_router_logits(name, bad):

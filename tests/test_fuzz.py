@@ -152,9 +152,14 @@ def _bad_inputs():
 
 
 FORWARD_CASES = [(layer, inp) for layer in _layers() for inp in _bad_inputs()]
+# A router's finite check is a torch._assert_async on CUDA: NaN/inf into a layer with a router is a device-side assert.
+_DEVICE_ASSERT = pytest.mark.device_assert("NaN/inf logits trip the router's torch._assert_async on CUDA")
+FORWARD_PARAMS = [pytest.param(layer, inp, id=f"{layer}-{inp}",
+                               marks=_DEVICE_ASSERT if inp in ("nan", "inf") and layer not in ("block", "mlp") else ())
+                  for layer, inp in FORWARD_CASES]
 
 
-@pytest.mark.parametrize("layer,inp", FORWARD_CASES, ids=[f"{a}-{b}" for a, b in FORWARD_CASES])
+@pytest.mark.parametrize("layer,inp", FORWARD_PARAMS)
 def test_forward_inputs(layer, inp):
     module = _layers()[layer]
     x, mask = _bad_inputs()[inp]
@@ -197,14 +202,17 @@ def test_generate_arguments(arg, value):
 
 def test_lm_forward_inputs():
     lm = LM(LMConfig(vocab_size=32, seq_len=16, d_model=D, n_heads=2, d_hidden=16, layers=("dense", "mod")))
-    bad = {
-        "idx": [torch.zeros(2, 17, dtype=torch.long), torch.zeros(2, 4), torch.full((2, 4), 32),
-                torch.full((2, 4), -1), [[1, 2]]],
-    }
-    for value in bad["idx"]:
+    for value in [torch.zeros(2, 17, dtype=torch.long), torch.zeros(2, 4), [[1, 2]]]:
         assert _ok_or_named_error(lambda: lm(value), "idx") == "error", value
     assert _ok_or_named_error(lambda: lm(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)),
                               "targets") == "error"
+
+
+@pytest.mark.device_assert("LM's token-id range check is a torch._assert_async on CUDA")
+@pytest.mark.parametrize("fill", [32, -1])
+def test_lm_forward_token_ids_out_of_range(fill):
+    lm = LM(LMConfig(vocab_size=32, seq_len=16, d_model=D, n_heads=2, d_hidden=16, layers=("dense", "mod")))
+    assert _ok_or_named_error(lambda: lm(torch.full((2, 4), fill)), "idx") == "error"
 
 
 def test_case_count():

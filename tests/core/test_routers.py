@@ -487,6 +487,7 @@ def test_token_choice_balance_loss_from_counts_is_bitwise_the_reference(masked, 
     assert torch.equal(plan.aux.losses["balance"].detach(), want)
 
 
+@pytest.mark.device_assert("the token-choice finite check is a torch._assert_async on CUDA")
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_token_choice_finite_check_catches_nan_and_both_infinities(bad):
     router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=4, num_experts=4, top_k=2)))
@@ -511,6 +512,7 @@ def test_token_choice_plan_says_statically_whether_it_has_padding(kw, masked, pa
         assert int(plan.counts_E.sum()) == plan.num_assignments
 
 
+@pytest.mark.device_assert("the token-choice finite check is a torch._assert_async on CUDA")
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_token_choice_one_pass_finite_check_on_logits(bad):
     """min and max catch a lone -inf (the matmul above turns it into NaN before the check sees it)."""
