@@ -87,6 +87,7 @@ class HostSyncCounter(TorchDispatchMode):
         super().__init__()
         self.events: list[tuple[str, str]] = []
         self._tolist = None
+        self._in_tolist = False
 
     @property
     def count(self) -> int:
@@ -108,8 +109,16 @@ class HostSyncCounter(TorchDispatchMode):
         self._tolist = original = torch.Tensor.tolist
 
         def tolist(t):
+            # Under a TorchFunctionMode (torch.set_default_device installs one) the C method hands the call to
+            # the mode, which calls Tensor.tolist, this patch, again: count the outer call only.
+            if counter._in_tolist:
+                return original(t)
             counter.events.append(("Tensor.tolist", "list read"))
-            return original(t)
+            counter._in_tolist = True
+            try:
+                return original(t)
+            finally:
+                counter._in_tolist = False
 
         torch.Tensor.tolist = tolist
         return super().__enter__()
