@@ -45,7 +45,9 @@ class KVCache:
     """
 
     def __init__(self, batch: int, n_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", static: bool = False, width_bucket: int = 64):
+                 device: torch.device | str | None = None, static: bool = False, width_bucket: int = 64):
+        # device None: torch's default device (the CPU unless torch.set_default_device named another), as for
+        # torch.zeros; a cache left on the CPU under a CUDA default device would fail in its first decode step
         # one slot past the capacity: the scratch slot that static-path rows which store nothing write to
         self._k_BHLK = torch.zeros(batch, n_heads, capacity + 1, head_dim, dtype=dtype, device=device)
         self._v_BHLK = torch.zeros_like(self._k_BHLK)
