@@ -31,14 +31,14 @@ def test_bucket_sizes_bound_the_padding_and_the_number_of_shapes():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_layout_keeps_rows_in_order_inside_their_bucketed_group(seed):
-    g = torch.Generator().manual_seed(seed)
-    E = int(torch.randint(1, 9, (), generator=g))
-    A = int(torch.randint(0, 3000, (), generator=g))
-    N = int(torch.randint(0, A + 1, (), generator=g))
+    g = torch.Generator().manual_seed(seed)  # a CPU generator: the same draws on every test device
+    E = int(torch.randint(1, 9, (), generator=g, device="cpu"))
+    A = int(torch.randint(0, 3000, (), generator=g, device="cpu"))
+    N = int(torch.randint(0, A + 1, (), generator=g, device="cpu"))
     counts = torch.zeros(E, dtype=torch.int64)
     if N:  # N rows spread over the experts, some of them empty
-        counts += torch.bincount(torch.randint(0, E, (N,), generator=g) * (torch.rand(N, generator=g) < 0.9),
-                                 minlength=E)
+        counts += torch.bincount(torch.randint(0, E, (N,), generator=g, device="cpu")
+                                 * (torch.rand(N, generator=g, device="cpu") < 0.9), minlength=E).to(counts.device)
     offsets, dest, R = bucketed_layout(counts, A)
     assert R == padded_capacity(A, E) and offsets.dtype == torch.int32
     sizes = bucket_sizes(counts)

@@ -39,7 +39,8 @@ def positions(mask):
 def converted(hf, family: str, attn: str = "sdpa", **kw):
     """``tiny(family)`` converted by ``to_mod(**kw)``, its steered thresholds calibrated on random ids."""
     model = hf.to_mod(tiny(family, attn), **kw)
-    hf.calibrate(model, [torch.randint(1, V, (4, 16), generator=torch.Generator().manual_seed(7))])
+    ids = torch.randint(1, V, (4, 16), generator=torch.Generator().manual_seed(7), device="cpu")  # same on every device
+    hf.calibrate(model, [ids.to(torch.get_default_device())])
     return model
 
 

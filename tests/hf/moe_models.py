@@ -55,5 +55,6 @@ def build(family: str, seed: int = 0, **overrides):
                 continue
             scale = 0.05 if "bias" in name else (1.0 if "norm" in name else t.shape[-1] ** -0.5)
             base = 1.0 if "norm" in name else 0.0
-            t.copy_(base + torch.randn(t.shape, generator=g) * scale * (0.1 if "norm" in name else 1.0))
+            draw = torch.randn(t.shape, generator=g, device="cpu").to(t.device)  # the same draws on every device
+            t.copy_(base + draw * scale * (0.1 if "norm" in name else 1.0))
     return model.float()

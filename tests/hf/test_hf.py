@@ -107,8 +107,9 @@ def test_steered_thresholds_route_the_target_share_on_unseen_windows(hf, capacit
 
     def windows(n, seed):
         g = torch.Generator().manual_seed(seed)
-        starts = torch.randint(0, len(data) - 64, (n,), generator=g)
-        return torch.stack([torch.from_numpy(data[i:i + 64].astype("int64")) % (V - 1) + 1 for i in starts])
+        starts = torch.randint(0, len(data) - 64, (n,), generator=g, device="cpu").tolist()
+        rows = torch.stack([torch.from_numpy(data[i:i + 64].astype("int64")) % (V - 1) + 1 for i in starts])
+        return rows.to(torch.get_default_device())  # on the model's device (the CPU, or CUDA's default device)
 
     with pytest.raises(ValueError, match="threshold is not calibrated"):
         with torch.no_grad():

@@ -28,7 +28,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 def _batch(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, mm.V, (3, 12), generator=g)
+    ids = torch.randint(3, mm.V, (3, 12), generator=g, device="cpu").to(torch.get_default_device())
     mask = torch.ones_like(ids)
     mask[0, :4] = 0  # left padding
     mask[2, :1] = 0

@@ -50,7 +50,8 @@ def randomize(block: torch.nn.Module) -> None:
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, t in [*block.named_parameters(), *block.named_buffers()]:
-            t.copy_(torch.randn(t.shape, generator=g) * (0.05 if "bias" in name else t.shape[-1] ** -0.5))
+            draw = torch.randn(t.shape, generator=g, device="cpu").to(t.device)  # the same draws on every device
+            t.copy_(draw * (0.05 if "bias" in name else t.shape[-1] ** -0.5))
 
 
 @pytest.mark.parametrize("backend", ["reference", "grouped"])

@@ -222,7 +222,7 @@ def test_windows_never_cross_a_shard_end_and_cover_every_shard(tmp_path):
         shard = w // 10_000
         assert (shard == shard[:, :1]).all(), "a window crossed a shard boundary"
         assert (w.diff(dim=1) == 1).all(), "a window is not contiguous"
-        assert ((w[:, -1] % 10_000) < torch.tensor(lengths)[shard[:, 0]]).all()
+        assert ((w[:, -1] % 10_000) < torch.tensor(lengths, device=w.device)[shard[:, 0]]).all()  # w: on the CPU
         seen |= set(shard[:, 0].tolist())
     assert seen == {0, 2, 3}  # every shard with a window is sampled, the 10-id one never
 
