@@ -432,8 +432,11 @@ def test_moe_gates_on_the_hidden_activation_agree_with_reference(activation, cas
     y_g, gx_g, _ = forward_backward(grp, x, g, mask)
     torch.testing.assert_close(y_g, y_r, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gx_g, gx_r, rtol=1e-5, atol=1e-6)
+    # Weight gradients sum the tokens' float32 terms (up to ~13 here) in another order (gates on the hidden
+    # activation vs on the expert output; on CUDA also cuBLAS's and index_add_'s orders): a few ulps of the
+    # largest term. atol=1e-6 held for this seed only (30 seeds on the CPU reach 2.3x it); 1e-5 leaves 4x margin.
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(dict(grp.named_parameters())[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(dict(grp.named_parameters())[name].grad, p.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_moe_layer_equals_the_dispatcher_combine_with_gates():
