@@ -105,6 +105,11 @@ class RoutingAccumulator:
     # -- adding ------------------------------------------------------------------------------------------
     def _acc(self, key: str, value: Tensor | float) -> None:
         cur = self.sums.get(key)
+        if not isinstance(value, Tensor) and cur is not None and cur.numel() == 1:
+            # a Python number onto a one-element sum: the number goes to the kernel as an argument (float64,
+            # the same bits as adding it as a tensor); as_tensor would copy it to a GPU, a blocking copy per call
+            self.sums[key] = cur + float(value)
+            return
         v = torch.as_tensor(value, dtype=torch.float64, device=None if cur is None else cur.device)
         v = v.detach().to(torch.float64).reshape(-1)
         if cur is None:
