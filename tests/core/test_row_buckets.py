@@ -99,8 +99,9 @@ def test_bucketed_grouped_bank_computes_the_same_function(monkeypatch, activatio
 
 @needs_grouped_mm
 def test_cpu_bf16_takes_the_bucketed_layout_and_float32_does_not(monkeypatch):
-    bank = _bank("swiglu", 32, 16, 4)
-    x, counts = torch.randn(1030, 32), torch.tensor([200, 3, 0, 827])  # 257.5 rows per expert
+    with torch.device("cpu"):  # a CPU path: on the CPU under a CUDA test device too (CPU autocast does not touch CUDA)
+        bank = _bank("swiglu", 32, 16, 4)
+        x, counts = torch.randn(1030, 32), torch.tensor([200, 3, 0, 827])  # 257.5 rows per expert
     used = []
     layout = row_buckets.bucketed_layout
     monkeypatch.setattr(row_buckets, "bucketed_layout", lambda *a: used.append(a) or layout(*a))
@@ -110,15 +111,16 @@ def test_cpu_bf16_takes_the_bucketed_layout_and_float32_does_not(monkeypatch):
         y = bank(x, counts)
     assert len(used) == 1 and y.dtype == torch.bfloat16
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        bank(x[:1020], torch.tensor([200, 3, 0, 817]))  # 255 rows per expert: exact sizes
+        bank(x[:1020], torch.tensor([200, 3, 0, 817], device="cpu"))  # 255 rows per expert: exact sizes
     assert len(used) == 1
     assert row_buckets.needed("cpu", torch.float16, 1024, 4) and not row_buckets.needed("cuda", torch.bfloat16, 1024, 4)
 
 
 @needs_grouped_mm
 def test_bucketed_path_compiles_fullgraph_and_matches_eager(fresh_dynamo):
-    bank = _bank("swiglu", 32, 16, 4)
-    x, counts = torch.randn(1030, 32), torch.tensor([200, 3, 0, 820])  # bucketed in bf16; 7 padding rows
+    with torch.device("cpu"):  # the bucketed path is the CPU's (bf16 autocast on the CPU), whatever the test device
+        bank = _bank("swiglu", 32, 16, 4)
+        x, counts = torch.randn(1030, 32), torch.tensor([200, 3, 0, 820])  # bucketed in bf16; 7 padding rows
     x[1023:] = float("nan")
 
     def run(fn):
