@@ -274,14 +274,15 @@ def test_one_process_reads_the_step_scalars_in_one_transfer():
     from mode.measure.host_sync import HostSyncCounter
     from mode.train.runtime import OneProcess, to_device
 
-    values = [torch.tensor(1 / 3), torch.tensor(2 / 3, dtype=torch.float64), torch.tensor(1 / 7, dtype=torch.bfloat16),
-              5.0, 1]
+    with torch.device("cpu"):  # the CPU runtime with CPU tensors, whatever the test device
+        values = [torch.tensor(1 / 3), torch.tensor(2 / 3, dtype=torch.float64),
+                  torch.tensor(1 / 7, dtype=torch.bfloat16), 5.0, 1]
+        t = torch.arange(6).reshape(2, 3)
     rt = OneProcess(torch.device("cpu"))
     with HostSyncCounter() as syncs:
         got = rt.sum_scalars(values)
     assert syncs.by_reason == {"list read": 1}, syncs.events
     assert got == [float(v) for v in values] and all(type(v) is float for v in got)
-    t = torch.arange(6).reshape(2, 3)
     assert rt.rows(t) is t and to_device(t, torch.device("cpu")) is t  # the CPU path is unchanged: no copy
 
 
