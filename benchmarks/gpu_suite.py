@@ -378,6 +378,7 @@ def stage_moe(ctx: Ctx) -> dict:
 
 
 MOD_GPU_BLOCK = dict(d_model=1024, n_heads=16, mod_batch=8, mod_seq=2048, warmup=3, repeats=15)
+MOD_GPU_BLOCK_LARGE = dict(MOD_GPU_BLOCK, mod_batch=32)  # 4x the tokens: does the gap close as work grows?
 MOD_GPU_LM = (1024, 16, 1024, 8)  # seq_len, batch, d_model, layers
 MOD_SMOKE_BLOCK = dict(d_model=64, n_heads=2, mod_batch=2, mod_seq=128, warmup=1, repeats=3)
 MOD_SMOKE_LM = (128, 2, 64, 2)
@@ -394,6 +395,7 @@ def stage_mod(ctx: Ctx) -> dict:
     # bf16 autocast for the whole measurement, as mode train --bf16 (weights, optimizer float32)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         block = bench_mod(block_cfg, device, seed=0)
+        large = None if ctx.smoke else bench_mod(MOD_GPU_BLOCK_LARGE, device, seed=0)
         lm = bench_lm_step(False, device, seed=0, warmup=block_cfg["warmup"], repeats=block_cfg["repeats"],
                            shape=lm_shape)
     from mode import MLP, MoD, MoDRouter, MoDRouterConfig, TransformerBlock
@@ -415,9 +417,11 @@ def stage_mod(ctx: Ctx) -> dict:
                "lm_gap": lm["ratio_median"] - lm["flop_ratio"],
                "block_dense_ms": 1e3 * block["baseline_s_median"], "lm_dense_ms": 1e3 * lm["baseline_s_median"],
                "block_ratio_compiled": compiled["ratio"],
+               **({} if large is None else {"block_ratio_batch32": large["ratio_median"],
+                                            "block_gap_batch32": large["ratio_median"] - large["flop_ratio"]}),
                "block_gap_compiled": compiled["ratio"] - block["flop_ratio"]}
     return {"numbers": numbers, "details": {"dtype": "bf16 autocast", "block": block, "lm": lm,
-                                            "block_compiled": compiled}}
+                                            "block_batch32": large, "block_compiled": compiled}}
 
 
 def stage_decode(ctx: Ctx) -> dict:
