@@ -448,6 +448,11 @@ def test_example_runs_end_to_end(hf, tmp_path):
 def test_pretrain_example_saves_a_checkpoint_that_converts(hf, tmp_path):
     """examples/hf_pretrain.py writes a transformers checkpoint (config + safetensors) that hf_convert.py
     loads with --model and converts."""
+    with torch.device("cpu"):  # CPU scripts: their batches (BatchSampler, eval_batches) stay on the CPU, and a
+        _pretrain_convert_and_bench(tmp_path)  # model built under a CUDA default device would not be there
+
+
+def _pretrain_convert_and_bench(tmp_path):
     out = tmp_path / "llama"
     summary = _example("hf_pretrain").main(["--out", str(out), "--hidden", "32", "--layers", "2", "--steps", "3",
                                             "--batch", "2", "--seq-len", "32", "--corpus-bytes", "3000000"])
