@@ -89,6 +89,12 @@ def render(payload: dict) -> str:
                 lines += _table(["kernel / op", "ms per step", "share", "calls per step"],
                                 [[t["name"].replace("|", "/"), t["ms_per_step"], t["share"], t["calls_per_step"]]
                                  for t in res["top"]])
+                if res.get("top_host"):
+                    lines += ["", f"Host side: {res['host_ms']:.2f} ms of op CPU time per step, "
+                                  f"{res['host_ops_per_step']:.0f} ops; the most expensive:", ""]
+                    lines += _table(["op (host)", "ms per step", "share", "calls per step"],
+                                    [[t["name"].replace("|", "/"), t["ms_per_step"], t["share"], t["calls_per_step"]]
+                                     for t in res["top_host"][:6]])
     return "\n".join(lines) + "\n"
 
 

@@ -583,15 +583,26 @@ def profile_step(step: Callable[[], None], device, iters: int, top: int = 8) -> 
     from torch.autograd import DeviceType
 
     # on CUDA only the kernels (device events) count: an aten op's device time is its kernels' time again
-    events = [e for e in prof.key_averages() if own(e) > 0
+    averages = prof.key_averages()
+    events = [e for e in averages if own(e) > 0
               and (not cuda or getattr(e, "device_type", None) == DeviceType.CUDA)]
     busy_us = sum(own(e) for e in events) / iters
     ranked = sorted(events, key=own, reverse=True)[:top]
     total_us = sum(own(e) for e in events) or 1.0
+    # the host side: CPU time of the ops themselves (dispatch, autograd, Python custom-op wrappers), the
+    # launch cost a host-bound step pays; on a CPU this is the same list as "top"
+    host = [e for e in averages if getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU
+            and e.self_cpu_time_total > 0]
+    host_us = sum(e.self_cpu_time_total for e in host) or 1.0
+    host_ranked = sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return {"wall_ms": 1e3 * wall, "device_busy_ms": busy_us / 1e3 if cuda else None,
             "busy_fraction": (busy_us / 1e6) / wall if cuda else None,
+            "host_ms": host_us / iters / 1e3, "host_ops_per_step": sum(e.count for e in host) / iters,
             "top": [{"name": e.key[:120], "ms_per_step": own(e) / iters / 1e3, "share": own(e) / total_us,
-                     "calls_per_step": e.count / iters} for e in ranked]}
+                     "calls_per_step": e.count / iters} for e in ranked],
+            "top_host": [{"name": e.key[:120], "ms_per_step": e.self_cpu_time_total / iters / 1e3,
+                          "share": e.self_cpu_time_total / host_us, "calls_per_step": e.count / iters}
+                         for e in host_ranked]}
 
 
 def stage_profile(ctx: Ctx) -> dict:
@@ -641,7 +652,8 @@ def stage_profile(ctx: Ctx) -> dict:
             results[name] = profile_step(step, device, iters)
         r = results[name]
         busy = "" if r["device_busy_ms"] is None else f", device busy {r['device_busy_ms']:.2f} ms"
-        print(f"{name}: {r['wall_ms']:.2f} ms per step{busy}")
+        print(f"{name}: {r['wall_ms']:.2f} ms per step{busy}, host ops {r['host_ms']:.2f} ms "
+              f"({r['host_ops_per_step']:.0f} ops)")
         for t in r["top"][:5]:
             print(f"    {t['ms_per_step']:8.3f} ms  {100 * t['share']:5.1f}%  x{t['calls_per_step']:.0f}  {t['name']}")
     numbers = {f"{k}: wall_ms": v["wall_ms"] for k, v in results.items()}
