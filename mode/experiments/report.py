@@ -48,9 +48,11 @@ def collect(model: LM, batches, causal_routing: bool = False) -> tuple[RoutingAc
     acc = RoutingAccumulator()
     ids, blocks, mlp, flops = [], [], [], []
     dense = 0.0
+    device = model.embed.weight.device
     try:
         for batch in batches:
             x_BS = batch[0] if isinstance(batch, (tuple, list)) else batch
+            x_BS = x_BS.to(device)  # eval_batches' windows stay on the CPU; the model may be on a GPU
             out = model(x_BS, causal_routing=causal_routing)
             tc = acc.add_lm(model.cfg, out.aux, tuple(x_BS.shape))
             ids.append(x_BS.cpu())

@@ -25,7 +25,9 @@ def causal_eval(model: LM, batches) -> dict:
     model.eval()
     loss_topk = loss_causal = 0.0
     agree, routed, tokens = {}, {}, 0
+    device = model.embed.weight.device
     for x_BS, y_BS in batches:
+        x_BS, y_BS = x_BS.to(device), y_BS.to(device)  # eval_batches' windows stay on the CPU
         top = model(x_BS, y_BS)
         cau = model(x_BS, y_BS, causal_routing=True)
         loss_topk += float(top.loss)
