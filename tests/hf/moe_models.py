@@ -55,6 +55,9 @@ def build(family: str, seed: int = 0, **overrides):
                 continue
             scale = 0.05 if "bias" in name else (1.0 if "norm" in name else t.shape[-1] ** -0.5)
             base = 1.0 if "norm" in name else 0.0
-            draw = torch.randn(t.shape, generator=g, device="cpu").to(t.device)  # the same draws on every device
+            if t.device.type == "meta":  # under mode.model.build_on_meta: recorded there, replayed in order
+                draw = torch.randn(t.shape, generator=g)
+            else:  # drawn on the CPU (the same draws on every test device), then onto the parameter's device
+                draw = torch.randn(t.shape, generator=g, device="cpu").to(t.device)
             t.copy_(base + draw * scale * (0.1 if "norm" in name else 1.0))
     return model.float()
