@@ -80,7 +80,7 @@ STAGES = (
     Stage("moe", 90, 150, "MoE layer / dense MLP, bf16, beside transformers and torchtitan"),
     Stage("mod", 60, 90, "MoD block and LM step / dense, beside their FLOP ratios"),
     Stage("decode", 75, 120, "MoD / dense decode tokens/s at batch 1 and 8"),
-    Stage("train", 150, 150, "mode train --preset base --bf16, eager and compiled: tokens/s and MFU"),
+    Stage("train", 150, 300, "mode train --preset base --bf16, eager and compiled: tokens/s and MFU"),
     Stage("nccl", 60, 120, "torchrun, one rank, NCCL: mesh training, sharded checkpoint, resume"),
     Stage("profile", 60, 90, "torch.profiler: wall time vs device busy time and the top kernels of each workload"),
 )
@@ -202,8 +202,8 @@ def stage_env(ctx: Ctx) -> dict:
 
 
 # The test files that exercise the device, first; the rest of the suite after them, as time allows.
-TEST_ORDER = ("tests/test_device_switch.py", "tests/core", "tests/measure", "tests/train",
-              "tests/parallel/test_meta_init.py", "tests/test_architecture.py", "tests/hf", "tests/experiments",
+TEST_ORDER = ("tests/test_device_switch.py", "tests/test_device_asserts.py", "tests/test_host_data.py", "tests/core",
+              "tests/measure", "tests/train", "tests/parallel/test_meta_init.py", "tests/test_architecture.py", "tests/hf", "tests/experiments",
               "tests/test_errors.py", "tests/test_fuzz.py")
 SMOKE_TESTS = ("tests/test_device_switch.py", "tests/core/test_registry.py")
 _RESULT_RE = re.compile(r"^(\S+::\S+.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
