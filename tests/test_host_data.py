@@ -163,3 +163,54 @@ def test_materialize_on_a_mesh_cuts_host_rows_whatever_the_default_device():
     for name, s in bank.items():
         assert s["placements"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))" and s["rows"] == [3, 4], (name, s)
     assert seen["0.0.router.weight"] == {"placements": "(Shard(dim=0),)", "rows": [2, 3], "local": 2}, seen
+
+
+def test_checkpoints_load_on_the_host_whatever_the_default_device(tmp_path):
+    """``load_model`` ("on the CPU") and ``load_checkpoint`` of a sharded folder (the dict a single file gives,
+    read with ``map_location="cpu"``) build their LM and optimizer on the CPU: under a CUDA default device they
+    gave CUDA tensors, which ``torch.equal`` against the trainer's CPU model refused."""
+    from mode.parallel.checkpoint import save_sharded
+    from mode.train import Trainer, TrainConfig
+    from mode.train.checkpoint import load_checkpoint, load_model
+    from mode.train.data import Corpus
+
+    cfg = replace(CFG, layers=("dense", "moe"))
+    text = np.frombuffer(bytes(range(256)) * 12, dtype=np.uint8)
+    with torch.device("cpu"):
+        t = Trainer(cfg, TrainConfig(steps=1, batch_size=2, eval_every=1, eval_batches=1, seed=0),
+                    Corpus(train=text[:2800], val=text[2800:], source="bytes"), tmp_path / "run", progress=False)
+        t.run()
+        folder = save_sharded(tmp_path / "ckpt", t.model, t.optimizer,
+                              {**t._progress_state(), "routing_acc": t.routing.state_dict()}).parent
+    with default_device("meta"):
+        model, _ = load_model(t.ckpt_path)
+        from_folder = load_checkpoint(folder, training=True)
+    for (name, p), q in zip(t.model.state_dict().items(), model.state_dict().values(), strict=True):
+        assert q.device.type == "cpu" and torch.equal(p, q), name
+    for name, p in t.model.state_dict().items():
+        assert from_folder["model"][name].device.type == "cpu" and torch.equal(from_folder["model"][name], p), name
+    for entry in from_folder["optimizer"]["state"].values():
+        assert all(v.device.type == "cpu" for v in entry.values())
+
+
+def test_evaluate_moves_host_batches_to_the_models_device():
+    """``evaluate(model, batches)`` without ``device``: the model's (``load_model`` then ``.to("cuda")`` with
+    ``eval_batches``' CPU windows failed the LM's device check). A model whose parameter is on meta stands in
+    for one on a GPU; it records the device of what it is given."""
+    from mode.train.trainer import evaluate
+
+    class Spy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(1, device="meta"))
+            self.seen = []
+
+        def forward(self, x, y):
+            self.seen += [x.device.type, y.device.type]
+            return type("Out", (), {"loss": torch.tensor(2.0, device="cpu")})()
+
+    with torch.device("cpu"):
+        batches = [(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))] * 2
+    model = Spy()
+    assert evaluate(model, batches) == 2.0
+    assert model.seen == ["meta"] * 4

@@ -214,15 +214,16 @@ def read_sharded(path: str | Path, training: bool = False) -> dict:
     md = reader.read_metadata()
     with torch.device("meta"):  # shapes first: a checkpoint that does not fit its config allocates nothing
         _check_shapes(LM(cfg).state_dict(), md, "model.", where)
-    model = LM(cfg)
-    optimizer = None
-    if training:
-        try:
-            tcfg = TrainConfig(**meta.get("train_cfg", {}))
-        except (TypeError, ValueError) as e:
-            raise checkpoint.CheckpointError(f"{where}: train_cfg is invalid: {e}") from None
-        optimizer = build_optimizer(model, tcfg)
-    _load_tensors(reader, where, model, optimizer, local=True)
+    with torch.device("cpu"):  # on the host, as torch.load(map_location="cpu") gives a single file's tensors
+        model = LM(cfg)
+        optimizer = None
+        if training:
+            try:
+                tcfg = TrainConfig(**meta.get("train_cfg", {}))
+            except (TypeError, ValueError) as e:
+                raise checkpoint.CheckpointError(f"{where}: train_cfg is invalid: {e}") from None
+            optimizer = build_optimizer(model, tcfg)
+        _load_tensors(reader, where, model, optimizer, local=True)
     state = dict(meta, model={k: v.detach().clone() for k, v in model.state_dict().items()})
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()

@@ -454,6 +454,7 @@ def load_model(path: str | Path) -> tuple[LM, dict]:
     cfg = model_config_from_dict(state["model_cfg"], where)
     with torch.device("meta"):  # shapes only: a file whose tensors do not fit its config allocates nothing
         check_model_state(LM(cfg).state_dict(), state["model"], where)
-    model = LM(cfg)
+    with torch.device("cpu"):  # on the CPU whatever the default device (the caller moves it)
+        model = LM(cfg)
     model.load_state_dict(state["model"])
     return model, state

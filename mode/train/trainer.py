@@ -45,13 +45,15 @@ from mode.train.runtime import OneProcess, Runtime, mesh_runtime, resolve_device
 
 @torch.no_grad()
 def evaluate(model: LM, batches, device: torch.device | None = None, autocast=contextlib.nullcontext) -> float:
-    """Mean loss over ``batches`` (moved to ``device`` when given, under the ``autocast`` context)."""
+    """Mean loss over ``batches`` (moved to ``device``, by default the model's: ``eval_batches``' windows stay
+    on the CPU, the model may be on a GPU; under the ``autocast`` context)."""
+    if device is None:
+        device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     losses = []
     for x, y in batches:
-        if device is not None:
-            x, y = to_device(x, device), to_device(y, device)
+        x, y = to_device(x, device), to_device(y, device)
         with autocast():
             losses.append(float(model(x, y).loss))
     model.train(was_training)
