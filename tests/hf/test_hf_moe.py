@@ -62,8 +62,11 @@ def test_converted_model_computes_the_original_on_its_own_tensors(family):
         out = model(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=True)
         torch.testing.assert_close(out.logits, out_ref.logits, **TOL)
         torch.testing.assert_close(out.loss, out_ref.loss, **TOL)
-        if out_ref.aux_loss is not None:  # output_router_logits: transformers' own balance loss, as before
+        # output_router_logits: transformers' own balance loss, as before (5.17's DeepSeek-V3 output has none)
+        if getattr(out_ref, "aux_loss", None) is not None:
             torch.testing.assert_close(out.aux_loss, out_ref.aux_loss, **TOL)
+        if not hasattr(out_ref, "router_logits"):  # transformers 5.17's DeepSeek-V3 returns none (5.23 does)
+            continue
         assert len(out.router_logits) == len(out_ref.router_logits) == len(slots)
         for a, b in zip(out.router_logits, out_ref.router_logits):
             torch.testing.assert_close(a, b, **TOL)
