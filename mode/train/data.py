@@ -78,20 +78,34 @@ def stdlib_sources() -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
+def val_files(n: int) -> list[bool]:
+    """Which of ``n`` files (in sorted order) of a corpus split by file are validation: every
+    ``VAL_EVERY_NTH_FILE``-th; when that picks none (fewer files, e.g. a byte budget reached after a few large
+    ones: 19 files of Python 3.12's standard library), the last one, so that neither split is empty from 2
+    files on."""
+    val = [i % VAL_EVERY_NTH_FILE == VAL_EVERY_NTH_FILE - 1 for i in range(n)]
+    if n >= 2 and not any(val):
+        val[-1] = True
+    return val
+
+
 def stdlib_corpus(max_bytes: int | None = None) -> Corpus:
-    """Built-in corpus, split by file: every ``VAL_EVERY_NTH_FILE``-th file is validation."""
+    """Built-in corpus, split by file (``val_files``: every ``VAL_EVERY_NTH_FILE``-th file is validation, or the
+    last one of fewer); ``max_bytes``: whole files in sorted order until that many bytes, at least 2 files."""
     files = stdlib_sources()
     if not files:
         raise ValueError(f"no .py files found under {sysconfig.get_paths()['stdlib']!r}")
-    train, val, n = [], [], 0
-    for i, path in enumerate(files):
-        data = path.read_bytes()
-        (val if i % VAL_EVERY_NTH_FILE == VAL_EVERY_NTH_FILE - 1 else train).append(data)
-        n += len(data)
-        if max_bytes is not None and n >= max_bytes:
+    datas, n = [], 0
+    for path in files:
+        datas.append(path.read_bytes())
+        n += len(datas[-1])
+        if max_bytes is not None and n >= max_bytes and len(datas) >= 2:
             break
-    joined = [np.frombuffer(b"\n".join(parts), dtype=np.uint8) for parts in (train, val)]
-    return Corpus(train=joined[0], val=joined[1], source=f"python-stdlib ({i + 1} files)")
+    val = val_files(len(datas))
+    train = [d for d, v in zip(datas, val) if not v]
+    held = [d for d, v in zip(datas, val) if v]
+    joined = [np.frombuffer(b"\n".join(parts), dtype=np.uint8) for parts in (train, held)]
+    return Corpus(train=joined[0], val=joined[1], source=f"python-stdlib ({len(datas)} files)")
 
 
 def file_corpus(path: str | os.PathLike, min_bytes: int, val_fraction: float = 0.1) -> Corpus:

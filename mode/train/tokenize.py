@@ -9,7 +9,7 @@ downloaded. Every document (a file) is encoded on its own, with ``eot``'s id aft
 
 The split (the same rules as the byte corpora, ``mode.train.data``)
     the built-in corpus, or a folder of 20 or more files: every ``VAL_EVERY_NTH_FILE``-th file (in sorted
-    order) is validation; one file, or a folder of fewer: the last ``VAL_FRACTION`` of the tokens.
+    order) is validation, or the last one when a byte budget keeps fewer (``mode.train.data.val_files``); one file, or a folder of fewer: the last ``VAL_FRACTION`` of the tokens.
 
 The output (format: ``mode.train.tokens``)
     OUT/train_000.bin ...   ids as raw little-endian uint16 (vocabularies up to 65536) or uint32, at most
@@ -32,7 +32,7 @@ import numpy as np
 
 from mode import _checks
 from mode.train import checkpoint
-from mode.train.data import VAL_EVERY_NTH_FILE, stdlib_sources
+from mode.train.data import VAL_EVERY_NTH_FILE, stdlib_sources, val_files
 from mode.train.tokens import (
     META, SUFFIXES, VAL_FRACTION, ShardSpec, TokenizerRef, TokenMeta, dtype_for_vocab, load_tokenizer,
 )
@@ -80,15 +80,15 @@ def documents(text: str | os.PathLike | None, max_bytes: int | None = None) -> t
             by_file, what = len(files) >= VAL_EVERY_NTH_FILE, str(root)
         else:
             raise ValueError(f"text={str(text)!r}: no such file or folder")
-    docs, n = [], 0
-    for i, path in enumerate(files):
+    read, n = [], 0
+    for path in files:
         raw = path.read_bytes()
-        body = raw.decode("utf-8", errors="replace") if text is None else _decode(raw, path)
-        val = (i % VAL_EVERY_NTH_FILE == VAL_EVERY_NTH_FILE - 1) if by_file else None
-        docs.append(Document(str(path), body, val))
-        n += len(raw)  # counted as stdlib_corpus counts: bytes of whole files
-        if max_bytes is not None and n >= max_bytes:
+        read.append((str(path), raw.decode("utf-8", errors="replace") if text is None else _decode(raw, path)))
+        n += len(raw)  # counted as stdlib_corpus counts: bytes of whole files, at least 2 when split by file
+        if max_bytes is not None and n >= max_bytes and (len(read) >= 2 or not by_file):
             break
+    val = val_files(len(read)) if by_file else [None] * len(read)
+    docs = [Document(name, body, v) for (name, body), v in zip(read, val)]
     return docs, f"{what} ({len(docs)} files)" if len(docs) > 1 else what
 
 

@@ -170,6 +170,30 @@ def test_stdlib_corpus_split_rule_on_a_fake_tree(tmp_path, monkeypatch):
     assert corpus.source == f"python-stdlib ({len(files)} files)"
 
 
+def test_stdlib_corpus_cut_to_a_budget_before_the_20th_file_still_has_a_val_file(tmp_path, monkeypatch):
+    """A byte budget reached within the first 19 files (Python 3.12's stdlib on the H200 machine: 19 files)
+    holds the last one out, so neither split is empty; a budget below the first file still reads 2 files.
+    tokenize's built-in corpus splits the same way."""
+    from mode.train.data import val_files
+    from mode.train.tokenize import documents
+
+    _fake_stdlib(tmp_path, 30)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": str(tmp_path)})
+    files = stdlib_sources()
+    assert val_files(1) == [False] and val_files(2) == [False, True] and val_files(19) == [False] * 18 + [True]
+    assert val_files(25) == [i == 19 for i in range(25)]  # the every-20th rule, unchanged from 20 files on
+    for n in (2, 5, 19):
+        budget = sum(f.stat().st_size for f in files[:n])
+        corpus = stdlib_corpus(max_bytes=budget)
+        assert corpus.source == f"python-stdlib ({n} files)"
+        assert corpus.val.tobytes() == files[n - 1].read_bytes()
+        assert corpus.train.tobytes() == b"\n".join(f.read_bytes() for f in files[:n - 1])
+        docs, _ = documents(None, max_bytes=budget)
+        assert [d.val for d in docs] == [False] * (n - 1) + [True]
+    tiny = stdlib_corpus(max_bytes=1)
+    assert tiny.source == "python-stdlib (2 files)" and tiny.val.tobytes() == files[1].read_bytes()
+
+
 def _expected_stdlib_split(max_bytes: int) -> tuple[bytes, bytes, int]:
     """Independent restatement of the rule: files in sorted order until ``max_bytes`` is reached;
     file i (0-based) is validation when (i + 1) is a multiple of VAL_EVERY_NTH_FILE."""
@@ -216,7 +240,10 @@ def test_stdlib_corpus_deterministic():
     assert np.array_equal(a.train, b.train) and np.array_equal(a.val, b.val)
 
 
-def test_stdlib_corpus_too_small_for_a_validation_file():
+def test_stdlib_corpus_too_small_for_a_validation_file(tmp_path, monkeypatch):
+    """One file cannot be split by file (a budget below the first file now reads 2: the test above)."""
+    (tmp_path / "only.py").write_text("x = 1\n")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": str(tmp_path)})
     with pytest.raises(ValueError, match="the val split is empty"):
         stdlib_corpus(max_bytes=1)
 
