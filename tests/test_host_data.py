@@ -214,3 +214,27 @@ def test_evaluate_moves_host_batches_to_the_models_device():
     model = Spy()
     assert evaluate(model, batches) == 2.0
     assert model.seen == ["meta"] * 4
+
+
+@pytest.mark.parametrize("layers", [("dense", "mod"), ("moe", "integrated", "staged")])
+def test_a_cpu_trainer_trains_the_same_whatever_the_default_device(tmp_path, layers):
+    """``Trainer(device="cpu")`` under another default device: the same run. The model is built on the CPU
+    (under a CUDA default device it drew its initialization from the CUDA generator: another run for the same
+    seed, which the resume and parallel-job tests of the H200 run saw as a different first loss), ``Aux.total``
+    with no losses is a CPU zero, and AdamW's step counters stay on the host (torch 2.11 creates them on the
+    default device and reads each with ``.item()``: a sync per parameter on a GPU)."""
+    from mode.train import Trainer, TrainConfig
+    from mode.train.data import Corpus
+
+    volatile = {"wall", "tok_s", "mfu", "elapsed"}
+    cfg = replace(CFG, layers=layers)
+    text = np.frombuffer(bytes(range(256)) * 12, dtype=np.uint8)
+    tcfg = TrainConfig(steps=2, batch_size=2, eval_every=2, eval_batches=1, seed=0)
+    runs = []
+    for device in (None, "meta"):
+        with contextlib.nullcontext() if device is None else default_device(device):
+            t = Trainer(cfg, tcfg, Corpus(train=text[:2800], val=text[2800:], source="bytes"), tmp_path / str(device),
+                        progress=False)
+            runs.append([{k: v for k, v in r.items() if k not in volatile} for r in t.run()])
+            assert all(s["step"].device.type == "cpu" for s in t.optimizer.state.values())
+    assert runs[1] == runs[0]

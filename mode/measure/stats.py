@@ -110,7 +110,10 @@ class RoutingAccumulator:
             # the same bits as adding it as a tensor); as_tensor would copy it to a GPU, a blocking copy per call
             self.sums[key] = cur + float(value)
             return
-        v = torch.as_tensor(value, dtype=torch.float64, device=None if cur is None else cur.device)
+        # named whatever the default device (as_tensor with device=None takes it: a CPU tensor or a first Python
+        # number went to a CUDA default device, a copy each): the sum's, else the tensor's own, else the host
+        device = cur.device if cur is not None else value.device if isinstance(value, Tensor) else "cpu"
+        v = torch.as_tensor(value, dtype=torch.float64, device=device)
         v = v.detach().to(torch.float64).reshape(-1)
         if cur is None:
             self.sums[key] = v.clone()

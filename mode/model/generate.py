@@ -83,12 +83,13 @@ def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int,
     causal = _check_generatable(model)
     check_prompts(prompts, model.cfg.vocab_size)
     B = len(prompts)
-    lens_B = torch.tensor([len(p) for p in prompts])
+    # host data, built on the CPU whatever the default device (then moved once)
+    lens_B = torch.tensor([len(p) for p in prompts], device="cpu")
     P = int(lens_B.max())
-    idx_BP = torch.zeros(B, P, dtype=torch.long)
+    idx_BP = torch.zeros(B, P, dtype=torch.long, device="cpu")
     for b, p in enumerate(prompts):
-        idx_BP[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-    mask_BP = torch.arange(P)[None, :] < lens_B[:, None]
+        idx_BP[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long, device="cpu")
+    mask_BP = torch.arange(P, device="cpu")[None, :] < lens_B[:, None]
     device = model.embed.weight.device
     caches = model.new_caches(B, capacity, static=_checks.check_bool("static", static), dtype=cache_dtype)
     out = model(idx_BP.to(device), mask_BS=mask_BP.to(device) if int(lens_B.min()) < P else None,

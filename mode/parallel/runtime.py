@@ -111,7 +111,8 @@ class MeshRuntime:
 
     def sum_scalars(self, values: list) -> list[float]:
         """Each value (a float or a one-element tensor) summed over all ranks, in one all-reduce."""
-        t = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(self.device).reshape(()) for v in values])
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=v.device if isinstance(v, Tensor) else "cpu")
+                          .to(self.device).reshape(()) for v in values])
         dist.all_reduce(t, group=self.group)
         return t.tolist()
 

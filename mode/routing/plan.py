@@ -87,7 +87,7 @@ class Aux:
         """Sum of ``coef * loss``; a zero scalar when there are no losses."""
         terms = [self.coefs[k] * v for k, v in self.losses.items() if self.coefs[k] != 0.0]
         if not terms:
-            return torch.zeros(())
+            return torch.zeros((), device="cpu")  # a CPU scalar adds to a loss on any device, without a copy
         return torch.stack([t.float() for t in terms]).sum()
 
     def merge(self, other: "Aux", prefix: str = "") -> "Aux":

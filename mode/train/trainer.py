@@ -135,9 +135,15 @@ class Trainer:
         self.log_path = self.out_dir / "log.jsonl"
         self.ckpt_path = self.out_dir / self.runtime.checkpoint_name
         torch.manual_seed(train_cfg.seed)  # the same full model in one process and on every rank
-        # a runtime that shards builds on meta and materializes its shards only: the eager build's values
-        model = (build_on_meta(lambda: LM(model_cfg)) if getattr(self.runtime, "builds_on_meta", False)
-                 else LM(model_cfg).to(self.device))
+        # a runtime that shards builds on meta and materializes its shards only: the eager build's values.
+        # The eager build draws on the CPU whatever the default device (under set_default_device("cuda") it
+        # drew from the CUDA generator: another initialization for the same seed), then moves to the device.
+        if getattr(self.runtime, "builds_on_meta", False):
+            model = build_on_meta(lambda: LM(model_cfg))
+        else:
+            with torch.device("cpu"):
+                model = LM(model_cfg)
+            model = model.to(self.device)
         self.model = self.runtime.prepare(model, compile=compile)
         if train_cfg.activation_checkpointing:
             checkpoint_blocks(self.model)  # on the prepared model: FSDP's hooks stay outside the checkpoints
@@ -254,7 +260,10 @@ class Trainer:
                 # realized routing, kept on the device (read=False): read with the step's other scalars below
                 flops = flops + train_flops_per_token(self.model_cfg, aux=out.aux, read=False) * x_mS.numel()
         self.grad_norm = rt.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        self.optimizer.step()
+        # AdamW creates its step counters on the default device (torch.tensor(0.0)) and reads them with
+        # .item() for every parameter: on the host as without set_default_device("cuda"), no sync each
+        with torch.device("cpu"):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         update_expert_bias(self.model, self.bias_routers)  # the step's choice counts, summed over ranks
         due = self.rank == 0 and self._time_to_save()  # clocks differ: rank 0 decides for every rank
