@@ -148,7 +148,9 @@ def test_round_trip_to_a_plain_transformers_folder(tmp_path):
         model.eval()
         with torch.no_grad():
             expected[family] = model(input_ids=ids, attention_mask=mask).logits
-        torch.save({"ids": ids, "mask": mask}, tmp_path / f"{family}.batch.pt")
+        # on the CPU: the child process's model is (under MODE_TEST_DEVICE=cuda these were CUDA tensors, and the
+        # child's CPU model refused them)
+        torch.save({"ids": ids.cpu(), "mask": mask.cpu()}, tmp_path / f"{family}.batch.pt")
     code = f"""
 import json, sys
 sys.modules["mode"] = None  # transformers alone: `import mode` would raise
@@ -167,7 +169,7 @@ print(json.dumps(out))
     classes = json.loads(res.stdout.strip().splitlines()[-1])
     assert classes["qwen3_moe"] == "Qwen3MoeForCausalLM" and classes["mixtral"] == "MixtralForCausalLM"
     for family, logits in expected.items():
-        torch.testing.assert_close(torch.load(tmp_path / f"{family}.out.pt"), logits, **TOL)
+        torch.testing.assert_close(torch.load(tmp_path / f"{family}.out.pt"), logits.cpu(), **TOL)
 
 
 def test_save_replaces_the_folder_whole(tmp_path):
