@@ -210,7 +210,15 @@ class MoDRouter(nn.Module):
         logit_N = logit_BS.detach().reshape(-1) if mask_BS is None else logit_BS.detach()[mask_BS]
         if logit_N.numel() == 0:
             return
-        q = torch.quantile(logit_N.float(), 1.0 - self.cfg.capacity)
+        logit_N = logit_N.float()
+        q = torch.quantile(logit_N, 1.0 - self.cfg.capacity)
+        # A quantile that lands on a logit (a lump of equal ones: a layer-0 score is a function of the token id,
+        # so every occurrence of one id ties) would leave those tokens' decisions at exactly 0, which the
+        # rounding of another kernel flips (decoding one token vs a full pass on a GPU). The midpoint up to the
+        # next larger logit routes the same tokens of this batch (still "> threshold"), with a margin. No sync.
+        above = torch.where(logit_N > q, logit_N, torch.full_like(logit_N, float("inf"))).min()
+        tied = (logit_N == q).any() & torch.isfinite(above)
+        q = torch.where(tied, (q + above) / 2, q)
         m = self.cfg.threshold_momentum
         self.threshold.copy_(torch.where(torch.isnan(self.threshold), q, (1 - m) * self.threshold + m * q))
 

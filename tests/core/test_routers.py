@@ -524,3 +524,24 @@ def test_token_choice_one_pass_finite_check_on_logits(bad):
     logits[2, 1] = bad
     with pytest.raises(ValueError, match=r"TokenChoiceRouter: 1 router logits are NaN or inf"):
         _check_finite(logits)
+
+
+def test_a_steered_threshold_never_lands_on_a_logit():
+    """A quantile on a lump of equal decision logits (at layer 0 a token id's score is always the same) moves to
+    the midpoint up to the next larger logit: the same tokens pass "> threshold", each with a margin, so that
+    the rounding of another kernel cannot flip them (the H200's greedy generate vs full forward of
+    tests/hf/test_hf.py differed by 1.6e-3 in float32: a layer-0 threshold equal to one token id's score, tied
+    in 8 of 30 seeds of that test's model on the CPU). A quantile between distinct logits is unchanged."""
+    from mode.routing.mod_topk import MoDRouter, MoDRouterConfig
+
+    def steered(values, capacity=0.5):
+        router = MoDRouter(MoDRouterConfig(d_model=4, capacity=capacity, causal="threshold"))
+        with torch.device("cpu"):
+            logit = torch.tensor([values])
+        router._steer_threshold(logit.to(router.threshold.device), None)
+        return float(router.threshold), logit
+
+    t, logit = steered([0.0, 1.0, 1.0, 1.0, 2.0, 3.0])  # the median is 1.0, a logit (three tokens)
+    assert t == 1.5 and ((logit > t) == (logit > 1.0)).all()
+    assert steered([0.0, 1.0, 2.0, 3.0])[0] == 1.5  # between two logits: the quantile itself
+    assert steered([1.0, 1.0, 1.0, 1.0])[0] == 1.0  # nothing above: the quantile (no token passes either way)
