@@ -670,7 +670,7 @@ STAGE_FNS: dict[str, Callable[[Ctx], dict]] = {
 
 def _last_error(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    errs = [line for line in lines if re.match(r"^\w*(Error|Exception)\b|^\w+\.\w*Error", line.strip())]
+    errs = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line.strip())]
     return (errs or lines or ["(no output)"])[-1].strip()[:500]
 
 
@@ -772,7 +772,10 @@ def run_suite(out: Path, work: Path, budget_s: float, smoke: bool, only: list[st
         with open(stage_log, "w") as fh:
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
                                     env=dict(os.environ, PYTHONUNBUFFERED="1",
-                                             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
+                                             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                                             # a cache of this run's own: a shared one left truncated by a killed
+                                             # compile ("file too short") failed a rehearsal's compiled run
+                                             TORCHINDUCTOR_CACHE_DIR=str(work / "inductor_cache")))
             try:
                 proc.wait(timeout=limit)
                 timed_out = False

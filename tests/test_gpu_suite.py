@@ -168,3 +168,12 @@ def test_failures_plugin_writes_each_failure_with_its_reason_and_groups_them(tmp
     assert groups[0]["count"] == 2 and "same device" in groups[0]["message"]
     assert groups[0]["test_frame"].endswith("test_sample.py:4")
     assert groups[1]["count"] == 1 and "assert 1 == 2" in groups[1]["message"]
+
+
+def test_last_error_names_the_exception_line():
+    text = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+            "torch._inductor.exc.InductorError: ImportError: main.so: file too short\n\n"
+            "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n")
+    assert gpu_suite._last_error(text).startswith("torch._inductor.exc.InductorError: ImportError")
+    assert gpu_suite._last_error("RuntimeError: boom\nother\n") == "RuntimeError: boom"
+    assert gpu_suite._last_error("") == "(no output)"
