@@ -608,7 +608,6 @@ def profile_step(step: Callable[[], None], device, iters: int, top: int = 8) -> 
 def stage_profile(ctx: Ctx) -> dict:
     import torch
 
-    from benchmarks.bench_layers import bench_mod  # noqa: F401 - same module graph as the mod stage
     from benchmarks.common import fwd_bwd_step
     from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock
     from mode.model import LM
