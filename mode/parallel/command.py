@@ -9,7 +9,9 @@ group, and checkpoints are single files (``OUT/ckpt.pt``). Under torchrun every 
 group (gloo on CPU, NCCL on CUDA; ``mode.parallel.process_group.init_distributed``), builds the ``(dp, ep)`` mesh
 and trains its rows of every batch; checkpoints are sharded (``OUT/ckpt/``). ``--resume`` continues from
 either kind found in OUT, ``--resume-from PATH`` from any checkpoint (a file or a sharded folder, any
-layout). docs/distributed.md.
+layout). ``--resume auto`` continues from a complete checkpoint in OUT when there is one and starts a new run
+when there is none, so that one command line both starts and continues a run (what a scheduler or torchelastic
+reruns); without ``--resume``, a checkpoint already in OUT is an error, never overwritten. docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from mode.model import LMConfig
 from mode.train import TrainConfig
@@ -104,7 +107,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="one device's peak dense bf16 TFLOP/s, for the logged model FLOPs utilisation (default: "
                         "known GPUs only, e.g. H100 SXM 989; none on a CPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT (either kind)")
+    p.add_argument("--resume", nargs="?", const=True, default=False, type=resume_value, metavar="auto",
+                   help="continue from the checkpoint in OUT (either kind; there must be one). --resume auto: "
+                        "continue from it when OUT holds a complete one, else start a new run (one command line "
+                        "that starts and restarts a run, e.g. under a scheduler or torchelastic)")
     p.add_argument("--resume-from", help="continue from this checkpoint: a single file or a sharded folder, "
                                          "saved by any number of processes in any layout")
     p.add_argument("--timeout", type=float, help=f"collective timeout in seconds (default ${mdist.TIMEOUT_ENV} "
@@ -112,6 +118,61 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--threads", type=int, help="torch intra-op threads per process (default: torch's)")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+RESUME_AUTO = "auto"
+
+
+def resume_value(text: str) -> str:
+    """``--resume VALUE``: only ``auto`` (``--resume`` alone needs no value)."""
+    if text != RESUME_AUTO:
+        raise argparse.ArgumentTypeError(f"{text!r}: the only value is {RESUME_AUTO!r} (--resume auto: continue "
+                                         "from the checkpoint in OUT if there is one, else start a new run; "
+                                         "--resume alone: there must be one)")
+    return text
+
+
+def find_checkpoint(out: str | Path, prefer_sharded: bool = False) -> Path | None:
+    """The complete checkpoint in ``out``, or None: ``out/ckpt.pt`` (written by an atomic rename, so a file
+    there is whole) or ``out/ckpt/`` once its ``latest`` file exists (rank 0 writes it, atomically, after every
+    shard of a save is written: a folder without it holds only a partial save, which does not count). Both
+    kinds: the one this run writes (``prefer_sharded``: a mesh) first, as ``Trainer.load`` looks."""
+    from mode.parallel.checkpoint import LATEST
+    from mode.parallel.runtime import MeshRuntime
+    from mode.train.runtime import OneProcess
+
+    single, sharded = Path(out) / OneProcess.checkpoint_name, Path(out) / MeshRuntime.checkpoint_name
+    found = [path for path, complete in ((single, single.is_file()), (sharded, (sharded / LATEST).is_file()))
+             if complete]
+    if prefer_sharded:
+        found.reverse()
+    return found[0] if found else None
+
+
+def checkpoint_to_resume(args, ctx) -> Path | None:
+    """What this run continues from: a path, or None (a new run, or ``--resume``/``--resume-from``, whose
+    checkpoint ``Trainer.load`` finds). Rank 0 looks in OUT and broadcasts what it found, so that every rank
+    takes the same decision. ``ValueError``: OUT holds a checkpoint and neither ``--resume`` nor
+    ``--resume-from`` was given (a new run would overwrite it)."""
+    if args.resume is True or args.resume_from:
+        return None
+    found = [None]
+    if ctx is None or ctx.rank == 0:
+        path = find_checkpoint(args.out, prefer_sharded=ctx is not None)
+        found[0] = None if path is None else str(path)
+    if ctx is not None and ctx.world_size > 1:
+        import torch.distributed as dist
+
+        from mode.parallel import process_group as mdist
+
+        with mdist.collective_guard("the --resume decision (rank 0's look for a checkpoint in OUT)",
+                                    ctx.timeout_s, rank=ctx.rank, world_size=ctx.world_size):
+            dist.broadcast_object_list(found, src=0)
+    if found[0] is not None and args.resume != RESUME_AUTO:
+        raise ValueError(f"{args.out!r} already holds a run's checkpoint ({found[0]!r}); a new run would overwrite "
+                         f"it. Continue it with --resume auto (or --resume), or give a new or empty --out to "
+                         f"start another run")
+    return None if found[0] is None else Path(found[0])
 
 
 def configs(args) -> tuple[LMConfig, TrainConfig, int | None]:
@@ -171,6 +232,9 @@ def run(args) -> int:
                 raise ValueError(f"--dp={args.dp} --ep={args.ep}: more than one process; start the command with "
                                  f"torchrun --nproc-per-node {(args.dp or 1) * (args.ep or 1)} -m mode train ...")
             device = args.device
+        resume_path = checkpoint_to_resume(args, ctx)
+        if args.resume == RESUME_AUTO and resume_path is None and (ctx is None or ctx.rank == 0):
+            print(f"mode train: no checkpoint in {args.out}: starting a new run", flush=True)
         corpus = load_corpus(args.data or None, model_cfg.seq_len, max_bytes)
         model_cfg = replace(model_cfg, vocab_size=corpus.vocab_size)  # bytes: 256; token shards: theirs
         runtime = None
@@ -195,8 +259,8 @@ def run(args) -> int:
                      "process)" if train_cfg.grad_accum > 1 else "")
                   + f"; layers {','.join(model_cfg.layers)}; corpus {corpus.source}",
                   flush=True)
-        if args.resume or args.resume_from:
-            trainer.load(args.resume_from)
+        if args.resume is True or args.resume_from or resume_path is not None:
+            trainer.load(args.resume_from or resume_path)
             if trainer.rank == 0:
                 print(f"mode train: resuming at step {trainer.step} of {train_cfg.steps}", flush=True)
         history = trainer.run()
@@ -205,7 +269,8 @@ def run(args) -> int:
         print(f"mode train: {rank}error: {e}", file=sys.stderr)
         return 2
     except checkpoint.WriteError as e:
-        print(f"mode train: error: {e}; rerun with --resume to continue from the last checkpoint", file=sys.stderr)
+        print(f"mode train: error: {e}; rerun with --resume (or --resume auto) to continue from the last checkpoint",
+              file=sys.stderr)
         return 1
     except mdist.CollectiveError as e:
         print(f"mode train: {e}", file=sys.stderr, flush=True)
