@@ -332,6 +332,12 @@ def compiled_ratio(candidate, baseline, x, g, device, warmup: int, repeats: int)
             "baseline_ms": 1e3 * res["baseline_s_median"], "compile_s": compile_s}
 
 
+def _size_key(num_experts: int, configs) -> str:
+    """A configuration's key in the numbers: E8 for the fewest experts, E64 for the other (also in --quick, whose
+    configurations have 4 and 16)."""
+    return "E8" if num_experts == min(E for E, _ in configs) else "E64"
+
+
 def stage_moe(ctx: Ctx) -> dict:
     from benchmarks import bench_peers
 
@@ -346,8 +352,7 @@ def stage_moe(ctx: Ctx) -> dict:
         dense = next(r for r in rows if r["family"] == "dense" and "bf16" in r["implementation"])
         k, d, h, T = ours["top_k"], ours["d_model"], ours["expert_hidden"], ours["tokens"]
         flops = 3 * (2 * T * k * 3 * d * h)  # fwd + bwd of the active SwiGLU experts (3 matmuls, bwd 2x fwd)
-        # the ratio's key says E by its size class: E8 is the few-experts case, E64 the many (also in --quick)
-        key = "E8" if E == min(r["num_experts"] for r in payload["results"]) else "E64"
+        key = _size_key(E, payload["config"]["configs"])
         numbers[f"moe_ratio_{key}"] = ours["ratio_median"]
         numbers[f"moe_tflops_{key}"] = flops / ours["s_median"] / 1e12
         numbers[f"dense_tflops_{key}"] = flops / dense["s_median"] / 1e12
@@ -364,7 +369,7 @@ def stage_moe(ctx: Ctx) -> dict:
     compiled = {}
     cfg = payload["config"]
     for E, H in (cfg["configs"][:1] if ctx.smoke else cfg["configs"]):
-        key = "E8" if E == min(c[0] for c in cfg["configs"]) else "E64"
+        key = _size_key(E, cfg["configs"])
         torch.manual_seed(0)
         x = torch.randn(1, cfg["tokens"], cfg["d_model"], device=ctx.device, requires_grad=True)
         g = torch.randn(1, cfg["tokens"], cfg["d_model"], device=ctx.device)
