@@ -17,6 +17,7 @@ models (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) on mode's MoE layers,
     mh.to_mode_moe(moe_model)                 # Mixtral/OLMoE/Qwen2-MoE/Qwen3-MoE/DeepSeek-V3 blocks -> mode layers
     mh.save_transformers(moe_model, "dir")    # ... and back to a plain transformers checkpoint
     acc, summary = mh.moe_report(moe_model, ids)  # per-layer expert load, drops, experts and FLOPs per token
+    model, tok = mh.load_gguf(mh.fetch_smollm2())  # SmolLM2-135M-Instruct, the real pretrained test bed
 
 See docs/hf.md for what is supported, what is refused and why.
 """
@@ -31,8 +32,9 @@ from mode.hf.tune import calibrate, freeze_base, router_parameters, router_tune
 from mode.hf.conversion_io import load_conversion, save_conversion
 from mode.hf.skip_cost import cheapest, skip_costs
 from mode.hf.moe_convert import ConvertedMoE, converted_moe, moe_report, save_transformers, to_mode_moe
+from mode.hf.pretrained import SMOLLM2, FetchError, fetch_smollm2, load_gguf, smollm2_path
 
 __all__ = ["calibrate", "cheapest", "collect_aux", "converted_moe", "ConvertedMoE", "freeze_base", "load_conversion",
            "mod_layers", "MoDCacheLayer", "MoDLayerMixin", "moe_report", "router_parameters", "router_tune",
            "routing", "save_conversion", "save_transformers", "skip_costs", "to_mod", "to_mode_moe", "upcycle",
-           "upcycled_mlps", "UpcycledMLP"]
+           "upcycled_mlps", "UpcycledMLP", "SMOLLM2", "FetchError", "fetch_smollm2", "load_gguf", "smollm2_path"]
