@@ -9,7 +9,7 @@ from torch import nn
 
 from mode import _checks
 from mode.hf._compat import check_attention, check_model_type, decoder_config, decoder_layers, layer_index
-from mode.hf.mod_layer import PARTS, MoDLayerMixin, mod_class
+from mode.hf.mod_layer import KV, PARTS, MoDLayerMixin, mod_class
 from mode.routing.mod_topk import CAUSAL_METHODS, GATES, MoDRouter, MoDRouterConfig
 
 LAYER_PATTERNS = ("every_other", "all")
@@ -34,12 +34,17 @@ def resolve_layers(layers: str | Sequence[int], n_layers: int) -> list[int]:
 
 def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capacity: float = 0.125,
            gate: str = "ste", causal: str = "aux_bce", causal_coef: float = 0.1,
-           predictor_hidden: int = 64, part: str = "layer", steer_decision: bool = True) -> nn.Module:
+           predictor_hidden: int = 64, part: str = "layer", steer_decision: bool = True,
+           kv: str = "routed") -> nn.Module:
     """Convert decoder layers of ``model`` (Llama, Qwen2, Mistral; sdpa or eager attention) to MoD, in place.
 
     ``capacity``: fraction of each sequence routed through a converted layer when training (top-C).
     ``part``: what a token the router does not pick skips: ``"layer"`` (the whole layer), ``"attention"``
-    (only the attention half: no K/V is stored for it there) or ``"mlp"`` (only the MLP half).
+    (only the attention half) or ``"mlp"`` (only the MLP half).
+    ``kv`` (parts "layer" and "attention"): ``"routed"``, a skipped token writes no K/V in the layer (the
+    layer's cache stores routed tokens only); ``"all"``, every token writes its K/V (it pays the input norm
+    and the K/V projections) and only routed tokens ask a query, so routed tokens see the whole context, as
+    the pretrained layer was trained to (``mode.hf.routed_queries``).
     ``gate``: what multiplies a routed token's update, see ``mode.routing.mod_topk``; the default ``"ste"``
     leaves the model's output unchanged at capacity 1.0 and still trains the router. ``causal``: how the
     layer decides token by token when sampling (``"aux_bce"``, ``"predictor"``, ``"threshold"``; ``"none"``
@@ -54,6 +59,10 @@ def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capaci
     _checks.check_choice("gate", gate, GATES)
     _checks.check_choice("causal", causal, CAUSAL_METHODS)
     _checks.check_choice("part", part, PARTS)
+    _checks.check_choice("kv", kv, KV)
+    if kv == "all" and part == "mlp":
+        raise ValueError("kv='all' with part='mlp': the attention already runs for every token (the model's own "
+                         "cache); kv applies to part='layer' or 'attention'")
     _checks.check_bool("steer_decision", steer_decision)
     steer = steer_decision and causal in ("aux_bce", "predictor")
     all_layers = decoder_layers(model)
@@ -75,6 +84,7 @@ def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capaci
                                            steer_decision=steer))
         layer.mod_router = router.to(device=ref.device, dtype=torch.float32)  # routers stay in float32
         layer.mod_part = part
+        layer.mod_kv = kv
         layer.__class__ = mod_class(type(layer))
     if hasattr(model, "_get_candidate_generator"):  # generate()'s entry to assisted / speculative decoding
         model._get_candidate_generator = _refuse_assisted
@@ -82,7 +92,7 @@ def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capaci
     mod = spec.setdefault("mod", {})
     for i in chosen:
         mod[str(i)] = {"capacity": capacity, "gate": gate, "causal": causal, "causal_coef": causal_coef,
-                       "predictor_hidden": predictor_hidden, "part": part, "steer_decision": steer_decision}
+                       "predictor_hidden": predictor_hidden, "part": part, "steer_decision": steer_decision, "kv": kv}
     model.mode_conversion = spec
     return model
 

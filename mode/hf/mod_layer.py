@@ -32,11 +32,13 @@ from torch import Tensor
 from mode.hf import mask as hf_mask
 from mode.hf._compat import check_attention
 from mode.hf.cache import MoDCacheLayer, mod_cache_layer
+from mode.hf.routed_queries import routed_query_attention
 from mode.routing.mod_topk import MoDRouter
 from mode.routing.plan import Aux
 
 ROUTING = ("auto", "topk", "causal", "dense")  # "dense": the original layer, no routing (a teacher)
 PARTS = ("layer", "attention", "mlp")  # what a token the router does not pick skips
+KV = ("routed", "all")  # whose K/V a "layer" / "attention" MoD layer keeps: routed tokens only, or every token
 
 
 class MoDLayerMixin:
@@ -47,6 +49,7 @@ class MoDLayerMixin:
     mod_router: MoDRouter
     mod_routing: str = "auto"
     mod_part: str = "layer"
+    mod_kv: str = "routed"
     mod_aux: Aux | None = None
 
     def mod_causal(self) -> bool:  # not called in "dense" mode
@@ -94,7 +97,8 @@ class MoDLayerMixin:
         if position_embeddings is None:
             raise ValueError("position_embeddings=None: a MoD layer gathers the model's own cos/sin at the routed "
                              "tokens' positions; call it through the model")
-        cache = None if past_key_values is None else mod_cache_layer(past_key_values, attn.layer_idx)
+        cache = (None if past_key_values is None or self.mod_kv == "all"
+                 else mod_cache_layer(past_key_values, attn.layer_idx))
         P = 0 if cache is None else cache.get_seq_length()
         S = x_BSD.shape[1]
         # Qwen2 keeps the window on the attention (None for its full layers), Mistral only in the config.
@@ -104,6 +108,9 @@ class MoDLayerMixin:
                              "sparse cache needs the whole sequence within the window (the mask switches to "
                              "window coordinates once it fills); raise the window or convert full-attention "
                              "layers only")
+        if self.mod_kv == "all":
+            return self._forward_every_kv(x_BSD, attention_mask, past_key_values, position_embeddings, window,
+                                          **kwargs)
         real_BS, causal = self._routing_inputs(x_BSD, attention_mask, P)
         plan, slot_BC, valid_BC = self._route(x_BSD, real_BS, causal)
         if plan.seq_capacity == 0:  # nothing routed (causal decode, most steps): no attention, nothing stored
@@ -115,6 +122,30 @@ class MoDLayerMixin:
         sublayer = super().forward if self.mod_part == "layer" else self.attention_sublayer
         y_BCD = self._sparse_attention_call(sublayer, x_BCD, slot_BC, valid_BC, cache, P, S, attention_mask,
                                             position_ids, past_key_values, use_cache, position_embeddings, **kwargs)
+        out_BSD = self._combine(x_BSD, x_BCD, y_BCD, plan, slot_BC, valid_BC)
+        return out_BSD if self.mod_part == "layer" else self.mlp_sublayer(out_BSD)
+
+    def _forward_every_kv(self, x_BSD: Tensor, attention_mask: Tensor | None, past_key_values, position_embeddings,
+                          window: int | None, **kwargs) -> Tensor:
+        """``kv="all"``: every token writes its K/V to the model's own dense cache, only routed tokens ask a
+        query (``mode.hf.routed_queries``); then the MLP for routed tokens ("layer") or for all ("attention")."""
+        attn = self.self_attn
+        P = 0
+        if past_key_values is not None:
+            if isinstance(_cache_layer_at(past_key_values, attn.layer_idx), MoDCacheLayer):
+                raise ValueError("mod kv='all' with a cache a kv='routed' MoD layer already made sparse; start "
+                                 "from a new cache")
+            P = past_key_values.get_seq_length(attn.layer_idx)
+        real_BS, causal = self._routing_inputs(x_BSD, attention_mask, P)
+        plan, slot_BC, valid_BC = self._route(x_BSD, real_BS, causal)
+        a_BCD = routed_query_attention(attn, self.input_layernorm(x_BSD), slot_BC, valid_BC, position_embeddings,
+                                       attention_mask, past_key_values, P, window, **kwargs)
+        if plan.seq_capacity == 0:  # nothing routed: the K/V are written, no query asked
+            return x_BSD if self.mod_part == "layer" else self.mlp_sublayer(x_BSD)
+        x_BCD = _gather_rows(x_BSD, slot_BC)
+        y_BCD = x_BCD + a_BCD
+        if self.mod_part == "layer":
+            y_BCD = self.mlp_sublayer(y_BCD)
         out_BSD = self._combine(x_BSD, x_BCD, y_BCD, plan, slot_BC, valid_BC)
         return out_BSD if self.mod_part == "layer" else self.mlp_sublayer(out_BSD)
 
