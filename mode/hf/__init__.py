@@ -5,6 +5,8 @@ models (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) on mode's MoE layers,
     import mode.hf as mh
     mh.to_mod(model, layers="every_other", capacity=0.125, gate="ste", causal="aux_bce")   # in place
     mh.to_mod(model, capacity=0.5, part="attention")   # skip only attention (no K/V for skipped tokens)
+    mh.to_mod(model, capacity=0.5, part="attention", kv="all")  # skipped tokens still write their K/V
+    mh.router_fit(model, batches)             # route the tokens the skipped part would change most
     mh.calibrate(model, batches)              # steer the causal thresholds to the capacity's share
     costs = mh.skip_costs(model, batches, part="attention")  # loss per layer if every token skipped it
     mh.to_mod(model, layers=mh.cheapest(costs, 4), part="attention")   # convert the cheapest layers
@@ -29,12 +31,13 @@ from mode.hf.mod_layer import MoDLayerMixin
 from mode.hf.routing import collect_aux, routing
 from mode.hf.upcycle import UpcycledMLP, upcycle, upcycled_mlps
 from mode.hf.tune import calibrate, freeze_base, router_parameters, router_tune
+from mode.hf.router_fit import router_fit
 from mode.hf.conversion_io import load_conversion, save_conversion
 from mode.hf.skip_cost import cheapest, skip_costs
 from mode.hf.moe_convert import ConvertedMoE, converted_moe, moe_report, save_transformers, to_mode_moe
 from mode.hf.pretrained import SMOLLM2, FetchError, fetch_smollm2, load_gguf, smollm2_path
 
 __all__ = ["calibrate", "cheapest", "collect_aux", "converted_moe", "ConvertedMoE", "freeze_base", "load_conversion",
-           "mod_layers", "MoDCacheLayer", "MoDLayerMixin", "moe_report", "router_parameters", "router_tune",
+           "mod_layers", "MoDCacheLayer", "MoDLayerMixin", "moe_report", "router_fit", "router_parameters", "router_tune",
            "routing", "save_conversion", "save_transformers", "skip_costs", "to_mod", "to_mode_moe", "upcycle",
            "upcycled_mlps", "UpcycledMLP", "SMOLLM2", "FetchError", "fetch_smollm2", "load_gguf", "smollm2_path"]

@@ -5,8 +5,8 @@ class made at run time. So a conversion is saved as two files in a directory:
 
     mode_conversion.json        which layers became MoD / MoE and with which settings, the model type,
                                 the transformers version it was made with
-    mode_weights.safetensors    only what the conversion added or replaced: ``...mod_router.*`` and
-                                every upcycled ``...mlp.moe.*``
+    mode_weights.safetensors    only what the conversion added or replaced: ``...mod_router.*``,
+                                ``...mod_skip.*`` and every upcycled ``...mlp.moe.*``
 
 ``load_conversion(model, dir)`` applies the same conversion to a freshly loaded original model (the same
 checkpoint it was made from) and loads those weights; any key missing or left over raises.
@@ -31,7 +31,8 @@ FORMAT_VERSION = 1
 
 def conversion_state(model: nn.Module) -> dict:
     """The tensors a conversion added or replaced, by their state-dict names."""
-    return {k: v for k, v in model.state_dict().items() if ".mod_router." in k or ".mlp.moe." in k}
+    return {k: v for k, v in model.state_dict().items() if ".mod_router." in k or ".mod_skip." in k
+            or ".mlp.moe." in k}
 
 
 def save_conversion(model: nn.Module, directory: str | Path) -> Path:

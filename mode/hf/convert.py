@@ -10,6 +10,7 @@ from torch import nn
 from mode import _checks
 from mode.hf._compat import check_attention, check_model_type, decoder_config, decoder_layers, layer_index
 from mode.hf.mod_layer import KV, PARTS, MoDLayerMixin, mod_class
+from mode.hf.skip_update import SkipUpdate
 from mode.routing.mod_topk import CAUSAL_METHODS, GATES, MoDRouter, MoDRouterConfig
 
 LAYER_PATTERNS = ("every_other", "all")
@@ -35,7 +36,7 @@ def resolve_layers(layers: str | Sequence[int], n_layers: int) -> list[int]:
 def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capacity: float = 0.125,
            gate: str = "ste", causal: str = "aux_bce", causal_coef: float = 0.1,
            predictor_hidden: int = 64, part: str = "layer", steer_decision: bool = True,
-           kv: str = "routed") -> nn.Module:
+           kv: str = "routed", skip_rank: int | None = None) -> nn.Module:
     """Convert decoder layers of ``model`` (Llama, Qwen2, Mistral; sdpa or eager attention) to MoD, in place.
 
     ``capacity``: fraction of each sequence routed through a converted layer when training (top-C).
@@ -45,6 +46,9 @@ def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capaci
     layer's cache stores routed tokens only); ``"all"``, every token writes its K/V (it pays the input norm
     and the K/V projections) and only routed tokens ask a query, so routed tokens see the whole context, as
     the pretrained layer was trained to (``mode.hf.routed_queries``).
+    ``skip_rank``: None, a skipped token's part adds nothing; an int R, it adds a rank-R affine estimate of
+    the skipped update (``mode.hf.skip_update``; R=0: a constant), zero until ``router_fit`` fits it or
+    ``router_tune`` trains it.
     ``gate``: what multiplies a routed token's update, see ``mode.routing.mod_topk``; the default ``"ste"``
     leaves the model's output unchanged at capacity 1.0 and still trains the router. ``causal``: how the
     layer decides token by token when sampling (``"aux_bce"``, ``"predictor"``, ``"threshold"``; ``"none"``
@@ -60,6 +64,8 @@ def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capaci
     _checks.check_choice("causal", causal, CAUSAL_METHODS)
     _checks.check_choice("part", part, PARTS)
     _checks.check_choice("kv", kv, KV)
+    if skip_rank is not None:
+        SkipUpdate(config.hidden_size, skip_rank)  # validates the rank before any layer changes
     if kv == "all" and part == "mlp":
         raise ValueError("kv='all' with part='mlp': the attention already runs for every token (the model's own "
                          "cache); kv applies to part='layer' or 'attention'")
@@ -85,6 +91,8 @@ def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capaci
         layer.mod_router = router.to(device=ref.device, dtype=torch.float32)  # routers stay in float32
         layer.mod_part = part
         layer.mod_kv = kv
+        layer.mod_skip = None if skip_rank is None else SkipUpdate(d_model, skip_rank).to(device=ref.device,
+                                                                                        dtype=torch.float32)
         layer.__class__ = mod_class(type(layer))
     if hasattr(model, "_get_candidate_generator"):  # generate()'s entry to assisted / speculative decoding
         model._get_candidate_generator = _refuse_assisted
@@ -92,7 +100,8 @@ def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capaci
     mod = spec.setdefault("mod", {})
     for i in chosen:
         mod[str(i)] = {"capacity": capacity, "gate": gate, "causal": causal, "causal_coef": causal_coef,
-                       "predictor_hidden": predictor_hidden, "part": part, "steer_decision": steer_decision, "kv": kv}
+                       "predictor_hidden": predictor_hidden, "part": part, "steer_decision": steer_decision, "kv": kv,
+                       "skip_rank": skip_rank}
     model.mode_conversion = spec
     return model
 

@@ -27,7 +27,7 @@ unchanged.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from mode.hf import mask as hf_mask
 from mode.hf._compat import check_attention
@@ -50,6 +50,8 @@ class MoDLayerMixin:
     mod_routing: str = "auto"
     mod_part: str = "layer"
     mod_kv: str = "routed"
+    mod_skip: nn.Module | None  # SkipUpdate: the estimated update a skipped token gets (None: nothing); set by
+    # to_mod on the instance (a class-level default would shadow the registered submodule)
     mod_aux: Aux | None = None
 
     def mod_causal(self) -> bool:  # not called in "dense" mode
@@ -90,7 +92,7 @@ class MoDLayerMixin:
                                             position_embeddings=position_embeddings, **kwargs)
             plan, slot_BC, valid_BC = self._route(h_BSD, real_BS, causal)
             if plan.seq_capacity == 0:
-                return h_BSD
+                return self._skipped(h_BSD)
             h_BCD = _gather_rows(h_BSD, slot_BC)
             return self._combine(h_BSD, h_BCD, self.mlp_sublayer(h_BCD), plan, slot_BC, valid_BC)
 
@@ -116,7 +118,7 @@ class MoDLayerMixin:
         if plan.seq_capacity == 0:  # nothing routed (causal decode, most steps): no attention, nothing stored
             if cache is not None:
                 cache.skip(S)
-            return x_BSD if self.mod_part == "layer" else self.mlp_sublayer(x_BSD)
+            return self._skipped(x_BSD) if self.mod_part == "layer" else self.mlp_sublayer(self._skipped(x_BSD))
 
         x_BCD = _gather_rows(x_BSD, slot_BC)
         sublayer = super().forward if self.mod_part == "layer" else self.attention_sublayer
@@ -141,7 +143,7 @@ class MoDLayerMixin:
         a_BCD = routed_query_attention(attn, self.input_layernorm(x_BSD), slot_BC, valid_BC, position_embeddings,
                                        attention_mask, past_key_values, P, window, **kwargs)
         if plan.seq_capacity == 0:  # nothing routed: the K/V are written, no query asked
-            return x_BSD if self.mod_part == "layer" else self.mlp_sublayer(x_BSD)
+            return self._skipped(x_BSD) if self.mod_part == "layer" else self.mlp_sublayer(self._skipped(x_BSD))
         x_BCD = _gather_rows(x_BSD, slot_BC)
         y_BCD = x_BCD + a_BCD
         if self.mod_part == "layer":
@@ -220,7 +222,15 @@ class MoDLayerMixin:
             else:
                 y_BCD = x_BCD + w_BC1 * (y_BCD - x_BCD)
         y_BCD = torch.where(valid_BC[..., None], y_BCD, x_BCD)  # unrouted / padding slots make no update
+        if self.mod_skip is not None:  # unrouted slots and tokens get the estimate instead
+            skip_BSD = self._skipped(x_BSD)
+            y_BCD = torch.where(valid_BC[..., None], y_BCD, _gather_rows(skip_BSD, slot_BC))
+            x_BSD = skip_BSD
         return x_BSD.scatter(1, slot_BC[..., None].expand(B, C, D), y_BCD)
+
+    def _skipped(self, x_BSD: Tensor) -> Tensor:
+        """What tokens that skip the part become: unchanged, or plus the estimated update (``mod_skip``)."""
+        return x_BSD if self.mod_skip is None else x_BSD + self.mod_skip(x_BSD)
 
 
 def _cache_layer_at(cache, layer_idx: int):

@@ -26,9 +26,10 @@ OBJECTIVES = ("lm", "distill")
 
 
 def router_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The parameters ``mode.hf`` added for routing: ``...mod_router.*`` and ``...mlp.moe.router.*``."""
+    """The parameters ``mode.hf`` added for routing: ``...mod_router.*``, ``...mod_skip.*`` (the skipped
+    tokens' estimated update) and ``...mlp.moe.router.*``."""
     return {name: p for name, p in model.named_parameters()
-            if ".mod_router." in name or ".mlp.moe.router." in name}
+            if ".mod_router." in name or ".mod_skip." in name or ".mlp.moe.router." in name}
 
 
 def freeze_base(model: nn.Module) -> list[str]:

@@ -1,0 +1,132 @@
+"""``router_fit`` and ``to_mod(skip_rank=...)``: the router fitted to the original model's biggest updates, the
+skipped tokens' estimated update (``SkipUpdate``), and that both keep what MoD layers promise: capacity 1.0
+is the original, ``generate()`` equals recomputation, the conversion saves and loads."""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mod_models import V, batch, causal_forward, tiny  # noqa: E402
+
+
+def _batches(n: int = 4, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, V, (4, 24), generator=g) for _ in range(n)]
+
+
+def test_skip_update_starts_at_zero_and_fits_a_planted_map():
+    from mode.hf.skip_update import SkipUpdate
+
+    torch.manual_seed(0)
+    est = SkipUpdate(32, 4)
+    x_ND = torch.randn(2000, 32)
+    assert torch.equal(est(x_ND[None]), torch.zeros(1, 2000, 32))  # a fresh estimate is the plain skip
+    w_DD = torch.randn(32, 4) @ torch.randn(4, 32)  # rank 4
+    bias_D = torch.randn(32)
+    left = est.fit(x_ND, x_ND @ w_DD + bias_D, ridge=0.0)
+    assert left < 1e-8
+    torch.testing.assert_close(est(x_ND[None])[0], x_ND @ w_DD + bias_D, rtol=1e-4, atol=1e-4)
+    const = SkipUpdate(32, 0)
+    const.fit(x_ND, x_ND @ w_DD + bias_D)
+    torch.testing.assert_close(const.bias, (x_ND @ w_DD + bias_D).mean(0))
+    with pytest.raises(ValueError, match="skip_rank=33"):
+        SkipUpdate(32, 33)
+
+
+@pytest.mark.parametrize("part,kv", [("attention", "all"), ("layer", "all"), ("layer", "routed"), ("mlp", "routed")])
+def test_router_fit_learns_the_oracle_and_the_estimate(hf, part, kv):
+    model = hf.to_mod(tiny("llama"), layers=[1, 2], capacity=0.5, causal="threshold", part=part, kv=kv,
+                      skip_rank=8)
+    agreement = hf.router_fit(model, _batches())
+    assert set(agreement) == {1, 2}
+    assert all(a > 0.65 for a in agreement.values()), agreement  # a coin would agree on half
+    for layer in hf.mod_layers(model).values():
+        assert not torch.isnan(layer.mod_router.threshold)  # calibrated: causal routing works at once
+        assert layer.mod_skip.up.abs().sum() > 0  # fitted, no longer the zero update
+    ids, mask = batch(S=16)
+    with torch.no_grad():
+        model(ids, attention_mask=mask)  # eval mode: causal routing
+
+
+def test_the_estimate_brings_skipped_tokens_closer_to_the_original(hf):
+    """On the text it was fitted on, each converted layer's output is nearer the original layer's output with
+    the fitted estimate than with the plain skip (the same routing)."""
+    base = tiny("qwen2")
+    data = _batches()
+    with_est = hf.to_mod(copy.deepcopy(base), layers=[1], capacity=0.5, causal="threshold", part="attention",
+                         kv="all", skip_rank=16)
+    hf.router_fit(with_est, data)
+    plain = copy.deepcopy(with_est)
+    plain.model.layers[1].mod_skip = None
+    outs = {}
+    for name, model in (("orig", base), ("est", with_est), ("plain", plain)):
+        seen = {}
+        h = model.model.layers[1].register_forward_hook(lambda m, a, k, out, seen=seen: seen.update(y=out),
+                                                        with_kwargs=True)
+        with torch.no_grad():
+            model(torch.cat(data), use_cache=False)
+        h.remove()
+        outs[name] = seen["y"]
+    err_est = (outs["est"] - outs["orig"]).pow(2).sum()
+    err_plain = (outs["plain"] - outs["orig"]).pow(2).sum()
+    assert err_est < 0.8 * err_plain
+
+
+@pytest.mark.parametrize("part,kv", [("attention", "all"), ("layer", "routed"), ("mlp", "routed")])
+def test_capacity_one_and_generate_with_an_estimate(hf, part, kv):
+    base = tiny("llama")
+    ids, mask = batch(left_pad=3)
+    same = hf.to_mod(copy.deepcopy(base), layers=[1, 3], capacity=1.0, causal="threshold", part=part, kv=kv,
+                     skip_rank=4)
+    for layer in hf.mod_layers(same).values():
+        torch.nn.init.normal_(layer.mod_skip.up)  # a nonzero estimate: never used when every token routes
+    with torch.no_grad():
+        ref = base(ids, attention_mask=mask, use_cache=False).logits
+        out = same(ids, attention_mask=mask, use_cache=False).logits
+    assert (out[mask.bool()] - ref[mask.bool()]).abs().max() <= 1e-6
+
+    model = hf.to_mod(copy.deepcopy(base), layers=[0, 2], capacity=0.5, causal="threshold", part=part, kv=kv,
+                      skip_rank=4)
+    hf.router_fit(model, _batches())
+    B, N = 2, 10
+    ids, mask = batch(B=B, S=8, left_pad=3)
+    with torch.no_grad():
+        g = model.generate(ids, attention_mask=mask, max_new_tokens=N, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True)
+    fed = g.sequences[:, :-1]
+    fed_mask = torch.cat([mask, torch.ones(B, N - 1, dtype=torch.long)], 1)
+    ref, routed = causal_forward(hf, model, fed, fed_mask)
+    assert (torch.stack(g.logits, 1) - ref[:, 7:]).abs().max() <= 1e-5
+    assert any(0 < r[fed_mask.bool()].float().mean() < 1 for r in routed.values())
+
+
+def test_the_estimate_is_saved_with_the_conversion_and_tuned_with_the_routers(hf, tmp_path):
+    model = hf.to_mod(tiny("llama"), layers=[1, 3], capacity=0.5, causal="threshold", part="attention", kv="all",
+                      skip_rank=4)
+    hf.router_fit(model, _batches())
+    assert any(".mod_skip." in name for name in hf.router_parameters(model))
+    hf.save_conversion(model, tmp_path)
+    fresh = tiny("llama")
+    fresh.load_state_dict({k: v for k, v in model.state_dict().items() if ".mod_" not in k})
+    hf.load_conversion(fresh, tmp_path)
+    ids = torch.randint(1, V, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+
+
+def test_router_fit_refuses_what_it_cannot_fit(hf):
+    with pytest.raises(ValueError, match="no MoD layer"):
+        hf.router_fit(tiny("llama"), _batches())
+    with pytest.raises(ValueError, match="causal='predictor'"):
+        hf.router_fit(hf.to_mod(tiny("llama"), layers=[1], causal="predictor"), _batches())
+    model = hf.to_mod(tiny("llama"), layers=[1], causal="threshold")
+    with pytest.raises(ValueError, match="batches: empty"):
+        hf.router_fit(model, [])
+    with pytest.raises(ValueError, match="ridge=-1"):
+        hf.router_fit(model, _batches(), ridge=-1)
+    with pytest.raises(ValueError, match="skip_rank=65"):
+        hf.to_mod(tiny("llama"), skip_rank=65)
