@@ -94,7 +94,7 @@ def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int,
     caches = model.new_caches(B, capacity, static=_checks.check_bool("static", static), dtype=cache_dtype)
     out = model(idx_BP.to(device), mask_BS=mask_BP.to(device) if int(lens_B.min()) < P else None,
                 caches=caches, causal_routing=causal)
-    logits_BV = out.logits_BSV[torch.arange(B), lens_B - 1]
+    logits_BV = out.logits_BSV[torch.arange(B, device=device), (lens_B - 1).to(device)]
     return logits_BV, caches, lens_B.to(device)
 
 

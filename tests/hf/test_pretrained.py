@@ -193,7 +193,8 @@ def test_load_gguf_missing_file_names_the_path_and_the_fetch(tmp_path):
 def test_load_gguf_missing_packages_names_them(monkeypatch, tmp_path):
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     real = importlib.util.find_spec
-    monkeypatch.setattr(P.importlib.util, "find_spec", lambda n, *a: None if n == "accelerate" else real(n, *a))
+    present = {"accelerate": None, "gguf": object()}  # gguf present even where it is not installed (a GPU box)
+    monkeypatch.setattr(P.importlib.util, "find_spec", lambda n, *a: present[n] if n in present else real(n, *a))
     with pytest.raises(ImportError, match=r"gguf and accelerate \(missing: accelerate\).*mode-torch\[gguf\]"):
         mh.load_gguf(tmp_path / "m.gguf")
     with pytest.raises(ValueError, match="dtype=torch.int8: must be a floating-point torch.dtype"):

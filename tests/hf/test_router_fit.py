@@ -14,8 +14,8 @@ from mod_models import V, batch, causal_forward, tiny  # noqa: E402
 
 
 def _batches(n: int = 4, seed: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, V, (4, 24), generator=g) for _ in range(n)]
+    g = torch.Generator().manual_seed(seed)  # a CPU generator, the ids then moved (the same on every device)
+    return [torch.randint(1, V, (4, 24), generator=g, device="cpu").to(torch.get_default_device()) for _ in range(n)]
 
 
 def test_skip_update_starts_at_zero_and_fits_a_planted_map():
