@@ -320,3 +320,35 @@ def test_real_model_capacity_one_mod_is_the_identity_in_train_and_eval(smollm2):
     kw = dict(max_new_tokens=4, do_sample=False)
     assert torch.equal(conv.generate(ids[:1], **kw), model.generate(ids[:1], **kw))
     assert not model.training and "MoD" not in type(model.model.layers[0]).__name__  # the original is untouched
+
+
+@pytest.mark.parametrize("part,kv", [("attention", "all"), ("layer", "all"), ("attention", "routed")])
+def test_real_model_generate_equals_recomputation_at_half_capacity(smollm2, part, kv):
+    """SmolLM2 with two layers converted at capacity 0.5 (router_fit on two short windows, an estimate of rank
+    8): greedy generate() of two left-padded prompts gives the logits of one cache-free causal forward over
+    the generated sequence, and the layers routed some but not all tokens."""
+    model, tokenizer = smollm2
+    conv = mh.to_mod(copy.deepcopy(model), layers=[5, 12], capacity=0.5, causal="threshold", part=part, kv=kv,
+                     skip_rank=8)
+    text = tokenizer(["Python's built-in functions are always available. The function len(s) returns the length "
+                      "of an object, and sorted(xs) returns a new sorted list from the items of xs."],
+                     return_tensors="pt").input_ids.to(model.device)
+    mh.router_fit(conv, [text[:, :24], text[:, 8:32]], steps=50)
+    ids = torch.full((2, 9), tokenizer.pad_token_id or 0, device=model.device)
+    mask = torch.zeros(2, 9, dtype=torch.long, device=model.device)
+    ids[0], mask[0] = text[0, :9], 1
+    ids[1, 3:], mask[1, 3:] = text[0, 10:16], 1  # left-padded by 3
+    N = 5
+    with torch.no_grad():
+        g = conv.generate(ids, attention_mask=mask, max_new_tokens=N, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id or 0)
+        fed = g.sequences[:, :-1]
+        fed_mask = torch.cat([mask, torch.ones(2, N - 1, dtype=torch.long, device=model.device)], 1)
+        pos = (fed_mask.cumsum(-1) - 1).clamp_min(0)
+        with mh.routing(conv, "causal"):
+            ref = conv(fed, attention_mask=fed_mask, position_ids=pos, use_cache=False).logits
+        routed = [mh.collect_aux(conv).stats[f"layers.{i}.mod.router"].compute_T.view(fed.shape).bool()
+                  for i in (5, 12)]
+    torch.testing.assert_close(torch.stack(g.logits, 1), ref[:, 8:], rtol=0, atol=2e-4)
+    assert torch.equal(ref[:, 8:].argmax(-1), g.sequences[:, 9:])
+    assert any(0 < float(r[fed_mask.bool()].float().mean()) < 1 for r in routed)
