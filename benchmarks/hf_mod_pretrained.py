@@ -16,7 +16,9 @@ training text, printed and stored first), router-tuned for ``--steps`` steps (di
 the original, the base frozen: the ``router`` row), then fine-tuned whole for ``--steps`` more steps (LM
 loss, AdamW and schedule of ``mode.train``: the ``+fine-tune`` row). Each row is measured on held-out
 files of the corpus (``mode.train.data``'s validation split), in eval mode, i.e. with the causal decision
-that ``generate()`` uses, its thresholds calibrated first on 8 training batches (``mh.calibrate``):
+that ``generate()`` uses, its thresholds calibrated first on 8 training batches (``mh.calibrate``). Every
+conversion here keeps ``kv="routed"`` (the sparse cache; the results files were measured so), not the
+default ``"all"`` that benchmarks/hf_mod_smollm2.py found better on a real model:
 
     loss, d loss      mean next-byte loss (nats/byte) and its change against the original (nats, %)
     share             the fraction of real tokens the converted layers route (target: the capacity)
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
             return
         torch.manual_seed(0)
         model = mh.to_mod(copy.deepcopy(original), layers=layers, capacity=capacity, gate="ste", causal="threshold",
-                          part=part)
+                          part=part, kv="routed")
         for layer in mh.mod_layers(model).values():
             layer.mod_router.cfg = dataclasses.replace(layer.mod_router.cfg, selection="random")
         with mh.routing(model, "topk"):
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
         c = args.mode_capacity
         run(f"staged MoDE c={c} (4 experts top-1)",
             lambda m: mh.to_mod(mh.upcycle(m, layers=every_other, num_experts=4, top_k=1), layers=every_other,
-                                capacity=c, gate="ste", causal="aux_bce"),
+                                capacity=c, gate="ste", causal="aux_bce", kv="routed"),
             {"kind": "staged", "capacity": c}, args.steps, every_other)
         # integrated: 4 copies + 4 no-ops, top-1: a token picks a real expert or skips the MLP (attention runs)
         run("integrated MoDE (4 experts + 4 no-op, top-1)",
@@ -291,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
                         continue
                     run(f"MoD c={capacity} part={part} {method}{suffix}",
                         lambda m, c=capacity, pt=part, me=method, ls=layers: mh.to_mod(
-                            m, layers=ls, capacity=c, gate="ste", causal=METHODS[me], part=pt),
+                            m, layers=ls, capacity=c, gate="ste", causal=METHODS[me], part=pt,
+                            kv="routed" if pt != "mlp" else None),
                         extra, args.steps, layers)
     save()
     table = table_markdown(base, list(rows.values()))

@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"original: loss {base_loss:.4f}, {base_speed:.1f} tok/s")
     layers = args.layers if args.layers in ("every_other", "all") else [int(i) for i in args.layers.split(",")]
     for cap in args.capacities:
-        conv = mh.to_mod(copy.deepcopy(model), layers=layers, capacity=cap, gate="ste", causal="aux_bce")
+        # kv="routed": the sparse cache this example reports on (the default, "all", keeps every token's K/V)
+        conv = mh.to_mod(copy.deepcopy(model), layers=layers, capacity=cap, gate="ste", causal="aux_bce",
+                         kv="routed")
         t0 = time.perf_counter()
         hist = mh.router_tune(conv, train, steps=args.tune_steps, lr=args.lr, objective=args.objective)
         tune_s = time.perf_counter() - t0

@@ -4,13 +4,14 @@ models (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) on mode's MoE layers,
 
     import mode.hf as mh
     mh.to_mod(model, layers="every_other", capacity=0.125, gate="ste", causal="aux_bce")   # in place
-    mh.to_mod(model, capacity=0.5, part="attention")   # skip only attention (no K/V for skipped tokens)
-    mh.to_mod(model, capacity=0.5, part="attention", kv="all")  # skipped tokens still write their K/V
+    mh.to_mod(model, capacity=0.5, part="attention")   # skip only attention (skipped tokens still write K/V)
+    mh.to_mod(model, capacity=0.5, part="attention", kv="routed")  # ... or not (a sparse cache)
+    mh.to_mod(model, capacity=0.5, part="attention", skip_rank=64) # skipped tokens get a fitted estimate
     mh.router_fit(model, batches)             # route the tokens the skipped part would change most
     mh.calibrate(model, batches)              # steer the causal thresholds to the capacity's share
     costs = mh.skip_costs(model, batches, part="attention")  # loss per layer if every token skipped it
     mh.to_mod(model, layers=mh.cheapest(costs, 4), part="attention")   # convert the cheapest layers
-    model.generate(...)                       # eval mode routes causally; MoD layers keep sparse KV caches
+    model.generate(...)                       # eval mode routes causally (kv="routed": sparse KV caches)
     with mh.routing(model, "topk"): ...       # pick the routing explicitly
     aux = mh.collect_aux(model)               # layers.{i}.mod.* / layers.{i}.moe.* losses and stats
     mh.upcycle(model, num_experts=8, top_k=2) # MLPs -> MoE of copies (starts equal to the dense model)

@@ -67,8 +67,9 @@ def load_conversion(model: nn.Module, directory: str | Path) -> nn.Module:
     for settings, layers in _grouped(doc.get("upcycle", {})):
         upcycle(model, layers=layers, **settings)
     for settings, layers in _grouped(doc.get("mod", {})):
-        # written before part / steer_decision existed: the whole layer, the decision at logit > 0
-        to_mod(model, layers=layers, **{"part": "layer", "steer_decision": False, **settings})
+        # written before part / steer_decision / kv existed: the whole layer, the decision at logit > 0, the
+        # routed tokens' K/V only
+        to_mod(model, layers=layers, **{"part": "layer", "steer_decision": False, "kv": "routed", **settings})
     tensors = load_file(str(src / WEIGHTS_FILE), device=str(next(model.parameters()).device))
     expected = conversion_state(model)
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))

@@ -36,16 +36,17 @@ def resolve_layers(layers: str | Sequence[int], n_layers: int) -> list[int]:
 def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capacity: float = 0.125,
            gate: str = "ste", causal: str = "aux_bce", causal_coef: float = 0.1,
            predictor_hidden: int = 64, part: str = "layer", steer_decision: bool = True,
-           kv: str = "routed", skip_rank: int | None = None) -> nn.Module:
+           kv: str | None = None, skip_rank: int | None = None) -> nn.Module:
     """Convert decoder layers of ``model`` (Llama, Qwen2, Mistral; sdpa or eager attention) to MoD, in place.
 
     ``capacity``: fraction of each sequence routed through a converted layer when training (top-C).
     ``part``: what a token the router does not pick skips: ``"layer"`` (the whole layer), ``"attention"``
     (only the attention half) or ``"mlp"`` (only the MLP half).
-    ``kv`` (parts "layer" and "attention"): ``"routed"``, a skipped token writes no K/V in the layer (the
-    layer's cache stores routed tokens only); ``"all"``, every token writes its K/V (it pays the input norm
-    and the K/V projections) and only routed tokens ask a query, so routed tokens see the whole context, as
-    the pretrained layer was trained to (``mode.hf.routed_queries``).
+    ``kv`` (parts "layer" and "attention"; None: "all"): ``"all"``, every token writes its K/V (it pays the
+    input norm and the K/V projections) and only routed tokens ask a query, so routed tokens see the whole
+    context, as the pretrained layer was trained to (``mode.hf.routed_queries``); ``"routed"``, a skipped
+    token writes no K/V in the layer (the layer's cache stores routed tokens only: less K/V memory, but on
+    SmolLM2 it costs far more loss, docs/hf.md).
     ``skip_rank``: None, a skipped token's part adds nothing; an int R, it adds a rank-R affine estimate of
     the skipped update (``mode.hf.skip_update``; R=0: a constant), zero until ``router_fit`` fits it or
     ``router_tune`` trains it.
@@ -63,6 +64,8 @@ def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capaci
     _checks.check_choice("gate", gate, GATES)
     _checks.check_choice("causal", causal, CAUSAL_METHODS)
     _checks.check_choice("part", part, PARTS)
+    if kv is None:
+        kv = "routed" if part == "mlp" else "all"  # part "mlp": the attention runs for every token anyway
     _checks.check_choice("kv", kv, KV)
     if skip_rank is not None:
         SkipUpdate(config.hidden_size, skip_rank)  # validates the rank before any layer changes

@@ -105,11 +105,8 @@ class MoDLayerMixin:
         S = x_BSD.shape[1]
         # Qwen2 keeps the window on the attention (None for its full layers), Mistral only in the config.
         window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
-        if cache is not None and window is not None and P + S > window:
-            raise ValueError(f"sliding_window={window}: this cached call reaches {P + S} tokens; a MoD layer's "
-                             "sparse cache needs the whole sequence within the window (the mask switches to "
-                             "window coordinates once it fills); raise the window or convert full-attention "
-                             "layers only")
+        if cache is not None:
+            _check_window(window, P, S)
         if self.mod_kv == "all":
             return self._forward_every_kv(x_BSD, attention_mask, past_key_values, position_embeddings, window,
                                           **kwargs)
@@ -138,6 +135,7 @@ class MoDLayerMixin:
                 raise ValueError("mod kv='all' with a cache a kv='routed' MoD layer already made sparse; start "
                                  "from a new cache")
             P = past_key_values.get_seq_length(attn.layer_idx)
+            _check_window(window, P, x_BSD.shape[1])
         real_BS, causal = self._routing_inputs(x_BSD, attention_mask, P)
         plan, slot_BC, valid_BC = self._route(x_BSD, real_BS, causal)
         a_BCD = routed_query_attention(attn, self.input_layernorm(x_BSD), slot_BC, valid_BC, position_embeddings,
@@ -231,6 +229,13 @@ class MoDLayerMixin:
     def _skipped(self, x_BSD: Tensor) -> Tensor:
         """What tokens that skip the part become: unchanged, or plus the estimated update (``mod_skip``)."""
         return x_BSD if self.mod_skip is None else x_BSD + self.mod_skip(x_BSD)
+
+
+def _check_window(window: int | None, P: int, S: int) -> None:
+    if window is not None and P + S > window:
+        raise ValueError(f"sliding_window={window}: this cached call reaches {P + S} tokens; a MoD layer's "
+                         "cache needs the whole sequence within the window (the mask switches to window "
+                         "coordinates once it fills); raise the window or convert full-attention layers only")
 
 
 def _cache_layer_at(cache, layer_idx: int):

@@ -1,5 +1,5 @@
 """Tiny random Llama / Qwen2 / Mistral decoders and batches for the MoD conversion tests (no downloads), and
-``converted`` (a tiny model after ``to_mod`` and ``calibrate``). The ``hf`` fixture is in conftest.py."""
+``converted`` (a tiny model after ``to_mod(kv="routed", ...)`` and ``calibrate``). The ``hf`` fixture is in conftest.py."""
 
 import torch
 
@@ -38,6 +38,7 @@ def positions(mask):
 
 def converted(hf, family: str, attn: str = "sdpa", **kw):
     """``tiny(family)`` converted by ``to_mod(**kw)``, its steered thresholds calibrated on random ids."""
+    kw.setdefault("kv", "routed")  # these tests check the sparse cache; tests/hf/test_mod_kv.py the default "all"
     model = hf.to_mod(tiny(family, attn), **kw)
     ids = torch.randint(1, V, (4, 16), generator=torch.Generator().manual_seed(7), device="cpu")  # same on every device
     hf.calibrate(model, [ids.to(torch.get_default_device())])

@@ -306,9 +306,10 @@ def test_unsupported_cases_raise(hf):
     with pytest.raises(ValueError, match="attn_implementation='flex_attention'"), torch.no_grad():
         flex.model.layers[0](x, attention_mask=None, position_embeddings=cos_sin)
     # a sliding window shorter than the cached sequence
-    short = hf.to_mod(tiny("mistral", sliding_window=6), layers=[1], steer_decision=False)
-    with pytest.raises(ValueError, match="sliding_window=6"):
-        short.generate(ids, max_new_tokens=4, do_sample=False)
+    for kv in ("all", "routed"):
+        short = hf.to_mod(tiny("mistral", sliding_window=6), layers=[1], steer_decision=False, kv=kv)
+        with pytest.raises(ValueError, match="sliding_window=6"):
+            short.generate(ids, max_new_tokens=4, do_sample=False)
     # bad layer choice, bad gate, converting twice
     with pytest.raises(ValueError, match="layers: index 7 must be an int in \\[0, 4\\)"):
         hf.to_mod(tiny("llama"), layers=[7])

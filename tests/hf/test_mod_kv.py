@@ -98,7 +98,8 @@ def test_routed_tokens_see_skipped_tokens(hf):
         full_mask |= torch.eye(12, dtype=torch.bool)  # pads attend to themselves (their rows are discarded)
         dense = layer.mlp_sublayer(layer.attention_sublayer(x, attention_mask=full_mask, position_embeddings=cos_sin))
     torch.testing.assert_close(y[routed], dense[routed], rtol=0, atol=1e-5)
-    sparse = hf.to_mod(copy.deepcopy(base), layers=[1], capacity=0.5, causal="threshold", part="attention")
+    sparse = hf.to_mod(copy.deepcopy(base), layers=[1], capacity=0.5, causal="threshold", part="attention",
+                       kv="routed")
     sparse.model.layers[1].mod_router.load_state_dict(layer.mod_router.state_dict())
     _, y_sparse, routed_sparse = layer_io(hf, sparse, 1, ids, mask)
     assert torch.equal(routed, routed_sparse)  # the same router: the same routing, another context
