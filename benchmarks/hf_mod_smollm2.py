@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layers", type=int, default=8, help="convert the K cheapest layers (per part)")
     p.add_argument("--layer-layers", type=int, default=12, help="--layers for part=layer (the decode rows)")
     p.add_argument("--rank", type=int, default=64, help="skip_rank of the estimate rows")
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="the fit rows, as KV or KV:RANK (e.g. routed all all:0 all:64; for part mlp the KV is "
+                        "ignored); default: routed, all, all:0 and all:RANK (mlp: plain, :0 and :RANK)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--fit-windows", type=int, default=64)
     p.add_argument("--cost-windows", type=int, default=8)
@@ -258,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "threads", "cache_dir", "no_speed", "parts")}
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("out", "threads", "cache_dir", "no_speed", "parts", "variants")}
     done = json.loads(out_path.read_text()) if out_path.is_file() else {}
     if done and done.get("settings") != settings:
         raise ValueError(f"{out_path} holds rows measured with other settings ({done.get('settings')}); pass --out")
@@ -284,10 +288,15 @@ def main(argv: list[str] | None = None) -> dict:
         row = {"name": name, **info, "d_loss_pct": statistics.mean(pct),
                "d_loss_pct_std": statistics.stdev(pct) if len(pct) > 1 else None, "d_loss_pct_seeds": pct,
                "macs_ratio": None if macs is None else macs / base_macs}
+        mean_W = torch.stack(losses_W).mean(0)
+        row["window_losses"] = mean_W.tolist()  # over seeds: for paired intervals
         if reference_W is not None:
-            diff = torch.stack(losses_W).mean(0) - reference_W
-            lo, hi = bootstrap_ci(100 * diff / base)
+            lo, hi = bootstrap_ci(100 * (mean_W - reference_W) / base)
             row["vs_delete_ci_pct"] = [lo, hi]
+            est_ref = rows.get(f"{info['part']}: delete {k_equal} +est r={args.rank}", {}).get("window_losses")
+            if est_ref is not None:  # against the strongest baseline: deletion with the same estimate
+                lo, hi = bootstrap_ci(100 * (mean_W - torch.tensor(est_ref)) / base)
+                row["vs_delete_est_ci_pct"] = [lo, hi]
         if model is not None:
             row["kv_ratio"] = kv_bytes(_generate(model, prompts[8], args.new).past_key_values, n_layers) / base_kv
             if not args.no_speed:
@@ -368,7 +377,11 @@ def main(argv: list[str] | None = None) -> dict:
                          "router": False} for i in layers}
             record(name, losses, {**info, "method": "oracle", "kv": kv_best, "share": args.capacity,
                    "macs": macs_per_token(config, args.seq_len, parts)}, reference_W=ref_W)
-        variants = [(kv, None) for kv in kvs] + [(kv_best, 0), (kv_best, args.rank)]
+        if args.variants is None:
+            variants = [(kv, None) for kv in kvs] + [(kv_best, 0), (kv_best, args.rank)]
+        else:
+            variants = [(kv_best if part == "mlp" else v.split(":")[0],
+                         int(v.split(":")[1]) if ":" in v else None) for v in args.variants]
         for kv, rank in variants:
             name = f"{tag}: fit" + (f" kv={kv}" if part != "mlp" else "") + ("" if rank is None else f" +est r={rank}")
             if name in rows:
@@ -414,13 +427,17 @@ def _num(value, fmt: str) -> str:
 
 def table_markdown(base: float, rows: list[dict]) -> str:
     lines = [f"SmolLM2-135M-Instruct, held-out loss {base:.4f} nats/token (pydoc topics, every 4th topic)", "",
-             "| row | Δ loss % (mean ± std) | 95% CI vs delete-equal | share | MACs ÷ orig | KV ÷ orig | "
-             "prefill b1 / b8 | decode b1 / b8 |", "|---|---|---|---|---|---|---|---|"]
+             "| row | Δ loss % (mean ± std) | 95% CI vs delete | 95% CI vs delete +est | share | MACs ÷ orig | "
+             "KV ÷ orig | prefill b1 / b8 | decode b1 / b8 |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def interval(ci) -> str:
+        return "—" if ci is None else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]"
+
     for r in rows:
         std = "" if r.get("d_loss_pct_std") is None else f" ± {r['d_loss_pct_std']:.2f}"
-        ci = r.get("vs_delete_ci_pct")
         lines.append(
-            f"| {r['name']} | {r['d_loss_pct']:+.2f}{std} | {'—' if ci is None else f'[{ci[0]:+.2f}, {ci[1]:+.2f}]'} "
+            f"| {r['name']} | {r['d_loss_pct']:+.2f}{std} | {interval(r.get('vs_delete_ci_pct'))} "
+            f"| {interval(r.get('vs_delete_est_ci_pct'))} "
             f"| {_num(r.get('share'), '.3f')} | {_num(r.get('macs_ratio'), '.3f')} | {_num(r.get('kv_ratio'), '.3f')} "
             f"| {_num(r.get('prefill_b1'), '.2f')} / {_num(r.get('prefill_b8'), '.2f')} "
             f"| {_num(r.get('decode_b1'), '.2f')} / {_num(r.get('decode_b8'), '.2f')} |")

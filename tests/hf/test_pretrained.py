@@ -352,3 +352,33 @@ def test_real_model_generate_equals_recomputation_at_half_capacity(smollm2, part
     torch.testing.assert_close(torch.stack(g.logits, 1), ref[:, 8:], rtol=0, atol=2e-4)
     assert torch.equal(ref[:, 8:].argmax(-1), g.sequences[:, 9:])
     assert any(0 < float(r[fed_mask.bool()].float().mean()) < 1 for r in routed)
+
+
+def test_real_model_benchmark_at_its_smallest_writes_every_row_and_resumes(smollm2, tmp_path, monkeypatch):
+    """benchmarks/hf_mod_smollm2.py at its smallest (attention, 2 layers, 2 seeds, no timing): every row of the
+    table, the estimate rows fitted, paired intervals; a second run finds every row done and changes none."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_mod_smollm2.py"
+    spec = importlib.util.spec_from_file_location("hf_mod_smollm2_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench.mh, "load_gguf", lambda p: smollm2)  # the module's model, not a second load
+    out = tmp_path / "b.json"
+    args = ["--parts", "attention", "--layers", "2", "--seeds", "2", "--fit-windows", "4", "--val-windows", "4",
+            "--cost-windows", "1", "--seq-len", "32", "--prompt", "8", "--new", "2", "--no-speed",
+            "--variants", "all", "all:8", "--rank", "8", "--out", str(out)]
+    first = bench.main(args)
+    names = [r["name"] for r in first["rows"]]
+    assert names == ["attention: delete 1", "attention: delete 2", "attention: delete 1 +est r=8",
+                     "attention c=0.5 L=2: random kv=routed", "attention c=0.5 L=2: random kv=all",
+                     "attention c=0.5 L=2: oracle kv=all (a bound)", "attention c=0.5 L=2: fit kv=all",
+                     "attention c=0.5 L=2: fit kv=all +est r=8"]
+    fit = first["rows"][-1]
+    assert len(fit["d_loss_pct_seeds"]) == 2 and fit["kv_ratio"] == 1.0 and 0 < fit["share"] < 1
+    assert fit["vs_delete_ci_pct"][0] <= fit["vs_delete_ci_pct"][1] and "vs_delete_est_ci_pct" in fit
+    assert 0.9 < fit["macs_ratio"] < 1.0
+    written = out.read_text()
+    assert bench.main(args)["rows"] == json.loads(written)["rows"]  # resumed: nothing recomputed
+    assert (tmp_path / "b.md").read_text().count("| attention") == 8
