@@ -403,12 +403,27 @@ def main(argv: list[str] | None = None) -> dict:
                                   "share": statistics.mean(share_by_layer.values()),
                                   "macs": macs_per_token(config, args.seq_len, parts)}, model=last,
                    reference_W=ref_W)
+    fill_intervals(rows, base)
+    save()
     table = table_markdown(base, list(rows.values()))
     print(table)
     md = out_path.with_suffix(".md")
     atomic_write_text(md, table)
     print(f"wrote {out_path} and {md}")
     return {"base_loss": base, "rows": list(rows.values())}
+
+
+def fill_intervals(rows: dict[str, dict], base: float) -> None:
+    """The paired interval against deletion with the estimate, for rows measured before that row existed
+    (both rows' per-window losses are kept)."""
+    for row in rows.values():
+        if row.get("method") not in ("random", "oracle", "fit") or "window_losses" not in row:
+            continue
+        ref = next((r for r in rows.values() if r.get("part") == row["part"] and r.get("method") == "delete+est"
+                    and "window_losses" in r), None)
+        if ref is not None and "vs_delete_est_ci_pct" not in row:
+            diff = torch.tensor(row["window_losses"]) - torch.tensor(ref["window_losses"])
+            row["vs_delete_est_ci_pct"] = list(bootstrap_ci(100 * diff / base))
 
 
 @contextlib.contextmanager
@@ -433,6 +448,9 @@ def table_markdown(base: float, rows: list[dict]) -> str:
     def interval(ci) -> str:
         return "—" if ci is None else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]"
 
+    parts, methods = ["attention", "layer", "mlp"], ["delete", "delete+est", "random", "oracle", "fit"]
+    rows = sorted(rows, key=lambda r: (parts.index(r["part"]), methods.index(r["method"]), len(r["layers"]),
+                                       r.get("kv") or "", -1 if r.get("rank") is None else r["rank"]))
     for r in rows:
         std = "" if r.get("d_loss_pct_std") is None else f" ± {r['d_loss_pct_std']:.2f}"
         lines.append(
