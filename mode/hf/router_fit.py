@@ -106,9 +106,10 @@ def router_fit(model: nn.Module, batches: Iterable, steps: int = 300, lr: float 
     """Fit the router of every MoD layer of ``model`` (see the module doc), then its ``mod_skip`` estimate
     (``to_mod(skip_rank=...)``: ``SkipUpdate.fit`` on the training tokens the fitted router skips, ridge
     ``ridge``), then calibrate the steered thresholds on ``batches``. ``batches``: (B, S) token ids or dicts
-    with ``input_ids`` and ``attention_mask``, as for ``router_tune``. Returns per layer the share of its training tokens whose
-    label the fitted score's top-C reproduces (a training accuracy, 0.5 for a coin). Routers with a
-    ``predictor`` (``causal="predictor"``) are refused: their decision is not the fitted score."""
+    with ``input_ids`` and ``attention_mask``, as for ``router_tune``. Returns per layer the share of its
+    training tokens whose label the fitted score's top-C reproduces (a training accuracy, 0.5 for a coin).
+    Routers with a ``predictor`` (``causal="predictor"``) are refused: their decision is not the fitted
+    score."""
     _checks.check_int("steps", steps)
     _checks.check_positive("lr", lr)
     if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not ridge >= 0:

@@ -1,5 +1,6 @@
 """Tiny random Llama / Qwen2 / Mistral decoders and batches for the MoD conversion tests (no downloads), and
-``converted`` (a tiny model after ``to_mod(kv="routed", ...)`` and ``calibrate``). The ``hf`` fixture is in conftest.py."""
+``converted`` (a tiny model after ``to_mod(kv="routed", ...)`` and ``calibrate``). The ``hf`` fixture is in
+conftest.py."""
 
 import torch
 
@@ -52,6 +53,22 @@ def causal_forward(hf, model, seq, mask):
     stats = hf.collect_aux(model).stats
     return logits, {i: stats[f"layers.{i}.mod.router"].compute_T.view(seq.shape).bool()
                     for i in hf.mod_layers(model)}
+
+
+def generate_matches_recomputation(hf, model, B: int = 2, N: int = 10, atol: float = 1e-5):
+    """Greedy ``generate()`` of ``N`` tokens from a batch of ``B`` (row 1 left-padded by 3) against one
+    cache-free causal forward over the generated sequence: the step logits agree within ``atol`` and the
+    tokens are its argmax. Returns ``(cache, fed, fed_mask, routed)`` for the caller's cache checks."""
+    ids, mask = batch(B=B, S=8, left_pad=3)
+    with torch.no_grad():
+        g = model.generate(ids, attention_mask=mask, max_new_tokens=N, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True)
+    fed = g.sequences[:, :-1]  # the last token is sampled, never fed
+    fed_mask = torch.cat([mask, torch.ones(B, N - 1, dtype=torch.long)], 1)
+    ref, routed = causal_forward(hf, model, fed, fed_mask)
+    assert (torch.stack(g.logits, 1) - ref[:, 7:]).abs().max() <= atol
+    assert torch.equal(ref[:, 7:].argmax(-1), g.sequences[:, 8:])
+    return g.past_key_values, fed, fed_mask, routed
 
 
 def layer_io(hf, model, i: int, ids, mask):

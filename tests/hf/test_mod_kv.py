@@ -11,7 +11,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mod_models import ATTENTIONS, FAMILIES, batch, causal_forward, converted, layer_io, tiny  # noqa: E402
+from mod_models import (ATTENTIONS, FAMILIES, batch, converted, generate_matches_recomputation,  # noqa: E402
+                        layer_io, tiny)
 
 PARTS = ("layer", "attention")
 
@@ -40,17 +41,7 @@ def test_capacity_one_is_the_original(hf, family, part, attn):
 @pytest.mark.parametrize("attn", ATTENTIONS)
 def test_generate_equals_recomputation(hf, family, part, attn):
     model = converted(hf, family, attn, layers=[0, 2], capacity=0.5, gate="raw", part=part, kv="all")
-    B, N = 2, 10
-    ids, mask = batch(B=B, S=8, left_pad=3)
-    with torch.no_grad():
-        g = model.generate(ids, attention_mask=mask, max_new_tokens=N, do_sample=False, output_logits=True,
-                           return_dict_in_generate=True)
-    seq, cache = g.sequences, g.past_key_values
-    fed = seq[:, :-1]
-    fed_mask = torch.cat([mask, torch.ones(B, N - 1, dtype=torch.long)], 1)
-    ref, routed = causal_forward(hf, model, fed, fed_mask)
-    assert (torch.stack(g.logits, 1) - ref[:, 7:]).abs().max() <= 1e-5
-    assert torch.equal(ref[:, 7:].argmax(-1), seq[:, 8:])
+    cache, fed, fed_mask, routed = generate_matches_recomputation(hf, model)
     for i, routed_BS in routed.items():
         assert 0 < routed_BS[fed_mask.bool()].float().mean() < 1  # mixed routing: the test has teeth
         layer = cache.layers[i]
