@@ -232,8 +232,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layer-layers", type=int, default=12, help="--layers for part=layer (the decode rows)")
     p.add_argument("--rank", type=int, default=64, help="skip_rank of the estimate rows")
     p.add_argument("--variants", nargs="+", default=None,
-                   help="the fit rows, as KV or KV:RANK (e.g. routed all all:0 all:64; for part mlp the KV is "
-                        "ignored); default: routed, all, all:0 and all:RANK (mlp: plain, :0 and :RANK)")
+                   help="the fit rows, as KV, KV:RANK or KV:RANK:STEPS (e.g. routed all all:0 all:64 all:64:24; "
+                        "STEPS: then router_tune distillation, batches of 4 windows, --distill-lr; for part mlp "
+                        "the KV is ignored); default: routed, all, all:0 and all:RANK (mlp: plain, :0, :RANK)")
+    p.add_argument("--distill-lr", type=float, default=3e-4, help="router_tune's lr for KV:RANK:STEPS variants")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--fit-windows", type=int, default=64)
     p.add_argument("--cost-windows", type=int, default=8)
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items()
-                if k not in ("out", "threads", "cache_dir", "no_speed", "parts", "variants")}
+                if k not in ("out", "threads", "cache_dir", "no_speed", "parts", "variants", "distill_lr")}
     done = json.loads(out_path.read_text()) if out_path.is_file() else {}
     if done and done.get("settings") != settings:
         raise ValueError(f"{out_path} holds rows measured with other settings ({done.get('settings')}); pass --out")
@@ -380,10 +382,15 @@ def main(argv: list[str] | None = None) -> dict:
         if args.variants is None:
             variants = [(kv, None) for kv in kvs] + [(kv_best, 0), (kv_best, args.rank)]
         else:
-            variants = [(kv_best if part == "mlp" else v.split(":")[0],
-                         int(v.split(":")[1]) if ":" in v else None) for v in args.variants]
-        for kv, rank in variants:
+            variants = []
+            for v in args.variants:  # KV[:RANK[:DISTILL_STEPS]]
+                f = v.split(":")
+                variants.append((kv_best if part == "mlp" else f[0], int(f[1]) if len(f) > 1 and f[1] else None,
+                                 int(f[2]) if len(f) > 2 else 0))
+        variants = [v if len(v) == 3 else (*v, 0) for v in variants]
+        for kv, rank, distill in variants:
             name = f"{tag}: fit" + (f" kv={kv}" if part != "mlp" else "") + ("" if rank is None else f" +est r={rank}")
+            name += f" +distill {distill}" if distill else ""
             if name in rows:
                 continue
             losses, shares, last = [], [], None
@@ -392,14 +399,19 @@ def main(argv: list[str] | None = None) -> dict:
                 fit_WS = train_WS[torch.randperm(len(train_WS), generator=g)[: args.fit_windows]]
                 model = mh.to_mod(copy.deepcopy(original), layers=layers, capacity=args.capacity,
                                   causal="threshold", part=part, kv=kv, skip_rank=rank)
-                mh.router_fit(model, [fit_WS[i:i + 8] for i in range(0, len(fit_WS), 8)])
+                fit_batches = [fit_WS[i:i + 8] for i in range(0, len(fit_WS), 8)]
+                mh.router_fit(model, fit_batches)
+                if distill:  # then routers and estimates trained end to end against the original (base frozen)
+                    mh.router_tune(model, [fit_WS[i:i + 4] for i in range(0, len(fit_WS), 4)], steps=distill,
+                                   lr=args.distill_lr, objective="distill")
+                    mh.calibrate(model, fit_batches)
                 shares.append({})
                 losses.append(window_losses(model, val_WS, shares=shares[-1]))
                 last = model
             share_by_layer = {i: statistics.mean(s[i] for s in shares) for i in layers}
             parts = {i: {"part": part, "share": share_by_layer[i], "kv_all": kv == "all", "rank": rank,
                          "router": True} for i in layers}
-            record(name, losses, {**info, "method": "fit", "kv": kv, "rank": rank,
+            record(name, losses, {**info, "method": "fit", "kv": kv, "rank": rank, "distill_steps": distill,
                                   "share": statistics.mean(share_by_layer.values()),
                                   "macs": macs_per_token(config, args.seq_len, parts)}, model=last,
                    reference_W=ref_W)
@@ -450,7 +462,8 @@ def table_markdown(base: float, rows: list[dict]) -> str:
 
     parts, methods = ["attention", "layer", "mlp"], ["delete", "delete+est", "random", "oracle", "fit"]
     rows = sorted(rows, key=lambda r: (parts.index(r["part"]), methods.index(r["method"]), len(r["layers"]),
-                                       r.get("kv") or "", -1 if r.get("rank") is None else r["rank"]))
+                                       r.get("kv") or "", -1 if r.get("rank") is None else r["rank"],
+                                       r.get("distill_steps") or 0))
     for r in rows:
         std = "" if r.get("d_loss_pct_std") is None else f" ± {r['d_loss_pct_std']:.2f}"
         lines.append(
