@@ -73,3 +73,11 @@ def restrict(mask: Tensor | None, rows_BC: Tensor, query_col_BC: Tensor, cols_BJ
         return ok_BCJ[:, None]
     zero = torch.zeros((), dtype=fmt, device=ok_BCJ.device)
     return torch.where(ok_BCJ, zero, torch.finfo(fmt).min)[:, None]
+
+
+def gather_rows(t_XS: Tensor, slot_BC: Tensor) -> Tensor:
+    """``t`` at the routed slots along dim 1: ``(B or 1, S, ...) -> (B, C, ...)``."""
+    B, C = slot_BC.shape
+    t_BS = t_XS.expand(B, *t_XS.shape[1:])
+    index = slot_BC.view(B, C, *([1] * (t_BS.dim() - 2))).expand(B, C, *t_BS.shape[2:])
+    return t_BS.gather(1, index)

@@ -93,7 +93,7 @@ class MoDLayerMixin:
             plan, slot_BC, valid_BC = self._route(h_BSD, real_BS, causal)
             if plan.seq_capacity == 0:
                 return self._skipped(h_BSD)
-            h_BCD = _gather_rows(h_BSD, slot_BC)
+            h_BCD = hf_mask.gather_rows(h_BSD, slot_BC)
             return self._combine(h_BSD, h_BCD, self.mlp_sublayer(h_BCD), plan, slot_BC, valid_BC)
 
         if position_embeddings is None:
@@ -117,7 +117,7 @@ class MoDLayerMixin:
                 cache.skip(S)
             return self._skipped(x_BSD) if self.mod_part == "layer" else self.mlp_sublayer(self._skipped(x_BSD))
 
-        x_BCD = _gather_rows(x_BSD, slot_BC)
+        x_BCD = hf_mask.gather_rows(x_BSD, slot_BC)
         sublayer = super().forward if self.mod_part == "layer" else self.attention_sublayer
         y_BCD = self._sparse_attention_call(sublayer, x_BCD, slot_BC, valid_BC, cache, P, S, attention_mask,
                                             position_ids, past_key_values, use_cache, position_embeddings, **kwargs)
@@ -142,7 +142,7 @@ class MoDLayerMixin:
                                        attention_mask, past_key_values, P, window, **kwargs)
         if plan.seq_capacity == 0:  # nothing routed: the K/V are written, no query asked
             return self._skipped(x_BSD) if self.mod_part == "layer" else self.mlp_sublayer(self._skipped(x_BSD))
-        x_BCD = _gather_rows(x_BSD, slot_BC)
+        x_BCD = hf_mask.gather_rows(x_BSD, slot_BC)
         y_BCD = x_BCD + a_BCD
         if self.mod_part == "layer":
             y_BCD = self.mlp_sublayer(y_BCD)
@@ -179,8 +179,8 @@ class MoDLayerMixin:
         their true positions, its mask restricted to them, the sparse cache holding only routed keys."""
         B, C = slot_BC.shape
         dev = x_BCD.device
-        cos, sin = (_gather_rows(t, slot_BC) for t in position_embeddings)  # RoPE at the true positions
-        pos_BC = None if position_ids is None else _gather_rows(position_ids, slot_BC)
+        cos, sin = (hf_mask.gather_rows(t, slot_BC) for t in position_embeddings)  # RoPE at the true positions
+        pos_BC = None if position_ids is None else hf_mask.gather_rows(position_ids, slot_BC)
         # Key columns, in the order the attention will see them: this row's stored keys, then the C new ones.
         query_col_BC = P + slot_BC
         stored_slot_BL, stored_len_B = (None, None) if cache is None else cache.stored()
@@ -222,7 +222,7 @@ class MoDLayerMixin:
         y_BCD = torch.where(valid_BC[..., None], y_BCD, x_BCD)  # unrouted / padding slots make no update
         if self.mod_skip is not None:  # unrouted slots and tokens get the estimate instead
             skip_BSD = self._skipped(x_BSD)
-            y_BCD = torch.where(valid_BC[..., None], y_BCD, _gather_rows(skip_BSD, slot_BC))
+            y_BCD = torch.where(valid_BC[..., None], y_BCD, hf_mask.gather_rows(skip_BSD, slot_BC))
             x_BSD = skip_BSD
         return x_BSD.scatter(1, slot_BC[..., None].expand(B, C, D), y_BCD)
 
@@ -241,14 +241,6 @@ def _check_window(window: int | None, P: int, S: int) -> None:
 def _cache_layer_at(cache, layer_idx: int):
     layers = getattr(cache, "layers", None)
     return layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
-
-
-def _gather_rows(t_XS: Tensor, slot_BC: Tensor) -> Tensor:
-    """``t`` at the routed slots along dim 1: ``(B or 1, S, ...) -> (B, C, ...)``."""
-    B, C = slot_BC.shape
-    t_BS = t_XS.expand(B, *t_XS.shape[1:])
-    index = slot_BC.view(B, C, *([1] * (t_BS.dim() - 2))).expand(B, C, *t_BS.shape[2:])
-    return t_BS.gather(1, index)
 
 
 _CLASSES: dict[type, type] = {}

@@ -45,8 +45,7 @@ def routed_query_attention(attn, h_BSD: Tensor, slot_BC: Tensor, valid_BC: Tenso
     C = slot_BC.shape[1]
     K = attn.head_dim
     family = sys.modules[type(attn).__module__]
-    cos_BSK, sin_BSK = position_embeddings
-    cos_BSK, sin_BSK = cos_BSK.expand(B, -1, -1), sin_BSK.expand(B, -1, -1)
+    cos_BSK, sin_BSK = (t.expand(B, -1, -1) for t in position_embeddings)
 
     key_BGSK = _rope(attn.k_proj(h_BSD).view(B, S, -1, K).transpose(1, 2), cos_BSK, sin_BSK, family.rotate_half)
     value_BGSK = attn.v_proj(h_BSD).view(B, S, -1, K).transpose(1, 2)
@@ -58,9 +57,8 @@ def routed_query_attention(attn, h_BSD: Tensor, slot_BC: Tensor, valid_BC: Tenso
     if C == 0:  # no routed token in this call: the K/V are written, nothing asks
         return h_BSD.new_zeros(B, 0, attn.o_proj.out_features)
 
-    idx_BCD = slot_BC[..., None]
-    h_BCD = h_BSD.gather(1, idx_BCD.expand(B, C, h_BSD.shape[2]))
-    cos_BCK, sin_BCK = (t.gather(1, idx_BCD.expand(B, C, t.shape[2])) for t in (cos_BSK, sin_BSK))
+    h_BCD = hf_mask.gather_rows(h_BSD, slot_BC)
+    cos_BCK, sin_BCK = (hf_mask.gather_rows(t, slot_BC) for t in position_embeddings)
     query_BNCK = _rope(attn.q_proj(h_BCD).view(B, C, -1, K).transpose(1, 2), cos_BCK, sin_BCK,
                        family.rotate_half)
 
