@@ -4,7 +4,8 @@ Shape legend: B batch, S tokens, T = B * S, D hidden, A/R rows grouped by expert
 
 Drop-in replacement for an MLP: ``forward(x_BSD, mask_BS=None) -> (y_BSD, Aux)`` returns only the
 experts' contribution (the surrounding block adds the residual). Tokens routed to no-op experts or
-dropped by capacity get zeros from the routed experts.
+dropped by capacity get zeros from the routed experts; copy and constant no-op experts
+(``noop_kinds``, mode.layers.noop) add their gated share of the token's own input.
 
 Shared experts (DeepSeek-MoE, Qwen2-MoE; ``num_shared``): always-on experts that every token of the layer
 goes through, on its own process, with no routing and no dispatch. They are one MLP of hidden size
@@ -28,6 +29,7 @@ from mode.dispatch.local import LocalDispatcher
 from mode import _checks
 from mode.experts.bank import LAYOUTS, ExpertBank, ExpertConfig
 from mode.layers.mlp import MLP
+from mode.layers.noop import NoopExperts, noop_kinds
 from mode.routing.plan import Aux
 from mode.routing.registry import get_router
 
@@ -56,6 +58,7 @@ class MoEConfig:
     shared_hidden: int | None = None  # their one MLP's hidden size; None: num_shared * d_hidden
     shared_gate: bool = False  # Qwen2-MoE: the shared output times sigmoid(x · w), per token
     expert_layout: str = "EDF"  # ExpertConfig.layout: "EFD" stores the experts as transformers does
+    noop_kinds: str | tuple = "zero"  # per no-op slot: "zero", "copy" or "constant" (mode.layers.noop)
 
     def __post_init__(self) -> None:
         if not isinstance(self.router_options, dict):
@@ -69,6 +72,10 @@ class MoEConfig:
             raise ValueError(f"shared_hidden={self.shared_hidden}, shared_gate={self.shared_gate}: need "
                              "num_shared >= 1")
         get_router(self.router)  # a registered name
+        self.noop_kinds = noop_kinds(self.noop_kinds, self.num_noop)
+        if any(k != "zero" for k in self.noop_kinds) and self.router != "token_choice":
+            raise ValueError(f"noop_kinds={self.noop_kinds}: copy and constant no-op experts need "
+                             f"router='token_choice' (got router={self.router!r})")
         self.router_config()  # validates the router fields now, not at first forward
         self.expert_config()
 
@@ -94,6 +101,12 @@ class MoEConfig:
         gate = nn.Linear(self.d_model, 1, bias=False) if self.shared_gate else None
         return MLP(self.d_model, self.shared_hidden_size, self.activation), gate
 
+    def build_noop(self) -> NoopExperts | None:
+        """The no-op slots' module, where one of them adds something (None: all "zero", or none)."""
+        if all(kind == "zero" for kind in self.noop_kinds):
+            return None
+        return NoopExperts(self.noop_kinds, self.d_model)
+
 
 def build_router(cfg: MoEConfig) -> nn.Module:
     return get_router(cfg.router).router_cls(cfg.router_config())
@@ -101,10 +114,11 @@ def build_router(cfg: MoEConfig) -> nn.Module:
 
 class MoELayer(nn.Module):
     """``shared``: the shared experts (an ``MLP``, or any module with the same call), run on every token;
-    ``shared_gate``: a ``Linear(d_model, 1)`` whose sigmoid scales their output per token."""
+    ``shared_gate``: a ``Linear(d_model, 1)`` whose sigmoid scales their output per token; ``noop``: what the
+    router's no-op slots add (``mode.layers.noop.NoopExperts``; None: they add nothing)."""
 
     def __init__(self, router: nn.Module, experts: ExpertBank, dispatcher=None, shared: nn.Module | None = None,
-                 shared_gate: nn.Module | None = None):
+                 shared_gate: nn.Module | None = None, noop: NoopExperts | None = None):
         super().__init__()
         if not isinstance(router, nn.Module) or not hasattr(router, "num_experts"):
             raise TypeError(f"router={type(router).__name__}: must be a router module (nn.Module with num_experts)")
@@ -118,6 +132,19 @@ class MoELayer(nn.Module):
         self.set_experts(experts, dispatcher)
         self.shared_experts = shared  # registered after the experts: the routed layer's parameter order stays
         self.shared_gate = shared_gate
+        if noop is not None:
+            if not isinstance(noop, NoopExperts):
+                raise TypeError(f"noop={type(noop).__name__}: must be a mode.layers.noop.NoopExperts")
+            num_noop = router.num_slots - router.num_experts
+            if len(noop.kinds) != num_noop:
+                raise ValueError(f"noop.kinds={noop.kinds}: must name one kind per no-op slot of the router "
+                                 f"(num_noop={num_noop})")
+            if noop.needs_gates and not hasattr(router, "emit_noop_gates"):
+                raise ValueError(f"noop.kinds={noop.kinds}: copy and constant no-op experts need a router that "
+                                 f"gives each token's no-op gates (token choice), not {type(router).__name__}")
+            router.emit_noop_gates = noop.needs_gates
+        self.noop = noop
+        self._noop_adds = noop is not None and noop.needs_gates  # the no-op path, chosen once
 
     def set_experts(self, experts: ExpertBank, dispatcher=None) -> None:
         """Use ``experts`` through ``dispatcher`` (None: local). ``mode.parallel`` calls this to make the
@@ -145,7 +172,7 @@ class MoELayer(nn.Module):
     def from_config(cls, cfg: MoEConfig, dispatcher=None) -> "MoELayer":
         router, experts = build_router(cfg), ExpertBank(cfg.expert_config())
         shared, gate = cfg.build_shared()  # built after the routed layer: its random draws stay the same
-        return cls(router, experts, dispatcher, shared, gate)
+        return cls(router, experts, dispatcher, shared, gate, cfg.build_noop())
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> tuple[Tensor, Aux]:
         return self.apply_plan(x_BSD, self.router(x_BSD, mask_BS))  # the router validates x's shape and dtype
@@ -163,6 +190,8 @@ class MoELayer(nn.Module):
         else:  # gates stay on the token's own process: combine applies them
             y_RD = self.experts(x_RD, counts_R, padded=padded)
             y_TD = self.dispatcher.combine(y_RD, plan, state)
+        if self._noop_adds:  # on the token's own process, from the plan: nothing is dispatched
+            y_TD = y_TD + self.noop(x_BSD.reshape(B * S, D), plan.noop_gate_TN).to(y_TD.dtype)
         y_BSD = y_TD.view(B, S, D)
         if self.shared_experts is not None:  # every token, on its own process: nothing to dispatch
             shared_BSD, _ = self.shared_experts(x_BSD)
@@ -179,7 +208,7 @@ class IntegratedMoDE(MoELayer):
     """
 
     def __init__(self, router: nn.Module, experts: ExpertBank, dispatcher=None, shared: nn.Module | None = None,
-                 shared_gate: nn.Module | None = None):
+                 shared_gate: nn.Module | None = None, noop: NoopExperts | None = None):
         if router.num_slots == router.num_experts:
             raise ValueError("num_noop=0: integrated MoDE needs at least one no-op expert (num_noop >= 1)")
-        super().__init__(router, experts, dispatcher, shared, shared_gate)
+        super().__init__(router, experts, dispatcher, shared, shared_gate, noop)

@@ -46,6 +46,7 @@ class LMConfig:
     router_options: dict = field(default_factory=dict)  # extra fields of that router's config
     capacity_factor: float | None = None
     num_noop: int = 0  # "integrated" only; must be >= 1 there
+    noop_kinds: str | tuple = "zero"  # the no-op slots' kinds: "zero", "copy", "constant" (mode.layers.noop)
     balance_coef: float = 0.01
     z_coef: float = 1e-3
     backend: str = "auto"
@@ -109,7 +110,8 @@ class LMConfig:
             router=self.router, top_k=self.top_k, num_noop=self.num_noop if with_noop else 0,
             capacity_factor=self.capacity_factor, balance_coef=self.balance_coef, z_coef=self.z_coef,
             activation=self.activation, backend=self.backend, router_options=options,
-            num_shared=self.num_shared, shared_hidden=self.shared_hidden, shared_gate=self.shared_gate)
+            num_shared=self.num_shared, shared_hidden=self.shared_hidden, shared_gate=self.shared_gate,
+            noop_kinds=self.noop_kinds if with_noop else "zero")
 
     def router_config(self, kind: LayerKind):
         """The MoE router config of a layer of ``kind`` (which has experts)."""

@@ -63,13 +63,13 @@ def shard_experts(full: ExpertBank, rank: int, world_size: int) -> ExpertBank:
 def shard_layer(full: MoELayer, dispatcher: ExpertParallelDispatcher) -> MoELayer:
     """A copy of a single-process ``MoELayer`` (or ``IntegratedMoDE``) for this rank: the router is
     replicated (deep-copied), the experts are this rank's shard, dispatch goes through ``dispatcher``; shared
-    experts, which every token runs on its own rank, are replicated too."""
+    experts and copy/constant no-op experts, which every token runs on its own rank, are replicated too."""
     if full.experts.num_experts != dispatcher.num_experts:
         raise ValueError(f"experts.num_experts={full.experts.num_experts}: must equal the dispatcher's "
                          f"num_experts={dispatcher.num_experts}")
     shard = shard_experts(full.experts, dispatcher.rank, dispatcher.world_size)
     return type(full)(copy.deepcopy(full.router), shard, dispatcher, copy.deepcopy(full.shared_experts),
-                      copy.deepcopy(full.shared_gate))
+                      copy.deepcopy(full.shared_gate), copy.deepcopy(full.noop))
 
 
 def shard_model(model: nn.Module, group=None) -> nn.Module:

@@ -113,6 +113,7 @@ class RoutingPlan:
     valid_A: Tensor | None = None
     padded: bool = True  # False: the router knows when it is built that A == counts_E.sum() (no padding)
     logits_TX: Tensor | None = None  # the router's logits over its slots (T, X), where it computes them
+    noop_gate_TN: Tensor | None = None  # each token's gate on each no-op slot (T, N), when the layer asks
 
     @property
     def num_experts(self) -> int:

@@ -4,8 +4,10 @@ Shape legend
     B batch   S sequence   T = B * S tokens   D hidden   E real experts   N no-op experts
     X = E + N expert slots   K top-k   A assignments
 
-Each token scores the X slots, keeps its top-k, and its gates are the softmax (or sigmoid) probabilities
-of those slots, optionally renormalised over the k chosen. Choices of a no-op slot are never computed:
+Each token scores the X slots, keeps its top-k, and its gates are the softmax (or sigmoid, or
+``sqrtsoftplus``: DeepSeek-V4's sqrt(softplus(logit))) scores of those slots, optionally renormalised over the
+k chosen. Choosing by the scores or by the raw logits is the same choice (each is monotone in the logit); a
+softmax over the k chosen logits (gpt-oss, Granite) is the renormalised softmax. Choices of a no-op slot are never computed:
 the token simply gets less (or no) expert output. With ``capacity_factor`` set, each real expert takes at
 most ``ceil(capacity_factor * T * K / E)`` assignments (the factor read as the decimal written) and the
 rest are dropped, first choices before second choices and earlier tokens first; ``capacity_factor=None``
@@ -17,8 +19,13 @@ after the computed assignments, so no step makes the host wait for the device.
 The recipes of DeepSeek-V3 and Qwen-MoE (docs/routing.md), each off by default:
     scale          ``routed_scaling_factor``: multiplies every gate, after renormalisation
     n_group, topk_group   device-limited routing: the E real experts form ``n_group`` equal groups; a token
-                   keeps its ``topk_group`` best groups (a group scores the sum of its two best experts) and
-                   chooses inside them; no-op slots belong to no group and stay eligible
+                   keeps its ``topk_group`` best groups (a group scores the sum of its two best experts, or
+                   its best with ``group_score="max"``: DeepSeek-V2) and chooses inside them; no-op slots
+                   belong to no group and stay eligible
+    renorm_eps, renorm_min   the renormalisation's denominator is ``max(sum + eps, min)`` (DeepSeek-V3 adds
+                   1e-20, LFM2 1e-6; ERNIE-4.5 clamps at ``moe_norm_min``)
+    logit_bias     a learned bias on the logits (gpt-oss): part of the logits, so of the gates, the losses
+                   and the recorded logits; unlike ``bias_X`` it is trained by the gradient
     bias_balance   balancing without an auxiliary loss: a per-slot bias buffer ``bias_X`` is added to the
                    scores for *choosing* only (the gates come from the unbiased scores); training forwards
                    add their choice counts to ``load_X``, and ``mode.routing.bias_balance.update_expert_bias``
@@ -47,7 +54,8 @@ from mode.routing.losses import router_z_loss
 from mode.routing.capacity import ceil_of
 from mode.routing.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 
-GATES = ("softmax", "sigmoid")
+GATES = ("softmax", "sigmoid", "sqrtsoftplus")  # sqrtsoftplus: sqrt(softplus(logit)), DeepSeek-V4
+GROUP_SCORES = ("top2", "max")  # a group scores the sum of its two best experts (DeepSeek-V3) or its best (V2)
 BALANCE_SCOPES = ("batch", "sequence", "global")
 
 
@@ -59,6 +67,9 @@ class TokenChoiceConfig:
     num_noop: int = 0
     gate: str = "softmax"
     renormalize: bool = False  # divide the k gates by their sum (Mixtral); no-op gates count too
+    renorm_eps: float = 0.0  # renormalise by (sum + eps): DeepSeek-V3 1e-20, LFM2 1e-6
+    renorm_min: float = 0.0  # ... and by at least this (ERNIE-4.5's moe_norm_min)
+    logit_bias: bool = False  # a learned bias on the logits, in the recorded logits too (gpt-oss's router.bias)
     capacity_factor: float | None = None  # None: dropless
     balance_coef: float = 0.01
     z_coef: float = 1e-3
@@ -66,6 +77,7 @@ class TokenChoiceConfig:
     scale: float = 1.0  # routed_scaling_factor (DeepSeek-V3): multiplies the gates after renormalisation
     n_group: int = 1  # device-limited routing: the real experts in n_group equal groups ...
     topk_group: int | None = None  # ... of which each token keeps its best topk_group (None: all of them)
+    group_score: str = "top2"  # a group's score: the sum of its two best experts' scores, or the best ("max")
     bias_balance: bool = False  # aux-loss-free balancing (DeepSeek-V3): a bias on the scores for choosing
     bias_rate: float = 1e-3  # the bias update step (torchtitan's and Megatron's default)
     noop_target: float | None = None  # bias_balance with no-op slots: the share of choices to hold on them
@@ -88,6 +100,12 @@ class TokenChoiceConfig:
         _checks.check_non_negative("balance_coef", self.balance_coef)
         _checks.check_non_negative("z_coef", self.z_coef)
         _checks.check_bool("renormalize", self.renormalize)
+        _checks.check_non_negative("renorm_eps", self.renorm_eps)
+        _checks.check_non_negative("renorm_min", self.renorm_min)
+        if (self.renorm_eps or self.renorm_min) and not self.renormalize:
+            raise ValueError(f"renorm_eps={self.renorm_eps}, renorm_min={self.renorm_min}: need renormalize=True")
+        _checks.check_bool("logit_bias", self.logit_bias)
+        _checks.check_choice("group_score", self.group_score, GROUP_SCORES)
         _checks.check_bool("check_finite", self.check_finite)
         _checks.check_positive("scale", self.scale)
         _checks.check_int("n_group", self.n_group)
@@ -168,6 +186,8 @@ class TokenChoiceRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_slots, cfg.d_model))
         nn.init.normal_(self.weight, std=cfg.d_model**-0.5)
         self.reduce_counts = None  # sums a tensor over the ranks holding this router (mode.parallel sets it)
+        self.logit_bias_X = nn.Parameter(torch.zeros(self.num_slots)) if cfg.logit_bias else None
+        self.emit_noop_gates = False  # the layer's no-op experts need each token's no-op gates (mode.layers.noop)
         if cfg.bias_balance:
             self.register_buffer("bias_X", torch.zeros(self.num_slots))  # saved and resumed with the model
             self.register_buffer("load_X", torch.zeros(self.num_slots), persistent=False)  # since the update
@@ -188,14 +208,15 @@ class TokenChoiceRouter(nn.Module):
         dev = x_BSD.device
         with _checks.float32_region(dev):  # routing math in float32, also under autocast
             # float32 whatever the activation dtype: top-k on bf16 logits ties too often
-            logits_TX = F.linear(x_BSD.reshape(T, self.cfg.d_model).float(), self.weight.float())
+            bias_X = None if self.logit_bias_X is None else self.logit_bias_X.float()
+            logits_TX = F.linear(x_BSD.reshape(T, self.cfg.d_model).float(), self.weight.float(), bias_X)
             if self.cfg.check_finite:
                 _check_finite(logits_TX)
             if self.cfg.gate == "softmax":
                 probs_TX = logits_TX.softmax(-1)
                 balance_probs_TX = probs_TX
             else:
-                probs_TX = logits_TX.sigmoid()
+                probs_TX = logits_TX.sigmoid() if self.cfg.gate == "sigmoid" else F.softplus(logits_TX).sqrt()
                 balance_probs_TX = probs_TX / probs_TX.sum(-1, keepdim=True)
             if self._choose_by_score:
                 gate_TK, chosen_TK = probs_TX.topk(K, dim=-1)
@@ -203,9 +224,19 @@ class TokenChoiceRouter(nn.Module):
                 chosen_TK = self._choice_scores(probs_TX).topk(K, dim=-1).indices
                 gate_TK = probs_TX.gather(1, chosen_TK)
             if self.cfg.renormalize:
-                gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True)
+                denom_T1 = gate_TK.sum(-1, keepdim=True)
+                if self.cfg.renorm_eps:
+                    denom_T1 = denom_T1 + self.cfg.renorm_eps
+                if self.cfg.renorm_min:
+                    denom_T1 = denom_T1.clamp_min(self.cfg.renorm_min)
+                gate_TK = gate_TK / denom_T1
             if self.cfg.scale != 1.0:
                 gate_TK = gate_TK * self.cfg.scale
+            noop_gate_TN = None
+            if self.emit_noop_gates:  # each token's gate on each no-op slot (0 where not chosen, and on pads)
+                noop_gate_TN = gate_TK.new_zeros(T, self.num_slots).scatter_add(1, chosen_TK, gate_TK)[:, E:]
+                if valid_T is not None:
+                    noop_gate_TN = noop_gate_TN * valid_T[:, None]
 
             # Flatten choice-major (all first choices, then all second choices...): that is drop priority.
             slot_A = chosen_TK.t().reshape(-1)
@@ -245,7 +276,7 @@ class TokenChoiceRouter(nn.Module):
             batch_shape=(B, S),
         )
         return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
-                           num_tokens=T, aux=aux, padded=padded, logits_TX=logits_TX)
+                           num_tokens=T, aux=aux, padded=padded, logits_TX=logits_TX, noop_gate_TN=noop_gate_TN)
 
     def _choice_scores(self, probs_TX: Tensor) -> Tensor:
         """The scores the top-k chooses by: the gates plus the balancing bias, with the real experts outside
@@ -255,7 +286,10 @@ class TokenChoiceRouter(nn.Module):
             return choice_TX
         T, E, G = choice_TX.shape[0], self.num_experts, self.cfg.n_group
         real_TGE = choice_TX[:, :E].reshape(T, G, E // G)
-        group_TG = real_TGE.topk(min(2, E // G), dim=-1).values.sum(-1)  # a group scores its two best experts
+        if self.cfg.group_score == "max":
+            group_TG = real_TGE.amax(-1)
+        else:  # a group scores its two best experts
+            group_TG = real_TGE.topk(min(2, E // G), dim=-1).values.sum(-1)
         keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(
             1, group_TG.topk(self.cfg.topk_group, dim=-1).indices, True)
         real_TE = real_TGE.masked_fill(~keep_TG[:, :, None], float("-inf")).reshape(T, E)
