@@ -10,6 +10,7 @@
     dcp_safe       DCP metadata read without running code from the folder
     ep_model       the plain-tensor expert sharding of one layer (``shard_layer``, ``shard_model``)
     process_group  ``init_distributed``, timeouts, ``CollectiveError`` and the guard around collectives
+    elastic        torchrun restarts: each attempt's process groups meet under keys of their own
     stats_reduce   a ``RoutingAccumulator`` summed over the ranks of a group
     command        ``mode train``: the torchrun-ready training command
 

@@ -37,6 +37,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from mode.parallel.elastic import attempt_store
+
 TIMEOUT_ENV = "MODE_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0  # > the longest legitimate wait between collectives (rank 0 writing a checkpoint)
 BACKENDS = ("auto", "gloo", "nccl")
@@ -182,6 +184,10 @@ def init_distributed(backend: str = "auto", timeout_s: float | None = None,
     if not dist.is_initialized():
         if backend == "nccl":
             nccl_env_defaults()
+        # under torchrun --max-restarts: keys of this attempt's own in the agent's store (mode.parallel.elastic)
+        store = attempt_store(timeout_s)
+        if store is not None:
+            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                        device=device, backend=backend, timeout_s=timeout_s, group=dist.group.WORLD)
