@@ -19,8 +19,22 @@ Padding contract of ``forward(x_AD, counts_E)`` (every backend):
     * ``padded=False`` (a plan that promises no padding) lets "grouped" skip both masks.
 
 Routing gates (``gate_A``, the local dispatcher's fast path): the bank multiplies each row's output by
-its gate, on the (A, H) activation before the down projection when H < D ("grouped": fewer bytes than
-the (A, D) output, and the dispatcher's combine becomes a plain scatter-add), else on the output.
+its gate, on the (A, H) activation before the down projection when H < D and there are no biases
+("grouped": fewer bytes than the (A, D) output, and the dispatcher's combine becomes a plain scatter-add),
+else on the output: with biases the function is ``g * (act @ W_out + b_out)``. With
+``ExpertConfig.gate_on_input`` (Llama 4) the gate scales the row's input instead, ``expert(g * x)``, and the
+output is not gated; a caller that gates outputs itself (the combine) must not be used with it.
+
+The expert function (``ExpertConfig``; the defaults are the plain MLP, bit for bit as before these options)
+    h_AF = x_AD @ W_in[e] (+ b_in_EF[e] with ``bias``)      y_AD = act(h_AF) @ W_out[e] (+ b_out_ED[e])
+    act = gelu, or swiglu with ``swiglu_limit`` (clamp gate to max=L, up to [-L, L]), ``swiglu_alpha``
+    (gate * sigmoid(alpha * gate); None: silu), ``swiglu_up_offset`` ((up + offset) * glu) and ``fused``
+    ("concat": gate = F[:H], up = F[H:]; "interleaved": gate = F[0::2], up = F[1::2]); swiglu_options.py has
+    the formula and the families that use it (gpt-oss: bias, interleaved, alpha 1.702, limit 7, offset 1;
+    DeepSeek-V4: limit 10). The SwiGLU options need activation="swiglu". The default SwiGLU runs swiglu.py's
+    fused op on the "grouped" path; other options a plain autograd function (chosen once in ``__init__``).
+    Biases are registered after the weights (``parameters()`` keeps the weights first) and start at zero
+    (no random draws: the weights' init is the same with and without them); "megablocks" refuses them.
 
 Backends
     "reference"  a readable loop over experts (one matmul pair per expert); reads counts_E on the host
@@ -49,15 +63,17 @@ Weight layout (``ExpertConfig.layout``)
     needs "EDF". ``w_in`` / ``w_out`` name the stored parameters whatever the layout.
 
 Sharded weights (``mode.parallel.parallelize``)
-    Expert parallelism may replace the two weights by DTensors of the global shape ``(E_all, ...)``
-    sharded on dim 0; ``num_experts`` is then this process's share ``E = E_all / ep``. The forward computes
-    on ``local_weight(w)``: ``w.to_local()`` when the weight has one (duck typing: this module never imports
-    ``torch.distributed``), else ``w`` itself. ``to_local`` is differentiable, so the gradient flows back
-    to the sharded parameter.
+    Expert parallelism may replace the weights (and the biases: every parameter of the bank, by name from
+    ``named_parameters``) by DTensors of the global shape ``(E_all, ...)`` sharded on dim 0; ``num_experts``
+    is then this process's share ``E = E_all / ep``. The forward computes on ``local_weight(w)``
+    (``weights()``, ``biases()``): ``w.to_local()`` when the weight has one (duck typing: this module never
+    imports ``torch.distributed``), else ``w`` itself. ``to_local`` is differentiable, so the gradient flows
+    back to the sharded parameter.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -70,6 +86,7 @@ from mode.experts import grouped_mm as gmm_mod
 from mode.experts import megablocks_backend, row_buckets
 from mode.experts.grouped_mm import autocast_dtype, grouped_mm
 from mode.experts.swiglu import swiglu
+from mode.experts.swiglu_options import FUSED, SwiGLUOptions
 
 ACTIVATIONS = ("gelu", "swiglu")
 BACKENDS = ("auto", "reference", "grouped", "megablocks")
@@ -87,6 +104,13 @@ class ExpertConfig:
     activation: str = "gelu"
     backend: str = "auto"
     layout: str = "EDF"  # how the weights are stored (LAYOUTS); the computation is the same
+    bias: bool = False  # b_in_EF after the input projection, b_out_ED after the output one (gpt-oss)
+    # SwiGLU variants (activation="swiglu" only; swiglu_options.py has the formula)
+    swiglu_limit: float | None = None  # clamp gate to max=L and up to [-L, L] (DeepSeek-V4 10, gpt-oss 7)
+    swiglu_alpha: float | None = None  # gate * sigmoid(alpha * gate); None: silu (gpt-oss 1.702)
+    swiglu_up_offset: float = 0.0  # (up + offset) * glu (gpt-oss 1)
+    fused: str = "concat"  # gate and up in F = 2H: "concat" halves or "interleaved" (gate 0::2, up 1::2: gpt-oss)
+    gate_on_input: bool = False  # gate_A scales each row's input, not its output (Llama 4)
 
     def __post_init__(self) -> None:
         _checks.check_choice("layout", self.layout, LAYOUTS)
@@ -95,6 +119,32 @@ class ExpertConfig:
         _checks.check_int("num_experts", self.num_experts)
         _checks.check_choice("activation", self.activation, ACTIVATIONS)
         _checks.check_choice("backend", self.backend, BACKENDS)
+        _checks.check_bool("bias", self.bias)
+        _checks.check_bool("gate_on_input", self.gate_on_input)
+        if self.swiglu_limit is not None:
+            _checks.check_positive("swiglu_limit", self.swiglu_limit)
+        if self.swiglu_alpha is not None:
+            _checks.check_positive("swiglu_alpha", self.swiglu_alpha)
+        if isinstance(self.swiglu_up_offset, bool) or not isinstance(self.swiglu_up_offset, (int, float)):
+            raise TypeError(f"swiglu_up_offset={self.swiglu_up_offset!r}: must be a float")
+        if not math.isfinite(self.swiglu_up_offset):
+            raise ValueError(f"swiglu_up_offset={self.swiglu_up_offset}: must be finite")
+        _checks.check_choice("fused", self.fused, FUSED)
+        if self.activation != "swiglu":
+            for name, value, default in (("swiglu_limit", self.swiglu_limit, None),
+                                         ("swiglu_alpha", self.swiglu_alpha, None),
+                                         ("swiglu_up_offset", self.swiglu_up_offset, 0.0),
+                                         ("fused", self.fused, "concat")):
+                if value != default:
+                    raise ValueError(f"{name}={value!r}: only applies to activation='swiglu' "
+                                     f"(activation={self.activation!r}); leave it at {default!r}")
+        if self.bias and self.backend == "megablocks":
+            raise ValueError("bias=True: backend='megablocks' adds no biases; use backend='grouped', "
+                             "'reference' or 'auto'")
+
+    @property
+    def swiglu_options(self) -> SwiGLUOptions:
+        return SwiGLUOptions(self.swiglu_limit, self.swiglu_alpha, float(self.swiglu_up_offset), self.fused)
 
 
 def check_backend_environment(name: str, sizes: dict[str, int]) -> None:
@@ -109,11 +159,12 @@ def check_backend_environment(name: str, sizes: dict[str, int]) -> None:
 
 
 def resolve_backend(name: str, device_type: str, dtype: torch.dtype, sizes: dict[str, int],
-                    num_experts: int | None = None) -> str:
+                    num_experts: int | None = None, bias: bool = False) -> str:
     """The concrete backend for ``name`` on (device_type, dtype), or ValueError with the reason it cannot run.
 
     ``sizes`` are the row lengths the GEMMs see (``{"d_model": D, "d_hidden": H}``); ``num_experts`` the
-    experts on this process (torch._grouped_mm on CUDA runs at most 1023)."""
+    experts on this process (torch._grouped_mm on CUDA runs at most 1023); ``bias``: the bank has biases,
+    which "megablocks" does not add ("auto" then skips it)."""
     if name == "reference":
         return "reference"
     grouped_reason = gmm_mod.unsupported_reason(device_type, dtype, sizes, num_experts)
@@ -123,7 +174,7 @@ def resolve_backend(name: str, device_type: str, dtype: torch.dtype, sizes: dict
         return "grouped"
     if name == "auto" and grouped_reason is None:
         return "grouped"
-    mb_reason = megablocks_backend.unsupported_reason(device_type, dtype)
+    mb_reason = "it adds no biases (bias=True)" if bias else megablocks_backend.unsupported_reason(device_type, dtype)
     if name == "megablocks":
         if mb_reason is not None:
             raise ValueError(f"backend='megablocks': {mb_reason}; use backend='reference' or 'auto'")
@@ -166,8 +217,19 @@ class ExpertBank(nn.Module):
             self.w_in_EFD = nn.Parameter(torch.empty(E, width, D))
             self.w_out_EDH = nn.Parameter(torch.empty(E, D, H))
             self._names = ("w_in_EFD", "w_out_EDH")
+        if cfg.bias:  # registered after the weights: the weights keep their place in parameters()
+            self.b_in_EF = nn.Parameter(torch.empty(E, width))
+            self.b_out_ED = nn.Parameter(torch.empty(E, D))
         self._transposed = cfg.layout == "EFD"  # chosen once: views in weights()
         self.reset_parameters()
+        # the activation, chosen once: swiglu.py's fused op (the grouped path) where the options are the default
+        # ones, else SwiGLUOptions' plain autograd (swiglu_options.py); the reference path calls self._act
+        options = cfg.swiglu_options
+        self._fast_swiglu = cfg.activation == "swiglu" and options.is_plain
+        if cfg.activation == "swiglu" and not options.is_plain:
+            self._act = options
+        else:
+            self._act = functools.partial(activate, activation=cfg.activation)  # a partial pickles, a lambda not
         self._impls = {
             "reference": self._forward_reference,
             "grouped": self._forward_grouped,
@@ -175,11 +237,16 @@ class ExpertBank(nn.Module):
         }
         self._resolved: dict[tuple[torch.device, torch.dtype], str] = {}  # (device, compute dtype) -> backend
         # "grouped" multiplies by routing gates on the (A, H) activation when it is smaller than the (A, D) output
-        self._gate_on_hidden = cfg.d_hidden < cfg.d_model
+        # (not with an output bias: g * (act @ W_out + b_out) is the function, so the gate goes on the output)
+        self._gate_on_hidden = cfg.d_hidden < cfg.d_model and not cfg.bias
+        self._gate_on_input = cfg.gate_on_input  # Llama 4: gate_A scales the input rows (forward)
 
     def reset_parameters(self, out_std: float | None = None) -> None:
         nn.init.normal_(self.w_in, std=1 / math.sqrt(self.cfg.d_model))
         nn.init.normal_(self.w_out, std=out_std or 1 / math.sqrt(self.cfg.d_hidden))
+        if self.cfg.bias:  # zeros: no random draws, so every other parameter's init is what it was without biases
+            nn.init.zeros_(self.b_in_EF)
+            nn.init.zeros_(self.b_out_ED)
 
     @property
     def w_in(self) -> nn.Parameter:
@@ -201,6 +268,16 @@ class ExpertBank(nn.Module):
             return w_in.transpose(1, 2), w_out.transpose(1, 2)
         return w_in, w_out
 
+    def biases(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor] | None:
+        """``(b_in_EF, b_out_ED)`` as this process computes with them (local shards of sharded ones, as
+        ``weights``), cast to ``dtype`` when given; None without ``cfg.bias``."""
+        if not self.cfg.bias:
+            return None
+        b_in, b_out = local_weight(self.b_in_EF), local_weight(self.b_out_ED)
+        if dtype is not None:
+            b_in, b_out = b_in.to(dtype), b_out.to(dtype)
+        return b_in, b_out
+
     @property
     def backend(self) -> str:
         """The backend that runs an input in the weights' own dtype on their device."""
@@ -211,7 +288,7 @@ class ExpertBank(nn.Module):
         name = self._resolved.get(key)
         if name is None:
             name = self._resolved[key] = resolve_backend(self.cfg.backend, device.type, dtype, self.sizes,
-                                                         self.num_experts)
+                                                         self.num_experts, self.cfg.bias)
         return name
 
     def forward(self, x_AD: Tensor, counts_E: Tensor, *, padded: bool = True,
@@ -226,8 +303,10 @@ class ExpertBank(nn.Module):
 
         ``gate_A`` (A,), optional and differentiable: multiply row a's output by ``gate_A[a]`` (a routing
         gate; padding rows ignore theirs). "grouped" applies it to the (A, H) activation, before the down
-        projection, when H < D (fewer bytes than the (A, D) output; the same function, rounded
-        differently), else to the output, as the dispatcher's combine would."""
+        projection, when H < D and the bank has no biases (fewer bytes than the (A, D) output; the same
+        function, rounded differently), else to the output, as the dispatcher's combine would. With
+        ``cfg.gate_on_input`` the gate multiplies row a's input instead, and the output is not gated
+        (Llama 4: ``expert(g * x)``, a different function since the expert is not linear)."""
         self._check_inputs(x_AD, counts_E)
         if gate_A is not None:
             if not isinstance(gate_A, Tensor) or not gate_A.is_floating_point() or tuple(gate_A.shape) != (x_AD.shape[0],):
@@ -236,6 +315,8 @@ class ExpertBank(nn.Module):
             if padded:  # padding rows ignore their gate (where: NaN-safe, and their gate gets zero gradient)
                 real_A = torch.arange(x_AD.shape[0], device=x_AD.device) < counts_E.sum()
                 gate_A = torch.where(real_A, gate_A, 0)
+            if self._gate_on_input:  # padding rows may turn NaN here; every backend masks or skips them
+                x_AD, gate_A = x_AD * gate_A.to(x_AD.dtype)[:, None], None
         dtype = autocast_dtype(x_AD) or x_AD.dtype
         name = self.backend_for(x_AD.device, dtype)
         if name == "grouped":
@@ -266,8 +347,18 @@ class ExpertBank(nn.Module):
         # unbind once: indexing w[e] per expert makes each backward fill a zero grad of the whole (E, ...) weight
         w_in_EDF, w_out_EHD = self.weights(dtype)
         w_in, w_out = w_in_EDF.unbind(0), w_out_EHD.unbind(0)
+        biases = self.biases(dtype)
+        b_in, b_out = (None, None) if biases is None else (biases[0].unbind(0), biases[1].unbind(0))
         *pieces, _padding = x_AD.split([*counts, num_padding])  # padding rows are never read: no NaN gets in
-        outs = [activate(x_eD @ w_in[e], self.cfg.activation) @ w_out[e] for e, x_eD in enumerate(pieces)]
+        outs = []
+        for e, x_eD in enumerate(pieces):
+            h_eF = x_eD @ w_in[e]
+            if b_in is not None:
+                h_eF = h_eF + b_in[e]
+            y_eD = self._act(h_eF) @ w_out[e]
+            if b_out is not None:
+                y_eD = y_eD + b_out[e]
+            outs.append(y_eD)
         # zeros in the outputs' dtype: torch.cat under autocast would promote to the widest input
         outs.append(outs[0].new_zeros(num_padding, self.cfg.d_model))
         return torch.cat(outs)
@@ -300,17 +391,29 @@ class ExpertBank(nn.Module):
         """The two grouped GEMMs and the activation (times ``gate_A`` on the hidden activation when given);
         rows past ``offsets_E[-1]`` come out undefined."""
         w_in, w_out = self.weights(dtype)
+        biases = self.biases(dtype)
         h_AF = grouped_mm(x_AD, w_in, offsets_E)
-        if self.cfg.activation == "swiglu":  # the same values as activate(); one gradient buffer (swiglu.py)
-            return grouped_mm(swiglu(h_AF, gate_A), w_out, offsets_E)
-        act_AH = activate(h_AF, self.cfg.activation)
-        if gate_A is not None:
-            act_AH = act_AH * gate_A.to(act_AH.dtype)[:, None]
-        return grouped_mm(act_AH, w_out, offsets_E)
+        if biases is not None:
+            # each row's expert, found on the device (no sync); rows past offsets_E[-1] get E, a zero bias row
+            # appended here: the kernels leave those rows' gradients unwritten (any bits), so they must sum
+            # into a row that is thrown away, not into expert E - 1's bias gradient
+            expert_A = torch.searchsorted(offsets_E, torch.arange(x_AD.shape[0], device=x_AD.device,
+                                                                  dtype=offsets_E.dtype), right=True)
+            b_in_EF, b_out_ED = (torch.cat([b, b.new_zeros(1, b.shape[1])]) for b in biases)
+            h_AF = h_AF + b_in_EF.index_select(0, expert_A)
+        if self._fast_swiglu:  # the same values as activate(); one gradient buffer (swiglu.py)
+            act_AH = swiglu(h_AF, gate_A)
+        else:
+            act_AH = self._act(h_AF)
+            if gate_A is not None:
+                act_AH = act_AH * gate_A.to(act_AH.dtype)[:, None]
+        y_AD = grouped_mm(act_AH, w_out, offsets_E)
+        if biases is not None:  # gate_A is None here: a bank with biases gates its output (_gate_on_hidden)
+            y_AD = y_AD + b_out_ED.index_select(0, expert_A)
+        return y_AD
 
     def _forward_megablocks(self, x_AD: Tensor, counts_E: Tensor, dtype: torch.dtype) -> Tensor:
-        return megablocks_backend.expert_mlp(x_AD, counts_E, *self.weights(), dtype,
-                                             lambda h: activate(h, self.cfg.activation))
+        return megablocks_backend.expert_mlp(x_AD, counts_E, *self.weights(), dtype, self._act)
 
 
 def _check_host_counts(counts: list[int], num_rows: int) -> int:

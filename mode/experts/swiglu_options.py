@@ -1,0 +1,60 @@
+"""SwiGLU as the transformers MoE families vary it: where gate and up sit, clamping, the sigmoid's slope, an offset.
+
+Shape legend: A rows, H expert hidden size, F = 2H (the fused gate + up projection).
+
+    gate_AH, up_AH = h_AF[:, :H], h_AF[:, H:]          fused="concat" (mode's own, Llama, DeepSeek, Qwen)
+                   = h_AF[:, 0::2], h_AF[:, 1::2]      fused="interleaved" (gpt-oss)
+    gate_AH = clamp(gate_AH, max=L)                    limit L (DeepSeek-V4, gpt-oss); the up half to [-L, L]
+    up_AH   = clamp(up_AH, -L, L)
+    act_AH  = gate_AH * sigmoid(alpha * gate_AH) * (up_AH + offset)
+
+``alpha=None`` is silu (alpha 1); gpt-oss has alpha 1.702, limit 7 and offset 1
+(transformers 5.23 ``GptOssExperts._apply_gate``), DeepSeek-V4 limit 10, alpha None, offset 0
+(``DeepseekV4Experts._apply_gate``). The ops run in that order and as those two write them, so the values agree
+bit for bit. Plain autograd: the default options (``is_plain``) take the fused custom op of ``swiglu.py``
+instead, which the expert bank chooses once at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+FUSED = ("concat", "interleaved")  # how gate and up share the F = 2H columns of the input projection
+
+
+@dataclass(frozen=True)
+class SwiGLUOptions:
+    """The bank's SwiGLU (validated by ``ExpertConfig``, whose fields these are: ``swiglu_limit``,
+    ``swiglu_alpha``, ``swiglu_up_offset``, ``fused``)."""
+
+    limit: float | None = None
+    alpha: float | None = None
+    up_offset: float = 0.0
+    fused: str = "concat"
+
+    @property
+    def is_plain(self) -> bool:
+        """``silu(gate) * up`` on concatenated halves: ``swiglu.swiglu``'s function."""
+        return self == SwiGLUOptions()
+
+    def split(self, h_AF: Tensor) -> tuple[Tensor, Tensor]:
+        if self.fused == "interleaved":
+            return h_AF[..., 0::2], h_AF[..., 1::2]
+        return h_AF.chunk(2, dim=-1)
+
+    def __call__(self, h_AF: Tensor) -> Tensor:
+        gate_AH, up_AH = self.split(h_AF)
+        if self.limit is not None:
+            gate_AH = gate_AH.clamp(max=self.limit)
+            up_AH = up_AH.clamp(min=-self.limit, max=self.limit)
+        if self.alpha is None:
+            glu_AH = F.silu(gate_AH)
+        else:
+            glu_AH = gate_AH * torch.sigmoid(gate_AH * self.alpha)
+        if self.up_offset:
+            up_AH = up_AH + self.up_offset
+        return up_AH * glu_AH
