@@ -91,7 +91,7 @@ def inputs(dtype=torch.float32, poison=None):
 
 def run(bank, x, gate, grad_out, with_gate=True):
     xr, gr = x.clone().requires_grad_(), gate.clone().requires_grad_()
-    y = bank(xr, torch.tensor(COUNTS), gate_A=gr if with_gate else None)
+    y = bank(xr, torch.tensor(COUNTS, device=x.device), gate_A=gr if with_gate else None)
     y.backward(grad_out)
     grads = {n: p.grad.transpose(1, 2) if p.dim() == 3 and bank.cfg.layout == "EFD" else p.grad
              for n, p in zip(["w_in", "w_out", "b_in", "b_out"], bank.parameters())}
@@ -171,6 +171,46 @@ def test_bucketed_rows_with_biases_match_reference():
     for g, w in zip(got["grouped"], got["reference"]):
         torch.testing.assert_close(g.float(), w.float(), rtol=3e-2, atol=6e-2)
     assert torch.equal(got["grouped"][0][sum(counts):].float(), torch.zeros(5, D))
+
+
+@pytest.mark.parametrize("variant", ["gpt_oss", "everything"])
+@pytest.mark.parametrize("mode", ["bf16_input", "autocast"])
+def test_mixed_precision_backends_agree(variant, mode):
+    """float32 parameters, computed in bfloat16 (a bfloat16 input, or CPU autocast): biases are cast with the
+    weights; outputs in bfloat16, parameter gradients in float32."""
+    x, gate, grad_out = inputs()
+    got = {}
+    for backend in ("reference", "grouped"):
+        bank = make_bank(backend, variant)
+        xr = x.to(torch.bfloat16 if mode == "bf16_input" else torch.float32).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            y = bank(xr, torch.tensor(COUNTS), gate_A=gate)
+        assert y.dtype == torch.bfloat16
+        y.float().backward(grad_out)
+        assert all(p.grad.dtype == torch.float32 for p in bank.parameters())
+        got[backend] = [y, xr.grad, *(p.grad for p in bank.parameters())]
+    for g, w in zip(got["grouped"], got["reference"]):
+        torch.testing.assert_close(g.float(), w.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels: needs a CUDA GPU")
+@pytest.mark.filterwarnings("ignore::mode.experts.grouped_mm.SlowPathWarning")  # float32 on CUDA: torch's loop
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_cuda_grouped_matches_reference_with_nan_padding(variant, dtype, tol):
+    """torch._grouped_mm on CUDA leaves the rows past the last offset unwritten, gradients included: with
+    biases those rows' gradients must not reach any expert's bias gradient."""
+    dev = torch.device("cuda")
+    x, gate, grad_out = (t.to(dev) for t in inputs(dtype, poison=float("nan")))
+    ref, fast = (make_bank(b, variant, dtype=dtype).to(dev) for b in ("reference", "grouped"))
+    assert fast.backend == "grouped"
+    got, want = run(fast, x, gate, grad_out), run(ref, x, gate, grad_out)
+    N = sum(COUNTS)
+    assert torch.equal(got["y"][N:], torch.zeros_like(got["y"][N:]))
+    assert torch.equal(got["x.grad"][N:], torch.zeros_like(got["x.grad"][N:]))
+    for name in want:
+        torch.testing.assert_close(got[name].float(), want[name].float(), rtol=tol, atol=tol, msg=name)
 
 
 @pytest.mark.parametrize("variant", ["gelu_bias", "swiglu_bias", "gpt_oss"])
@@ -294,6 +334,30 @@ def _routing(T, E, K):
     torch.manual_seed(5)
     index_TK = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
     return index_TK, torch.softmax(torch.randn(T, K), -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_options_are_bitwise_transformers_apply_gate(dtype):
+    """SwiGLUOptions runs gpt-oss's and DeepSeek-V4's ``_apply_gate`` ops in their order: the same bits."""
+    pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from mode.experts.swiglu_options import SwiGLUOptions
+
+    config = GptOssConfig(hidden_size=D, intermediate_size=H, num_local_experts=2, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=32)
+    h = (torch.randn(50, 2 * H) * 6).to(dtype)  # well past the limits
+    gpt_oss = SwiGLUOptions(limit=config.swiglu_limit, alpha=config.swiglu_alpha, up_offset=1.0, fused="interleaved")
+    assert torch.equal(gpt_oss(h), GptOssExperts(config)._apply_gate(h))
+    try:
+        from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
+    except ImportError:
+        return
+    config = DeepseekV4Config(hidden_size=D, moe_intermediate_size=H, n_routed_experts=2, num_hidden_layers=1,
+                              vocab_size=32)
+    assert torch.equal(SwiGLUOptions(limit=config.swiglu_limit)(h), DeepseekV4Experts(config)._apply_gate(h))
 
 
 @pytest.mark.parametrize("backend", ["reference", "grouped"])
