@@ -31,6 +31,154 @@ def config(family: str, **overrides):
                                   topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                                   first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
                                   qk_nope_head_dim=8, v_head_dim=8, **common)
+    elif family == "qwen3_next":  # layers: linear (gated delta net) + dense MLP, full attention + MoE, linear + MoE
+        cfg = tf.Qwen3NextConfig(intermediate_size=64, moe_intermediate_size=48, shared_expert_intermediate_size=40,
+                                 num_experts=8, norm_topk_prob=True, head_dim=8, linear_key_head_dim=8,
+                                 linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                                 mlp_only_layers=[0], **{**common, "num_hidden_layers": 3},
+                                 layer_types=["linear_attention", "full_attention", "linear_attention"])
+    elif family == "qwen3_5_moe":  # text-only; every layer sparse (no dense rule); linear + full attention
+        cfg = tf.Qwen3_5MoeTextConfig(moe_intermediate_size=48, shared_expert_intermediate_size=40, num_experts=8,
+                                      head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
+                                      linear_num_key_heads=2, linear_num_value_heads=4,
+                                      layer_types=["linear_attention", "full_attention"], **common)
+    elif family == "deepseek_v2":
+        common = {**common, "num_experts_per_tok": 4, "num_key_value_heads": 4}
+        cfg = tf.DeepseekV2Config(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=16, n_group=4,
+                                  topk_group=2, topk_method="group_limited_greedy", n_shared_experts=1,
+                                  routed_scaling_factor=2.5, norm_topk_prob=False, first_k_dense_replace=1,
+                                  q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                  v_head_dim=8, **common)
+    elif family in ("deepseek_v32", "glm_moe_dsa"):  # MLA + lightning indexer (index_topk < sequence length)
+        common = {**common, "num_experts_per_tok": 4, "num_key_value_heads": 4}
+        cls = tf.DeepseekV32Config if family == "deepseek_v32" else tf.GlmMoeDsaConfig
+        cfg = cls(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=16, n_group=4, topk_group=2,
+                  n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                  q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                  index_topk=4, index_head_dim=16, index_n_heads=2, **common)
+    elif family == "deepseek_v4":
+        common = {**common, "num_experts_per_tok": 4, "num_key_value_heads": 1, "attn_implementation": "eager"}
+        cfg = tf.DeepseekV4Config(moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, head_dim=16,
+                                  q_lora_rank=16, o_groups=2, o_lora_rank=16, hc_mult=2, hc_sinkhorn_iters=3,
+                                  index_n_heads=2, index_head_dim=16, index_topk=4, sliding_window=8,
+                                  compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                                  layer_types=["sliding_attention", "compressed_sparse_attention"],
+                                  mlp_layer_types=["hash_moe", "moe"], router_jitter_noise=0.0,
+                                  num_nextn_predict_layers=0, **common)
+    elif family == "glm4_moe":
+        common = {**common, "num_experts_per_tok": 4}
+        cfg = tf.Glm4MoeConfig(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=16, n_group=4,
+                               topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                               first_k_dense_replace=1, head_dim=8, use_qk_norm=True, **common)
+    elif family == "glm4_moe_lite":
+        common = {**common, "num_experts_per_tok": 4, "num_key_value_heads": 4}
+        cfg = tf.Glm4MoeLiteConfig(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=16, n_group=4,
+                                   topk_group=2, n_shared_experts=1, routed_scaling_factor=1.8, norm_topk_prob=True,
+                                   mlp_layer_types=["dense", "sparse"], q_lora_rank=16, kv_lora_rank=16,
+                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **common)
+    elif family == "dots1":
+        common = {**common, "num_experts_per_tok": 4}
+        cfg = tf.Dots1Config(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=16, n_group=4,
+                             topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                             first_k_dense_replace=1, **common)
+    elif family == "exaone_moe":
+        common = {**common, "num_experts_per_tok": 4}
+        cfg = tf.ExaoneMoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=16, n_group=4,
+                                 topk_group=2, num_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                 first_k_dense_replace=1, sliding_window=8, sliding_window_pattern=2, **common)
+    elif family == "kimi_linear":  # layers: KDA + dense MLP, MLA + MoE, KDA + MoE
+        common = {**common, "num_experts_per_tok": 4, "num_key_value_heads": 4, "num_hidden_layers": 3}
+        cfg = tf.KimiLinearConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=16, n_group=4,
+                                  topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                  kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                  v_head_dim=8, linear_attn_config={"head_dim": 8, "num_heads": 4,
+                                                                    "short_conv_kernel_size": 4},
+                                  layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                  mlp_layer_types=["dense", "sparse", "sparse"], **common)
+    elif family == "bailing_hybrid":  # layers: linear (KDA) + dense MLP, MLA + MoE
+        common = {**common, "num_experts_per_tok": 4, "num_key_value_heads": 4}
+        cfg = tf.BailingHybridConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=16, n_group=4,
+                                     topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                                     norm_topk_prob=True, first_k_dense_replace=1, kv_lora_rank=16,
+                                     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8,
+                                     layer_group_size=2, num_nextn_predict_layers=0, **common)
+    elif family == "mimo_v2_flash":
+        common = {**common, "num_experts_per_tok": 4}
+        common = {**common, "attn_implementation": "eager"}
+        cfg = tf.MiMoV2FlashConfig(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=16, n_group=4,
+                                   topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, head_dim=12,
+                                   v_head_dim=8, sliding_window=8, layer_types=["full_attention", "sliding_attention"],
+                                   **common)
+    elif family == "ernie4_5_moe":
+        cfg = tf.Ernie4_5_MoeConfig(intermediate_size=64, moe_intermediate_size=48, moe_num_experts=8,
+                                    moe_num_shared_experts=1, moe_layer_start_index=1, **common)
+    elif family == "hunyuan_v1_moe":
+        cfg = tf.HunYuanMoEV1Config(intermediate_size=48, num_experts=8, head_dim=8, **common)
+    elif family == "longcat_flash":  # num_hidden_layers = 2 * num_layers (two attention sublayers per layer)
+        common = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "num_key_value_heads")}
+        cfg = tf.LongcatFlashConfig(num_layers=1, num_key_value_heads=4, ffn_hidden_size=64,
+                                    expert_ffn_hidden_size=16, n_routed_experts=8, zero_expert_num=4,
+                                    routed_scaling_factor=6.0, q_lora_rank=16, kv_lora_rank=16,
+                                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8, **common)
+    elif family == "gpt_oss":
+        yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4}  # 128 / 4 = factor: no mismatch warning
+        cfg = tf.GptOssConfig(intermediate_size=16, num_local_experts=8, head_dim=8, sliding_window=8,
+                              rope_parameters=yarn, attn_implementation="eager", **{k: v for k, v in common.items()
+                                                              if k != "attn_implementation"})
+    elif family == "llama4":  # text only (Llama4ForCausalLM); layer 0 dense, layer 1 MoE with shared expert
+        cfg = tf.Llama4TextConfig(intermediate_size=16, intermediate_size_mlp=64, num_local_experts=8, head_dim=8,
+                                  interleave_moe_layer_step=2, attention_chunk_size=8, router_jitter_noise=0.0,
+                                  **common)
+    elif family == "phimoe":
+        cfg = tf.PhimoeConfig(intermediate_size=48, num_local_experts=8, router_jitter_noise=0.0,
+                              input_jitter_noise=0.0, **common)
+    elif family == "flex_olmo":
+        cfg = tf.FlexOlmoConfig(intermediate_size=48, num_experts=8, norm_topk_prob=False, **common)
+    elif family == "minimax":  # layers: full attention, lightning (linear) attention
+        cfg = tf.MiniMaxConfig(intermediate_size=48, num_local_experts=8, head_dim=8, block_size=4,
+                               router_jitter_noise=0.0, layer_types=["full_attention", "linear_attention"], **common)
+    elif family == "minimax_m2":
+        cfg = tf.MiniMaxM2Config(intermediate_size=48, num_local_experts=8, head_dim=8, router_jitter_noise=0.0,
+                                 **common)
+    elif family == "granitemoe":
+        cfg = tf.GraniteMoeConfig(intermediate_size=48, num_local_experts=8, embedding_multiplier=2.0,
+                                  logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.25, **common)
+    elif family == "granitemoeshared":
+        cfg = tf.GraniteMoeSharedConfig(intermediate_size=48, num_local_experts=8, shared_intermediate_size=40,
+                                        embedding_multiplier=2.0, logits_scaling=2.0, residual_multiplier=0.5,
+                                        attention_multiplier=0.25, **common)
+    elif family == "granitemoehybrid":  # layers: mamba2, attention; every layer MoE + shared MLP
+        cfg = tf.GraniteMoeHybridConfig(intermediate_size=48, num_local_experts=8, shared_intermediate_size=40,
+                                        embedding_multiplier=2.0, logits_scaling=2.0, residual_multiplier=0.5,
+                                        attention_multiplier=0.25, position_embedding_type="rope",
+                                        layer_types=["linear_attention", "full_attention"], mamba_n_heads=8,
+                                        mamba_d_state=16, mamba_d_head=8, mamba_chunk_size=8, **common)
+    elif family == "jetmoe":  # also a mixture of attention experts (num_attention_heads = kv heads * top-k)
+        common = {k: v for k, v in common.items() if k != "num_attention_heads"}
+        cfg = tf.JetMoeConfig(intermediate_size=48, num_local_experts=8, kv_channels=8, **common)
+    elif family == "dbrx":
+        cfg = tf.DbrxConfig(d_model=D, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=V,
+                            attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                            attn_implementation="sdpa", tie_word_embeddings=False,
+                            ffn_config={"ffn_hidden_size": 48, "moe_num_experts": 8, "moe_top_k": 2,
+                                        "moe_jitter_eps": None}, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif family == "lfm2_moe":  # layers: short conv + dense MLP, attention + MoE, conv + MoE
+        cfg = tf.Lfm2MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=8, use_expert_bias=True,
+                               routed_scaling_factor=2.0, norm_topk_prob=True, num_dense_layers=1,
+                               layer_types=["conv", "full_attention", "conv"], **{**common, "num_hidden_layers": 3})
+    elif family == "afmoe":
+        cfg = tf.AfmoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_shared_experts=1,
+                             num_dense_layers=1, head_dim=8, route_scale=2.0, global_attn_every_n_layers=2,
+                             sliding_window=8, **common)
+    elif family == "cohere2_moe":
+        cfg = tf.Cohere2MoeConfig(intermediate_size=48, num_experts=8, num_shared_experts=1, head_dim=8,
+                                  first_k_dense_replace=1, prefix_dense_intermediate_size=64, sliding_window=8,
+                                  sliding_window_pattern=2, **common)
+    elif family == "jamba":  # layer 0: mamba + dense MLP, layer 1: attention + MoE
+        cfg = tf.JambaConfig(intermediate_size=48, num_experts=8, expert_layer_period=2, expert_layer_offset=1,
+                             attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8,
+                             **common)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -39,6 +187,18 @@ def config(family: str, **overrides):
 
 
 FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+# Every family ``config`` knows whose model builds and runs here (CPU, float32): left-padded forward with labels and
+# output_router_logits, backward, greedy generate, save_pretrained round trip. ``FAMILIES`` is what the converter
+# supports today.
+ALL_FAMILIES = (*FAMILIES, "qwen3_next", "qwen3_5_moe", "deepseek_v2", "deepseek_v32", "deepseek_v4", "glm4_moe",
+                "glm4_moe_lite", "glm_moe_dsa", "dots1", "exaone_moe", "kimi_linear", "bailing_hybrid",
+                "mimo_v2_flash", "ernie4_5_moe", "hunyuan_v1_moe", "longcat_flash", "gpt_oss", "llama4", "phimoe",
+                "flex_olmo", "minimax", "minimax_m2", "granitemoe", "granitemoeshared", "granitemoehybrid", "jetmoe",
+                "dbrx", "lfm2_moe", "afmoe", "cohere2_moe", "jamba")
+
+# Decoder MoE model types of transformers that cannot be built or run here, and why (one line each).
+PROBLEMS: dict[str, str] = {}
 
 
 def build(family: str, seed: int = 0, **overrides):
