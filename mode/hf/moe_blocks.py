@@ -1,27 +1,29 @@
-"""transformers 5.x MoE blocks as ``mode`` layers: the configuration of each family, and its weights.
+"""transformers 5.x MoE blocks as ``mode`` layers, on the block's own tensors, driven by the family table.
 
-    layer = adopt_block(block, config)  # a MoELayer on the block's own tensors (no copy): they are shared
-    layer = from_block(block)           # the same on a copy of the block
-    y, aux = layer(x_BSD)               # the block's output (float32: to 1e-5), plus routing stats and losses
+    layer = adopt_block(block, config)  # a MoELayer on the block's own tensors (no copy: they are shared)
+    layer = from_block(block, config)   # the same on a copy of the block
+    y, aux = layer(x_BSD)               # the block's output (float32: to 1e-6), plus routing stats and losses
 
-What each family is in ``MoEConfig`` terms (docs/routing.md has the table):
-    Mixtral       softmax top-k over the experts, always renormalised; SwiGLU experts
-    OLMoE         softmax top-k, renormalised when ``norm_topk_prob``
-    Qwen3-MoE     the same as OLMoE
-    Qwen2-MoE     the same, plus one shared expert of ``shared_expert_intermediate_size`` whose output is
-                  scaled per token by ``sigmoid(shared_expert_gate(x))``
-    DeepSeek-V3   sigmoid scores; the choice adds ``e_score_correction_bias`` (our ``bias_X``, with bias
-                  balancing on) and keeps each token's ``topk_group`` best of ``n_group`` groups; gates are
-                  the unbiased scores, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``;
-                  ``n_shared_experts`` shared experts as one MLP of ``n_shared_experts * moe_intermediate_size``
+What each family is (its router rule, where its tensors live, its shared experts) is one entry of
+``mode.hf.moe_families.FAMILIES``; nothing here is written per family. The entry's checkpoint-dependent values
+(``norm_topk_prob``, ``routed_scaling_factor``, groups, ...) are read from the block's own router module, so a
+config that names them differently (Kimi-Linear's ``moe_renormalize``) or per layer (Hunyuan's ``moe_topk``)
+converts the same way; ``top_k`` is the router's ``top_k`` and the sizes are the expert tensors'.
 
-The tensors. transformers keeps the experts as ``gate_up_proj (E, 2H, D)`` and ``down_proj (E, D, H)``:
-that is ``ExpertBank``'s "EFD" layout (``w_in_EFD``, ``w_out_EDH``), so the bank takes the very Parameter
-objects. The router takes ``gate.weight`` (and DeepSeek-V3's ``e_score_correction_bias`` as ``bias_X``);
-shared experts stay transformers' own MLP module (``SharedMLP`` gives it the MoE layer's call) and Qwen2's
-``shared_expert_gate`` is the layer's ``shared_gate`` as it is. ``hf_names(layer, block)`` maps each of the
-layer's state-dict names to the block's, found by tensor identity, which is how a converted model is written
-back as a transformers checkpoint (``mode.hf.moe_convert``).
+The tensors. transformers keeps the experts as ``gate_up_proj (E, 2H, D)`` / ``down_proj (E, D, H)`` ("EFD")
+or, in gpt-oss and Llama-4, ``(E, D, 2H)`` / ``(E, H, D)`` ("EDF"): ``ExpertBank`` takes the very Parameter
+objects (and gpt-oss's biases). The router takes the family's router weight (and logit bias); the
+selection-only correction bias becomes the router's ``bias_X`` (with bias balancing on, so
+``mode.routing.update_expert_bias`` can move it; a plain transformers loop leaves it, as transformers does).
+Shared experts stay transformers' own MLP module (``SharedMLP`` gives it the MoE layer's call); a
+per-token shared gate is the layer's ``shared_gate`` as it is.
+
+LongCat-Flash: its ``zero_expert_num`` zero-computation experts become "copy" no-op slots (``g * x``,
+mode.layers.noop) after the E real experts; its ``gate_up_proj`` has E + Z rows of which only the first E are
+read: the bank takes a view of those rows (the same storage) and the slot keeps the other Z (``unused``).
+
+``block_names(layer, block, slot_tensors)`` maps each of the converted slot's state-dict names to the block's,
+by tensor identity, which is how a converted model is written back as a transformers checkpoint.
 
 The block's auxiliary losses are not part of its forward; ours come back in ``Aux`` with the coefficients
 given (0 by default here).
@@ -35,111 +37,158 @@ import torch
 from torch import Tensor, nn
 
 from mode.experts.bank import ExpertBank
-from mode.layers.moe import MoEConfig, MoELayer, build_router
+from mode.hf.moe_families import BLOCKS, FAMILIES as SPECS, Family, read
+from mode.layers.moe import IntegratedMoDE, MoEConfig, MoELayer, build_router
 from mode.routing.plan import Aux
 
-# block class name -> family
-FAMILIES = {"MixtralSparseMoeBlock": "mixtral", "OlmoeSparseMoeBlock": "olmoe",
-            "Qwen2MoeSparseMoeBlock": "qwen2_moe", "Qwen3MoeSparseMoeBlock": "qwen3_moe",
-            "DeepseekV3MoE": "deepseek_v3"}
-# family -> (config field of the expert count, of the expert hidden size); Mixtral always renormalises
-_SIZES = {"mixtral": ("num_local_experts", "intermediate_size"), "olmoe": ("num_experts", "intermediate_size"),
-          "qwen2_moe": ("num_experts", "moe_intermediate_size"), "qwen3_moe": ("num_experts", "moe_intermediate_size"),
-          "deepseek_v3": ("n_routed_experts", "moe_intermediate_size")}
-# what a family's shared experts and their gate are called in the block
-_SHARED = {"qwen2_moe": ("shared_expert", "shared_expert_gate"), "deepseek_v3": ("shared_experts", None)}
+FAMILIES = BLOCKS  # block class name -> family (model type)
 
 
 def family_of(block: nn.Module) -> str:
     name = type(block).__name__
-    if name not in FAMILIES:
+    if name not in BLOCKS:
         raise ValueError(f"block={name}: not a supported transformers MoE block (supported: "
-                         f"{', '.join(sorted(FAMILIES))})")
-    return FAMILIES[name]
+                         f"{', '.join(sorted(BLOCKS))})")
+    return BLOCKS[name]
 
 
-def check_config(config) -> None:
+def _get(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def check_config(config, spec: Family | None = None) -> None:
     """The options of a family's config that mode's layer does not compute refuse here, by name."""
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={config.hidden_act!r}: mode's SwiGLU experts use silu")
-    jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
-    if jitter > 0:
-        raise ValueError(f"router_jitter_noise={jitter}: mode's routers add no jitter (it scales the block's input "
-                         "by uniform noise in training); set config.router_jitter_noise = 0.0 before converting")
+    field = "hidden_act" if spec is None else spec.activation_field
+    if field is not None and getattr(config, field, "silu") != "silu":
+        raise ValueError(f"{field}={getattr(config, field)!r}: mode's SwiGLU experts use silu")
 
 
-def moe_config(config, family: str, *, backend: str = "auto", balance_coef: float = 0.0,
-               z_coef: float = 0.0, layout: str = "EDF") -> MoEConfig:
-    """The ``MoEConfig`` of a transformers config's sparse block (``family``: a value of ``FAMILIES``)."""
-    if family not in _SIZES:
-        raise ValueError(f"family={family!r}: must be one of {sorted(_SIZES)}")
-    check_config(config)
-    experts_field, hidden_field = _SIZES[family]
-    renormalize = True if family == "mixtral" else bool(config.norm_topk_prob)
-    common = dict(d_model=config.hidden_size, d_hidden=getattr(config, hidden_field),
-                  num_experts=getattr(config, experts_field), top_k=config.num_experts_per_tok,
-                  renormalize=renormalize, activation="swiglu", backend=backend, balance_coef=balance_coef,
-                  z_coef=z_coef, expert_layout=layout)
-    if family == "qwen2_moe":
-        return MoEConfig(gate="softmax", num_shared=1, shared_hidden=config.shared_expert_intermediate_size,
-                         shared_gate=True, **common)
-    if family == "deepseek_v3":
-        return MoEConfig(gate="sigmoid", num_shared=config.n_shared_experts,
-                         router_options=dict(n_group=config.n_group, topk_group=config.topk_group,
-                                             scale=float(config.routed_scaling_factor), bias_balance=True),
-                         **common)
-    return MoEConfig(gate="softmax", **common)
+def jitter_of(block: nn.Module, config, spec: Family) -> float:
+    """The block's training-time routing noise (0.0: none): ``ConvertedMoE`` refuses to train with it on."""
+    return max([float(read(v, block, config) or 0.0) for v in spec.jitter], default=0.0)
+
+
+def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef: float = 0.0, z_coef: float = 0.0,
+               noop_target: float | None = None) -> MoEConfig:
+    """The ``MoEConfig`` computing what ``block`` (a sparse block of a family in the table) computes."""
+    family = family_of(block)
+    spec = SPECS[family]
+    check_config(config, spec)
+    experts, router = _get(block, spec.experts), _get(block, spec.router)
+    w_out = getattr(experts, spec.weights[1])
+    num_experts, d_model = w_out.shape[0], config.hidden_size
+    d_hidden = w_out.shape[2] if spec.layout == "EFD" else w_out.shape[1]
+    num_zero = int(read(spec.num_zero, block, config) or 0)
+    groups = read(spec.groups, block, config)
+    n_group, topk_group = (1, None) if groups is None else (int(read(g, block, config)) for g in groups)
+    scale = float(read(spec.scale, block, config) or 1.0)
+    shared = _get(block, spec.shared) if spec.shared else None
+    average = bool(read(spec.shared_average, block, config)) and shared is not None
+    options = dict(scale=scale * (0.5 if average else 1.0), n_group=n_group, topk_group=topk_group,
+                   group_score=spec.group_score, renorm_eps=spec.renorm_eps,
+                   renorm_min=float(read(spec.renorm_min, block, config) or 0.0),
+                   logit_bias=spec.router_bias is not None,
+                   bias_balance=spec.choice_bias is not None and _get(block, spec.choice_bias) is not None)
+    if noop_target is not None:
+        options["noop_target"] = noop_target
+    renormalize = bool(read(spec.renormalize, block, config))
+    if not renormalize:
+        options.pop("renorm_eps")
+        options.pop("renorm_min")
+    expert_options = {k: read(v, block, config) for k, v in spec.expert_options.items()}
+    shared_hidden = None
+    if shared is not None:
+        shared_hidden = next(p for p in shared.parameters()).shape[0]  # its gate (or first) projection's rows
+    return MoEConfig(d_model=d_model, d_hidden=d_hidden, num_experts=num_experts, top_k=int(router.top_k),
+                     num_noop=num_zero, noop_kinds="copy", gate=read(spec.score, block, config),
+                     renormalize=renormalize, activation="swiglu", backend=backend, balance_coef=balance_coef,
+                     z_coef=z_coef, expert_layout=spec.layout, router_options=options,
+                     num_shared=1 if shared is not None else 0, shared_hidden=shared_hidden,
+                     shared_gate=bool(spec.shared_gate and _get(block, spec.shared_gate) is not None),
+                     expert_options=expert_options)
 
 
 class SharedMLP(nn.Module):
-    """transformers' own shared-expert MLP with the call ``MoELayer`` makes: ``(y, Aux())``."""
+    """transformers' own shared-expert MLP with the call ``MoELayer`` makes: ``(y, Aux())``; ``scale``
+    multiplies its output (Cohere2's average: 0.5, exact in binary floating point)."""
 
-    def __init__(self, mlp: nn.Module):
+    def __init__(self, mlp: nn.Module, scale: float = 1.0):
         super().__init__()
         self.mlp = mlp
+        self.scale = scale
 
     def forward(self, x_BSD: Tensor) -> tuple[Tensor, Aux]:
-        return self.mlp(x_BSD), Aux()
+        y_BSD = self.mlp(x_BSD)
+        return (y_BSD if self.scale == 1.0 else y_BSD * self.scale), Aux()
 
 
-def _check_experts(block: nn.Module) -> None:
-    names = sorted(name for name, _ in block.experts.named_parameters())
-    if names != ["down_proj", "gate_up_proj"]:
-        raise ValueError(f"{type(block).__name__}.experts holds {names}: mode's experts take exactly "
-                         "gate_up_proj and down_proj (no biases)")
+def _check_experts(block: nn.Module, spec: Family) -> None:
+    experts = _get(block, spec.experts)
+    names = sorted(name for name, _ in experts.named_parameters())
+    wanted = sorted([*spec.weights, *(spec.biases or ())])
+    if names != wanted:
+        raise ValueError(f"{type(block).__name__}.{spec.experts} holds {names}: the {family_of(block)} entry "
+                         f"of mode.hf.moe_families adopts exactly {wanted}")
 
 
-def adopt_block(block: nn.Module, config=None, **kw) -> MoELayer:
+def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, dict[str, Tensor]]:
     """A ``MoELayer`` computing what ``block`` computes on the block's own tensors (no copy: a change to
-    one is a change to the other). ``config``: the model's config (default: the block's own); ``kw`` go
-    to ``moe_config``."""
+    one is a change to the other), and the block's tensors the layer does not hold (name in the block ->
+    tensor: LongCat's unread rows and classifier bias), which the converted slot keeps. ``config``: the
+    model's config (default: the block's own); ``kw`` go to ``moe_config``."""
     family = family_of(block)
+    spec = SPECS[family]
     config = config if config is not None else getattr(block, "config", None)
     if config is None:
         raise ValueError(f"config=None: {type(block).__name__} keeps no config; pass the model's config")
-    _check_experts(block)
-    cfg = moe_config(config, family, layout="EFD", **kw)
-    gate_w, experts = block.gate.weight, block.experts
-    router = build_router(cfg).to(gate_w.device)  # (E, D): small; its float32 buffers stay float32
+    _check_experts(block, spec)
+    cfg = moe_config(block, config, **kw)
+    router_mod, experts = _get(block, spec.router), _get(block, spec.experts)
+    gate_w = _get(router_mod, spec.router_weight)
+    router = build_router(cfg).to(gate_w.device)  # (X, D): small; its float32 buffers stay float32
     router.weight = gate_w
-    if family == "deepseek_v3":
-        router.bias_X = block.gate.e_score_correction_bias
+    if spec.router_bias is not None:
+        router.logit_bias_X = getattr(router_mod, spec.router_bias)
+    if cfg.router_config().bias_balance:
+        router.bias_X = _get(block, spec.choice_bias)
     with torch.device("meta"):  # the experts' own tensors replace these: nothing is allocated
         bank = ExpertBank(cfg.expert_config())
-    bank.w_in_EFD, bank.w_out_EDH = experts.gate_up_proj, experts.down_proj
+    w_in, w_out = (getattr(experts, n) for n in spec.weights)
+    unused = {}
+    if w_in.shape[0] != cfg.num_experts:  # LongCat: rows past E are never read
+        name = f"{spec.experts}.{spec.weights[0]}"
+        unused[name + ".rest"] = w_in.detach()[cfg.num_experts:]
+        w_in = nn.Parameter(w_in.detach()[:cfg.num_experts], requires_grad=w_in.requires_grad)
+        unused[name] = w_in  # marks the join: the block's tensor is this one then the rest
+    names = ("w_in_EFD", "w_out_EDH") if spec.layout == "EFD" else ("w_in_EDF", "w_out_EHD")
+    setattr(bank, names[0], w_in)
+    setattr(bank, names[1], w_out)
+    if spec.biases is not None:
+        bank.b_in_EF, bank.b_out_ED = (getattr(experts, n) for n in spec.biases)
+    for path in spec.unused:
+        t = _get(block, path)
+        if t is not None:
+            unused[path] = t
     shared = shared_gate = None
-    if family in _SHARED:
-        shared_name, gate_name = _SHARED[family]
-        shared = SharedMLP(getattr(block, shared_name))
-        shared_gate = getattr(block, gate_name) if gate_name else None
-    return MoELayer(router, bank, None, shared, shared_gate)
+    if cfg.num_shared:
+        average = bool(read(spec.shared_average, block, config))
+        shared = SharedMLP(_get(block, spec.shared), 0.5 if average else 1.0)
+        shared_gate = _get(block, spec.shared_gate) if cfg.shared_gate else None
+    layer_cls = IntegratedMoDE if cfg.num_noop else MoELayer
+    return layer_cls(router, bank, None, shared, shared_gate, cfg.build_noop()), unused
 
 
-def hf_names(layer: MoELayer, block: nn.Module) -> dict[str, str]:
+def hf_names(layer: MoELayer, block: nn.Module, unused: dict[str, Tensor] | None = None) -> dict[str, str]:
     """The layer's state-dict name -> the block's, for a layer made by ``adopt_block(block)``: the tensors
-    are the same objects. Every tensor of either must have its partner (else ValueError)."""
+    are the same objects. Every tensor of either must have its partner, or be in ``unused`` (else ValueError)."""
     ours = {id(t): name for name, t in layer.state_dict(keep_vars=True).items()}
-    theirs = {id(t): name for name, t in block.state_dict(keep_vars=True).items()}
+    theirs = {id(t): name for name, t in block.state_dict(keep_vars=True).items()
+              if name not in (unused or {})}
+    ours = {i: n for i, n in ours.items() if i not in {id(t) for t in (unused or {}).values()}}
     if set(ours) != set(theirs):
         only_ours = sorted(ours[i] for i in set(ours) - set(theirs))
         only_theirs = sorted(theirs[i] for i in set(theirs) - set(ours))
@@ -150,4 +199,5 @@ def hf_names(layer: MoELayer, block: nn.Module) -> dict[str, str]:
 
 def from_block(block: nn.Module, config=None, **kw) -> MoELayer:
     """A ``MoELayer`` computing what ``block`` computes, on a copy of its tensors (``adopt_block`` shares them)."""
-    return adopt_block(copy.deepcopy(block), config, **kw)
+    layer, _ = adopt_block(copy.deepcopy(block), config, **kw)
+    return layer

@@ -2,7 +2,7 @@
 ``save_transformers`` writes the model back as an ordinary transformers checkpoint.
 
     import mode.hf as mh
-    mh.to_mode_moe(model)                        # Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3
+    mh.to_mode_moe(model)                        # every family of mode.hf.moe_families (docs/hf.md's table)
     parallelize(model, mesh)                     # mode.parallel: experts over ep, FSDP2 for the rest
     aux = mh.collect_aux(model)                  # layers.{i}.moe.* routing stats (and our losses)
     mh.save_transformers(model, "out")           # every rank calls it; AutoModelForCausalLM loads "out"
@@ -25,8 +25,10 @@ What changes and what does not
       before; ``mode.routing.update_expert_bias(model)`` moves it (``mode.train.Trainer`` calls it), a
       plain transformers loop leaves it where it is, as transformers does.
 
-Refused, by name: model types whose MoE block is not one of the five, quantised models, router jitter, a
-``hidden_act`` other than silu, experts with biases, an already converted model.
+Which families convert, and how each is described, is ``mode.hf.moe_families`` (one entry per model type).
+Refused, by name: the model types of ``moe_families.REFUSED`` (each with its reason), any other model type
+whose MoE block is not in the table, quantised models, a ``hidden_act`` other than silu, an already converted
+model. Router jitter converts (evaluation is exact) but a training forward with it on refuses.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from mode.hf.moe_blocks import FAMILIES, adopt_block, hf_names
+from mode.hf.moe_blocks import FAMILIES, adopt_block, hf_names, jitter_of
+from mode.hf.moe_families import FAMILIES as SPECS, REFUSED
 from mode.hf.routing import collect_aux
 from mode.hf.upcycle import MoESlot, upcycled_mlps
 from mode.layers.moe import MoELayer
@@ -49,34 +52,53 @@ from mode.measure.stats import RoutingAccumulator
 from mode.routing.keys import MOE, router_key
 from mode.train.checkpoint import replace_dir
 
-MOE_MODEL_TYPES = tuple(FAMILIES.values())  # a family's model_type is its name in moe_blocks
-# What mode lacks for a few MoE families people ask about (the refusal names it)
-MISSING = {
-    "gpt_oss": "experts with biases and gpt-oss's clamped SwiGLU (alpha, limit), and attention sinks",
-    "deepseek_v2": "DeepSeek-V2's softmax group-limited routing without the correction bias (untested here)",
-    "qwen3_next": "Qwen3-Next's linear-attention layers and shared-expert gate layout (untested here)",
-    "granitemoe": "GraniteMoE's fused expert linear layout (untested here)",
-    "jamba": "Jamba's Mamba layers and MoE layout (untested here)",
-}
+MOE_MODEL_TYPES = tuple(SPECS)  # the model types of mode.hf.moe_families.FAMILIES
 
 
 class ConvertedMoE(MoESlot):
-    """A transformers sparse-MoE block computed by a ``MoELayer``: ``mlp(x_BSD) -> y_BSD`` as the decoder
-    layer calls it. ``family``: the model type; ``names``: the layer's state-dict name -> the block's;
-    ``router_logits``: the family router's recording point (see the module docstring)."""
+    """A transformers sparse-MoE block computed by a ``MoELayer``: ``mlp(x_BSD) -> y_BSD`` (or ``(y_BSD,
+    None)`` where the family's decoder layer unpacks a pair: gpt-oss, Llama-4) as the decoder layer calls it.
+    ``family``: the model type; ``names``: the layer's state-dict name -> the block's; ``router_logits``: the
+    family router's recording point (see the module docstring); ``unused``: the block's tensors its forward
+    never reads (name in the block -> tensor), kept in ``kept`` for the way back; ``jitter``: the family's
+    training-time routing noise, which a training forward refuses (evaluation is exact)."""
 
-    def __init__(self, moe: MoELayer, family: str, names: dict[str, str], router_logits: nn.Module | None):
+    def __init__(self, moe: MoELayer, family: str, names: dict[str, str], router_logits: nn.Module | None,
+                 unused: dict[str, Tensor] | None = None, jitter: float = 0.0):
         super().__init__(moe)
         self.family = family
         self.names = dict(names)
         self.router_logits = router_logits
+        self.kept = nn.Module()
+        self.joins: dict[str, list[str]] = {}  # the block's name -> ours, concatenated on dim 0 (LongCat)
+        for name, t in (unused or {}).items():
+            if name + ".rest" in (unused or {}):  # the rows the layer reads: a view the bank holds
+                ours = next(k for k, v in moe.state_dict(keep_vars=True).items() if v is t)
+                self.joins[name] = [f"moe.{ours}", "kept." + _kept_name(name + ".rest")]
+            elif name.endswith(".rest"):
+                self.kept.register_buffer(_kept_name(name), t)
+            else:
+                self.kept.register_parameter(_kept_name(name), t) if isinstance(t, nn.Parameter) else \
+                    self.kept.register_buffer(_kept_name(name), t)
+        self.kept_names = {"kept." + _kept_name(n): n for n in (unused or {}) if n not in self.joins}
+        self.jitter = jitter
+        self.returns_tuple = SPECS[family].returns_tuple
 
-    def forward(self, x_BSD: Tensor) -> Tensor:
+    def forward(self, x_BSD: Tensor):
+        if self.jitter > 0 and self.training:
+            raise ValueError(f"{self.family}: router jitter {self.jitter} is on, and mode's routers add no jitter: "
+                             "evaluation is exact, training would not be; set the config's jitter to 0.0 (e.g. "
+                             "config.router_jitter_noise = 0.0) before converting, or call model.eval()")
         plan = self.moe.router(x_BSD)
         if self.router_logits is not None:
             self.router_logits(plan.logits_TX)  # returns them: transformers' recorder hook keeps them
         y_BSD, self.last_aux = self.moe.apply_plan(x_BSD, plan)
-        return y_BSD.to(x_BSD.dtype)
+        y_BSD = y_BSD.to(x_BSD.dtype)
+        return (y_BSD, None) if self.returns_tuple else y_BSD
+
+
+def _kept_name(path: str) -> str:
+    return path.replace(".", "__")
 
 
 @functools.cache
@@ -113,18 +135,22 @@ def _check_model(model: nn.Module) -> tuple[object, str]:
                          "(mode's experts are not quantised); load the model unquantised")
     if any(isinstance(m, ConvertedMoE) for m in model.modules()):
         raise ValueError("model: is already converted (it holds ConvertedMoE layers)")
+    if model_type in REFUSED:
+        raise ValueError(f"model_type={model_type!r}: to_mode_moe does not convert it: {REFUSED[model_type]}")
     if model_type not in MOE_MODEL_TYPES:
-        why = MISSING.get(model_type, "its MoE block is not one of these")
         raise ValueError(f"model_type={model_type!r}: to_mode_moe converts {', '.join(MOE_MODEL_TYPES)}; "
-                         f"missing for this model: {why}")
+                         "missing for this model: its MoE block is not one of these (a new family is one entry "
+                         "of mode.hf.moe_families.FAMILIES)")
     return config, model_type
 
 
 def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float = 0.0,
-                z_coef: float = 0.0) -> nn.Module:
+                z_coef: float = 0.0, noop_target: float | None = None) -> nn.Module:
     """Replace every sparse MoE block of ``model`` (a transformers causal LM or base model of a supported
     family) by a ``ConvertedMoE``, in place; returns the model. ``backend``: the experts' (``ExpertBank``);
-    ``balance_coef`` / ``z_coef``: our Switch balance and z losses in ``collect_aux(model).total()``."""
+    ``balance_coef`` / ``z_coef``: our Switch balance and z losses in ``collect_aux(model).total()``;
+    ``noop_target``: for a family with zero-computation experts and a correction bias (LongCat-Flash), the
+    share of choices ``update_expert_bias`` holds on them (the activated-parameter budget)."""
     config, model_type = _check_model(model)
     blocks = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
               if type(child).__name__ in FAMILIES]
@@ -136,7 +162,8 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
     # (the base model inside a *ForCausalLM): after that, a new recording point gets its hook from us
     hooked = any(getattr(m, "_output_capturing_hooks_installed", False) for m in model.modules())
     for parent, name, block in blocks:
-        layer = adopt_block(block, config, backend=backend, balance_coef=balance_coef, z_coef=z_coef)
+        layer, unused = adopt_block(block, config, backend=backend, balance_coef=balance_coef, z_coef=z_coef,
+                                    noop_target=noop_target)
         point = None
         if recorder is not None:
             point = _logits_point(recorder.target_class, recorder.index)()
@@ -144,7 +171,9 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
                 from transformers.utils.output_capturing import install_output_capuring_hook
 
                 install_output_capuring_hook(point, "router_logits", recorder.index)
-        setattr(parent, name, ConvertedMoE(layer, model_type, hf_names(layer, block), point))
+        slot = ConvertedMoE(layer, model_type, hf_names(layer, block, unused), point, unused,
+                            jitter_of(block, config, SPECS[model_type]))
+        setattr(parent, name, slot)
     return model
 
 
@@ -155,11 +184,20 @@ def converted_moe(model: nn.Module) -> dict[str, ConvertedMoE]:
 
 def transformers_names(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
     """``state`` (the converted model's state dict, full tensors) under transformers' names."""
-    rename = {}
+    rename, joins = {}, {}
     for slot_name, slot in converted_moe(model).items():
         for ours, theirs in slot.names.items():
             rename[f"{slot_name}.moe.{ours}"] = f"{slot_name}.{theirs}"
-    return {rename.get(k, k): v for k, v in state.items()}
+        for ours, theirs in slot.kept_names.items():
+            rename[f"{slot_name}.{ours}"] = f"{slot_name}.{theirs}"
+        for theirs, parts in slot.joins.items():
+            joins[f"{slot_name}.{theirs}"] = [f"{slot_name}.{p}" for p in parts]
+    out = {rename.get(k, k): v for k, v in state.items()}
+    for theirs, parts in joins.items():  # LongCat's gate_up_proj: the rows the bank reads, then the rest
+        if all(p in out for p in parts):
+            got = [out.pop(p) for p in parts]
+            out[theirs] = None if any(g is None for g in got) else torch.cat(got, 0)
+    return out
 
 
 def save_transformers(model: nn.Module, path: str | os.PathLike) -> Path | None:

@@ -59,10 +59,13 @@ class MoEConfig:
     shared_gate: bool = False  # Qwen2-MoE: the shared output times sigmoid(x · w), per token
     expert_layout: str = "EDF"  # ExpertConfig.layout: "EFD" stores the experts as transformers does
     noop_kinds: str | tuple = "zero"  # per no-op slot: "zero", "copy" or "constant" (mode.layers.noop)
+    expert_options: dict = field(default_factory=dict)  # extra ExpertConfig fields (biases, SwiGLU variants)
 
     def __post_init__(self) -> None:
         if not isinstance(self.router_options, dict):
             raise TypeError(f"router_options={self.router_options!r}: must be a dict")
+        if not isinstance(self.expert_options, dict):
+            raise TypeError(f"expert_options={self.expert_options!r}: must be a dict of ExpertConfig fields")
         _checks.check_int("num_shared", self.num_shared, min_value=0)
         _checks.check_bool("shared_gate", self.shared_gate)
         _checks.check_choice("expert_layout", self.expert_layout, LAYOUTS)
@@ -87,7 +90,7 @@ class MoEConfig:
     def expert_config(self) -> ExpertConfig:
         return ExpertConfig(d_model=self.d_model, d_hidden=self.d_hidden, num_experts=self.num_experts,
                             activation=self.activation, backend=self.backend,
-                            layout=self.expert_layout)
+                            layout=self.expert_layout, **self.expert_options)
 
     @property
     def shared_hidden_size(self) -> int:
@@ -164,6 +167,10 @@ class MoELayer(nn.Module):
             raise ValueError(f"experts.num_experts={experts.num_experts}: must equal this rank's share of "
                              f"router.num_experts={router.num_experts}, which is {local} "
                              "(num_experts / expert-parallel group size)")
+        if getattr(experts.cfg, "gate_on_input", False) and not dispatcher.gates_in_experts:
+            raise ValueError(f"experts.cfg.gate_on_input=True (Llama-4's router-scaled inputs) needs the gates on "
+                             f"the expert's side, and {type(dispatcher).__name__} applies them at the combine "
+                             "(gates_in_experts=False): use the local dispatcher")
         self.experts = experts  # the same slot in _modules: parameter names and order are unchanged
         self.dispatcher = dispatcher
         self._gates_in_experts = dispatcher.gates_in_experts  # the combine path, chosen once

@@ -59,6 +59,9 @@ CASES = {
     "dedup_integrated_shared": ("integrated", dict(top_k=3, num_noop=2, num_shared=1, shared_gate=True,
                                                    dedup=True), True),
     "dedup_staged": ("staged", dict(top_k=2, capacity_factor=1.0, dedup=True), False),
+    # copy and constant no-op experts (LongCat-Flash, MoE++): computed on the token's own rank, never sent
+    "integrated_copy_constant": ("integrated", dict(top_k=2, num_noop=3, noop_kinds=("copy", "constant", "zero"),
+                                                    capacity_factor=None), True),
 }
 SHAPES = [(2, 8), (1, 5), (3, 7), (2, 6)]  # per group rank: uneven token counts (16, 5, 21, 12)
 # The spawned ranks are gloo processes on CPU whatever the session's device: a CUDA session skips them.

@@ -1,0 +1,200 @@
+"""Every transformers 5.23 decoder MoE family as data: one ``Family`` entry per model type drives
+``mode.hf.moe_blocks`` (the block -> ``MoELayer`` adoption) and ``mode.hf.moe_convert``.
+
+    FAMILIES["glm4_moe"]    # Family(block="Glm4MoeMoE", score="sigmoid", groups=..., choice_bias=...)
+    REFUSED["dbrx"]         # why a family does not convert (the refusal's text)
+
+A family's router is one rule of ``TokenChoiceRouter`` (docs/routing.md):
+    score        "softmax" | "sigmoid" | "sqrtsoftplus" over the slots (real experts, then LongCat's zero
+                 experts); choosing by the score or by the raw logits is the same choice, and a softmax over
+                 the k chosen logits (gpt-oss, Granite, Cohere2) is the renormalised softmax
+    renormalize  the k gates divided by their sum (+ ``renorm_eps``, at least ``renorm_min``)
+    scale        multiplies the gates after renormalisation (``routed_scaling_factor``)
+    groups       (n_group, topk_group): group-limited choice, a group scoring its two best ("top2") or its best
+                 ("max", DeepSeek-V2) experts
+    choice_bias  the selection-only correction bias: where it lives in the block (it becomes the router's
+                 ``bias_X``, moved by ``mode.routing.update_expert_bias``)
+    router_bias  a logit bias inside the router (gpt-oss)
+The experts are transformers' 3D tensors, adopted as they are (``experts``: the names of the input and output
+tensors, ``layout``: "EFD" (E, 2H, D) / (E, D, H) or "EDF" (E, D, 2H) / (E, H, D), ``expert_options``: the
+``ExpertConfig`` extras: biases, gpt-oss's clamped and interleaved SwiGLU, Llama-4's input-scaled experts).
+Shared experts stay the family's own MLP module (``shared``), gated per token (``shared_gate``) or averaged
+with the routed output (Cohere2's "average").
+
+Which layers are sparse needs no entry: the converter replaces every module of class ``block``, wherever the
+family's own rule (``first_k_dense_replace``, ``decoder_sparse_step``, ``mlp_layer_types``, ...) put one.
+
+Values that depend on the checkpoint are read when the block is converted: ``At("gate.norm_topk_prob")`` is
+an attribute of the block (a dotted path), ``Cfg("router_jitter_noise", 0.0)`` a field of the text config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class At:
+    """An attribute of the block, by dotted path (``default`` where a step is missing or None)."""
+
+    path: str
+    default: Any = None
+
+    def read(self, block, config) -> Any:
+        obj = block
+        for part in self.path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                return self.default
+        return obj
+
+
+@dataclass(frozen=True)
+class Cfg:
+    """A field of the model's text config (``default`` where it is missing or None)."""
+
+    name: str
+    default: Any = None
+
+    def read(self, block, config) -> Any:
+        value = getattr(config, self.name, None)
+        return self.default if value is None else value
+
+
+def read(value, block, config) -> Any:
+    """A spec value: a literal, an ``At`` / ``Cfg``, or a function of (block, config)."""
+    if isinstance(value, (At, Cfg)):
+        return value.read(block, config)
+    if callable(value):
+        return value(block, config)
+    return value
+
+
+@dataclass(frozen=True)
+class Family:
+    block: str  # the sparse block's class name
+    router: str = "gate"  # the router module, in the block
+    router_weight: str = "weight"  # its (X, D) weight, in the router
+    router_bias: str | None = None  # a logit bias, in the router (gpt-oss)
+    score: Any = "softmax"
+    renormalize: Any = True
+    renorm_eps: float = 0.0
+    renorm_min: Any = 0.0
+    scale: Any = 1.0
+    groups: tuple | None = None  # (n_group, topk_group) as spec values; None: no group limit
+    group_score: str = "top2"
+    choice_bias: str | None = None  # the selection-only bias, in the block
+    experts: str = "experts"  # the experts module, in the block
+    weights: tuple[str, str] = ("gate_up_proj", "down_proj")  # its input and output tensors
+    biases: tuple[str, str] | None = None  # its input and output biases (gpt-oss)
+    layout: str = "EFD"
+    expert_options: dict = field(default_factory=dict)  # ExpertConfig extras
+    activation_field: str | None = "hidden_act"  # config field naming the experts' activation (None: silu fixed)
+    shared: str | None = None  # the shared experts' MLP, in the block (absent or None: none)
+    shared_gate: str | None = None  # its per-token sigmoid gate Linear(D, 1), in the block
+    shared_average: Any = False  # Cohere2's "average": (routed + shared) / 2
+    num_zero: Any = 0  # LongCat-Flash's zero-computation experts: "copy" no-op slots after the real ones
+    jitter: tuple = ()  # spec values of training-time noise: converted, but a training forward with it on refuses
+    returns_tuple: bool = False  # the decoder layer unpacks (output, something): gpt-oss, Llama-4
+    unused: tuple[str, ...] = ()  # tensors of the block its forward never reads (kept for the way back)
+
+
+def _dsr(block: str, **kw) -> Family:
+    """DeepSeek-V3's router (sigmoid, correction bias, groups scored by their top 2, renormalised + 1e-20,
+    times ``routed_scaling_factor``) with an ungated ``shared_experts`` MLP: 10 families share it."""
+    spec = dict(block=block, score="sigmoid", renormalize=At("gate.norm_topk_prob"), renorm_eps=1e-20,
+                scale=At("gate.routed_scaling_factor", 1.0), groups=(At("gate.num_group"), At("gate.topk_group")),
+                choice_bias="gate.e_score_correction_bias", shared="shared_experts")
+    spec.update(kw)
+    return Family(**spec)
+
+
+def _cohere2_renorm(block, config) -> bool:
+    return config.expert_selection_fn == "softmax" or bool(config.norm_topk_prob)
+
+
+def _deepseek_v2_groups(block, config):
+    if getattr(config, "topk_method", "greedy") != "group_limited_greedy":
+        return None
+    return (Cfg("n_group"), Cfg("topk_group"))
+
+
+FAMILIES: dict[str, Family] = {
+    # softmax top-k
+    "mixtral": Family("MixtralSparseMoeBlock", jitter=(Cfg("router_jitter_noise", 0.0),)),
+    "olmoe": Family("OlmoeSparseMoeBlock", renormalize=At("gate.norm_topk_prob")),
+    "flex_olmo": Family("FlexOlmoSparseMoeBlock", renormalize=At("gate.norm_topk_prob")),
+    "qwen2_moe": Family("Qwen2MoeSparseMoeBlock", renormalize=At("gate.norm_topk_prob"), shared="shared_expert",
+                        shared_gate="shared_expert_gate"),
+    "qwen3_moe": Family("Qwen3MoeSparseMoeBlock", renormalize=At("gate.norm_topk_prob")),
+    "qwen3_next": Family("Qwen3NextSparseMoeBlock", renormalize=At("gate.norm_topk_prob"), shared="shared_expert",
+                         shared_gate="shared_expert_gate"),
+    "qwen3_5_moe": Family("Qwen3_5MoeSparseMoeBlock", shared="shared_expert", shared_gate="shared_expert_gate"),
+    "minimax": Family("MiniMaxSparseMoeBlock", jitter=(At("jitter_noise", 0.0),)),
+    "jamba": Family("JambaSparseMoeBlock", router="router", renormalize=False),
+    "hunyuan_v1_moe": Family("HunYuanMoEV1Moe", router_weight="wg.weight", shared="shared_mlp"),
+    "ernie4_5_moe": Family("Ernie4_5_MoeSparseMoeBlock", renorm_min=At("gate.norm_min", 0.0),
+                           choice_bias="gate.moe_statics.e_score_correction_bias", shared="shared_experts"),
+    "longcat_flash": Family("LongcatFlashMoE", router="router", router_weight="classifier.weight",
+                            renormalize=False, scale=At("router.routed_scaling_factor", 1.0),
+                            choice_bias="router.e_score_correction_bias", num_zero=At("experts.zero_expert_num", 0),
+                            unused=("router.classifier.bias",)),
+    # top-k of the logits, softmax over the k chosen (= the renormalised softmax)
+    "granitemoe": Family("GraniteMoeMoE", router="router"),
+    "granitemoeshared": Family("GraniteMoeSharedMoE", router="router"),
+    "granitemoehybrid": Family("GraniteMoeHybridMoE", router="router"),
+    "gpt_oss": Family("GptOssMLP", router="router", router_bias="bias", layout="EDF",
+                      biases=("gate_up_proj_bias", "down_proj_bias"), activation_field=None, returns_tuple=True,
+                      expert_options=dict(bias=True, fused="interleaved", swiglu_alpha=At("experts.alpha"),
+                                          swiglu_limit=At("experts.limit"), swiglu_up_offset=1.0)),
+    "cohere2_moe": Family("Cohere2MoeSparseMoeBlock", score=Cfg("expert_selection_fn"), renormalize=_cohere2_renorm,
+                          shared="shared_experts",
+                          shared_average=lambda b, c: c.shared_expert_combination_strategy == "average"),
+    # top-k of the logits, sigmoid of the k chosen, input scaled by it before the experts
+    "llama4_text": Family("Llama4TextMoe", router="router", score="sigmoid", renormalize=False, layout="EDF",
+                          shared="shared_expert", returns_tuple=True, expert_options=dict(gate_on_input=True)),
+    # sigmoid with a selection-only bias
+    "minimax_m2": Family("MiniMaxM2SparseMoeBlock", score="sigmoid", choice_bias="e_score_correction_bias",
+                         jitter=(At("jitter_noise", 0.0),)),
+    "lfm2_moe": Family("Lfm2MoeSparseMoeBlock", score="sigmoid", renormalize=At("gate.norm_topk_prob"),
+                       renorm_eps=1e-6, scale=At("gate.routed_scaling_factor", 1.0), choice_bias="expert_bias",
+                       activation_field=None),
+    "afmoe": Family("AfmoeSparseMoeBlock", router="router", router_weight="gate.weight", score="sigmoid",
+                    renorm_eps=1e-20, scale=At("router.route_scale", 1.0), choice_bias="expert_bias",
+                    shared="shared_experts"),
+    # DeepSeek-V2: softmax, groups scored by their best expert, no renormalisation
+    "deepseek_v2": Family("DeepseekV2Moe", renormalize=False, scale=At("gate.routed_scaling_factor", 1.0),
+                          groups=_deepseek_v2_groups, group_score="max", shared="shared_experts"),
+    # DeepSeek-V3's router
+    "deepseek_v3": _dsr("DeepseekV3MoE"),
+    "deepseek_v32": _dsr("DeepseekV32MoE"),
+    "glm4_moe": _dsr("Glm4MoeMoE"),
+    "glm4_moe_lite": _dsr("Glm4MoeLiteMoE"),
+    "glm_moe_dsa": _dsr("GlmMoeDsaMoE"),
+    "dots1": _dsr("Dots1MoE"),
+    "exaone_moe": _dsr("ExaoneMoeSparseMoEBlock"),
+    "kimi_linear": _dsr("KimiLinearSparseMoeBlock"),
+    "bailing_hybrid": _dsr("BailingHybridSparseMoeBlock"),
+    "mimo_v2_flash": _dsr("MiMoV2FlashMoE", shared=None),
+}
+
+# model type -> why it does not convert (the refusal names it)
+REFUSED: dict[str, str] = {
+    "switch_transformers": "an encoder-decoder model (mode.hf converts decoder-only causal LMs), whose experts are "
+                           "capacity-limited per sequence with dropped tokens",
+    "nllb_moe": "an encoder-decoder model (mode.hf converts decoder-only causal LMs), with batch-prioritised "
+                "capacity routing and biased ReLU experts",
+    "phimoe": "PhiMoE's sparsemixer routing (a masked softmax per slot, Gumbel sampling and Heun-style gradients "
+              "in training) is not a mode router",
+    "deepseek_v4": "DeepSeek-V4's hash-routed layers (experts chosen from input_ids) and mHC hyper-connections "
+                   "are not mode routers",
+    "dbrx": "DBRX's fused 2D expert weights (w1, v1, w2 of shape (E*F, D)) cannot be adopted without a copy",
+    "jetmoe": "JetMoE also routes its attention (mixture of attention heads), which mode does not convert",
+}
+
+# the text model type of a multimodal config (Llama-4's text decoder is "llama4_text")
+TEXT_TYPES = {"llama4": "llama4_text"}
+
+# sparse block class name -> model type
+BLOCKS = {spec.block: model_type for model_type, spec in FAMILIES.items()}
