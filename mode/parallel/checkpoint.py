@@ -11,8 +11,11 @@ The folder (docs/checkpoints.md)
     parameter, by parameter name).
 
 Atomic: a save goes to a fresh ``step-*`` folder; ``latest`` is replaced (``mode.train.checkpoint.atomic_write``)
-only when every rank's shards, ``meta.json`` and ``SHA256SUMS`` are complete, then older folders are removed.
-A run killed while saving leaves the previous save in place (and a partial folder that the next save removes).
+only when every rank's shards, ``meta.json`` and ``SHA256SUMS`` are complete, then older folders are removed
+but the ``keep`` newest complete ones (``retain``; ``mode train --keep K``). A run killed while saving leaves
+the previous save in place (and a partial folder, without ``SHA256SUMS``, that the next save removes).
+``saves`` lists a checkpoint folder's saves newest first, ``is_complete`` tells a finished one:
+``mode.parallel.resume`` falls back through them when the newest fails its checksums.
 
 In the background: ``save_sharded_async`` copies this rank's shards to CPU memory (the only part the training
 loop waits for), then ``dcp.async_save`` writes them and a thread finishes the save (sums, ``meta.json``,
@@ -53,7 +56,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from mode.model import LM
 from mode.parallel import dcp_safe
 from mode.parallel.dcp_safe import ChecksumWriter, SafeReader
-from mode.train import checkpoint
+from mode.train import checkpoint, faults
 from mode.train.config import TrainConfig
 from mode.train.optim import build_optimizer
 
@@ -340,10 +343,13 @@ def _write_error(folder: Path, path: Path, e: BaseException) -> checkpoint.Write
 
 
 def _finish(path: Path, folder: Path, sums: dict[str, str], meta_text: str, group, distributed: bool,
-            rank: int) -> Path:
+            rank: int, keep: int = 1) -> Path:
     """After every rank's shards are written: gather the sums, rank 0 writes ``meta.json``, ``SHA256SUMS``,
-    then ``latest`` (the switch), and removes older saves. A failure anywhere raises on every rank."""
+    then ``latest`` (the switch), and removes older saves but the ``keep`` newest complete ones (``retain``).
+    A failure anywhere raises on every rank."""
     error: OSError | None = None
+    if distributed:
+        faults.inject("save", dist.get_rank(), step_of(folder))  # tests: a rank killed here, its shards written
     sums = dcp_safe.gather_sums(sums, group, distributed)
     if rank == 0:
         try:
@@ -362,14 +368,48 @@ def _finish(path: Path, folder: Path, sums: dict[str, str], meta_text: str, grou
     if error is not None:
         raise error
     if rank == 0:
-        for old in path.glob(f"{STEP_PREFIX}*"):  # older saves, and a partial one left by a killed run
-            if old.name != folder.name and old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
+        retain(path, keep, current=folder)
     return folder
 
 
+def step_of(folder: Path) -> int:
+    """The step in a save folder's name (``step-00000060-3fa2c1`` -> 60); -1 for another name."""
+    digits = folder.name[len(STEP_PREFIX):].split("-", 1)[0]
+    return int(digits) if folder.name.startswith(STEP_PREFIX) and digits.isdigit() else -1
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether a save folder was finished: its ``SHA256SUMS`` is written (atomically) after every shard,
+    ``.metadata`` and ``meta.json``; a save killed before that has none."""
+    return (folder / dcp_safe.MANIFEST).is_file()
+
+
+def saves(path: str | Path) -> list[Path]:
+    """The save folders of a checkpoint folder, newest first: by step, and at equal steps the one ``latest``
+    names, then the most recently written. Complete or not (``is_complete``)."""
+    path = Path(path)
+    named = (path / LATEST).read_text().strip() if (path / LATEST).is_file() else None
+    found = [f for f in path.glob(f"{STEP_PREFIX}*") if f.is_dir() and step_of(f) >= 0]
+    return sorted(found, key=lambda f: (step_of(f), f.name == named, f.stat().st_mtime_ns), reverse=True)
+
+
+def retain(path: Path, keep: int, current: Path) -> list[Path]:
+    """Keep ``current`` and the newest complete saves, ``keep`` in all; remove the others, and every partial
+    save (left by a run killed while saving). Rank 0, once ``latest`` names ``current``. Returns what it removed."""
+    kept, removed = 1, []
+    for old in saves(path):
+        if old.name == current.name:
+            continue
+        if is_complete(old) and kept < keep:
+            kept += 1
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+        removed.append(old)
+    return removed
+
+
 def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
-                 group=None) -> Path:
+                 group=None, keep: int = 1) -> Path:
     """Save every rank's shards of ``model`` and ``optimizer`` and rank 0's ``meta`` (the non-tensor state)
     as a new save folder in ``path``, with ``SHA256SUMS``; every rank of ``group`` (default: the world) calls
     it. Without a process group, this process saves alone. Returns the save folder once ``latest`` names it;
@@ -388,7 +428,7 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
                      no_dist=not distributed)
     except CheckpointException as e:
         raise _write_error(folder, path, e) from None
-    return _finish(path, folder, writer.sums, meta_text, group, distributed, rank)
+    return _finish(path, folder, writer.sums, meta_text, group, distributed, rank, keep)
 
 
 class PendingSave:
@@ -406,7 +446,7 @@ class PendingSave:
 
 
 def save_sharded_async(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
-                       group, save_group) -> PendingSave:
+                       group, save_group, keep: int = 1) -> PendingSave:
     """``save_sharded`` in the background: returns once this rank's shards are copied to CPU memory; the
     files, the sums, ``meta.json`` and ``latest`` are written by ``dcp.async_save`` and a thread of this
     process, whose collectives all run on ``save_group``: a gloo group of the same ranks as ``group``, used
@@ -428,7 +468,7 @@ def save_sharded_async(path: str | Path, model: nn.Module, optimizer: torch.opti
             written.result()
         except CheckpointException as e:
             raise _write_error(folder, path, e) from None
-        return _finish(path, folder, writer.sums, meta_text, save_group, True, dist.get_rank(save_group))
+        return _finish(path, folder, writer.sums, meta_text, save_group, True, dist.get_rank(save_group), keep)
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="mode-checkpoint")
     future = pool.submit(finish)

@@ -56,6 +56,7 @@ PRESETS = {
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     from mode.parallel import process_group as mdist
+    from mode.train import preempt
 
     p = parser or argparse.ArgumentParser(prog="mode train")
     p.add_argument("--preset", default="quick", choices=sorted(PRESETS),
@@ -98,6 +99,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="on a mesh, every rank builds the full model before sharding it (default: built on the "
                         "meta device, each rank materializes its shards only, with the same values; "
                         "docs/distributed.md)")
+    p.add_argument("--keep", type=int, default=1, metavar="K",
+                   help="on a mesh, keep the K newest complete checkpoints (default 1); resuming skips a newest "
+                        "one that fails its checksums or was never completed, with a warning, and uses the one "
+                        "before (docs/distributed.md, 'When a rank dies')")
+    p.add_argument("--grace-s", type=float, default=preempt.DEFAULT_GRACE_S, metavar="SECONDS",
+                   help=f"on SIGTERM every rank finishes its step, the group saves a checkpoint and the command "
+                        f"exits with status {preempt.EXIT_PREEMPTED}; a rank not done this many seconds after the "
+                        f"signal exits anyway (default {preempt.DEFAULT_GRACE_S:g}; keep it below the "
+                        f"scheduler's kill delay and torchrun's --shutdown-timeout)")
     p.add_argument("--async-save", action="store_true",
                    help="on a mesh, write checkpoints in the background (dcp.async_save): the step that saves waits "
                         "only for a CPU copy of the shards (docs/distributed.md)")
@@ -137,13 +147,13 @@ def find_checkpoint(out: str | Path, prefer_sharded: bool = False) -> Path | Non
     there is whole) or ``out/ckpt/`` once its ``latest`` file exists (rank 0 writes it, atomically, after every
     shard of a save is written: a folder without it holds only a partial save, which does not count). Both
     kinds: the one this run writes (``prefer_sharded``: a mesh) first, as ``Trainer.load`` looks."""
-    from mode.parallel.checkpoint import LATEST
+    from mode.parallel.checkpoint import LATEST, is_complete, saves
     from mode.parallel.runtime import MeshRuntime
     from mode.train.runtime import OneProcess
 
     single, sharded = Path(out) / OneProcess.checkpoint_name, Path(out) / MeshRuntime.checkpoint_name
-    found = [path for path, complete in ((single, single.is_file()), (sharded, (sharded / LATEST).is_file()))
-             if complete]
+    complete = sharded.is_dir() and ((sharded / LATEST).is_file() or any(map(is_complete, saves(sharded))))
+    found = [path for path, ok in ((single, single.is_file()), (sharded, complete)) if ok]
     if prefer_sharded:
         found.reverse()
     return found[0] if found else None
@@ -154,7 +164,7 @@ def checkpoint_to_resume(args, ctx) -> Path | None:
     checkpoint ``Trainer.load`` finds). Rank 0 looks in OUT and broadcasts what it found, so that every rank
     takes the same decision. ``ValueError``: OUT holds a checkpoint and neither ``--resume`` nor
     ``--resume-from`` was given (a new run would overwrite it)."""
-    if args.resume is True or args.resume_from:
+    if args.resume_from:
         return None
     found = [None]
     if ctx is None or ctx.rank == 0:
@@ -168,7 +178,7 @@ def checkpoint_to_resume(args, ctx) -> Path | None:
         with mdist.collective_guard("the --resume decision (rank 0's look for a checkpoint in OUT)",
                                     ctx.timeout_s, rank=ctx.rank, world_size=ctx.world_size):
             dist.broadcast_object_list(found, src=0)
-    if found[0] is not None and args.resume != RESUME_AUTO:
+    if found[0] is not None and not args.resume:
         raise ValueError(f"{args.out!r} already holds a run's checkpoint ({found[0]!r}); a new run would overwrite "
                          f"it. Continue it with --resume auto (or --resume), or give a new or empty --out to "
                          f"start another run")
@@ -202,8 +212,10 @@ def run(args) -> int:
     """The command; returns the exit status (2: a user mistake, 1: a failed collective or write)."""
     from mode.train import checkpoint
     from mode.parallel import process_group as mdist
+    from mode.parallel.resume import load_newest
     from mode.train.data import load_corpus
     from mode.train import Trainer
+    from mode.train.preempt import EXIT_PREEMPTED, Preemption
 
     if args.threads is not None:
         if args.threads < 1:
@@ -213,10 +225,14 @@ def run(args) -> int:
 
         torch.set_num_threads(args.threads)
     ctx = None
+    preemption = None
     try:
         model_cfg, train_cfg, max_bytes = configs(args)
         if args.resume and args.resume_from:
             raise ValueError("--resume and --resume-from: give one of them")
+        if isinstance(args.keep, bool) or args.keep < 1:
+            raise ValueError(f"--keep={args.keep}: must be >= 1 (how many complete checkpoints to keep)")
+        preemption = Preemption(args.grace_s).install()  # before the group exists: a SIGTERM from now on counts
         mesh = None
         if under_torchrun():
             from mode.parallel.mesh import ParallelDims, build_mesh
@@ -242,7 +258,10 @@ def run(args) -> int:
             from mode.parallel.runtime import MeshRuntime
 
             runtime = MeshRuntime(mesh, ctx.timeout_s, dedup=args.dedup_rows, async_save=args.async_save,
-                                  meta_init=not args.eager_init)
+                                  meta_init=not args.eager_init, keep=args.keep)
+        elif args.keep != 1:
+            raise ValueError(f"--keep={args.keep}: one process writes one checkpoint file (OUT/ckpt.pt); --keep "
+                             "applies to the sharded checkpoints of a run under torchrun")
         trainer = Trainer(model_cfg, train_cfg, corpus, args.out, name="train", progress=not args.no_progress,
                           runtime=runtime, device=device, bf16=args.bf16, compile=args.compile,
                           timeout_s=None if ctx is None else ctx.timeout_s)
@@ -259,10 +278,13 @@ def run(args) -> int:
                      "process)" if train_cfg.grad_accum > 1 else "")
                   + f"; layers {','.join(model_cfg.layers)}; corpus {corpus.source}",
                   flush=True)
-        if args.resume is True or args.resume_from or resume_path is not None:
-            trainer.load(args.resume_from or resume_path)
-            if trainer.rank == 0:
-                print(f"mode train: resuming at step {trainer.step} of {train_cfg.steps}", flush=True)
+        if args.resume_from:
+            trainer.load(args.resume_from)
+        elif args.resume is True or resume_path is not None:  # OUT's checkpoint: the newest that verifies
+            load_newest(trainer, resume_path or trainer.ckpt_path, trainer.rank)
+        if trainer.step and trainer.rank == 0:
+            print(f"mode train: resuming at step {trainer.step} of {train_cfg.steps}", flush=True)
+        trainer.preemption = preemption
         history = trainer.run()
     except (ValueError, TypeError) as e:
         rank = "" if ctx is None else f"rank {ctx.rank}: "
@@ -275,6 +297,17 @@ def run(args) -> int:
     except mdist.CollectiveError as e:
         print(f"mode train: {e}", file=sys.stderr, flush=True)
         return 1  # no destroy(): the peers are gone or stuck, tearing the group down could wait on them
+    finally:
+        if preemption is not None:
+            preemption.uninstall()  # the caller's SIGTERM handler again (main() may run inside another program)
+    if trainer.preempted:
+        if trainer.rank == 0:
+            print(f"mode train: preempted (SIGTERM): stopped after step {trainer.step} of {trainer.cfg.steps} with a "
+                  f"checkpoint in {trainer.ckpt_path}; exiting with status {EXIT_PREEMPTED}. The same command with "
+                  "--resume auto continues it", file=sys.stderr, flush=True)
+        if ctx is not None:
+            mdist.destroy()
+        return EXIT_PREEMPTED
     if trainer.rank == 0:
         losses = [r for r in history if "loss" in r]
         vals = [r for r in history if "val_loss" in r]

@@ -63,8 +63,11 @@ class MeshRuntime:
     checkpoint_name = "ckpt"  # a folder of DCP shards
 
     def __init__(self, mesh, timeout_s: float | None = None, dedup: bool = False, async_save: bool = False,
-                 meta_init: bool = True):
+                 meta_init: bool = True, keep: int = 1):
         self.mesh = mesh
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep={keep!r}: must be an int >= 1 (how many complete checkpoints to keep)")
+        self.keep = keep  # complete saves kept in the checkpoint folder, the newest included
         # meta_init: the trainer builds the LM on meta and prepare() materializes this rank's shards only, with
         # the values of the eager build (mode.parallel.meta_init); False: every rank builds the full model first
         self.builds_on_meta = meta_init
@@ -144,11 +147,12 @@ class MeshRuntime:
         self.wait_saves()
         with self.guard("checkpoint save"):
             if not self.async_save:
-                return sharded.save_sharded(path, model, optimizer, meta, group=self.group)
+                return sharded.save_sharded(path, model, optimizer, meta, group=self.group, keep=self.keep)
             if self._save_group is None:
                 self._save_group = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo",
                                                   timeout=timedelta(seconds=mdist.resolve_timeout(self.timeout_s)))
-            self._pending = sharded.save_sharded_async(path, model, optimizer, meta, self.group, self._save_group)
+            self._pending = sharded.save_sharded_async(path, model, optimizer, meta, self.group, self._save_group,
+                                                       keep=self.keep)
             return self._pending.folder
 
     def wait_saves(self) -> Path | None:

@@ -35,7 +35,7 @@ from mode.model import LM, LMConfig
 from mode.model.checkpointing import checkpoint_blocks
 from mode.model.deferred_init import build_on_meta
 from mode.routing.bias_balance import bias_routers, update_expert_bias
-from mode.train import checkpoint, log_sinks
+from mode.train import checkpoint, faults, log_sinks
 from mode.train.accumulate import GradAccumulation
 from mode.train.config import TrainConfig
 from mode.train.data import BatchSampler, Corpus, eval_batches
@@ -164,6 +164,11 @@ class Trainer:
         self.grad_norm: Tensor | None = None  # the last step's global gradient norm (before clipping)
         self._last_save = 0.0  # time.monotonic() of the last checkpoint (or of the start of run())
         self._save_due = False  # rank 0's ckpt_every_s decision, summed with the last step's scalars
+        # preemption: an object whose ``requested`` turns True on SIGTERM (mode.train.preempt.Preemption), read
+        # by every rank at the end of each step and summed with the step's scalars: all ranks stop together
+        self.preemption = None
+        self._stop = False  # some rank was asked to stop during the last step
+        self.preempted = False  # run() returned early, at a step boundary, after saving (mode train: status 143)
         # MFU's denominator: every process's device at its peak (None: a CPU or an unknown GPU, no MFU)
         peak = log_sinks.peak_flops(self.device, train_cfg.peak_tflops)
         self.peak_flops = None if peak is None else peak * self.world_size
@@ -205,9 +210,13 @@ class Trainer:
                 self._log({"step": self.step, "val_loss": self.evaluate(), "tokens": self.tokens,
                            "flops": self.flops, "wall": self.wall, **self._speed()})
             self.elapsed += time.perf_counter() - t0  # before saving: the checkpoint counts this step
+            faults.inject("step", self.rank, self.step)  # tests: this rank killed or preempted here (if planned)
             if (self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0) or self._save_due:
                 self.save()
                 self._last_save, saved_at = time.monotonic(), self.step
+            if self._stop:  # SIGTERM on some rank: the step is done, save (below) and return
+                self.preempted = True
+                break
         bar.close()
         if saved_at != self.step:
             self.save()
@@ -267,8 +276,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         update_expert_bias(self.model, self.bias_routers)  # the step's choice counts, summed over ranks
         due = self.rank == 0 and self._time_to_save()  # clocks differ: rank 0 decides for every rank
-        loss_sum, flops, due = rt.sum_scalars([ce_sum / n, flops, float(due)])  # one all-reduce, one host read
+        stop = self.preemption is not None and self.preemption.requested  # this rank's own signal
+        loss_sum, flops, due, stop = rt.sum_scalars([ce_sum / n, flops, float(due), float(stop)])  # one all-reduce
         self._save_due = due > 0
+        self._stop = stop > 0
         self.flops += flops
         self.tokens += x_BS.numel()
         self.step += 1

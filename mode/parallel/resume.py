@@ -1,0 +1,77 @@
+"""Resuming from the newest checkpoint that verifies: a newest save that fails its checksums, or was never
+completed, is skipped with a warning naming it, and the one before is used.
+
+    candidates(path)         what to try, newest first: the complete saves of a sharded folder (those with a
+                             ``SHA256SUMS``, written after every other file of the save; the one ``latest``
+                             names comes first at equal steps), or the single file itself
+    load_newest(trainer, …)  ``trainer.load`` each in turn until one loads; every failure that is the file's
+                             fault (``CheckpointError``: a checksum, a truncated or missing file) is a warning
+                             and the next is tried; any other error (a different model: a user mistake) is
+                             raised. Then rank 0 moves the skipped saves aside (``bad-step-…``, kept for
+                             inspection, never tried again) and points ``latest`` at the one loaded.
+
+Every rank tries the same candidates in the same order and, on a file system they share (docs/distributed.md),
+sees the same bytes: a bad file fails the load on every rank alike (DCP gathers the failures of its planning
+step, where each rank verifies the files it is about to read, ``mode.parallel.dcp_safe``), before any tensor
+changes, so the ranks move to the next candidate together.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from mode.parallel import checkpoint as sharded
+from mode.train import checkpoint
+
+BAD_PREFIX = "bad-"  # a save that failed to load, moved aside: no longer a ``step-*`` folder
+
+
+def candidates(path: str | Path) -> list[Path]:
+    """The checkpoints to try for ``path``, newest first (see the module docstring)."""
+    path = Path(path)
+    if not path.is_dir() or (path / ".metadata").is_file():
+        return [path]  # a single file, or one save folder named explicitly
+    named = (path / sharded.LATEST).read_text().strip() if (path / sharded.LATEST).is_file() else None
+    found = [f for f in sharded.saves(path) if sharded.is_complete(f) or f.name == named]  # named: a pre-checksum save
+    return found or [path]  # none: the folder itself, whose load names what is missing
+
+
+def load_newest(trainer, path: str | Path, rank: int = 0, say=print) -> Path:
+    """Resume ``trainer`` from the newest of ``candidates(path)`` that loads; returns it. Raises the last
+    ``CheckpointError`` when none does (naming every one tried)."""
+    tried = candidates(path)
+    if len(tried) == 1:  # nothing to fall back to: its own error
+        trainer.load(tried[0])
+        return tried[0]
+    skipped: list[tuple[Path, str]] = []
+    for ckpt in tried:
+        try:
+            trainer.load(ckpt)
+        except checkpoint.CheckpointError as e:
+            skipped.append((ckpt, str(e)))
+            if rank == 0:
+                say(f"mode train: warning: skipping checkpoint {str(ckpt)!r}: {e}", file=sys.stderr, flush=True)
+            continue
+        if rank == 0 and skipped:
+            _set_aside(Path(path), ckpt, [s for s, _ in skipped])
+            say(f"mode train: warning: resumed from the previous verified checkpoint {str(ckpt)!r} (step "
+                f"{trainer.step}); the {len(skipped)} newer one(s) that failed were moved aside",
+                file=sys.stderr, flush=True)
+        return ckpt
+    reasons = "; ".join(f"{str(c)!r}: {why}" for c, why in skipped)
+    raise checkpoint.CheckpointError(f"no checkpoint in {str(path)!r} loads ({len(skipped)} tried: {reasons})")
+
+
+def _set_aside(folder: Path, loaded: Path, bad: list[Path]) -> None:
+    """Rank 0: rename each bad save of a sharded folder to ``bad-<name>`` and point ``latest`` at ``loaded``."""
+    if loaded.parent != folder:
+        return  # a single file: nothing to move (the next save replaces it)
+    for b in bad:
+        if b.parent == folder and b.name.startswith(sharded.STEP_PREFIX):
+            try:
+                os.replace(b, folder / f"{BAD_PREFIX}{b.name}")
+            except OSError:
+                pass  # left in place: the next resume skips it again
+    checkpoint.atomic_write_text(folder / sharded.LATEST, loaded.name + "\n")
