@@ -64,11 +64,13 @@ class ConvertedMoE(MoESlot):
     training-time routing noise, which a training forward refuses (evaluation is exact)."""
 
     def __init__(self, moe: MoELayer, family: str, names: dict[str, str], router_logits: nn.Module | None,
-                 unused: dict[str, Tensor] | None = None, jitter: float = 0.0):
+                 unused: dict[str, Tensor] | None = None, jitter: float = 0.0, point_name: str = "router_logits"):
         super().__init__(moe)
         self.family = family
         self.names = dict(names)
-        self.router_logits = router_logits
+        # a recorder that matches by module name (MiniMax: "mlp.gate") finds the point under that name
+        self.point_name = point_name
+        setattr(self, point_name, router_logits)
         self.kept = nn.Module()
         self.joins: dict[str, list[str]] = {}  # the block's name -> ours, concatenated on dim 0 (LongCat)
         for name, t in (unused or {}).items():
@@ -90,8 +92,9 @@ class ConvertedMoE(MoESlot):
                              "evaluation is exact, training would not be; set the config's jitter to 0.0 (e.g. "
                              "config.router_jitter_noise = 0.0) before converting, or call model.eval()")
         plan = self.moe.router(x_BSD)
-        if self.router_logits is not None:
-            self.router_logits(plan.logits_TX)  # returns them: transformers' recorder hook keeps them
+        point = getattr(self, self.point_name)
+        if point is not None:
+            point(plan.logits_TX)  # returns them: transformers' recorder hook keeps them
         y_BSD, self.last_aux = self.moe.apply_plan(x_BSD, plan)
         y_BSD = y_BSD.to(x_BSD.dtype)
         return (y_BSD, None) if self.returns_tuple else y_BSD
@@ -119,8 +122,11 @@ def _logits_point(router_cls: type, index: int) -> type:
 
 def _router_recorder(model: nn.Module):
     """transformers' ``OutputRecorder`` for ``router_logits`` on this model class, or None."""
-    spec = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
-    return spec if spec is not None and getattr(spec, "target_class", None) is not None else None
+    for m in model.modules():  # the causal LM's class, or its base model's (Llama-4, MiniMax keep it there)
+        spec = (getattr(type(m), "_can_record_outputs", None) or {}).get("router_logits")
+        if spec is not None and getattr(spec, "target_class", None) is not None:
+            return spec
+    return None
 
 
 def _check_model(model: nn.Module) -> tuple[object, str]:
@@ -171,8 +177,11 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
                 from transformers.utils.output_capturing import install_output_capuring_hook
 
                 install_output_capuring_hook(point, "router_logits", recorder.index)
+        point_name = "router_logits"
+        if recorder is not None and getattr(recorder, "layer_name", None):
+            point_name = recorder.layer_name.split(".")[-1]
         slot = ConvertedMoE(layer, model_type, hf_names(layer, block, unused), point, unused,
-                            jitter_of(block, config, SPECS[model_type]))
+                            jitter_of(block, config, SPECS[model_type]), point_name)
         setattr(parent, name, slot)
     return model
 

@@ -130,7 +130,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("Qwen3MoeSparseMoeBlock", renormalize=At("gate.norm_topk_prob")),
     "qwen3_next": Family("Qwen3NextSparseMoeBlock", renormalize=At("gate.norm_topk_prob"), shared="shared_expert",
                          shared_gate="shared_expert_gate"),
-    "qwen3_5_moe": Family("Qwen3_5MoeSparseMoeBlock", shared="shared_expert", shared_gate="shared_expert_gate"),
+    "qwen3_5_moe_text": Family("Qwen3_5MoeSparseMoeBlock", shared="shared_expert", shared_gate="shared_expert_gate"),
     "minimax": Family("MiniMaxSparseMoeBlock", jitter=(At("jitter_noise", 0.0),)),
     "jamba": Family("JambaSparseMoeBlock", router="router", renormalize=False),
     "hunyuan_v1_moe": Family("HunYuanMoEV1Moe", router_weight="wg.weight", shared="shared_mlp"),
@@ -174,10 +174,13 @@ FAMILIES: dict[str, Family] = {
     "glm_moe_dsa": _dsr("GlmMoeDsaMoE"),
     "dots1": _dsr("Dots1MoE"),
     "exaone_moe": _dsr("ExaoneMoeSparseMoEBlock"),
-    "kimi_linear": _dsr("KimiLinearSparseMoeBlock"),
-    "bailing_hybrid": _dsr("BailingHybridSparseMoeBlock"),
+    "kimi_linear": _dsr("KimiLinearMoE"),
+    "bailing_hybrid": _dsr("BailingHybridMoE"),
     "mimo_v2_flash": _dsr("MiMoV2FlashMoE", shared=None),
 }
+
+# A multimodal family is keyed by its text decoder's model type (Llama-4: "llama4_text", Qwen3.5-MoE:
+# "qwen3_5_moe_text"), which is what the converter reads (``config.get_text_config(decoder=True)``).
 
 # model type -> why it does not convert (the refusal names it)
 REFUSED: dict[str, str] = {
@@ -193,8 +196,6 @@ REFUSED: dict[str, str] = {
     "jetmoe": "JetMoE also routes its attention (mixture of attention heads), which mode does not convert",
 }
 
-# the text model type of a multimodal config (Llama-4's text decoder is "llama4_text")
-TEXT_TYPES = {"llama4": "llama4_text"}
 
 # sparse block class name -> model type
 BLOCKS = {spec.block: model_type for model_type, spec in FAMILIES.items()}
