@@ -211,6 +211,10 @@ def build(family: str, seed: int = 0, **overrides):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("tid2eid"):  # deepseek_v4 hash routing (token id -> top-k experts), zeros at init
+                draw = torch.rand((t.shape[0], model.config.n_routed_experts), generator=g).argsort(-1)
+                t.copy_(draw[:, : t.shape[1]].to(t.device))  # distinct experts per token
+                continue
             if "inv_freq" in name or not t.is_floating_point():
                 continue
             scale = 0.05 if "bias" in name else (1.0 if "norm" in name else t.shape[-1] ** -0.5)
