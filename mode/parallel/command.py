@@ -93,6 +93,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "backward (less memory, about one more forward of compute; docs/training.md)")
     p.add_argument("--lr", type=float)
     p.add_argument("--eval-every", type=int)
+    p.add_argument("--log-every", type=int, help="log the training loss every this many steps (default: the preset's)")
     p.add_argument("--ckpt-every", type=int, help="also checkpoint every this many steps (default: at the end only)")
     p.add_argument("--ckpt-every-s", type=float, help="also checkpoint every this many seconds (rank 0's clock)")
     p.add_argument("--eager-init", action="store_true",
@@ -194,6 +195,7 @@ def configs(args) -> tuple[LMConfig, TrainConfig, int | None]:
     if args.layers:
         m["layers"] = tuple(s.strip() for s in args.layers.split(",") if s.strip())
     t = dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
+             log_every=args.log_every,
              ckpt_every=args.ckpt_every, ckpt_every_s=args.ckpt_every_s, grad_accum=args.grad_accum,
              peak_tflops=args.peak_tflops)
     t = {k: v for k, v in t.items() if v is not None}

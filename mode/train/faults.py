@@ -6,6 +6,8 @@ SIGTERM, at a chosen step, as ``kill -9`` or a scheduler would from outside, but
     MODE_TEST_FAULT="term@0:5"      rank 0 sends itself SIGTERM at the end of step 5 (a preemption)
     MODE_TEST_FAULT="killsave@1:6"  rank 1 SIGKILLs itself inside the save of step 6, after its shards are
                                     written and before the save is named complete (``latest``)
+    MODE_TEST_FAULT="termsave@0:6"  rank 0 sends itself SIGTERM at that point of the save of step 6 (with
+                                    ``term`` before it: the second SIGTERM, during the preemption's save)
 
 Several faults: separated by commas. A fault fires in the first attempt of a torchelastic job only
 (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so that the restarted group runs through; a command rerun by
@@ -19,7 +21,7 @@ import signal
 from dataclasses import dataclass
 
 FAULT_ENV = "MODE_TEST_FAULT"
-KINDS = ("kill", "term", "killsave")
+KINDS = ("kill", "term", "killsave", "termsave")
 
 
 @dataclass(frozen=True)
@@ -58,5 +60,5 @@ def inject(point: str, rank: int, step: int) -> None:
             continue
         if point == "step" and f.kind == "kill" or point == "save" and f.kind == "killsave":
             os.kill(os.getpid(), signal.SIGKILL)
-        elif point == "step" and f.kind == "term":
-            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode: the flag is set
+        elif point == "step" and f.kind == "term" or point == "save" and f.kind == "termsave":
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode
