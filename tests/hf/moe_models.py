@@ -56,15 +56,16 @@ def config(family: str, **overrides):
                   n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
                   q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                   index_topk=4, index_head_dim=16, index_n_heads=2, **common)
-    elif family == "deepseek_v4":
+    elif family == "deepseek_v4":  # layer 0 hash-routed (needs input_ids: tid2eid[input_ids]), layers 1-2 top-k
         common = {**common, "num_experts_per_tok": 4, "num_key_value_heads": 1, "attn_implementation": "eager"}
         cfg = tf.DeepseekV4Config(moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, head_dim=16,
                                   q_lora_rank=16, o_groups=2, o_lora_rank=16, hc_mult=2, hc_sinkhorn_iters=3,
                                   index_n_heads=2, index_head_dim=16, index_topk=4, sliding_window=8,
                                   compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
-                                  layer_types=["sliding_attention", "compressed_sparse_attention"],
-                                  mlp_layer_types=["hash_moe", "moe"], router_jitter_noise=0.0,
-                                  num_nextn_predict_layers=0, **common)
+                                  layer_types=["sliding_attention", "compressed_sparse_attention",
+                                               "heavily_compressed_attention"],
+                                  mlp_layer_types=["hash_moe", "moe", "moe"], router_jitter_noise=0.0,
+                                  num_nextn_predict_layers=0, **{**common, "num_hidden_layers": 3})
     elif family == "glm4_moe":
         common = {**common, "num_experts_per_tok": 4}
         cfg = tf.Glm4MoeConfig(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=16, n_group=4,
