@@ -82,7 +82,8 @@ class ConvertedMoE(MoESlot):
             else:
                 self.kept.register_parameter(_kept_name(name), t) if isinstance(t, nn.Parameter) else \
                     self.kept.register_buffer(_kept_name(name), t)
-        self.kept_names = {"kept." + _kept_name(n): n for n in (unused or {}) if n not in self.joins}
+        self.kept_names = {"kept." + _kept_name(n): n for n in (unused or {})
+                           if n not in self.joins and not n.endswith(".rest")}
         self.jitter = jitter
         self.returns_tuple = SPECS[family].returns_tuple
 
