@@ -283,7 +283,8 @@ def run(args) -> int:
         if args.resume_from:
             trainer.load(args.resume_from)
         elif args.resume is True or resume_path is not None:  # OUT's checkpoint: the newest that verifies
-            load_newest(trainer, resume_path or trainer.ckpt_path, trainer.rank)
+            load_newest(trainer, resume_path or trainer.ckpt_path, trainer.rank,
+                        fresh_if_none=args.resume == RESUME_AUTO)  # auto: nothing verifies -> a new run
         if trainer.step and trainer.rank == 0:
             print(f"mode train: resuming at step {trainer.step} of {train_cfg.steps}", flush=True)
         trainer.preemption = preemption

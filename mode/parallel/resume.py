@@ -8,7 +8,9 @@ completed, is skipped with a warning naming it, and the one before is used.
                              fault (``CheckpointError``: a checksum, a truncated or missing file) is a warning
                              and the next is tried; any other error (a different model: a user mistake) is
                              raised. Then rank 0 moves the skipped saves aside (``bad-step-…``, kept for
-                             inspection, never tried again) and points ``latest`` at the one loaded.
+                             inspection, never tried again) and points ``latest`` at the one loaded. When none
+                             loads: an error naming each, or with ``fresh_if_none`` (``--resume auto``) the bad
+                             ones moved aside (a single file too: ``bad-ckpt.pt``) and a new run, with a warning.
 
 Every rank tries the same candidates in the same order and, on a file system they share (docs/distributed.md),
 sees the same bytes: a bad file fails the load on every rank alike (DCP gathers the failures of its planning
@@ -38,11 +40,11 @@ def candidates(path: str | Path) -> list[Path]:
     return found or [path]  # none: the folder itself, whose load names what is missing
 
 
-def load_newest(trainer, path: str | Path, rank: int = 0, say=print) -> Path:
-    """Resume ``trainer`` from the newest of ``candidates(path)`` that loads; returns it. Raises the last
-    ``CheckpointError`` when none does (naming every one tried)."""
+def load_newest(trainer, path: str | Path, rank: int = 0, fresh_if_none: bool = False, say=print) -> Path | None:
+    """Resume ``trainer`` from the newest of ``candidates(path)`` that loads; returns it. When none does: a
+    ``CheckpointError`` naming every one tried, or with ``fresh_if_none`` None (the trainer untouched: a new run)."""
     tried = candidates(path)
-    if len(tried) == 1:  # nothing to fall back to: its own error
+    if len(tried) == 1 and not fresh_if_none:  # nothing to fall back to: its own error
         trainer.load(tried[0])
         return tried[0]
     skipped: list[tuple[Path, str]] = []
@@ -61,17 +63,26 @@ def load_newest(trainer, path: str | Path, rank: int = 0, say=print) -> Path:
                 file=sys.stderr, flush=True)
         return ckpt
     reasons = "; ".join(f"{str(c)!r}: {why}" for c, why in skipped)
-    raise checkpoint.CheckpointError(f"no checkpoint in {str(path)!r} loads ({len(skipped)} tried: {reasons})")
+    if not fresh_if_none:
+        raise checkpoint.CheckpointError(f"no checkpoint in {str(path)!r} loads ({len(skipped)} tried: {reasons})")
+    if rank == 0:
+        _set_aside(Path(path), None, [s for s, _ in skipped])
+        say(f"mode train: warning: no checkpoint in {str(path)!r} loads ({len(skipped)} tried; moved aside as "
+            f"{BAD_PREFIX}*): starting a new run", file=sys.stderr, flush=True)
+    return None
 
 
-def _set_aside(folder: Path, loaded: Path, bad: list[Path]) -> None:
-    """Rank 0: rename each bad save of a sharded folder to ``bad-<name>`` and point ``latest`` at ``loaded``."""
-    if loaded.parent != folder:
-        return  # a single file: nothing to move (the next save replaces it)
+def _set_aside(path: Path, loaded: Path | None, bad: list[Path]) -> None:
+    """Rank 0: rename each bad checkpoint (a save of the sharded folder ``path``, or the file ``path``) to
+    ``bad-<name>``; point ``latest`` at ``loaded`` (None: nothing loaded, ``latest`` removed)."""
     for b in bad:
-        if b.parent == folder and b.name.startswith(sharded.STEP_PREFIX):
+        if b.exists() and (b == path and b.is_file() or b.parent == path and b.name.startswith(sharded.STEP_PREFIX)):
             try:
-                os.replace(b, folder / f"{BAD_PREFIX}{b.name}")
+                os.replace(b, b.parent / f"{BAD_PREFIX}{b.name}")
             except OSError:
                 pass  # left in place: the next resume skips it again
-    checkpoint.atomic_write_text(folder / sharded.LATEST, loaded.name + "\n")
+    latest = path / sharded.LATEST
+    if loaded is not None and loaded.parent == path:
+        checkpoint.atomic_write_text(latest, loaded.name + "\n")
+    elif loaded is None and latest.is_file():
+        latest.unlink()  # names a bad save: the new run's first save writes it again
