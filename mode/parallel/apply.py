@@ -40,6 +40,8 @@ mesh, combined, then applied per mesh); ``torch.nn.utils.clip_grad_norm_`` refus
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 import re
 from collections.abc import Iterable
@@ -85,9 +87,16 @@ def _distribute_bank(bank: ExpertBank, mesh: DeviceMesh) -> None:
     """Turn the bank's (L, ...) weights into DTensors of global shape (E, ...), Shard(0) on the ep dim: on the
     whole (dp, ep) mesh, Replicate over dp, where fully_shard takes ``dp_mesh_dims``; else on ``mesh["ep"]``."""
     on, placements = (mesh, [Replicate(), Shard(0)]) if SPMD_MESH_DIMS else (mesh["ep"], [Shard(0)])
+    first = None
     for name, p in list(bank.named_parameters(recurse=False)):
         dt = DTensor.from_local(p.detach(), on, placements, run_check=False)
-        bank.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        param = nn.Parameter(dt, requires_grad=p.requires_grad)
+        # nn.Parameter detaches a DTensor through the sharding propagator, whose cache may hand back an equal
+        # mesh object from an earlier model of this process; fully_shard wants one object for the whole bank
+        first = param.device_mesh if first is None else first
+        if param.device_mesh is not first:
+            param._spec = dataclasses.replace(param._spec, mesh=first)
+        bank.register_parameter(name, param)
 
 
 def _shard_bank(bank: ExpertBank, mesh: DeviceMesh, kw: dict) -> None:

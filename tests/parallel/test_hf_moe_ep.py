@@ -3,9 +3,10 @@ one process: ``parallelize`` unchanged, the training loop of examples/hf_moe_ep.
 ``mode.parallel.model_state`` across layouts, and ``save_transformers`` gathered from the shards.
 
 Two spawned pools, started together by one module fixture (each rank writes what it saw to a file, judged here):
-    * 4 processes: Mixtral and Qwen3-MoE at (dp, ep) = (2, 2) and (1, 4), 6 steps; the Qwen3 (2, 2) run
-      saves a checkpoint after step 3 and, at the end, a transformers folder;
-    * 2 processes: resume that checkpoint at (1, 2) and train steps 4 to 6.
+    * 4 processes: Mixtral, Qwen3-MoE, GLM-4.5, LongCat-Flash and gpt-oss (one family of each router kind) at
+      (dp, ep) = (2, 2) and (1, 4), 6 steps; the (2, 2) runs of all but Mixtral save a checkpoint after step 3,
+      and Qwen3's, at the end, a transformers folder;
+    * 2 processes: resume each checkpoint at (1, 2) and train steps 4 to 6.
 The parent computes the single-process references, resumes the checkpoint in one process with no process
 group, and loads the transformers folder with plain transformers.
 
@@ -42,8 +43,11 @@ TOL = 1e-5
 NORM_RTOL = 1e-4
 STEPS, SAVE_AT, BATCH, SEQ = 6, 3, 8, 16
 LAYOUTS = [(2, 2), (1, 4)]
-FAMILIES = ("mixtral", "qwen3_moe")
-SAVER = ("qwen3_moe", 2, 2)
+# one family of each router kind: softmax (Mixtral, Qwen3-MoE), sigmoid + correction bias + groups (GLM-4.5),
+# zero-computation experts (LongCat-Flash), gpt-oss (logit bias, expert biases, clamped interleaved SwiGLU)
+FAMILIES = ("mixtral", "qwen3_moe", "glm4_moe", "longcat_flash", "gpt_oss")
+RESUMED = ("qwen3_moe", "glm4_moe", "longcat_flash", "gpt_oss")  # each (2, 2) run saves after step 3
+SAVER = ("qwen3_moe", 2, 2)  # ... and this one writes a transformers folder at the end
 
 
 def _models():
@@ -98,13 +102,15 @@ def _pool4(rank: int, out: Path) -> dict:
                 model = parallelize(_model(family), mesh)
                 opt = _optimizer(model)
                 kw = dict(world_size=4, row_rank=rank, optimizer=opt)
-                if (family, dp, ep) != SAVER:
+                if family not in RESUMED or (dp, ep) != (2, 2):
                     return {"curve": ex.train(model, batches, **kw)}
                 curve = ex.train(model, batches[:SAVE_AT], **kw)
-                save_state(out / "ckpt3", model, opt, extra={"step": SAVE_AT})
+                save_state(out / f"ckpt3_{family}", model, opt, extra={"step": SAVE_AT})
                 if rank == 0:
-                    (out / "ckpt3.ready").write_text("")
+                    (out / f"ckpt3_{family}.ready").write_text("")
                 curve += ex.train(model, batches[SAVE_AT:], first_step=SAVE_AT + 1, **kw)
+                if (family, dp, ep) != SAVER:
+                    return {"curve": curve}
                 folder = mh.save_transformers(model, out / "hf")
                 return {"curve": curve, "folder": None if folder is None else str(folder)}
             pools.run_case(res, f"{family}_{dp}x{ep}", run)
@@ -117,19 +123,20 @@ def _pool2(rank: int, out4: Path) -> dict:
 
     ex, res = _example(), {}
 
-    def resume():
+    def resume(family):
         t0 = time.monotonic()
-        while not (out4 / "ckpt3.ready").exists():
+        while not (out4 / f"ckpt3_{family}.ready").exists():
             if time.monotonic() - t0 > JOIN_TIMEOUT_S / 2:
-                raise TimeoutError("the (2, 2) run's checkpoint did not appear")
+                raise TimeoutError(f"the (2, 2) run's checkpoint of {family} did not appear")
             time.sleep(0.2)
         mesh = build_mesh(ParallelDims(1, 2), timeout_s=TIMEOUT_S)
-        model = parallelize(_model("qwen3_moe"), mesh)
+        model = parallelize(_model(family), mesh)
         opt = _optimizer(model)
-        step = load_state(out4 / "ckpt3", model, opt)["step"]
+        step = load_state(out4 / f"ckpt3_{family}", model, opt)["step"]
         return {"start": step, "curve": ex.train(model, _batches()[step:], world_size=2, row_rank=rank,
                                                  optimizer=opt, first_step=step + 1)}
-    pools.run_case(res, "resume_1x2", resume)
+    for family in RESUMED:
+        pools.run_case(res, f"resume_1x2_{family}", functools.partial(resume, family))
     return res
 
 
@@ -159,12 +166,13 @@ def runs():
             trained[family] = model
         results = run.wait(None, JOIN_TIMEOUT_S)
         parent = {}
-        if (tmp / "mesh4" / "ckpt3.ready").exists():  # one process, no process group
-            model = _model("qwen3_moe")
-            opt = _optimizer(model)
-            step = load_state(tmp / "mesh4" / "ckpt3", model, opt)["step"]
-            parent["resume_one"] = {"start": step, "curve": ex.train(model, batches[step:], optimizer=opt,
-                                                                     first_step=step + 1)}
+        for family in RESUMED:
+            if (tmp / "mesh4" / f"ckpt3_{family}.ready").exists():  # one process, no process group
+                model = _model(family)
+                opt = _optimizer(model)
+                step = load_state(tmp / "mesh4" / f"ckpt3_{family}", model, opt)["step"]
+                parent[f"resume_one_{family}"] = {"start": step, "curve": ex.train(
+                    model, batches[step:], optimizer=opt, first_step=step + 1)}
         if (tmp / "mesh4" / "hf" / "config.json").exists():
             plain = transformers.AutoModelForCausalLM.from_pretrained(tmp / "mesh4" / "hf", dtype=torch.float32)
             x = batches[0][0]
@@ -186,12 +194,13 @@ def test_converted_model_trains_on_the_mesh_as_in_one_process(runs, family, layo
         _assert_curve(res["curve"], runs["ref"][family], f"{family} ({dp}, {ep}) rank {r}")
 
 
-def test_checkpoint_saved_on_2x2_resumes_on_1x2_and_in_one_process(runs):
-    expected = runs["ref"]["qwen3_moe"][SAVE_AT:]
-    for r, res in enumerate(pools.case_results(runs["results"], "mesh2", "resume_1x2")):
+@pytest.mark.parametrize("family", RESUMED)
+def test_checkpoint_saved_on_2x2_resumes_on_1x2_and_in_one_process(runs, family):
+    expected = runs["ref"][family][SAVE_AT:]
+    for r, res in enumerate(pools.case_results(runs["results"], "mesh2", f"resume_1x2_{family}")):
         assert res["start"] == SAVE_AT
-        _assert_curve(res["curve"], expected, f"resume (1, 2) rank {r}")
-    one = runs["parent"].get("resume_one")
+        _assert_curve(res["curve"], expected, f"{family}: resume (1, 2) rank {r}")
+    one = runs["parent"].get(f"resume_one_{family}")
     assert one is not None, "the (2, 2) run wrote no checkpoint"
     assert one["start"] == SAVE_AT
     _assert_curve(one["curve"], expected, "resume in one process")
