@@ -8,6 +8,8 @@
     tokens      folders of pre-tokenized shards (nanoGPT's .bin / .npy), read lazily; their meta.json
     tokenize    ``mode tokenize``: text to such shards with a Hugging Face tokenizer.json
     checkpoint  the single-file checkpoint format and atomic writes
+    preempt     SIGTERM: finish the step, save, exit 143 (``Preemption``, ``EXIT_PREEMPTED``)
+    faults      fault injection for tests and benchmarks (``MODE_TEST_FAULT``)
 
 This package imports the library core and ``mode.measure``, never ``mode.parallel`` (docs/architecture.md).
 """

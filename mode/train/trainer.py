@@ -13,6 +13,10 @@ atomically and read back without running code from them: one file in the format 
 in one process, a sharded folder on a mesh (``mode.parallel.checkpoint``); either resumes either kind of
 run. docs/checkpoints.md.
 
+Preemption: with ``trainer.preemption`` set (``mode.train.preempt.Preemption``, whose ``requested`` turns True on
+SIGTERM), every rank reads the flag at the end of each step, the step's one all-reduce sums it, and ``run()``
+stops after that same step on every rank, saves, and returns with ``trainer.preempted`` True.
+
 Shape legend: B global batch, b = B / W rows per process (W processes; one process: b = B), S sequence.
 """
 
