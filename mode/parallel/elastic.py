@@ -10,7 +10,7 @@ Why a restarted group failed to start (torch 2.13, gloo; NCCL likewise, issue py
     restarted rank that asks for a peer's address (gloo's ``connectFullMesh``) can read the one the dead
     attempt left, before the restarted peer overwrites it, and fails with ``Connection refused``. A plain
     script that makes one group usually wins that race; ``mode train``, which makes the mesh's sub-groups
-    right after, loses it.
+    right after, lost it in every restart tried here (torchrun --max-restarts 1, kill -9 of rank 1).
 
 The fix (ours)
     ``attempt_store`` wraps the agent's store in a ``PrefixStore`` named after the attempt
