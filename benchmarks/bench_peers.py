@@ -4,12 +4,14 @@
     PYTHONPATH=. python benchmarks/bench_peers.py --quick           # tiny sizes, seconds (the smoke test)
     PYTHONPATH=. python benchmarks/bench_peers.py --device cuda     # the same on a GPU (cuda:N, auto also work)
     PYTHONPATH=. python benchmarks/bench_peers.py --threads 1 --precision bf16   # mixed precision (peers_bf16.json)
-    PYTHONPATH=. python benchmarks/bench_peers.py --threads 1 --families  # Qwen2/Qwen3/DeepSeek-V3 blocks vs ours
+    PYTHONPATH=. python benchmarks/bench_peers.py --threads 1 --families  # transformers' blocks vs ours
+    PYTHONPATH=. python benchmarks/bench_peers.py --threads 1 --families --precision bf16
 
-``--families``: transformers' own ``Qwen2MoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock`` and ``DeepseekV3MoE``
-(``experts_implementation="grouped_mm"``, random weights) against mode's layer configured as each
+``--families``: one transformers block per router kind (Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, DeepSeek-V2,
+ERNIE-4.5, LFM2-MoE, Granite-MoE, gpt-oss, Llama-4, LongCat-Flash; ``experts_implementation="grouped_mm"``
+where the family has it, random weights) against mode's layer configured as each
 (``mode.hf.moe_blocks.from_block``: the same function, checked before timing); ratio = mode's time / the
-block's in the same round. Writes peers_families.json.
+block's in the same round, float32 or both under bfloat16 autocast. Writes peers_families[_bf16].json.
 
 Implementations (D=512, 4096 tokens, top-2 SwiGLU experts, float32; 8 experts of hidden 1024 and 64 of 256):
     mode            ``MoELayer`` (token choice, softmax, top-2, renormalised), backend "auto" and "reference",
@@ -76,6 +78,7 @@ TOP_K = 2
 INSTALL = 'pip install "mode-torch[peers]"'
 # float32 implementations must agree with mode to this (observed: 0 or ~1e-7; summation order may differ)
 FLOAT32_TOL = 1e-4
+BF16_TOL = 5e-2  # relative to the largest output or input-gradient value
 # bf16 implementations must agree with mode's float32 output to this, relative to its largest value (bf16 has
 # 8 significant bits: ~4e-3 per rounding, a few roundings deep)
 BF16_REL_TOL = 5e-2
@@ -396,59 +399,94 @@ FAMILY_SHAPES = {"full": dict(tokens=4096, d_model=512, experts=64, hidden=256, 
                                warmup=1, repeats=3)}
 
 
+class FirstOutput(nn.Module):
+    """A block whose forward returns a pair (gpt-oss, Llama-4: (output, router scores or logits)), as a tensor."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block(x)[0].view(x.shape)  # Llama-4 returns (T, D)
+
+
 def family_blocks(shape: dict) -> dict[str, tuple[nn.Module, object]]:
-    """The three transformers blocks at ``shape`` (random weights), with their configs."""
-    from transformers import DeepseekV3Config, Qwen2MoeConfig, Qwen3MoeConfig
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    """One transformers block per router kind at ``shape`` (random weights), with its config."""
+    import importlib
+
+    from transformers import AutoConfig
 
     d, e, h, k = shape["d_model"], shape["experts"], shape["hidden"], shape["top_k"]
+    groups = dict(n_group=shape["n_group"], topk_group=shape["topk_group"])
     common = dict(hidden_size=d, moe_intermediate_size=h, num_experts_per_tok=k, experts_implementation="grouped_mm")
-    configs = {
-        "Qwen3-MoE": (Qwen3MoeSparseMoeBlock, Qwen3MoeConfig(num_experts=e, norm_topk_prob=True, **common)),
-        "Qwen2-MoE": (Qwen2MoeSparseMoeBlock, Qwen2MoeConfig(num_experts=e, shared_expert_intermediate_size=4 * h,
-                                                             norm_topk_prob=False, **common)),
-        "DeepSeek-V3": (DeepseekV3MoE, DeepseekV3Config(n_routed_experts=e, n_group=shape["n_group"],
-                                                        topk_group=shape["topk_group"], n_shared_experts=1,
-                                                        routed_scaling_factor=2.5, norm_topk_prob=True, **common)),
+    # name -> (model type, module, block class, config fields): the router kinds of mode.hf.moe_families
+    kinds = {
+        "Qwen3-MoE": ("qwen3_moe", "qwen3_moe", "Qwen3MoeSparseMoeBlock", dict(num_experts=e, norm_topk_prob=True)),
+        "Qwen2-MoE": ("qwen2_moe", "qwen2_moe", "Qwen2MoeSparseMoeBlock",
+                      dict(num_experts=e, shared_expert_intermediate_size=4 * h, norm_topk_prob=False)),
+        "DeepSeek-V3": ("deepseek_v3", "deepseek_v3", "DeepseekV3MoE",
+                        dict(n_routed_experts=e, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                             **groups)),
+        "DeepSeek-V2": ("deepseek_v2", "deepseek_v2", "DeepseekV2Moe",
+                        dict(n_routed_experts=e, n_shared_experts=1, routed_scaling_factor=2.5,
+                             topk_method="group_limited_greedy", **groups)),
+        "ERNIE-4.5": ("ernie4_5_moe", "ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock",
+                      dict(moe_num_experts=e, moe_k=k, moe_num_shared_experts=0)),
+        "LFM2-MoE": ("lfm2_moe", "lfm2_moe", "Lfm2MoeSparseMoeBlock",
+                     dict(num_experts=e, use_expert_bias=True, norm_topk_prob=True, routed_scaling_factor=1.0)),
+        "Granite-MoE": ("granitemoe", "granitemoe", "GraniteMoeMoE",
+                        dict(num_local_experts=e, intermediate_size=h)),
+        "gpt-oss": ("gpt_oss", "gpt_oss", "GptOssMLP", dict(num_local_experts=e, intermediate_size=h)),
+        "Llama-4": ("llama4_text", "llama4", "Llama4TextMoe", dict(num_local_experts=e, intermediate_size=h)),
+        "LongCat-Flash": ("longcat_flash", "longcat_flash", "LongcatFlashMoE",
+                          dict(n_routed_experts=e, zero_expert_num=e // 2, expert_ffn_hidden_size=h,
+                               routed_scaling_factor=6.0)),
     }
     out = {}
     g = torch.Generator().manual_seed(0)
-    for name, (cls, config) in configs.items():
+    for name, (model_type, module, block_name, fields) in kinds.items():
+        config = AutoConfig.for_model(model_type, **common, **fields)
+        config = config.get_text_config(decoder=True)
+        cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), block_name)
         block = cls(config)
         with torch.no_grad():  # transformers initialises some weights to zero: random ones exercise every path
             for pname, t in [*block.named_parameters(), *block.named_buffers()]:
-                t.copy_(torch.randn(t.shape, generator=g) * (0.05 if "bias" in pname else t.shape[-1] ** -0.5))
+                if t.is_floating_point():
+                    t.copy_(torch.randn(t.shape, generator=g) * (0.05 if "bias" in pname else t.shape[-1] ** -0.5))
         out[name] = (block, config)
     return out
 
 
-def bench_families(shape: dict, device: torch.device, seed: int) -> list[dict]:
-    """Each transformers block against mode's layer configured as it: agreement, then interleaved timing."""
+def bench_families(shape: dict, device: torch.device, seed: int, bf16: bool = False) -> list[dict]:
+    """Each transformers block against mode's layer configured as it: agreement, then interleaved timing,
+    in float32 or under bfloat16 autocast (both sides alike)."""
     from mode.hf.moe_blocks import from_block
 
     torch.manual_seed(seed)
     x = torch.randn(1, shape["tokens"], shape["d_model"], device=device, requires_grad=True)
     g = torch.randn_like(x)
+    tol = BF16_TOL if bf16 else FLOAT32_TOL
     rows = []
     for name, (block, config) in family_blocks(shape).items():
         block = block.to(device)
         ours = from_block(block, config)
-        y_b, dx_b = (t.clone() for t in make_step(block, x, g, False)())
-        y_m, dx_m = make_step(ours, x, g, True, with_aux=False)()
+        theirs = FirstOutput(block) if type(block).__name__ in ("GptOssMLP", "Llama4TextMoe") else block
+        y_b, dx_b = (t.clone() for t in make_step(theirs, x, g, False, bf16=bf16)())
+        y_m, dx_m = make_step(ours, x, g, True, with_aux=False, bf16=bf16)()
         dy, ddx = max_abs_diff(y_m, y_b), max_abs_diff(dx_m, dx_b)
-        timing = time_interleaved({"mode": make_step(ours, x, g, True, with_aux=False),
-                                   "transformers": make_step(block, x, g, False)}, "transformers",
+        scale = max(float(y_b.float().abs().max()), float(dx_b.float().abs().max()), 1e-6)
+        timing = time_interleaved({"mode": make_step(ours, x, g, True, with_aux=False, bf16=bf16),
+                                   "transformers": make_step(theirs, x, g, False, bf16=bf16)}, "transformers",
                                   warmup=shape["warmup"], repeats=shape["repeats"], device=device)
-        rows.append(dict(family=name, tokens=shape["tokens"], d_model=shape["d_model"], experts=shape["experts"],
-                         hidden=shape["hidden"], top_k=shape["top_k"], max_abs_diff_y=dy, max_abs_diff_dx=ddx,
-                         agrees=bool(dy <= FLOAT32_TOL and ddx <= FLOAT32_TOL),
+        rows.append(dict(family=name, precision="bf16" if bf16 else "float32", tokens=shape["tokens"],
+                         d_model=shape["d_model"], experts=shape["experts"], hidden=shape["hidden"],
+                         top_k=shape["top_k"], max_abs_diff_y=dy, max_abs_diff_dx=ddx,
+                         agrees=bool(max(dy, ddx) <= tol * (scale if bf16 else 1.0)),
                          mode_over_transformers=timing["mode"]["ratio_median"],
                          spread=f"{timing['mode']['ratio_min']:.2f}-{timing['mode']['ratio_max']:.2f}",
                          mode_ms=1e3 * timing["mode"]["s_median"],
                          transformers_ms=1e3 * timing["transformers"]["s_median"]))
-        print(f"  {name:<12} mode / transformers {rows[-1]['mode_over_transformers']:.3f}  |dy| {dy:.1e}  "
+        print(f"  {name:<14} mode / transformers {rows[-1]['mode_over_transformers']:.3f}  |dy| {dy:.1e}  "
               f"|dx| {ddx:.1e}", file=sys.stderr, flush=True)
     return rows
 
@@ -459,17 +497,20 @@ def main_families(args, device: torch.device) -> dict:
         shape = {**shape, "repeats": args.repeats}
     info = machine_info(device)
     info["versions"] = {dist: _version(dist) for dist in ("mode-torch", "transformers")}
-    rows = bench_families(shape, device, args.seed)
+    bf16 = args.precision == "bf16"
+    rows = bench_families(shape, device, args.seed, bf16=bf16)
     print()
-    print_table(rows, [("family", "transformers block", ""), ("mode_over_transformers", "mode / block", ".3f"),
+    print_table(rows, [("family", "transformers block", ""), ("agrees", "agrees", ""),
+                       ("mode_over_transformers", "mode / block", ".3f"),
                        ("spread", "min-max", ""), ("mode_ms", "mode ms", ".1f"), ("transformers_ms", "block ms", ".1f"),
                        ("max_abs_diff_y", "max |dy|", ".1e"), ("max_abs_diff_dx", "max |dx|", ".1e")])
     payload = dict(benchmark="bench_peers --families",
                    command=" ".join(["bench_peers.py"] + sys.argv[1:]), shape=shape, device=str(device),
                    machine=info, notes="forward + backward of <y, g>, no aux losses; ratio = mode's wall time / "
-                                       "the transformers block's in the same round, median over rounds",
+                                       "the transformers block's in the same round, median over rounds; bf16: "
+                                       "both under bfloat16 autocast, agreement within 5e-2 of the largest value",
                    results=rows)
-    stem = "peers_families" + ("_quick" if args.quick else "")
+    stem = "peers_families" + ("_bf16" if bf16 else "") + ("_quick" if args.quick else "")
     path = write_json(Path(args.out or ROOT / "benchmarks" / "results" / f"{stem}.json"), payload)
     print(f"\nwrote {path}", file=sys.stderr)
     return payload
@@ -495,7 +536,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--precision", choices=("float32", "bf16"), default="float32",
                    help="bf16: everything under bfloat16 autocast, beside mode and the dense MLP in float32")
     p.add_argument("--families", action="store_true",
-                   help="transformers' Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 blocks against mode configured as each")
+                   help="one transformers MoE block per router kind against mode configured as each (float32, or "
+                        "--precision bf16)")
     add_device_arg(p)
     add_malloc_arg(p)
     args = p.parse_args(argv)
