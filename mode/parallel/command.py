@@ -101,7 +101,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "meta device, each rank materializes its shards only, with the same values; "
                         "docs/distributed.md)")
     p.add_argument("--keep", type=int, default=1, metavar="K",
-                   help="on a mesh, keep the K newest complete checkpoints (default 1); resuming skips a newest "
+                   help="keep the K newest complete checkpoints (default 1; one process: OUT/ckpt.pt and "
+                        "OUT/ckpt-step-N.pt); resuming skips a newest "
                         "one that fails its checksums or was never completed, with a warning, and uses the one "
                         "before (docs/distributed.md, 'When a rank dies')")
     p.add_argument("--grace-s", type=float, default=preempt.DEFAULT_GRACE_S, metavar="SECONDS",
@@ -150,11 +151,12 @@ def find_checkpoint(out: str | Path, prefer_sharded: bool = False) -> Path | Non
     kinds: the one this run writes (``prefer_sharded``: a mesh) first, as ``Trainer.load`` looks."""
     from mode.parallel.checkpoint import LATEST, is_complete, saves
     from mode.parallel.runtime import MeshRuntime
-    from mode.train.runtime import OneProcess
+    from mode.train.runtime import OneProcess, kept_checkpoints
 
     single, sharded = Path(out) / OneProcess.checkpoint_name, Path(out) / MeshRuntime.checkpoint_name
     complete = sharded.is_dir() and ((sharded / LATEST).is_file() or any(map(is_complete, saves(sharded))))
-    found = [path for path, ok in ((single, single.is_file()), (sharded, complete)) if ok]
+    found = [path for path, ok in ((single, single.is_file() or bool(kept_checkpoints(single))), (sharded, complete))
+             if ok]
     if prefer_sharded:
         found.reverse()
     return found[0] if found else None
@@ -261,9 +263,10 @@ def run(args) -> int:
 
             runtime = MeshRuntime(mesh, ctx.timeout_s, dedup=args.dedup_rows, async_save=args.async_save,
                                   meta_init=not args.eager_init, keep=args.keep)
-        elif args.keep != 1:
-            raise ValueError(f"--keep={args.keep}: one process writes one checkpoint file (OUT/ckpt.pt); --keep "
-                             "applies to the sharded checkpoints of a run under torchrun")
+        else:
+            from mode.train.runtime import OneProcess, resolve_device
+
+            runtime = OneProcess(resolve_device(device), keep=args.keep)  # keep > 1: OUT/ckpt-step-*.pt too
         trainer = Trainer(model_cfg, train_cfg, corpus, args.out, name="train", progress=not args.no_progress,
                           runtime=runtime, device=device, bf16=args.bf16, compile=args.compile,
                           timeout_s=None if ctx is None else ctx.timeout_s)

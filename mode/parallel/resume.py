@@ -3,7 +3,8 @@ completed, is skipped with a warning naming it, and the one before is used.
 
     candidates(path)         what to try, newest first: the complete saves of a sharded folder (those with a
                              ``SHA256SUMS``, written after every other file of the save; the one ``latest``
-                             names comes first at equal steps), or the single file itself
+                             names comes first at equal steps), or the single file and the older ones kept
+                             beside it (``ckpt-step-NNNNNNNN.pt``, ``OneProcess(keep=K)``)
     load_newest(trainer, …)  ``trainer.load`` each in turn until one loads; every failure that is the file's
                              fault (``CheckpointError``: a checksum, a truncated or missing file) is a warning
                              and the next is tried; any other error (a different model: a user mistake) is
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from mode.parallel import checkpoint as sharded
 from mode.train import checkpoint
+from mode.train.runtime import kept_checkpoints, link_or_copy
 
 BAD_PREFIX = "bad-"  # a save that failed to load, moved aside: no longer a ``step-*`` folder
 
@@ -33,8 +35,11 @@ BAD_PREFIX = "bad-"  # a save that failed to load, moved aside: no longer a ``st
 def candidates(path: str | Path) -> list[Path]:
     """The checkpoints to try for ``path``, newest first (see the module docstring)."""
     path = Path(path)
-    if not path.is_dir() or (path / ".metadata").is_file():
-        return [path]  # a single file, or one save folder named explicitly
+    if (path / ".metadata").is_file():
+        return [path]  # one save folder named explicitly
+    if not path.is_dir():  # a single file, and those kept beside it (the newest is a link to it: a bad one is
+        kept = kept_checkpoints(path)  # skipped twice, and both are moved aside)
+        return ([path] if path.is_file() or not kept else []) + kept
     named = (path / sharded.LATEST).read_text().strip() if (path / sharded.LATEST).is_file() else None
     found = [f for f in sharded.saves(path) if sharded.is_complete(f) or f.name == named]  # named: a pre-checksum save
     return found or [path]  # none: the folder itself, whose load names what is missing
@@ -73,14 +78,18 @@ def load_newest(trainer, path: str | Path, rank: int = 0, fresh_if_none: bool = 
 
 
 def _set_aside(path: Path, loaded: Path | None, bad: list[Path]) -> None:
-    """Rank 0: rename each bad checkpoint (a save of the sharded folder ``path``, or the file ``path``) to
-    ``bad-<name>``; point ``latest`` at ``loaded`` (None: nothing loaded, ``latest`` removed)."""
+    """Rank 0: rename each bad checkpoint (a save of the sharded folder ``path``, or the file ``path`` and the
+    files kept beside it) to ``bad-<name>``; make ``latest`` name ``loaded``, or the file ``path`` be it (None:
+    nothing loaded, ``latest`` removed)."""
     for b in bad:
-        if b.exists() and (b == path and b.is_file() or b.parent == path and b.name.startswith(sharded.STEP_PREFIX)):
+        if b.is_file() and b.parent == path.parent or b.parent == path and b.name.startswith(sharded.STEP_PREFIX):
             try:
                 os.replace(b, b.parent / f"{BAD_PREFIX}{b.name}")
             except OSError:
                 pass  # left in place: the next resume skips it again
+    if loaded is not None and loaded.is_file() and loaded != path:
+        link_or_copy(loaded, path)  # OUT/ckpt.pt is the checkpoint resumed from, should this run die now
+        return
     latest = path / sharded.LATEST
     if loaded is not None and loaded.parent == path:
         checkpoint.atomic_write_text(latest, loaded.name + "\n")

@@ -24,6 +24,8 @@ must materialize it (``MeshRuntime``: its shards only, with the eager build's va
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -125,17 +127,44 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def kept_checkpoints(path: Path) -> list[Path]:
+    """The older single-file checkpoints kept beside ``path`` (``ckpt.pt`` -> ``ckpt-step-00000060.pt``), newest
+    (highest step) first."""
+    found = []
+    for f in path.parent.glob(f"{path.stem}-step-*{path.suffix}"):
+        digits = f.name[len(path.stem) + len("-step-"):-len(path.suffix) or None]
+        if digits.isdigit():
+            found.append((int(digits), f))
+    return [f for _, f in sorted(found, reverse=True)]
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` becomes ``src``'s content, atomically: a hard link (no second copy on disk) or, where the file
+    system has none, a copy, made under a temporary name and renamed over ``dst``."""
+    tmp = dst.parent / f".{dst.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        os.link(src, tmp)
+    except OSError:
+        checkpoint.atomic_write(tmp, src.read_bytes())
+    os.replace(tmp, dst)
+
+
 class OneProcess:
     """The trainer's runtime in one process without a mesh (``mode compare``, ``mode isoflop``, notebooks):
     nothing to communicate, and it never imports ``torch.distributed``. Checkpoints are written as single
     files; reading takes either kind (``mode.train.checkpoint.load_checkpoint``: a sharded folder through
-    the reader ``mode.parallel`` registers)."""
+    the reader ``mode.parallel`` registers). ``keep`` > 1: each save is also kept as ``ckpt-step-NNNNNNNN.pt``
+    (a hard link of ``ckpt.pt``: no second copy), the ``keep`` newest of them, for ``mode.parallel.resume`` to
+    fall back to."""
 
     world_size, rank = 1, 0
     checkpoint_name = "ckpt.pt"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, keep: int = 1):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep={keep!r}: must be an int >= 1 (how many checkpoints to keep)")
         self.device = device
+        self.keep = keep
 
     def describe(self) -> str:
         return f"one process on {self.device}"
@@ -173,8 +202,13 @@ class OneProcess:
         return acc
 
     def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> Path:
-        return checkpoint.save_checkpoint(path, {**meta, "model": model.state_dict(),
+        path = checkpoint.save_checkpoint(path, {**meta, "model": model.state_dict(),
                                                  "optimizer": optimizer.state_dict()})
+        if self.keep > 1:
+            link_or_copy(path, path.with_name(f"{path.stem}-step-{meta['step']:08d}{path.suffix}"))
+            for old in kept_checkpoints(path)[self.keep:]:
+                old.unlink(missing_ok=True)
+        return path
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, check: Callable) -> dict:
         where = f"checkpoint {str(path)!r}"
