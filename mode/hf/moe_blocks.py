@@ -67,9 +67,15 @@ def check_config(config, spec: Family | None = None) -> None:
         raise ValueError(f"{field}={getattr(config, field)!r}: mode's SwiGLU experts use silu")
 
 
-def jitter_of(block: nn.Module, config, spec: Family) -> float:
-    """The block's training-time routing noise (0.0: none): ``ConvertedMoE`` refuses to train with it on."""
-    return max([float(read(v, block, config) or 0.0) for v in spec.jitter], default=0.0)
+def train_refusal(block: nn.Module, config, spec: Family) -> str | None:
+    """Why a training forward of the converted block must refuse (None: it trains exactly): the family's
+    training-time routing noise, when on, or a training rule mode does not compute."""
+    jitter = max([float(read(v, block, config) or 0.0) for v in spec.jitter], default=0.0)
+    if jitter > 0:
+        return (f"router jitter {jitter} is on, and mode's routers add no jitter: evaluation is exact, training "
+                "would not be; set the config's jitter to 0.0 (e.g. config.router_jitter_noise = 0.0) before "
+                "converting, or call model.eval()")
+    return spec.train_refusal
 
 
 def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef: float = 0.0, z_coef: float = 0.0,
@@ -92,6 +98,7 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
                    group_score=spec.group_score, renorm_eps=spec.renorm_eps,
                    renorm_min=float(read(spec.renorm_min, block, config) or 0.0),
                    logit_bias=spec.router_bias is not None,
+                   mixer_eps=float(read(spec.mixer_eps, block, config) or 0.0),
                    bias_balance=spec.choice_bias is not None and _get(block, spec.choice_bias) is not None)
     if noop_target is not None:
         options["noop_target"] = noop_target

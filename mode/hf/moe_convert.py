@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from mode.hf.moe_blocks import FAMILIES, adopt_block, hf_names, jitter_of
+from mode.hf.moe_blocks import FAMILIES, adopt_block, hf_names, train_refusal
 from mode.hf.moe_families import FAMILIES as SPECS, REFUSED
 from mode.hf.routing import collect_aux
 from mode.hf.upcycle import MoESlot, upcycled_mlps
@@ -60,11 +60,12 @@ class ConvertedMoE(MoESlot):
     None)`` where the family's decoder layer unpacks a pair: gpt-oss, Llama-4) as the decoder layer calls it.
     ``family``: the model type; ``names``: the layer's state-dict name -> the block's; ``router_logits``: the
     family router's recording point (see the module docstring); ``unused``: the block's tensors its forward
-    never reads (name in the block -> tensor), kept in ``kept`` for the way back; ``jitter``: the family's
-    training-time routing noise, which a training forward refuses (evaluation is exact)."""
+    never reads (name in the block -> tensor), kept in ``kept`` for the way back; ``train_refusal``: why a
+    training forward refuses (router jitter on, PhiMoE's sampled routing; evaluation is exact), or None."""
 
     def __init__(self, moe: MoELayer, family: str, names: dict[str, str], router_logits: nn.Module | None,
-                 unused: dict[str, Tensor] | None = None, jitter: float = 0.0, point_name: str = "router_logits"):
+                 unused: dict[str, Tensor] | None = None, train_refusal: str | None = None,
+                 point_name: str = "router_logits"):
         super().__init__(moe)
         self.family = family
         self.names = dict(names)
@@ -84,14 +85,12 @@ class ConvertedMoE(MoESlot):
                     self.kept.register_buffer(_kept_name(name), t)
         self.kept_names = {"kept." + _kept_name(n): n for n in (unused or {})
                            if n not in self.joins and not n.endswith(".rest")}
-        self.jitter = jitter
+        self.train_refusal = train_refusal
         self.returns_tuple = SPECS[family].returns_tuple
 
     def forward(self, x_BSD: Tensor):
-        if self.jitter > 0 and self.training:
-            raise ValueError(f"{self.family}: router jitter {self.jitter} is on, and mode's routers add no jitter: "
-                             "evaluation is exact, training would not be; set the config's jitter to 0.0 (e.g. "
-                             "config.router_jitter_noise = 0.0) before converting, or call model.eval()")
+        if self.train_refusal is not None and self.training:
+            raise ValueError(f"{self.family}: a training forward is refused: {self.train_refusal}")
         plan = self.moe.router(x_BSD)
         point = getattr(self, self.point_name)
         if point is not None:
@@ -182,7 +181,7 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
         if recorder is not None and getattr(recorder, "layer_name", None):
             point_name = recorder.layer_name.split(".")[-1]
         slot = ConvertedMoE(layer, model_type, hf_names(layer, block, unused), point, unused,
-                            jitter_of(block, config, SPECS[model_type]), point_name)
+                            train_refusal(block, config, SPECS[model_type]), point_name)
         setattr(parent, name, slot)
     return model
 

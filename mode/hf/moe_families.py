@@ -84,6 +84,7 @@ class Family:
     scale: Any = 1.0
     groups: tuple | None = None  # (n_group, topk_group) as spec values; None: no group limit
     group_score: str = "top2"
+    mixer_eps: Any = 0.0  # score="sparsemixer" (PhiMoE): the relative logit gap of each slot's softmax
     choice_bias: str | None = None  # the selection-only bias, in the block
     experts: str = "experts"  # the experts module, in the block
     weights: tuple[str, str] = ("gate_up_proj", "down_proj")  # its input and output tensors
@@ -96,6 +97,7 @@ class Family:
     shared_average: Any = False  # Cohere2's "average": (routed + shared) / 2
     num_zero: Any = 0  # LongCat-Flash's zero-computation experts: "copy" no-op slots after the real ones
     jitter: tuple = ()  # spec values of training-time noise: converted, but a training forward with it on refuses
+    train_refusal: str | None = None  # why a training forward of the converted model refuses (eval is exact)
     returns_tuple: bool = False  # the decoder layer unpacks (output, something): gpt-oss, Llama-4
     unused: tuple[str, ...] = ()  # tensors of the block its forward never reads (kept for the way back)
 
@@ -133,6 +135,12 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_moe_text": Family("Qwen3_5MoeSparseMoeBlock", shared="shared_expert", shared_gate="shared_expert_gate"),
     "minimax": Family("MiniMaxSparseMoeBlock", jitter=(At("jitter_noise", 0.0),)),
     "jamba": Family("JambaSparseMoeBlock", router="router", renormalize=False),
+    # PhiMoE's sparsemixer: each slot's softmax over the logits near it; evaluation exact, training refused
+    "phimoe": Family("PhimoeSparseMoeBlock", router="router", score="sparsemixer", renormalize=False,
+                     mixer_eps=At("router.router_jitter_noise", 0.0), jitter=(At("input_jitter_noise", 0.0),),
+                     train_refusal="PhiMoE trains its router by Gumbel sampling with a Heun-style gradient "
+                                   "estimate (transformers' PhimoeMultiplier), which mode's deterministic "
+                                   "sparsemixer gates do not reproduce"),
     "hunyuan_v1_moe": Family("HunYuanMoEV1Moe", router_weight="wg.weight", shared="shared_mlp"),
     "ernie4_5_moe": Family("Ernie4_5_MoeSparseMoeBlock", renorm_min=At("gate.norm_min", 0.0),
                            choice_bias="gate.moe_statics.e_score_correction_bias", shared="shared_experts"),
@@ -188,8 +196,6 @@ REFUSED: dict[str, str] = {
                            "capacity-limited per sequence with dropped tokens",
     "nllb_moe": "an encoder-decoder model (mode.hf converts decoder-only causal LMs), with batch-prioritised "
                 "capacity routing and biased ReLU experts",
-    "phimoe": "PhiMoE's sparsemixer routing (a masked softmax per slot, Gumbel sampling and Heun-style gradients "
-              "in training) is not a mode router",
     "deepseek_v4": "DeepSeek-V4's hash-routed layers (experts chosen from input_ids) and mHC hyper-connections "
                    "are not mode routers",
     "dbrx": "DBRX's fused 2D expert weights (w1, v1, w2 of shape (E*F, D)) cannot be adopted without a copy",

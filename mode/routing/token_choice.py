@@ -26,6 +26,11 @@ The recipes of DeepSeek-V3 and Qwen-MoE (docs/routing.md), each off by default:
                    1e-20, LFM2 1e-6; ERNIE-4.5 clamps at ``moe_norm_min``)
     logit_bias     a learned bias on the logits (gpt-oss): part of the logits, so of the gates, the losses
                    and the recorded logits; unlike ``bias_X`` it is trained by the gradient
+    gate="sparsemixer", mixer_eps   PhiMoE's gates, deterministic (its evaluation rule): the k slots are
+                   chosen one after another by the largest remaining logit, and slot j's gate is the softmax,
+                   at that logit, over the remaining logits within a relative gap 2 * mixer_eps of it
+                   (``(m_j - s) / max(|s|, m_j) <= 2 eps``). PhiMoE's training samples the choice (Gumbel)
+                   and back-propagates a Heun estimate: not this (a converted PhiMoE refuses training)
     bias_balance   balancing without an auxiliary loss: a per-slot bias buffer ``bias_X`` is added to the
                    scores for *choosing* only (the gates come from the unbiased scores); training forwards
                    add their choice counts to ``load_X``, and ``mode.routing.bias_balance.update_expert_bias``
@@ -54,7 +59,7 @@ from mode.routing.losses import router_z_loss
 from mode.routing.capacity import ceil_of
 from mode.routing.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 
-GATES = ("softmax", "sigmoid", "sqrtsoftplus")  # sqrtsoftplus: sqrt(softplus(logit)), DeepSeek-V4
+GATES = ("softmax", "sigmoid", "sqrtsoftplus", "sparsemixer")  # sqrtsoftplus: DeepSeek-V4; sparsemixer: PhiMoE
 GROUP_SCORES = ("top2", "max")  # a group scores the sum of its two best experts (DeepSeek-V3) or its best (V2)
 BALANCE_SCOPES = ("batch", "sequence", "global")
 
@@ -78,6 +83,7 @@ class TokenChoiceConfig:
     n_group: int = 1  # device-limited routing: the real experts in n_group equal groups ...
     topk_group: int | None = None  # ... of which each token keeps its best topk_group (None: all of them)
     group_score: str = "top2"  # a group's score: the sum of its two best experts' scores, or the best ("max")
+    mixer_eps: float = 0.0  # gate="sparsemixer": the relative logit gap 2 * eps a slot's softmax spans
     bias_balance: bool = False  # aux-loss-free balancing (DeepSeek-V3): a bias on the scores for choosing
     bias_rate: float = 1e-3  # the bias update step (torchtitan's and Megatron's default)
     noop_target: float | None = None  # bias_balance with no-op slots: the share of choices to hold on them
@@ -105,6 +111,11 @@ class TokenChoiceConfig:
         if (self.renorm_eps or self.renorm_min) and not self.renormalize:
             raise ValueError(f"renorm_eps={self.renorm_eps}, renorm_min={self.renorm_min}: need renormalize=True")
         _checks.check_bool("logit_bias", self.logit_bias)
+        _checks.check_non_negative("mixer_eps", self.mixer_eps)
+        if self.gate == "sparsemixer" and (self.renormalize or self.bias_balance or self.n_group > 1):
+            raise ValueError(f"gate='sparsemixer': gives each slot its own gate, chosen by the logits alone (got "
+                             f"renormalize={self.renormalize}, bias_balance={self.bias_balance}, "
+                             f"n_group={self.n_group}: none of them applies)")
         _checks.check_choice("group_score", self.group_score, GROUP_SCORES)
         _checks.check_bool("check_finite", self.check_finite)
         _checks.check_positive("scale", self.scale)
@@ -212,13 +223,15 @@ class TokenChoiceRouter(nn.Module):
             logits_TX = F.linear(x_BSD.reshape(T, self.cfg.d_model).float(), self.weight.float(), bias_X)
             if self.cfg.check_finite:
                 _check_finite(logits_TX)
-            if self.cfg.gate == "softmax":
+            if self.cfg.gate in ("softmax", "sparsemixer"):
                 probs_TX = logits_TX.softmax(-1)
                 balance_probs_TX = probs_TX
             else:
                 probs_TX = logits_TX.sigmoid() if self.cfg.gate == "sigmoid" else F.softplus(logits_TX).sqrt()
                 balance_probs_TX = probs_TX / probs_TX.sum(-1, keepdim=True)
-            if self._choose_by_score:
+            if self.cfg.gate == "sparsemixer":
+                gate_TK, chosen_TK = _sparsemixer(logits_TX, K, self.cfg.mixer_eps)
+            elif self._choose_by_score:
                 gate_TK, chosen_TK = probs_TX.topk(K, dim=-1)
             else:  # the bias and the group limit change which slots are chosen, never the gate values
                 chosen_TK = self._choice_scores(probs_TX).topk(K, dim=-1).indices
@@ -306,6 +319,19 @@ class TokenChoiceRouter(nn.Module):
             counts = self.reduce_counts(torch.cat([requested_X.to(probs_TX.dtype), n]))  # one collective
             return _balance_loss(probs_TX, requested_X, K, valid_T, global_counts=counts)
         return _balance_loss(probs_TX, requested_X, K, valid_T)
+
+
+def _sparsemixer(logits_TX: Tensor, k: int, eps: float) -> tuple[Tensor, Tensor]:
+    """PhiMoE's sparsemixer gates, its evaluation rule (see the module docstring): (gate_TK, chosen_TK)."""
+    remaining_TX, gates, chosen = logits_TX, [], []
+    for _ in range(k):
+        top_T1, idx_T1 = remaining_TX.max(dim=-1, keepdim=True)
+        with torch.no_grad():
+            far_TX = (top_T1 - logits_TX) / logits_TX.abs().clamp(min=top_T1) > 2 * eps
+        gates.append(remaining_TX.masked_fill(far_TX, float("-inf")).softmax(-1).gather(-1, idx_T1))
+        chosen.append(idx_T1)
+        remaining_TX = remaining_TX.scatter(-1, idx_T1, float("-inf"))
+    return torch.cat(gates, -1), torch.cat(chosen, -1)
 
 
 def _check_finite(logits_TX: Tensor) -> None:

@@ -78,7 +78,8 @@ def test_converted_model_computes_the_original_on_its_own_tensors(family):
         assert slot.moe.router.weight is gate and bank_out is w_out
         assert bank_in is w_in or (bank_in.data_ptr() == w_in.data_ptr() and family == "longcat_flash")
     ids, mask = _batch()
-    for training in (True, False):
+    refuses = spec.train_refusal is not None  # PhiMoE: evaluation only (its training samples the routing)
+    for training in (False,) if refuses else (True, False):
         model.train(training)
         ref.train(training)
         out_ref = ref(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=True)
@@ -93,8 +94,8 @@ def test_converted_model_computes_the_original_on_its_own_tensors(family):
         assert len(out.router_logits) == len(out_ref.router_logits) == len(slots)
         for a, b in zip(out.router_logits, out_ref.router_logits):
             torch.testing.assert_close(a, b, **EXACT)
-    model.train()
-    ref.train()
+    model.train(not refuses)  # the gradients of evaluation mode, where training is refused
+    ref.train(not refuses)
     for m in (model, ref):
         m.zero_grad()
         m(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
@@ -163,6 +164,7 @@ def test_round_trip_to_a_plain_transformers_folder(tmp_path):
     expected = {}
     for family in CONVERTS:
         model = mh.to_mode_moe(mm.build(family))
+        model.train(SPECS[_model_type(family)].train_refusal is None)
         ids, mask = _batch()
         model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
         with torch.no_grad():
@@ -232,7 +234,7 @@ def test_refusals_name_what_is_missing():
     with pytest.raises(ValueError, match="model_type='llama'.*missing"):
         mh.to_mode_moe(transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)))
-    assert set(REFUSES) == {"deepseek_v4", "phimoe", "jetmoe", "dbrx"}  # each built here, each refused by name
+    assert set(REFUSES) == {"deepseek_v4", "jetmoe", "dbrx"}  # each built here, each refused by name
     for family in REFUSES:
         reason = REFUSED[_model_type(family)]
         with pytest.raises(ValueError, match=f"model_type='{_model_type(family)}'.*does not convert"):
@@ -253,7 +255,8 @@ def test_refusals_name_what_is_missing():
         mh.save_transformers(mm.build("olmoe"), "unused")
 
 
-@pytest.mark.parametrize("family,field", [("mixtral", "router_jitter_noise"), ("minimax_m2", "router_jitter_noise")])
+@pytest.mark.parametrize("family,field", [("mixtral", "router_jitter_noise"), ("minimax_m2", "router_jitter_noise"),
+                                          ("phimoe", "input_jitter_noise")])
 def test_router_jitter_converts_exact_in_eval_and_refuses_training(family, field):
     ref, model = _pair(family, **{field: 0.1})
     ids, mask = _batch()
@@ -292,3 +295,21 @@ def test_longcat_zero_experts_are_copy_noop_slots_held_at_a_budget_by_the_bias()
         shares.append(sum(float(s.noop) for s in stats) / sum(float(s.requested_X.sum()) for s in stats))
     assert shares[0] > 0.3  # left alone, a third of the choices go to the zero experts
     assert abs(sum(shares[30:]) / 30 - 0.2) < 0.02, shares
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.01, 0.3, 2.0])
+def test_phimoe_sparsemixer_exact_in_eval_at_every_gap_and_training_refused(eps):
+    """PhiMoE's router_jitter_noise is the sparsemixer's relative gap (Phi-3.5-MoE: 0.01), not noise in
+    evaluation: each slot's gate is a softmax over the logits within 2 eps of it. Training samples the choice
+    (Gumbel) with a custom gradient: the converted model refuses it."""
+    ref, model = _pair("phimoe", router_jitter_noise=eps)
+    ids, mask = _batch()
+    ref.eval()
+    model.eval()
+    out = model(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    out_ref = ref(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    torch.testing.assert_close(out.logits, out_ref.logits, **EXACT)
+    torch.testing.assert_close(out.aux_loss, out_ref.aux_loss, **EXACT)
+    model.train()
+    with pytest.raises(ValueError, match="phimoe: a training forward is refused: PhiMoE trains its router by Gumbel"):
+        model(input_ids=ids, attention_mask=mask)
