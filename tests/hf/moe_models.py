@@ -261,10 +261,11 @@ def config(family: str, **overrides):
                                        routed_scaling_factor=2.0, mlp_layer_types=["dense", "sparse"],
                                        index_n_heads=2, index_head_dim=8, index_block_size=4, index_topk_blocks=2,
                                        **common)
-    elif family == "nemotron_h":  # blocks: mamba2, MoE, attention (each its own layer)
+    elif family == "nemotron_h":  # blocks (one mixer per layer): mamba2, MoE, attention, dense MLP
         common = {k: v for k, v in common.items() if k != "num_hidden_layers"}
         common = {**common, "num_experts_per_tok": 4}
-        cfg = tf.NemotronHConfig(layers_block_type=["linear_attention", "moe", "full_attention"], intermediate_size=64,
+        cfg = tf.NemotronHConfig(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+                                 intermediate_size=64,
                                  n_routed_experts=16, n_group=4, topk_group=2, n_shared_experts=1,
                                  moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
                                  routed_scaling_factor=2.5, norm_topk_prob=True, head_dim=8, mamba_num_heads=8,
