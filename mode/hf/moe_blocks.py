@@ -20,9 +20,11 @@ per-token shared gate is the layer's ``shared_gate`` as it is.
 
 LongCat-Flash: its ``zero_expert_num`` zero-computation experts become "copy" no-op slots (``g * x``,
 mode.layers.noop) after the E real experts; its ``gate_up_proj`` has E + Z rows of which only the first E are
-read: the bank takes a view of those rows (the same storage) and the slot keeps the other Z (``unused``).
+read: the bank takes a view of those rows (the same storage) and the slot keeps the other Z (``Extras``).
+DBRX keeps its experts as 2D ``w1``, ``v1``, ``w2`` of shape (E * H, D): the bank gets one copy of them in its
+layout, and the way back reshapes it (``Extras.derived``).
 
-``block_names(layer, block, slot_tensors)`` maps each of the converted slot's state-dict names to the block's,
+``hf_names(layer, block, extras)`` maps each of the converted slot's state-dict names to the block's,
 by tensor identity, which is how a converted model is written back as a transformers checkpoint.
 
 The block's auxiliary losses are not part of its forward; ours come back in ``Aux`` with the coefficients
@@ -32,6 +34,9 @@ given (0 by default here).
 from __future__ import annotations
 
 import copy
+import functools
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -86,9 +91,13 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
     check_config(config, spec)
     experts, router = _get(block, spec.experts), _get(block, spec.router)
     w_out = getattr(experts, spec.weights[1])
-    num_experts, d_model = w_out.shape[0], config.hidden_size
-    d_hidden = w_out.shape[2] if spec.layout == "EFD" else w_out.shape[1]
     num_zero = int(read(spec.num_zero, block, config) or 0)
+    num_experts, d_model = _get(router, spec.router_weight).shape[0] - num_zero, config.hidden_size
+    if w_out.dim() == 2:  # DBRX: (E * H, D)
+        d_hidden = w_out.shape[0] // num_experts
+    else:
+        d_hidden = w_out.shape[2] if spec.layout == "EFD" else w_out.shape[1]
+    top_k = read(spec.top_k, block, config) if spec.top_k is not None else router.top_k
     groups = read(spec.groups, block, config)
     n_group, topk_group = (1, None) if groups is None else (int(read(g, block, config)) for g in groups)
     scale = float(read(spec.scale, block, config) or 1.0)
@@ -99,6 +108,7 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
                    renorm_min=float(read(spec.renorm_min, block, config) or 0.0),
                    logit_bias=spec.router_bias is not None,
                    mixer_eps=float(read(spec.mixer_eps, block, config) or 0.0),
+                   renorm_p=float(read(spec.renorm_p, block, config) or 1.0),
                    bias_balance=spec.choice_bias is not None and _get(block, spec.choice_bias) is not None)
     if noop_target is not None:
         options["noop_target"] = noop_target
@@ -106,11 +116,12 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
     if not renormalize:
         options.pop("renorm_eps")
         options.pop("renorm_min")
+        options.pop("renorm_p")
     expert_options = {k: read(v, block, config) for k, v in spec.expert_options.items()}
     shared_hidden = None
     if shared is not None:
         shared_hidden = next(p for p in shared.parameters()).shape[0]  # its gate (or first) projection's rows
-    return MoEConfig(d_model=d_model, d_hidden=d_hidden, num_experts=num_experts, top_k=int(router.top_k),
+    return MoEConfig(d_model=d_model, d_hidden=d_hidden, num_experts=num_experts, top_k=int(top_k),
                      num_noop=num_zero, noop_kinds="copy", gate=read(spec.score, block, config),
                      renormalize=renormalize, activation="swiglu", backend=backend, balance_coef=balance_coef,
                      z_coef=z_coef, expert_layout=spec.layout, router_options=options,
@@ -136,17 +147,75 @@ class SharedMLP(nn.Module):
 def _check_experts(block: nn.Module, spec: Family) -> None:
     experts = _get(block, spec.experts)
     names = sorted(name for name, _ in experts.named_parameters())
-    wanted = sorted([*spec.weights, *(spec.biases or ())])
+    wanted = sorted([*spec.weights, *spec.other_weights, *(spec.biases or ())])
     if names != wanted:
         raise ValueError(f"{type(block).__name__}.{spec.experts} holds {names}: the {family_of(block)} entry "
                          f"of mode.hf.moe_families adopts exactly {wanted}")
 
 
-def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, dict[str, Tensor]]:
+@dataclass
+class Extras:
+    """What a converted block keeps beside its ``MoELayer`` for the way back to transformers' names.
+
+    ``kept``: tensors of the block the layer does not hold (name in the block -> tensor: LongCat's unread
+    rows and classifier bias), which the slot registers as they are; ``derived``: the block's tensors that are
+    a function of the slot's (name in the block -> (slot-relative names, function)): LongCat's ``gate_up_proj``
+    is the bank's rows then the kept rest, DBRX's ``w1`` / ``v1`` / ``w2`` are reshapes of the bank's."""
+
+    kept: dict[str, Tensor] = field(default_factory=dict)
+    derived: dict[str, tuple[list[str], Callable]] = field(default_factory=dict)
+
+
+def kept_name(path: str) -> str:
+    """A block path as one attribute name of the slot's ``kept`` module."""
+    return path.replace(".", "__")
+
+
+def _cat0(*parts: Tensor) -> Tensor:
+    return torch.cat(parts, 0)
+
+
+def _adopt_rows(spec: Family, w_in: Tensor, num_experts: int, names: tuple[str, str], extras: Extras) -> Tensor:
+    """LongCat: ``gate_up_proj`` has rows past the real experts that nothing reads; the bank takes a view of
+    the first ``num_experts`` (the same storage), the slot keeps the rest."""
+    path = f"{spec.experts}.{spec.weights[0]}"
+    extras.kept[path + ".rest"] = w_in.detach()[num_experts:]
+    extras.derived[path] = ([f"moe.experts.{names[0]}", "kept." + kept_name(path + ".rest")], _cat0)
+    return nn.Parameter(w_in.detach()[:num_experts], requires_grad=w_in.requires_grad)
+
+
+def _dbrx_half(index: int, hidden: int, w_in_EDF: Tensor) -> Tensor:
+    """DBRX's ``w1`` (index 0) or ``v1`` (1), (E * H, D), from the bank's (E, D, 2H) input weight."""
+    return w_in_EDF[:, :, index * hidden:(index + 1) * hidden].transpose(1, 2).reshape(-1, w_in_EDF.shape[1])
+
+
+def _flatten_experts(w_EHD: Tensor) -> Tensor:
+    return w_EHD.reshape(-1, w_EHD.shape[-1])
+
+
+def _dbrx_tensors(experts: nn.Module, cfg: MoEConfig, names: tuple[str, str], extras: Extras,
+                  path: str) -> tuple[Tensor, Tensor]:
+    """DBRX's experts: ``w1`` (gate), ``v1`` (up), ``w2`` (down), each (E * H, D), used as x @ w1_e.T and
+    h @ w2_e. The bank ("EDF") gets ``[w1_e.T, v1_e.T]`` as one (E, D, 2H) copy and ``w2`` as an (E, H, D)
+    view; the way back slices and reshapes them."""
+    E, H, D = cfg.num_experts, cfg.d_hidden, cfg.d_model
+    w1, v1, w2 = experts.w1, experts.v1, experts.w2
+    w_in = torch.cat([w1.detach().view(E, H, D), v1.detach().view(E, H, D)], 1).transpose(1, 2).contiguous()
+    extras.derived[f"{path}.w1"] = ([f"moe.experts.{names[0]}"], functools.partial(_dbrx_half, 0, H))
+    extras.derived[f"{path}.v1"] = ([f"moe.experts.{names[0]}"], functools.partial(_dbrx_half, 1, H))
+    extras.derived[f"{path}.w2"] = ([f"moe.experts.{names[1]}"], _flatten_experts)
+    return (nn.Parameter(w_in, requires_grad=w1.requires_grad),
+            nn.Parameter(w2.detach().view(E, H, D), requires_grad=w2.requires_grad))
+
+
+TENSOR_RULES = {"dbrx": _dbrx_tensors}  # Family.tensors: a family whose expert tensors need reshaping
+
+
+def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, Extras]:
     """A ``MoELayer`` computing what ``block`` computes on the block's own tensors (no copy: a change to
-    one is a change to the other), and the block's tensors the layer does not hold (name in the block ->
-    tensor: LongCat's unread rows and classifier bias), which the converted slot keeps. ``config``: the
-    model's config (default: the block's own); ``kw`` go to ``moe_config``."""
+    one is a change to the other; DBRX's fused 2D weights are the one exception, copied once), and the
+    ``Extras`` the converted slot keeps for the way back. ``config``: the model's config (default: the
+    block's own); ``kw`` go to ``moe_config``."""
     family = family_of(block)
     spec = SPECS[family]
     config = config if config is not None else getattr(block, "config", None)
@@ -164,14 +233,14 @@ def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, dict[str
         router.bias_X = _get(block, spec.choice_bias)
     with torch.device("meta"):  # the experts' own tensors replace these: nothing is allocated
         bank = ExpertBank(cfg.expert_config())
-    w_in, w_out = (getattr(experts, n) for n in spec.weights)
-    unused = {}
-    if w_in.shape[0] != cfg.num_experts:  # LongCat: rows past E are never read
-        name = f"{spec.experts}.{spec.weights[0]}"
-        unused[name + ".rest"] = w_in.detach()[cfg.num_experts:]
-        w_in = nn.Parameter(w_in.detach()[:cfg.num_experts], requires_grad=w_in.requires_grad)
-        unused[name] = w_in  # marks the join: the block's tensor is this one then the rest
     names = ("w_in_EFD", "w_out_EDH") if spec.layout == "EFD" else ("w_in_EDF", "w_out_EHD")
+    extras = Extras()
+    if spec.tensors is not None:  # the family's own reshaping (DBRX)
+        w_in, w_out = TENSOR_RULES[spec.tensors](experts, cfg, names, extras, spec.experts)
+    else:
+        w_in, w_out = (getattr(experts, n) for n in spec.weights)
+        if w_in.shape[0] != cfg.num_experts:
+            w_in = _adopt_rows(spec, w_in, cfg.num_experts, names, extras)
     setattr(bank, names[0], w_in)
     setattr(bank, names[1], w_out)
     if spec.biases is not None:
@@ -179,23 +248,25 @@ def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, dict[str
     for path in spec.unused:
         t = _get(block, path)
         if t is not None:
-            unused[path] = t
+            extras.kept[path] = t
     shared = shared_gate = None
     if cfg.num_shared:
         average = bool(read(spec.shared_average, block, config))
         shared = SharedMLP(_get(block, spec.shared), 0.5 if average else 1.0)
         shared_gate = _get(block, spec.shared_gate) if cfg.shared_gate else None
     layer_cls = IntegratedMoDE if cfg.num_noop else MoELayer
-    return layer_cls(router, bank, None, shared, shared_gate, cfg.build_noop()), unused
+    return layer_cls(router, bank, None, shared, shared_gate, cfg.build_noop()), extras
 
 
-def hf_names(layer: MoELayer, block: nn.Module, unused: dict[str, Tensor] | None = None) -> dict[str, str]:
+def hf_names(layer: MoELayer, block: nn.Module, extras: Extras | None = None) -> dict[str, str]:
     """The layer's state-dict name -> the block's, for a layer made by ``adopt_block(block)``: the tensors
-    are the same objects. Every tensor of either must have its partner, or be in ``unused`` (else ValueError)."""
-    ours = {id(t): name for name, t in layer.state_dict(keep_vars=True).items()}
-    theirs = {id(t): name for name, t in block.state_dict(keep_vars=True).items()
-              if name not in (unused or {})}
-    ours = {i: n for i, n in ours.items() if i not in {id(t) for t in (unused or {}).values()}}
+    are the same objects. Every tensor of either must have its partner, or be accounted for by ``extras``
+    (kept or derived; else ValueError)."""
+    extras = extras if extras is not None else Extras()
+    derived_ours = {n.removeprefix("moe.") for parts, _ in extras.derived.values() for n in parts}
+    ours = {id(t): name for name, t in layer.state_dict(keep_vars=True).items() if name not in derived_ours}
+    skip = set(extras.kept) | set(extras.derived)
+    theirs = {id(t): name for name, t in block.state_dict(keep_vars=True).items() if name not in skip}
     if set(ours) != set(theirs):
         only_ours = sorted(ours[i] for i in set(ours) - set(theirs))
         only_theirs = sorted(theirs[i] for i in set(theirs) - set(ours))

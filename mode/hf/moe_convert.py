@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from mode.hf.moe_blocks import FAMILIES, adopt_block, hf_names, train_refusal
+from mode.hf.moe_blocks import FAMILIES, Extras, adopt_block, hf_names, kept_name, train_refusal
 from mode.hf.moe_families import FAMILIES as SPECS, REFUSED
 from mode.hf.routing import collect_aux
 from mode.hf.upcycle import MoESlot, upcycled_mlps
@@ -59,12 +59,12 @@ class ConvertedMoE(MoESlot):
     """A transformers sparse-MoE block computed by a ``MoELayer``: ``mlp(x_BSD) -> y_BSD`` (or ``(y_BSD,
     None)`` where the family's decoder layer unpacks a pair: gpt-oss, Llama-4) as the decoder layer calls it.
     ``family``: the model type; ``names``: the layer's state-dict name -> the block's; ``router_logits``: the
-    family router's recording point (see the module docstring); ``unused``: the block's tensors its forward
-    never reads (name in the block -> tensor), kept in ``kept`` for the way back; ``train_refusal``: why a
+    family router's recording point (see the module docstring); ``extras``: what the slot keeps for the way
+    back (``moe_blocks.Extras``: the block's unread tensors, and those derived from ours); ``train_refusal``: why a
     training forward refuses (router jitter on, PhiMoE's sampled routing; evaluation is exact), or None."""
 
     def __init__(self, moe: MoELayer, family: str, names: dict[str, str], router_logits: nn.Module | None,
-                 unused: dict[str, Tensor] | None = None, train_refusal: str | None = None,
+                 extras: Extras | None = None, train_refusal: str | None = None,
                  point_name: str = "router_logits"):
         super().__init__(moe)
         self.family = family
@@ -72,19 +72,15 @@ class ConvertedMoE(MoESlot):
         # a recorder that matches by module name (MiniMax: "mlp.gate") finds the point under that name
         self.point_name = point_name
         setattr(self, point_name, router_logits)
-        self.kept = nn.Module()
-        self.joins: dict[str, list[str]] = {}  # the block's name -> ours, concatenated on dim 0 (LongCat)
-        for name, t in (unused or {}).items():
-            if name + ".rest" in (unused or {}):  # the rows the layer reads: a view the bank holds
-                ours = next(k for k, v in moe.state_dict(keep_vars=True).items() if v is t)
-                self.joins[name] = [f"moe.{ours}", "kept." + _kept_name(name + ".rest")]
-            elif name.endswith(".rest"):
-                self.kept.register_buffer(_kept_name(name), t)
+        extras = extras if extras is not None else Extras()
+        self.kept = nn.Module()  # the block's tensors the layer does not hold, as they are
+        for path, t in extras.kept.items():
+            if isinstance(t, nn.Parameter):
+                self.kept.register_parameter(kept_name(path), t)
             else:
-                self.kept.register_parameter(_kept_name(name), t) if isinstance(t, nn.Parameter) else \
-                    self.kept.register_buffer(_kept_name(name), t)
-        self.kept_names = {"kept." + _kept_name(n): n for n in (unused or {})
-                           if n not in self.joins and not n.endswith(".rest")}
+                self.kept.register_buffer(kept_name(path), t)
+        self.kept_names = {"kept." + kept_name(p): p for p in extras.kept if not p.endswith(".rest")}
+        self.derived = dict(extras.derived)  # the block's name -> (our slot-relative names, function)
         self.train_refusal = train_refusal
         self.returns_tuple = SPECS[family].returns_tuple
 
@@ -99,9 +95,6 @@ class ConvertedMoE(MoESlot):
         y_BSD = y_BSD.to(x_BSD.dtype)
         return (y_BSD, None) if self.returns_tuple else y_BSD
 
-
-def _kept_name(path: str) -> str:
-    return path.replace(".", "__")
 
 
 @functools.cache
@@ -168,7 +161,7 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
     # (the base model inside a *ForCausalLM): after that, a new recording point gets its hook from us
     hooked = any(getattr(m, "_output_capturing_hooks_installed", False) for m in model.modules())
     for parent, name, block in blocks:
-        layer, unused = adopt_block(block, config, backend=backend, balance_coef=balance_coef, z_coef=z_coef,
+        layer, extras = adopt_block(block, config, backend=backend, balance_coef=balance_coef, z_coef=z_coef,
                                     noop_target=noop_target)
         point = None
         if recorder is not None:
@@ -180,7 +173,7 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
         point_name = "router_logits"
         if recorder is not None and getattr(recorder, "layer_name", None):
             point_name = recorder.layer_name.split(".")[-1]
-        slot = ConvertedMoE(layer, model_type, hf_names(layer, block, unused), point, unused,
+        slot = ConvertedMoE(layer, model_type, hf_names(layer, block, extras), point, extras,
                             train_refusal(block, config, SPECS[model_type]), point_name)
         setattr(parent, name, slot)
     return model
@@ -193,19 +186,23 @@ def converted_moe(model: nn.Module) -> dict[str, ConvertedMoE]:
 
 def transformers_names(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
     """``state`` (the converted model's state dict, full tensors) under transformers' names."""
-    rename, joins = {}, {}
+    rename, derived = {}, {}
     for slot_name, slot in converted_moe(model).items():
         for ours, theirs in slot.names.items():
             rename[f"{slot_name}.moe.{ours}"] = f"{slot_name}.{theirs}"
         for ours, theirs in slot.kept_names.items():
             rename[f"{slot_name}.{ours}"] = f"{slot_name}.{theirs}"
-        for theirs, parts in slot.joins.items():
-            joins[f"{slot_name}.{theirs}"] = [f"{slot_name}.{p}" for p in parts]
+        for theirs, (parts, fn) in slot.derived.items():
+            derived[f"{slot_name}.{theirs}"] = ([f"{slot_name}.{p}" for p in parts], fn)
     out = {rename.get(k, k): v for k, v in state.items()}
-    for theirs, parts in joins.items():  # LongCat's gate_up_proj: the rows the bank reads, then the rest
+    used = set()
+    for theirs, (parts, fn) in derived.items():  # LongCat's gate_up_proj, DBRX's w1 / v1 / w2
         if all(p in out for p in parts):
-            got = [out.pop(p) for p in parts]
-            out[theirs] = None if any(g is None for g in got) else torch.cat(got, 0)
+            got = [out[p] for p in parts]
+            out[theirs] = None if any(g is None for g in got) else fn(*got)
+            used.update(parts)
+    for p in used:
+        del out[p]
     return out
 
 

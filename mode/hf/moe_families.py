@@ -77,10 +77,12 @@ class Family:
     router: str = "gate"  # the router module, in the block
     router_weight: str = "weight"  # its (X, D) weight, in the router
     router_bias: str | None = None  # a logit bias, in the router (gpt-oss)
+    top_k: Any = None  # None: the router module's ``top_k``
     score: Any = "softmax"
     renormalize: Any = True
     renorm_eps: float = 0.0
     renorm_min: Any = 0.0
+    renorm_p: Any = 1.0  # DBRX divides by the p-norm of the k gates (1: their sum)
     scale: Any = 1.0
     groups: tuple | None = None  # (n_group, topk_group) as spec values; None: no group limit
     group_score: str = "top2"
@@ -89,6 +91,8 @@ class Family:
     experts: str = "experts"  # the experts module, in the block
     weights: tuple[str, str] = ("gate_up_proj", "down_proj")  # its input and output tensors
     biases: tuple[str, str] | None = None  # its input and output biases (gpt-oss)
+    other_weights: tuple[str, ...] = ()  # further expert tensors a ``tensors`` rule reads (DBRX's v1)
+    tensors: str | None = None  # a reshaping rule of mode.hf.moe_blocks.TENSOR_RULES (DBRX's fused 2D weights)
     layout: str = "EFD"
     expert_options: dict = field(default_factory=dict)  # ExpertConfig extras
     activation_field: str | None = "hidden_act"  # config field naming the experts' activation (None: silu fixed)
@@ -135,6 +139,12 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_moe_text": Family("Qwen3_5MoeSparseMoeBlock", shared="shared_expert", shared_gate="shared_expert_gate"),
     "minimax": Family("MiniMaxSparseMoeBlock", jitter=(At("jitter_noise", 0.0),)),
     "jamba": Family("JambaSparseMoeBlock", router="router", renormalize=False),
+    # DBRX: softmax top-k divided by the p-norm of the k; experts as 2D (E * H, D) w1, v1, w2 (copied once)
+    "dbrx": Family("DbrxFFN", router="router", router_weight="layer.weight", top_k=At("top_k"),
+                   renormalize=lambda b, c: b.moe_normalize_expert_weights is not None,
+                   renorm_p=At("moe_normalize_expert_weights", 1.0), experts="experts.mlp", weights=("w1", "w2"),
+                   other_weights=("v1",), tensors="dbrx", layout="EDF", activation_field=None,
+                   jitter=(At("router.moe_jitter_eps", 0.0),)),
     # PhiMoE's sparsemixer: each slot's softmax over the logits near it; evaluation exact, training refused
     "phimoe": Family("PhimoeSparseMoeBlock", router="router", score="sparsemixer", renormalize=False,
                      mixer_eps=At("router.router_jitter_noise", 0.0), jitter=(At("input_jitter_noise", 0.0),),
@@ -198,7 +208,6 @@ REFUSED: dict[str, str] = {
                 "capacity routing and biased ReLU experts",
     "deepseek_v4": "DeepSeek-V4's hash-routed layers (experts chosen from input_ids) and mHC hyper-connections "
                    "are not mode routers",
-    "dbrx": "DBRX's fused 2D expert weights (w1, v1, w2 of shape (E*F, D)) cannot be adopted without a copy",
     "jetmoe": "JetMoE also routes its attention (mixture of attention heads), which mode does not convert",
 }
 

@@ -22,8 +22,9 @@ The recipes of DeepSeek-V3 and Qwen-MoE (docs/routing.md), each off by default:
                    keeps its ``topk_group`` best groups (a group scores the sum of its two best experts, or
                    its best with ``group_score="max"``: DeepSeek-V2) and chooses inside them; no-op slots
                    belong to no group and stay eligible
-    renorm_eps, renorm_min   the renormalisation's denominator is ``max(sum + eps, min)`` (DeepSeek-V3 adds
-                   1e-20, LFM2 1e-6; ERNIE-4.5 clamps at ``moe_norm_min``)
+    renorm_eps, renorm_min, renorm_p   the renormalisation's denominator is ``max(norm_p + eps, min)``, the
+                   p-norm of the k gates (p = 1: their sum; DBRX's p), DeepSeek-V3 adding 1e-20, LFM2 1e-6,
+                   ERNIE-4.5 clamping at ``moe_norm_min``
     logit_bias     a learned bias on the logits (gpt-oss): part of the logits, so of the gates, the losses
                    and the recorded logits; unlike ``bias_X`` it is trained by the gradient
     gate="sparsemixer", mixer_eps   PhiMoE's gates, deterministic (its evaluation rule): the k slots are
@@ -74,6 +75,7 @@ class TokenChoiceConfig:
     renormalize: bool = False  # divide the k gates by their sum (Mixtral); no-op gates count too
     renorm_eps: float = 0.0  # renormalise by (sum + eps): DeepSeek-V3 1e-20, LFM2 1e-6
     renorm_min: float = 0.0  # ... and by at least this (ERNIE-4.5's moe_norm_min)
+    renorm_p: float = 1.0  # ... of the k gates' p-norm (1: their sum; DBRX's moe_normalize_expert_weights)
     logit_bias: bool = False  # a learned bias on the logits, in the recorded logits too (gpt-oss's router.bias)
     capacity_factor: float | None = None  # None: dropless
     balance_coef: float = 0.01
@@ -108,8 +110,10 @@ class TokenChoiceConfig:
         _checks.check_bool("renormalize", self.renormalize)
         _checks.check_non_negative("renorm_eps", self.renorm_eps)
         _checks.check_non_negative("renorm_min", self.renorm_min)
-        if (self.renorm_eps or self.renorm_min) and not self.renormalize:
-            raise ValueError(f"renorm_eps={self.renorm_eps}, renorm_min={self.renorm_min}: need renormalize=True")
+        _checks.check_positive("renorm_p", self.renorm_p)
+        if (self.renorm_eps or self.renorm_min or self.renorm_p != 1.0) and not self.renormalize:
+            raise ValueError(f"renorm_eps={self.renorm_eps}, renorm_min={self.renorm_min}, "
+                             f"renorm_p={self.renorm_p}: need renormalize=True")
         _checks.check_bool("logit_bias", self.logit_bias)
         _checks.check_non_negative("mixer_eps", self.mixer_eps)
         if self.gate == "sparsemixer" and (self.renormalize or self.bias_balance or self.n_group > 1):
@@ -237,7 +241,10 @@ class TokenChoiceRouter(nn.Module):
                 chosen_TK = self._choice_scores(probs_TX).topk(K, dim=-1).indices
                 gate_TK = probs_TX.gather(1, chosen_TK)
             if self.cfg.renormalize:
-                denom_T1 = gate_TK.sum(-1, keepdim=True)
+                if self.cfg.renorm_p == 1.0:
+                    denom_T1 = gate_TK.sum(-1, keepdim=True)
+                else:
+                    denom_T1 = torch.linalg.vector_norm(gate_TK, ord=self.cfg.renorm_p, dim=-1, keepdim=True)
                 if self.cfg.renorm_eps:
                     denom_T1 = denom_T1 + self.cfg.renorm_eps
                 if self.cfg.renorm_min:

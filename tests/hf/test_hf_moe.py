@@ -27,6 +27,10 @@ import moe_models as mm  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 EXACT = dict(rtol=1e-5, atol=2e-6)  # float32; not bit for bit: the sums run in another order (max seen 1.5e-6)
+# DBRX's random model is ill-conditioned: its residual stream reaches |h| = 33 after layer 1 (where ours is within
+# 2e-6, 6e-8 relative, as for every family) and the final LayerNorm divides by a small spread, amplifying that
+# to 4e-5 on the logits. The conversion's own error is the same; the bound on the outputs is 1e-4 for it.
+FAMILY_TOL = {"dbrx": dict(rtol=1e-4, atol=1e-4)}
 
 
 def _model_type(family: str) -> str:
@@ -75,8 +79,13 @@ def test_converted_model_computes_the_original_on_its_own_tensors(family):
     for name, slot in slots.items():  # nothing copied: the very Parameters (LongCat: a view of the rows read)
         gate, w_in, w_out = tensors[name]
         bank_in, bank_out = slot.moe.experts.w_in, slot.moe.experts.w_out
+        assert slot.moe.router.weight is gate
+        if family == "dbrx":  # fused 2D weights: the input weight is one copy, the output weight a view
+            assert bank_out.data_ptr() == w_out.data_ptr()
+            continue
         assert slot.moe.router.weight is gate and bank_out is w_out
         assert bank_in is w_in or (bank_in.data_ptr() == w_in.data_ptr() and family == "longcat_flash")
+    exact = FAMILY_TOL.get(family, EXACT)
     ids, mask = _batch()
     refuses = spec.train_refusal is not None  # PhiMoE: evaluation only (its training samples the routing)
     for training in (False,) if refuses else (True, False):
@@ -84,16 +93,16 @@ def test_converted_model_computes_the_original_on_its_own_tensors(family):
         ref.train(training)
         out_ref = ref(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=True)
         out = model(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=True)
-        torch.testing.assert_close(out.logits, out_ref.logits, **EXACT)
-        torch.testing.assert_close(out.loss, out_ref.loss, **EXACT)
+        torch.testing.assert_close(out.logits, out_ref.logits, **exact)
+        torch.testing.assert_close(out.loss, out_ref.loss, **exact)
         # output_router_logits: transformers' own balance loss, as before (5.17's DeepSeek-V3 output has none)
         if getattr(out_ref, "aux_loss", None) is not None:
-            torch.testing.assert_close(out.aux_loss, out_ref.aux_loss, **EXACT)
+            torch.testing.assert_close(out.aux_loss, out_ref.aux_loss, **exact)
         if not hasattr(out_ref, "router_logits"):  # transformers 5.17's DeepSeek-V3 returns none (5.23 does)
             continue
         assert len(out.router_logits) == len(out_ref.router_logits) == len(slots)
         for a, b in zip(out.router_logits, out_ref.router_logits):
-            torch.testing.assert_close(a, b, **EXACT)
+            torch.testing.assert_close(a, b, **exact)
     model.train(not refuses)  # the gradients of evaluation mode, where training is refused
     ref.train(not refuses)
     for m in (model, ref):
@@ -106,7 +115,7 @@ def test_converted_model_computes_the_original_on_its_own_tensors(family):
         if g is None:  # a tensor the forward never reads (LongCat's classifier bias): none on either side
             assert ours[n] is None, n
             continue
-        torch.testing.assert_close(ours[n], g, **EXACT, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(ours[n], g, **exact, msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("family", CONVERTS)
@@ -198,7 +207,9 @@ print(json.dumps(out))
     classes = json.loads(res.stdout.strip().splitlines()[-1])
     assert classes["qwen3_moe"] == "Qwen3MoeForCausalLM" and classes["mixtral"] == "MixtralForCausalLM"
     for family, logits in expected.items():
-        torch.testing.assert_close(torch.load(tmp_path / f"{family}.out.pt"), logits.cpu(), **TOL)
+        # DBRX: transformers itself differs by 1e-5 from itself after save/load (its loaded 2D expert views
+        # round differently in the CPU matmul), so its bound is the family one
+        torch.testing.assert_close(torch.load(tmp_path / f"{family}.out.pt"), logits.cpu(), **FAMILY_TOL.get(family, TOL))
 
 
 def test_save_replaces_the_folder_whole(tmp_path):
@@ -234,7 +245,7 @@ def test_refusals_name_what_is_missing():
     with pytest.raises(ValueError, match="model_type='llama'.*missing"):
         mh.to_mode_moe(transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)))
-    assert set(REFUSES) == {"deepseek_v4", "jetmoe", "dbrx"}  # each built here, each refused by name
+    assert set(REFUSES) == {"deepseek_v4", "jetmoe"}  # each built here, each refused by name
     for family in REFUSES:
         reason = REFUSED[_model_type(family)]
         with pytest.raises(ValueError, match=f"model_type='{_model_type(family)}'.*does not convert"):
