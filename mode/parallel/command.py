@@ -182,9 +182,13 @@ def checkpoint_to_resume(args, ctx) -> Path | None:
                                     ctx.timeout_s, rank=ctx.rank, world_size=ctx.world_size):
             dist.broadcast_object_list(found, src=0)
     if found[0] is not None and not args.resume:
+        from mode.parallel.elastic import attempt
+
+        restarted = (f" (torchrun restarted this group, attempt {attempt()}: start it with --resume auto so that a "
+                     "restart continues the run)") if attempt() else ""
         raise ValueError(f"{args.out!r} already holds a run's checkpoint ({found[0]!r}); a new run would overwrite "
                          f"it. Continue it with --resume auto (or --resume), or give a new or empty --out to "
-                         f"start another run")
+                         f"start another run{restarted}")
     return None if found[0] is None else Path(found[0])
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from mode.parallel.elastic import attempt, attempt_store
@@ -35,3 +36,14 @@ def test_nothing_to_isolate_without_a_shared_agent_store(monkeypatch):
     assert attempt_store(10) is None
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     assert attempt() == 0
+
+
+def test_a_restart_without_resume_auto_says_what_to_add(tmp_path, monkeypatch):
+    from mode.parallel.command import build_parser, checkpoint_to_resume
+
+    (tmp_path / "ckpt.pt").write_bytes(b"x")
+    args = build_parser().parse_args(["--out", str(tmp_path)])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(ValueError, match=r"already holds a run's checkpoint .* \(torchrun restarted this group, "
+                                         r"attempt 1: start it with --resume auto"):
+        checkpoint_to_resume(args, None)
