@@ -58,6 +58,9 @@ def family_of(block: nn.Module) -> str:
 
 
 def _get(obj, path: str):
+    """The attribute of ``obj`` at a dotted ``path`` ("" is ``obj`` itself), or None where a step is missing."""
+    if not path:
+        return obj
     for part in path.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
@@ -90,7 +93,7 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
     spec = SPECS[family]
     check_config(config, spec)
     experts, router = _get(block, spec.experts), _get(block, spec.router)
-    w_out = getattr(experts, spec.weights[1])
+    w_out = _get(experts, spec.weights[1])
     num_zero = int(read(spec.num_zero, block, config) or 0)
     num_experts, d_model = _get(router, spec.router_weight).shape[0] - num_zero, config.hidden_size
     if w_out.dim() == 2:  # DBRX: (E * H, D)
@@ -144,7 +147,21 @@ class SharedMLP(nn.Module):
         return (y_BSD if self.scale == 1.0 else y_BSD * self.scale), Aux()
 
 
+class OutputBias(nn.Module):
+    """A bias added to the layer's output after the combine (JetMoE's ``mlp.bias``), in the shared experts'
+    slot of ``MoELayer``: ``(bias broadcast to x's shape, Aux())``. It costs no FLOPs worth counting."""
+
+    def __init__(self, bias: nn.Parameter):
+        super().__init__()
+        self.bias = bias
+
+    def forward(self, x_BSD: Tensor) -> tuple[Tensor, Aux]:
+        return self.bias.to(x_BSD.dtype).expand_as(x_BSD), Aux()
+
+
 def _check_experts(block: nn.Module, spec: Family) -> None:
+    if not spec.experts:  # the tensors live on the block itself (JetMoE): hf_names checks every one
+        return
     experts = _get(block, spec.experts)
     names = sorted(name for name, _ in experts.named_parameters())
     wanted = sorted([*spec.weights, *spec.other_weights, *(spec.biases or ())])
@@ -238,7 +255,7 @@ def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, Extras]:
     if spec.tensors is not None:  # the family's own reshaping (DBRX)
         w_in, w_out = TENSOR_RULES[spec.tensors](experts, cfg, names, extras, spec.experts)
     else:
-        w_in, w_out = (getattr(experts, n) for n in spec.weights)
+        w_in, w_out = (_get(experts, n) for n in spec.weights)
         if w_in.shape[0] != cfg.num_experts:
             w_in = _adopt_rows(spec, w_in, cfg.num_experts, names, extras)
     setattr(bank, names[0], w_in)
@@ -254,6 +271,8 @@ def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, Extras]:
         average = bool(read(spec.shared_average, block, config))
         shared = SharedMLP(_get(block, spec.shared), 0.5 if average else 1.0)
         shared_gate = _get(block, spec.shared_gate) if cfg.shared_gate else None
+    elif spec.output_bias is not None:  # JetMoE: a bias added after the combine, as an always-on constant
+        shared = OutputBias(_get(block, spec.output_bias))
     layer_cls = IntegratedMoDE if cfg.num_noop else MoELayer
     return layer_cls(router, bank, None, shared, shared_gate, cfg.build_noop()), extras
 

@@ -42,7 +42,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from mode.hf.moe_blocks import FAMILIES, Extras, adopt_block, hf_names, kept_name, train_refusal
+from mode.hf.moe_blocks import FAMILIES, Extras, _get as moe_blocks_get, adopt_block, hf_names, kept_name, \
+    train_refusal
+from mode.hf.moe_blocks import SharedMLP
 from mode.hf.moe_families import FAMILIES as SPECS, REFUSED
 from mode.hf.routing import collect_aux
 from mode.hf.upcycle import MoESlot, upcycled_mlps
@@ -113,12 +115,15 @@ def _logits_point(router_cls: type, index: int) -> type:
                  "__doc__": f"Where {router_cls.__name__}'s logits are recorded (mode.hf.moe_convert)."})
 
 
-def _router_recorder(model: nn.Module):
-    """transformers' ``OutputRecorder`` for ``router_logits`` on this model class, or None."""
+def _router_recorder(model: nn.Module, router_cls: type | None = None):
+    """transformers' ``OutputRecorder`` for ``router_logits`` on this model class, or None. Where there are
+    several (JetMoE records its attention router too), the one of ``router_cls``, the MoE block's router."""
     for m in model.modules():  # the causal LM's class, or its base model's (Llama-4, MiniMax keep it there)
-        spec = (getattr(type(m), "_can_record_outputs", None) or {}).get("router_logits")
-        if spec is not None and getattr(spec, "target_class", None) is not None:
-            return spec
+        specs = (getattr(type(m), "_can_record_outputs", None) or {}).get("router_logits")
+        for spec in specs if isinstance(specs, (list, tuple)) else [specs]:
+            target = getattr(spec, "target_class", None)
+            if target is not None and (router_cls is None or issubclass(router_cls, target)):
+                return spec
     return None
 
 
@@ -156,7 +161,8 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
     if not blocks:
         raise ValueError(f"model={type(model).__name__}: holds no sparse MoE block (looked for "
                          f"{', '.join(sorted(FAMILIES))})")
-    recorder = _router_recorder(model)
+    spec = SPECS[model_type]
+    recorder = _router_recorder(model, type(moe_blocks_get(blocks[0][2], spec.router)))
     # transformers installs its recording hooks once, on the first recording forward of the model that records
     # (the base model inside a *ForCausalLM): after that, a new recording point gets its hook from us
     hooked = any(getattr(m, "_output_capturing_hooks_installed", False) for m in model.modules())
@@ -289,7 +295,7 @@ def _flops_per_token(moe: MoELayer) -> tuple[float, float]:
     """(FLOPs of one routed expert assignment, FLOPs every token pays: router, shared experts and gate)."""
     cfg = moe.experts.cfg
     fixed = 2.0 * cfg.d_model * moe.router.num_slots
-    if moe.shared_experts is not None:
+    if isinstance(moe.shared_experts, SharedMLP):  # (JetMoE's output bias sits there too: no FLOPs)
         fixed += mlp_flops_per_token(cfg.d_model, moe.shared_experts.mlp.gate_proj.out_features, "swiglu")
     if moe.shared_gate is not None:
         fixed += 2.0 * cfg.d_model

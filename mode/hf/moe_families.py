@@ -88,7 +88,7 @@ class Family:
     group_score: str = "top2"
     mixer_eps: Any = 0.0  # score="sparsemixer" (PhiMoE): the relative logit gap of each slot's softmax
     choice_bias: str | None = None  # the selection-only bias, in the block
-    experts: str = "experts"  # the experts module, in the block
+    experts: str = "experts"  # the experts module, in the block ("": the block itself)
     weights: tuple[str, str] = ("gate_up_proj", "down_proj")  # its input and output tensors
     biases: tuple[str, str] | None = None  # its input and output biases (gpt-oss)
     other_weights: tuple[str, ...] = ()  # further expert tensors a ``tensors`` rule reads (DBRX's v1)
@@ -99,6 +99,7 @@ class Family:
     shared: str | None = None  # the shared experts' MLP, in the block (absent or None: none)
     shared_gate: str | None = None  # its per-token sigmoid gate Linear(D, 1), in the block
     shared_average: Any = False  # Cohere2's "average": (routed + shared) / 2
+    output_bias: str | None = None  # a bias added after the combine, in the block (JetMoE)
     num_zero: Any = 0  # LongCat-Flash's zero-computation experts: "copy" no-op slots after the real ones
     jitter: tuple = ()  # spec values of training-time noise: converted, but a training forward with it on refuses
     train_refusal: str | None = None  # why a training forward of the converted model refuses (eval is exact)
@@ -162,6 +163,10 @@ FAMILIES: dict[str, Family] = {
     "granitemoe": Family("GraniteMoeMoE", router="router"),
     "granitemoeshared": Family("GraniteMoeSharedMoE", router="router"),
     "granitemoehybrid": Family("GraniteMoeHybridMoE", router="router"),
+    # JetMoE's MLP (its mixture of attention heads stays transformers' own); a bias after the combine
+    "jetmoe": Family("JetMoeMoE", router="router", router_weight="layer.weight", experts="",
+                     weights=("input_linear.weight", "output_linear.weight"), output_bias="bias",
+                     activation_field="activation_function"),
     "gpt_oss": Family("GptOssMLP", router="router", router_bias="bias", layout="EDF",
                       biases=("gate_up_proj_bias", "down_proj_bias"), activation_field=None, returns_tuple=True,
                       expert_options=dict(bias=True, fused="interleaved", swiglu_alpha=At("experts.alpha"),
@@ -208,7 +213,6 @@ REFUSED: dict[str, str] = {
                 "capacity routing and biased ReLU experts",
     "deepseek_v4": "DeepSeek-V4's hash-routed layers (experts chosen from input_ids) and mHC hyper-connections "
                    "are not mode routers",
-    "jetmoe": "JetMoE also routes its attention (mixture of attention heads), which mode does not convert",
 }
 
 
