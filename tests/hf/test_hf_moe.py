@@ -100,7 +100,8 @@ def test_converted_model_computes_the_original_on_its_own_tensors(family):
             torch.testing.assert_close(out.aux_loss, out_ref.aux_loss, **exact)
         if not hasattr(out_ref, "router_logits"):  # transformers 5.17's DeepSeek-V3 returns none (5.23 does)
             continue
-        assert len(out.router_logits) == len(out_ref.router_logits) == len(slots)
+        # JetMoE records its attention routers too: at least one per converted block
+        assert len(out.router_logits) == len(out_ref.router_logits) >= len(slots)
         for a, b in zip(out.router_logits, out_ref.router_logits):
             torch.testing.assert_close(a, b, **exact)
     model.train(not refuses)  # the gradients of evaluation mode, where training is refused
