@@ -19,6 +19,7 @@ built on a process group); nothing here imports ``torch.distributed``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -167,10 +168,14 @@ class MoELayer(nn.Module):
             raise ValueError(f"experts.num_experts={experts.num_experts}: must equal this rank's share of "
                              f"router.num_experts={router.num_experts}, which is {local} "
                              "(num_experts / expert-parallel group size)")
-        if getattr(experts.cfg, "gate_on_input", False) and not dispatcher.gates_in_experts:
-            raise ValueError(f"experts.cfg.gate_on_input=True (Llama-4's router-scaled inputs) needs the gates on "
-                             f"the expert's side, and {type(dispatcher).__name__} applies them at the combine "
-                             "(gates_in_experts=False): use the local dispatcher")
+        # Llama-4 scales each row's input by its gate. Where the dispatcher applies gates at the combine
+        # (expert-parallel), a top-1 router's gate is per token: the tokens are scaled before dispatch instead
+        self._scale_before_dispatch = getattr(experts.cfg, "gate_on_input", False) and not dispatcher.gates_in_experts
+        if self._scale_before_dispatch and getattr(getattr(router, "cfg", None), "top_k", None) != 1:
+            raise ValueError(f"experts.cfg.gate_on_input=True (Llama-4's router-scaled inputs) with "
+                             f"{type(dispatcher).__name__}, which applies the gates at the combine "
+                             "(gates_in_experts=False), needs top_k=1 (the gate is then per token, applied "
+                             f"before dispatch); got top_k={getattr(getattr(router, 'cfg', None), 'top_k', None)}")
         self.experts = experts  # the same slot in _modules: parameter names and order are unchanged
         self.dispatcher = dispatcher
         self._gates_in_experts = dispatcher.gates_in_experts  # the combine path, chosen once
@@ -189,7 +194,12 @@ class MoELayer(nn.Module):
         router's ``RoutingPlan`` for ``x_BSD`` (a caller that reads the plan first, e.g. the router logits
         transformers records, routes and then calls this)."""
         B, S, D = x_BSD.shape
-        x_RD, counts_R, state = self.dispatcher.dispatch(x_BSD.reshape(B * S, D), plan)  # B*S may be 0
+        x_TD = x_BSD.reshape(B * S, D)
+        if self._scale_before_dispatch:  # top-1, input-gated experts: g_t * x_t travels, the combine adds it
+            g_T = x_TD.new_zeros(B * S, dtype=plan.weight_A.dtype).index_add(0, plan.token_idx_A, plan.weight_A)
+            x_TD = x_TD * g_T[:, None].to(x_TD.dtype)
+            plan = dataclasses.replace(plan, weight_A=plan.computed_A().to(plan.weight_A.dtype))
+        x_RD, counts_R, state = self.dispatcher.dispatch(x_TD, plan)  # B*S may be 0
         padded = self.dispatcher.rows_padded(plan)
         if self._gates_in_experts:  # the bank applies the gates where that is cheapest (bank.py)
             y_RD = self.experts(x_RD, counts_R, padded=padded, gate_A=plan.weight_A)

@@ -487,3 +487,32 @@ def test_megablocks_refuses_biases():
         bank_mod.resolve_backend("megablocks", "cuda", torch.bfloat16, {"d_model": D, "d_hidden": H}, bias=True)
     assert bank_mod.resolve_backend("auto", "cuda", torch.float64, {"d_model": D, "d_hidden": H},
                                     bias=True) == "reference"
+
+
+def test_input_gated_experts_behind_a_combine_side_dispatcher():
+    """Llama-4's experts scale each row's input by its gate. A dispatcher that applies the gates at the combine
+    (expert parallelism) gets the tokens pre-scaled instead, which is exact for top-1 routing only: top-2 refuses,
+    top-1 equals the local layer (output and gradients)."""
+    from mode.dispatch.local import LocalDispatcher
+    from mode.layers.moe import MoEConfig, MoELayer
+
+    class CombineSide(LocalDispatcher):
+        gates_in_experts = False
+
+    def config(k):
+        return MoEConfig(d_model=16, d_hidden=32, num_experts=4, top_k=k, gate="sigmoid", activation="swiglu",
+                         expert_options=dict(gate_on_input=True))
+
+    local = MoELayer.from_config(config(2))
+    with pytest.raises(ValueError, match="needs top_k=1"):
+        MoELayer(local.router, local.experts, CombineSide())
+    torch.manual_seed(0)
+    local = MoELayer.from_config(config(1))
+    combine_side = MoELayer(local.router, local.experts, CombineSide())
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    y_local, _ = local(x)
+    (g_local,) = torch.autograd.grad(y_local.square().sum(), x)
+    y_cs, _ = combine_side(x)
+    (g_cs,) = torch.autograd.grad(y_cs.square().sum(), x)
+    torch.testing.assert_close(y_cs, y_local, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_cs, g_local, rtol=1e-5, atol=1e-6)

@@ -45,7 +45,8 @@ STEPS, SAVE_AT, BATCH, SEQ = 6, 3, 8, 16
 LAYOUTS = [(2, 2), (1, 4)]
 # one family of each router kind: softmax (Mixtral, Qwen3-MoE), sigmoid + correction bias + groups (GLM-4.5),
 # zero-computation experts (LongCat-Flash), gpt-oss (logit bias, expert biases, clamped interleaved SwiGLU)
-FAMILIES = ("mixtral", "qwen3_moe", "glm4_moe", "longcat_flash", "gpt_oss")
+# llama4_top1: Llama-4 (input-scaled experts) with its checkpoints' top-1 routing, scaled before dispatch
+FAMILIES = ("mixtral", "qwen3_moe", "glm4_moe", "longcat_flash", "gpt_oss", "llama4_top1")
 RESUMED = ("qwen3_moe", "glm4_moe", "longcat_flash", "gpt_oss")  # each (2, 2) run saves after step 3
 SAVER = ("qwen3_moe", 2, 2)  # ... and this one writes a transformers folder at the end
 
@@ -78,6 +79,8 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _model(family: str):
     import mode.hf as mh
 
+    if family == "llama4_top1":
+        return mh.to_mode_moe(_models().build("llama4", num_experts_per_tok=1))
     return mh.to_mode_moe(_models().build(family))
 
 
