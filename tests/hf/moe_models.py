@@ -283,7 +283,9 @@ def config(family: str, **overrides):
     elif family == "zaya":  # ZayaConfig accepts num_experts_per_tok=1 only (top-1 routing)
         cfg = tf.ZayaConfig(moe_intermediate_size=16, num_experts=8, head_dim=8, router_hidden_size=16,
                             **{**common, "num_experts_per_tok": 1})
-    elif family == "doge":  # product-key MoE (CDMoE): experts are single rows, num_experts a square (keys 4 x 4)
+    elif family == "doge":  # product-key MoE (CDMoE): experts are single rows, num_experts a square (keys 4 x 4).
+        # transformers 5.23 splits the key logits with view(2, B*S, keys), not along the last dim: a token's keys come
+        # from other tokens (later ones and other rows too), so its outputs are not causal (cached decode differs)
         cfg = tf.DogeConfig(intermediate_size=48, is_moe=True, num_experts=16, num_experts_per_tok=4,
                             **{k: v for k, v in common.items() if k != "num_experts_per_tok"})
     else:
