@@ -101,6 +101,7 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
     else:
         d_hidden = w_out.shape[2] if spec.layout == "EFD" else w_out.shape[1]
     top_k = read(spec.top_k, block, config) if spec.top_k is not None else router.top_k
+    table = _get(block, spec.hash_table) if spec.hash_table else None
     groups = read(spec.groups, block, config)
     n_group, topk_group = (1, None) if groups is None else (int(read(g, block, config)) for g in groups)
     scale = float(read(spec.scale, block, config) or 1.0)
@@ -112,6 +113,7 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
                    logit_bias=spec.router_bias is not None,
                    mixer_eps=float(read(spec.mixer_eps, block, config) or 0.0),
                    renorm_p=float(read(spec.renorm_p, block, config) or 1.0),
+                   hash_vocab=0 if table is None else int(table.shape[0]),
                    bias_balance=spec.choice_bias is not None and _get(block, spec.choice_bias) is not None)
     if noop_target is not None:
         options["noop_target"] = noop_target
@@ -248,6 +250,8 @@ def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, Extras]:
         router.logit_bias_X = getattr(router_mod, spec.router_bias)
     if cfg.router_config().bias_balance:
         router.bias_X = _get(block, spec.choice_bias)
+    if cfg.router_config().hash_vocab:
+        router.hash_table_VK = _get(block, spec.hash_table)
     with torch.device("meta"):  # the experts' own tensors replace these: nothing is allocated
         bank = ExpertBank(cfg.expert_config())
     names = ("w_in_EFD", "w_out_EDH") if spec.layout == "EFD" else ("w_in_EDF", "w_out_EHD")

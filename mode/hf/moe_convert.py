@@ -84,12 +84,14 @@ class ConvertedMoE(MoESlot):
         self.kept_names = {"kept." + kept_name(p): p for p in extras.kept if not p.endswith(".rest")}
         self.derived = dict(extras.derived)  # the block's name -> (our slot-relative names, function)
         self.train_refusal = train_refusal
+        self._hashed = bool(getattr(getattr(moe.router, "cfg", None), "hash_vocab", 0))
         self.returns_tuple = SPECS[family].returns_tuple
 
-    def forward(self, x_BSD: Tensor):
+    def forward(self, x_BSD: Tensor, input_ids: Tensor | None = None):
+        """``input_ids``: where the decoder layer passes them (DeepSeek-V4), for hash routing."""
         if self.train_refusal is not None and self.training:
             raise ValueError(f"{self.family}: a training forward is refused: {self.train_refusal}")
-        plan = self.moe.router(x_BSD)
+        plan = self.moe.router(x_BSD, ids_BS=input_ids) if self._hashed else self.moe.router(x_BSD)
         point = getattr(self, self.point_name)
         if point is not None:
             point(plan.logits_TX)  # returns them: transformers' recorder hook keeps them
@@ -162,7 +164,8 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
         raise ValueError(f"model={type(model).__name__}: holds no sparse MoE block (looked for "
                          f"{', '.join(sorted(FAMILIES))})")
     spec = SPECS[model_type]
-    recorder = _router_recorder(model, type(moe_blocks_get(blocks[0][2], spec.router)))
+    router_classes = {type(moe_blocks_get(block, spec.router)) for _, _, block in blocks}
+    recorder = next((r for r in (_router_recorder(model, c) for c in router_classes) if r is not None), None)
     # transformers installs its recording hooks once, on the first recording forward of the model that records
     # (the base model inside a *ForCausalLM): after that, a new recording point gets its hook from us
     hooked = any(getattr(m, "_output_capturing_hooks_installed", False) for m in model.modules())
@@ -170,7 +173,8 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
         layer, extras = adopt_block(block, config, backend=backend, balance_coef=balance_coef, z_coef=z_coef,
                                     noop_target=noop_target)
         point = None
-        if recorder is not None:
+        # a block whose router transformers does not record (DeepSeek-V4's hash layers) gets no point either
+        if recorder is not None and isinstance(moe_blocks_get(block, spec.router), recorder.target_class):
             point = _logits_point(recorder.target_class, recorder.index)()
             if hooked:
                 from transformers.utils.output_capturing import install_output_capuring_hook

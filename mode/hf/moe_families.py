@@ -87,6 +87,7 @@ class Family:
     groups: tuple | None = None  # (n_group, topk_group) as spec values; None: no group limit
     group_score: str = "top2"
     mixer_eps: Any = 0.0  # score="sparsemixer" (PhiMoE): the relative logit gap of each slot's softmax
+    hash_table: str | None = None  # hash routing's (vocab, k) token-id -> experts table, in the block, where present
     choice_bias: str | None = None  # the selection-only bias, in the block
     experts: str = "experts"  # the experts module, in the block ("": the block itself)
     weights: tuple[str, str] = ("gate_up_proj", "down_proj")  # its input and output tensors
@@ -186,6 +187,11 @@ FAMILIES: dict[str, Family] = {
     "afmoe": Family("AfmoeSparseMoeBlock", router="router", router_weight="gate.weight", score="sigmoid",
                     renorm_eps=1e-20, scale=At("router.route_scale", 1.0), choice_bias="expert_bias",
                     shared="shared_experts"),
+    # DeepSeek-V4: sqrt(softplus) scores, correction bias or (first layers) hash routing by token id; clamped SwiGLU
+    "deepseek_v4": Family("DeepseekV4SparseMoeBlock", score="sqrtsoftplus", renorm_eps=1e-20,
+                          scale=At("gate.routed_scaling_factor", 1.0), choice_bias="gate.e_score_correction_bias",
+                          hash_table="gate.tid2eid", shared="shared_experts",
+                          expert_options=dict(swiglu_limit=At("experts.limit"))),
     # DeepSeek-V2: softmax, groups scored by their best expert, no renormalisation
     "deepseek_v2": Family("DeepseekV2Moe", renormalize=False, scale=At("gate.routed_scaling_factor", 1.0),
                           groups=_deepseek_v2_groups, group_score="max", shared="shared_experts"),
@@ -211,8 +217,6 @@ REFUSED: dict[str, str] = {
                            "capacity-limited per sequence with dropped tokens",
     "nllb_moe": "an encoder-decoder model (mode.hf converts decoder-only causal LMs), with batch-prioritised "
                 "capacity routing and biased ReLU experts",
-    "deepseek_v4": "DeepSeek-V4's hash-routed layers (experts chosen from input_ids) and mHC hyper-connections "
-                   "are not mode routers",
 }
 
 

@@ -27,6 +27,10 @@ The recipes of DeepSeek-V3 and Qwen-MoE (docs/routing.md), each off by default:
                    ERNIE-4.5 clamping at ``moe_norm_min``
     logit_bias     a learned bias on the logits (gpt-oss): part of the logits, so of the gates, the losses
                    and the recorded logits; unlike ``bias_X`` it is trained by the gradient
+    hash_vocab     hash routing (Roller et al. 2021; DeepSeek-V4's first layers): the k experts of a token are a
+                   fixed row of the buffer ``hash_table_VK`` (vocab, k), indexed by the token id the caller passes
+                   (``router(x, mask, ids_BS=...)``); the gates are the scores at those experts, renormalised
+                   and scaled as configured. Without ids it raises
     gate="sparsemixer", mixer_eps   PhiMoE's gates, deterministic (its evaluation rule): the k slots are
                    chosen one after another by the largest remaining logit, and slot j's gate is the softmax,
                    at that logit, over the remaining logits within a relative gap 2 * mixer_eps of it
@@ -86,6 +90,7 @@ class TokenChoiceConfig:
     topk_group: int | None = None  # ... of which each token keeps its best topk_group (None: all of them)
     group_score: str = "top2"  # a group's score: the sum of its two best experts' scores, or the best ("max")
     mixer_eps: float = 0.0  # gate="sparsemixer": the relative logit gap 2 * eps a slot's softmax spans
+    hash_vocab: int = 0  # > 0: hash routing, the experts of a token id from a (hash_vocab, top_k) table
     bias_balance: bool = False  # aux-loss-free balancing (DeepSeek-V3): a bias on the scores for choosing
     bias_rate: float = 1e-3  # the bias update step (torchtitan's and Megatron's default)
     noop_target: float | None = None  # bias_balance with no-op slots: the share of choices to hold on them
@@ -116,6 +121,11 @@ class TokenChoiceConfig:
                              f"renorm_p={self.renorm_p}: need renormalize=True")
         _checks.check_bool("logit_bias", self.logit_bias)
         _checks.check_non_negative("mixer_eps", self.mixer_eps)
+        _checks.check_int("hash_vocab", self.hash_vocab, min_value=0)
+        if self.hash_vocab and (self.bias_balance or self.n_group > 1 or self.num_noop or self.gate == "sparsemixer"):
+            raise ValueError(f"hash_vocab={self.hash_vocab}: hash routing takes its experts from the table (got "
+                             f"bias_balance={self.bias_balance}, n_group={self.n_group}, num_noop={self.num_noop}, "
+                             f"gate={self.gate!r}: none of them applies)")
         if self.gate == "sparsemixer" and (self.renormalize or self.bias_balance or self.n_group > 1):
             raise ValueError(f"gate='sparsemixer': gives each slot its own gate, chosen by the logits alone (got "
                              f"renormalize={self.renormalize}, bias_balance={self.bias_balance}, "
@@ -203,6 +213,8 @@ class TokenChoiceRouter(nn.Module):
         self.reduce_counts = None  # sums a tensor over the ranks holding this router (mode.parallel sets it)
         self.logit_bias_X = nn.Parameter(torch.zeros(self.num_slots)) if cfg.logit_bias else None
         self.emit_noop_gates = False  # the layer's no-op experts need each token's no-op gates (mode.layers.noop)
+        if cfg.hash_vocab:  # saved with the model; a checkpoint's table replaces the zeros
+            self.register_buffer("hash_table_VK", torch.zeros(cfg.hash_vocab, cfg.top_k, dtype=torch.long))
         if cfg.bias_balance:
             self.register_buffer("bias_X", torch.zeros(self.num_slots))  # saved and resumed with the model
             self.register_buffer("load_X", torch.zeros(self.num_slots), persistent=False)  # since the update
@@ -213,9 +225,14 @@ class TokenChoiceRouter(nn.Module):
         """Per-expert assignment limit for ``num_tokens`` tokens (None when dropless)."""
         return self.cfg.capacity(num_tokens)
 
-    def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> RoutingPlan:
+    def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, ids_BS: Tensor | None = None) -> RoutingPlan:
+        """``ids_BS``: the token ids, which hash routing (``hash_vocab``) chooses by; ignored otherwise."""
         _checks.check_hidden("x", x_BSD, self.cfg.d_model, device=self.weight.device)
         _checks.check_mask("mask", mask_BS, x_BSD.shape[:2], device=self.weight.device)
+        if self.cfg.hash_vocab and (ids_BS is None or tuple(ids_BS.shape) != tuple(x_BSD.shape[:2])):
+            raise ValueError(f"ids_BS={None if ids_BS is None else tuple(ids_BS.shape)}: hash routing "
+                             f"(hash_vocab={self.cfg.hash_vocab}) chooses by the token ids; pass them, shaped "
+                             f"like x's (B, S) = {tuple(x_BSD.shape[:2])}")
         B, S, _ = x_BSD.shape
         T, K, E = B * S, self.cfg.top_k, self.num_experts
         valid_T = None if mask_BS is None else mask_BS.reshape(T)
@@ -235,6 +252,9 @@ class TokenChoiceRouter(nn.Module):
                 balance_probs_TX = probs_TX / probs_TX.sum(-1, keepdim=True)
             if self.cfg.gate == "sparsemixer":
                 gate_TK, chosen_TK = _sparsemixer(logits_TX, K, self.cfg.mixer_eps)
+            elif self.cfg.hash_vocab:  # the table decides; the scores at its experts are the gates
+                chosen_TK = self.hash_table_VK[ids_BS.reshape(T)]
+                gate_TK = probs_TX.gather(1, chosen_TK)
             elif self._choose_by_score:
                 gate_TK, chosen_TK = probs_TX.topk(K, dim=-1)
             else:  # the bias and the group limit change which slots are chosen, never the gate values

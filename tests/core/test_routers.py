@@ -545,3 +545,32 @@ def test_a_steered_threshold_never_lands_on_a_logit():
     assert t == 1.5 and ((logit > t) == (logit > 1.0)).all()
     assert steered([0.0, 1.0, 2.0, 3.0])[0] == 1.5  # between two logits: the quantile itself
     assert steered([1.0, 1.0, 1.0, 1.0])[0] == 1.0  # nothing above: the quantile (no token passes either way)
+
+
+def test_hash_routing_takes_the_experts_of_each_token_id_from_the_table():
+    """Hash routing (DeepSeek-V4's first layers): the table row of a token's id names its k experts; the gates
+    are the scores at those experts, renormalised; no ids is an error naming them."""
+    from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
+
+    cfg = TokenChoiceConfig(d_model=8, num_experts=6, top_k=2, gate="sqrtsoftplus", renormalize=True,
+                            renorm_eps=1e-20, scale=1.5, hash_vocab=10)
+    router = TokenChoiceRouter(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.hash_table_VK.copy_(torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(10)]))
+    x = torch.randn(2, 5, 8, generator=g)
+    ids = torch.randint(0, 10, (2, 5), generator=g)
+    plan = router(x, ids_BS=ids)
+    scores_TX = torch.nn.functional.softplus(x.reshape(10, 8) @ router.weight.t()).sqrt()
+    chosen_TK = router.hash_table_VK[ids.reshape(10)]
+    gate_TK = scores_TX.gather(1, chosen_TK)
+    gate_TK = 1.5 * gate_TK / (gate_TK.sum(-1, keepdim=True) + 1e-20)
+    got = {(int(t), int(e)): float(w) for t, e, w in zip(plan.token_idx_A, plan.expert_idx_A, plan.weight_A)}
+    want = {(t, int(chosen_TK[t, k])): float(gate_TK[t, k]) for t in range(10) for k in range(2)}
+    assert got.keys() == want.keys()
+    for key, w in want.items():
+        assert got[key] == pytest.approx(w, rel=1e-6)
+    with pytest.raises(ValueError, match="hash routing.*chooses by the token ids"):
+        router(x)
+    with pytest.raises(ValueError, match="hash_vocab=10: hash routing takes its experts from the table"):
+        TokenChoiceConfig(d_model=8, num_experts=6, top_k=2, hash_vocab=10, bias_balance=True)

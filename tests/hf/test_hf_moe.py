@@ -100,8 +100,8 @@ def test_converted_model_computes_the_original_on_its_own_tensors(family):
             torch.testing.assert_close(out.aux_loss, out_ref.aux_loss, **exact)
         if not hasattr(out_ref, "router_logits"):  # transformers 5.17's DeepSeek-V3 returns none (5.23 does)
             continue
-        # JetMoE records its attention routers too: at least one per converted block
-        assert len(out.router_logits) == len(out_ref.router_logits) >= len(slots)
+        # JetMoE records its attention routers too; DeepSeek-V4 not its hash layers: as many as transformers
+        assert len(out.router_logits) == len(out_ref.router_logits) > 0
         for a, b in zip(out.router_logits, out_ref.router_logits):
             torch.testing.assert_close(a, b, **exact)
     model.train(not refuses)  # the gradients of evaluation mode, where training is refused
@@ -246,12 +246,11 @@ def test_refusals_name_what_is_missing():
     with pytest.raises(ValueError, match="model_type='llama'.*missing"):
         mh.to_mode_moe(transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)))
-    assert set(REFUSES) == {"deepseek_v4"}  # built here, refused by name (hash routing needs the token ids)
-    for family in REFUSES:
-        reason = REFUSED[_model_type(family)]
-        with pytest.raises(ValueError, match=f"model_type='{_model_type(family)}'.*does not convert"):
-            mh.to_mode_moe(mm.build(family))
-        assert len(reason) > 40  # a reason, not a placeholder
+    assert REFUSES == ()  # every decoder family built here converts
+    switch = transformers.SwitchTransformersForConditionalGeneration(transformers.SwitchTransformersConfig(
+        vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, num_experts=4))
+    with pytest.raises(ValueError, match="model_type='switch_transformers'.*does not convert.*encoder-decoder"):
+        mh.to_mode_moe(switch)
     model = mm.build("qwen3_moe")
     model.config.quantization_config = {"quant_method": "bitsandbytes"}
     with pytest.raises(ValueError, match="quantization_config"):
