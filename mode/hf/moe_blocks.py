@@ -114,6 +114,7 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
                    mixer_eps=float(read(spec.mixer_eps, block, config) or 0.0),
                    renorm_p=float(read(spec.renorm_p, block, config) or 1.0),
                    hash_vocab=0 if table is None else int(table.shape[0]),
+                   logit_softcap=float(read(spec.logit_softcap, block, config) or 0.0),
                    bias_balance=spec.choice_bias is not None and _get(block, spec.choice_bias) is not None)
     if noop_target is not None:
         options["noop_target"] = noop_target
@@ -183,6 +184,7 @@ class Extras:
 
     kept: dict[str, Tensor] = field(default_factory=dict)
     derived: dict[str, tuple[list[str], Callable]] = field(default_factory=dict)
+    post_norm: tuple[str, nn.Module] | None = None  # (path in the block, module) applied to the output (AXK1)
 
 
 def kept_name(path: str) -> str:
@@ -270,6 +272,8 @@ def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, Extras]:
         t = _get(block, path)
         if t is not None:
             extras.kept[path] = t
+    if spec.post_norm is not None:  # a module: the slot applies it to the layer's output and keeps its tensors
+        extras.post_norm = (spec.post_norm, _get(block, spec.post_norm))
     shared = shared_gate = None
     if cfg.num_shared:
         average = bool(read(spec.shared_average, block, config))
@@ -289,6 +293,8 @@ def hf_names(layer: MoELayer, block: nn.Module, extras: Extras | None = None) ->
     derived_ours = {n.removeprefix("moe.") for parts, _ in extras.derived.values() for n in parts}
     ours = {id(t): name for name, t in layer.state_dict(keep_vars=True).items() if name not in derived_ours}
     skip = set(extras.kept) | set(extras.derived)
+    if extras.post_norm is not None:
+        skip |= {f"{extras.post_norm[0]}.{n}" for n in extras.post_norm[1].state_dict()}
     theirs = {id(t): name for name, t in block.state_dict(keep_vars=True).items() if name not in skip}
     if set(ours) != set(theirs):
         only_ours = sorted(ours[i] for i in set(ours) - set(theirs))

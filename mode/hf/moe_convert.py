@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from mode.hf.moe_blocks import FAMILIES, Extras, _get as moe_blocks_get, adopt_block, hf_names, kept_name, \
     train_refusal
 from mode.hf.moe_blocks import SharedMLP
-from mode.hf.moe_families import FAMILIES as SPECS, REFUSED
+from mode.hf.moe_families import FAMILIES as SPECS, NOT_YET, REFUSED
 from mode.hf.routing import collect_aux
 from mode.hf.upcycle import MoESlot, upcycled_mlps
 from mode.layers.moe import MoELayer
@@ -82,6 +82,11 @@ class ConvertedMoE(MoESlot):
             else:
                 self.kept.register_buffer(kept_name(path), t)
         self.kept_names = {"kept." + kept_name(p): p for p in extras.kept if not p.endswith(".rest")}
+        self.post_norm = None
+        if extras.post_norm is not None:  # AXK1: a norm of the block's output, kept as the block's own module
+            path, norm = extras.post_norm
+            self.post_norm = norm
+            self.kept_names.update({f"post_norm.{n}": f"{path}.{n}" for n in norm.state_dict()})
         self.derived = dict(extras.derived)  # the block's name -> (our slot-relative names, function)
         self.train_refusal = train_refusal
         self._hashed = bool(getattr(getattr(moe.router, "cfg", None), "hash_vocab", 0))
@@ -97,6 +102,8 @@ class ConvertedMoE(MoESlot):
             point(plan.logits_TX)  # returns them: transformers' recorder hook keeps them
         y_BSD, self.last_aux = self.moe.apply_plan(x_BSD, plan)
         y_BSD = y_BSD.to(x_BSD.dtype)
+        if self.post_norm is not None:
+            y_BSD = self.post_norm(y_BSD)
         return (y_BSD, None) if self.returns_tuple else y_BSD
 
 
@@ -143,6 +150,8 @@ def _check_model(model: nn.Module) -> tuple[object, str]:
         raise ValueError("model: is already converted (it holds ConvertedMoE layers)")
     if model_type in REFUSED:
         raise ValueError(f"model_type={model_type!r}: to_mode_moe does not convert it: {REFUSED[model_type]}")
+    if model_type in NOT_YET:
+        raise ValueError(f"model_type={model_type!r}: to_mode_moe does not convert it yet: {NOT_YET[model_type]}")
     if model_type not in MOE_MODEL_TYPES:
         raise ValueError(f"model_type={model_type!r}: to_mode_moe converts {', '.join(MOE_MODEL_TYPES)}; "
                          "missing for this model: its MoE block is not one of these (a new family is one entry "

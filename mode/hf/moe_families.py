@@ -87,6 +87,7 @@ class Family:
     groups: tuple | None = None  # (n_group, topk_group) as spec values; None: no group limit
     group_score: str = "top2"
     mixer_eps: Any = 0.0  # score="sparsemixer" (PhiMoE): the relative logit gap of each slot's softmax
+    logit_softcap: Any = 0.0  # tanh softcap of the router logits (Laguna)
     hash_table: str | None = None  # hash routing's (vocab, k) token-id -> experts table, in the block, where present
     choice_bias: str | None = None  # the selection-only bias, in the block
     experts: str = "experts"  # the experts module, in the block ("": the block itself)
@@ -101,6 +102,7 @@ class Family:
     shared_gate: str | None = None  # its per-token sigmoid gate Linear(D, 1), in the block
     shared_average: Any = False  # Cohere2's "average": (routed + shared) / 2
     output_bias: str | None = None  # a bias added after the combine, in the block (JetMoE)
+    post_norm: str | None = None  # a norm module the block applies to its output (AXK1's post_mlp_layernorm)
     num_zero: Any = 0  # LongCat-Flash's zero-computation experts: "copy" no-op slots after the real ones
     jitter: tuple = ()  # spec values of training-time noise: converted, but a training forward with it on refuses
     train_refusal: str | None = None  # why a training forward of the converted model refuses (eval is exact)
@@ -206,6 +208,49 @@ FAMILIES: dict[str, Family] = {
     "kimi_linear": _dsr("KimiLinearMoE"),
     "bailing_hybrid": _dsr("BailingHybridMoE"),
     "mimo_v2_flash": _dsr("MiMoV2FlashMoE", shared=None),
+    "axk1": _dsr("AXK1MoE", post_norm="post_mlp_layernorm"),
+    "dots3_note_text": _dsr("Dots3NoteTextMoE"),
+    "solar_open": _dsr("SolarOpenMoE"),
+    "hy_v4": _dsr("HYV4MoE", expert_options=dict(swiglu_limit=At("experts.swiglu_limit"))),
+    # the scale multiplies the routed output on the block (the same as the gates, up to rounding)
+    "beam": _dsr("BeamMoE", scale=At("routed_scaling_factor", 1.0), shared=None),
+    # more softmax and top-k-of-logits routers
+    "mellum": Family("MellumSparseMoeBlock", renormalize=At("gate.norm_topk_prob")),
+    "qwen4_exp_text": Family("Qwen4ExpTextSparseMoeBlock", renormalize=At("gate.norm_topk_prob"),
+                             shared="shared_expert", shared_gate="shared_expert_gate"),
+    "aria_text": Family("AriaTextMoELayer", router="router", layout="EDF", shared="shared_experts"),
+    "granitemoe_swa": Family("GraniteMoeSWAMoE", router="router"),
+    # sigmoid scores: without a bias (Flint), with a bias on the block or the router and no groups
+    "flint": Family("FlintSparseMoeBlock", score="sigmoid", renormalize=At("gate.norm_topk_prob"),
+                    shared="shared_expert"),
+    "hy_v3": Family("HYV3MoE", score="sigmoid", renorm_eps=1e-20, scale=At("gate.router_scaling_factor", 1.0),
+                    choice_bias="e_score_correction_bias", shared="shared_experts"),
+    "laguna": Family("LagunaSparseMoeBlock", score="sigmoid", scale=At("routed_scaling_factor", 1.0),
+                     logit_softcap=At("gate.router_logit_softcapping", 0.0),
+                     choice_bias="gate.e_score_correction_bias", shared="shared_experts"),
+    "minimax_m3_vl_text": Family("MiniMaxM3VLSparseMoeBlock", score="sigmoid", scale=At("routed_scaling_factor", 1.0),
+                                 choice_bias="gate.e_score_correction_bias", shared="shared_experts",
+                                 activation_field=None,
+                                 expert_options=dict(swiglu_limit=At("experts.swiglu_limit"),
+                                                     swiglu_alpha=At("experts.swiglu_alpha"),
+                                                     swiglu_up_offset=1.0)),
+}
+
+# Decoder MoE families of transformers 5.23 that do not convert yet, and what they need (the refusal says it)
+NOT_YET: dict[str, str] = {
+    "axk2": "AXK2 zero-fills the scores of the groups it drops (not -inf), which differs from mode's group limit "
+            "whenever a biased score is negative",
+    "kolibri1": "Kolibri-1 chooses by the raw logits plus its bias, then gates by their sigmoid: mode's bias is added "
+                "to the scores",
+    "inkling_text": "Inkling normalises the chosen sigmoid scores together with its shared experts' router logits "
+                    "(gated shared experts inside the router)",
+    "inkling2_text": "Inkling-2's experts use a softcapped SwiGLU (softcap(g) * sigmoid(g) * softcap(u))",
+    "nemotron_h": "Nemotron-H's experts are ungated relu^2 MLPs (up, down only): mode's experts are SwiGLU or GELU",
+    "gemma4_text": "Gemma-4 has no MoE block module: its router and experts sit on the decoder layer beside a dense "
+                   "MLP, with a scale-free RMSNorm and per-expert scales in the router",
+    "zaya": "Zaya's router is an MLP over a down-projection plus the previous layer's router state, with a skip "
+            "class",
+    "doge": "Doge's product-key experts are rows of embeddings, and its routing mixes tokens (not causal)",
 }
 
 # A multimodal family is keyed by its text decoder's model type (Llama-4: "llama4_text", Qwen3.5-MoE:

@@ -25,6 +25,8 @@ The recipes of DeepSeek-V3 and Qwen-MoE (docs/routing.md), each off by default:
     renorm_eps, renorm_min, renorm_p   the renormalisation's denominator is ``max(norm_p + eps, min)``, the
                    p-norm of the k gates (p = 1: their sum; DBRX's p), DeepSeek-V3 adding 1e-20, LFM2 1e-6,
                    ERNIE-4.5 clamping at ``moe_norm_min``
+    logit_softcap  ``c * tanh(logit / c)`` on the logits before anything else (Laguna); the recorded and
+                   z-loss logits are the capped ones
     logit_bias     a learned bias on the logits (gpt-oss): part of the logits, so of the gates, the losses
                    and the recorded logits; unlike ``bias_X`` it is trained by the gradient
     hash_vocab     hash routing (Roller et al. 2021; DeepSeek-V4's first layers): the k experts of a token are a
@@ -91,6 +93,7 @@ class TokenChoiceConfig:
     group_score: str = "top2"  # a group's score: the sum of its two best experts' scores, or the best ("max")
     mixer_eps: float = 0.0  # gate="sparsemixer": the relative logit gap 2 * eps a slot's softmax spans
     hash_vocab: int = 0  # > 0: hash routing, the experts of a token id from a (hash_vocab, top_k) table
+    logit_softcap: float = 0.0  # > 0: logits = c * tanh(logits / c) before everything else (Laguna)
     bias_balance: bool = False  # aux-loss-free balancing (DeepSeek-V3): a bias on the scores for choosing
     bias_rate: float = 1e-3  # the bias update step (torchtitan's and Megatron's default)
     noop_target: float | None = None  # bias_balance with no-op slots: the share of choices to hold on them
@@ -122,6 +125,7 @@ class TokenChoiceConfig:
         _checks.check_bool("logit_bias", self.logit_bias)
         _checks.check_non_negative("mixer_eps", self.mixer_eps)
         _checks.check_int("hash_vocab", self.hash_vocab, min_value=0)
+        _checks.check_non_negative("logit_softcap", self.logit_softcap)
         if self.hash_vocab and (self.bias_balance or self.n_group > 1 or self.num_noop or self.gate == "sparsemixer"):
             raise ValueError(f"hash_vocab={self.hash_vocab}: hash routing takes its experts from the table (got "
                              f"bias_balance={self.bias_balance}, n_group={self.n_group}, num_noop={self.num_noop}, "
@@ -242,6 +246,8 @@ class TokenChoiceRouter(nn.Module):
             # float32 whatever the activation dtype: top-k on bf16 logits ties too often
             bias_X = None if self.logit_bias_X is None else self.logit_bias_X.float()
             logits_TX = F.linear(x_BSD.reshape(T, self.cfg.d_model).float(), self.weight.float(), bias_X)
+            if self.cfg.logit_softcap:
+                logits_TX = torch.tanh(logits_TX / self.cfg.logit_softcap) * self.cfg.logit_softcap
             if self.cfg.check_finite:
                 _check_finite(logits_TX)
             if self.cfg.gate in ("softmax", "sparsemixer"):
