@@ -115,6 +115,7 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
                    renorm_p=float(read(spec.renorm_p, block, config) or 1.0),
                    hash_vocab=0 if table is None else int(table.shape[0]),
                    logit_softcap=float(read(spec.logit_softcap, block, config) or 0.0),
+                   bias_on=spec.bias_on, dropped_groups=spec.dropped_groups,
                    bias_balance=spec.choice_bias is not None and _get(block, spec.choice_bias) is not None)
     if noop_target is not None:
         options["noop_target"] = noop_target

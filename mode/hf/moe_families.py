@@ -86,6 +86,8 @@ class Family:
     scale: Any = 1.0
     groups: tuple | None = None  # (n_group, topk_group) as spec values; None: no group limit
     group_score: str = "top2"
+    dropped_groups: str = "ninf"  # "zero": AXK2 zero-fills the experts of dropped groups
+    bias_on: str = "scores"  # "logits": Kolibri-1 adds its correction bias to the raw logits
     mixer_eps: Any = 0.0  # score="sparsemixer" (PhiMoE): the relative logit gap of each slot's softmax
     logit_softcap: Any = 0.0  # tanh softcap of the router logits (Laguna)
     hash_table: str | None = None  # hash routing's (vocab, k) token-id -> experts table, in the block, where present
@@ -209,6 +211,9 @@ FAMILIES: dict[str, Family] = {
     "bailing_hybrid": _dsr("BailingHybridMoE"),
     "mimo_v2_flash": _dsr("MiMoV2FlashMoE", shared=None),
     "axk1": _dsr("AXK1MoE", post_norm="post_mlp_layernorm"),
+    "axk2": _dsr("AXK2MoE", dropped_groups="zero"),
+    "kolibri1": Family("Kolibri1SparseMoeBlock", score="sigmoid", renormalize=At("gate.norm_topk_prob"),
+                       choice_bias="gate.e_score_correction_bias", bias_on="logits", shared="shared_experts"),
     "dots3_note_text": _dsr("Dots3NoteTextMoE"),
     "solar_open": _dsr("SolarOpenMoE"),
     "hy_v4": _dsr("HYV4MoE", expert_options=dict(swiglu_limit=At("experts.swiglu_limit"))),
@@ -238,10 +243,6 @@ FAMILIES: dict[str, Family] = {
 
 # Decoder MoE families of transformers 5.23 that do not convert yet, and what they need (the refusal says it)
 NOT_YET: dict[str, str] = {
-    "axk2": "AXK2 zero-fills the scores of the groups it drops (not -inf), which differs from mode's group limit "
-            "whenever a biased score is negative",
-    "kolibri1": "Kolibri-1 chooses by the raw logits plus its bias, then gates by their sigmoid: mode's bias is added "
-                "to the scores",
     "inkling_text": "Inkling normalises the chosen sigmoid scores together with its shared experts' router logits "
                     "(gated shared experts inside the router)",
     "inkling2_text": "Inkling-2's experts use a softcapped SwiGLU (softcap(g) * sigmoid(g) * softcap(u))",

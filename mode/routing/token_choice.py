@@ -25,6 +25,10 @@ The recipes of DeepSeek-V3 and Qwen-MoE (docs/routing.md), each off by default:
     renorm_eps, renorm_min, renorm_p   the renormalisation's denominator is ``max(norm_p + eps, min)``, the
                    p-norm of the k gates (p = 1: their sum; DBRX's p), DeepSeek-V3 adding 1e-20, LFM2 1e-6,
                    ERNIE-4.5 clamping at ``moe_norm_min``
+    bias_on        "logits": the balancing bias is added to the raw logits for choosing (Kolibri-1), not to the
+                   scores; the gates are the scores at the chosen slots either way
+    dropped_groups "zero": the experts of a token's dropped groups score 0 for choosing, not -inf (AXK2: they
+                   can still be chosen over an expert whose biased score is negative)
     logit_softcap  ``c * tanh(logit / c)`` on the logits before anything else (Laguna); the recorded and
                    z-loss logits are the capped ones
     logit_bias     a learned bias on the logits (gpt-oss): part of the logits, so of the gates, the losses
@@ -94,6 +98,8 @@ class TokenChoiceConfig:
     mixer_eps: float = 0.0  # gate="sparsemixer": the relative logit gap 2 * eps a slot's softmax spans
     hash_vocab: int = 0  # > 0: hash routing, the experts of a token id from a (hash_vocab, top_k) table
     logit_softcap: float = 0.0  # > 0: logits = c * tanh(logits / c) before everything else (Laguna)
+    bias_on: str = "scores"  # bias_balance: the bias is added to the scores, or to the raw logits (Kolibri-1)
+    dropped_groups: str = "ninf"  # the experts of dropped groups score -inf ("ninf") or 0 ("zero": AXK2)
     bias_balance: bool = False  # aux-loss-free balancing (DeepSeek-V3): a bias on the scores for choosing
     bias_rate: float = 1e-3  # the bias update step (torchtitan's and Megatron's default)
     noop_target: float | None = None  # bias_balance with no-op slots: the share of choices to hold on them
@@ -126,6 +132,8 @@ class TokenChoiceConfig:
         _checks.check_non_negative("mixer_eps", self.mixer_eps)
         _checks.check_int("hash_vocab", self.hash_vocab, min_value=0)
         _checks.check_non_negative("logit_softcap", self.logit_softcap)
+        _checks.check_choice("bias_on", self.bias_on, ("scores", "logits"))
+        _checks.check_choice("dropped_groups", self.dropped_groups, ("ninf", "zero"))
         if self.hash_vocab and (self.bias_balance or self.n_group > 1 or self.num_noop or self.gate == "sparsemixer"):
             raise ValueError(f"hash_vocab={self.hash_vocab}: hash routing takes its experts from the table (got "
                              f"bias_balance={self.bias_balance}, n_group={self.n_group}, num_noop={self.num_noop}, "
@@ -224,6 +232,7 @@ class TokenChoiceRouter(nn.Module):
             self.register_buffer("load_X", torch.zeros(self.num_slots), persistent=False)  # since the update
             self.register_buffer("share_X", torch.tensor(cfg.target_shares()), persistent=False)
         self._choose_by_score = not cfg.bias_balance and not cfg.group_limited  # topk of the gates themselves
+        self._dropped_fill = float("-inf") if cfg.dropped_groups == "ninf" else 0.0
 
     def capacity(self, num_tokens: int) -> int | None:
         """Per-expert assignment limit for ``num_tokens`` tokens (None when dropless)."""
@@ -264,7 +273,7 @@ class TokenChoiceRouter(nn.Module):
             elif self._choose_by_score:
                 gate_TK, chosen_TK = probs_TX.topk(K, dim=-1)
             else:  # the bias and the group limit change which slots are chosen, never the gate values
-                chosen_TK = self._choice_scores(probs_TX).topk(K, dim=-1).indices
+                chosen_TK = self._choice_scores(probs_TX, logits_TX).topk(K, dim=-1).indices
                 gate_TK = probs_TX.gather(1, chosen_TK)
             if self.cfg.renormalize:
                 if self.cfg.renorm_p == 1.0:
@@ -324,10 +333,12 @@ class TokenChoiceRouter(nn.Module):
         return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
                            num_tokens=T, aux=aux, padded=padded, logits_TX=logits_TX, noop_gate_TN=noop_gate_TN)
 
-    def _choice_scores(self, probs_TX: Tensor) -> Tensor:
-        """The scores the top-k chooses by: the gates plus the balancing bias, with the real experts outside
-        a token's ``topk_group`` best groups at -inf."""
-        choice_TX = probs_TX + self.bias_X if self.cfg.bias_balance else probs_TX
+    def _choice_scores(self, probs_TX: Tensor, logits_TX: Tensor) -> Tensor:
+        """The scores the top-k chooses by: the gates (or the logits, ``bias_on="logits"``) plus the balancing
+        bias, with the real experts outside a token's ``topk_group`` best groups at -inf (or 0,
+        ``dropped_groups="zero"``)."""
+        base_TX = probs_TX if self.cfg.bias_on == "scores" else logits_TX
+        choice_TX = base_TX + self.bias_X if self.cfg.bias_balance else base_TX
         if not self.cfg.group_limited:
             return choice_TX
         T, E, G = choice_TX.shape[0], self.num_experts, self.cfg.n_group
@@ -338,7 +349,7 @@ class TokenChoiceRouter(nn.Module):
             group_TG = real_TGE.topk(min(2, E // G), dim=-1).values.sum(-1)
         keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(
             1, group_TG.topk(self.cfg.topk_group, dim=-1).indices, True)
-        real_TE = real_TGE.masked_fill(~keep_TG[:, :, None], float("-inf")).reshape(T, E)
+        real_TE = real_TGE.masked_fill(~keep_TG[:, :, None], self._dropped_fill).reshape(T, E)
         return torch.cat([real_TE, choice_TX[:, E:]], dim=1)
 
     def _balance(self, probs_TX: Tensor, requested_X: Tensor, chosen_TK: Tensor, valid_T: Tensor | None,

@@ -574,3 +574,34 @@ def test_hash_routing_takes_the_experts_of_each_token_id_from_the_table():
         router(x)
     with pytest.raises(ValueError, match="hash_vocab=10: hash routing takes its experts from the table"):
         TokenChoiceConfig(d_model=8, num_experts=6, top_k=2, hash_vocab=10, bias_balance=True)
+
+
+def test_dropped_groups_zero_and_bias_on_logits_change_the_choice_as_their_families_do():
+    """AXK2 scores the experts of dropped groups 0, not -inf: one of them beats a kept expert whose biased score
+    is negative. Kolibri-1 adds its bias to the raw logits, not to the sigmoid scores."""
+    from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
+
+    def router(**kw):
+        r = TokenChoiceRouter(TokenChoiceConfig(d_model=4, num_experts=4, top_k=2, gate="sigmoid", bias_balance=True,
+                                                **kw))
+        with torch.no_grad():
+            r.weight.copy_(torch.eye(4))
+        return r
+
+    x = torch.tensor([[[5.0, 2.0, -3.0, -4.0]]])  # group 0 = experts {0, 1} wins its group score either way
+    for fill in ("ninf", "zero"):
+        r = router(n_group=2, topk_group=1, dropped_groups=fill)
+        with torch.no_grad():
+            r.bias_X.copy_(torch.tensor([0.0, -1.0, 0.0, 0.0]))  # expert 1: sigmoid(2) - 1 < 0
+        chosen = set(r(x).expert_idx_A.tolist())
+        # -inf: both kept experts; 0: a dropped-group expert (score 0) beats expert 1's negative biased score
+        assert chosen == {0, 1} if fill == "ninf" else (0 in chosen and 1 not in chosen and len(chosen) == 2), fill
+    x = torch.tensor([[[2.0, 1.0, 0.0, -3.0]]])
+    for bias_on, expected in (("scores", {0, 3}), ("logits", {0, 1})):
+        r = router(bias_on=bias_on)
+        with torch.no_grad():  # +1.5 on expert 3: its score 0.05 + 1.5 beats every score; its logit -1.5 does not
+            r.bias_X.copy_(torch.tensor([0.0, 0.0, 0.0, 1.5]))
+        plan = r(x)
+        assert set(plan.expert_idx_A.tolist()) == expected, bias_on
+        gates = dict(zip(plan.expert_idx_A.tolist(), plan.weight_A.tolist()))
+        assert gates[0] == pytest.approx(torch.sigmoid(torch.tensor(2.0)).item())  # gates: unbiased scores
