@@ -3,7 +3,7 @@
 Shape legend
     A rows: the first N = counts_E.sum() grouped by expert (counts_E[0] rows of expert 0, then
       counts_E[1] rows of expert 1, ...), the A - N rows after them padding
-    D hidden size   H expert hidden size   F = H (gelu) or 2H (swiglu: gate and up fused)   E experts
+    D hidden size   H expert hidden size   F = H (gelu, relu2) or 2H (swiglu: gate and up fused)   E experts
 
 Padding contract of ``forward(x_AD, counts_E)`` (every backend):
     * ``A >= counts_E.sum()``. The router puts no-op, dropped and padding assignments after the real
@@ -88,7 +88,7 @@ from mode.experts.grouped_mm import autocast_dtype, grouped_mm
 from mode.experts.swiglu import swiglu
 from mode.experts.swiglu_options import FUSED, SwiGLUOptions
 
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "swiglu", "relu2")  # relu2: relu(h)^2, ungated (Nemotron-H's experts)
 BACKENDS = ("auto", "reference", "grouped", "megablocks")
 # Weight layouts: "EDF" (w_in_EDF (E, D, F), w_out_EHD (E, H, D): x @ w) or "EFD" (w_in_EFD (E, F, D),
 # w_out_EDH (E, D, H): nn.Linear's order, as transformers 5.x stores its experts (gate_up_proj, down_proj) and
@@ -193,6 +193,8 @@ def local_weight(w: Tensor) -> Tensor:
 def activate(h_AF: Tensor, activation: str) -> Tensor:
     if activation == "gelu":
         return F.gelu(h_AF)
+    if activation == "relu2":
+        return F.relu(h_AF).square()
     gate_AH, up_AH = h_AF.chunk(2, dim=-1)
     return F.silu(gate_AH) * up_AH
 

@@ -71,8 +71,9 @@ def _get(obj, path: str):
 def check_config(config, spec: Family | None = None) -> None:
     """The options of a family's config that mode's layer does not compute refuse here, by name."""
     field = "hidden_act" if spec is None else spec.activation_field
-    if field is not None and getattr(config, field, "silu") != "silu":
-        raise ValueError(f"{field}={getattr(config, field)!r}: mode's SwiGLU experts use silu")
+    wanted = "silu" if spec is None or spec.activation == "swiglu" else spec.activation
+    if field is not None and getattr(config, field, wanted) != wanted:
+        raise ValueError(f"{field}={getattr(config, field)!r}: mode's experts for this family use {wanted}")
 
 
 def train_refusal(block: nn.Module, config, spec: Family) -> str | None:
@@ -92,6 +93,9 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
     family = family_of(block)
     spec = SPECS[family]
     check_config(config, spec)
+    why = read(spec.check, block, config) if spec.check is not None else None
+    if why:
+        raise ValueError(why)
     experts, router = _get(block, spec.experts), _get(block, spec.router)
     w_out = _get(experts, spec.weights[1])
     num_zero = int(read(spec.num_zero, block, config) or 0)
@@ -130,7 +134,7 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
         shared_hidden = next(p for p in shared.parameters()).shape[0]  # its gate (or first) projection's rows
     return MoEConfig(d_model=d_model, d_hidden=d_hidden, num_experts=num_experts, top_k=int(top_k),
                      num_noop=num_zero, noop_kinds="copy", gate=read(spec.score, block, config),
-                     renormalize=renormalize, activation="swiglu", backend=backend, balance_coef=balance_coef,
+                     renormalize=renormalize, activation=spec.activation, backend=backend, balance_coef=balance_coef,
                      z_coef=z_coef, expert_layout=spec.layout, router_options=options,
                      num_shared=1 if shared is not None else 0, shared_hidden=shared_hidden,
                      shared_gate=bool(spec.shared_gate and _get(block, spec.shared_gate) is not None),

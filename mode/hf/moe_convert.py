@@ -309,7 +309,8 @@ def _flops_per_token(moe: MoELayer) -> tuple[float, float]:
     cfg = moe.experts.cfg
     fixed = 2.0 * cfg.d_model * moe.router.num_slots
     if isinstance(moe.shared_experts, SharedMLP):  # (JetMoE's output bias sits there too: no FLOPs)
-        fixed += mlp_flops_per_token(cfg.d_model, moe.shared_experts.mlp.gate_proj.out_features, "swiglu")
+        # 2 FLOPs per weight of its linear layers, whatever the family calls them (gated or not)
+        fixed += 2.0 * sum(m.weight.numel() for m in moe.shared_experts.modules() if isinstance(m, nn.Linear))
     if moe.shared_gate is not None:
         fixed += 2.0 * cfg.d_model
     return mlp_flops_per_token(cfg.d_model, cfg.d_hidden, cfg.activation), fixed

@@ -99,7 +99,9 @@ class Family:
     tensors: str | None = None  # a reshaping rule of mode.hf.moe_blocks.TENSOR_RULES (DBRX's fused 2D weights)
     layout: str = "EFD"
     expert_options: dict = field(default_factory=dict)  # ExpertConfig extras
-    activation_field: str | None = "hidden_act"  # config field naming the experts' activation (None: silu fixed)
+    activation_field: str | None = "hidden_act"  # config field naming the experts' activation (None: fixed)
+    activation: str = "swiglu"  # ExpertConfig.activation: "swiglu" (the field must say silu) or "relu2" (relu2)
+    check: Any = None  # a function (block, config) -> why this checkpoint does not convert, or None
     shared: str | None = None  # the shared experts' MLP, in the block (absent or None: none)
     shared_gate: str | None = None  # its per-token sigmoid gate Linear(D, 1), in the block
     shared_average: Any = False  # Cohere2's "average": (routed + shared) / 2
@@ -120,6 +122,13 @@ def _dsr(block: str, **kw) -> Family:
                 choice_bias="gate.e_score_correction_bias", shared="shared_experts")
     spec.update(kw)
     return Family(**spec)
+
+
+def _nemotron_latent(block, config) -> str | None:
+    if getattr(config, "moe_latent_size", None) is None:
+        return None
+    return (f"moe_latent_size={config.moe_latent_size}: Nemotron-H's experts then run in a latent space between "
+            "two projections, which the converter does not adopt")
 
 
 def _cohere2_renorm(block, config) -> bool:
@@ -212,6 +221,9 @@ FAMILIES: dict[str, Family] = {
     "mimo_v2_flash": _dsr("MiMoV2FlashMoE", shared=None),
     "axk1": _dsr("AXK1MoE", post_norm="post_mlp_layernorm"),
     "axk2": _dsr("AXK2MoE", dropped_groups="zero"),
+    # Nemotron-H: DeepSeek-V3's router, ungated relu^2 experts (up, down), relu^2 shared experts
+    "nemotron_h": _dsr("NemotronHMoE", weights=("up_proj", "down_proj"), activation="relu2",
+                       activation_field="mlp_hidden_act", check=_nemotron_latent),
     "kolibri1": Family("Kolibri1SparseMoeBlock", score="sigmoid", renormalize=At("gate.norm_topk_prob"),
                        choice_bias="gate.e_score_correction_bias", bias_on="logits", shared="shared_experts"),
     "dots3_note_text": _dsr("Dots3NoteTextMoE"),
@@ -246,7 +258,6 @@ NOT_YET: dict[str, str] = {
     "inkling_text": "Inkling normalises the chosen sigmoid scores together with its shared experts' router logits "
                     "(gated shared experts inside the router)",
     "inkling2_text": "Inkling-2's experts use a softcapped SwiGLU (softcap(g) * sigmoid(g) * softcap(u))",
-    "nemotron_h": "Nemotron-H's experts are ungated relu^2 MLPs (up, down only): mode's experts are SwiGLU or GELU",
     "gemma4_text": "Gemma-4 has no MoE block module: its router and experts sit on the decoder layer beside a dense "
                    "MLP, with a scale-free RMSNorm and per-expert scales in the router",
     "zaya": "Zaya's router is an MLP over a down-projection plus the previous layer's router state, with a skip "

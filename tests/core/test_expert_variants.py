@@ -516,3 +516,21 @@ def test_input_gated_experts_behind_a_combine_side_dispatcher():
     (g_cs,) = torch.autograd.grad(y_cs.square().sum(), x)
     torch.testing.assert_close(y_cs, y_local, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_cs, g_local, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["EDF", "EFD"])
+def test_relu2_experts_agree_across_backends_and_with_the_formula(layout):
+    """Ungated relu^2 experts (Nemotron-H): y = relu(x W_in)^2 W_out, every backend the same, padding zero."""
+    torch.manual_seed(0)
+    cfg = dict(d_model=16, d_hidden=32, num_experts=3, activation="relu2", layout=layout)
+    ref = ExpertBank(ExpertConfig(**cfg, backend="reference"))
+    fast = ExpertBank(ExpertConfig(**cfg, backend="grouped"))
+    fast.load_state_dict(ref.state_dict())
+    counts = torch.tensor([3, 0, 4])
+    x = torch.randn(9, 16)
+    x[7:] = float("nan")  # padding rows
+    w_in, w_out = ref.weights(torch.float32)
+    expected = torch.cat([torch.relu(x[:3] @ w_in[0]).square() @ w_out[0],
+                          torch.relu(x[3:7] @ w_in[2]).square() @ w_out[2], torch.zeros(2, 16)])
+    for bank in (ref, fast):
+        torch.testing.assert_close(bank(x, counts), expected, rtol=1e-5, atol=1e-6)

@@ -93,7 +93,7 @@ def test_unsupported_blocks_and_activations_are_refused():
 
     with pytest.raises(ValueError, match=r"block=Linear: not a supported transformers MoE block"):
         from_block(torch.nn.Linear(2, 2), Qwen3MoeConfig())
-    with pytest.raises(ValueError, match=r"hidden_act='gelu': mode's SwiGLU experts use silu"):
+    with pytest.raises(ValueError, match=r"hidden_act='gelu': mode's experts for this family use silu"):
         block, cfg = qwen3()
         cfg.hidden_act = "gelu"
         moe_config(block, cfg)
