@@ -11,7 +11,10 @@ and trains its rows of every batch; checkpoints are sharded (``OUT/ckpt/``). ``-
 either kind found in OUT, ``--resume-from PATH`` from any checkpoint (a file or a sharded folder, any
 layout). ``--resume auto`` continues from a complete checkpoint in OUT when there is one and starts a new run
 when there is none, so that one command line both starts and continues a run (what a scheduler or torchelastic
-reruns); without ``--resume``, a checkpoint already in OUT is an error, never overwritten. docs/distributed.md.
+reruns); without ``--resume``, a checkpoint already in OUT is an error, never overwritten. Resuming uses the
+newest checkpoint that verifies (``mode.parallel.resume``; ``--keep K`` keeps K of them). SIGTERM ends the run
+after the step in progress with a checkpoint and status 143 (``mode.train.preempt``); under ``torchrun
+--max-restarts N`` a group whose rank died restarts and resumes (``mode.parallel.elastic``). docs/distributed.md.
 """
 
 from __future__ import annotations
