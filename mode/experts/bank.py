@@ -110,6 +110,8 @@ class ExpertConfig:
     swiglu_alpha: float | None = None  # gate * sigmoid(alpha * gate); None: silu (gpt-oss 1.702)
     swiglu_up_offset: float = 0.0  # (up + offset) * glu (gpt-oss 1)
     fused: str = "concat"  # gate and up in F = 2H: "concat" halves or "interleaved" (gate 0::2, up 1::2: gpt-oss)
+    swiglu_gate_softcap: float | None = None  # c * tanh(gate / c) as the linear gate factor (Inkling-2: 4)
+    swiglu_up_softcap: float | None = None  # c * tanh(up / c) (Inkling-2: 25)
     gate_on_input: bool = False  # gate_A scales each row's input, not its output (Llama 4)
 
     def __post_init__(self) -> None:
@@ -125,6 +127,9 @@ class ExpertConfig:
             _checks.check_positive("swiglu_limit", self.swiglu_limit)
         if self.swiglu_alpha is not None:
             _checks.check_positive("swiglu_alpha", self.swiglu_alpha)
+        for name in ("swiglu_gate_softcap", "swiglu_up_softcap"):
+            if getattr(self, name) is not None:
+                _checks.check_positive(name, getattr(self, name))
         if isinstance(self.swiglu_up_offset, bool) or not isinstance(self.swiglu_up_offset, (int, float)):
             raise TypeError(f"swiglu_up_offset={self.swiglu_up_offset!r}: must be a float")
         if not math.isfinite(self.swiglu_up_offset):
@@ -134,6 +139,8 @@ class ExpertConfig:
             for name, value, default in (("swiglu_limit", self.swiglu_limit, None),
                                          ("swiglu_alpha", self.swiglu_alpha, None),
                                          ("swiglu_up_offset", self.swiglu_up_offset, 0.0),
+                                         ("swiglu_gate_softcap", self.swiglu_gate_softcap, None),
+                                         ("swiglu_up_softcap", self.swiglu_up_softcap, None),
                                          ("fused", self.fused, "concat")):
                 if value != default:
                     raise ValueError(f"{name}={value!r}: only applies to activation='swiglu' "
@@ -144,7 +151,8 @@ class ExpertConfig:
 
     @property
     def swiglu_options(self) -> SwiGLUOptions:
-        return SwiGLUOptions(self.swiglu_limit, self.swiglu_alpha, float(self.swiglu_up_offset), self.fused)
+        return SwiGLUOptions(self.swiglu_limit, self.swiglu_alpha, float(self.swiglu_up_offset), self.fused,
+                             self.swiglu_gate_softcap, self.swiglu_up_softcap)
 
 
 def check_backend_environment(name: str, sizes: dict[str, int]) -> None:

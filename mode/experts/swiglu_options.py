@@ -7,6 +7,7 @@ Shape legend: A rows, H expert hidden size, F = 2H (the fused gate + up projecti
     gate_AH = clamp(gate_AH, max=L)                    limit L (DeepSeek-V4, gpt-oss); the up half to [-L, L]
     up_AH   = clamp(up_AH, -L, L)
     act_AH  = gate_AH * sigmoid(alpha * gate_AH) * (up_AH + offset)
+    act_AH  = softcap_g(gate_AH) * sigmoid(gate_AH) * softcap_u(up_AH)   gate/up softcaps (Inkling-2), float32
 
 ``alpha=None`` is silu (alpha 1); gpt-oss has alpha 1.702, limit 7 and offset 1
 (transformers 5.23 ``GptOssExperts._apply_gate``), DeepSeek-V4 limit 10, alpha None, offset 0
@@ -35,6 +36,8 @@ class SwiGLUOptions:
     alpha: float | None = None
     up_offset: float = 0.0
     fused: str = "concat"
+    gate_softcap: float | None = None
+    up_softcap: float | None = None
 
     @property
     def is_plain(self) -> bool:
@@ -48,6 +51,8 @@ class SwiGLUOptions:
 
     def __call__(self, h_AF: Tensor) -> Tensor:
         gate_AH, up_AH = self.split(h_AF)
+        if self.gate_softcap is not None or self.up_softcap is not None:
+            return self._softcapped(gate_AH, up_AH)
         if self.limit is not None:
             gate_AH = gate_AH.clamp(max=self.limit)
             up_AH = up_AH.clamp(min=-self.limit, max=self.limit)
@@ -58,3 +63,12 @@ class SwiGLUOptions:
         if self.up_offset:
             up_AH = up_AH + self.up_offset
         return up_AH * glu_AH
+
+    def _softcapped(self, gate_AH: Tensor, up_AH: Tensor) -> Tensor:
+        """Inkling-2: ``softcap(gate) * sigmoid(gate) * softcap(up)`` in float32 (the sigmoid sees the raw gate)."""
+        dtype = gate_AH.dtype
+        gate_AH, up_AH = gate_AH.float(), up_AH.float()
+        lin_AH = gate_AH if self.gate_softcap is None else torch.tanh(gate_AH / self.gate_softcap) * self.gate_softcap
+        if self.up_softcap is not None:
+            up_AH = torch.tanh(up_AH / self.up_softcap) * self.up_softcap
+        return (lin_AH * torch.sigmoid(gate_AH) * up_AH).to(dtype)

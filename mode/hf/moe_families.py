@@ -245,6 +245,11 @@ FAMILIES: dict[str, Family] = {
     "laguna": Family("LagunaSparseMoeBlock", score="sigmoid", scale=At("routed_scaling_factor", 1.0),
                      logit_softcap=At("gate.router_logit_softcapping", 0.0),
                      choice_bias="gate.e_score_correction_bias", shared="shared_experts"),
+    "inkling2_text": Family("Inkling2SparseMoeBlock", score="sigmoid", renorm_eps=1e-20,
+                            scale=At("gate.routed_scaling_factor", 1.0), choice_bias="gate.e_score_correction_bias",
+                            activation_field=None,
+                            expert_options=dict(swiglu_gate_softcap=At("experts.act_fn.gate_softcap.softcap"),
+                                                swiglu_up_softcap=At("experts.act_fn.up_softcap.softcap"))),
     "minimax_m3_vl_text": Family("MiniMaxM3VLSparseMoeBlock", score="sigmoid", scale=At("routed_scaling_factor", 1.0),
                                  choice_bias="gate.e_score_correction_bias", shared="shared_experts",
                                  activation_field=None,
@@ -257,7 +262,6 @@ FAMILIES: dict[str, Family] = {
 NOT_YET: dict[str, str] = {
     "inkling_text": "Inkling normalises the chosen sigmoid scores together with its shared experts' router logits "
                     "(gated shared experts inside the router)",
-    "inkling2_text": "Inkling-2's experts use a softcapped SwiGLU (softcap(g) * sigmoid(g) * softcap(u))",
     "gemma4_text": "Gemma-4 has no MoE block module: its router and experts sit on the decoder layer beside a dense "
                    "MLP, with a scale-free RMSNorm and per-expert scales in the router",
     "zaya": "Zaya's router is an MLP over a down-projection plus the previous layer's router state, with a skip "

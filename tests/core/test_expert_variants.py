@@ -534,3 +534,24 @@ def test_relu2_experts_agree_across_backends_and_with_the_formula(layout):
                           torch.relu(x[3:7] @ w_in[2]).square() @ w_out[2], torch.zeros(2, 16)])
     for bank in (ref, fast):
         torch.testing.assert_close(bank(x, counts), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_softcapped_swiglu_is_inkling2s_bit_for_bit():
+    """Inkling-2's experts: softcap_4(gate) * sigmoid(gate) * softcap_25(up), in float32; both backends agree."""
+    from types import SimpleNamespace
+
+    from transformers.models.inkling2.modeling_inkling2 import Inkling2SoftcappedSwiGLU
+
+    theirs = Inkling2SoftcappedSwiGLU(SimpleNamespace(mlp_gate_softcap=4.0, mlp_up_softcap=25.0))
+    cfg = ExpertConfig(d_model=16, d_hidden=32, num_experts=2, activation="swiglu", swiglu_gate_softcap=4.0,
+                       swiglu_up_softcap=25.0)
+    h = torch.randn(5, 64) * 10
+    assert torch.equal(cfg.swiglu_options(h), theirs(*h.chunk(2, dim=-1)))
+    torch.manual_seed(0)
+    ref = ExpertBank(ExpertConfig(**{**cfg.__dict__, "backend": "reference"}))
+    fast = ExpertBank(ExpertConfig(**{**cfg.__dict__, "backend": "grouped"}))
+    fast.load_state_dict(ref.state_dict())
+    x, counts = torch.randn(6, 16), torch.tensor([2, 4])
+    torch.testing.assert_close(fast(x, counts), ref(x, counts), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="swiglu_up_softcap=25.0: only applies to activation='swiglu'"):
+        ExpertConfig(d_model=16, d_hidden=32, num_experts=2, activation="gelu", swiglu_up_softcap=25.0)
