@@ -9,26 +9,32 @@
 
 What changes and what does not
     * Each block becomes a ``ConvertedMoE`` holding a ``MoELayer`` (``mode.hf.moe_blocks``) built on the
-      block's own tensors: the expert weights stay the 3D ``gate_up_proj`` / ``down_proj`` Parameters
-      (``ExpertBank`` layout "EFD"), the router takes ``gate.weight``, shared experts stay transformers'
-      MLP modules. Nothing is copied; the logits equal the original's (float32: 1e-5), in train and eval,
-      with padding, and ``generate()`` is unchanged (tests/hf/test_hf_moe.py).
-    * Attention, norms, embeddings and the decoder layers are transformers' own: any attention backend works.
+      block's own tensors, as its family's entry in ``mode.hf.moe_families`` describes: the expert weights
+      stay transformers' 3D Parameters (``ExpertBank`` layout "EFD" or "EDF"), the router takes the family's
+      router weight, shared experts stay transformers' MLP modules. Nothing is copied (DBRX's 2D input weights
+      excepted: one copy); the logits equal the original's (float32: 2e-6 + 1e-5 relative; DBRX 1e-4), in train
+      and eval, with padding, and ``generate()`` is unchanged (tests/hf/test_hf_moe.py).
+    * Attention, norms, embeddings and the decoder layers are transformers' own: any attention backend works,
+      and linear attention, Mamba, MLA, hyper-connections stay as they are.
     * State-dict names change below each block (``mlp.moe.router.weight`` for ``mlp.gate.weight`` ...); the
-      map back is found by tensor identity at conversion (``moe_blocks.hf_names``) and kept on the slot.
+      map back is found by tensor identity at conversion (``moe_blocks.hf_names``) and kept on the slot, with
+      the block's unread tensors (``kept``) and the ones derived from ours (LongCat's rows, DBRX's reshapes).
     * ``output_router_logits`` behaves as before: each slot owns a parameter-free module of the family's
-      router class (``router_logits``) that it calls with our router's logits, so transformers' output
-      recorder sees them exactly where it saw its router's, and the model's ``aux_loss`` (Switch balance
-      loss times ``router_aux_loss_coef``) is computed by transformers as before. Our ``Aux`` is there too
-      (``collect_aux``), with the coefficients given to ``to_mode_moe`` (0 by default: not double-counted).
-    * DeepSeek-V3's ``e_score_correction_bias`` becomes our router's ``bias_X``: it decides the choice as
-      before; ``mode.routing.update_expert_bias(model)`` moves it (``mode.train.Trainer`` calls it), a
-      plain transformers loop leaves it where it is, as transformers does.
+      router class (``router_logits``, or the name a name-matching recorder looks for) that it calls with our
+      router's logits, so transformers' output recorder sees them exactly where it saw its router's, and the
+      model's ``aux_loss`` (Switch balance loss times ``router_aux_loss_coef``) is computed by transformers as
+      before. Our ``Aux`` is there too (``collect_aux``), with the coefficients given to ``to_mode_moe`` (0 by
+      default: not double-counted).
+    * A selection-only correction bias (DeepSeek-V3's ``e_score_correction_bias`` and its kin) becomes our
+      router's ``bias_X``: it decides the choice as before; ``mode.routing.update_expert_bias(model)`` moves it
+      (``mode.train.Trainer`` calls it), a plain transformers loop leaves it where it is, as transformers does.
+      With ``noop_target`` it holds LongCat-Flash's zero experts at a budget.
 
 Which families convert, and how each is described, is ``mode.hf.moe_families`` (one entry per model type).
-Refused, by name: the model types of ``moe_families.REFUSED`` (each with its reason), any other model type
-whose MoE block is not in the table, quantised models, a ``hidden_act`` other than silu, an already converted
-model. Router jitter converts (evaluation is exact) but a training forward with it on refuses.
+Refused, by name: the model types of ``moe_families.REFUSED`` (encoder-decoders) and ``NOT_YET`` (each with
+what it needs), any other model type whose MoE block is not in the table, quantised models, an expert
+activation the family's experts do not compute, an already converted model. Router jitter and PhiMoE convert
+(evaluation is exact) but a training forward refuses with the reason.
 """
 
 from __future__ import annotations
@@ -42,9 +48,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from mode.hf.moe_blocks import FAMILIES, Extras, _get as moe_blocks_get, adopt_block, hf_names, kept_name, \
-    train_refusal
-from mode.hf.moe_blocks import SharedMLP
+from mode.hf.moe_blocks import FAMILIES, Extras, SharedMLP, adopt_block, hf_names, kept_name, train_refusal
+from mode.hf.moe_blocks import _get as moe_blocks_get
 from mode.hf.moe_families import FAMILIES as SPECS, NOT_YET, REFUSED
 from mode.hf.routing import collect_aux
 from mode.hf.upcycle import MoESlot, upcycled_mlps

@@ -30,7 +30,7 @@ from mode.dispatch.local import LocalDispatcher
 from mode import _checks
 from mode.experts.bank import LAYOUTS, ExpertBank, ExpertConfig
 from mode.layers.mlp import MLP
-from mode.layers.noop import NoopExperts, noop_kinds
+from mode.layers.noop import NOOP_KINDS, NoopExperts, noop_kinds
 from mode.routing.plan import Aux
 from mode.routing.registry import get_router
 
@@ -76,8 +76,12 @@ class MoEConfig:
             raise ValueError(f"shared_hidden={self.shared_hidden}, shared_gate={self.shared_gate}: need "
                              "num_shared >= 1")
         get_router(self.router)  # a registered name
-        self.noop_kinds = noop_kinds(self.noop_kinds, self.num_noop)
-        if any(k != "zero" for k in self.noop_kinds) and self.router != "token_choice":
+        if isinstance(self.noop_kinds, str):  # one kind for every slot: kept as the name (num_noop may be huge)
+            _checks.check_int("num_noop", self.num_noop, min_value=0)
+            _checks.check_choice("noop_kinds", self.noop_kinds, NOOP_KINDS)
+        else:
+            self.noop_kinds = noop_kinds(self.noop_kinds, self.num_noop)
+        if self.num_noop and self._adds_noop and self.router != "token_choice":
             raise ValueError(f"noop_kinds={self.noop_kinds}: copy and constant no-op experts need "
                              f"router='token_choice' (got router={self.router!r})")
         self.router_config()  # validates the router fields now, not at first forward
@@ -105,11 +109,21 @@ class MoEConfig:
         gate = nn.Linear(self.d_model, 1, bias=False) if self.shared_gate else None
         return MLP(self.d_model, self.shared_hidden_size, self.activation), gate
 
+    @property
+    def _adds_noop(self) -> bool:
+        """Whether a no-op slot adds something (a kind other than "zero")."""
+        kinds = (self.noop_kinds,) if isinstance(self.noop_kinds, str) else self.noop_kinds
+        return any(kind != "zero" for kind in kinds)
+
+    @property
+    def noop_kinds_per_slot(self) -> tuple[str, ...]:
+        return noop_kinds(self.noop_kinds, self.num_noop)
+
     def build_noop(self) -> NoopExperts | None:
         """The no-op slots' module, where one of them adds something (None: all "zero", or none)."""
-        if all(kind == "zero" for kind in self.noop_kinds):
+        if not self.num_noop or not self._adds_noop:
             return None
-        return NoopExperts(self.noop_kinds, self.d_model)
+        return NoopExperts(self.noop_kinds_per_slot, self.d_model)
 
 
 def build_router(cfg: MoEConfig) -> nn.Module:

@@ -30,6 +30,7 @@ NOOP_KINDS = ("zero", "copy", "constant")
 
 def noop_kinds(kinds: str | tuple[str, ...] | list[str], num_noop: int) -> tuple[str, ...]:
     """``kinds`` as one kind per no-op slot: a single kind names every slot's; a sequence has one per slot."""
+    _checks.check_int("num_noop", num_noop, min_value=0)
     if isinstance(kinds, str):
         kinds = (kinds,) * num_noop
     if not isinstance(kinds, (tuple, list)):
