@@ -150,5 +150,16 @@ def test_bench_peers_families_compares_each_transformers_block(tmp_path):
                     "--threads", "1", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                    check=True)
     rows = json.loads(out.read_text())["results"]
-    assert [r["family"] for r in rows] == ["Qwen3-MoE", "Qwen2-MoE", "DeepSeek-V3"]
+    assert [r["family"] for r in rows] == ["Qwen3-MoE", "Qwen2-MoE", "DeepSeek-V3", "DeepSeek-V2", "ERNIE-4.5",
+                                           "LFM2-MoE", "Granite-MoE", "gpt-oss", "Llama-4", "LongCat-Flash"]
     assert all(r["agrees"] and r["mode_over_transformers"] > 0 for r in rows), rows
+    assert all(r["max_abs_diff_y"] < 1e-4 and r["precision"] == "float32" for r in rows), rows
+
+
+def test_longcat_budget_holds_the_zero_expert_share_and_writes_its_plot(tmp_path):
+    out = tmp_path / "longcat.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "longcat_budget.py"), "--quick", "--threads", "1",
+                    "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=True)
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["target"] == 0.2 and len(row["shares"]) == 20 and 0.0 <= row["share_mean_2nd_half"] <= 1.0
+    assert out.with_suffix(".png").stat().st_size > 0
