@@ -116,7 +116,7 @@ class Family:
 
 def _dsr(block: str, **kw) -> Family:
     """DeepSeek-V3's router (sigmoid, correction bias, groups scored by their top 2, renormalised + 1e-20,
-    times ``routed_scaling_factor``) with an ungated ``shared_experts`` MLP: 10 families share it."""
+    times ``routed_scaling_factor``) with an ungated ``shared_experts`` MLP: 17 families start from it."""
     spec = dict(block=block, score="sigmoid", renormalize=At("gate.norm_topk_prob"), renorm_eps=1e-20,
                 scale=At("gate.routed_scaling_factor", 1.0), groups=(At("gate.num_group"), At("gate.topk_group")),
                 choice_bias="gate.e_score_correction_bias", shared="shared_experts")
