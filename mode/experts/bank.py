@@ -112,6 +112,7 @@ class ExpertConfig:
     fused: str = "concat"  # gate and up in F = 2H: "concat" halves or "interleaved" (gate 0::2, up 1::2: gpt-oss)
     swiglu_gate_softcap: float | None = None  # c * tanh(gate / c) as the linear gate factor (Inkling-2: 4)
     swiglu_up_softcap: float | None = None  # c * tanh(up / c) (Inkling-2: 25)
+    glu_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma-4)
     gate_on_input: bool = False  # gate_A scales each row's input, not its output (Llama 4)
 
     def __post_init__(self) -> None:
@@ -127,6 +128,10 @@ class ExpertConfig:
             _checks.check_positive("swiglu_limit", self.swiglu_limit)
         if self.swiglu_alpha is not None:
             _checks.check_positive("swiglu_alpha", self.swiglu_alpha)
+        _checks.check_choice("glu_act", self.glu_act, ("silu", "gelu_tanh"))
+        if self.glu_act != "silu" and self.swiglu_alpha is not None:
+            raise ValueError(f"swiglu_alpha={self.swiglu_alpha}: only applies to glu_act='silu' (got "
+                             f"glu_act={self.glu_act!r})")
         for name in ("swiglu_gate_softcap", "swiglu_up_softcap"):
             if getattr(self, name) is not None:
                 _checks.check_positive(name, getattr(self, name))
@@ -141,6 +146,7 @@ class ExpertConfig:
                                          ("swiglu_up_offset", self.swiglu_up_offset, 0.0),
                                          ("swiglu_gate_softcap", self.swiglu_gate_softcap, None),
                                          ("swiglu_up_softcap", self.swiglu_up_softcap, None),
+                                         ("glu_act", self.glu_act, "silu"),
                                          ("fused", self.fused, "concat")):
                 if value != default:
                     raise ValueError(f"{name}={value!r}: only applies to activation='swiglu' "
@@ -152,7 +158,7 @@ class ExpertConfig:
     @property
     def swiglu_options(self) -> SwiGLUOptions:
         return SwiGLUOptions(self.swiglu_limit, self.swiglu_alpha, float(self.swiglu_up_offset), self.fused,
-                             self.swiglu_gate_softcap, self.swiglu_up_softcap)
+                             self.swiglu_gate_softcap, self.swiglu_up_softcap, self.glu_act)
 
 
 def check_backend_environment(name: str, sizes: dict[str, int]) -> None:

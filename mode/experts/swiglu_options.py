@@ -8,6 +8,7 @@ Shape legend: A rows, H expert hidden size, F = 2H (the fused gate + up projecti
     up_AH   = clamp(up_AH, -L, L)
     act_AH  = gate_AH * sigmoid(alpha * gate_AH) * (up_AH + offset)
     act_AH  = softcap_g(gate_AH) * sigmoid(gate_AH) * softcap_u(up_AH)   gate/up softcaps (Inkling-2), float32
+    act_AH  = gelu_tanh(gate_AH) * up_AH                 act="gelu_tanh" (GeGLU: Gemma-4)
 
 ``alpha=None`` is silu (alpha 1); gpt-oss has alpha 1.702, limit 7 and offset 1
 (transformers 5.23 ``GptOssExperts._apply_gate``), DeepSeek-V4 limit 10, alpha None, offset 0
@@ -38,6 +39,7 @@ class SwiGLUOptions:
     fused: str = "concat"
     gate_softcap: float | None = None
     up_softcap: float | None = None
+    act: str = "silu"  # the gate's activation: "silu" or "gelu_tanh" (GeGLU: Gemma-4's experts)
 
     @property
     def is_plain(self) -> bool:
@@ -56,7 +58,9 @@ class SwiGLUOptions:
         if self.limit is not None:
             gate_AH = gate_AH.clamp(max=self.limit)
             up_AH = up_AH.clamp(min=-self.limit, max=self.limit)
-        if self.alpha is None:
+        if self.act == "gelu_tanh":
+            glu_AH = F.gelu(gate_AH, approximate="tanh")
+        elif self.alpha is None:
             glu_AH = F.silu(gate_AH)
         else:
             glu_AH = gate_AH * torch.sigmoid(gate_AH * self.alpha)

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from mode.experts.bank import ExpertBank
 from mode.hf.moe_families import BLOCKS, FAMILIES as SPECS, Family, read
 from mode.layers.moe import IntegratedMoDE, MoEConfig, MoELayer, build_router
+from mode.routing.given import GivenChoices
 from mode.routing.plan import Aux
 
 FAMILIES = BLOCKS  # block class name -> family (model type)
@@ -72,6 +73,8 @@ def check_config(config, spec: Family | None = None) -> None:
     """The options of a family's config that mode's layer does not compute refuse here, by name."""
     field = "hidden_act" if spec is None else spec.activation_field
     wanted = "silu" if spec is None or spec.activation == "swiglu" else spec.activation
+    if spec is not None and spec.activation_name is not None:
+        wanted = spec.activation_name
     if field is not None and getattr(config, field, wanted) != wanted:
         raise ValueError(f"{field}={getattr(config, field)!r}: mode's experts for this family use {wanted}")
 
@@ -96,10 +99,12 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
     why = read(spec.check, block, config) if spec.check is not None else None
     if why:
         raise ValueError(why)
-    experts, router = _get(block, spec.experts), _get(block, spec.router)
+    experts = _get(block, spec.experts)
+    router = _get(block, spec.router) if spec.router is not None else None
     w_out = _get(experts, spec.weights[1])
     num_zero = int(read(spec.num_zero, block, config) or 0)
-    num_experts, d_model = _get(router, spec.router_weight).shape[0] - num_zero, config.hidden_size
+    rows = w_out.shape[0] if router is None else _get(router, spec.router_weight).shape[0]
+    num_experts, d_model = rows - num_zero, config.hidden_size
     if w_out.dim() == 2:  # DBRX: (E * H, D)
         d_hidden = w_out.shape[0] // num_experts
     else:
@@ -249,16 +254,20 @@ def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, Extras]:
         raise ValueError(f"config=None: {type(block).__name__} keeps no config; pass the model's config")
     _check_experts(block, spec)
     cfg = moe_config(block, config, **kw)
-    router_mod, experts = _get(block, spec.router), _get(block, spec.experts)
-    gate_w = _get(router_mod, spec.router_weight)
-    router = build_router(cfg).to(gate_w.device)  # (X, D): small; its float32 buffers stay float32
-    router.weight = gate_w
-    if spec.router_bias is not None:
-        router.logit_bias_X = getattr(router_mod, spec.router_bias)
-    if cfg.router_config().bias_balance:
-        router.bias_X = _get(block, spec.choice_bias)
-    if cfg.router_config().hash_vocab:
-        router.hash_table_VK = _get(block, spec.hash_table)
+    experts = _get(block, spec.experts)
+    if spec.router is None:  # the choices come from transformers' own router, called by the decoder layer
+        router = GivenChoices(cfg.num_experts, cfg.top_k)
+    else:
+        router_mod = _get(block, spec.router)
+        gate_w = _get(router_mod, spec.router_weight)
+        router = build_router(cfg).to(gate_w.device)  # (X, D): small; its float32 buffers stay float32
+        router.weight = gate_w
+        if spec.router_bias is not None:
+            router.logit_bias_X = getattr(router_mod, spec.router_bias)
+        if cfg.router_config().bias_balance:
+            router.bias_X = _get(block, spec.choice_bias)
+        if cfg.router_config().hash_vocab:
+            router.hash_table_VK = _get(block, spec.hash_table)
     with torch.device("meta"):  # the experts' own tensors replace these: nothing is allocated
         bank = ExpertBank(cfg.expert_config())
     names = ("w_in_EFD", "w_out_EDH") if spec.layout == "EFD" else ("w_in_EDF", "w_out_EHD")

@@ -113,6 +113,26 @@ class ConvertedMoE(MoESlot):
 
 
 
+class ConvertedExperts(MoESlot):
+    """transformers' experts module of a family whose decoder layer calls its own router first (Gemma-4):
+    ``experts(x_TD, top_k_index, top_k_weights) -> y_TD`` as the layer calls it, computed by a ``MoELayer``
+    whose router is ``GivenChoices`` (the plan of the given choices): mode's dispatch and experts, local or
+    expert-parallel; transformers' router, its logits and their recording stay as they are."""
+
+    def __init__(self, moe: MoELayer, family: str, names: dict[str, str]):
+        super().__init__(moe)
+        self.family = family
+        self.names = dict(names)
+        self.kept = nn.Module()
+        self.kept_names: dict[str, str] = {}
+        self.derived: dict = {}
+
+    def forward(self, x_TD: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        plan = self.moe.router.plan(top_k_index, top_k_weights)
+        y_BSD, self.last_aux = self.moe.apply_plan(x_TD[None], plan)
+        return y_BSD[0].to(x_TD.dtype)
+
+
 @functools.cache
 def _logits_point(router_cls: type, index: int) -> type:
     """A parameter-free subclass of a transformers router class whose forward returns the logits it is
@@ -151,7 +171,7 @@ def _check_model(model: nn.Module) -> tuple[object, str]:
     if quant is not None:
         raise ValueError(f"quantization_config={quant!r}: to_mode_moe needs the expert weights as float tensors "
                          "(mode's experts are not quantised); load the model unquantised")
-    if any(isinstance(m, ConvertedMoE) for m in model.modules()):
+    if any(isinstance(m, (ConvertedMoE, ConvertedExperts)) for m in model.modules()):
         raise ValueError("model: is already converted (it holds ConvertedMoE layers)")
     if model_type in REFUSED:
         raise ValueError(f"model_type={model_type!r}: to_mode_moe does not convert it: {REFUSED[model_type]}")
@@ -178,7 +198,7 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
         raise ValueError(f"model={type(model).__name__}: holds no sparse MoE block (looked for "
                          f"{', '.join(sorted(FAMILIES))})")
     spec = SPECS[model_type]
-    router_classes = {type(moe_blocks_get(block, spec.router)) for _, _, block in blocks}
+    router_classes = {type(moe_blocks_get(block, spec.router)) for _, _, block in blocks if spec.router}
     recorder = next((r for r in (_router_recorder(model, c) for c in router_classes) if r is not None), None)
     # transformers installs its recording hooks once, on the first recording forward of the model that records
     # (the base model inside a *ForCausalLM): after that, a new recording point gets its hook from us
@@ -186,6 +206,9 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
     for parent, name, block in blocks:
         layer, extras = adopt_block(block, config, backend=backend, balance_coef=balance_coef, z_coef=z_coef,
                                     noop_target=noop_target)
+        if spec.router is None:  # Gemma-4: transformers' router stays; only the experts become mode's
+            setattr(parent, name, ConvertedExperts(layer, model_type, hf_names(layer, block, extras)))
+            continue
         point = None
         # a block whose router transformers does not record (DeepSeek-V4's hash layers) gets no point either
         if recorder is not None and isinstance(moe_blocks_get(block, spec.router), recorder.target_class):
@@ -203,9 +226,9 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
     return model
 
 
-def converted_moe(model: nn.Module) -> dict[str, ConvertedMoE]:
-    """Module name -> every ``ConvertedMoE`` of ``model``."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, ConvertedMoE)}
+def converted_moe(model: nn.Module) -> dict[str, ConvertedMoE | ConvertedExperts]:
+    """Module name -> every ``ConvertedMoE`` (and ``ConvertedExperts``) of ``model``."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, (ConvertedMoE, ConvertedExperts))}
 
 
 def transformers_names(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -283,7 +306,7 @@ def moe_report(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | Non
     its summary: per layer the expert shares, max/mean load, drops, no-op share, routing entropy and
     ``experts_per_token`` (routed experts computed per real token); overall ``moe_flops_per_token`` (the
     converted layers' expert, shared-expert and router FLOPs per real token, 2 per multiply-add)."""
-    slots = upcycled_mlps(model, ConvertedMoE)
+    slots = upcycled_mlps(model, (ConvertedMoE, ConvertedExperts))
     if not slots:
         raise ValueError("model: holds no ConvertedMoE layer (convert it with mode.hf.to_mode_moe first)")
     acc = acc if acc is not None else RoutingAccumulator()

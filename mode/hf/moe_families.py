@@ -74,7 +74,7 @@ def read(value, block, config) -> Any:
 @dataclass(frozen=True)
 class Family:
     block: str  # the sparse block's class name
-    router: str = "gate"  # the router module, in the block
+    router: str | None = "gate"  # the router module, in the block (None: elsewhere, transformers' own: Gemma-4)
     router_weight: str = "weight"  # its (X, D) weight, in the router
     router_bias: str | None = None  # a logit bias, in the router (gpt-oss)
     top_k: Any = None  # None: the router module's ``top_k``
@@ -100,7 +100,8 @@ class Family:
     layout: str = "EFD"
     expert_options: dict = field(default_factory=dict)  # ExpertConfig extras
     activation_field: str | None = "hidden_act"  # config field naming the experts' activation (None: fixed)
-    activation: str = "swiglu"  # ExpertConfig.activation: "swiglu" (the field must say silu) or "relu2" (relu2)
+    activation: str = "swiglu"  # ExpertConfig.activation: "swiglu" or "relu2"
+    activation_name: str | None = None  # what the activation field must say (None: silu for swiglu, else activation)
     check: Any = None  # a function (block, config) -> why this checkpoint does not convert, or None
     shared: str | None = None  # the shared experts' MLP, in the block (absent or None: none)
     shared_gate: str | None = None  # its per-token sigmoid gate Linear(D, 1), in the block
@@ -250,6 +251,11 @@ FAMILIES: dict[str, Family] = {
                             activation_field=None,
                             expert_options=dict(swiglu_gate_softcap=At("experts.act_fn.gate_softcap.softcap"),
                                                 swiglu_up_softcap=At("experts.act_fn.up_softcap.softcap"))),
+    # Gemma-4: the decoder layer calls its own router (on the residual) and then the experts (on a normed copy):
+    # the experts become mode's (dispatch, expert parallelism), the router stays transformers'
+    "gemma4_text": Family("Gemma4TextExperts", router=None, experts="", top_k=Cfg("top_k_experts"),
+                          activation_field="hidden_activation", activation_name="gelu_pytorch_tanh",
+                          expert_options=dict(glu_act="gelu_tanh")),
     "minimax_m3_vl_text": Family("MiniMaxM3VLSparseMoeBlock", score="sigmoid", scale=At("routed_scaling_factor", 1.0),
                                  choice_bias="gate.e_score_correction_bias", shared="shared_experts",
                                  activation_field=None,
@@ -262,8 +268,6 @@ FAMILIES: dict[str, Family] = {
 NOT_YET: dict[str, str] = {
     "inkling_text": "Inkling normalises the chosen sigmoid scores together with its shared experts' router logits "
                     "(gated shared experts inside the router)",
-    "gemma4_text": "Gemma-4 has no MoE block module: its router and experts sit on the decoder layer beside a dense "
-                   "MLP, with a scale-free RMSNorm and per-expert scales in the router",
     "zaya": "Zaya's router is an MLP over a down-projection plus the previous layer's router state, with a skip "
             "class",
     "doge": "Doge's product-key experts are rows of embeddings, and its routing mixes tokens (not causal)",

@@ -122,4 +122,9 @@ def upcycled_mlps(model: nn.Module, kind: type[MoESlot] = UpcycledMLP) -> dict[i
         layers = decoder_layers(model)
     except ValueError:
         return {}
-    return {i: layer.mlp for i, layer in enumerate(layers) if isinstance(getattr(layer, "mlp", None), kind)}
+    out = {}
+    for i, layer in enumerate(layers):  # wherever the layer keeps it: mlp, feed_forward, block_sparse_moe, experts
+        slot = next((m for m in layer.modules() if isinstance(m, kind)), None)
+        if slot is not None:
+            out[i] = slot
+    return out

@@ -555,3 +555,21 @@ def test_softcapped_swiglu_is_inkling2s_bit_for_bit():
     torch.testing.assert_close(fast(x, counts), ref(x, counts), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="swiglu_up_softcap=25.0: only applies to activation='swiglu'"):
         ExpertConfig(d_model=16, d_hidden=32, num_experts=2, activation="gelu", swiglu_up_softcap=25.0)
+
+
+def test_geglu_experts_are_gemma4s():
+    """glu_act="gelu_tanh": gelu(gate, tanh) * up, transformers' gelu_pytorch_tanh; the backends agree."""
+    from transformers.activations import ACT2FN
+
+    cfg = ExpertConfig(d_model=16, d_hidden=32, num_experts=2, activation="swiglu", glu_act="gelu_tanh")
+    h = torch.randn(5, 64)
+    gate, up = h.chunk(2, dim=-1)
+    assert torch.equal(cfg.swiglu_options(h), ACT2FN["gelu_pytorch_tanh"](gate) * up)
+    torch.manual_seed(0)
+    ref = ExpertBank(ExpertConfig(**{**cfg.__dict__, "backend": "reference"}))
+    fast = ExpertBank(ExpertConfig(**{**cfg.__dict__, "backend": "grouped"}))
+    fast.load_state_dict(ref.state_dict())
+    x, counts = torch.randn(6, 16), torch.tensor([2, 4])
+    torch.testing.assert_close(fast(x, counts), ref(x, counts), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="glu_act"):
+        ExpertConfig(d_model=16, d_hidden=32, num_experts=2, activation="swiglu", glu_act="relu")

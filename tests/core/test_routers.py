@@ -605,3 +605,25 @@ def test_dropped_groups_zero_and_bias_on_logits_change_the_choice_as_their_famil
         assert set(plan.expert_idx_A.tolist()) == expected, bias_on
         gates = dict(zip(plan.expert_idx_A.tolist(), plan.weight_A.tolist()))
         assert gates[0] == pytest.approx(torch.sigmoid(torch.tensor(2.0)).item())  # gates: unbiased scores
+
+
+def test_given_choices_build_the_plan_a_token_choice_router_would():
+    """GivenChoices (Gemma-4: transformers' router chooses, mode's experts compute): the plan of the given top-k
+    and gates equals TokenChoiceRouter's plan for the same choices; forward refuses, naming plan()."""
+    from mode.routing.given import GivenChoices
+    from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
+
+    router = TokenChoiceRouter(TokenChoiceConfig(d_model=8, num_experts=6, top_k=2, renormalize=True))
+    x = torch.randn(2, 5, 8)
+    ref = router(x)
+    probs = (x.reshape(10, 8) @ router.weight.t()).softmax(-1)
+    w, idx = probs.topk(2, dim=-1)
+    given = GivenChoices(num_experts=6, top_k=2).plan(idx, w / w.sum(-1, keepdim=True))
+    assert torch.equal(given.token_idx_A, ref.token_idx_A) and torch.equal(given.expert_idx_A, ref.expert_idx_A)
+    assert torch.equal(given.counts_E, ref.counts_E)
+    torch.testing.assert_close(given.weight_A, ref.weight_A)
+    assert float(given.aux.stats["router"].kept_E.sum()) == 20
+    with pytest.raises(TypeError, match=r"router.plan\(index_TK, weight_TK\)"):
+        GivenChoices(6, 2)(x)
+    with pytest.raises(ValueError, match="must both be"):
+        GivenChoices(6, 2).plan(idx[:, :1], w)

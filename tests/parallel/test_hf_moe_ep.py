@@ -46,7 +46,8 @@ LAYOUTS = [(2, 2), (1, 4)]
 # one family of each router kind: softmax (Mixtral, Qwen3-MoE), sigmoid + correction bias + groups (GLM-4.5),
 # zero-computation experts (LongCat-Flash), gpt-oss (logit bias, expert biases, clamped interleaved SwiGLU)
 # llama4_top1: Llama-4 (input-scaled experts) with its checkpoints' top-1 routing, scaled before dispatch
-FAMILIES = ("mixtral", "qwen3_moe", "glm4_moe", "longcat_flash", "gpt_oss", "llama4_top1")
+# gemma4: transformers' router, mode's experts (the plan of the given choices) over the mesh
+FAMILIES = ("mixtral", "qwen3_moe", "glm4_moe", "longcat_flash", "gpt_oss", "llama4_top1", "gemma4")
 RESUMED = ("qwen3_moe", "glm4_moe", "longcat_flash", "gpt_oss")  # each (2, 2) run saves after step 3
 SAVER = ("qwen3_moe", 2, 2)  # ... and this one writes a transformers folder at the end
 
