@@ -536,6 +536,16 @@ def test_relu2_experts_agree_across_backends_and_with_the_formula(layout):
         torch.testing.assert_close(bank(x, counts), expected, rtol=1e-5, atol=1e-6)
 
 
+def _reference_and_grouped_agree(cfg: ExpertConfig) -> None:
+    """The same weights and rows through "reference" and "grouped": the same output."""
+    torch.manual_seed(0)
+    ref = ExpertBank(ExpertConfig(**{**cfg.__dict__, "backend": "reference"}))
+    fast = ExpertBank(ExpertConfig(**{**cfg.__dict__, "backend": "grouped"}))
+    fast.load_state_dict(ref.state_dict())
+    x, counts = torch.randn(6, cfg.d_model), torch.tensor([2, 4])
+    torch.testing.assert_close(fast(x, counts), ref(x, counts), rtol=1e-5, atol=1e-6)
+
+
 def test_softcapped_swiglu_is_inkling2s_bit_for_bit():
     """Inkling-2's experts: softcap_4(gate) * sigmoid(gate) * softcap_25(up), in float32; both backends agree."""
     from types import SimpleNamespace
@@ -547,12 +557,7 @@ def test_softcapped_swiglu_is_inkling2s_bit_for_bit():
                        swiglu_up_softcap=25.0)
     h = torch.randn(5, 64) * 10
     assert torch.equal(cfg.swiglu_options(h), theirs(*h.chunk(2, dim=-1)))
-    torch.manual_seed(0)
-    ref = ExpertBank(ExpertConfig(**{**cfg.__dict__, "backend": "reference"}))
-    fast = ExpertBank(ExpertConfig(**{**cfg.__dict__, "backend": "grouped"}))
-    fast.load_state_dict(ref.state_dict())
-    x, counts = torch.randn(6, 16), torch.tensor([2, 4])
-    torch.testing.assert_close(fast(x, counts), ref(x, counts), rtol=1e-5, atol=1e-6)
+    _reference_and_grouped_agree(cfg)
     with pytest.raises(ValueError, match="swiglu_up_softcap=25.0: only applies to activation='swiglu'"):
         ExpertConfig(d_model=16, d_hidden=32, num_experts=2, activation="gelu", swiglu_up_softcap=25.0)
 
@@ -565,11 +570,6 @@ def test_geglu_experts_are_gemma4s():
     h = torch.randn(5, 64)
     gate, up = h.chunk(2, dim=-1)
     assert torch.equal(cfg.swiglu_options(h), ACT2FN["gelu_pytorch_tanh"](gate) * up)
-    torch.manual_seed(0)
-    ref = ExpertBank(ExpertConfig(**{**cfg.__dict__, "backend": "reference"}))
-    fast = ExpertBank(ExpertConfig(**{**cfg.__dict__, "backend": "grouped"}))
-    fast.load_state_dict(ref.state_dict())
-    x, counts = torch.randn(6, 16), torch.tensor([2, 4])
-    torch.testing.assert_close(fast(x, counts), ref(x, counts), rtol=1e-5, atol=1e-6)
+    _reference_and_grouped_agree(cfg)
     with pytest.raises(ValueError, match="glu_act"):
         ExpertConfig(d_model=16, d_hidden=32, num_experts=2, activation="swiglu", glu_act="relu")
