@@ -273,10 +273,14 @@ def save_transformers(model: nn.Module, path: str | os.PathLike) -> Path | None:
 
 
 def _write_transformers(model: nn.Module, state: dict[str, Tensor], path: Path) -> Path:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedModel
 
     with torch.device("meta"):  # the gathered tensors are assigned: nothing is allocated twice
-        fresh = AutoModelForCausalLM.from_config(model.config)
+        # the model's own class (a causal LM, or a multimodal model around the MoE text decoder)
+        if isinstance(model, PreTrainedModel):
+            fresh = type(model)._from_config(model.config)
+        else:
+            fresh = AutoModelForCausalLM.from_config(model.config)
     expected = set(fresh.state_dict())
     if set(state) != expected:
         raise ValueError(f"the converted model's tensors do not match a fresh {type(fresh).__name__}: missing "
