@@ -288,11 +288,80 @@ def config(family: str, **overrides):
         # from other tokens (later ones and other rows too), so its outputs are not causal (cached decode differs)
         cfg = tf.DogeConfig(intermediate_size=48, is_moe=True, num_experts=16, num_experts_per_tok=4,
                             **{k: v for k, v in common.items() if k != "num_experts_per_tok"})
+    elif family in MULTIMODAL_FAMILIES:
+        cfg = _multimodal_config(family, {k: v for k, v in common.items() if k != "attn_implementation"})
     else:
         raise ValueError(family)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def _multimodal_config(family: str, common: dict):
+    """The multimodal config of a family whose MoE text decoder exists only inside a ...ForConditionalGeneration:
+    the text decoder as small as the causal LMs', the vision (and audio) towers the smallest that build."""
+    import transformers as tf
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    groups = dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=16, n_group=4, topk_group=2,
+                  n_shared_experts=1, routed_scaling_factor=2.5)
+    qwen_vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=D,
+                       deepstack_visual_indexes=[0], num_position_embeddings=16, patch_size=4)
+    if family == "qwen3_vl_moe":  # the router always renormalises (no norm_topk_prob)
+        text = dict(intermediate_size=64, moe_intermediate_size=48, num_experts=8, head_dim=8,
+                    rope_parameters={**rope, "mrope_section": [2, 1, 1]}, **common)
+        return tf.Qwen3VLMoeConfig(text_config=text, vision_config=qwen_vision, tie_word_embeddings=False)
+    if family == "qwen3_omni_moe":  # the thinker (Qwen3OmniMoeThinkerForConditionalGeneration), no talker
+        text = dict(intermediate_size=64, moe_intermediate_size=48, num_experts=8, norm_topk_prob=True, head_dim=8,
+                    rope_parameters={**rope, "mrope_section": [2, 1, 1]}, **common)
+        audio = dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=16,
+                     output_dim=D, downsample_hidden_size=8)
+        cfg = tf.Qwen3OmniMoeThinkerConfig(text_config=text, vision_config=qwen_vision, audio_config=audio)
+        cfg.vision_start_token_id = 151652  # read by its rope index, not set by the thinker config in 5.23
+        return cfg
+    if family == "glm4v_moe":
+        text = dict(**groups, norm_topk_prob=True, first_k_dense_replace=1, head_dim=8,
+                    rope_parameters={**rope, "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 0]},
+                    **{**common, "num_experts_per_tok": 4})
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=D, image_size=8,
+                      patch_size=4)
+        return tf.Glm4vMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    if family == "glm5_next":  # layers: KDA + dense MLP, indexed (NoPE MLA) attention + MoE
+        text = dict(**groups, norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=0,
+                    qk_nope_head_dim=8, v_head_dim=8, mlp_layer_types=["dense", "sparse"], index_topk=4,
+                    index_head_dim=16, index_n_heads=2, index_kpool=2, linear_head_dim=8, linear_num_heads=4,
+                    hc_mult=2, hc_sinkhorn_iters=3, layer_types=["linear_attention", "indexed_attention"],
+                    indexer_types=["full", "full"], **{**common, "num_experts_per_tok": 4, "num_key_value_heads": 4})
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=D, image_size=8,
+                      patch_size=4, projection_intermediate_size=32)
+        return tf.Glm5NextConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    if family in ("deepseek_ocr2", "unlimited_ocr"):  # DeepSeek-V2's router (softmax, groups by their best)
+        text = dict(**groups, topk_method="group_limited_greedy", head_dim=8, mlp_layer_types=["dense", "sparse"],
+                    **{**common, "num_experts_per_tok": 4, "num_key_value_heads": 4})
+        sam = dict(hidden_size=16, output_channels=16, num_hidden_layers=1, num_attention_heads=2, image_size=64,
+                   patch_size=16, window_size=2, global_attn_indexes=[0], mlp_dim=32, downsample_channels=[16, 32])
+        enc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+        if family == "deepseek_ocr2":
+            vision = dict(sam_config=sam, encoder_config={**enc, "num_key_value_heads": 2, "vocab_size": V})
+            return tf.DeepseekOcr2Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+        vision = dict(sam_config=sam, encoder_config={**enc, "image_size": 28})
+        return tf.UnlimitedOcrConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    if family == "mistral_large4":  # softmax with groups, always renormalised; MLA + indexer (DSA) attention
+        text = dict(**groups, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                    head_dim=8, first_k_dense_replace=1, index_topk=4, index_head_dim=16, index_n_heads=2,
+                    rope_parameters=rope, **{**common, "num_experts_per_tok": 4, "num_key_value_heads": 4})
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+                      image_size=32, patch_size=16)
+        return tf.MistralLarge4Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    if family == "step3p7":  # text model_type step3p5; no swiglu_limits (no clamped experts)
+        text = dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, share_expert_dim=24,
+                    head_dim=8, num_sliding_attention_heads=4, query_pre_attn_scalar=8, moe_router_scaling_factor=2.0,
+                    mlp_layer_types=["dense", "sparse"], sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], **common)
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                      patch_size=14)
+        return tf.Step3p7Config(text_config=text, vision_config=vision)
+    raise ValueError(family)
 
 
 FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3")
@@ -314,7 +383,17 @@ MORE_FAMILIES = ("aria", "axk1", "axk2", "beam", "doge", "dots3_note", "flint", 
                  "hy_v4", "inkling", "inkling2", "kolibri1", "laguna", "mellum", "minimax_m3_vl", "nemotron_h",
                  "qwen4_exp", "solar_open", "zaya")
 
+# MoE text decoders that exist only inside a multimodal ...ForConditionalGeneration (built here as that, with tiny
+# vision/audio towers; text-only left-padded forward with labels, backward and greedy generate run): not in
+# ``ALL_FAMILIES`` / ``MORE_FAMILIES``, whose checks assume a causal LM. Their text model types are those of
+# ``config(family).get_text_config(decoder=True)`` (step3p7's is "step3p5"). ``build`` makes each with the class
+# of ``MULTIMODAL_CLASSES`` (default: AutoModelForImageTextToText).
+MULTIMODAL_FAMILIES = ("qwen3_vl_moe", "qwen3_omni_moe", "glm4v_moe", "glm5_next", "deepseek_ocr2", "unlimited_ocr",
+                       "mistral_large4", "step3p7")
+MULTIMODAL_CLASSES = {"qwen3_omni_moe": "Qwen3OmniMoeThinkerForConditionalGeneration"}
+
 # MoE model types of transformers that cannot be built or run here as a causal LM, and why (one line each).
+# The multimodal ones of ``MULTIMODAL_FAMILIES`` build as their ...ForConditionalGeneration.
 # dbrx needs two config workarounds (see config), and its save_pretrained round trip matches only up to CPU matmul
 # rounding (safetensors-loaded expert tensors are not 64-byte aligned), exactly once the tensors are cloned.
 PROBLEMS: dict[str, str] = {
@@ -337,12 +416,17 @@ PROBLEMS: dict[str, str] = {
 
 
 def build(family: str, seed: int = 0, **overrides):
-    """The family's causal LM with random weights (every weight and buffer drawn: transformers zeroes some
-    routers and biases at init, which would hide a wrong mapping)."""
+    """The family's causal LM (a multimodal family's ...ForConditionalGeneration) with random weights (every
+    weight and buffer drawn: transformers zeroes some routers and biases at init, which would hide a wrong mapping)."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(config(family, **overrides))
+    if family in MULTIMODAL_CLASSES:
+        model = getattr(tf, MULTIMODAL_CLASSES[family])._from_config(config(family, **overrides))
+    elif family in MULTIMODAL_FAMILIES:
+        model = tf.AutoModelForImageTextToText.from_config(config(family, **overrides))
+    else:
+        model = tf.AutoModelForCausalLM.from_config(config(family, **overrides))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
