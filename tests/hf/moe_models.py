@@ -361,6 +361,23 @@ def _multimodal_config(family: str, common: dict):
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                       patch_size=14)
         return tf.Step3p7Config(text_config=text, vision_config=vision)
+    if family == "ernie4_5_vl_moe":  # modality-isolated experts (text, vision); text-only runs the text set
+        text = dict(intermediate_size=64, moe_intermediate_size=[48, 16], moe_k=2, moe_num_experts=8,
+                    moe_num_shared_experts=1, mlp_layer_types=["dense", "sparse"],
+                    rope_parameters={**rope, "mrope_section": [1, 1, 2]},
+                    **{k: v for k, v in common.items() if k != "num_experts_per_tok"})
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4)
+        return tf.Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    if family == "muse_spark":  # experts in a latent space (moe_hidden_size) between two projections
+        text = dict(intermediate_size=64, head_dim=8, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], layer_rope_theta=[10000.0, 10000.0],
+                    moe_intermediate_size=16, num_local_experts=8, routed_scaling_factor=2.0, moe_hidden_size=16,
+                    mlp_layer_types=["dense", "sparse"], **common)
+        vision = dict(num_attention_heads=2, num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                      pos_emb_height=4, pos_emb_width=4, max_position_embeddings=16)
+        audio = dict(patch_sizes=[16, 2], hidden_sizes=[8, 16], depths=[1, 1], num_hidden_layers=2, out_hidden_size=D)
+        return tf.MuseSparkConfig(text_config=text, vision_config=vision, audio_config=audio, projector_hidden_size=32,
+                                  tie_word_embeddings=False)
     raise ValueError(family)
 
 
@@ -389,7 +406,7 @@ MORE_FAMILIES = ("aria", "axk1", "axk2", "beam", "doge", "dots3_note", "flint", 
 # ``config(family).get_text_config(decoder=True)`` (step3p7's is "step3p5"). ``build`` makes each with the class
 # of ``MULTIMODAL_CLASSES`` (default: AutoModelForImageTextToText).
 MULTIMODAL_FAMILIES = ("qwen3_vl_moe", "qwen3_omni_moe", "glm4v_moe", "glm5_next", "deepseek_ocr2", "unlimited_ocr",
-                       "mistral_large4", "step3p7")
+                       "mistral_large4", "step3p7", "ernie4_5_vl_moe", "muse_spark")
 MULTIMODAL_CLASSES = {"qwen3_omni_moe": "Qwen3OmniMoeThinkerForConditionalGeneration"}
 
 # MoE model types of transformers that cannot be built or run here as a causal LM, and why (one line each).
