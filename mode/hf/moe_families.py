@@ -30,6 +30,7 @@ an attribute of the block (a dotted path), ``Cfg("router_jitter_noise", 0.0)`` a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +131,14 @@ def _nemotron_latent(block, config) -> str | None:
         return None
     return (f"moe_latent_size={config.moe_latent_size}: Nemotron-H's experts then run in a latent space between "
             "two projections, which the converter does not adopt")
+
+
+def _step3p7_clamp(block, config) -> str | None:
+    limit = getattr(getattr(block, "experts", None), "limit", None)
+    if limit is None or not math.isfinite(limit):
+        return None
+    return (f"experts.limit={limit}: Step-3.7 clamps its experts' activation after the SiLU (act(gate).clamp(max=L)), "
+            "mode's swiglu_limit clamps the gate before it")
 
 
 def _cohere2_renorm(block, config) -> bool:
@@ -256,6 +265,23 @@ FAMILIES: dict[str, Family] = {
     "gemma4_text": Family("Gemma4TextExperts", router=None, experts="", top_k=Cfg("top_k_experts"),
                           activation_field="hidden_activation", activation_name="gelu_pytorch_tanh",
                           expert_options=dict(glu_act="gelu_tanh")),
+    # MoE text decoders that live inside multimodal models (the converter finds their blocks there too)
+    "qwen3_vl_moe_text": Family("Qwen3VLMoeTextSparseMoeBlock"),
+    "qwen3_omni_moe_text": Family("Qwen3OmniMoeThinkerTextSparseMoeBlock", renormalize=At("gate.norm_topk_prob")),
+    "glm4v_moe_text": _dsr("Glm4vMoeTextMoE"),
+    "glm5_next_text": _dsr("Glm5NextTextMoE"),
+    "deepseek_ocr2_text": Family("DeepseekOcr2TextMoe", renormalize=False, scale=At("gate.routed_scaling_factor", 1.0),
+                                 groups=_deepseek_v2_groups, group_score="max", shared="shared_experts"),
+    "unlimited_ocr_text": Family("UnlimitedOcrTextMoe", renormalize=False,
+                                 scale=At("gate.routed_scaling_factor", 1.0), groups=_deepseek_v2_groups,
+                                 group_score="max", shared="shared_experts"),
+    # Mistral-Large-4: softmax, groups by their top 2 (dropped ones zero-filled), renorm + 1e-20, scale; shared
+    "mistral_large4_text": Family("MistralLarge4TextMoE", renorm_eps=1e-20, scale=At("gate.routed_scaling_factor", 1.0),
+                                  groups=(At("gate.num_group"), At("gate.topk_group")), dropped_groups="zero",
+                                  shared="shared_experts"),
+    # Step-3.7 (text type step3p5): sigmoid + bias, no eps, the scale on the block's routed output; shared
+    "step3p5": Family("Step3p7SparseMoeBlock", score="sigmoid", scale=At("routed_scaling_factor", 1.0),
+                      choice_bias="gate.e_score_correction_bias", shared="shared_experts", check=_step3p7_clamp),
     "minimax_m3_vl_text": Family("MiniMaxM3VLSparseMoeBlock", score="sigmoid", scale=At("routed_scaling_factor", 1.0),
                                  choice_bias="gate.e_score_correction_bias", shared="shared_experts",
                                  activation_field=None,
@@ -266,6 +292,10 @@ FAMILIES: dict[str, Family] = {
 
 # Decoder MoE families of transformers 5.23 that do not convert yet, and what they need (the refusal says it)
 NOT_YET: dict[str, str] = {
+    "ernie4_5_vl_moe_text": "ERNIE-4.5-VL's block holds a text and a vision expert set chosen per token by "
+                            "moe_mm_token_type_ids, with the shared experts on the outer block",
+    "muse_spark_text": "Muse-Spark's experts run in a latent space (a projection in, RMSNorms around each expert, a "
+                       "projection out) and its logits are scaled by an output multiplier before the sigmoid",
     "inkling_text": "Inkling normalises the chosen sigmoid scores together with its shared experts' router logits "
                     "(gated shared experts inside the router)",
     "zaya": "Zaya's router is an MLP over a down-projection plus the previous layer's router state, with a skip "

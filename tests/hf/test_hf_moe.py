@@ -37,7 +37,7 @@ def _model_type(family: str) -> str:
     return mm.config(family).get_text_config(decoder=True).model_type
 
 
-BUILT = (*mm.ALL_FAMILIES, *mm.MORE_FAMILIES)  # every decoder MoE family of transformers 5.23 built here
+BUILT = (*mm.ALL_FAMILIES, *mm.MORE_FAMILIES, *mm.MULTIMODAL_FAMILIES)  # every MoE decoder family built here
 CONVERTS = tuple(f for f in BUILT if _model_type(f) in SPECS)
 REFUSES = tuple(f for f in BUILT if _model_type(f) in REFUSED)
 NOT_CONVERTED = tuple(f for f in BUILT if _model_type(f) in NOT_YET)
@@ -176,7 +176,7 @@ def test_deepseek_bias_balancing_moves_the_transformers_buffer():
 def test_round_trip_to_a_plain_transformers_folder(tmp_path):
     """Each family, trained one step, written by save_transformers, loaded by transformers in a process where
     ``import mode`` fails: the same logits."""
-    expected = {}
+    expected, classes_saved = {}, {}
     for family in CONVERTS:
         model = mh.to_mode_moe(mm.build(family))
         model.train(SPECS[_model_type(family)].train_refusal is None)
@@ -195,13 +195,15 @@ def test_round_trip_to_a_plain_transformers_folder(tmp_path):
         # on the CPU: the child process's model is (under MODE_TEST_DEVICE=cuda these were CUDA tensors, and the
         # child's CPU model refused them)
         torch.save({"ids": ids.cpu(), "mask": mask.cpu()}, tmp_path / f"{family}.batch.pt")
+        classes_saved[family] = type(model).__name__  # multimodal ones load with their own class
     code = f"""
 import json, sys
 sys.modules["mode"] = None  # transformers alone: `import mode` would raise
 import torch, transformers
 out = {{}}
 for family in {list(CONVERTS)!r}:
-    m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r} + "/" + family, dtype=torch.float32).eval()
+    cls = getattr(transformers, {classes_saved!r}[family])
+    m = cls.from_pretrained({str(tmp_path)!r} + "/" + family, dtype=torch.float32).eval()
     b = torch.load({str(tmp_path)!r} + "/" + family + ".batch.pt")
     with torch.no_grad():
         torch.save(m(input_ids=b["ids"], attention_mask=b["mask"]).logits, {str(tmp_path)!r} + "/" + family + ".out.pt")
