@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from mode.experts.bank import ExpertBank
-from mode.hf.moe_families import BLOCKS, FAMILIES as SPECS, Family, read
+from mode.hf.moe_families import BLOCKS, FAMILIES as SPECS, Family, get_path, read
 from mode.layers.moe import IntegratedMoDE, MoEConfig, MoELayer, build_router
 from mode.routing.given import GivenChoices
 from mode.routing.plan import Aux
@@ -58,23 +58,10 @@ def family_of(block: nn.Module) -> str:
     return BLOCKS[name]
 
 
-def _get(obj, path: str):
-    """The attribute of ``obj`` at a dotted ``path`` ("" is ``obj`` itself), or None where a step is missing."""
-    if not path:
-        return obj
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
-def check_config(config, spec: Family | None = None) -> None:
+def check_config(config, spec: Family) -> None:
     """The options of a family's config that mode's layer does not compute refuse here, by name."""
-    field = "hidden_act" if spec is None else spec.activation_field
-    wanted = "silu" if spec is None or spec.activation == "swiglu" else spec.activation
-    if spec is not None and spec.activation_name is not None:
-        wanted = spec.activation_name
+    field = spec.activation_field
+    wanted = spec.activation_name or ("silu" if spec.activation == "swiglu" else spec.activation)
     if field is not None and getattr(config, field, wanted) != wanted:
         raise ValueError(f"{field}={getattr(config, field)!r}: mode's experts for this family use {wanted}")
 
@@ -99,22 +86,22 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
     why = read(spec.check, block, config) if spec.check is not None else None
     if why:
         raise ValueError(why)
-    experts = _get(block, spec.experts)
-    router = _get(block, spec.router) if spec.router is not None else None
-    w_out = _get(experts, spec.weights[1])
+    experts = get_path(block, spec.experts)
+    router = get_path(block, spec.router) if spec.router is not None else None
+    w_out = get_path(experts, spec.weights[1])
     num_zero = int(read(spec.num_zero, block, config) or 0)
-    rows = w_out.shape[0] if router is None else _get(router, spec.router_weight).shape[0]
+    rows = w_out.shape[0] if router is None else get_path(router, spec.router_weight).shape[0]
     num_experts, d_model = rows - num_zero, config.hidden_size
     if w_out.dim() == 2:  # DBRX: (E * H, D)
         d_hidden = w_out.shape[0] // num_experts
     else:
         d_hidden = w_out.shape[2] if spec.layout == "EFD" else w_out.shape[1]
     top_k = read(spec.top_k, block, config) if spec.top_k is not None else router.top_k
-    table = _get(block, spec.hash_table) if spec.hash_table else None
+    table = get_path(block, spec.hash_table) if spec.hash_table else None
     groups = read(spec.groups, block, config)
     n_group, topk_group = (1, None) if groups is None else (int(read(g, block, config)) for g in groups)
     scale = float(read(spec.scale, block, config) or 1.0)
-    shared = _get(block, spec.shared) if spec.shared else None
+    shared = get_path(block, spec.shared) if spec.shared else None
     average = bool(read(spec.shared_average, block, config)) and shared is not None
     options = dict(scale=scale * (0.5 if average else 1.0), n_group=n_group, topk_group=topk_group,
                    group_score=spec.group_score, renorm_eps=spec.renorm_eps,
@@ -125,7 +112,7 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
                    hash_vocab=0 if table is None else int(table.shape[0]),
                    logit_softcap=float(read(spec.logit_softcap, block, config) or 0.0),
                    bias_on=spec.bias_on, dropped_groups=spec.dropped_groups,
-                   bias_balance=spec.choice_bias is not None and _get(block, spec.choice_bias) is not None)
+                   bias_balance=spec.choice_bias is not None and get_path(block, spec.choice_bias) is not None)
     if noop_target is not None:
         options["noop_target"] = noop_target
     renormalize = bool(read(spec.renormalize, block, config))
@@ -142,7 +129,7 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
                      renormalize=renormalize, activation=spec.activation, backend=backend, balance_coef=balance_coef,
                      z_coef=z_coef, expert_layout=spec.layout, router_options=options,
                      num_shared=1 if shared is not None else 0, shared_hidden=shared_hidden,
-                     shared_gate=bool(spec.shared_gate and _get(block, spec.shared_gate) is not None),
+                     shared_gate=bool(spec.shared_gate and get_path(block, spec.shared_gate) is not None),
                      expert_options=expert_options)
 
 
@@ -175,7 +162,7 @@ class OutputBias(nn.Module):
 def _check_experts(block: nn.Module, spec: Family) -> None:
     if not spec.experts:  # the tensors live on the block itself (JetMoE): hf_names checks every one
         return
-    experts = _get(block, spec.experts)
+    experts = get_path(block, spec.experts)
     names = sorted(name for name, _ in experts.named_parameters())
     wanted = sorted([*spec.weights, *spec.other_weights, *(spec.biases or ())])
     if names != wanted:
@@ -254,20 +241,20 @@ def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, Extras]:
         raise ValueError(f"config=None: {type(block).__name__} keeps no config; pass the model's config")
     _check_experts(block, spec)
     cfg = moe_config(block, config, **kw)
-    experts = _get(block, spec.experts)
+    experts = get_path(block, spec.experts)
     if spec.router is None:  # the choices come from transformers' own router, called by the decoder layer
         router = GivenChoices(cfg.num_experts, cfg.top_k)
     else:
-        router_mod = _get(block, spec.router)
-        gate_w = _get(router_mod, spec.router_weight)
+        router_mod = get_path(block, spec.router)
+        gate_w = get_path(router_mod, spec.router_weight)
         router = build_router(cfg).to(gate_w.device)  # (X, D): small; its float32 buffers stay float32
         router.weight = gate_w
         if spec.router_bias is not None:
             router.logit_bias_X = getattr(router_mod, spec.router_bias)
         if cfg.router_config().bias_balance:
-            router.bias_X = _get(block, spec.choice_bias)
+            router.bias_X = get_path(block, spec.choice_bias)
         if cfg.router_config().hash_vocab:
-            router.hash_table_VK = _get(block, spec.hash_table)
+            router.hash_table_VK = get_path(block, spec.hash_table)
     with torch.device("meta"):  # the experts' own tensors replace these: nothing is allocated
         bank = ExpertBank(cfg.expert_config())
     names = ("w_in_EFD", "w_out_EDH") if spec.layout == "EFD" else ("w_in_EDF", "w_out_EHD")
@@ -275,7 +262,7 @@ def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, Extras]:
     if spec.tensors is not None:  # the family's own reshaping (DBRX)
         w_in, w_out = TENSOR_RULES[spec.tensors](experts, cfg, names, extras, spec.experts)
     else:
-        w_in, w_out = (_get(experts, n) for n in spec.weights)
+        w_in, w_out = (get_path(experts, n) for n in spec.weights)
         if w_in.shape[0] != cfg.num_experts:
             w_in = _adopt_rows(spec, w_in, cfg.num_experts, names, extras)
     setattr(bank, names[0], w_in)
@@ -283,18 +270,18 @@ def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, Extras]:
     if spec.biases is not None:
         bank.b_in_EF, bank.b_out_ED = (getattr(experts, n) for n in spec.biases)
     for path in spec.unused:
-        t = _get(block, path)
+        t = get_path(block, path)
         if t is not None:
             extras.kept[path] = t
     if spec.post_norm is not None:  # a module: the slot applies it to the layer's output and keeps its tensors
-        extras.post_norm = (spec.post_norm, _get(block, spec.post_norm))
+        extras.post_norm = (spec.post_norm, get_path(block, spec.post_norm))
     shared = shared_gate = None
     if cfg.num_shared:
         average = bool(read(spec.shared_average, block, config))
-        shared = SharedMLP(_get(block, spec.shared), 0.5 if average else 1.0)
-        shared_gate = _get(block, spec.shared_gate) if cfg.shared_gate else None
+        shared = SharedMLP(get_path(block, spec.shared), 0.5 if average else 1.0)
+        shared_gate = get_path(block, spec.shared_gate) if cfg.shared_gate else None
     elif spec.output_bias is not None:  # JetMoE: a bias added after the combine, as an always-on constant
-        shared = OutputBias(_get(block, spec.output_bias))
+        shared = OutputBias(get_path(block, spec.output_bias))
     layer_cls = IntegratedMoDE if cfg.num_noop else MoELayer
     return layer_cls(router, bank, None, shared, shared_gate, cfg.build_noop()), extras
 

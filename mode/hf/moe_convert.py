@@ -49,8 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from mode.hf.moe_blocks import FAMILIES, Extras, SharedMLP, adopt_block, hf_names, kept_name, train_refusal
-from mode.hf.moe_blocks import _get as moe_blocks_get
-from mode.hf.moe_families import FAMILIES as SPECS, NOT_YET, REFUSED
+from mode.hf.moe_families import FAMILIES as SPECS, NOT_YET, REFUSED, get_path
 from mode.hf.routing import collect_aux
 from mode.hf.upcycle import MoESlot, upcycled_mlps
 from mode.layers.moe import MoELayer
@@ -86,7 +85,8 @@ class ConvertedMoE(MoESlot):
                 self.kept.register_parameter(kept_name(path), t)
             else:
                 self.kept.register_buffer(kept_name(path), t)
-        self.kept_names = {"kept." + kept_name(p): p for p in extras.kept if not p.endswith(".rest")}
+        consumed = {part for parts, _ in extras.derived.values() for part in parts}  # rows a derived tensor joins
+        self.kept_names = {f"kept.{kept_name(p)}": p for p in extras.kept if f"kept.{kept_name(p)}" not in consumed}
         self.post_norm = None
         if extras.post_norm is not None:  # AXK1: a norm of the block's output, kept as the block's own module
             path, norm = extras.post_norm
@@ -198,7 +198,7 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
         raise ValueError(f"model={type(model).__name__}: holds no sparse MoE block (looked for "
                          f"{', '.join(sorted(FAMILIES))})")
     spec = SPECS[model_type]
-    router_classes = {type(moe_blocks_get(block, spec.router)) for _, _, block in blocks if spec.router}
+    router_classes = {type(get_path(block, spec.router)) for _, _, block in blocks if spec.router}
     recorder = next((r for r in (_router_recorder(model, c) for c in router_classes) if r is not None), None)
     # transformers installs its recording hooks once, on the first recording forward of the model that records
     # (the base model inside a *ForCausalLM): after that, a new recording point gets its hook from us
@@ -211,7 +211,7 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
             continue
         point = None
         # a block whose router transformers does not record (DeepSeek-V4's hash layers) gets no point either
-        if recorder is not None and isinstance(moe_blocks_get(block, spec.router), recorder.target_class):
+        if recorder is not None and isinstance(get_path(block, spec.router), recorder.target_class):
             point = _logits_point(recorder.target_class, recorder.index)()
             if hooked:
                 from transformers.utils.output_capturing import install_output_capuring_hook

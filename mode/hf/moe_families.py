@@ -35,6 +35,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def get_path(obj, path: str) -> Any:
+    """The attribute of ``obj`` at a dotted ``path`` ("" is ``obj`` itself), or None where a step is missing."""
+    if not path:
+        return obj
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
 @dataclass(frozen=True)
 class At:
     """An attribute of the block, by dotted path (``default`` where a step is missing or None)."""
@@ -43,12 +54,8 @@ class At:
     default: Any = None
 
     def read(self, block, config) -> Any:
-        obj = block
-        for part in self.path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                return self.default
-        return obj
+        value = get_path(block, self.path)
+        return self.default if value is None else value
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
                                                           "'mode-torch[hf]'): the models to convert")
 
 import mode.hf as mh  # noqa: E402
-from mode.hf.moe_blocks import _get  # noqa: E402
 from mode.hf.moe_convert import transformers_names  # noqa: E402
-from mode.hf.moe_families import FAMILIES as SPECS, NOT_YET, REFUSED  # noqa: E402
+from mode.hf.moe_families import FAMILIES as SPECS, NOT_YET, REFUSED, get_path  # noqa: E402
 from mode.routing import update_expert_bias  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -72,7 +71,7 @@ def test_converted_model_computes_the_original_on_its_own_tensors(family):
     ref = copy.deepcopy(model)
     spec = SPECS[_model_type(family)]
     blocks = {name: m for name, m in model.named_modules() if type(m).__name__ == spec.block}
-    tensors = {name: (_get(b, f"{spec.router}.{spec.router_weight}"), *(_get(_get(b, spec.experts), w)
+    tensors = {name: (get_path(b, f"{spec.router}.{spec.router_weight}"), *(get_path(get_path(b, spec.experts), w)
                                                                         for w in spec.weights))
                for name, b in blocks.items()}
     mh.to_mode_moe(model)
