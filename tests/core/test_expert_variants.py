@@ -360,6 +360,14 @@ def test_swiglu_options_are_bitwise_transformers_apply_gate(dtype):
     assert torch.equal(SwiGLUOptions(limit=config.swiglu_limit)(h), DeepseekV4Experts(config)._apply_gate(h))
 
 
+def _draw(module: torch.nn.Module) -> None:
+    """Every parameter of a transformers experts module drawn (seed 4, std 0.5): transformers zero-inits some."""
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(std=0.5)
+
+
 @pytest.mark.parametrize("backend", ["reference", "grouped"])
 def test_gpt_oss_experts_match_transformers(backend):
     pytest.importorskip("transformers")
@@ -370,10 +378,7 @@ def test_gpt_oss_experts_match_transformers(backend):
     config = GptOssConfig(hidden_size=D, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K,
                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=32)
     hf = GptOssExperts(config)
-    torch.manual_seed(4)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(std=0.5)
+    _draw(hf)
     bank = ExpertBank(ExpertConfig(d_model=D, d_hidden=I, num_experts=E, activation="swiglu", backend=backend,
                                    bias=True, fused="interleaved", swiglu_alpha=config.swiglu_alpha,
                                    swiglu_limit=config.swiglu_limit, swiglu_up_offset=1.0))
@@ -401,10 +406,7 @@ def test_deepseek_v4_experts_match_transformers(backend):
     config = DeepseekV4Config(hidden_size=D, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K,
                               num_hidden_layers=1, vocab_size=32, swiglu_limit=1.5)
     hf = DeepseekV4Experts(config)
-    torch.manual_seed(4)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(std=0.5)
+    _draw(hf)
     bank = ExpertBank(ExpertConfig(d_model=D, d_hidden=I, num_experts=E, activation="swiglu", backend=backend,
                                    layout="EFD", swiglu_limit=config.swiglu_limit))
     with torch.no_grad():  # nn.Linear's order: gate_up_proj (E, 2I, D) [gate; up], down_proj (E, D, I)
@@ -427,10 +429,7 @@ def test_llama4_experts_match_transformers(backend):
     config = Llama4TextConfig(hidden_size=D, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K,
                               num_hidden_layers=1, vocab_size=32)
     hf = Llama4TextExperts(config)
-    torch.manual_seed(4)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(std=0.5)
+    _draw(hf)
     bank = ExpertBank(ExpertConfig(d_model=D, d_hidden=I, num_experts=E, activation="swiglu", backend=backend,
                                    gate_on_input=True))
     with torch.no_grad():  # gate_up_proj (E, D, 2I) [gate; up] is "EDF", down_proj (E, I, D)

@@ -13,18 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import mode.train.data
 from mode.cli import main
 from mode.train import faults
 from mode.train.checkpoint import load_checkpoint
 from mode.train.preempt import EXIT_PREEMPTED, Preemption
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_text(Path(mode.train.data.__file__).read_text() * 3)
-    return path
 
 
 def train(data: Path, out: Path, *extra: str) -> int:

@@ -12,18 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import mode.train.data
 from mode.cli import main
 from mode.parallel.command import build_parser, find_checkpoint
 from mode.train import Trainer
 from mode.train.checkpoint import load_checkpoint
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_text(Path(mode.train.data.__file__).read_text() * 3)
-    return path
 
 
 def train(data: Path, out: Path, *extra: str, steps: int = 4) -> int:
