@@ -627,3 +627,25 @@ def test_given_choices_build_the_plan_a_token_choice_router_would():
         GivenChoices(6, 2)(x)
     with pytest.raises(ValueError, match="must both be"):
         GivenChoices(6, 2).plan(idx[:, :1], w)
+
+
+def test_renorm_p_and_logit_softcap_follow_their_formulas():
+    """renorm_p (DBRX: the k gates over their p-norm) and logit_softcap (Laguna: c * tanh(logit / c) first)."""
+    from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
+
+    router = TokenChoiceRouter(TokenChoiceConfig(d_model=8, num_experts=6, top_k=3, renormalize=True, renorm_p=2.0,
+                                                 logit_softcap=0.7))
+    x = torch.randn(2, 4, 8)
+    plan = router(x)
+    logits = x.reshape(8, 8) @ router.weight.t()
+    capped = torch.tanh(logits / 0.7) * 0.7
+    torch.testing.assert_close(plan.logits_TX, capped)
+    w, idx = capped.softmax(-1).topk(3, dim=-1)
+    w = w / torch.linalg.vector_norm(w, ord=2, dim=-1, keepdim=True)
+    got = {(int(t), int(e)): float(g) for t, e, g in zip(plan.token_idx_A, plan.expert_idx_A, plan.weight_A)}
+    want = {(t, int(idx[t, k])): float(w[t, k]) for t in range(8) for k in range(3)}
+    assert got.keys() == want.keys()
+    for key, g in want.items():
+        assert got[key] == pytest.approx(g, rel=1e-6)
+    with pytest.raises(ValueError, match="renorm_p=2.0: need renormalize=True"):
+        TokenChoiceConfig(d_model=8, num_experts=6, top_k=2, renorm_p=2.0)

@@ -334,3 +334,23 @@ def test_phimoe_sparsemixer_exact_in_eval_at_every_gap_and_training_refused(eps)
     model.train()
     with pytest.raises(ValueError, match="phimoe: a training forward is refused: PhiMoE trains its router by Gumbel"):
         model(input_ids=ids, attention_mask=mask)
+
+
+def test_laguna_router_softcap_is_exact_when_on():
+    """The test config leaves Laguna's router softcap off (its default); on, the converted router caps the
+    logits as transformers does (``TokenChoiceConfig.logit_softcap``): the same logits, loss and gradients."""
+    ref, model = _pair("laguna", moe_router_logit_softcapping=0.5)
+    assert next(iter(mh.converted_moe(model).values())).moe.router.cfg.logit_softcap == 0.5
+    ids, mask = _batch()
+    for m in (model, ref):
+        m.zero_grad()
+    out, out_ref = (m(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=True) for m in (model, ref))
+    torch.testing.assert_close(out.logits, out_ref.logits, **EXACT)
+    for a, b in zip(out.router_logits, out_ref.router_logits):
+        torch.testing.assert_close(a, b, **EXACT)
+    out.loss.backward()
+    out_ref.loss.backward()
+    theirs = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    ours = _grads(model)
+    for n, g in theirs.items():
+        torch.testing.assert_close(ours[n], g, **EXACT, msg=lambda m, n=n: f"{n}: {m}")
