@@ -9,6 +9,9 @@ test creates without naming a device land on the GPU; a test can also take the `
 other value (``meta``, ``mps``, a typo), or ``cuda`` where torch sees no GPU, stops pytest before it collects
 anything (exit status 4), so a misconfigured run never passes by running on the CPU.
 
+``MODE_TEST_THREADS=N`` sets torch's intra-op threads (1 by default); ``MODE_TOLERANCE_LOG=FILE`` logs how
+near each ``torch.testing.assert_close`` comes to its bound (tests/tolerance_log.py, scripts/tolerance_margins.py).
+
 ``MODE_TEST_DETERMINISTIC=1`` turns on ``torch.use_deterministic_algorithms`` for the session (with
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` where unset); see docs/gpu.md for what it costs.
 
@@ -36,7 +39,12 @@ _DETERMINISTIC = pytest.StashKey[bool]()
 
 # Test tensors are tiny: one intra-op thread is faster than two fighting over the cores, and keeps
 # timing stable when several pytest or gloo worker processes share the machine.
-torch.set_num_threads(1)
+torch.set_num_threads(int(os.environ.get("MODE_TEST_THREADS", "1")))
+
+if os.environ.get("MODE_TOLERANCE_LOG"):  # measuring how near each comparison comes to its bound: tolerance_log.py
+    import tolerance_log
+
+    tolerance_log.install(os.environ["MODE_TOLERANCE_LOG"])
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
