@@ -4,8 +4,8 @@ Shape legend: B batch, S tokens, D hidden.
 
 ``forward(x_BSD, positions_BS=None, mask_BS=None) -> (y_BSD, Aux)`` with ``y = h + mlp(norm(h))`` and
 ``h = x + attn(norm(x))``. ``positions_BS`` are the tokens' original positions (RoPE); ``mask_BS`` marks
-real tokens (False = padding: hidden as keys, ignored by routers). This is the block protocol that
-``MoD`` wraps; any user module with the same call works there too.
+real tokens (False = padding: hidden as keys, ignored by routers). ``MoD`` wraps it, or any module whose
+``forward`` takes the tokens first (``mode.layers.block_call`` says what else it passes).
 
 Called by keyword, a block and a ``MoD`` layer take the same arguments (the LM calls every layer the same
 way): ``layer(x_BSD, mask_BS=..., positions_BS=..., cache=..., causal=...)``. ``cache`` may be a

@@ -5,8 +5,8 @@ Shape legend: B batch, C routed slots per sequence, D hidden.
 
 The three things ``MoD`` can pass besides the routed tokens ``x_BCD`` (always the first argument):
     positions  ``positions_BC``: each routed token's original position (for RoPE)
-    mask       ``mask_BC``: None, or True where a slot holds a real routed token (real slots come first in
-               each row; the others are padding whose output is discarded)
+    mask       ``mask_BC``: None, or True where a slot holds a real routed token (the others, present only
+               with padding or causal routing, are discarded)
     cache      a ``RowView`` of the layer's ``KVCache`` to attend to and extend (KV-cached decoding only)
 
 The parameters of ``forward`` after the first are matched to them in three steps:
@@ -15,10 +15,9 @@ The parameters of ``forward`` after the first are matched to them in three steps
        given positionally (``forward(x, pos, attn_mask)``), or through ``*args`` when ``x`` is followed by
        ``*args`` alone
     3. the rest by keyword (``positions_BS=``, ``mask_BS=``, ``cache=``) when ``forward`` takes ``**kwargs``
-What matches nothing is not passed: ``forward(x)`` gets ``x`` alone, and a parameter named ``causal`` keeps its
-default. A parameter without a default that
-nothing fills, or a name that contradicts its place (a mask or a cache where the positions go), is a
-``TypeError`` when the ``MoD`` is built, not at its first call.
+What matches nothing is not passed: ``forward(x)`` gets ``x`` alone, and a parameter named ``causal`` keeps
+its default. A parameter without a default that nothing fills, or a name that contradicts its place (a mask
+or a cache where the positions go), is a ``TypeError`` when the ``MoD`` is built, not at its first call.
 
 Output: ``y_BCD``, or a tuple whose first element is ``y_BCD`` (transformers-style blocks); ``Aux`` elements
 of the tuple are merged into the layer's ``Aux``, anything else in it (attention weights, a present key/value)
@@ -82,7 +81,7 @@ def block_output(block: nn.Module, out, x_BCD: Tensor) -> tuple[Tensor, Aux]:
                         "y_BCD (a tensor), or a tuple whose first element is y_BCD")
     if out.shape != x_BCD.shape:
         raise ValueError(f"block={type(block).__name__} returned shape {tuple(out.shape)}: must equal its input's "
-                         f"shape {tuple(x_BCD.shape)} (MoD adds the block's output to the skipped tokens' stream)")
+                         f"shape {tuple(x_BCD.shape)} (MoD puts the output back in the routed tokens' places)")
     return out, aux
 
 
