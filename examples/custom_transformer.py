@@ -8,7 +8,8 @@ head), and every layer from ``mode`` is called as ``layer(x_BSD) -> (y_BSD, Aux)
 ``ConvBlock`` below is this file's own, with ``forward(x)`` only. The model merges the layers' ``Aux`` under a
 per-layer prefix, adds ``aux.total()`` (the weighted router losses) to the language-model loss, prints a line
 every ``--log-every`` steps, and at the end prints each layer's aux losses and routing statistics.
-About 25 s on a 2-core CPU (``OMP_NUM_THREADS=2``, the default ``--threads 1``).
+About 40 s on a 2-core CPU (measured once with ``OMP_NUM_THREADS=2`` and the default ``--threads 1``, while
+other jobs shared the cores: 39 s, 26 s of it training, 10 s of CPU time).
 
 Data: the byte-level source of the standard library's ``json`` package (on every machine with Python).
 Note: MoD top-C routing looks at the whole sequence, so this trains the non-causal router; sampling
