@@ -177,14 +177,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      "routed": routed, "tok_per_s": tok_s, "tune_steps": args.tune_steps, "tune_s": tune_s,
                      "tune_first": hist[0], "tune_last": hist[-1], "dense_len": cache.get_seq_length(),
                      "stored_per_layer": stored})
-        print(f"capacity {cap}: tuned {args.tune_steps} steps ({tune_s:.1f} s, {tuning_summary(hist, args.objective)}); "
-              f"loss top-C {loss_topk:.4f}, causal {loss_causal:.4f}; causal routes {routed:.3f} of tokens; "
-              f"{tok_s:.1f} tok/s ({tok_s / base_speed:.2f}x); KV stored per MoD layer {stored} of "
-              f"{cache.get_seq_length()} tokens")
+        print(f"capacity {cap}: tuned {args.tune_steps} steps ({tune_s:.1f} s, "
+              f"{tuning_summary(hist, args.objective)}); loss top-C {loss_topk:.4f}, causal {loss_causal:.4f}; "
+              f"causal routes {routed:.3f} of tokens; {tok_s:.1f} tok/s ({tok_s / base_speed:.2f}x); KV stored per "
+              f"MoD layer {stored} of {cache.get_seq_length()} tokens")
         first, last = tuning_means(hist)
         if last["loss"] > first["loss"] and last["loss"] + last["aux"] < first["loss"] + first["aux"]:
-            print(f"  ({args.objective} rose: tuning minimises {args.objective} + causal BCE, and the BCE, which teaches "
-                  "each router's logit to predict its own top-C choice, fell by more)")
+            print(f"  ({args.objective} rose: tuning minimises {args.objective} + causal BCE, and the BCE, which "
+                  "teaches each router's logit to predict its own top-C choice, fell by more)")
         print(f"  sample: {decode(tokens)!r}")
     print(f"original sample: {decode(base_tokens)!r}")
     print("\n| model | capacity | loss top-C | loss causal | routed (causal) | tok/s |")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1] / "mode"
 
 # The core's own order: a core module imports its own subpackage or the ones before it.
