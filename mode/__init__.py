@@ -5,7 +5,6 @@ The package's layers (docs/architecture.md): the library core (``routing``, ``ex
 importing only those before it; ``cli`` on top.
 """
 
-from mode import _moved
 from mode.dispatch import Dispatcher, LocalDispatcher
 from mode.experts import ExpertBank, ExpertConfig
 from mode.layers import MLP, CausalSelfAttention, IntegratedMoDE, MoD, MoEConfig, MoELayer, StagedMoDE, TransformerBlock
@@ -22,5 +21,4 @@ __all__ = [
     "RoutingPlan", "RoutingStats", "StagedMoDE", "TokenChoiceConfig", "TokenChoiceRouter", "TransformerBlock",
 ]
 
-_moved.install()  # old module paths (mode.checkpoint, mode.distributed, ...) for one release
 import mode.parallel  # noqa: E402,F401  plugs the mesh runtime and the sharded-checkpoint reader into mode.train

@@ -7,13 +7,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1] / "mode"
 
 # The core's own order: a core module imports its own subpackage or the ones before it.
 CORE = {"_checks": 0, "cpu_allocator": 0, "routing": 1, "experts": 1, "dispatch": 2, "layers": 3, "model": 4}
-# What each layer may import (besides itself); "top" (the package facade, cli, the old-path aliases) may
+# What each layer may import (besides itself); "top" (the package facade and cli) may
 # import anything.
 MAY_IMPORT = {
     "core": {"core"},
@@ -23,7 +21,7 @@ MAY_IMPORT = {
     "parallel": {"core", "measure", "train"},
     "experiments": {"core", "hf", "measure", "train", "parallel"},
 }
-TOP = {"mode", "mode.__main__", "mode.cli", "mode._moved"}
+TOP = {"mode", "mode.__main__", "mode.cli"}
 
 
 def module_name(path: Path) -> str:
@@ -145,17 +143,3 @@ def test_the_checks_can_fail():
                            "mode.layers.moe": [("mode.routing.plan", 1), ("mode._checks", 2)],
                            "mode.cli": [("mode.experiments.compare", 1)]})
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
-
-
-@pytest.mark.parametrize("old,new", [("mode.checkpoint", "mode.train.checkpoint"),
-                                     ("mode.distributed", "mode.parallel.process_group"),
-                                     ("mode.flops", "mode.measure.flops"),
-                                     ("mode.compare", "mode.experiments.compare")])
-def test_old_module_paths_still_import(old, new):
-    import importlib
-    import sys
-
-    sys.modules.pop(old, None)  # imported earlier in this process: import it afresh
-    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
-        alias = importlib.import_module(old)
-    assert alias is importlib.import_module(new) and alias.__spec__.name == new

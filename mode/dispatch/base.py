@@ -35,7 +35,15 @@ from mode.routing.plan import RoutingPlan
 
 
 class Dispatcher(ABC):
-    """Moves tokens to experts and back; see the module docstring for the contract."""
+    """The interface of what moves an MoE layer's tokens to its experts and back (subclass it).
+
+    Shape legend: T tokens, D hidden, R rows for this process's experts (grouped by expert), E experts.
+
+    ``num_local_experts(E)``, ``dispatch(x_TD, plan) -> (x_RD, counts_R, state)`` and ``combine(y_RD, plan,
+    state) -> y_TD`` must be implemented; ``rows_padded`` and ``gates_in_experts`` / ``combine_gated`` may
+    be (the module doc has the contract). ``LocalDispatcher`` keeps every expert in this process,
+    ``mode.dispatch.expert_parallel.ExpertParallelDispatcher`` spreads them over a process group.
+    """
 
     gates_in_experts: bool = False  # True: the layer lets the bank apply the gates and calls combine_gated
 

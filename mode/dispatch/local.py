@@ -15,7 +15,15 @@ from mode.routing.plan import RoutingPlan
 
 
 class LocalDispatcher(Dispatcher):
-    """All experts live in this process."""
+    """The dispatcher of an MoE layer whose experts all live in this process (``MoELayer``'s default).
+
+    Shape legend: T tokens, D hidden, A assignments (the plan's, grouped by expert, padding included).
+
+    ``dispatch`` gathers each assignment's token in the plan's order (``x_AD = x_TD[token_idx_A]``) and
+    ``combine`` scatter-adds the gated outputs back to their tokens (``y_TD``; tokens with no assignment get
+    zeros). The rows are the plan's own, so the expert bank applies the gates (``gates_in_experts``).
+    Takes no arguments.
+    """
 
     gates_in_experts = True  # dispatch keeps the plan's rows in order: combine_gated can scatter gated rows
 

@@ -98,6 +98,26 @@ LAYOUTS = ("EDF", "EFD")
 
 @dataclass
 class ExpertConfig:
+    """The settings of an ``ExpertBank`` (checked when built: a bad value raises ``ValueError`` naming it).
+
+    Args:
+        d_model: the hidden size D.
+        d_hidden: each expert's hidden size H.
+        num_experts: the experts E in this bank.
+        activation: "gelu", "swiglu" or "relu2".
+        backend: "auto" (picked per device and dtype), "reference", "grouped" or "megablocks" (docs/backends.md).
+        layout: how the weights are stored, "EDF" or "EFD"; the computation is the same.
+        bias: biases after the input and the output projections (gpt-oss).
+        swiglu_limit: SwiGLU: clamp the gate to max=L and up to [-L, L].
+        swiglu_alpha: SwiGLU: ``gate * sigmoid(alpha * gate)``; None: silu.
+        swiglu_up_offset: SwiGLU: ``(up + offset) * glu``.
+        fused: SwiGLU: gate and up as the "concat" halves of F = 2H or "interleaved".
+        swiglu_gate_softcap: SwiGLU: ``c * tanh(gate / c)`` as the gate's linear factor.
+        swiglu_up_softcap: SwiGLU: ``c * tanh(up / c)``.
+        glu_act: the gate's activation, "silu" (SwiGLU) or "gelu_tanh" (GeGLU).
+        gate_on_input: a routing gate scales each row's input instead of its output (Llama 4).
+    """
+
     d_model: int
     d_hidden: int
     num_experts: int
@@ -214,6 +234,19 @@ def activate(h_AF: Tensor, activation: str) -> Tensor:
 
 
 class ExpertBank(nn.Module):
+    """E MLP experts, computing on rows already grouped by expert: row ``a`` of expert ``e`` gets
+    ``act(x_a @ W_in[e]) @ W_out[e]`` (the module doc has the full function and the padding contract).
+
+    Shape legend: A rows (the first ``counts_E.sum()`` grouped by expert, then padding), D hidden, H expert
+    hidden, F = H or 2H (swiglu), E experts.
+
+    Parameters: ``w_in_EDF`` (E, D, F) and ``w_out_EHD`` (E, H, D) (layout "EFD": ``w_in_EFD``, ``w_out_EDH``),
+    with ``bias`` also ``b_in_EF`` and ``b_out_ED``.
+
+    Args:
+        cfg: an ``ExpertConfig``.
+    """
+
     def __init__(self, cfg: ExpertConfig):
         super().__init__()
         self.cfg = cfg
@@ -309,7 +342,12 @@ class ExpertBank(nn.Module):
 
     def forward(self, x_AD: Tensor, counts_E: Tensor, *, padded: bool = True,
                 gate_A: Tensor | None = None) -> Tensor:
-        """``counts_E`` (integer, on x's device): each expert's number of rows, in order; rows past
+        """Compute every expert on its rows.
+
+        Returns ``y_AD``: row a's expert output (times ``gate_A[a]`` when given); padding rows are exactly zero.
+
+        ``x_AD``: the rows, the first ``counts_E.sum()`` grouped by expert (A may be 0).
+        ``counts_E`` (integer, on x's device): each expert's number of rows, in order; rows past
         ``counts_E.sum()`` are padding (zero output, zero gradient; see the module docstring).
 
         ``padded=False`` promises ``counts_E.sum() == A`` (a dropless plan without no-op experts or a

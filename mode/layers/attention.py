@@ -21,6 +21,20 @@ from mode.layers.rope import apply_rope, rope_angles
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with rotary position embeddings (RoPE) at the tokens' given positions,
+    optionally over a KV cache.
+
+    Shape legend: B batch, S tokens, D hidden, H heads, K head dim (D = H * K).
+
+    ``y = out(softmax(q k^T / sqrt(K) + causal mask) v)`` with ``q, k, v = qkv(x)`` and RoPE on q and k; no
+    biases. Tokens come in increasing position order, so causality is the lower triangle over the token index.
+
+    Args:
+        d_model: the hidden size D.
+        n_heads: the heads H; D / H must be even (RoPE rotates pairs).
+        rope_base: RoPE's base (the wavelengths' scale).
+    """
+
     def __init__(self, d_model: int, n_heads: int, rope_base: float = 10000.0):
         super().__init__()
         _checks.check_int("d_model", d_model)
@@ -34,6 +48,18 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x_BSD: Tensor, positions_BS: Tensor, mask_BS: Tensor | None = None,
                 cache: RowView | None = None) -> Tensor:
+        """Attend causally among the tokens of each row (and, with a cache, to the cached ones first).
+
+        Args:
+            x_BSD: the (normalised) hidden states.
+            positions_BS: each token's position, for RoPE.
+            mask_BS: None, or False at padding: hidden as keys (every query still sees itself).
+            cache: a ``RowView`` of a ``KVCache``: the new keys and values are appended to it, then the
+                queries attend over it.
+
+        Returns:
+            ``y_BSD``, the attention output (no residual added).
+        """
         B, S, D = x_BSD.shape
         qkv_3BHSK = self.qkv(x_BSD).view(B, S, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         cos, sin = rope_angles(positions_BS, self.head_dim, self.rope_base)

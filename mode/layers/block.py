@@ -4,8 +4,8 @@ Shape legend: B batch, S tokens, D hidden.
 
 ``forward(x_BSD, positions_BS=None, mask_BS=None) -> (y_BSD, Aux)`` with ``y = h + mlp(norm(h))`` and
 ``h = x + attn(norm(x))``. ``positions_BS`` are the tokens' original positions (RoPE); ``mask_BS`` marks
-real tokens (False = padding: hidden as keys, ignored by routers). This is the block protocol that
-``MoD`` wraps; any user module with the same call works there too.
+real tokens (False = padding: hidden as keys, ignored by routers). ``MoD`` wraps it, or any module whose
+``forward`` takes the tokens first (``mode.layers.block_call`` says what else it passes).
 
 Called by keyword, a block and a ``MoD`` layer take the same arguments (the LM calls every layer the same
 way): ``layer(x_BSD, mask_BS=..., positions_BS=..., cache=..., causal=...)``. ``cache`` may be a
@@ -25,6 +25,19 @@ from mode.routing.plan import Aux
 
 
 class TransformerBlock(nn.Module):
+    """A pre-norm transformer block: ``h = x + attn(norm(x))``, ``y = h + mlp(norm(h))``, with RMSNorm, causal
+    self-attention with RoPE, and a pluggable MLP (``MLP``, ``MoELayer``, ``IntegratedMoDE``).
+
+    Shape legend: B batch, S tokens, D hidden.
+
+    Args:
+        d_model: the hidden size D.
+        n_heads: the attention heads (D / n_heads must be even).
+        mlp: the feed-forward layer, any module called ``mlp(x_BSD, mask_BS) -> (y_BSD, Aux)``.
+        rope_base: RoPE's base.
+        norm_eps: the RMSNorms' epsilon.
+    """
+
     def __init__(self, d_model: int, n_heads: int, mlp: nn.Module, rope_base: float = 10000.0,
                  norm_eps: float = 1e-6):
         super().__init__()
@@ -40,7 +53,19 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x_BSD: Tensor, positions_BS: Tensor | None = None, mask_BS: Tensor | None = None,
                 cache: KVCache | RowView | None = None, causal: bool = False) -> tuple[Tensor, Aux]:
-        """``cache``: attend to and append to these rows' KV cache (generation)."""
+        """Run attention and the MLP on every token.
+
+        Args:
+            x_BSD: the hidden states.
+            positions_BS: the tokens' positions, for RoPE (default ``0 .. S-1``).
+            mask_BS: None, or False at padding (hidden as keys, ignored by the MLP's router).
+            cache: a ``KVCache`` (every row) or a ``RowView``: attend to and append to these rows' cache
+                (generation).
+            causal: accepted so that the LM calls every layer alike; nothing to decide here.
+
+        Returns:
+            ``(y_BSD, aux)``: the block's output (residuals included) and the MLP's ``Aux`` under "moe.".
+        """
         dev = self.attn_norm.weight.device
         _checks.check_hidden("x", x_BSD, self.d_model, device=dev)
         _checks.check_mask("mask", mask_BS, x_BSD.shape[:2], device=dev)

@@ -7,9 +7,17 @@ never the residual. The block sees only the routed tokens (so attention is among
 in their original order) together with their original positions (so RoPE sees true positions). Skipped
 tokens are copied through bit for bit.
 
-Block protocol: ``block(x_BCD, positions_BC, mask_BC) -> y_BCD`` or ``(y_BCD, Aux)``, where ``mask_BC``
-is None or marks slots holding real routed tokens (they come first in each row). For generation the
-block also takes ``cache=`` (a ``RowView`` of a ``KVCache``), as ``TransformerBlock`` does. ``C`` may be
+The block: any ``nn.Module`` whose ``forward`` takes the routed tokens ``x_BCD`` first and returns ``y_BCD``
+(or a tuple whose first element is ``y_BCD``; an ``Aux`` in the tuple is merged). It gets the routed
+tokens' original positions ``positions_BC``, the slot mask ``mask_BC`` (None, or True where a slot holds a
+real routed token) and, when decoding, ``cache=`` (a ``RowView`` of a
+``KVCache``) only where its ``forward`` takes them: ``mode.layers.block_call`` reads that from the signature
+once, when the ``MoD`` is built. ``forward(x)``, ``forward(x, positions)``, ``forward(x, positions, mask)`` and
+``TransformerBlock``'s ``forward(x, positions_BS=None, mask_BS=None, cache=None)`` all work. A block that takes no
+mask treats the slots without a real routed token as tokens (there are some only when the input has padding,
+``mask_BS``, or under causal routing, where they come after the real ones): their outputs are discarded, but
+attention inside such a block also sees them. KV-cached decoding needs a block that takes the mask and the cache (a
+``TypeError`` says so otherwise). ``C`` may be
 0 (an empty sequence, or causal routing that routed nothing): by default the block is then skipped,
 but ``skip_empty=False`` calls it on the empty ``(B, 0, D)`` input, which a block holding collectives
 needs (every rank must enter an expert-parallel all-to-all, whatever its routing).
@@ -34,6 +42,7 @@ from torch import Tensor, nn
 
 from mode import _checks
 from mode.layers.block import TransformerBlock
+from mode.layers.block_call import block_call
 from mode.layers.kv_cache import KVCache
 from mode.layers.moe import MoELayer
 from mode.routing.mod_topk import MoDRouter
@@ -41,6 +50,37 @@ from mode.routing.plan import Aux, RoutingStats, scalar
 
 
 class MoD(nn.Module):
+    """Mixture-of-Depths: the router picks the top ``C = capacity * S`` tokens of each sequence, only those go
+    through ``block``, and the rest skip it unchanged (Raposo et al. 2024).
+
+    Shape legend: B batch, S tokens, D hidden, C routed tokens per sequence.
+
+    A routed token gets ``x + r * (block(x_routed) - x)`` with the router's raw weight ``r`` (its ``gate``:
+    "raw", "sigmoid", "ste", or "one", which takes the block's output as is); the block sees only the routed
+    tokens, in their original order, with their original positions.
+
+    Args:
+        block: the block to route around, any ``nn.Module`` called ``block(x_BCD) -> y_BCD``; it also gets the
+            positions, the slot mask and the KV cache where its ``forward`` takes them (the module doc;
+            ``mode.layers.block_call``), and may return ``(y_BCD, Aux)``.
+        router: the ``MoDRouter`` that scores the tokens and holds the capacity and the causal method.
+        skip_empty: skip the block when a call routes no token (the default); False calls it on the empty
+            ``(B, 0, D)`` input (a block holding collectives every rank must enter).
+
+    Example::
+
+        class MyBlock(nn.Module):  # a block you wrote; it needs no positions, mask or cache
+            def __init__(self, d):
+                super().__init__()
+                self.mlp = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+            def forward(self, x):
+                return x + self.mlp(x)
+
+        mod = MoD(MyBlock(64), MoDRouter(MoDRouterConfig(d_model=64, capacity=0.125)))
+        y_BSD, aux = mod(torch.randn(2, 128, 64))  # 16 tokens of each sequence go through MyBlock
+    """
+
     def __init__(self, block: nn.Module, router: MoDRouter, skip_empty: bool = True):
         super().__init__()
         if not isinstance(router, MoDRouter):
@@ -49,6 +89,15 @@ class MoD(nn.Module):
             raise TypeError(f"block={type(block).__name__}: must be an nn.Module")
         self.block = block
         self.router = router
+        self.block_call = block_call(block)  # what the block takes (positions, mask, cache): decided here, once
+        takes = self.block_call.takes
+        self._decode_problem = None if {"cache", "mask"} <= takes else (
+            f"cache: KV-cached decoding passes the block its rows of the cache (cache=) and the mask of the slots "
+            f"that hold routed tokens (skipped ones must store nothing), and {self.block_call.signature} takes no "
+            f"{' and no '.join(n for n in ('mask', 'cache') if n not in takes)} parameter. A block that attends "
+            "across tokens must read and extend the cache, as TransformerBlock does (forward(x, positions_BS=None, "
+            "mask_BS=None, cache=None)); a block that works on each token alone can take cache=None and mask_BS=None "
+            "and ignore them. Without a cache (training, a full forward, causal=True) any block works")
         self.scale_delta = router.cfg.gate != "one"  # gate "one": routed tokens take the block output as is
         # Skip the block when no token is routed (decoding: most steps), unless the block holds collectives;
         # mode.parallel turns this off for blocks it makes expert-parallel.
@@ -65,8 +114,23 @@ class MoD(nn.Module):
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, *, positions_BS: Tensor | None = None,
                 cache: KVCache | None = None, causal: bool = False) -> tuple[Tensor, Aux]:
-        """``causal=True`` routes by the causal decision (see ``MoDRouter``); ``cache`` appends the routed
-        tokens' keys/values to this layer's cache (skipped tokens write nothing)."""
+        """Route ``x_BSD``, run the block on the routed tokens, and put its outputs back in their places.
+
+        Args:
+            x_BSD: the hidden states.
+            mask_BS: None, or False at padding (never routed unless a row has fewer than C real tokens).
+            positions_BS: the tokens' positions (default ``0 .. S-1``), passed on to the block for RoPE.
+            cache: this layer's ``KVCache``: the routed tokens' keys and values are appended to it (skipped
+                tokens write nothing); needs a block that takes ``cache`` and the mask.
+            causal: route each token by the router's causal decision instead of the top-C of its sequence
+                (sampling; the router needs a causal method, see ``MoDRouter``).
+
+        Returns:
+            ``(y_BSD, aux)``: the updated hidden states (skipped tokens bit for bit unchanged) and the router's
+            losses and stats under "mod.", merged with the block's own ``Aux``.
+        """
+        if cache is not None and self._decode_problem is not None:
+            raise TypeError(self._decode_problem)
         if cache is not None and causal and mask_BS is None and x_BSD.shape[1] == 1:
             return self._decode(x_BSD, positions_BS, cache)
         plan = self.router(x_BSD, mask_BS, causal=causal)  # validates x
@@ -81,11 +145,9 @@ class MoD(nn.Module):
         pos_BC = slot_BC if positions_BS is None else positions_BS.gather(1, slot_BC)
         valid_BC = None if plan.valid_A is None else plan.valid_A.view(B, C)
 
-        if cache is None:
-            out = self.block(x_BCD, pos_BC, valid_BC)
-        else:  # every row, through views of the cache: rows with no routed token store nothing (valid_BC)
-            out = self.block(x_BCD, pos_BC, valid_BC, cache=cache.all_rows())
-        y_BCD, block_aux = out if isinstance(out, tuple) else (out, Aux())
+        # with a cache: every row, through views of the cache; rows with no routed token store nothing (valid_BC)
+        y_BCD, block_aux = self.block_call(self.block, x_BCD, pos_BC, valid_BC,
+                                           None if cache is None else cache.all_rows())
         if self.scale_delta:
             y_BCD = x_BCD + plan.weight_A.view(B, C, 1).to(x_BCD.dtype) * (y_BCD - x_BCD)
         if valid_BC is not None:
@@ -168,8 +230,7 @@ class MoD(nn.Module):
                 _checks.check_finite_logits("MoDRouter", logits_BK[:, :1])  # queued on the device: no host read
             aux = self._decode_aux(logits_BK)
         routed_B1 = logits_BK[:, -1:] > 0
-        out = self.block(x_B1D, pos_B1, routed_B1, cache=cache.all_rows())
-        y_B1D, block_aux = out if isinstance(out, tuple) else (out, Aux())
+        y_B1D, block_aux = self.block_call(self.block, x_B1D, pos_B1, routed_B1, cache.all_rows())
         if self.scale_delta:
             y_B1D = x_B1D + self._gate(r_BX, x_B1D.dtype) * (y_B1D - x_B1D)
         y_B1D = torch.where(routed_B1[..., None], y_B1D, x_B1D)
@@ -197,8 +258,7 @@ class MoD(nn.Module):
         else:
             view = cache.rows(rows)
             x_n1D, pos_n1, r_nX = (t.index_select(0, view.rows_t) for t in (x_B1D, pos_B1, r_BX))
-        out = self.block(x_n1D, pos_n1, None, cache=view)
-        y_n1D, block_aux = out if isinstance(out, tuple) else (out, Aux())
+        y_n1D, block_aux = self.block_call(self.block, x_n1D, pos_n1, None, view)
         if self.scale_delta:
             y_n1D = x_n1D + self._gate(r_nX, x_n1D.dtype) * (y_n1D - x_n1D)
         y_B1D = y_n1D if len(rows) == B else x_B1D.index_copy(0, view.rows_t, y_n1D)
@@ -251,7 +311,16 @@ class DecodeStats(RoutingStats):
 class StagedMoDE(MoD):
     """Staged MoDE (Raposo et al. 2024, sec. 5): MoD routing in front of a block whose MLP is an MoE.
 
-    Skipped tokens skip attention *and* the experts; routed tokens then go through the MoE router.
+    Skipped tokens skip attention *and* the experts; routed tokens then go through the MoE router. A ``MoD``
+    whose block must be a ``TransformerBlock`` with a ``MoELayer`` as its MLP; its call and return are
+    ``MoD``'s (the MoE's losses and stats come back under "moe.").
+
+    Shape legend: B batch, S tokens, D hidden, C routed tokens per sequence.
+
+    Args:
+        block: a ``TransformerBlock`` whose ``mlp`` is a ``MoELayer``.
+        router: the ``MoDRouter`` in front of it.
+        skip_empty: as in ``MoD``.
     """
 
     def __init__(self, block: TransformerBlock, router: MoDRouter, skip_empty: bool = True):

@@ -41,6 +41,33 @@ ROUTER_FIELDS = ("d_model", "num_experts", "top_k", "num_noop", "capacity_factor
 
 @dataclass
 class MoEConfig:
+    """Everything ``MoELayer.from_config`` needs: the router's, the experts' and the shared experts' settings
+    (checked when built: a bad value raises ``ValueError`` or ``TypeError`` naming it).
+
+    Args:
+        d_model: the hidden size D.
+        d_hidden: each expert's hidden size H.
+        num_experts: the real experts E.
+        router: a registered router name (``mode.routing.registry``): "token_choice" or "expert_choice", ...
+        top_k: token choice: the experts each token chooses.
+        num_noop: no-op expert slots (integrated MoDE).
+        capacity_factor: token choice: the per-expert limit's factor, None dropless; expert choice: the
+            picks per token, None 1.0.
+        gate: token choice: "softmax", "sigmoid", ... (``TokenChoiceConfig``).
+        renormalize: token choice: divide the k gates by their sum.
+        balance_coef: token choice: the load-balancing loss's weight.
+        z_coef: the router z-loss's weight.
+        activation: the experts' activation: "gelu", "swiglu" or "relu2".
+        backend: the experts' backend: "auto", "reference", "grouped" or "megablocks" (docs/backends.md).
+        router_options: more fields of the router's own config (e.g. ``{"bias_balance": True}``).
+        num_shared: always-on shared experts (DeepSeek-MoE, Qwen2-MoE), as one MLP.
+        shared_hidden: that MLP's hidden size; None: ``num_shared * d_hidden``.
+        shared_gate: scale the shared output by ``sigmoid(x . w)`` per token (Qwen2-MoE).
+        expert_layout: how the expert weights are stored: "EDF" or "EFD" (as transformers does).
+        noop_kinds: per no-op slot, "zero", "copy" or "constant" (``mode.layers.noop``), or one for all.
+        expert_options: more ``ExpertConfig`` fields (biases, SwiGLU variants).
+    """
+
     d_model: int
     d_hidden: int
     num_experts: int = 8
@@ -131,9 +158,21 @@ def build_router(cfg: MoEConfig) -> nn.Module:
 
 
 class MoELayer(nn.Module):
-    """``shared``: the shared experts (an ``MLP``, or any module with the same call), run on every token;
-    ``shared_gate``: a ``Linear(d_model, 1)`` whose sigmoid scales their output per token; ``noop``: what the
-    router's no-op slots add (``mode.layers.noop.NoopExperts``; None: they add nothing)."""
+    """A Mixture-of-Experts layer, a drop-in replacement for an MLP: route each token, send it to its experts,
+    compute, and combine the gated outputs: ``y_t = sum_e g_te * expert_e(x_t)`` (plus the shared experts).
+
+    Shape legend: B batch, S tokens, T = B * S, D hidden.
+
+    Build it with ``MoELayer.from_config(MoEConfig(...))``, or from its parts:
+
+    Args:
+        router: a router module (``TokenChoiceRouter``, ``ExpertChoiceRouter``, ...) returning a ``RoutingPlan``.
+        experts: the ``ExpertBank`` (this process's share of the experts when expert-parallel).
+        dispatcher: what moves the tokens to the experts and back (``Dispatcher``); None: ``LocalDispatcher``.
+        shared: the shared experts (an ``MLP``, or any module with the same call), run on every token.
+        shared_gate: a ``Linear(d_model, 1)`` whose sigmoid scales their output per token.
+        noop: what the router's no-op slots add (``mode.layers.noop.NoopExperts``; None: they add nothing).
+    """
 
     def __init__(self, router: nn.Module, experts: ExpertBank, dispatcher=None, shared: nn.Module | None = None,
                  shared_gate: nn.Module | None = None, noop: NoopExperts | None = None):
@@ -201,6 +240,17 @@ class MoELayer(nn.Module):
         return cls(router, experts, dispatcher, shared, gate, cfg.build_noop())
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> tuple[Tensor, Aux]:
+        """Route, dispatch, compute and combine.
+
+        Args:
+            x_BSD: the (normalised) hidden states.
+            mask_BS: None, or False at padding (padded tokens are routed nowhere and get zeros).
+
+        Returns:
+            ``(y_BSD, aux)``: the experts' contribution only (the surrounding block adds the residual; a token
+            that was dropped or sent to a "zero" no-op gets zeros from the routed experts), and the router's
+            ``Aux`` (its losses, e.g. "balance" and "z_loss", and its stats under "router").
+        """
         return self.apply_plan(x_BSD, self.router(x_BSD, mask_BS))  # the router validates x's shape and dtype
 
     def apply_plan(self, x_BSD: Tensor, plan) -> tuple[Tensor, Aux]:
@@ -235,7 +285,19 @@ class MoELayer(nn.Module):
 class IntegratedMoDE(MoELayer):
     """Integrated MoDE (Raposo et al. 2024, sec. 5): one router over real experts *and* no-op experts.
 
-    A token sent to a no-op skips the MLP (its residual passes unchanged); attention still runs.
+    A token sent to a no-op skips the MLP (its residual passes unchanged); attention still runs. It is an
+    ``MoELayer`` whose router has at least one no-op slot (``MoEConfig(num_noop=...)``); its call and return
+    are ``MoELayer``'s.
+
+    Shape legend: B batch, S tokens, D hidden.
+
+    Args:
+        router: a router with ``num_slots > num_experts`` (at least one no-op slot).
+        experts: the ``ExpertBank`` of the real experts.
+        dispatcher: None (local) or a ``Dispatcher``.
+        shared: shared experts, as in ``MoELayer``.
+        shared_gate: their gate, as in ``MoELayer``.
+        noop: what the no-op slots add (None: nothing, the token skips the MLP).
     """
 
     def __init__(self, router: nn.Module, experts: ExpertBank, dispatcher=None, shared: nn.Module | None = None,

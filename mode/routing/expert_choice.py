@@ -28,6 +28,18 @@ from mode.routing.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy
 
 @dataclass
 class ExpertChoiceConfig:
+    """The settings of an ``ExpertChoiceRouter`` (checked when built: a bad value raises ``ValueError``).
+
+    Args:
+        d_model: the hidden size D of the tokens it scores.
+        num_experts: the real experts E.
+        capacity_factor: the average number of slot picks per token: each of the ``X = E + num_noop`` slots
+            picks ``c = ceil(capacity_factor * S / X)`` tokens of each sequence; None: 1.0.
+        num_noop: the no-op slots: their picks are never computed, but they take probability mass.
+        z_coef: the weight of the router z-loss "z_loss" in ``Aux.total()``.
+        check_finite: raise on NaN or inf logits.
+    """
+
     d_model: int
     num_experts: int
     capacity_factor: float | None = 1.0  # average number of slot picks per token; None: 1.0
@@ -78,6 +90,19 @@ class ExpertChoiceConfig:
 
 
 class ExpertChoiceRouter(nn.Module):
+    """The expert-choice router (Zhou et al. 2022): each expert slot picks the ``c`` tokens of each sequence
+    with the highest affinity (the softmax over the slots of a token's logits); a real expert's gate is the
+    affinity. Not causal: an expert picks among the whole sequence.
+
+    Shape legend: B batch, S sequence, T = B * S tokens, D hidden, E real experts, X = E + no-op slots,
+    c picks per slot and sequence, A = B * E * c assignments.
+
+    Parameters: ``weight`` (X, D), initialised N(0, 1/D).
+
+    Args:
+        cfg: an ``ExpertChoiceConfig``.
+    """
+
     def __init__(self, cfg: ExpertChoiceConfig):
         super().__init__()
         self.cfg = cfg
@@ -91,6 +116,16 @@ class ExpertChoiceRouter(nn.Module):
         return self.cfg.tokens_per_slot(seq_len)
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> RoutingPlan:
+        """Let every expert slot pick its tokens.
+
+        Args:
+            x_BSD: the hidden states (the logits are computed in float32).
+            mask_BS: None, or False at padding (never computed: a pick of a padded token becomes padding).
+
+        Returns:
+            a ``RoutingPlan`` of static size ``A = B * E * c``, grouped by expert, with ``aux`` holding the
+            "z_loss" loss and the stats under "router".
+        """
         _checks.check_hidden("x", x_BSD, self.cfg.d_model, device=self.weight.device)
         _checks.check_mask("mask", mask_BS, x_BSD.shape[:2], device=self.weight.device)
         B, S, _ = x_BSD.shape

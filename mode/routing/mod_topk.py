@@ -57,6 +57,26 @@ CAUSAL_METHODS = ("none", "predictor", "aux_bce", "threshold")
 
 @dataclass
 class MoDRouterConfig:
+    """The settings of a ``MoDRouter`` (checked when built: a bad value raises ``ValueError`` naming it).
+
+    Args:
+        d_model: the hidden size D of the tokens it scores.
+        capacity: the fraction of each sequence routed through the block, in (0, 1]; ``C = max(1,
+            floor(capacity * S))`` tokens per sequence (the paper: 0.125).
+        gate: what multiplies the block's delta: "raw" the router logit r (the paper), "sigmoid" sigmoid(r),
+            "one" 1 (no router gradient: ablations), "ste" the value 1 with the gradient of r.
+        selection: "learned" (the top-C scores) or "random" (a uniformly random C: the paper's control).
+        causal: how sampling decides token by token: "none" (top-C only: cannot sample), "predictor",
+            "aux_bce" or "threshold" (the module doc).
+        causal_coef: the weight of the causal BCE loss ("predictor", "aux_bce") in ``Aux.total()``.
+        threshold_momentum: "threshold" and ``steer_decision``: the weight of each training batch's quantile in
+            the threshold's moving average, in (0, 1].
+        steer_decision: "predictor" / "aux_bce": route when the decision logit passes a steered threshold
+            instead of 0 (what ``mode.hf.to_mod`` uses).
+        predictor_hidden: the hidden size of the "predictor" MLP.
+        check_finite: raise ``ValueError`` on NaN or inf router logits.
+    """
+
     d_model: int
     capacity: float = 0.125  # fraction of each sequence routed through the block
     # "raw": r (paper); "sigmoid": sigmoid(r); "one": 1 (no router gradient; ablations);
@@ -112,6 +132,18 @@ class MoDRouterConfig:
 
 
 class MoDRouter(nn.Module):
+    """The Mixture-of-Depths router: scores each token with one vector, ``r = w . x``, and picks the top ``C``
+    tokens of each sequence (or, with ``causal=True``, each token by its causal decision).
+
+    Shape legend: B batch, S sequence, D hidden, C routed tokens per sequence, A = B * C assignments.
+
+    Parameters: ``weight`` (D,), initialised N(0, 1/D); ``predictor`` (a D -> ``predictor_hidden`` -> 1 MLP)
+    with ``causal="predictor"``; the buffer ``threshold`` where the decision is steered.
+
+    Args:
+        cfg: a ``MoDRouterConfig`` (capacity, gate, selection, causal method).
+    """
+
     def __init__(self, cfg: MoDRouterConfig):
         super().__init__()
         self.cfg = cfg
@@ -167,6 +199,20 @@ class MoDRouter(nn.Module):
         return logit_BS - self.threshold
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, causal: bool = False) -> RoutingPlan:
+        """Choose the tokens that go through the block.
+
+        Args:
+            x_BSD: the hidden states (any float dtype; the scores are computed in float32).
+            mask_BS: None, or False at padding (scored -inf: picked only when a row has fewer than C real
+                tokens, and then marked invalid in ``valid_A``).
+            causal: route by the causal decision (logit > 0) instead of the top-C; needs a causal method.
+
+        Returns:
+            a ``RoutingPlan`` with one expert (the block): ``token_idx_A`` the routed tokens (flat ``b * S +
+            s``, C per row in position order), ``weight_A`` their gates, ``seq_capacity`` C, ``valid_A`` None or
+            the real slots, and ``aux`` with the stats under "router" and, in a top-C call of a router with
+            ``causal="predictor"`` or "aux_bce", the "causal_bce" loss.
+        """
         _checks.check_hidden("x", x_BSD, self.cfg.d_model, device=self.weight.device)
         _checks.check_mask("mask", mask_BS, x_BSD.shape[:2], device=self.weight.device)
         if causal and self.cfg.causal == "none":

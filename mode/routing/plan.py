@@ -36,16 +36,20 @@ from torch import Tensor
 class RoutingStats:
     """Detached routing statistics of one router call (tensors stay on device: no host sync).
 
-    ``kept_E``       computed assignments per real expert (after capacity)
-    ``requested_X``  assignments each expert slot was asked for before capacity, no-op slots last
-    ``dropped``      assignments removed by capacity limits
-    ``noop``         assignments that went to a no-op expert
-    ``tokens``       real (unpadded) tokens the router saw
-    ``compute_T``    real-expert assignments each token received (0 = the token skipped the layer)
-    ``entropy``      mean entropy (nats) of the router's distribution over expert slots, None for MoD
-    ``batch_shape``  (B, S) of the routed input, to view ``compute_T`` by position
-    ``causal_accuracy``  MoD with a causal method: how often the causal decision (logit > 0) agrees with
-                     the top-k decision on real tokens; None otherwise
+    Shape legend: E real experts (1 for MoD: the block), X expert slots (E real, then the no-op ones; MoD:
+    the block and skipping it), T = B * S tokens of the routed input.
+
+    Args (the fields):
+        ``kept_E``       computed assignments per real expert (after capacity)
+        ``requested_X``  assignments each expert slot was asked for before capacity, no-op slots last
+        ``dropped``      assignments removed by capacity limits
+        ``noop``         assignments that went to a no-op expert
+        ``tokens``       real (unpadded) tokens the router saw
+        ``compute_T``    real-expert assignments each token received (0 = the token skipped the layer)
+        ``entropy``      mean entropy (nats) of the router's distribution over expert slots, None for MoD
+        ``batch_shape``  (B, S) of the routed input, to view ``compute_T`` by position
+        ``causal_accuracy``  MoD with a causal method: how often the causal decision (logit > 0) agrees with
+                         the top-k decision on real tokens; None otherwise
     """
 
     kept_E: Tensor
@@ -71,8 +75,14 @@ class RoutingStats:
 class Aux:
     """Auxiliary result of a router or a layer: raw (unweighted) losses, their coefficients, stats.
 
-    Every layer returns ``(output, Aux)``. ``total()`` is the quantity to add to the training loss.
-    Merging the aux of many layers prefixes the names, so nothing is ever summed by accident.
+    Every layer returns ``(output, Aux)``. ``total()`` is the quantity to add to the training loss: the sum
+    of ``coef * loss`` (a scalar). Merging the aux of many layers prefixes the names (``merge(other,
+    "layers.3.")``), so nothing is ever summed by accident.
+
+    Args (the fields):
+        losses: name -> the raw loss, a scalar tensor (e.g. "moe.balance", "mod.causal_bce").
+        coefs: name -> its weight in ``total()``.
+        stats: name -> the ``RoutingStats`` of a router call (e.g. "mod.router").
     """
 
     losses: dict[str, Tensor] = field(default_factory=dict)
@@ -101,7 +111,25 @@ class Aux:
 
 @dataclass
 class RoutingPlan:
-    """Which token goes to which real expert with which weight, plus the router's aux result."""
+    """Which token goes to which real expert with which weight, plus the router's aux result: what every
+    router returns and every dispatcher reads (docs/routing_plan.md).
+
+    Shape legend: A assignments (the computed ones first, grouped by expert, then padding: static size),
+    E real experts, T tokens (flat ``b * S + s``), X slots, N no-op slots.
+
+    Args (the fields):
+        token_idx_A: the token of each assignment.
+        expert_idx_A: its expert (padding: any value; only the first ``counts_E.sum()`` are computed).
+        weight_A: its gate (differentiable).
+        counts_E: the computed assignments of each expert, on the device.
+        num_tokens: T.
+        aux: the router's losses and stats.
+        seq_capacity: MoD: C slots per sequence (the plan is (B, C) in row order); None otherwise.
+        valid_A: MoD: which slots hold a real routed token; None: all.
+        padded: False when the router knows at construction that ``A == counts_E.sum()``.
+        logits_TX: the router's logits, where it computes them (token choice).
+        noop_gate_TN: each token's gate on each no-op slot, when the layer asks for them.
+    """
 
     token_idx_A: Tensor
     expert_idx_A: Tensor

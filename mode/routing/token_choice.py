@@ -77,6 +77,42 @@ BALANCE_SCOPES = ("batch", "sequence", "global")
 
 @dataclass
 class TokenChoiceConfig:
+    """The settings of a ``TokenChoiceRouter`` (checked when built: a bad value raises ``ValueError`` naming it).
+    The recipes (scale, groups, bias balancing, softcap, hash routing, sparsemixer) are in the module doc.
+
+    Args:
+        d_model: the hidden size D of the tokens it scores.
+        num_experts: the real experts E.
+        top_k: the expert slots each token chooses, at most ``num_experts + num_noop``.
+        num_noop: the no-op slots N (integrated MoDE): a token's choice of one is never computed.
+        gate: the gates' function of the logits: "softmax", "sigmoid", "sqrtsoftplus" or "sparsemixer".
+        renormalize: divide the k gates by their sum (no-op gates included); ``renorm_eps``, ``renorm_min`` and
+            ``renorm_p`` change the denominator to ``max(p-norm + eps, min)``.
+        renorm_eps: added to the renormalisation's denominator.
+        renorm_min: the renormalisation's smallest denominator.
+        renorm_p: the p of the renormalisation's p-norm (1: the sum).
+        logit_bias: a learned bias on the logits (gpt-oss).
+        capacity_factor: each real expert takes at most ``ceil(capacity_factor * T * k / E)`` assignments, the
+            rest are dropped; None: dropless.
+        balance_coef: the weight of the Switch load-balancing loss "balance" in ``Aux.total()``.
+        z_coef: the weight of the router z-loss "z_loss".
+        check_finite: raise on NaN or inf logits (an asynchronous device assert on a GPU).
+        scale: multiplies every gate after renormalisation (``routed_scaling_factor``).
+        n_group: device-limited routing: the real experts form ``n_group`` equal groups ...
+        topk_group: ... of which a token keeps its best ``topk_group`` (None: all).
+        group_score: a group's score: "top2" (its two best experts' sum) or "max".
+        mixer_eps: ``gate="sparsemixer"``: the relative logit gap a slot's softmax spans.
+        hash_vocab: > 0: hash routing, each token id's experts from a (hash_vocab, top_k) table.
+        logit_softcap: > 0: ``c * tanh(logit / c)`` on the logits first.
+        bias_on: bias balancing adds its bias to the "scores" or to the raw "logits".
+        dropped_groups: the experts of a token's dropped groups score "ninf" (-inf) or "zero".
+        bias_balance: balancing without an aux loss: a per-slot bias, for choosing only, moved after each
+            optimizer step (``mode.routing.bias_balance``).
+        bias_rate: the bias's update step.
+        noop_target: with bias balancing and no-op slots: the share of the choices to hold on them.
+        balance_scope: the balance loss over this forward's "batch", each "sequence", or the "global" batch.
+    """
+
     d_model: int
     num_experts: int
     top_k: int = 1
@@ -214,6 +250,19 @@ class TokenChoiceConfig:
 
 
 class TokenChoiceRouter(nn.Module):
+    """The token-choice top-k router (Switch, GShard, Mixtral, DeepSeek): each token scores the ``X = E + N``
+    expert slots with a linear map and keeps its best ``top_k``; the gates come from those scores.
+
+    Shape legend: B batch, S sequence, T = B * S tokens, D hidden, E real experts, N no-op slots, X = E + N,
+    K top-k, A = T * K assignments.
+
+    Parameters: ``weight`` (X, D), initialised N(0, 1/D); ``logit_bias_X`` with ``logit_bias``; the buffers
+    ``hash_table_VK`` (hash routing) and ``bias_X`` (bias balancing).
+
+    Args:
+        cfg: a ``TokenChoiceConfig``.
+    """
+
     def __init__(self, cfg: TokenChoiceConfig):
         super().__init__()
         self.cfg = cfg
@@ -239,7 +288,18 @@ class TokenChoiceRouter(nn.Module):
         return self.cfg.capacity(num_tokens)
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, ids_BS: Tensor | None = None) -> RoutingPlan:
-        """``ids_BS``: the token ids, which hash routing (``hash_vocab``) chooses by; ignored otherwise."""
+        """Choose each token's experts.
+
+        Args:
+            x_BSD: the hidden states (the logits are computed in float32).
+            mask_BS: None, or False at padding (padded tokens choose nothing and count nowhere).
+            ids_BS: the token ids, which hash routing (``hash_vocab``) chooses by; ignored otherwise.
+
+        Returns:
+            a ``RoutingPlan`` of static size ``A = T * K``: the computed assignments grouped by expert first,
+            then no-op choices, drops and padding; ``aux`` with the "balance" and "z_loss" losses and the
+            stats under "router"; ``logits_TX`` the router's logits.
+        """
         _checks.check_hidden("x", x_BSD, self.cfg.d_model, device=self.weight.device)
         _checks.check_mask("mask", mask_BS, x_BSD.shape[:2], device=self.weight.device)
         if self.cfg.hash_vocab and (ids_BS is None or tuple(ids_BS.shape) != tuple(x_BSD.shape[:2])):
