@@ -131,7 +131,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--timeout", type=float, help=f"collective timeout in seconds (default ${mdist.TIMEOUT_ENV} "
                                                  f"or {mdist.DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--threads", type=int, help="torch intra-op threads per process (default: torch's)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar; the plain progress lines (on stdout: every 20 s, and at the end) still "
+                        "print. Without a terminal on stderr there is never a bar, only the lines")
     return p
 
 
