@@ -452,11 +452,12 @@ def _cell(r: dict, col: _Column, missing: str) -> str:
 def format_table(results: dict) -> str:
     """The comparison as the fixed-width table `mode compare` prints."""
     cols = [c for c in _COLUMNS if c.width is not None]
+    widths = [max(c.width, len(c.text) + 2) for c in cols]  # two spaces at least between titles
     first = max([16, *(len(name) + 1 for name in results)])
-    head = f"{'variant':<{first}}" + "".join(f"{c.text:>{c.width}}" for c in cols)
+    head = f"{'variant':<{first}}" + "".join(f"{c.text:>{w}}" for c, w in zip(cols, widths))
     lines = [head, "-" * len(head)]
     for name, r in results.items():
-        lines.append(f"{name:<{first}}" + "".join(_cell(r, c, "-").rjust(c.width) for c in cols))
+        lines.append(f"{name:<{first}}" + "".join(_cell(r, c, "-").rjust(w) for c, w in zip(cols, widths)))
     return "\n".join(lines)
 
 

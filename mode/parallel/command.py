@@ -276,7 +276,7 @@ def run(args) -> int:
             from mode.train.runtime import OneProcess, resolve_device
 
             runtime = OneProcess(resolve_device(device), keep=args.keep)  # keep > 1: OUT/ckpt-step-*.pt too
-        trainer = Trainer(model_cfg, train_cfg, corpus, args.out, name="train", progress=not args.no_progress,
+        trainer = Trainer(model_cfg, train_cfg, corpus, args.out, name="mode train", progress=not args.no_progress,
                           runtime=runtime, device=device, bf16=args.bf16, compile=args.compile,
                           timeout_s=None if ctx is None else ctx.timeout_s)
         if trainer.rank == 0:
