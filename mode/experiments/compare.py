@@ -409,7 +409,7 @@ _COLUMNS = (
     _Column("fwd_flops_per_token", "result", "fwd FLOP/tok", 14, ".3e", "fwd FLOP/token",
             "nominal forward FLOPs per token (balanced routing; a training step costs 3x)"),
     _Column("flop_ratio", "result", "FLOP/tok / dense", 17, ".3f", "fwd FLOP/token / same-size dense",
-            "fwd FLOP/tok / dense's ({dense})"),
+            "forward FLOPs per token / dense's ({dense})"),
     _Column("params", "result", "params", 10, ",", "params"),
     _Column("steps", "result", "steps", 7, "", "steps", "training steps the FLOP budget buys (cheaper steps: more)"),
     _Column("tokens", "result", None, None, ",", "tokens"),
@@ -438,7 +438,7 @@ _LEGEND_NOTES = (
     "evaluation)",
     "causal acc, routed, AR gap: means over the routed blocks (unrouted blocks are not averaged in), on the "
     "{val_windows} windows of the periodic evaluation",
-    "max/mean, dropped, no-op, blocks/tok: the last window of training statistics (docs/reports.md)",
+    "max/mean load, dropped, no-op, blocks per token: the last window of training statistics (docs/reports.md)",
 )
 
 
