@@ -424,7 +424,7 @@ _COLUMNS = (
             "loss with causal routing / loss with top-k - 1: what routing as in sampling costs"),
     # load balance and compute from the last logged "routing" record (training batches; docs/reports.md)
     _Column("max_mean", "routing", "max/mean", 9, ".2f", "max/mean load",
-            "MoE: the busiest expert's load / the mean load (1 = balanced)"),
+            "MoE routers: the busiest expert's load / the mean load (1 = balanced), mean over the routers"),
     _Column("dropped_frac", "routing", "dropped", 8, ".1%", "dropped",
             "share of expert assignments dropped by capacity"),
     _Column("noop_share", "routing", "no-op", 7, ".1%", "no-op",
@@ -480,12 +480,12 @@ def legend(report: dict, style: str) -> str:
               "dense": f"{len(cfg['model']['layers'])} layers", "best": "none trained" if b is None else b["variant"],
               "capacity": cfg["mod_recipe"]["capacity"]}
     shown = [c for c in _COLUMNS if c.meaning and (c.width if style == "text" else c.md) is not None]
-    notes = [n.format(**values) for n in _LEGEND_NOTES]
+    said_once = [n.format(**values) for n in _LEGEND_NOTES]
     if style == "md":
-        return "\n".join([f"- *{c.md}*: {c.meaning.format(**values)}" for c in shown] + [f"- {n}" for n in notes])
+        return "\n".join([f"- *{c.md}*: {c.meaning.format(**values)}" for c in shown] + [f"- {n}" for n in said_once])
     width = max(len(c.text) for c in shown)
     return "\n".join(["columns:"] + [f"  {c.text:<{width}}  {c.meaning.format(**values)}" for c in shown]
-                     + [f"  {n}" for n in notes])
+                     + [f"  {n}" for n in said_once])
 
 
 def _plot_label(name: str, r: dict) -> str:
