@@ -9,7 +9,7 @@ trainer feeds after every step and closes at the end. What it writes:
 
       mod: step 120/248 (48%)  loss 2.8612  5,123 tok/s  ETA 25s
 
-  and one when the run ends (``mod: step 248/248 done in 52s  loss 2.4011  4,980 tok/s``; ``stopped at``
+  and one when the run ends (``mod: step 248/248 done in 52s  loss 2.4011  4,980 tok/s``; ``stopped after``
   when it ends early). The periodic lines are left out only while a bar is drawn on the terminal that is
   also stdout (the person watching reads the bar); the end line always prints. So ``--no-progress`` turns
   the bar off, never the log, and ``mode compare > log`` gets lines, not redraws.
@@ -82,8 +82,9 @@ class Progress:
             return cls(bar=progress)
         raise TypeError(f"progress={progress!r}: must be a bool or a mode.train.progress.Progress")
 
-    def start(self, name: str, total: int, initial: int = 0) -> "RunProgress":
-        return RunProgress(self, name, total, initial)
+    def start(self, name: str, total: int, initial: int = 0, clock=time.monotonic) -> "RunProgress":
+        """The progress of one run from step ``initial`` to ``total`` (``clock``: seconds, for the tests)."""
+        return RunProgress(self, name, total, initial, clock)
 
 
 class RunProgress:
@@ -121,7 +122,7 @@ class RunProgress:
                         f"{tok_s:,.0f} tok/s  ETA {format_duration(pace * (self.total - step))}")
 
     def close(self) -> None:
-        """Remove the bar and write the end line (``done`` at ``total``, else ``stopped at``)."""
+        """Remove the bar and write the end line (``done in`` at ``total``, else ``stopped after``)."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None

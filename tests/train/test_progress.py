@@ -36,9 +36,7 @@ class Clock:
 
 
 def feed(cfg: Progress, clock: Clock, steps: int = 10, dt: float = 1.0) -> None:
-    run = cfg.start("run", steps)
-    run.clock = clock
-    run.t0 = run.last = clock()
+    run = cfg.start("run", steps, clock=clock)
     for step in range(1, steps + 1):
         clock.t += dt
         run.update(step, 3.0 - 0.1 * step, 1000.0 * step)
