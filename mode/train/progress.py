@@ -113,7 +113,7 @@ class RunProgress:
         self.step, self.loss, self.tok_s = step, loss, tok_s
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", **(postfix or {}), refresh=False)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", **(postfix or {}))
         now = self.clock()
         if self.periodic and step < self.total and now - self.last >= self.every_s:
             self.last = now
