@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                         "it ends). A killed run resumes when rerun with the same arguments (docs/checkpoints.md)")
     p.add_argument("--fresh", action="store_true",
                    help="discard an earlier run found in --out (its checkpoints and results) and start over")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar; the plain progress lines (on stdout: every 20 s, and when each run ends) "
+                        "still print. Without a terminal on stderr there is never a bar, only the lines")
 
     p = sub.add_parser("isoflop", help="isoFLOP curves: every variant at several sizes and budgets; each "
                                        "variant's best size per budget, compared best against best")
@@ -85,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint the run in training every this many seconds (default 300; 0: only when it "
                         "ends). A killed sweep resumes when rerun (docs/isoflop.md)")
     p.add_argument("--fresh", action="store_true", help="discard an earlier sweep found in --out and start over")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar; the plain progress lines (on stdout: every 20 s, and when each run ends) "
+                        "still print. Without a terminal on stderr there is never a bar, only the lines")
 
     p = sub.add_parser("train", help="train one LM: one process, or a (dp, ep) mesh under torchrun "
                                      "(docs/distributed.md)")

@@ -41,6 +41,7 @@ from mode.model import LMConfig, alternate
 from mode.model.causal_eval import causal_eval
 from mode.routing.mod_topk import GATES
 from mode.train import TrainConfig
+from mode.train.progress import format_duration, log_line
 
 # The differences the comparison claims, as (variant a, variant b): a - b < 0 means a is better. "dense"
 # stands for the best dense model (the best of the dense sweep here, the isoFLOP-optimal size in isoflop).
@@ -246,18 +247,23 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
     budget = steps_dense * train_flops_per_token(models["dense"]) * tokens_per_step
     dense_fwd = forward_flops_per_token(models["dense"])
     runs: dict[str, dict[int, dict]] = {}
+    n_runs, k = len(selected) * len(seed_list), 0
     for s in seed_list:  # seed by seed: a run stopped early has whole seeds done
         for name, cfg in selected.items():
             d = run_dir(out, name, s, seeds)
             label = name if seeds == 1 else f"{name} seed {s}"
+            k += 1
             result_path = d / RESULT_FILE
             if resume and result_path.is_file():
                 runs.setdefault(name, {})[s] = run_record.read_result(result_path, ("val_loss", "curve"))
-                print(f"{label}: done in an earlier run, results from {result_path}", flush=True)
+                log_line(f"[{k}/{n_runs}] {label}: done in an earlier run, results from {result_path}")
                 continue
             steps = sweep.steps_for_budget(cfg, budget, p.train.batch_size, name)
+            layers = f"{cfg.n_layers} layer{'s' * (cfg.n_layers != 1)}"
+            log_line(f"[{k}/{n_runs}] {label}: {layers}, {steps} steps of {tokens_per_step:,} tokens (budget "
+                     f"{budget:.3g} training FLOPs)")
             tcfg = sweep.run_train_config(p.train, steps, s, ckpt_every_s or None)
-            trainer = sweep.train(cfg, tcfg, corpus, d, label, progress, resume, log=lambda m: print(m, flush=True),
+            trainer = sweep.train(cfg, tcfg, corpus, d, label, progress, resume, log=log_line,
                                   device=device, bf16=bf16)
             history = trainer.history
             vals = [r for r in history if "val_loss" in r]
@@ -273,6 +279,8 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
             }
             checkpoint.atomic_write_text(result_path, json.dumps(result, indent=2))
             runs.setdefault(name, {})[s] = result
+            log_line(f"[{k}/{n_runs}] {label}: val loss {result['val_loss']:.4f} (final evaluation, "
+                     f"{p.eval_windows} held-out windows); {format_duration(trainer.elapsed)} in training")
     results = {name: _combine(runs[name], seed_list) for name in selected}
     baseline = _baseline(results, base.n_layers)
     for r in results.values():
@@ -294,10 +302,12 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
               "baseline": baseline, "claims": claims, "validation": validation, "results": results}
     # each file appears whole or not at all: a crash here never leaves a half report that looks complete
     checkpoint.atomic_write_text(out / "compare.json", json.dumps(report, indent=2))
-    checkpoint.atomic_write_text(out / "compare.md", markdown_table(results) + "\n\n" + notes(report, "md") + "\n")
+    checkpoint.atomic_write_text(out / "compare.md", "\n\n".join([markdown_table(results), legend(report, "md"),
+                                                                   notes(report, "md")]) + "\n")
     print(format_table(results))
+    print(legend(report, "text"))
     print(notes(report, "text"))
-    plot_curves(results, out / "val_loss_vs_flops.png")
+    plot_curves(report, out / "val_loss_vs_flops.png")
     print(f"\nwrote {out / 'compare.json'} and {out / 'val_loss_vs_flops.png'}")
     return report
 
@@ -352,7 +362,7 @@ def notes(report: dict, style: str) -> str:
     lines = []
     b = report["baseline"]
     if b is not None:
-        lines.append(f"vs best dense: against {b['variant']} ({b['rule']}; val loss {b['val_loss']:.4f})")
+        lines.append(f"best dense model: {b['variant']} ({b['rule']}; val loss {b['val_loss']:.4f})")
     n = len(report["config"]["seeds"])
     if report["claims"]:
         lines.append(f"differences, paired over {n} seed(s): mean ± std [95% t interval], * = significant "
@@ -372,77 +382,151 @@ def notes(report: dict, style: str) -> str:
     return "\n\n".join(part for part in parts if part)
 
 
-# One spec for both tables: (key, where it lives, text header, text width, format, Markdown header).
-# A None width leaves the column out of the terminal table, a None Markdown header out of compare.md.
+@dataclass(frozen=True)
+class _Column:
+    """A column of both tables: ``key`` read from ``where`` ("result": the row, "causal": its ``causal``
+    report, "routing": the ``overall`` numbers of its last routing record), its terminal header and width
+    (no width: not in the terminal table), format, Markdown header (None: not in compare.md) and what it
+    means (the legend printed under the table; None: self-explaining)."""
+    key: str
+    where: str
+    text: str | None
+    width: int | None
+    fmt: str
+    md: str | None
+    meaning: str | None = None
+
+
+# {windows}, {seq_len}, {val_windows}, {dense}, {best}, {capacity}: filled in by ``legend`` from the report
 _COLUMNS = (
-    ("val_loss", "result", "val loss", 9, ".4f", "val loss"),
-    ("val_loss_std", "result", "± std", 8, ".4f", "± std (seeds)"),
-    ("loss_ratio", "result", "vs best dense", 14, ".4f", "vs best dense"),
-    ("loss_ratio_same_size", "result", "vs dense", 9, ".4f", "vs dense (same size)"),
-    ("fwd_flops_per_token", "result", "fwd FLOP/tok", 14, ".3e", "fwd FLOP/token"),
-    ("flop_ratio", "result", "vs dense", 9, ".3f", "vs dense"),
-    ("params", "result", "params", 10, ",", "params"),
-    ("steps", "result", "steps", 7, "", "steps"),
-    ("tokens", "result", None, None, ",", "tokens"),
-    ("wall_s", "result", "wall s", 8, ".1f", None),
-    ("tok_s", "result", "tok/s", 8, ",.0f", None),
-    ("causal_accuracy", "causal", "causal acc", 11, ".1%", "causal acc"),
-    ("routed_fraction", "causal", "routed", 8, ".1%", "routed"),
-    ("ar_gap", "causal", "AR gap", 8, "+.2%", "AR gap"),
+    _Column("val_loss", "result", "val loss", 9, ".4f", "val loss",
+            "held-out loss in nats/byte (lower is better): mean over {windows} fixed windows of {seq_len} bytes"),
+    _Column("val_loss_std", "result", "± std", 8, ".4f", "± std (seeds)", "std of val loss over the seeds"),
+    _Column("loss_ratio", "result", "loss/best dense", 16, ".4f", "loss / best dense",
+            "val loss / the best dense model's ({best}); below 1 beats it"),
+    _Column("loss_ratio_same_size", "result", "loss/same-size dense", 21, ".4f", "loss / same-size dense",
+            "val loss / dense's (the same depth: {dense})"),
+    _Column("fwd_flops_per_token", "result", "fwd FLOP/tok", 14, ".3e", "fwd FLOP/token",
+            "nominal forward FLOPs per token (balanced routing; a training step costs 3x)"),
+    _Column("flop_ratio", "result", "FLOP/tok / dense", 17, ".3f", "fwd FLOP/token / same-size dense",
+            "forward FLOPs per token / dense's ({dense})"),
+    _Column("params", "result", "params", 10, ",", "params"),
+    _Column("steps", "result", "steps", 7, "", "steps", "training steps the FLOP budget buys (cheaper steps: more)"),
+    _Column("tokens", "result", None, None, ",", "tokens"),
+    _Column("wall_s", "result", "wall s", 8, ".1f", None, "seconds of training, periodic evaluation included"),
+    _Column("tok_s", "result", "tok/s", 8, ",.0f", None, "training bytes per second of training steps"),
+    _Column("causal_accuracy", "causal", "causal acc", 11, ".1%", "causal acc",
+            "learned MoD: how often the causal decision (what sampling uses) agrees with top-k routing"),
+    _Column("routed_fraction", "causal", "routed", 8, ".1%", "routed",
+            "share of tokens the causal decision routes through a routed block; top-k routes exactly "
+            "{capacity:.1%}: lower when the decision misses more top-k tokens than it adds"),
+    _Column("ar_gap", "causal", "AR gap", 8, "+.2%", "AR gap",
+            "loss with causal routing / loss with top-k - 1: what routing as in sampling costs"),
     # load balance and compute from the last logged "routing" record (training batches; docs/reports.md)
-    ("max_mean", "routing", "max/mean", 9, ".2f", "max/mean load"),
-    ("dropped_frac", "routing", "dropped", 8, ".1%", "dropped"),
-    ("noop_share", "routing", "no-op", 7, ".1%", "no-op"),
-    ("blocks_per_token", "routing", "blocks/tok", 11, ".2f", "blocks/token"),
+    _Column("max_mean", "routing", "max/mean", 9, ".2f", "max/mean load",
+            "MoE routers: the busiest expert's load / the mean load (1 = balanced), mean over the routers"),
+    _Column("dropped_frac", "routing", "dropped", 8, ".1%", "dropped",
+            "share of expert assignments dropped by capacity"),
+    _Column("noop_share", "routing", "no-op", 7, ".1%", "no-op",
+            "share of router choices that went to a no-op expert (the MLP skipped)"),
+    _Column("blocks_per_token", "routing", "blocks/tok", 11, ".2f", "blocks/token",
+            "blocks a token passes through on average (a skipped MoD block does not count)"),
+)
+# said once under the legend instead of in every line it concerns
+_LEGEND_NOTES = (
+    "the val loss is measured once, after training (the plot's end points; its lines are the smaller periodic "
+    "evaluation)",
+    "causal acc, routed, AR gap: means over the routed blocks (unrouted blocks are not averaged in), on the "
+    "{val_windows} windows of the periodic evaluation",
+    "max/mean load, dropped, no-op, blocks per token: the last window of training statistics (docs/reports.md)",
 )
 
 
-def _cell(r: dict, key: str, where: str, fmt: str, missing: str) -> str:
+def _cell(r: dict, col: _Column, missing: str) -> str:
     source = {"result": r, "causal": r.get("causal") or {},
-              "routing": (r.get("routing") or {}).get("overall", {})}[where]
-    v = source.get(key)
-    return missing if v is None else format(v, fmt)
+              "routing": (r.get("routing") or {}).get("overall", {})}[col.where]
+    v = source.get(col.key)
+    return missing if v is None else format(v, col.fmt)
 
 
 def format_table(results: dict) -> str:
     """The comparison as the fixed-width table `mode compare` prints."""
-    cols = [c for c in _COLUMNS if c[3] is not None]
+    cols = [c for c in _COLUMNS if c.width is not None]
+    widths = [max(c.width, len(c.text) + 2) for c in cols]  # two spaces at least between titles
     first = max([16, *(len(name) + 1 for name in results)])
-    head = f"{'variant':<{first}}" + "".join(f"{c[2]:>{c[3]}}" for c in cols)
+    head = f"{'variant':<{first}}" + "".join(f"{c.text:>{w}}" for c, w in zip(cols, widths))
     lines = [head, "-" * len(head)]
     for name, r in results.items():
-        lines.append(f"{name:<{first}}" + "".join(_cell(r, key, where, fmt, "-").rjust(width)
-                                               for key, where, _, width, fmt, _ in cols))
+        lines.append(f"{name:<{first}}" + "".join(_cell(r, c, "-").rjust(w) for c, w in zip(cols, widths)))
     return "\n".join(lines)
 
 
 def markdown_table(results: dict) -> str:
     """The comparison as a Markdown table (written as compare.md, pasted into docs)."""
-    cols = [c for c in _COLUMNS if c[5] is not None]
-    lines = ["| variant | " + " | ".join(c[5] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    cols = [c for c in _COLUMNS if c.md is not None]
+    lines = ["| variant | " + " | ".join(c.md for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, r in results.items():
-        cells = [_cell(r, key, where, fmt, "–") for key, where, _, _, fmt, _ in cols]
+        cells = [_cell(r, c, "–") for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot_curves(results: dict, path: Path) -> None:
+def legend(report: dict, style: str) -> str:
+    """What each column of the table means (``style`` "text": under the printed table, "md": a list under
+    compare.md's), with the run's numbers filled in: windows, the dense models, the MoD capacity."""
+    cfg, b = report["config"], report["baseline"]
+    values = {"windows": cfg["eval_windows"], "seq_len": cfg["model"]["seq_len"],
+              "val_windows": cfg["train"]["eval_batches"] * cfg["train"]["batch_size"],
+              "dense": f"{len(cfg['model']['layers'])} layers", "best": "none trained" if b is None else b["variant"],
+              "capacity": cfg["mod_recipe"]["capacity"]}
+    shown = [c for c in _COLUMNS if c.meaning and (c.width if style == "text" else c.md) is not None]
+    said_once = [n.format(**values) for n in _LEGEND_NOTES]
+    if style == "md":
+        return "\n".join([f"- *{c.md}*: {c.meaning.format(**values)}" for c in shown] + [f"- {n}" for n in said_once])
+    width = max(len(c.text) for c in shown)
+    return "\n".join(["columns:"] + [f"  {c.text:<{width}}  {c.meaning.format(**values)}" for c in shown]
+                     + [f"  {n}" for n in said_once])
+
+
+def _plot_label(name: str, r: dict) -> str:
+    """A curve's name in the plot: "dense" says its depth (the dense sweep's names already do)."""
+    return f"dense ({len(r['layers'])} layers)" if name == "dense" else name
+
+
+def plot_curves(report: dict, path: Path) -> None:
+    """Validation loss against training FLOPs: each variant's periodic evaluations (the trainer's small
+    validation set) as a line, and its final evaluation on the fixed windows -- the table's val loss (the
+    mean over seeds; the line is the first seed's) -- as a star at its end. The legend sits outside the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    results, cfg = report["results"], report["config"]
+    periodic = cfg["train"]["eval_batches"] * cfg["train"]["batch_size"]
+    fig, ax = plt.subplots(figsize=(9.5, 4.8))
     for name, r in results.items():
         xs, ys = zip(*r["curve"])
-        ax.plot(xs, ys, marker="o", ms=3, label=name)
+        (line,) = ax.plot(xs, ys, marker="o", ms=3, lw=1.2, label=f"{_plot_label(name, r)}: {r['val_loss']:.4f}")
+        ax.plot([r["train_flops"]], [r["val_loss"]], marker="*", ms=11, color=line.get_color(),
+                markeredgecolor="black", markeredgewidth=0.6, ls="none", zorder=3)
     ax.set_xlabel("training FLOPs")
     ax.set_ylabel("validation loss (nats/byte)")
     ax.set_title("Validation loss at equal training FLOPs")
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    seeds = cfg["seeds"]
+    periodic_label = f"periodic evaluation,\n{periodic} windows" + (f" (seed {seeds[0]})" if len(seeds) > 1 else "")
+    final_label = (f"final evaluation,\n{cfg['eval_windows']} windows = table"
+                   + (f"\n(mean of {len(seeds)} seeds)" if len(seeds) > 1 else ""))
+    marks = [Line2D([], [], color="black", marker="o", ms=3, lw=1.2, label=periodic_label),
+             Line2D([], [], color="white", marker="*", ms=11, markeredgecolor="black", markeredgewidth=0.6, ls="none",
+                    label=final_label)]
+    gap = Line2D([], [], ls="none", label=" ")
+    handles, _ = ax.get_legend_handles_labels()
+    ax.legend(handles=[*handles, gap, *marks], loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8,
+              borderaxespad=0, title="variant: val loss (table)", title_fontsize=8)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
     plt.close(fig)
     checkpoint.atomic_write(path, buf.getvalue())

@@ -40,6 +40,7 @@ from mode.experiments.isoflop_report import (format_report, markdown_report, plo
                                              plot_loss_vs_params, summarize)
 from mode.train import checkpoint
 from mode.train.data import Corpus, file_corpus, min_file_bytes, stdlib_corpus
+from mode.train.progress import log_line
 
 RUN_FILE = "isoflop_run.json"
 RESULT_FILE = "result.json"
@@ -65,9 +66,10 @@ def _run_in_worker(spec: RunSpec, p: IsoflopPreset, ckpt_every_s: float | None, 
 
 
 def run_one(spec: RunSpec, p: IsoflopPreset, corpus: Corpus, val, ckpt_every_s: float | None, resume: bool,
-            progress: bool, log=print, device: str | None = None, bf16: bool = False) -> dict:
+            progress: bool, log=log_line, device: str | None = None, bf16: bool = False) -> dict:
     """Train ``spec`` (resuming its checkpoint when ``resume``), evaluate it on ``val``, write its result."""
     tcfg = sweep.run_train_config(p.train, spec.steps, spec.seed, ckpt_every_s)
+    log(f"{spec.label}: {spec.size.n_layers} layers, d_model {spec.size.d_model}, {spec.steps} steps")
     trainer = sweep.train(spec.cfg, tcfg, corpus, spec.dir, spec.label, progress, resume, log, device, bf16)
     losses = sweep.window_losses(trainer.model, val)
     cost = sweep.step_flops(spec.cfg, p.train.batch_size)

@@ -310,6 +310,8 @@ def plot_heatmap(report: dict, path: Path) -> None:
 
 
 def plot_expert_load(report: dict, path: Path) -> None:
+    """One bar chart per router, with headroom above the tallest bar; one legend for all of them, above the
+    panels (inside a panel it covered bars)."""
     plt = _plt()
     panels = [(layer, part, r) for layer in report["layers"] for part, r in layer["routers"].items()]
     n = max(1, len(panels))
@@ -320,27 +322,36 @@ def plot_expert_load(report: dict, path: Path) -> None:
         ax.axis("off")
     if not panels:
         axes[0][0].text(0.5, 0.5, "no routed layers", ha="center", va="center")
+    legend: dict = {}  # label -> handle, in the order first drawn
     for ax, (layer, part, r) in zip(axes.flat, panels):
         tokens = max(r["tokens"], 1.0)
         E, X = r["num_experts"], len(r["requested"])
         kept = np.array(r["kept"]) / tokens
         req = np.array(r["requested"]) / tokens
+        tallest = float(req.max()) if req.size else 0.0
         if r["mod"]:  # requested = [routed, skipped]
             ax.bar([0, 1], req, color=["tab:blue", "tab:gray"])
             ax.set_xticks([0, 1], ["block", "skip"])
         else:
-            ax.bar(range(E), kept, color="tab:blue", label="computed")
-            ax.bar(range(E), req[:E] - kept, bottom=kept, color="tab:red", label="dropped")
+            drawn = [ax.bar(range(E), kept, color="tab:blue", label="computed"),
+                     ax.bar(range(E), req[:E] - kept, bottom=kept, color="tab:red", label="dropped")]
             if X > E:
-                ax.bar(range(E, X), req[E:], color="tab:gray", label="no-op")
-            ax.axhline(req.sum() / X, color="k", ls="--", lw=1, label="uniform")
+                drawn.append(ax.bar(range(E, X), req[E:], color="tab:gray", label="no-op"))
+            uniform = req.sum() / X
+            drawn.append(ax.axhline(uniform, color="k", ls="--", lw=1, label="uniform"))
+            tallest = max(tallest, uniform)
+            for h in drawn:
+                legend.setdefault(h.get_label(), h)
             ax.set_xticks(range(X), [str(e) for e in range(E)] + [f"n{j}" for j in range(X - E)])
-            ax.legend(fontsize=7)
+        ax.set_ylim(0, 1.15 * tallest if tallest > 0 else 1.0)  # headroom: no bar touches the frame
         ax.set_title(f"layer {layer['layer']} {layer['kind']} ({part})", fontsize=9)
         ax.set_ylabel("assignments per token")
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    if legend:
+        fig.legend(legend.values(), legend.keys(), loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(legend),
+                   fontsize=8, frameon=False)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -16,6 +16,7 @@ from mode.train.data import Corpus, eval_batches
 from mode.measure.flops import train_flops_per_token
 from mode.model import LM, LMConfig
 from mode.train import Trainer, TrainConfig
+from mode.train.progress import log_line
 
 
 def step_flops(cfg: LMConfig, batch_size: int) -> float:
@@ -65,7 +66,7 @@ def window_losses(model: LM, batches) -> list[float]:
 
 
 def train(cfg: LMConfig, tcfg: TrainConfig, corpus: Corpus, run_dir: Path, name: str, progress: bool,
-          resume: bool, log=print, device: str | None = None, bf16: bool = False) -> Trainer:
+          resume: bool, log=log_line, device: str | None = None, bf16: bool = False) -> Trainer:
     """Train one run into ``run_dir``; when ``resume``, continue from its checkpoint if there is one.
     ``device``/``bf16`` go to the trainer only when set (a GPU sweep); the CPU default needs neither."""
     extra = {} if device is None else {"device": device}

@@ -131,7 +131,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--timeout", type=float, help=f"collective timeout in seconds (default ${mdist.TIMEOUT_ENV} "
                                                  f"or {mdist.DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--threads", type=int, help="torch intra-op threads per process (default: torch's)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar; the plain progress lines (on stdout: every 20 s, and at the end) still "
+                        "print. Without a terminal on stderr there is never a bar, only the lines")
     return p
 
 
@@ -274,7 +276,7 @@ def run(args) -> int:
             from mode.train.runtime import OneProcess, resolve_device
 
             runtime = OneProcess(resolve_device(device), keep=args.keep)  # keep > 1: OUT/ckpt-step-*.pt too
-        trainer = Trainer(model_cfg, train_cfg, corpus, args.out, name="train", progress=not args.no_progress,
+        trainer = Trainer(model_cfg, train_cfg, corpus, args.out, name="mode train", progress=not args.no_progress,
                           runtime=runtime, device=device, bf16=args.bf16, compile=args.compile,
                           timeout_s=None if ctx is None else ctx.timeout_s)
         if trainer.rank == 0:

@@ -1,6 +1,7 @@
 """Training loop: AdamW, warm-up + cosine schedule, gradient clipping, aux losses, periodic validation,
-JSONL log, checkpoints that resume to the identical loss curve, and a progress bar. One loop, in one
-process or on a ``(dp, ep)`` device mesh (docs/distributed.md).
+JSONL log, checkpoints that resume to the identical loss curve, and progress (a bar on a terminal, plain
+lines in a log: ``mode.train.progress``). One loop, in one process or on a ``(dp, ep)`` device mesh
+(docs/distributed.md).
 
 The loop is the same everywhere; what depends on the setting is its runtime (``mode.train.runtime``),
 fixed once in ``Trainer.__init__``: ``OneProcess`` (no collectives, single-file checkpoints, no
@@ -30,8 +31,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
-
 from mode import _checks
 from mode.measure.flops import train_flops_per_token
 from mode.measure.stats import RoutingAccumulator
@@ -44,6 +43,7 @@ from mode.train.accumulate import GradAccumulation
 from mode.train.config import TrainConfig
 from mode.train.data import BatchSampler, Corpus, eval_batches
 from mode.train.optim import build_optimizer, lr_at
+from mode.train.progress import Progress
 from mode.train.runtime import OneProcess, Runtime, mesh_runtime, resolve_device, to_device
 
 
@@ -90,13 +90,16 @@ class Trainer:
     gradients after the last micro-batch only. Activation checkpointing (``activation_checkpointing``): every
     block recomputed in backward (``mode.model.checkpointing``). The log: docs/training.md.
 
+    ``progress``: True/False for a bar (on a terminal only) or none; plain progress lines print either way
+    (``mode.train.progress``; a ``Progress`` sets their interval or turns them off). Rank 0 reports.
     ``bf16``: forward under ``torch.autocast(bfloat16)`` (weights, gradients and AdamW stay float32).
     ``compile``: ``torch.compile`` each block. ``timeout_s``: named in the ``CollectiveError`` raised when a
     collective fails (the process group's own timeout is set where it is initialised).
     """
 
     def __init__(self, model_cfg: LMConfig, train_cfg: TrainConfig, corpus: Corpus, out_dir: str | Path,
-                 name: str = "model", progress: bool = True, *, mesh=None, runtime: Runtime | None = None,
+                 name: str = "model", progress: bool | Progress = True, *, mesh=None,
+                 runtime: Runtime | None = None,
                  device: str | torch.device | None = None, bf16: bool = False, compile: bool = False,
                  timeout_s: float | None = None):
         _checks.check_bool("bf16", bf16)
@@ -129,7 +132,8 @@ class Trainer:
                              f"{corpus.vocab_size - 1} ({corpus.source}); must be >= {corpus.vocab_size}")
         self.model_cfg, self.cfg, self.name = model_cfg, train_cfg, name
         self.data = corpus.record()  # kept in the checkpoint: mode sample decodes with it
-        self.progress = progress and self.rank == 0
+        progress = Progress.of(progress)
+        self.progress = progress if self.rank == 0 else Progress(bar=False, lines=False)  # rank 0 reports
         self.bf16, self.compile = bf16, compile
         self._autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16
                           else contextlib.nullcontext)  # chosen once
@@ -189,19 +193,16 @@ class Trainer:
             self.log_path.write_text("")
         self._last_save = time.monotonic()
         saved_at = None
-        bar = tqdm(total=stop, initial=self.step, desc=self.name, disable=not self.progress, leave=False,
-                   dynamic_ncols=True)
+        progress = self.progress.start(self.name, stop, self.step)
         stats_every = self.cfg.stats_every or self.cfg.eval_every
         while self.step < stop:
             t0, flops0 = time.perf_counter(), self.flops
             loss, lr = self.train_step()
             dt = time.perf_counter() - t0
             self.wall += dt
-            tok_s = self.cfg.batch_size * self.model_cfg.seq_len / dt
-            bar.update(1)
             step_mfu = log_sinks.mfu(self.flops - flops0, dt, self.peak_flops)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", flops=f"{self.flops:.2e}",
-                            **({} if step_mfu is None else {"mfu": f"{step_mfu:.1%}"}))
+            bar_extra = {"flops": f"{self.flops:.2e}", **({} if step_mfu is None else {"mfu": f"{step_mfu:.1%}"})}
+            progress.update(self.step, loss, self.tokens / self.wall, bar_extra)
             if self.step % self.cfg.log_every == 0 or self.step == stop:
                 self._log({"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(self.grad_norm),
                            "tokens": self.tokens, "flops": self.flops, "wall": self.wall, **self._speed()})
@@ -221,7 +222,7 @@ class Trainer:
             if self._stop:  # SIGTERM on some rank: the step is done, save (below) and return
                 self.preempted = True
                 break
-        bar.close()
+        progress.close()
         if saved_at != self.step:
             self.save()
         wait_saves = getattr(self.runtime, "wait_saves", None)  # MeshRuntime(async_save=True) saves in the background

@@ -7,14 +7,18 @@ import contextlib
 import io
 import json
 import math
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import mode.train.data
 from mode.cli import main
-from mode.experiments.compare import (CLAIMS, dense_depths, dense_sweep, extra_variants, format_table, preset, run_compare,
-                          variants)
+from mode.experiments.compare import (CLAIMS, dense_depths, dense_sweep, extra_variants, format_table, legend,
+                                      preset, run_compare, variants)
 from mode.measure.flops import forward_flops_per_token, train_flops_per_token
 
 SIX = ["dense", "mod", "mod_random", "moe", "staged_mode", "integrated_mode"]
@@ -102,8 +106,8 @@ def test_headline_is_the_best_of_the_dense_depth_sweep(quick_run):
                                        "training FLOPs")
     assert results[baseline["variant"]]["loss_ratio"] == 1.0
     assert all(r["loss_ratio"] >= 1.0 for name, r in results.items() if name in baseline["candidates"])
-    assert f"vs best dense: against {baseline['variant']} (best of 4 dense depths" in stdout
-    assert "vs best dense" in format_table(results).splitlines()[0]
+    assert f"best dense model: {baseline['variant']} (best of 4 dense depths" in stdout
+    assert "loss/best dense" in format_table(results).splitlines()[0]
 
 
 def test_claims_and_validation_noise_with_one_seed(quick_run):
@@ -145,6 +149,53 @@ def test_table_is_printed_and_formats_the_report(quick_run):
     assert float(dense_row[1]) == pytest.approx(report["results"]["dense"]["val_loss"], abs=1e-4)
 
 
+def test_every_variant_logs_its_start_progress_and_end_as_plain_lines(quick_run):
+    stdout = quick_run[3]  # run with progress=False: no bar, the lines still print
+    assert "\r" not in stdout
+    for k, name in enumerate(NAMES, 1):
+        start = rf"^\[{k}/{len(NAMES)}\] {name}: \d layers?, \d+ steps of 1,024 tokens \(budget "
+        assert re.search(start, stdout, re.M)
+        assert re.search(rf"^{name}: step (\d+)/\1 done in \S+  loss \d+\.\d{{4}}  [\d,]+ tok/s$", stdout, re.M)
+        assert re.search(rf"^\[{k}/{len(NAMES)}\] {name}: val loss \d\.\d{{4}} \(final evaluation, 512 held-out "
+                         r"windows\)", stdout, re.M)
+
+
+def test_table_titles_are_distinct_and_a_legend_explains_them(quick_run):
+    _, _, report, stdout = quick_run
+    results = json.loads(json.dumps(report))["results"]
+    table = format_table(results)
+    titles = re.split(r"\s{2,}", table.splitlines()[0].strip())[1:]
+    assert "vs dense" not in titles and len(titles) == len(set(titles)), titles
+    assert {"loss/best dense", "loss/same-size dense", "fwd FLOP/tok", "FLOP/tok / dense"} <= set(titles)
+    text = legend(report, "text")
+    assert table + "\n" + text in stdout  # right under the table
+    explained = {line[2:].split("  ")[0] for line in text.splitlines()[1:]}
+    assert set(titles) - {"params"} <= explained, set(titles) - explained
+    assert "nats/byte" in text and "512 fixed windows of 128 bytes" in text
+    assert "top-k routes exactly 12.5%" in text  # why routed is below the capacity
+    assert "means over the routed blocks (unrouted blocks are not averaged in), on the 32 windows" in text
+
+
+def test_plot_ends_at_the_tables_loss_and_names_the_dense_depth(quick_run, monkeypatch):
+    import matplotlib.figure
+
+    out, _, report, _ = quick_run
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    monkeypatch.setattr("mode.train.checkpoint.atomic_write", lambda path, data: None)
+    from mode.experiments.compare import plot_curves
+
+    plot_curves(json.loads(json.dumps(report)), out / "unused.png")
+    ax = figures[0].axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "dense (4 layers): %.4f" % report["results"]["dense"]["val_loss"] in labels
+    stars = [line for line in ax.get_lines() if line.get_marker() == "*"]
+    assert [(float(s.get_xdata()[0]), float(s.get_ydata()[0])) for s in stars] == \
+        [(r["train_flops"], r["val_loss"]) for r in report["results"].values()]
+    legend_box = ax.get_legend().get_window_extent()
+    assert legend_box.x0 >= ax.get_window_extent().x1  # outside the axes: it covers no curve
+
+
 def test_plot_is_a_real_png(quick_run):
     out = quick_run[0]
     png = (out / "val_loss_vs_flops.png").read_bytes()
@@ -157,7 +208,9 @@ def test_markdown_table_lists_every_variant_with_its_loss(quick_run):
     text = (out / "compare.md").read_text()
     lines = text.split("\n\n")[0].splitlines()  # the table, then the notes
     assert lines[1].startswith("|---|") and len(lines) == 2 + len(report["results"])
-    assert "vs best dense: against" in text and "MoD - best dense" in text
+    assert "best dense model: " in text and "MoD - best dense" in text
+    assert legend(report, "md") in text and "- *loss / same-size dense*: val loss / dense's (the same depth: 4 " \
+                                               "layers)" in text
     for line, (name, r) in zip(lines[2:], report["results"].items()):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[0] == name and float(cells[1]) == pytest.approx(r["val_loss"], abs=5e-5)
@@ -177,7 +230,28 @@ def test_cli_compare_only_two_variants(tmp_path, capsys):
     assert report["baseline"]["variant"] == "dense" and "not a sweep" in report["baseline"]["rule"]
     assert (tmp_path / "val_loss_vs_flops.png").read_bytes()[:8] == PNG_MAGIC
     assert not (tmp_path / "moe").exists()
-    assert "mod" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    for k, name in enumerate(["dense", "mod"], 1):  # --no-progress: no bar, the lines still print
+        assert re.search(rf"^{name}: step \d+/\d+ done in .* tok/s$", out, re.M), out
+        assert f"[{k}/2] {name}: val loss " in out
+
+
+def test_a_run_logged_to_files_has_plain_lines_and_no_carriage_returns(tmp_path):
+    """`mode compare > log 2> err` (pipes here, not a terminal): no bar however asked, a start, end and result
+    line for each variant on stdout as it goes, and no carriage return anywhere."""
+    data = write_text_file(tmp_path / "corpus.txt")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-m", "mode.cli", "compare", "--quick", "--data", str(data),
+                           "--dense-steps", "2", "--only", "dense", "mod", "--threads", "1", "--out",
+                           str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "\r" not in proc.stdout and "\r" not in proc.stderr
+    for k, name in enumerate(["dense", "mod"], 1):
+        assert re.search(rf"^\[{k}/2\] {name}: 4 layers, \d+ steps", proc.stdout, re.M), proc.stdout
+        assert re.search(rf"^{name}: step (\d+)/\1 done in \S+  loss \d+\.\d{{4}}  [\d,]+ tok/s$", proc.stdout, re.M)
+        assert re.search(rf"^\[{k}/2\] {name}: val loss ", proc.stdout, re.M)
+    # the lines come before the table, as each run ends, not all at the end
+    assert proc.stdout.index("[2/2] mod: val loss") < proc.stdout.index("variant ")
 
 
 def test_cli_missing_data_file_is_a_clean_error(tmp_path, capsys):

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -249,7 +250,13 @@ def test_cli_isoflop_runs_and_reports(tmp_path, capsys, monkeypatch):
     assert rc == 0
     report = json.loads((tmp_path / "out" / "isoflop.json").read_text())
     assert list(report["budgets"][0]["variants"]) == ["dense", "mod"]
-    assert "MoD - best dense" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "MoD - best dense" in out
+    # --no-progress: no bar, but each run's start, end and result lines, and no carriage return
+    n = 3 * 4 * 2 * 2  # budgets x sizes x variants x seeds
+    assert len(re.findall(r"^\S+ (dense|mod) L\d_d\d+ seed \d: \d layers, d_model \d+, \d+ steps$", out, re.M)) == n
+    assert len(re.findall(r"^\S+ (dense|mod) L\d_d\d+ seed \d: step (\d+)/\2 done in ", out, re.M)) == n
+    assert len(re.findall(rf"^\[\d+/{n}\] .*: val loss ", out, re.M)) == n and "\r" not in out
 
 
 @pytest.mark.parametrize("argv,msg", [

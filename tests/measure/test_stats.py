@@ -344,6 +344,29 @@ def test_mode_report_on_a_trained_checkpoint(tmp_path, capsys):
     assert "mode report: error: checkpoint=" in capsys.readouterr().err
 
 
+def test_expert_load_plot_has_headroom_and_one_legend_outside_the_panels(monkeypatch):
+    import matplotlib.figure
+
+    from mode.experiments.report import plot_expert_load
+
+    def router(requested, kept, E, mod=False):
+        return {"tokens": 100.0, "num_experts": E, "requested": requested, "kept": kept, "mod": mod}
+
+    report = {"layers": [{"layer": 0, "kind": "integrated", "routers": {"moe": router([40, 10, 30, 20], [35, 10], 2)}},
+                         {"layer": 1, "kind": "mod", "routers": {"mod": router([12.5, 87.5], [12.5], 1, True)}}]}
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    plot_expert_load(report, Path("unused.png"))
+    fig = figures[0]
+    moe_ax, mod_ax = fig.axes[:2]
+    for ax, tallest in ((moe_ax, 0.40), (mod_ax, 0.875)):
+        assert ax.get_ylim()[1] >= 1.1 * tallest  # no bar touches the frame
+        assert ax.get_legend() is None  # no legend over the bars
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["computed", "dropped", "no-op", "uniform"]
+    assert legend.get_window_extent().y0 >= max(ax.get_window_extent().y1 for ax in fig.axes)  # above the panels
+
+
 def forced_model() -> LM:
     """Layer 0 is MoD whose score is embedding column 0: 'Z' scores 5, every other byte at most 0."""
     cfg = tiny_cfg("mod", "dense")
