@@ -168,4 +168,4 @@ class ExpertChoiceStats(RoutingStats):
     @functools.cached_property
     def entropy(self) -> Tensor:
         B, S = self.batch_shape
-        return entropy_of(self._probs_BSX.reshape(B * S, -1), self._valid_T)
+        return entropy_of(self._probs_BSX.reshape(B * S, self._probs_BSX.shape[-1]), self._valid_T)

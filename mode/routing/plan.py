@@ -27,8 +27,7 @@ Contract (see docs/routing_plan.md)
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -70,8 +69,9 @@ class RoutingStats:
         return self.requested_X.numel() - self.kept_E.numel()
 
 
-class Losses(Mapping):
-    """Name -> raw (unweighted) loss, a read-only mapping whose values may be computed on first access.
+class Losses:
+    """Name -> raw (unweighted) loss, a read-only mapping (a plain class with a dict's reading methods, which
+    torch.compile traces) whose values may be computed on first access.
 
     A router gives its raw losses as functions (``set_lazy``) where its training objective is formed from
     them more cheaply in one pre-weighted scalar (``Aux.add_weighted``): the raw values are then computed only
@@ -107,6 +107,28 @@ class Losses(Mapping):
     def __len__(self) -> int:
         return len(self._names)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def keys(self):
+        return self._names.keys()
+
+    def items(self) -> list[tuple[str, Tensor]]:
+        return [(k, self[k]) for k in self._names]
+
+    def values(self) -> list[Tensor]:
+        return [self[k] for k in self._names]
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self._names else default
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Losses):
+            other = dict(other.items())
+        return isinstance(other, dict) and dict(self.items()) == other
+
+    __hash__ = None  # mutable, compared by value
+
     def __repr__(self) -> str:
         return "Losses(" + ", ".join(f"{k}={'<lazy>' if k in self._lazy else self._values[k]}" for k in self) + ")"
 
@@ -124,11 +146,17 @@ class Aux:
     forms its objective in a handful of operators that way (docs/performance.md).
     """
 
-    losses: Losses = field(default_factory=Losses)
+    losses: Losses | None = None  # None: an empty Losses (made in __post_init__, which torch.compile traces)
     coefs: dict[str, float] = field(default_factory=dict)
     stats: dict[str, RoutingStats] = field(default_factory=dict)
     weighted: list[Tensor] = field(default_factory=list)  # pre-weighted terms total() adds as they are
     _covered: set[str] = field(default_factory=set, repr=False)  # names a weighted term already accounts for
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.losses, Losses):  # None, or a plain dict of raw losses
+            given, self.losses = self.losses or {}, Losses()
+            for name, value in given.items():
+                self.losses.set(name, value)
 
     def add_loss(self, name: str, value: Tensor, coef: float) -> None:
         self.losses.set(name, value)
@@ -160,8 +188,8 @@ class Aux:
         """Add ``other``'s entries under ``prefix`` (in place); returns self for chaining. Lazy losses stay lazy."""
         for k in other.losses:
             name = prefix + k
-            if other.losses.is_lazy(k):
-                self.losses.set_lazy(name, functools.partial(other.losses.__getitem__, k))
+            if other.losses.is_lazy(k):  # the same function: each Aux computes (and keeps) the value on first read
+                self.losses.set_lazy(name, other.losses._lazy[k])
             else:
                 self.losses.set(name, other.losses[k])
             self.coefs[name] = other.coefs[k]
