@@ -19,9 +19,9 @@ Padding contract of ``forward(x_AD, counts_E)`` (every backend):
     * ``padded=False`` (a plan that promises no padding) lets "grouped" skip both masks.
 
 Routing gates (``gate_A``, the local dispatcher's fast path): the bank multiplies each row's output by
-its gate, on the (A, H) activation before the down projection when there are no biases and either the
-default SwiGLU's fused op runs (the multiply is inside it) or H < D ("grouped": fewer bytes than the (A, D)
-output; the dispatcher's combine is a plain scatter-add either way),
+its gate, on the (A, H) activation before the down projection when H < D and there are no biases
+("grouped": fewer bytes than the (A, D) output, inside the fused SwiGLU op where it runs; the dispatcher's
+combine is a plain scatter-add either way),
 else on the output: with biases the function is ``g * (act @ W_out + b_out)``. With
 ``ExpertConfig.gate_on_input`` (Llama 4) the gate scales the row's input instead, ``expert(g * x)``, and the
 output is not gated; a caller that gates outputs itself (the combine) must not be used with it.
@@ -253,10 +253,12 @@ class ExpertBank(nn.Module):
             "megablocks": self._forward_megablocks,
         }
         self._resolved: dict[tuple[torch.device, torch.dtype], str] = {}  # (device, compute dtype) -> backend
-        # "grouped" multiplies by routing gates on the (A, H) activation, inside the fused SwiGLU op where it runs
-        # (no extra operator), else when (A, H) is smaller than the (A, D) output; not with an output bias:
-        # g * (act @ W_out + b_out) is the function, so the gate goes on the output
-        self._gate_on_hidden = (self._fast_swiglu or cfg.d_hidden < cfg.d_model) and not cfg.bias
+        # "grouped" multiplies by routing gates on the (A, H) activation when it is smaller than the (A, D) output
+        # (inside the fused SwiGLU op where it runs); not with an output bias: g * (act @ W_out + b_out) is the
+        # function, so the gate goes on the output. Gating the hidden activation whenever the fused op runs would
+        # save 4-6 operators per step where H >= D, but rounds differently from transformers' experts (which
+        # gate the output): converted models would no longer match them to float32 rounding (docs/performance.md)
+        self._gate_on_hidden = cfg.d_hidden < cfg.d_model and not cfg.bias
         self._gate_on_input = cfg.gate_on_input  # Llama 4: gate_A scales the input rows (forward)
 
     def reset_parameters(self, out_std: float | None = None) -> None:
@@ -321,9 +323,8 @@ class ExpertBank(nn.Module):
 
         ``gate_A`` (A,), optional and differentiable: multiply row a's output by ``gate_A[a]`` (a routing
         gate; padding rows ignore theirs). "grouped" applies it to the (A, H) activation, before the down
-        projection, when the bank has no biases and either runs the fused SwiGLU op (the multiply happens
-        inside it) or H < D (fewer bytes than the (A, D) output): the same function, rounded differently;
-        else to the output, as the dispatcher's combine would. With
+        projection, when H < D and the bank has no biases (fewer bytes than the (A, D) output; the same
+        function, rounded differently), else to the output, as the dispatcher's combine would. With
         ``cfg.gate_on_input`` the gate multiplies row a's input instead, and the output is not gated
         (Llama 4: ``expert(g * x)``, a different function since the expert is not linear)."""
         self._check_inputs(x_AD, counts_E)

@@ -16,9 +16,8 @@ wrapped in custom ops (``mode::swiglu``, ``mode::swiglu_backward``) so that ``to
 opaque calls (as it does ``mode::grouped_mm``) and the ``out=`` writes never reach its tracer.
 
 ``swiglu(h_AF, gate_A)`` also multiplies each row by its routing gate (``mode::gated_swiglu``), cast to h's
-dtype inside the op (its gradient comes back in the gate's dtype): the expert bank applies the gates there,
-on (A, H), whenever it runs this op and has no output bias (bank.py): no separate multiply, cast and their
-backward (four to six operators per step).
+dtype inside the op (its gradient comes back in the gate's dtype; no separate cast and its backward): the
+expert bank applies the gates there, on (A, H), when that is smaller than its (A, D) output (bank.py).
 """
 
 from __future__ import annotations
