@@ -106,6 +106,25 @@ def check_finite_logits(name: str, logits: Tensor) -> None:
                          "(check the input hidden states x and the learning rate)") from err
 
 
+def check_finite_via(name: str, logits: Tensor, total: Tensor | None = None) -> None:
+    """``check_finite_logits`` in three operators on a scalar instead of a pass over the logits: ``total`` is a
+    reduction over every logit that is NaN or infinite whenever one of them is (a router's loss the step forms
+    anyway; None: ``logits.sum()``, one operator more), and ``total * 0 == 0`` holds exactly when it is finite.
+    Queued on the device as ``check_finite_logits`` is; on a failure (raised at once on the CPU) the logits are
+    checked one by one for the message. A reduction that overflows although every logit is finite (logits
+    beyond ~1e19 overflow a logsumexp squared) is refused too, naming that."""
+    if logits.numel() == 0 or logits.device.type == "meta":
+        return
+    if total is None:
+        total = logits.sum()
+    try:
+        torch._assert_async(total * 0 == 0, f"{name}: router logits are NaN or inf")
+    except RuntimeError:
+        check_finite_logits(name, logits)  # raises, naming how many logits are bad
+        raise ValueError(f"{name}: the router's loss overflowed to inf although every logit is finite; router "
+                         "logits must stay moderate (check the input hidden states x and the learning rate)") from None
+
+
 def assert_on_device(condition: Tensor, message: str) -> None:
     """Raise ``ValueError(message)`` unless the 0-dim bool ``condition`` holds, without a host sync: on a GPU
     the check is queued (a failure is a device-side assert at the next sync); on the CPU it runs at once."""

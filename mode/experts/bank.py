@@ -20,7 +20,8 @@ Padding contract of ``forward(x_AD, counts_E)`` (every backend):
 
 Routing gates (``gate_A``, the local dispatcher's fast path): the bank multiplies each row's output by
 its gate, on the (A, H) activation before the down projection when H < D and there are no biases
-("grouped": fewer bytes than the (A, D) output, and the dispatcher's combine becomes a plain scatter-add),
+("grouped": fewer bytes than the (A, D) output, inside the fused SwiGLU op where it runs; the dispatcher's
+combine is a plain scatter-add either way),
 else on the output: with biases the function is ``g * (act @ W_out + b_out)``. With
 ``ExpertConfig.gate_on_input`` (Llama 4) the gate scales the row's input instead, ``expert(g * x)``, and the
 output is not gated; a caller that gates outputs itself (the combine) must not be used with it.
@@ -286,7 +287,10 @@ class ExpertBank(nn.Module):
         }
         self._resolved: dict[tuple[torch.device, torch.dtype], str] = {}  # (device, compute dtype) -> backend
         # "grouped" multiplies by routing gates on the (A, H) activation when it is smaller than the (A, D) output
-        # (not with an output bias: g * (act @ W_out + b_out) is the function, so the gate goes on the output)
+        # (inside the fused SwiGLU op where it runs); not with an output bias: g * (act @ W_out + b_out) is the
+        # function, so the gate goes on the output. Gating the hidden activation whenever the fused op runs would
+        # save 4-6 operators per step where H >= D, but rounds differently from transformers' experts (which
+        # gate the output): converted models would no longer match them to float32 rounding (docs/performance.md)
         self._gate_on_hidden = cfg.d_hidden < cfg.d_model and not cfg.bias
         self._gate_on_input = cfg.gate_on_input  # Llama 4: gate_A scales the input rows (forward)
 

@@ -35,6 +35,7 @@ the device (float64 is left alone, as autocast does for its own ops) and compute
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -50,8 +51,13 @@ MAX_CUDA_GROUPS = 1023  # torch._grouped_mm on CUDA: "Can't process more than 10
 def grouped_mm_available() -> bool:
     """torch 2.8 has ``torch._grouped_mm`` for bfloat16 on sm90 GPUs only (no CPU kernel, no other
     dtype); 2.9 added the fallback that runs it on the CPU, on other GPUs and in float32/float16."""
-    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    return hasattr(torch, "_grouped_mm") and (major, minor) >= MIN_TORCH
+    return _available(torch.__version__, hasattr(torch, "_grouped_mm"))
+
+
+@functools.lru_cache(maxsize=8)  # runs before every grouped GEMM: the version string is parsed once, not per call
+def _available(version: str, has_op: bool) -> bool:
+    major, minor = (int(p) for p in version.split("+")[0].split(".")[:2])
+    return has_op and (major, minor) >= MIN_TORCH
 
 
 class SlowPathWarning(UserWarning):
@@ -90,8 +96,14 @@ def unsupported_reason(device_type: str, dtype: torch.dtype, sizes: dict[str, in
     ``sizes`` names every row length (in features and out features) the GEMMs will see, e.g.
     ``{"d_model": 64, "d_hidden": 256}``; each must be a multiple of ``row_alignment(dtype)``.
     ``num_experts``: the groups of one call (the experts on this process); on CUDA at most
-    ``MAX_CUDA_GROUPS``."""
-    if not grouped_mm_available():
+    ``MAX_CUDA_GROUPS``. A pure function of its arguments, cached (it runs before every grouped GEMM)."""
+    return _unsupported_reason(grouped_mm_available(), device_type, dtype, tuple(sizes.items()), num_experts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _unsupported_reason(available: bool, device_type: str, dtype: torch.dtype, sizes: tuple[tuple[str, int], ...],
+                        num_experts: int | None) -> str | None:
+    if not available:
         return (f"torch {torch.__version__} has no torch._grouped_mm that runs on CPU and in float32 "
                 f"(it needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]})")
     if device_type not in DEVICE_TYPES:
@@ -100,7 +112,7 @@ def unsupported_reason(device_type: str, dtype: torch.dtype, sizes: dict[str, in
         return (f"dtype={dtype} is not supported by torch._grouped_mm ({_DTYPE_NAMES} on CPU and CUDA; "
                 "the fast CUDA kernel is bfloat16 only)")
     align = row_alignment(dtype)
-    for name, size in sizes.items():
+    for name, size in sizes:
         if size % align:
             return (f"{name}={size} is not a multiple of {align}: torch._grouped_mm needs 16-byte aligned rows, "
                     f"so in {dtype} every row length must be a multiple of {align} (8 for bfloat16/float16, "

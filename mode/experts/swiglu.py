@@ -15,8 +15,9 @@ The gradient values are bit-identical to autograd's (same ops, same order, per e
 wrapped in custom ops (``mode::swiglu``, ``mode::swiglu_backward``) so that ``torch.compile`` treats them as
 opaque calls (as it does ``mode::grouped_mm``) and the ``out=`` writes never reach its tracer.
 
-``swiglu(h_AF, gate_A)`` also multiplies each row by its routing gate (``mode::gated_swiglu``): the expert
-bank applies the gates there, on (A, H), when that is smaller than its (A, D) output (bank.py).
+``swiglu(h_AF, gate_A)`` also multiplies each row by its routing gate (``mode::gated_swiglu``), cast to h's
+dtype inside the op (its gradient comes back in the gate's dtype; no separate cast and its backward): the
+expert bank applies the gates there, on (A, H), when that is smaller than its (A, D) output (bank.py).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def _gated_swiglu_op(h_AF: Tensor, gate_A: Tensor) -> tuple[Tensor, Tensor, Tens
     gate_AH, up_AH = h_AF.chunk(2, dim=-1)
     silu_AH = F.silu(gate_AH)
     act_AH = silu_AH * up_AH
-    return act_AH * gate_A[:, None], silu_AH, act_AH  # the last two are saved for backward only
+    # the gate in h's dtype (cast here, not by the caller: one operator, as a fused kernel would take it)
+    return act_AH * gate_A.to(act_AH.dtype)[:, None], silu_AH, act_AH  # the last two are saved for backward only
 
 
 @_gated_swiglu_op.register_fake
@@ -93,8 +95,8 @@ def _(h_AF: Tensor, gate_A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def _gated_swiglu_backward_op(dout_AH: Tensor, h_AF: Tensor, silu_AH: Tensor, act_AH: Tensor,
                               gate_A: Tensor) -> tuple[Tensor, Tensor]:
     # the gradients of out = act * gate[:, None], as autograd's mul computes them
-    dgate_A = (dout_AH * act_AH).sum(-1)
-    dact_AH = dout_AH * gate_A[:, None]
+    dgate_A = (dout_AH * act_AH).sum(-1).to(gate_A.dtype)
+    dact_AH = dout_AH * gate_A.to(dout_AH.dtype)[:, None]
     return _swiglu_backward_op(dact_AH, h_AF, silu_AH), dgate_A
 
 
@@ -129,4 +131,4 @@ def swiglu(h_AF: Tensor, gate_A: Tensor | None = None) -> Tensor:
         return _swiglu_op(h_AF)[0]
     if gate_A.shape != (h_AF.shape[0],):
         raise ValueError(f"gate_A.shape={tuple(gate_A.shape)}: must be (A,)=({h_AF.shape[0]},)")
-    return _gated_swiglu_op(h_AF, gate_A.to(h_AF.dtype))[0]
+    return _gated_swiglu_op(h_AF, gate_A)[0]

@@ -139,7 +139,9 @@ class MoD(nn.Module):
         C = plan.seq_capacity
         if C == 0 and self.skip_empty:  # an empty sequence, or causal routing sent no token through the block
             return x_BSD, aux
-        slot_BC = plan.token_idx_A.view(B, C) - torch.arange(B, device=x_BSD.device)[:, None] * S
+        slot_BC = plan.seq_pos_BC
+        if slot_BC is None:
+            slot_BC = plan.token_idx_A.view(B, C) - torch.arange(B, device=x_BSD.device)[:, None] * S
         index_BCD = slot_BC[..., None].expand(B, C, D)
         x_BCD = x_BSD.gather(1, index_BCD)
         pos_BC = slot_BC if positions_BS is None else positions_BS.gather(1, slot_BC)

@@ -14,6 +14,7 @@ batch), like MoD, which is expert choice with one expert.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -135,14 +136,15 @@ class ExpertChoiceRouter(nn.Module):
 
         with _checks.float32_region(dev):  # routing math in float32, also under autocast
             logits_BSX = F.linear(x_BSD.float(), self.weight.float())
-            if self.cfg.check_finite:
-                _checks.check_finite_logits("ExpertChoiceRouter", logits_BSX)
             probs_BSX = logits_BSX.softmax(-1)
             scores_BSX = probs_BSX if mask_BS is None else probs_BSX.masked_fill(~mask_BS[..., None], -1.0)
             gate_BcX, pos_BcX = scores_BSX.topk(c, dim=1)  # each slot's c best positions per sequence
             valid_T = None if mask_BS is None else mask_BS.reshape(T)
             aux = Aux()
-            aux.add_loss("z_loss", router_z_loss(logits_BSX.reshape(T, X), valid_T), self.cfg.z_coef)
+            z_loss = router_z_loss(logits_BSX.reshape(T, X), valid_T)
+            aux.add_loss("z_loss", z_loss, self.cfg.z_coef)
+            if self.cfg.check_finite:  # on the z-loss, a reduction over every logit (NaN * 0 is NaN: masks keep it)
+                _checks.check_finite_via("ExpertChoiceRouter", logits_BSX, z_loss)
 
         # The real experts' picks are the first E columns (static shape); a pick of a padded position
         # (score -1) is not computed and becomes padding of the plan.
@@ -156,17 +158,49 @@ class ExpertChoiceRouter(nn.Module):
         token_A, expert_A, gate_A, counts_E = group_by_expert(
             token_BcE.reshape(-1), expert_key_BcE.reshape(-1), gate_BcE.reshape(-1), E, T)
 
-        picked_BcX = gate_BcX >= 0  # False only for padded positions
-        requested_X = picked_BcX.sum((0, 1)).float()
-        aux.stats["router"] = RoutingStats(
-            kept_E=counts_E.detach().float(),
-            requested_X=requested_X,
-            dropped=torch.zeros((), device=dev),
-            noop=requested_X[E:].sum(),
-            tokens=scalar(T, dev) if valid_T is None else valid_T.sum().float(),
-            compute_T=count_per(token_A, T, expert_A < E).float(),
-            entropy=entropy_of(probs_BSX.detach().reshape(T, X), valid_T),
-            batch_shape=(B, S),
-        )
+        aux.stats["router"] = ExpertChoiceStats(counts_E, gate_BcX, token_A, expert_A, probs_BSX, valid_T, (B, S))
         return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
                            num_tokens=T, aux=aux)
+
+
+class ExpertChoiceStats(RoutingStats):
+    """``RoutingStats`` of one expert-choice call, each field computed on first read (on the device, no host
+    sync) from tensors the router kept: a training step that does not read them launches none of their
+    operators. The values are those the fields always had."""
+
+    def __init__(self, counts_E: Tensor, gate_BcX: Tensor, token_A: Tensor, expert_A: Tensor, probs_BSX: Tensor,
+                 valid_T: Tensor | None, batch_shape: tuple[int, int]):
+        self._counts_E, self._gate_BcX = counts_E.detach(), gate_BcX.detach()
+        self._token_A, self._expert_A, self._probs_BSX, self._valid_T = token_A, expert_A, probs_BSX.detach(), valid_T
+        self.batch_shape = batch_shape
+
+    @functools.cached_property
+    def dropped(self) -> Tensor:
+        return torch.zeros((), device=self._counts_E.device)  # expert choice drops nothing
+
+    @functools.cached_property
+    def kept_E(self) -> Tensor:
+        return self._counts_E.float()
+
+    @functools.cached_property
+    def requested_X(self) -> Tensor:
+        return (self._gate_BcX >= 0).sum((0, 1)).float()  # a pick is False only for a padded position
+
+    @functools.cached_property
+    def noop(self) -> Tensor:
+        return self.requested_X[self._counts_E.numel():].sum()
+
+    @functools.cached_property
+    def tokens(self) -> Tensor:
+        B, S = self.batch_shape
+        return scalar(B * S, self._counts_E.device) if self._valid_T is None else self._valid_T.sum().float()
+
+    @functools.cached_property
+    def compute_T(self) -> Tensor:
+        B, S = self.batch_shape
+        return count_per(self._token_A, B * S, self._expert_A < self._counts_E.numel()).float()
+
+    @functools.cached_property
+    def entropy(self) -> Tensor:
+        B, S = self.batch_shape
+        return entropy_of(self._probs_BSX.reshape(B * S, self._probs_BSX.shape[-1]), self._valid_T)

@@ -40,6 +40,7 @@ reading that C is the one host sync of a causal call.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -220,7 +221,7 @@ class MoDRouter(nn.Module):
                              "causal='predictor' or 'aux_bce' to route causally")
         r_BS = self.scores(x_BSD)
         if self.cfg.check_finite:
-            _checks.check_finite_logits("MoDRouter", r_BS)
+            _checks.check_finite_via("MoDRouter", r_BS)  # on the sum of the scores: 4 operators on the device
         if causal:
             routed_BS = self.decision_logits(x_BSD, r_BS) > 0
             if mask_BS is not None:
@@ -300,24 +301,11 @@ class MoDRouter(nn.Module):
         valid_A = None if valid_BC is None else valid_BC.reshape(-1)
 
         T = B * S
-        tokens = scalar(T, dev) if mask_BS is None else mask_BS.sum().float()
-        routed = scalar(B * C, dev) if valid_A is None else valid_A.sum().float()
-        routed_A = torch.ones_like(r_A) if valid_A is None else valid_A.float()
-        compute_T = torch.zeros(T, device=dev).index_put_((token_A,), routed_A)  # slots are distinct tokens
         aux = Aux()
-        aux.stats["router"] = RoutingStats(
-            kept_E=routed.reshape(1),
-            requested_X=torch.stack([routed, tokens - routed]),  # [block, skip]: skipping is the no-op
-            dropped=torch.zeros((), device=dev),
-            noop=tokens - routed,
-            tokens=tokens,
-            compute_T=compute_T,
-            entropy=None,
-            batch_shape=(B, S),
-        )
-        counts_E = torch.full((1,), B * C, dtype=torch.long, device=dev)
+        aux.stats["router"] = MoDStats(token_A, valid_A, mask_BS, (B, S))
         return RoutingPlan(token_idx_A=token_A, expert_idx_A=torch.zeros_like(token_A), weight_A=weight_A,
-                           counts_E=counts_E, num_tokens=T, aux=aux, seq_capacity=C, valid_A=valid_A)
+                           counts_E=torch.full((1,), B * C, dtype=torch.long, device=dev), num_tokens=T, aux=aux,
+                           seq_capacity=C, valid_A=valid_A, seq_pos_BC=pos_BC)
 
     def _empty_plan(self, r_BS: Tensor, mask_BS: Tensor | None) -> RoutingPlan:
         """What ``plan_from_positions`` returns when no token is routed (C = 0), in a handful of ops: decoding
@@ -340,6 +328,51 @@ class MoDRouter(nn.Module):
         return RoutingPlan(token_idx_A=no_A, expert_idx_A=no_A.clone(), weight_A=r_BS.new_zeros(0),
                            counts_E=torch.zeros(1, dtype=torch.long, device=dev), num_tokens=B * S, aux=aux,
                            seq_capacity=0, valid_A=torch.zeros(0, dtype=torch.bool, device=dev))
+
+
+class MoDStats(RoutingStats):
+    """``RoutingStats`` of one MoD router call, each field computed on first read (on the device, no host sync)
+    from the plan's slots: a training step that does not read them launches none of their operators. The values
+    are those the fields always had; ``causal_accuracy`` is set by the router where it has one."""
+
+    def __init__(self, token_A: Tensor, valid_A: Tensor | None, mask_BS: Tensor | None, batch_shape: tuple[int, int]):
+        self._token_A, self._valid_A, self._mask_BS = token_A, valid_A, mask_BS
+        self.batch_shape = batch_shape
+        self.entropy = None
+        self.causal_accuracy = None
+
+    @functools.cached_property
+    def tokens(self) -> Tensor:
+        B, S = self.batch_shape
+        return scalar(B * S, self._token_A.device) if self._mask_BS is None else self._mask_BS.sum().float()
+
+    @functools.cached_property
+    def _routed(self) -> Tensor:
+        n = self._token_A.numel()
+        return scalar(n, self._token_A.device) if self._valid_A is None else self._valid_A.sum().float()
+
+    @functools.cached_property
+    def kept_E(self) -> Tensor:
+        return self._routed.reshape(1)
+
+    @functools.cached_property
+    def noop(self) -> Tensor:
+        return self.tokens - self._routed
+
+    @functools.cached_property
+    def requested_X(self) -> Tensor:
+        return torch.stack([self._routed, self.tokens - self._routed])  # [block, skip]: skipping is the no-op
+
+    @functools.cached_property
+    def dropped(self) -> Tensor:
+        return torch.zeros((), device=self._token_A.device)
+
+    @functools.cached_property
+    def compute_T(self) -> Tensor:
+        B, S = self.batch_shape
+        routed_A = (torch.ones(self._token_A.shape, device=self._token_A.device) if self._valid_A is None
+                    else self._valid_A.float())
+        return torch.zeros(B * S, device=self._token_A.device).index_put_((self._token_A,), routed_A)  # distinct
 
 
 def pack_routed(routed_BS: Tensor, C: int | None = None) -> Tensor:

@@ -19,13 +19,15 @@ Contract (see docs/routing_plan.md)
       experts or a mask): there is no padding, ``A == counts_E.sum()``. The expert bank then skips its
       padding masks. ``True`` (the default) is always safe.
     * Per-sequence routers (MoD top-k) set ``seq_capacity = C``: then ``A = B * C``, there is one expert,
-      and ``token_idx_A.view(B, C)`` lists each sequence's routed tokens in their original order.
+      and ``token_idx_A.view(B, C)`` lists each sequence's routed tokens in their original order (their
+      positions inside the sequence, ``seq_pos_BC``, come with the plan where the router has them).
       ``valid_A`` is False only where a sequence had fewer than ``C`` real (unpadded) tokens and the
       slot had to be filled with a padded position; such slots must produce no update.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +73,70 @@ class RoutingStats:
         return self.requested_X.numel() - self.kept_E.numel()
 
 
+class Losses:
+    """Name -> raw (unweighted) loss, a read-only mapping (a plain class with a dict's reading methods, which
+    torch.compile traces) whose values may be computed on first access.
+
+    A router gives its raw losses as functions (``set_lazy``) where its training objective is formed from
+    them more cheaply in one pre-weighted scalar (``Aux.add_weighted``): the raw values are then computed only
+    when someone reads them (logging, tests), from tensors the router kept, still differentiable."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, Tensor] = {}
+        self._lazy: dict[str, Callable[[], Tensor]] = {}
+        self._names: dict[str, None] = {}  # insertion order
+
+    def set(self, name: str, value: Tensor) -> None:
+        self._lazy.pop(name, None)
+        self._values[name] = value
+        self._names[name] = None
+
+    def set_lazy(self, name: str, compute: Callable[[], Tensor]) -> None:
+        self._values.pop(name, None)
+        self._lazy[name] = compute
+        self._names[name] = None
+
+    def is_lazy(self, name: str) -> bool:
+        """Not computed yet."""
+        return name in self._lazy
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name in self._lazy:
+            self._values[name] = self._lazy.pop(name)()
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def keys(self):
+        return self._names.keys()
+
+    def items(self) -> list[tuple[str, Tensor]]:
+        return [(k, self[k]) for k in self._names]
+
+    def values(self) -> list[Tensor]:
+        return [self[k] for k in self._names]
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self._names else default
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Losses):
+            other = dict(other.items())
+        return isinstance(other, dict) and dict(self.items()) == other
+
+    __hash__ = None  # mutable, compared by value
+
+    def __repr__(self) -> str:
+        return "Losses(" + ", ".join(f"{k}={'<lazy>' if k in self._lazy else self._values[k]}" for k in self) + ")"
+
+
 @dataclass
 class Aux:
     """Auxiliary result of a router or a layer: raw (unweighted) losses, their coefficients, stats.
@@ -79,31 +145,71 @@ class Aux:
     of ``coef * loss`` (a scalar). Merging the aux of many layers prefixes the names (``merge(other,
     "layers.3.")``), so nothing is ever summed by accident.
 
+    Two ways in: ``add_loss(name, value, coef)`` (``total()`` adds ``coef * value``), or ``add_weighted(total,
+    losses)``: a router's own pre-weighted scalar, equal to the sum of ``coef * loss`` over its ``losses``
+    (name -> (function, coef)), whose raw values are computed only when ``losses[name]`` is read. A router
+    forms its objective in a handful of operators that way (docs/performance.md).
+
     Args (the fields):
-        losses: name -> the raw loss, a scalar tensor (e.g. "moe.balance", "mod.causal_bce").
+        losses: name -> the raw loss, a scalar tensor (e.g. "moe.balance", "mod.causal_bce"); a ``Losses``
+            mapping whose lazy entries are computed on first read (a plain dict is accepted).
         coefs: name -> its weight in ``total()``.
         stats: name -> the ``RoutingStats`` of a router call (e.g. "mod.router").
+        weighted: pre-weighted terms ``total()`` adds as they are.
     """
 
-    losses: dict[str, Tensor] = field(default_factory=dict)
+    losses: Losses | None = None  # None: an empty Losses (made in __post_init__, which torch.compile traces)
     coefs: dict[str, float] = field(default_factory=dict)
     stats: dict[str, RoutingStats] = field(default_factory=dict)
+    weighted: list[Tensor] = field(default_factory=list)  # pre-weighted terms total() adds as they are
+    _covered: set[str] = field(default_factory=set, repr=False)  # names a weighted term already accounts for
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.losses, Losses):  # None, or a plain dict of raw losses
+            given, self.losses = self.losses or {}, Losses()
+            for name, value in given.items():
+                self.losses.set(name, value)
 
     def add_loss(self, name: str, value: Tensor, coef: float) -> None:
-        self.losses[name] = value
+        self.losses.set(name, value)
         self.coefs[name] = coef
+        self._covered.discard(name)
+
+    def add_weighted(self, total: Tensor | None, losses: dict[str, tuple[Callable[[], Tensor], float]]) -> None:
+        """``total`` (None when every coefficient is 0): the sum of ``coef * fn()`` over ``losses``, formed by
+        the caller; the raw losses stay available, computed on first read."""
+        if total is not None:
+            self.weighted.append(total)
+        for name, (fn, coef) in losses.items():
+            self.losses.set_lazy(name, fn)
+            self.coefs[name] = coef
+            self._covered.add(name)
 
     def total(self) -> Tensor:
-        """Sum of ``coef * loss``; a zero scalar when there are no losses."""
-        terms = [self.coefs[k] * v for k, v in self.losses.items() if self.coefs[k] != 0.0]
+        """The sum of ``coef * loss`` (pre-weighted terms as they are); a zero scalar when there are none. One
+        term is returned as it is (no operator); several are summed in one ``stack`` and ``sum``."""
+        terms = [self.coefs[k] * self.losses[k] for k in self.losses
+                 if k not in self._covered and self.coefs[k] != 0.0] + self.weighted
         if not terms:
             return torch.zeros((), device="cpu")  # a CPU scalar adds to a loss on any device, without a copy
+        if len(terms) == 1:
+            return terms[0].float()
         return torch.stack([t.float() for t in terms]).sum()
 
     def merge(self, other: "Aux", prefix: str = "") -> "Aux":
-        """Add ``other``'s entries under ``prefix`` (in place); returns self for chaining."""
-        for k, v in other.losses.items():
-            self.add_loss(prefix + k, v, other.coefs[k])
+        """Add ``other``'s entries under ``prefix`` (in place); returns self for chaining. Lazy losses stay lazy."""
+        for k in other.losses:
+            name = prefix + k
+            if other.losses.is_lazy(k):  # the same function: each Aux computes (and keeps) the value on first read
+                self.losses.set_lazy(name, other.losses._lazy[k])
+            else:
+                self.losses.set(name, other.losses[k])
+            self.coefs[name] = other.coefs[k]
+            if k in other._covered:
+                self._covered.add(name)
+            else:
+                self._covered.discard(name)
+        self.weighted.extend(other.weighted)
         for k, s in other.stats.items():
             self.stats[prefix + k] = s
         return self
@@ -142,6 +248,7 @@ class RoutingPlan:
     padded: bool = True  # False: the router knows when it is built that A == counts_E.sum() (no padding)
     logits_TX: Tensor | None = None  # the router's logits over its slots (T, X), where it computes them
     noop_gate_TN: Tensor | None = None  # each token's gate on each no-op slot (T, N), when the layer asks
+    seq_pos_BC: Tensor | None = None  # per-sequence plans: token_idx_A.view(B, C) - b * S, where the router has it
 
     @property
     def num_experts(self) -> int:

@@ -59,6 +59,7 @@ callable summing a tensor over the ranks that hold a copy of the router; this mo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
-from mode.routing.losses import router_z_loss
+from mode.routing.losses import _masked_mean, router_z_loss
 from mode.routing.capacity import ceil_of
 from mode.routing.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 
@@ -317,8 +318,6 @@ class TokenChoiceRouter(nn.Module):
             logits_TX = F.linear(x_BSD.reshape(T, self.cfg.d_model).float(), self.weight.float(), bias_X)
             if self.cfg.logit_softcap:
                 logits_TX = torch.tanh(logits_TX / self.cfg.logit_softcap) * self.cfg.logit_softcap
-            if self.cfg.check_finite:
-                _check_finite(logits_TX)
             if self.cfg.gate in ("softmax", "sparsemixer"):
                 probs_TX = logits_TX.softmax(-1)
                 balance_probs_TX = probs_TX
@@ -353,45 +352,90 @@ class TokenChoiceRouter(nn.Module):
                 if valid_T is not None:
                     noop_gate_TN = noop_gate_TN * valid_T[:, None]
 
-            # Flatten choice-major (all first choices, then all second choices...): that is drop priority.
-            slot_A = chosen_TK.t().reshape(-1)
-            token_A = torch.arange(T, device=dev).repeat(K)
-            valid_A = None if valid_T is None else valid_T[token_A]
-            requested_X = count_per(slot_A, self.num_slots, valid_A)  # choices per slot, before capacity
+            cap = self.capacity(T)
+            # padding comes only from a mask, no-op choices or capacity drops: without them A == counts_E.sum()
+            padded = valid_T is not None or self.cfg.num_noop > 0 or cap is not None
+            if padded:
+                # Flatten choice-major (all first choices, then all second choices...): that is drop priority.
+                slot_A = chosen_TK.t().reshape(-1)
+                token_A = torch.arange(T, device=dev).repeat(K)
+                valid_A = None if valid_T is None else valid_T[token_A]
+                requested_X = count_per(slot_A, self.num_slots, valid_A)  # choices per slot, before capacity
+            else:  # every choice is a computed assignment of a real expert: the counts are the choice counts
+                requested_X = count_per(chosen_TK.reshape(-1), E)
             if self.cfg.bias_balance and self.training and torch.is_grad_enabled():
                 self.load_X += requested_X  # eval and no_grad forwards never move the bias
 
             aux = Aux()
-            aux.add_loss("balance", self._balance(balance_probs_TX, requested_X, chosen_TK, valid_T, B),
-                         self.cfg.balance_coef)
-            aux.add_loss("z_loss", router_z_loss(logits_TX, valid_T), self.cfg.z_coef)
+            z_total = self._add_losses(aux, logits_TX, probs_TX, balance_probs_TX, requested_X, chosen_TK, valid_T, B)
+            if self.cfg.check_finite:  # on a reduction over every logit the step makes anyway (the z-loss)
+                _checks.check_finite_via("TokenChoiceRouter", logits_TX, z_total)
 
-        gate_A = gate_TK.t().reshape(-1)
-        cap = self.capacity(T)
-        # padding comes only from a mask, no-op choices or capacity drops: without them A == counts_E.sum()
-        padded = valid_T is not None or self.cfg.num_noop > 0 or cap is not None
         if padded:
+            gate_A = gate_TK.t().reshape(-1)
             computed_A = slot_A < E if valid_A is None else valid_A & (slot_A < E)
             if cap is not None:
                 computed_A = computed_A & _within_capacity(slot_A, computed_A, E, cap)
             expert_key_A = torch.where(computed_A, slot_A, E)  # E: not computed, sorts after every expert
+            token_A, expert_A, gate_A, counts_E = group_by_expert(token_A, expert_key_A, gate_A, E, T)
         else:
-            expert_key_A = slot_A  # every choice is a real expert and is computed
-        token_A, expert_A, gate_A, counts_E = group_by_expert(token_A, expert_key_A, gate_A, E, T)
+            # One stable sort of the token-major choices (a = t * K + k) by expert: inside an expert the choices
+            # stay in token order, the plan's order (group_by_expert's, whose (expert, token) keys are unique)
+            expert_A, order_A = torch.sort(chosen_TK.reshape(-1), stable=True)
+            token_A = order_A if K == 1 else order_A.div(K, rounding_mode="floor")
+            gate_A = gate_TK.reshape(-1)[order_A]
+            counts_E = requested_X
 
-        real_requested = requested_X[:E].sum()
-        aux.stats["router"] = RoutingStats(
-            kept_E=counts_E.detach().float(),
-            requested_X=requested_X.detach().float(),
-            dropped=(real_requested - counts_E.sum()).float(),
-            noop=requested_X[E:].sum().float(),
-            tokens=scalar(T, dev) if valid_T is None else valid_T.sum().float(),
-            compute_T=count_per(token_A, T, expert_A < E).float(),
-            entropy=entropy_of(balance_probs_TX.detach(), valid_T),
-            batch_shape=(B, S),
-        )
+        aux.stats["router"] = TokenChoiceStats(counts_E, requested_X, token_A, expert_A, balance_probs_TX, valid_T,
+                                               padded, (B, S))
         return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
                            num_tokens=T, aux=aux, padded=padded, logits_TX=logits_TX, noop_gate_TN=noop_gate_TN)
+
+    def _add_losses(self, aux: Aux, logits_TX: Tensor, probs_TX: Tensor, balance_probs_TX: Tensor,
+                    requested_X: Tensor, chosen_TK: Tensor, valid_T: Tensor | None, batch: int) -> Tensor | None:
+        """Put the balance and z losses into ``aux``. Returns a scalar that is NaN or inf whenever a logit is (the
+        z-loss, or the objective that holds it), for the finite check; None where none was formed."""
+        fast = valid_T is None and (self.cfg.balance_scope == "batch" or (
+            self.cfg.balance_scope == "global" and self.reduce_counts is None))
+        if fast and logits_TX.numel() and (self.cfg.balance_coef or self.cfg.z_coef):
+            total = self._add_weighted(aux, logits_TX, probs_TX, balance_probs_TX, requested_X)
+            return total if self.cfg.z_coef else None
+        aux.add_loss("balance", self._balance(balance_probs_TX, requested_X, chosen_TK, valid_T, batch),
+                     self.cfg.balance_coef)
+        z_loss = router_z_loss(logits_TX, valid_T)  # a masked token's NaN survives the mask (NaN * 0 is NaN)
+        aux.add_loss("z_loss", z_loss, self.cfg.z_coef)
+        return z_loss
+
+    def _add_weighted(self, aux: Aux, logits_TX: Tensor, probs_TX: Tensor, balance_probs_TX: Tensor,
+                      requested_X: Tensor) -> Tensor | None:
+        """The router's objective ``balance_coef * balance + z_coef * z_loss`` as one scalar, in a handful of
+        operators (no mask, the balance over this forward's tokens). With ``p_X`` the column sums of the
+        probabilities and ``n_X`` the choice counts, ``balance = X * sum_x (n_x / (T K)) (p_x / T)`` is one dot
+        product ``p_X . n_X`` times a constant, and ``z_loss = sum_t lse_t^2 / T`` one dot product
+        ``lse_T . lse_T``. The raw losses (``losses.py``'s formulas, bit for bit) are computed only when read.
+
+        With ``z_coef > 0`` the scalar is also the finite check: a NaN or +inf logit (or a token whose logits
+        are all -inf) makes the z term NaN or inf, so ``check_finite`` asserts on the scalar
+        (``_checks.check_finite_via``), not on the (T, X) logits. Returns the scalar (None: both coefficients 0)."""
+        T, X = probs_TX.shape
+        K = self.cfg.top_k
+        c_b, c_z = self.cfg.balance_coef, self.cfg.z_coef
+        total = None
+        if c_b:
+            w_X = requested_X * (c_b * X / (T * T * K))  # int64 * float: float32 (the router's dtype), no gradient
+            total = torch.dot(balance_probs_TX.sum(0), w_X.to(balance_probs_TX.dtype))
+        lse_T = None
+        if c_z:
+            lse_T = (_logsumexp_from_softmax(logits_TX, probs_TX) if self.cfg.gate in ("softmax", "sparsemixer")
+                     else torch.logsumexp(logits_TX, dim=-1))
+            z = torch.dot(lse_T, lse_T)
+            total = z * (c_z / T) if total is None else torch.add(total, z, alpha=c_z / T)
+        requested = requested_X.detach()
+        aux.add_weighted(total, {
+            "balance": (functools.partial(_balance_loss, balance_probs_TX, requested, K, None), c_b),
+            "z_loss": (functools.partial(_z_loss, logits_TX, lse_T), c_z),
+        })
+        return total
 
     def _choice_scores(self, probs_TX: Tensor, logits_TX: Tensor) -> Tensor:
         """The scores the top-k chooses by: the gates (or the logits, ``bias_on="logits"``) plus the balancing
@@ -438,17 +482,77 @@ def _sparsemixer(logits_TX: Tensor, k: int, eps: float) -> tuple[Tensor, Tensor]
     return torch.cat(gates, -1), torch.cat(chosen, -1)
 
 
-def _check_finite(logits_TX: Tensor) -> None:
-    """``_checks.check_finite_logits`` in one pass: min and max of the logits are finite exactly when every
-    logit is (NaN propagates through both). Only a failure runs the full check, for its message."""
-    if logits_TX.numel() == 0 or logits_TX.device.type == "meta":
-        return
-    lo, hi = torch.aminmax(logits_TX)
-    try:
-        torch._assert_async(torch.isfinite(lo) & torch.isfinite(hi), "TokenChoiceRouter: router logits are NaN or inf")
-    except RuntimeError:  # raised at once on the CPU; on a GPU a failure is a device-side assert
-        _checks.check_finite_logits("TokenChoiceRouter", logits_TX)
-        raise
+class TokenChoiceStats(RoutingStats):
+    """``RoutingStats`` of one token-choice call, each field computed on first read (on the device, no host
+    sync) from tensors the router kept: a training step that does not read them launches none of their
+    operators. The values are those the fields always had."""
+
+    def __init__(self, counts_E: Tensor, requested_X: Tensor, token_A: Tensor, expert_A: Tensor, probs_TX: Tensor,
+                 valid_T: Tensor | None, padded: bool, batch_shape: tuple[int, int]):
+        self._counts_E, self._requested_X = counts_E.detach(), requested_X.detach()
+        self._token_A, self._expert_A, self._probs_TX = token_A, expert_A, probs_TX.detach()
+        self._valid_T, self._padded = valid_T, padded
+        self.batch_shape = batch_shape
+
+    @functools.cached_property
+    def kept_E(self) -> Tensor:
+        return self._counts_E.float()
+
+    @functools.cached_property
+    def requested_X(self) -> Tensor:
+        return self._requested_X.float()
+
+    @functools.cached_property
+    def dropped(self) -> Tensor:
+        return (self._requested_X[:self.num_experts].sum() - self._counts_E.sum()).float()
+
+    @functools.cached_property
+    def noop(self) -> Tensor:
+        return self._requested_X[self.num_experts:].sum().float()
+
+    @functools.cached_property
+    def tokens(self) -> Tensor:
+        T = self.batch_shape[0] * self.batch_shape[1]
+        return scalar(T, self._counts_E.device) if self._valid_T is None else self._valid_T.sum().float()
+
+    @functools.cached_property
+    def compute_T(self) -> Tensor:
+        T, E = self.batch_shape[0] * self.batch_shape[1], self.num_experts
+        return count_per(self._token_A, T, self._expert_A < E).float()
+
+    @functools.cached_property
+    def entropy(self) -> Tensor:
+        return entropy_of(self._probs_TX, self._valid_T)
+
+    @property
+    def num_experts(self) -> int:
+        return self._counts_E.numel()
+
+
+class _LogSumExp(torch.autograd.Function):
+    """``logsumexp(logits_TX, -1)`` whose backward reuses the softmax ``probs_TX`` the router has anyway:
+    ``d lse_t / d logit_tx = probs_tx``, one multiply instead of recomputing ``exp(logit - lse)``."""
+
+    @staticmethod
+    def forward(ctx, logits_TX: Tensor, probs_TX: Tensor) -> Tensor:
+        ctx.save_for_backward(probs_TX)
+        return torch.logsumexp(logits_TX, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad_T: Tensor):
+        (probs_TX,) = ctx.saved_tensors
+        return grad_T[:, None] * probs_TX, None
+
+
+def _logsumexp_from_softmax(logits_TX: Tensor, probs_TX: Tensor) -> Tensor:
+    return _LogSumExp.apply(logits_TX, probs_TX.detach())
+
+
+def _z_loss(logits_TX: Tensor, lse_T: Tensor | None) -> Tensor:
+    """``losses.router_z_loss`` (no mask), from the logsumexp when the router has it: the same value, bit for bit."""
+    if lse_T is None:
+        return router_z_loss(logits_TX)
+    return _masked_mean(lse_T.square(), None)
 
 
 def _balance_loss(probs_TX: Tensor, requested_X: Tensor, top_k: int, valid_T: Tensor | None,

@@ -512,18 +512,30 @@ def test_token_choice_plan_says_statically_whether_it_has_padding(kw, masked, pa
         assert int(plan.counts_E.sum()) == plan.num_assignments
 
 
-@pytest.mark.device_assert("the token-choice finite check is a torch._assert_async on CUDA")
+@pytest.mark.device_assert("the routers' finite check is a torch._assert_async on CUDA")
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_token_choice_one_pass_finite_check_on_logits(bad):
-    """min and max catch a lone -inf (the matmul above turns it into NaN before the check sees it)."""
-    from mode.routing.token_choice import _check_finite
+def test_finite_check_on_a_reduction_names_the_bad_logits(bad):
+    """``check_finite_via``: three operators on a reduction over every logit (a loss the step forms anyway, or the
+    sum); NaN and either infinity make the reduction non-finite, and the failure counts the bad logits."""
+    from mode._checks import check_finite_via
 
     logits = torch.randn(6, 5)
-    _check_finite(logits)  # finite: no error
-    _check_finite(logits[:0])  # empty: no error
+    check_finite_via("TokenChoiceRouter", logits)  # finite: no error
+    check_finite_via("TokenChoiceRouter", logits, torch.logsumexp(logits, -1).square().sum())
+    check_finite_via("TokenChoiceRouter", logits[:0])  # empty: no error
     logits[2, 1] = bad
     with pytest.raises(ValueError, match=r"TokenChoiceRouter: 1 router logits are NaN or inf"):
-        _check_finite(logits)
+        check_finite_via("TokenChoiceRouter", logits)
+    if bad != float("-inf"):  # a lone -inf logit leaves logsumexp finite (softmax gives it probability 0)
+        with pytest.raises(ValueError, match=r"TokenChoiceRouter: 1 router logits are NaN or inf"):
+            check_finite_via("TokenChoiceRouter", logits, torch.logsumexp(logits, -1).square().sum())
+
+
+def test_finite_check_refuses_an_overflowing_loss_and_says_why():
+    from mode._checks import check_finite_via
+
+    with pytest.raises(ValueError, match="overflowed to inf although every logit is finite"):
+        check_finite_via("TokenChoiceRouter", torch.full((2, 3), 3e38), torch.full((), float("inf")))
 
 
 def test_a_steered_threshold_never_lands_on_a_logit():
