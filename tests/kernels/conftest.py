@@ -5,10 +5,10 @@ session's device); without one, the CPU, with the kernels in triton's interprete
 shapes stay tiny).
 
 The interpreter needs ``TRITON_INTERPRET=1`` before triton is first imported: triton decorates its own
-``triton.language`` helpers (``tl.zeros``, ...) at import. This conftest sets it when it is loaded, at
-collection, before any test runs, on machines without a GPU only (where no compiled triton kernel can run,
-so the setting changes nothing else); ``mode`` never imports triton on its own. A test module that imported
-triton at its top before this point would defeat it: ``kernel_device`` then fails and says so.
+``triton.language`` helpers (``tl.zeros``, ``tl.sum``, ...) at import, and ``import mode`` imports triton (through
+torch._dynamo). The root tests/conftest.py sets it on machines without a GPU, before any test module is
+collected; ``kernel_device`` fails, saying so, where that did not take effect (triton imported earlier, or the
+variable set to something else).
 
 triton is Linux-only (the ``test`` extra installs it there): on other systems these tests skip for the
 platform; on Linux a missing triton fails them.
@@ -21,9 +21,14 @@ import pytest
 import torch
 
 _GPU = torch.cuda.is_available()
-_TRITON_BEFORE = "triton" in sys.modules
-if not _GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _interpreting_triton() -> bool:
+    """Whether triton.language's own helpers were built for the interpreter (decided at triton's import)."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(tl.zeros, JITFunction)
 
 
 @pytest.fixture
@@ -34,7 +39,8 @@ def kernel_device(device: torch.device) -> torch.device:
 
     if _GPU:
         return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    if _TRITON_BEFORE or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.fail("triton was imported before tests/kernels/conftest.py set TRITON_INTERPRET=1 (or the variable "
-                    "was changed): run tests/kernels in a pytest process of its own")
+    if os.environ.get("TRITON_INTERPRET") != "1" or not _interpreting_triton():
+        pytest.fail(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} when triton was imported: without a "
+                    "GPU the kernels run in triton's interpreter, which tests/conftest.py selects (TRITON_INTERPRET=1) "
+                    "before triton is imported; run pytest without setting it otherwise")
     return torch.device("cpu")
