@@ -224,7 +224,8 @@ def router_topk(logits_TX: Tensor, k: int, *, gate: str = "softmax", renormalize
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale={scale!r}: must be a float > 0")
     if valid_T is not None:
-        if not isinstance(valid_T, Tensor) or valid_T.dtype != torch.bool or tuple(valid_T.shape) != (logits_TX.shape[0],):
+        if (not isinstance(valid_T, Tensor) or valid_T.dtype != torch.bool
+                or tuple(valid_T.shape) != (logits_TX.shape[0],)):
             raise ValueError(f"valid_T: must be a bool tensor of shape (T,)=({logits_TX.shape[0]},), got "
                              f"{getattr(valid_T, 'dtype', type(valid_T))} {tuple(getattr(valid_T, 'shape', ()))}")
     gate_TK, chosen_TK, sums_S, count_X = _router_op(logits_TX, valid_T, k, gate, renormalize, float(scale))

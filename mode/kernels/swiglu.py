@@ -14,7 +14,7 @@ The op ``mode_kernels::swiglu`` (and ``mode_kernels::swiglu_backward``, its back
     * the torch reference below on the CPU and wherever no other kernel is registered: the ops of
       ``mode.experts.swiglu`` in the same order, so bit for bit its values and gradients;
     * the Triton kernels of ``swiglu_triton.py`` on CUDA, where triton is installed (float32, bfloat16,
-      float16; float64 takes the reference): one launch forward, one backward (the reference takes 3 + 5), all
+      float16; float64 takes the reference): one launch forward, one backward (the reference: 3 ops and 8), all
       arithmetic in float32 with one rounding per output, so in bfloat16 within a rounding or two of the
       reference (tests/kernels/test_swiglu.py measures it).
 The backward recomputes silu(g) from h: the op saves only its inputs (the two-output ops of
