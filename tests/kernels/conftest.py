@@ -44,3 +44,11 @@ def kernel_device(device: torch.device) -> torch.device:
                     "GPU the kernels run in triton's interpreter, which tests/conftest.py selects (TRITON_INTERPRET=1) "
                     "before triton is imported; run pytest without setting it otherwise")
     return torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def host_tensors_by_default():
+    """A tensor a test creates without naming a device is a host tensor (references, float64 truths, the CPU
+    kernels' checks), also in a CUDA session; the Triton kernels' inputs name ``kernel_device``."""
+    with torch.device("cpu"):
+        yield
