@@ -46,6 +46,13 @@ if os.environ.get("MODE_TOLERANCE_LOG"):  # measuring how near each comparison c
 
     tolerance_log.install(os.environ["MODE_TOLERANCE_LOG"])
 
+# Without a GPU, tests/kernels runs mode.kernels' Triton kernels in triton's interpreter, which must be chosen
+# before triton is first imported (``import mode`` imports torch._dynamo, which imports triton): here, before
+# any test module is collected. Where no GPU exists no compiled triton kernel can run, so nothing else changes
+# (torch.compile on the CPU generates C++). tests/kernels/conftest.py checks that it took effect.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--device", default=None,

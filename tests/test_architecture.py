@@ -10,7 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "mode"
 
 # The core's own order: a core module imports its own subpackage or the ones before it.
-CORE = {"_checks": 0, "cpu_allocator": 0, "routing": 1, "experts": 1, "dispatch": 2, "layers": 3, "model": 4}
+CORE = {"_checks": 0, "cpu_allocator": 0, "kernels": 0, "routing": 1, "experts": 1, "dispatch": 2, "layers": 3,
+        "model": 4}
 # What each layer may import (besides itself); "top" (the package facade and cli) may
 # import anything.
 MAY_IMPORT = {

@@ -36,6 +36,9 @@ The expert function (``ExpertConfig``; the defaults are the plain MLP, bit for b
     fused op on the "grouped" path; other options a plain autograd function (chosen once in ``__init__``).
     Biases are registered after the weights (``parameters()`` keeps the weights first) and start at zero
     (no random draws: the weights' init is the same with and without them); "megablocks" refuses them.
+    ``fused_kernels`` (default True): that fused op is ``mode.kernels.gated_swiglu`` (``mode_kernels::swiglu``, the
+    row gate multiplied inside; Triton on CUDA where triton is installed, else the same torch ops as
+    ``mode.experts.swiglu``, bit for bit); False keeps ``mode.experts.swiglu`` (docs/kernels.md).
 
 Backends
     "reference"  a readable loop over experts (one matmul pair per expert); reads counts_E on the host
@@ -88,6 +91,7 @@ from mode.experts import megablocks_backend, row_buckets
 from mode.experts.grouped_mm import autocast_dtype, grouped_mm
 from mode.experts.swiglu import swiglu
 from mode.experts.swiglu_options import FUSED, SwiGLUOptions
+from mode.kernels.swiglu import gated_swiglu
 
 ACTIVATIONS = ("gelu", "swiglu", "relu2")  # relu2: relu(h)^2, ungated (Nemotron-H's experts)
 BACKENDS = ("auto", "reference", "grouped", "megablocks")
@@ -135,6 +139,7 @@ class ExpertConfig:
     swiglu_up_softcap: float | None = None  # c * tanh(up / c) (Inkling-2: 25)
     glu_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma-4)
     gate_on_input: bool = False  # gate_A scales each row's input, not its output (Llama 4)
+    fused_kernels: bool = True  # the plain SwiGLU as mode.kernels' op (Triton on CUDA); False: mode.experts.swiglu
 
     def __post_init__(self) -> None:
         _checks.check_choice("layout", self.layout, LAYOUTS)
@@ -145,6 +150,7 @@ class ExpertConfig:
         _checks.check_choice("backend", self.backend, BACKENDS)
         _checks.check_bool("bias", self.bias)
         _checks.check_bool("gate_on_input", self.gate_on_input)
+        _checks.check_bool("fused_kernels", self.fused_kernels)
         if self.swiglu_limit is not None:
             _checks.check_positive("swiglu_limit", self.swiglu_limit)
         if self.swiglu_alpha is not None:
@@ -276,6 +282,7 @@ class ExpertBank(nn.Module):
         # ones, else SwiGLUOptions' plain autograd (swiglu_options.py); the reference path calls self._act
         options = cfg.swiglu_options
         self._fast_swiglu = cfg.activation == "swiglu" and options.is_plain
+        self._swiglu = gated_swiglu if cfg.fused_kernels else swiglu  # mode.kernels' op, or mode.experts'
         if cfg.activation == "swiglu" and not options.is_plain:
             self._act = options
         else:
@@ -460,7 +467,7 @@ class ExpertBank(nn.Module):
             b_in_EF, b_out_ED = (torch.cat([b, b.new_zeros(1, b.shape[1])]) for b in biases)
             h_AF = h_AF + b_in_EF.index_select(0, expert_A)
         if self._fast_swiglu:  # the same values as activate(); one gradient buffer (swiglu.py)
-            act_AH = swiglu(h_AF, gate_A)
+            act_AH = self._swiglu(h_AF, gate_A)
         else:
             act_AH = self._act(h_AF)
             if gate_A is not None:
