@@ -32,7 +32,7 @@ def own_doc(obj) -> str:
 
 def init_arguments(cls: type) -> list[str]:
     params = inspect.signature(cls).parameters.values()
-    return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and not p.name.startswith("_")]
 
 
 @pytest.mark.parametrize("name", mode.__all__)

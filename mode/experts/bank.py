@@ -121,6 +121,8 @@ class ExpertConfig:
         swiglu_up_softcap: SwiGLU: ``c * tanh(up / c)``.
         glu_act: the gate's activation, "silu" (SwiGLU) or "gelu_tanh" (GeGLU).
         gate_on_input: a routing gate scales each row's input instead of its output (Llama 4).
+        fused_kernels: the plain SwiGLU runs as ``mode.kernels``' fused op (one op each way; Triton on CUDA,
+            the torch reference elsewhere, bit for bit ``mode.experts.swiglu`` on the CPU); False keeps that path.
     """
 
     d_model: int
