@@ -240,7 +240,7 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
     stale = [out / f for f in _OUTPUTS]
     for name in known:
         for d in [out / name, *(out / name).glob("seed*")]:
-            stale += [d / "ckpt.pt", d / RESULT_FILE]
+            stale += [d / "ckpt.pt", d / RESULT_FILE, d / "log.jsonl"]
     resume = run_record.start_or_resume(out, identity, fresh, run_file=RUN_FILE, kind="compare", stale=stale)
     tokens_per_step = p.train.batch_size * base.seq_len
     budget = steps_dense * train_flops_per_token(models["dense"]) * tokens_per_step
