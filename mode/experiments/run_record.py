@@ -57,8 +57,8 @@ def start_or_resume(out: Path, identity: dict, fresh: bool, *, run_file: str, ki
             more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
             raise ValueError(f"out={str(out)!r} holds a run with other arguments: {key}={was!r} there, "
                              f"{key}={now!r} now{more} (recorded in {record}). Rerun with the same arguments "
-                             "to resume it, pass --fresh (or --force) to discard it and start over, or choose another "
-                             "--out")
+                             "to resume it, pass --fresh to discard it and start over (--force is the same), or choose "
+                             "another --out")
         return True
     if not fresh:  # no record: files no run of this kind recorded are not this command's to replace
         checkpoint.refuse_existing([record, *stale], hint=f"no {kind} run is recorded in out={str(out)!r} "
