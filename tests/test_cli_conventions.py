@@ -93,7 +93,7 @@ def test_export_refuses_to_replace_a_file_it_did_not_write(sharded, tmp_path, ca
         assert repr(str(target)) in line and "already exists" in line and "--force" in line
     assert other.read_bytes() == b"another run's checkpoint" and note.read_text() == "# my notes\n"
 
-    assert main(["export", str(sharded), str(tmp_path / "new.pt")]) == 0  # a new file: written
+    assert main(["export", str(sharded), str(tmp_path / "new" / "new.pt")]) == 0  # a new file: written
     assert main(["export", str(sharded), str(other), "--force"]) == 0  # told to: replaced
     from mode.train.checkpoint import load_model
 
@@ -159,7 +159,7 @@ def test_compare_and_isoflop_refuse_files_no_run_recorded(command, output, text,
     line = one_error_line(capsys.readouterr().err, command)
     assert repr(str(out / output)) in line and "--force" in line
     assert (out / output).read_text() == "my own table\n"
-    assert not any(p.name.endswith("_run.json") for p in out.iterdir())  # refused before anything was written
+    assert [p.name for p in out.iterdir()] == [output]  # refused before anything was written
 
 
 def test_compare_force_replaces_and_a_rerun_resumes(text, tmp_path, capsys):
@@ -189,6 +189,9 @@ def test_report_refuses_to_replace_an_earlier_report_unless_forced(trained, tmp_
     assert (out / "report.json").read_text() == "edited"
     assert main([*args, "--force"]) == 0
     assert (out / "report.json").read_bytes() == before
+    capsys.readouterr()
+    assert main([*args[:3], str(out / "report.json"), *args[4:]]) == 2  # --out a file: said before evaluating
+    assert "is a file, not a folder" in one_error_line(capsys.readouterr().err, "report")
 
 
 def test_sample_writes_nothing(trained, capsys):

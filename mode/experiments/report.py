@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -368,6 +369,8 @@ def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path 
     out_dir = Path(out) if out is not None else ckpt.parent / "report"
     files = {"json": out_dir / "report.json", "compute_hist": out_dir / "compute_hist.png",
              "heatmap": out_dir / "routing_heatmap.png", "expert_load": out_dir / "expert_load.png"}
+    if os.path.lexists(out_dir) and not out_dir.is_dir():
+        raise ValueError(f"out={str(out_dir)!r}: is a file, not a folder")
     if not force:
         refuse_existing(files.values())
     model, state = load_model(ckpt)

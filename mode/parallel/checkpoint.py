@@ -276,6 +276,7 @@ def export(path: str | Path, out_file: str | Path, overwrite: bool = False) -> P
                          f"{str(out / 'ckpt.pt')!r}")
     if not overwrite:
         checkpoint.refuse_existing([out])
+    checkpoint.prepare_dir(out.parent, "out's folder")  # created if needed; a bad one fails before reading
     state = read_sharded(path, training=True)
     if not overwrite:  # written by someone else while the shards were read
         checkpoint.refuse_existing([out])
