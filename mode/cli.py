@@ -1,6 +1,11 @@
 """The `mode` command line: `mode compare`, `mode isoflop`, `mode train`, `mode export`, `mode sample`,
 `mode report`, `mode tokenize` (more subcommands join as they land). `python -m mode ...` is the same;
-torchrun starts `mode train` as `torchrun ... -m mode train ...`."""
+torchrun starts `mode train` as `torchrun ... -m mode train ...`.
+
+Conventions (tests/test_cli_conventions.py): a user's mistake is one line, `mode CMD: error: ...`, on stderr and
+exit status 2 (1: a failed write or collective); no command replaces a file or folder that it did not write in
+this run unless told to (`--force`, or resuming its own run: `train --resume`, a `compare`/`isoflop` rerun);
+`--version`; every option's help states its default; building the parser imports no torch."""
 
 from __future__ import annotations
 

@@ -332,7 +332,8 @@ def test_the_package_loads_its_names_on_first_use():
         "from mode.train.runtime import _mesh_runtimes\n"
         "import mode.parallel\n"
         "assert _folder_readers == [mode.parallel._read_sharded] and _mesh_runtimes == [mode.parallel._mesh_runtime]\n"
-        "try:\n    mode.nope\nexcept AttributeError as e:\n    assert 'nope' in str(e)\nelse:\n    raise SystemExit(1)\n"
+        "try:\n    mode.nope\nexcept AttributeError as e:\n    assert 'nope' in str(e)\n"
+        "else:\n    raise SystemExit(1)\n"
         "print('ok')\n")
     assert res.returncode == 0 and res.stdout == "ok\n", res.stderr[-3000:]
 
