@@ -1,6 +1,11 @@
 """The `mode` command line: `mode compare`, `mode isoflop`, `mode train`, `mode export`, `mode sample`,
 `mode report`, `mode tokenize` (more subcommands join as they land). `python -m mode ...` is the same;
-torchrun starts `mode train` as `torchrun ... -m mode train ...`."""
+torchrun starts `mode train` as `torchrun ... -m mode train ...`.
+
+Conventions (tests/test_cli_conventions.py): a user's mistake is one line, `mode CMD: error: ...`, on stderr and
+exit status 2 (1: a failed write or collective); no command replaces a file or folder that it did not write in
+this run unless told to (`--force`, or resuming its own run: `train --resume`, a `compare`/`isoflop` rerun);
+`--version`; every option's help states its default; building the parser imports no torch."""
 
 from __future__ import annotations
 
@@ -8,17 +13,46 @@ import argparse
 import sys
 
 
+# The parser imports no torch (``mode --help`` and ``mode <command> --help`` answer at once): the commands import
+# what they need when they run. The defaults it states that live in modules importing torch are written here
+# too; tests/test_cli_conventions.py checks them against those modules.
+ROUTED_BLOCKS = ("every_other", "all_but_first")  # mode.experiments.compare.ROUTED_BLOCKS
+GATES = ("raw", "sigmoid", "one", "ste")  # mode.routing.mod_topk.GATES
+RECIPE_DEFAULTS = {"routed": "every_other", "capacity": 0.125, "gate": "raw"}  # compare.DEFAULT_RECIPE
+
+
+def version() -> str:
+    """The installed distribution's version (``mode-torch``), else the package's ``__version__``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("mode-torch")
+    except metadata.PackageNotFoundError:
+        import mode
+
+        return getattr(mode, "__version__", "unknown")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it states it already (or has none worth stating:
+    None, a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default is None or action.default is False
+                or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default %(default)s)"
+
+
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     """The MoD recipe of the mod, mod_random and staged_mode variants (mode.experiments.compare.MoDRecipe)."""
-    from mode.experiments.compare import DEFAULT_RECIPE, ROUTED_BLOCKS
-    from mode.routing.mod_topk import GATES
-
-    p.add_argument("--mod-routed", default=DEFAULT_RECIPE.routed, choices=ROUTED_BLOCKS,
-                   help=f"which blocks MoD routes (default {DEFAULT_RECIPE.routed})")
-    p.add_argument("--mod-capacity", type=float, default=DEFAULT_RECIPE.capacity,
-                   help=f"share of each sequence a routed block processes (default {DEFAULT_RECIPE.capacity})")
-    p.add_argument("--mod-gate", default=DEFAULT_RECIPE.gate, choices=GATES,
-                   help=f"what multiplies a routed block's output (default {DEFAULT_RECIPE.gate}; docs/isoflop.md)")
+    p.add_argument("--mod-routed", default=RECIPE_DEFAULTS["routed"], choices=ROUTED_BLOCKS,
+                   help="which blocks MoD routes")
+    p.add_argument("--mod-capacity", type=float, default=RECIPE_DEFAULTS["capacity"],
+                   help="share of each sequence a routed block processes")
+    p.add_argument("--mod-gate", default=RECIPE_DEFAULTS["gate"], choices=GATES,
+                   help="what multiplies a routed block's output (docs/isoflop.md)")
 
 
 def _recipe(args):
@@ -27,22 +61,35 @@ def _recipe(args):
     return MoDRecipe(routed=args.mod_routed, capacity=args.mod_capacity, gate=args.mod_gate)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mode", description="Mixture-of-Depths / MoE / MoDE toolkit")
-    sub = parser.add_subparsers(dest="command", required=True)
+NO_PROGRESS_HELP = ("no progress bar; the plain progress lines (on stdout: every 20 s, and when each run ends) still "
+                    "print. Without a terminal on stderr there is never a bar, only the lines")
 
-    p = sub.add_parser("compare", help="train dense, MoD, MoE, staged and integrated MoDE at equal training FLOPs")
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mode`` command line: every subcommand's options (no torch imported)."""
+    parser = argparse.ArgumentParser(prog="mode", description="Mixture-of-Depths / MoE / MoDE toolkit",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                        help="print the installed version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+
+    p = command("compare", "train dense, MoD, MoE, staged and integrated MoDE at equal training FLOPs")
     p.add_argument("--quick", action="store_true", help="small models, a few minutes on 2 CPU cores")
     p.add_argument("--data", help="a UTF-8 text file (default: the Python standard library's sources)")
-    p.add_argument("--out", default="runs/compare", help="output folder (JSON, PNG, logs, checkpoints)")
-    p.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
+    p.add_argument("--out", default="runs/compare", help="output folder (JSON, PNG, logs, checkpoints); a rerun "
+                                                         "with the same arguments resumes the run in it")
+    p.add_argument("--seed", type=int, default=0, help="the first seed")
     p.add_argument("--seeds", type=int, default=1,
                    help="train every variant on this many seeds (--seed, --seed + 1, ...); the table gives mean ± "
-                        "std and paired 95%% intervals for the claimed differences (default 1)")
-    p.add_argument("--dense-steps", type=int, help="budget = this many steps of the dense model")
+                        "std and paired 95%% intervals for the claimed differences")
+    p.add_argument("--dense-steps", type=int, help="budget = this many steps of the dense model (default: the "
+                                                   "preset's, 150 with --quick, else 1200)")
     p.add_argument("--only", nargs="+", help="train only these variants (also: integrated_mode_matched and "
                                              "staged_mode_matched, staged and integrated MoDE paired at about "
-                                             "equal per-token FLOPs; see docs/compare.md)")
+                                             "equal per-token FLOPs; see docs/compare.md) (default: all)")
     p.add_argument("--causal", default="predictor", choices=("predictor", "aux_bce"),
                    help="causal routing method the learned MoD variants train for sampling")
     _add_recipe_args(p)
@@ -54,90 +101,99 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-every-s", type=float, default=300.0,
                    help="checkpoint the variant in training every this many seconds (default 300; 0: only when "
                         "it ends). A killed run resumes when rerun with the same arguments (docs/checkpoints.md)")
-    p.add_argument("--fresh", action="store_true",
-                   help="discard an earlier run found in --out (its checkpoints and results) and start over")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar; the plain progress lines (on stdout: every 20 s, and when each run ends) "
-                        "still print. Without a terminal on stderr there is never a bar, only the lines")
+    p.add_argument("--fresh", "--force", dest="fresh", action="store_true",
+                   help="discard an earlier run found in --out (its record, checkpoints and results, or files of "
+                        "the same names no run recorded) and start over")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
 
-    p = sub.add_parser("isoflop", help="isoFLOP curves: every variant at several sizes and budgets; each "
-                                       "variant's best size per budget, compared best against best")
+    p = command("isoflop", "isoFLOP curves: every variant at several sizes and budgets; each "
+                           "variant's best size per budget, compared best against best")
     p.add_argument("--quick", action="store_true", help="4 small sizes x 3 small budgets (docs/isoflop.md); "
                                                         "the same as --preset quick")
     p.add_argument("--preset", choices=("quick", "default", "gpu"), default=None,
                    help="sizes and budgets: quick, default (CPU), gpu (tens of millions of parameters; with "
-                        "--device cuda --bf16); docs/isoflop.md")
+                        "--device cuda --bf16); docs/isoflop.md (default: default, or quick with --quick)")
     p.add_argument("--device", help="where each run trains (default: the CPU); e.g. cuda")
     p.add_argument("--bf16", action="store_true", help="train under bfloat16 autocast (routers and the optimizer stay float32)")
     p.add_argument("--data", help="a UTF-8 text file (default: the Python standard library's sources)")
-    p.add_argument("--out", default="runs/isoflop", help="output folder (JSON, Markdown, PNGs, runs)")
+    p.add_argument("--out", default="runs/isoflop", help="output folder (JSON, Markdown, PNGs, runs); a rerun "
+                                                         "resumes the sweep in it")
     p.add_argument("--seeds", type=int, default=1, help="seeds per run (paired: a seed fixes the data order)")
-    p.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="the first seed")
     p.add_argument("--budgets", type=float, nargs="+", help="training-FLOP budgets (default: the preset's)")
     p.add_argument("--only", nargs="+", help="train only these variants (dense, mod, mod_random, moe, "
-                                             "staged_mode, integrated_mode)")
+                                             "staged_mode, integrated_mode) (default: all)")
     p.add_argument("--causal", default="predictor", choices=("predictor", "aux_bce"),
                    help="causal routing method the learned MoD variants train for sampling")
     _add_recipe_args(p)
     p.add_argument("--jobs", type=int, default=1,
-                   help="runs trained at once, each in its own process with --threads threads (default 1)")
+                   help="runs trained at once, each in its own process with --threads threads")
     p.add_argument("--threads", type=int, help="torch intra-op threads per run (default: torch's with --jobs 1, "
                                                "1 with more jobs)")
     p.add_argument("--ckpt-every-s", type=float, default=300.0,
                    help="checkpoint the run in training every this many seconds (default 300; 0: only when it "
                         "ends). A killed sweep resumes when rerun (docs/isoflop.md)")
-    p.add_argument("--fresh", action="store_true", help="discard an earlier sweep found in --out and start over")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar; the plain progress lines (on stdout: every 20 s, and when each run ends) "
-                        "still print. Without a terminal on stderr there is never a bar, only the lines")
+    p.add_argument("--fresh", "--force", dest="fresh", action="store_true",
+                   help="discard an earlier sweep found in --out (or files of the same names no sweep recorded) "
+                        "and start over")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
 
-    p = sub.add_parser("train", help="train one LM: one process, or a (dp, ep) mesh under torchrun "
-                                     "(docs/distributed.md)")
-    from mode.parallel.command import build_parser as train_parser  # no torch.distributed work at import
+    p = command("train", "train one LM: one process, or a (dp, ep) mesh under torchrun (docs/distributed.md)")
+    from mode.parallel.command import build_parser as train_parser  # imports no torch
 
     train_parser(p)
 
-    p = sub.add_parser("export", help="write a sharded checkpoint folder (mode train on several processes) "
-                                      "as one file")
+    p = command("export", "write a sharded checkpoint folder (mode train on several processes) as one file")
     p.add_argument("checkpoint", help="a sharded checkpoint folder, e.g. runs/train/ckpt")
-    p.add_argument("out", help="the single file to write, e.g. runs/train/ckpt.pt")
+    p.add_argument("out", help="the single file to write, e.g. runs/train/ckpt.pt (a new file, unless --force)")
+    p.add_argument("--force", action="store_true", help="replace the file at OUT (default: refused)")
 
-    p = sub.add_parser("sample", help="generate text from a checkpoint (causal routing, KV cache)")
+    p = command("sample", "generate text from a checkpoint (causal routing, KV cache)")
     p.add_argument("checkpoint", help="a ckpt.pt written by training (e.g. runs/compare/mod/ckpt.pt) or a sharded "
                                       "checkpoint folder (runs/train/ckpt); read without running code from it "
                                       "(docs/checkpoints.md)")
-    p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); default: 'def '")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch) (default: 'def ')")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate after each prompt")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--tokenizer", help="the tokenizer.json of a model trained on token shards, when the one its "
                                        "checkpoint names has moved (same sha256; docs/data.md)")
 
-    p = sub.add_parser("tokenize", help="text to a folder of token shards for mode train --data (docs/data.md)")
+    p = command("tokenize", "text to a folder of token shards for mode train --data (docs/data.md)")
     p.add_argument("text", nargs="?", help="a UTF-8 text file or a folder of them (default: the built-in corpus, "
                                            "the Python standard library's sources)")
     p.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json (nothing is downloaded)")
     p.add_argument("--out", required=True, help="a new or empty folder for the shards and meta.json")
-    p.add_argument("--max-bytes", type=int, help="read at most this many bytes of text (whole files)")
+    p.add_argument("--force", action="store_true",
+                   help="write into an --out that holds shards, meta.json or another tokenizer.json: they are "
+                        "deleted first (default: refused)")
+    p.add_argument("--max-bytes", type=int, help="read at most this many bytes of text (whole files) (default: all)")
     p.add_argument("--shard-tokens", type=int, help="ids per shard (default 100,000,000)")
-    p.add_argument("--eot", help="a token of the tokenizer to put after every document, e.g. '<|endoftext|>'")
+    p.add_argument("--eot", help="a token of the tokenizer to put after every document, e.g. '<|endoftext|>' "
+                                 "(default: none)")
 
-    p = sub.add_parser("report", help="load balance and per-token compute of a trained checkpoint: table, JSON, PNGs")
+    p = command("report", "load balance and per-token compute of a trained checkpoint: table, JSON, PNGs")
     p.add_argument("checkpoint", help="a ckpt.pt written by training (e.g. runs/compare/mod/ckpt.pt) or a "
                                       "sharded checkpoint folder")
     p.add_argument("--data", help="a UTF-8 text file whose validation split (last 10%%) is evaluated, or a "
                                   "folder of token shards (default: the token folder the checkpoint was "
                                   "trained on, else the validation split of the built-in corpus)")
     p.add_argument("--out", help="output folder (default: <checkpoint folder>/report)")
-    p.add_argument("--batches", type=int, default=8, help="evaluation batches (default 8)")
+    p.add_argument("--force", action="store_true",
+                   help="replace the report files already in --out (default: refused)")
+    p.add_argument("--batches", type=int, default=8, help="evaluation batches")
     p.add_argument("--batch-size", type=int, help="sequences per batch (default: the checkpoint's training batch)")
     p.add_argument("--causal-routing", action="store_true",
                    help="route MoD layers by their causal decision (what sampling sees) instead of top-C")
     p.add_argument("--top", type=int, default=10, help="how many bytes / words with the most and least compute")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "train":  # its own --threads handling and exit statuses
         from mode.parallel.command import run as run_train
@@ -204,7 +260,7 @@ def _export(args) -> int:
     from mode.parallel.checkpoint import export
 
     try:
-        path = export(args.checkpoint, args.out)
+        path = export(args.checkpoint, args.out, overwrite=args.force)
     except ValueError as e:
         print(f"mode export: error: {e}", file=sys.stderr)
         return 2
@@ -242,7 +298,7 @@ def _tokenize(args) -> int:
     try:
         meta = tokenize(args.tokenizer, args.out, args.text, max_bytes=args.max_bytes, eot=args.eot,
                         shard_tokens=DEFAULT_SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens,
-                        progress=print)
+                        progress=print, force=args.force)
     except ValueError as e:
         print(f"mode tokenize: error: {e}", file=sys.stderr)
         return 2
@@ -259,7 +315,7 @@ def _report(args) -> int:
 
     try:
         run_report(args.checkpoint, data=args.data, out=args.out, batches=args.batches, batch_size=args.batch_size,
-                   causal_routing=args.causal_routing, top=args.top)
+                   causal_routing=args.causal_routing, top=args.top, force=args.force)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"mode report: error: {e}", file=sys.stderr)
         return 2

@@ -27,8 +27,8 @@ def faults_of_one_step():
 faults_of_one_step()
 default = faults_of_one_step()
 tuning = retain_freed_memory()
-for _ in range(4):  # the heap grows to its working size (glibc takes 2-3 steps here)
-    faults_of_one_step()
+for _ in range(10):  # the heap grows to its working size (glibc takes 2-6 steps here: more in a lean process,
+    faults_of_one_step()  # whose heap is small, e.g. after `import mode`, which loads nothing else)
 steps = [faults_of_one_step() for _ in range(5)]
 # the median: a small allocation that lands in the freed block now and then splits it, and the next
 # 128 MiB then grows the heap once (seen once in a CI run: one step of 32 768 faults among near-zeros)

@@ -222,9 +222,6 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
     seed_list = list(range(seed, seed + seeds))
     steps_dense = p.dense_steps if dense_steps is None else dense_steps  # 0 is an error, not "the default"
     out = checkpoint.prepare_dir(out_dir, "out")  # bad output folders fail before any training
-    for name in selected:
-        for s in seed_list:
-            checkpoint.prepare_dir(run_dir(out, name, s, seeds), "out")
     corpus: Corpus = (file_corpus(data, min_file_bytes(base.seq_len)) if data
                       else stdlib_corpus(max_bytes=p.max_corpus_bytes))
     val = sweep.validation_windows(corpus, base.seq_len, p.eval_windows, p.eval_batch_size)
@@ -241,8 +238,11 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
     stale = [out / f for f in _OUTPUTS]
     for name in known:
         for d in [out / name, *(out / name).glob("seed*")]:
-            stale += [d / "ckpt.pt", d / RESULT_FILE]
+            stale += [d / "ckpt.pt", d / RESULT_FILE, d / "log.jsonl"]
     resume = run_record.start_or_resume(out, identity, fresh, run_file=RUN_FILE, kind="compare", stale=stale)
+    for name in selected:  # after the check above: a refused --out gets no new folders either
+        for s in seed_list:
+            checkpoint.prepare_dir(run_dir(out, name, s, seeds), "out")
     tokens_per_step = p.train.batch_size * base.seq_len
     budget = steps_dense * train_flops_per_token(models["dense"]) * tokens_per_step
     dense_fwd = forward_flops_per_token(models["dense"])

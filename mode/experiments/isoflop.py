@@ -139,7 +139,8 @@ def run_isoflop(out_dir: str | Path, quick: bool | str = False, data: str | None
                           "eval_windows": p.eval_windows, "eval_batch_size": p.eval_batch_size}}
     stale = [out / f for f in OUTPUTS]
     if (out / "runs").is_dir():
-        stale += [*(out / "runs").glob("**/ckpt.pt"), *(out / "runs").glob(f"**/{RESULT_FILE}")]
+        stale += [*(out / "runs").glob("**/ckpt.pt"), *(out / "runs").glob(f"**/{RESULT_FILE}"),
+                  *(out / "runs").glob("**/log.jsonl")]
     resume = run_record.start_or_resume(out, identity, fresh, run_file=RUN_FILE, kind="isoflop", stale=stale)
     ckpt_s = ckpt_every_s or None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -360,13 +361,14 @@ def plot_expert_load(report: dict, path: Path) -> None:
 
 def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path | None = None, batches: int = 8,
                batch_size: int | None = None, causal_routing: bool = False, top: int = 10,
-               quiet: bool = False) -> dict:
+               quiet: bool = False, force: bool = False) -> dict:
     """Load ``checkpoint`` (written by ``mode.train.Trainer``: a file or a sharded folder; read without running
     code from it, see ``mode.train.checkpoint``), evaluate it on the validation split of ``data`` (a text file or
     a folder of token shards; default: the token folder the checkpoint was trained on, else the built-in corpus)
-    and write the report into ``out`` (default: ``<ckpt dir>/report``)."""
+    and write the report into ``out`` (default: ``<ckpt dir>/report``), whose report files must not exist yet
+    unless ``force`` (``OutputExistsError``, a ValueError: checked before the checkpoint is read)."""
     from mode import _checks
-    from mode.train.checkpoint import load_model
+    from mode.train.checkpoint import atomic_write_text, load_model, prepare_dir, refuse_existing
     from mode.train.data import eval_batches, load_corpus
 
     _checks.check_int("batches", batches)
@@ -375,6 +377,13 @@ def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path 
     ckpt = Path(checkpoint)
     if not ckpt.exists():
         raise ValueError(f"checkpoint={str(checkpoint)!r}: no such file or folder")
+    out_dir = Path(out) if out is not None else ckpt.parent / "report"
+    files = {"json": out_dir / "report.json", "compute_hist": out_dir / "compute_hist.png",
+             "heatmap": out_dir / "routing_heatmap.png", "expert_load": out_dir / "expert_load.png"}
+    if os.path.lexists(out_dir) and not out_dir.is_dir():
+        raise ValueError(f"out={str(out_dir)!r}: is a file, not a folder")
+    if not force:
+        refuse_existing(files.values())
     model, state = load_model(ckpt)
     cfg = model.cfg
     bs = batch_size or _checks.check_int(f"checkpoint {str(ckpt)!r}: train_cfg.batch_size",
@@ -400,12 +409,9 @@ def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path 
     report, _ = build_report(model, windows, causal_routing=causal_routing, top=top, token_label=label)
     report["checkpoint"] = {"path": str(ckpt), "step": state.get("step")}
     report["data"]["source"] = corpus.source
-    out_dir = Path(out) if out is not None else ckpt.parent / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = {"json": out_dir / "report.json", "compute_hist": out_dir / "compute_hist.png",
-             "heatmap": out_dir / "routing_heatmap.png", "expert_load": out_dir / "expert_load.png"}
+    prepare_dir(out_dir, "out")
     report["files"] = {k: str(v) for k, v in files.items()}
-    files["json"].write_text(json.dumps(report, indent=2))
+    atomic_write_text(files["json"], json.dumps(report, indent=2))
     plot_compute_hist(report, files["compute_hist"])
     plot_heatmap(report, files["heatmap"])
     plot_expert_load(report, files["expert_load"])

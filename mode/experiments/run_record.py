@@ -10,6 +10,7 @@ See docs/checkpoints.md.
 from __future__ import annotations
 
 import json
+import shutil
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -38,7 +39,9 @@ def start_or_resume(out: Path, identity: dict, fresh: bool, *, run_file: str, ki
                     stale: Iterable[Path]) -> bool:
     """True: resume the run recorded in ``out / run_file`` (same identity). False: start over, after
     removing the files in ``stale`` (what an earlier run left), so that nothing stale is resumed or shown as
-    this run's result. ``kind`` names the command in messages and in the record's format."""
+    this run's result. ``kind`` names the command in messages and in the record's format. Without a record, any
+    of ``stale`` that exists is refused (``checkpoint.OutputExistsError``) unless ``fresh``: a folder holding
+    files of these names that no run recorded is not this command's to replace."""
     record = out / run_file
     identity = json.loads(json.dumps(identity))  # as stored: tuples are lists
     if record.is_file() and not fresh:
@@ -54,10 +57,17 @@ def start_or_resume(out: Path, identity: dict, fresh: bool, *, run_file: str, ki
             more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
             raise ValueError(f"out={str(out)!r} holds a run with other arguments: {key}={was!r} there, "
                              f"{key}={now!r} now{more} (recorded in {record}). Rerun with the same arguments "
-                             "to resume it, pass --fresh to discard it and start over, or choose another --out")
+                             "to resume it, pass --fresh to discard it and start over (--force is the same), or choose "
+                             "another --out")
         return True
+    if not fresh:  # no record: files no run of this kind recorded are not this command's to replace
+        checkpoint.refuse_existing([record, *stale], hint=f"no {kind} run is recorded in out={str(out)!r} "
+                                   f"({run_file}) to resume: choose another --out, or ")
     for path in [record, *stale]:
-        path.unlink(missing_ok=True)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
     checkpoint.atomic_write_text(record, json.dumps({"format": f"mode-{kind}-run", "version": 1,
                                                      "args": identity}, indent=2))
     return False

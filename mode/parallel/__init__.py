@@ -15,9 +15,10 @@
     command        ``mode train``: the torchrun-ready training command
 
 ``mode.train`` never imports this package; it defines two extension points that ``register`` fills (the
-package ``mode`` calls it on import): the runtime behind ``Trainer(mesh=...)`` and the reader of sharded
-checkpoint folders behind ``mode.train.checkpoint.load_checkpoint``. Importing ``mode.parallel`` imports
-nothing from ``torch.distributed``; the names below and both extension points load it on first use.
+package ``mode`` calls it as soon as ``mode.train`` is imported): the runtime behind ``Trainer(mesh=...)`` and
+the reader of sharded checkpoint folders behind ``mode.train.checkpoint.load_checkpoint``. Importing
+``mode.parallel`` imports no torch (``mode train --help`` builds its parser from ``command``); the names below
+and both extension points load ``torch.distributed`` on first use.
 """
 
 from __future__ import annotations
@@ -59,5 +60,3 @@ def register() -> None:
     register_mesh_runtime(_mesh_runtime)
     register_folder_reader(_read_sharded)
 
-
-register()

@@ -77,17 +77,46 @@ def is_sharded(path: str | Path) -> bool:
     return path.is_dir() and ((path / LATEST).is_file() or (path / ".metadata").is_file())
 
 
+def _checkpoints_inside(folder: Path, limit: int = 4) -> str:
+    """'; it holds the checkpoint(s) ...: pass one of them' for the checkpoint files and sharded folders in
+    ``folder`` (else in its subfolders, e.g. runs/compare/<variant>/ckpt.pt), '' when there are none."""
+    def found_in(d: Path) -> list[Path]:
+        try:
+            entries = sorted(d.iterdir())
+        except OSError:
+            return []
+        files = [p for p in entries if p.suffix == ".pt" and p.is_file()]
+        files.sort(key=lambda p: (p.name != "ckpt.pt", p.name))  # the newest one first
+        return files + [p for p in entries if is_sharded(p)]
+
+    found = found_in(folder)
+    if not found:
+        try:
+            subs = sorted(p for p in folder.iterdir() if p.is_dir())
+        except OSError:
+            subs = []
+        found = [p for d in subs for p in found_in(d)]
+    if not found:
+        return ""
+    more = f" (and {len(found) - limit} more)" if len(found) > limit else ""
+    names = ", ".join(str(p) for p in found[:limit])
+    return f"; it holds the checkpoint{'s' if len(found) > 1 else ''} {names}{more}: pass " + \
+        ("that" if len(found) == 1 else "one of them")
+
+
 def save_folder(path: str | Path) -> Path:
     """The save folder a checkpoint path names: ``path/<latest>``, or ``path`` itself if it is one."""
     path = Path(path)
     where = f"checkpoint {str(path)!r}"
     if not path.exists():
         raise checkpoint.CheckpointError(f"{where}: no such file or folder")
+    if not path.is_dir():
+        raise checkpoint.CheckpointError(f"{where}: not a sharded checkpoint folder (a file)")
     if (path / ".metadata").is_file():
         return path
     if not (path / LATEST).is_file():
-        raise checkpoint.CheckpointError(f"{where}: not a file, and not a sharded checkpoint folder (no "
-                                         f"{LATEST!r} file and no DCP .metadata in it)")
+        raise checkpoint.CheckpointError(f"{where}: a folder, but not a sharded checkpoint folder (no {LATEST!r} "
+                                         f"file and no DCP .metadata in it){_checkpoints_inside(path)}")
     name = (path / LATEST).read_text().strip()
     if not name.startswith(STEP_PREFIX) or "/" in name or "\\" in name or not (path / name).is_dir():
         raise checkpoint.CheckpointError(f"{where}: {LATEST} names {name!r}, which is not a save folder in it")
@@ -233,10 +262,25 @@ def read_sharded(path: str | Path, training: bool = False) -> dict:
     return state
 
 
-def export(path: str | Path, out_file: str | Path) -> Path:
-    """Write a sharded checkpoint as one single-file checkpoint (``mode.train.checkpoint``'s format), atomically."""
+def export(path: str | Path, out_file: str | Path, overwrite: bool = False) -> Path:
+    """Write a sharded checkpoint as one single-file checkpoint (``mode.train.checkpoint``'s format), atomically.
+    ``out_file`` must not exist unless ``overwrite`` (``checkpoint.OutputExistsError``, a ValueError)."""
+    if Path(path).is_file():
+        raise checkpoint.CheckpointError(
+            f"checkpoint {str(path)!r}: a file; export reads a sharded checkpoint folder (what mode train on "
+            "several processes writes, e.g. runs/train/ckpt) and writes it as one file. A .pt file is a "
+            "single-file checkpoint already: mode sample, mode report and Trainer.load read it as it is")
+    out = Path(out_file)
+    if out.is_dir():
+        raise ValueError(f"out={str(out_file)!r}: a folder; give the name of the file to write, e.g. "
+                         f"{str(out / 'ckpt.pt')!r}")
+    if not overwrite:
+        checkpoint.refuse_existing([out])
+    checkpoint.prepare_dir(out.parent, "out's folder")  # created if needed; a bad one fails before reading
     state = read_sharded(path, training=True)
-    return checkpoint.save_checkpoint(out_file, {k: v for k, v in state.items() if k not in ("format", "version")})
+    if not overwrite:  # written by someone else while the shards were read
+        checkpoint.refuse_existing([out])
+    return checkpoint.save_checkpoint(out, {k: v for k, v in state.items() if k not in ("format", "version")})
 
 
 # ---------------------------------------------------------------------------------------------- import

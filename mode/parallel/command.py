@@ -20,13 +20,41 @@ after the step in progress with a checkpoint and status 143 (``mode.train.preemp
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mode.model import LMConfig
-from mode.train import TrainConfig
+if TYPE_CHECKING:
+    from mode.model import LMConfig
+    from mode.train import TrainConfig
+
+# Nothing here imports torch at import time (the package ``mode`` and ``mode.parallel`` do not either): ``mode
+# --help`` and ``mode train --help`` build this parser without it. The configs load in the functions below.
+
+PRESET_VALUES = {  # name -> (LMConfig fields, TrainConfig fields, max_corpus_bytes, doc); PRESETS builds them
+    "quick": (dict(seq_len=64, d_model=64, n_heads=2, d_hidden=128, num_experts=8, num_noop=2, top_k=1,
+                   layers=("moe", "staged", "moe", "integrated"), causal="predictor"),
+              dict(steps=60, batch_size=8, lr=3e-3, warmup_steps=10, eval_every=30, eval_batches=4, log_every=10),
+              2_000_000, "a smoke run: about a minute on 2 CPU cores with 4 processes"),
+    "small": (dict(seq_len=256, d_model=128, n_heads=4, d_hidden=512, num_experts=8, num_noop=4, top_k=1,
+                   layers=("moe", "staged", "moe", "integrated", "moe", "staged"), causal="predictor"),
+              dict(steps=1000, batch_size=16, lr=3e-3, warmup_steps=50, eval_every=100, eval_batches=8,
+                   log_every=10),
+              None, "CPU-sized: 6 layers, d_model 128, 8 experts"),
+    "base": (dict(seq_len=512, d_model=512, n_heads=8, d_hidden=2048, num_experts=16, num_noop=8, top_k=2,
+                  layers=("moe", "staged") * 3 + ("integrated",) * 2, causal="predictor"),
+             dict(steps=5000, batch_size=64, lr=1e-3, warmup_steps=200, eval_every=250, eval_batches=8,
+                  log_every=10),
+             None, "GPU-sized: 8 layers, d_model 512, 16 experts, top-2"),
+}
+# Defaults the help states that live in modules importing torch; tests/test_cli_conventions.py checks that they
+# are those modules' values.
+MODEL_DEFAULTS = {"router": "token_choice", "balance_coef": 0.01}  # LMConfig's
+DEFAULT_GRACE_S, EXIT_PREEMPTED = 25.0, 143  # mode.train.preempt's
+TIMEOUT_ENV, DEFAULT_TIMEOUT_S = "MODE_DIST_TIMEOUT_S", 300.0  # mode.parallel.process_group's
 
 
 @dataclass(frozen=True)
@@ -37,38 +65,40 @@ class Preset:
     doc: str
 
 
-PRESETS = {
-    "quick": Preset(
-        LMConfig(seq_len=64, d_model=64, n_heads=2, d_hidden=128, num_experts=8, num_noop=2,
-                 layers=("moe", "staged", "moe", "integrated"), causal="predictor"),
-        TrainConfig(steps=60, batch_size=8, warmup_steps=10, eval_every=30, eval_batches=4, log_every=10),
-        2_000_000, "a smoke run: about a minute on 2 CPU cores with 4 processes"),
-    "small": Preset(
-        LMConfig(seq_len=256, d_model=128, n_heads=4, d_hidden=512, num_experts=8, num_noop=4,
-                 layers=("moe", "staged", "moe", "integrated", "moe", "staged"), causal="predictor"),
-        TrainConfig(steps=1000, batch_size=16, warmup_steps=50, eval_every=100, eval_batches=8, log_every=10),
-        None, "CPU-sized: 6 layers, d_model 128, 8 experts"),
-    "base": Preset(
-        LMConfig(seq_len=512, d_model=512, n_heads=8, d_hidden=2048, num_experts=16, num_noop=8, top_k=2,
-                 layers=("moe", "staged") * 3 + ("integrated",) * 2, causal="predictor"),
-        TrainConfig(steps=5000, batch_size=64, lr=1e-3, warmup_steps=200, eval_every=250, eval_batches=8,
-                    log_every=10),
-        None, "GPU-sized: 8 layers, d_model 512, 16 experts, top-2"),
-}
+@functools.cache
+def presets() -> dict[str, Preset]:
+    """``PRESET_VALUES`` as configs (``PRESETS``)."""
+    from mode.model import LMConfig
+    from mode.train import TrainConfig
+
+    return {name: Preset(LMConfig(**m), TrainConfig(**t), max_bytes, doc)
+            for name, (m, t, max_bytes, doc) in PRESET_VALUES.items()}
+
+
+def __getattr__(name: str):
+    if name == "PRESETS":  # the configs need torch: built on first use
+        return presets()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _by_preset(part: int, key: str) -> str:
+    """'the preset's: quick 60, small 1000, base 5000' for a field of PRESET_VALUES."""
+    def text(v):
+        return ",".join(v) if isinstance(v, tuple) else f"{v:g}" if isinstance(v, float) else str(v)
+
+    return "the preset's: " + ", ".join(f"{name} {text(v[part][key])}" for name, v in PRESET_VALUES.items())
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    from mode.parallel import process_group as mdist
-    from mode.train import preempt
-
+    """The options of ``mode train`` (on ``parser``, or a new parser); imports no torch."""
     p = parser or argparse.ArgumentParser(prog="mode train")
-    p.add_argument("--preset", default="quick", choices=sorted(PRESETS),
-                   help="; ".join(f"{k}: {v.doc}" for k, v in PRESETS.items()) + " (default quick)")
+    p.add_argument("--preset", default="quick", choices=sorted(PRESET_VALUES),
+                   help="; ".join(f"{k}: {v[3]}" for k, v in PRESET_VALUES.items()) + " (default quick)")
     p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / ep)")
     p.add_argument("--ep", type=int, help="expert-parallel degree (default: processes / dp; both unset: ep = "
                                           "processes)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="auto: CUDA (NCCL, one GPU per process) when present, else CPU (gloo)")
+                   help="auto: CUDA (NCCL, one GPU per process) when present, else CPU (gloo) (default auto)")
     p.add_argument("--bf16", action="store_true", help="forward under bfloat16 autocast (weights stay float32)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (slow first step on CPU)")
     p.add_argument("--dedup-rows", action="store_true",
@@ -77,28 +107,40 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--data", help="a UTF-8 text file, or a folder of token shards (.bin/.npy and meta.json, e.g. "
                                   "from mode tokenize; the model takes its vocab_size; docs/data.md) (default: "
                                   "the Python standard library's sources)")
-    p.add_argument("--out", default="runs/train", help="folder for log.jsonl and the checkpoint (rank 0 logs)")
-    p.add_argument("--layers", help="comma-separated layer kinds, e.g. moe,staged,moe,integrated")
-    p.add_argument("--router", help="MoE router: token_choice or expert_choice")
-    p.add_argument("--num-experts", type=int)
-    p.add_argument("--num-noop", type=int)
-    p.add_argument("--top-k", type=int)
+    p.add_argument("--out", default="runs/train",
+                   help="folder for log.jsonl and the checkpoint (rank 0 logs); one that holds an earlier run's "
+                        "is refused unless --resume or --force (default runs/train)")
+    p.add_argument("--force", action="store_true",
+                   help="start a new run in an --out that holds an earlier run: its checkpoints, log.jsonl and "
+                        "tb/ are deleted first")
+    p.add_argument("--layers", help="comma-separated layer kinds, e.g. moe,staged,moe,integrated (default: "
+                                    + _by_preset(0, "layers") + ")")
+    p.add_argument("--router", help=f"MoE router: token_choice or expert_choice (default {MODEL_DEFAULTS['router']})")
+    p.add_argument("--num-experts", type=int, help=f"experts per MoE layer (default: {_by_preset(0, 'num_experts')})")
+    p.add_argument("--num-noop", type=int, help="no-op experts of the integrated MoDE layers (default: "
+                                                + _by_preset(0, "num_noop") + ")")
+    p.add_argument("--top-k", type=int, help=f"experts per token (default: {_by_preset(0, 'top_k')})")
     p.add_argument("--capacity-factor", type=float, help="token-choice capacity factor (default: dropless)")
-    p.add_argument("--balance-coef", type=float)
-    p.add_argument("--steps", type=int)
-    p.add_argument("--batch-size", type=int, help="global batch (sequences per step), split over the processes")
+    p.add_argument("--balance-coef", type=float, help="weight of the load-balancing loss (default "
+                                                      f"{MODEL_DEFAULTS['balance_coef']:g})")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default: {_by_preset(1, 'steps')})")
+    p.add_argument("--batch-size", type=int, help="global batch (sequences per step), split over the processes "
+                                                  f"(default: {_by_preset(1, 'batch_size')})")
     p.add_argument("--grad-accum", type=int, metavar="N",
                    help="gradient accumulation: each process's rows in N micro-batches per optimizer step, with "
                         "the whole batch's loss and gradient (N must divide batch size / processes; "
-                        "docs/training.md)")
+                        "docs/training.md) (default 1)")
     p.add_argument("--ac", action="store_true",
                    help="activation checkpointing: every block keeps only its input and is recomputed in "
                         "backward (less memory, about one more forward of compute; docs/training.md)")
-    p.add_argument("--lr", type=float)
-    p.add_argument("--eval-every", type=int)
-    p.add_argument("--log-every", type=int, help="log the training loss every this many steps (default: the preset's)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default: {_by_preset(1, 'lr')})")
+    p.add_argument("--eval-every", type=int, help="evaluate the validation loss every this many steps (default: "
+                                                  + _by_preset(1, "eval_every") + ")")
+    p.add_argument("--log-every", type=int, help="log the training loss every this many steps (default: "
+                                                 + _by_preset(1, "log_every") + ")")
     p.add_argument("--ckpt-every", type=int, help="also checkpoint every this many steps (default: at the end only)")
-    p.add_argument("--ckpt-every-s", type=float, help="also checkpoint every this many seconds (rank 0's clock)")
+    p.add_argument("--ckpt-every-s", type=float, help="also checkpoint every this many seconds (rank 0's clock) "
+                                                      "(default: at the end only)")
     p.add_argument("--eager-init", action="store_true",
                    help="on a mesh, every rank builds the full model before sharding it (default: built on the "
                         "meta device, each rank materializes its shards only, with the same values; "
@@ -108,10 +150,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "OUT/ckpt-step-N.pt); resuming skips a newest "
                         "one that fails its checksums or was never completed, with a warning, and uses the one "
                         "before (docs/distributed.md, 'When a rank dies')")
-    p.add_argument("--grace-s", type=float, default=preempt.DEFAULT_GRACE_S, metavar="SECONDS",
+    p.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                    help=f"on SIGTERM every rank finishes its step, the group saves a checkpoint and the command "
-                        f"exits with status {preempt.EXIT_PREEMPTED}; a rank not done this many seconds after the "
-                        f"signal exits anyway (default {preempt.DEFAULT_GRACE_S:g}; keep it below the "
+                        f"exits with status {EXIT_PREEMPTED}; a rank not done this many seconds after the "
+                        f"signal exits anyway (default {DEFAULT_GRACE_S:g}; keep it below the "
                         f"scheduler's kill delay and torchrun's --shutdown-timeout)")
     p.add_argument("--async-save", action="store_true",
                    help="on a mesh, write checkpoints in the background (dcp.async_save): the step that saves waits "
@@ -121,15 +163,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--peak-tflops", type=float,
                    help="one device's peak dense bf16 TFLOP/s, for the logged model FLOPs utilisation (default: "
                         "known GPUs only, e.g. H100 SXM 989; none on a CPU)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialization and the data order (default 0)")
     p.add_argument("--resume", nargs="?", const=True, default=False, type=resume_value, metavar="auto",
                    help="continue from the checkpoint in OUT (either kind; there must be one). --resume auto: "
                         "continue from it when OUT holds a complete one, else start a new run (one command line "
                         "that starts and restarts a run, e.g. under a scheduler or torchelastic)")
     p.add_argument("--resume-from", help="continue from this checkpoint: a single file or a sharded folder, "
                                          "saved by any number of processes in any layout")
-    p.add_argument("--timeout", type=float, help=f"collective timeout in seconds (default ${mdist.TIMEOUT_ENV} "
-                                                 f"or {mdist.DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--timeout", type=float, help=f"collective timeout in seconds (default ${TIMEOUT_ENV} "
+                                                 f"or {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--threads", type=int, help="torch intra-op threads per process (default: torch's)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar; the plain progress lines (on stdout: every 20 s, and at the end) still "
@@ -167,17 +209,49 @@ def find_checkpoint(out: str | Path, prefer_sharded: bool = False) -> Path | Non
     return found[0] if found else None
 
 
+def earlier_run(out: str | Path) -> list[Path]:
+    """What an earlier run left in ``out`` that a new run would overwrite or mix with its own: checkpoints of
+    both kinds (complete or not), ``log.jsonl``, ``tb/``."""
+    from mode.parallel.runtime import MeshRuntime
+    from mode.train.runtime import OneProcess, kept_checkpoints
+
+    out = Path(out)
+    single = out / OneProcess.checkpoint_name
+    paths = [single, *kept_checkpoints(single), out / MeshRuntime.checkpoint_name, out / "log.jsonl", out / "tb"]
+    return [p for p in paths if p.exists() or p.is_symlink()]
+
+
+def _delete(paths: list[Path]) -> None:
+    import shutil
+
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def checkpoint_to_resume(args, ctx) -> Path | None:
     """What this run continues from: a path, or None (a new run, or ``--resume``/``--resume-from``, whose
     checkpoint ``Trainer.load`` finds). Rank 0 looks in OUT and broadcasts what it found, so that every rank
-    takes the same decision. ``ValueError``: OUT holds a checkpoint and neither ``--resume`` nor
-    ``--resume-from`` was given (a new run would overwrite it)."""
+    takes the same decision. ``ValueError``: OUT holds what an earlier run left (a checkpoint, ``log.jsonl``,
+    ``tb/``) and neither ``--resume``, ``--resume-from`` nor ``--force`` was given (a new run would overwrite it).
+    ``--force``: rank 0 deletes those first and the run is a new one."""
     if args.resume_from:
         return None
-    found = [None]
+    force = getattr(args, "force", False)
+    if force and args.resume:
+        raise ValueError("--force and --resume: give one of them (--force starts a new run over the one in OUT, "
+                         "--resume continues it)")
+    found = [None, None]  # the checkpoint to resume, what else an earlier run left
     if ctx is None or ctx.rank == 0:
         path = find_checkpoint(args.out, prefer_sharded=ctx is not None)
         found[0] = None if path is None else str(path)
+        left = earlier_run(args.out)
+        found[1] = str(left[0]) if left else None
+        if force and left:
+            _delete(left)
+            found = [None, None]
     if ctx is not None and ctx.world_size > 1:
         import torch.distributed as dist
 
@@ -192,13 +266,17 @@ def checkpoint_to_resume(args, ctx) -> Path | None:
         restarted = (f" (torchrun restarted this group, attempt {attempt()}: start it with --resume auto so that a "
                      "restart continues the run)") if attempt() else ""
         raise ValueError(f"{args.out!r} already holds a run's checkpoint ({found[0]!r}); a new run would overwrite "
-                         f"it. Continue it with --resume auto (or --resume), or give a new or empty --out to "
-                         f"start another run{restarted}")
+                         f"it. Continue it with --resume auto (or --resume), give a new or empty --out to "
+                         f"start another run, or pass --force to delete it and start a new run here{restarted}")
+    if found[1] is not None and not args.resume:
+        raise ValueError(f"{args.out!r} already holds {found[1]!r} from an earlier run (and no complete checkpoint); "
+                         "a new run would overwrite it. Give a new or empty --out, or pass --force to delete it "
+                         "and start a new run here")
     return None if found[0] is None else Path(found[0])
 
 
 def configs(args) -> tuple[LMConfig, TrainConfig, int | None]:
-    preset = PRESETS[args.preset]
+    preset = presets()[args.preset]
     m = {k: v for k, v in dict(num_experts=args.num_experts, num_noop=args.num_noop, top_k=args.top_k,
                                  balance_coef=args.balance_coef, router=args.router).items() if v is not None}
     if args.capacity_factor is not None:
@@ -282,7 +360,8 @@ def run(args) -> int:
         if trainer.rank == 0:
             split = (f"{model_cfg.num_experts} experts -> {model_cfg.num_experts // dims.ep} per ep rank; "
                      if dims is not None and model_cfg.uses_moe else "")
-            print(f"mode train: {trainer.runtime.describe()}, device {trainer.device}"
+            where = trainer.runtime.describe()  # one process: "one process on cpu" names the device already
+            print(f"mode train: {where}" + ("" if str(trainer.device) in where else f", device {trainer.device}")
                   + (f", backend {ctx.backend}, timeout {ctx.timeout_s:g} s" if ctx else "")
                   + (", bf16 autocast" if args.bf16 else "") + (", compiled" if args.compile else "")
                   + (", activation checkpointing" if train_cfg.activation_checkpointing else "")

@@ -83,6 +83,21 @@ class WriteError(OSError):
     """A file could not be written (full disk, unwritable folder, ...); the previous file is unchanged."""
 
 
+class OutputExistsError(ValueError):
+    """An output path that already holds a file or folder the command did not write in this run: the commands
+    never replace one unless told to (``--force``, or resuming their own run)."""
+
+
+def refuse_existing(paths, hint: str = "") -> None:
+    """``OutputExistsError`` naming the first of ``paths`` that exists (a file, a folder or a link) and how many
+    more do, saying to pass ``--force`` (after ``hint``, another way out); nothing when none exists."""
+    found = [Path(p) for p in paths if os.path.lexists(p)]
+    if found:
+        more = f" (and {len(found) - 1} more of this command's outputs)" if len(found) > 1 else ""
+        raise OutputExistsError(f"{str(found[0])!r} already exists{more}; {hint}pass --force to replace "
+                                f"{'them' if len(found) > 1 else 'it'}")
+
+
 # ---------------------------------------------------------------------------------------------- writing
 
 

@@ -130,9 +130,11 @@ def _encoded(tok, docs: list[Document], eot_id: int | None) -> Iterator[tuple[Do
 
 def tokenize(tokenizer: str | os.PathLike, out: str | os.PathLike, text: str | os.PathLike | None = None, *,
              max_bytes: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS, eot: str | None = None,
-             progress=None) -> TokenMeta:
+             progress=None, force: bool = False) -> TokenMeta:
     """Encode ``text`` (a file, a folder of files, or None: the built-in corpus) with ``tokenizer`` into shards
-    in ``out``; returns what meta.json says. ``progress``: called with a line of text per shard written."""
+    in ``out``; returns what meta.json says. ``progress``: called with a line of text per shard written.
+    ``out`` must hold no shards, ``meta.json`` or other ``tokenizer.json`` (``ValueError``) unless ``force``,
+    which deletes them first."""
     _checks.check_int("shard_tokens", shard_tokens)
     if max_bytes is not None:
         _checks.check_int("max_bytes", max_bytes)
@@ -149,10 +151,18 @@ def tokenize(tokenizer: str | os.PathLike, out: str | os.PathLike, text: str | o
                              "(e.g. a special token such as <|endoftext|>) or leave it out")
     docs, source = documents(text, max_bytes)
     out_dir = checkpoint.prepare_dir(out, "out")
-    taken = sorted(p.name for p in out_dir.iterdir() if p.suffix in SUFFIXES or p.name == META)
-    if taken:
-        raise ValueError(f"out={str(out)!r}: already holds {taken[0]!r}; write the shards into a new or empty "
-                         "folder (an old shard there would be read with the new ones)")
+    tok_copy = out_dir / TOKENIZER_FILE
+    other_tokenizer = (tok_copy.exists() and tok_path.resolve() != tok_copy.resolve()
+                       and tok_copy.read_bytes() != tok_path.read_bytes())
+    taken = sorted(p for p in out_dir.iterdir()
+                   if p.suffix in SUFFIXES or p.name == META or (p.name == TOKENIZER_FILE and other_tokenizer))
+    if taken and not force:
+        more = f" (and {len(taken) - 1} more)" if len(taken) > 1 else ""
+        raise ValueError(f"out={str(out)!r}: already holds {taken[0].name!r}{more}; write the shards into a new or "
+                         "empty folder (an old shard there would be read with the new ones), or pass --force to "
+                         "delete them and write the new ones")
+    for path in taken:
+        path.unlink()
     dtype = dtype_for_vocab(vocab)
     writers = {split: ShardWriter(out_dir, split, dtype, shard_tokens) for split in ("train", "val")}
     tail: list[np.ndarray] = []  # documents split by token fraction: held until the cut is known
@@ -173,7 +183,6 @@ def tokenize(tokenizer: str | os.PathLike, out: str | os.PathLike, text: str | o
     if not writers["train"].shards:
         raise ValueError(f"text={str(text) if text is not None else 'the built-in corpus'!r}: no training tokens "
                          "(the text is empty)")
-    tok_copy = out_dir / TOKENIZER_FILE
     if tok_path.resolve() != tok_copy.resolve():
         checkpoint.atomic_write(tok_copy, tok_path.read_bytes())
     ref = TokenizerRef(TOKENIZER_FILE, checkpoint.sha256_file(tok_copy))  # relative: the folder moves as one

@@ -217,7 +217,7 @@ def test_sharded_checkpoint_with_a_pickled_item_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("how,msg", [
-    ("no_latest", "not a file, and not a sharded checkpoint folder"),
+    ("no_latest", "a folder, but not a sharded checkpoint folder"),
     ("bad_latest", "latest names 'step-nope', which is not a save folder in it"),
     ("bad_meta", "meta.json is missing or not JSON"),
     ("wrong_shape", "model.embed.weight is torch.float32 (256, 16), this model needs torch.float32 (256, 8)"),
@@ -336,7 +336,7 @@ def test_invalid_contents_get_a_clear_error(tmp_path):
                 load_checkpoint(path, training=True)
     with pytest.raises(CheckpointError, match="no such file"):
         load_checkpoint(tmp_path / "missing.pt")
-    with pytest.raises(CheckpointError, match="not a file"):
+    with pytest.raises(CheckpointError, match="a folder, but not a sharded checkpoint folder"):
         load_checkpoint(tmp_path)
 
 
