@@ -118,7 +118,10 @@ def variants(base: LMConfig, causal: str = "predictor", recipe: MoDRecipe = DEFA
     }
 
 
-def extra_variants(base: LMConfig, causal: str = "predictor") -> dict[str, LMConfig]:
+EXTRA_VARIANTS = ("integrated_mode_matched", "staged_mode_matched", "integrated_budget")
+
+
+def extra_variants(base: LMConfig, causal: str = "predictor", names=EXTRA_VARIANTS) -> dict[str, LMConfig]:
     """Variants trained only when named in ``only`` (not part of the default six): staged and integrated
     MoDE paired at matching per-token FLOPs, each pair sending the same nominal share of tokens to work.
 
@@ -127,13 +130,17 @@ def extra_variants(base: LMConfig, causal: str = "predictor") -> dict[str, LMCon
     capacity (per-token FLOPs 0.60 of dense at the default preset, staged MoDE's are 0.58).
     ``staged_mode_matched``: staged MoDE at capacity 0.5, the share of tokens that the default integrated
     MoDE (as many no-ops as experts) sends to a real expert (0.74 of dense per token; integrated 0.76).
+    ``names``: build only these (``integrated_budget`` cannot be built where attention alone costs more than
+    MoD's FLOPs per token).
     """
     n = base.n_layers
-    return {
-        "integrated_mode_matched": replace(base, layers=("integrated",) * n, num_noop=7 * base.num_experts),
-        "staged_mode_matched": replace(base, layers=alternate(n, "moe", "staged"), capacity=0.5, causal=causal),
-        "integrated_budget": budget_held_integrated(base, variants(base, causal)["mod"]),
+    build = {
+        "integrated_mode_matched": lambda: replace(base, layers=("integrated",) * n, num_noop=7 * base.num_experts),
+        "staged_mode_matched": lambda: replace(base, layers=alternate(n, "moe", "staged"), capacity=0.5,
+                                               causal=causal),
+        "integrated_budget": lambda: budget_held_integrated(base, variants(base, causal)["mod"]),
     }
+    return {name: build[name]() for name in EXTRA_VARIANTS if name in names}  # only those asked for
 
 
 # The budget's bias must outpace the router's own learning, which pulls tokens towards real experts: at 1e-3

@@ -29,7 +29,7 @@ from test_compare import write_text_file
 
 NAMES = ["dense", "mod", "mod_random", "moe", "staged_mode", "integrated_mode"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-VOLATILE = ("wall_s", "run_s", "tok_s", "wall", "machine")
+VOLATILE = ("wall_s", "run_s", "tok_s", "wall", "machine", "estimate")  # estimate: measured seconds too
 
 
 def tiny_preset(**kw) -> IsoflopPreset:
@@ -55,12 +55,14 @@ def tiny_sweep(tmp_path_factory):
 # ------------------------------------------------------------------------------------- budgets and steps
 
 
-@pytest.mark.parametrize("p", [preset(True), preset(False), preset("gpu"), tiny_preset()],
-                         ids=["quick", "default", "gpu", "tiny"])
-def test_step_counts_hit_the_budget_for_every_size_and_variant(p, tmp_path):
+@pytest.mark.parametrize("p, budgets, sizes", [(preset(True), 3, 4), (preset(False), 3, 4), (preset("gpu"), 2, 3),
+                                              (tiny_preset(), 3, 4)], ids=["quick", "default", "gpu", "tiny"])
+def test_step_counts_hit_the_budget_for_every_size_and_variant(p, budgets, sizes, tmp_path):
     specs = plan(p, tmp_path, seeds=[0])
     assert len(specs) == len(p.budgets) * len(p.sizes) * len(NAMES)
-    assert len(p.budgets) >= 3 and len(p.sizes) >= 4
+    # the gpu preset has what 6 minutes of one GPU allow (isoflop_plan.preset's comment): 3 sizes, the fewest
+    # that can show an optimum inside them, and 2 budgets
+    assert len(p.budgets) >= budgets and len(p.sizes) >= sizes
     for s in specs:
         cost = sweep.step_flops(s.cfg, p.train.batch_size)
         assert abs(s.steps * cost - s.budget) <= cost / 2 + 1e-9 * s.budget, s.label  # nearest whole step
@@ -162,6 +164,15 @@ def test_tiny_sweep_writes_valid_json_with_every_size_and_seed(tiny_sweep):
             assert c["low"] <= c["mean"] <= c["high"] and c["n"] == 2
             assert c["significant"] == (c["low"] > 0 or c["high"] < 0)
             assert c["at_edge"] == [n for n, v in ((a, va), (b, vb)) if v["at_edge"]]  # flagged: not an optimum
+        assert set(entry["per_size"]) == set(CLAIMS)
+        for label, rows in entry["per_size"].items():  # the same claim at each size: same size, same FLOPs
+            a, b = CLAIMS[label]
+            assert [r["size"] for r in rows] == [s["size"] for s in entry["variants"][a]["sizes"]]
+            for r, sa, sb in zip(rows, entry["variants"][a]["sizes"], entry["variants"][b]["sizes"]):
+                assert r["mean"] == pytest.approx(sa["loss_mean"] - sb["loss_mean"]) and r["n"] == 2
+                assert r["low"] <= r["mean"] <= r["high"]
+                assert r["flops_per_token_ratio"] == pytest.approx(sa["nominal_flops"] / sa["steps"]
+                                                                    / (sb["nominal_flops"] / sb["steps"]))
     assert on_disk["validation"]["windows"] == 32 and on_disk["validation"]["loss_se_max"] > 0
 
 
@@ -173,7 +184,8 @@ def test_tiny_sweep_writes_tables_and_nonempty_pngs(tiny_sweep):
     assert format_report(report) in stdout
     assert "validation: 32 fixed windows of 32 bytes" in stdout
     md = (out / "isoflop.md").read_text()
-    assert md.count("| 2e+07 |") == len(NAMES) + len(CLAIMS)
+    n_sizes = len(report["budgets"][0]["variants"]["dense"]["sizes"])
+    assert md.count("| 2e+07 |") == len(NAMES) + len(CLAIMS) + len(CLAIMS) * n_sizes  # best, claims, per size
     assert "MoD - best dense" in md and "learned - random routing" in md
 
 
