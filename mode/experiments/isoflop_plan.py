@@ -64,16 +64,15 @@ def preset(quick: bool | str) -> IsoflopPreset:
     _checks.check_choice("preset", name, PRESETS)
     if name == "gpu":
         # One H100/H200, about 6 minutes for 2 seeds of the six variants (docs/isoflop.md has the table).
-        # The step of these models is host-bound (see the constants below): ~10 ms (dense L2_d128) to ~37 ms
-        # (staged MoDE L4_d256) whatever the batch, until the device's share catches up, which it does near
-        # d=256 at 256 x 512 tokens. So the batch is as large as that allows (131,072 tokens a step: more
-        # tokens per second for free) and the widths stay at 128-256, where a step costs about what its
-        # operations cost the host. With those, 6 minutes buy about 15,000 steps in all, 36 runs per seed: one
-        # budget of ~150-1000 steps a run, or two at a third of that for the smaller one. Two budgets
-        # (1e14, 3e14), 3 sizes (L2_d128, L3_d192, L4_d256: 0.4M, 1.3M, 3.1M non-embedding parameters dense),
-        # per run: 30-985 steps, 3.9M-129M tokens (at most 0.62 epochs of 210 MB of package sources), 1.4-20 s;
-        # the whole grid: estimate_s(preset("gpu"), seeds=2) = 371 s. Eager: --compile costs ~35 s per
-        # distinct model (gpu_suite run 4), 36 of them here. `mode isoflop --budgets` adds budgets in a later call.
+        # The step of these models is host-bound (the constants below): 10 ms (dense L2_d128) to 37 ms (staged
+        # MoDE L4_d256), nearly whatever the batch, until the device's share catches up, which it does near
+        # d=256 at 256 x 512 tokens. So the batch is as large as that allows (131,072 tokens a step: more tokens
+        # a second for free) and the widths stay at 128-256. Then 6 minutes buy about 15,000 steps in all for
+        # 72 runs: two budgets (1e14, 3e14 FLOPs), three sizes (L2_d128, L3_d192, L4_d256: 0.39M, 1.33M, 3.15M
+        # non-embedding parameters dense). Per run: 30-985 steps, 3.9M-129M tokens (at most 0.59 epochs of
+        # the 219 MB of package sources of the CPU machine; estimate_s's table), an estimated 2.0-20.2 s;
+        # the grid, estimate_s(preset("gpu"), seeds=2): 396 s (59 + 140 s a seed). Eager: --compile costs
+        # ~35 s per distinct model (gpu_suite run 4), and the grid has 36. `--budgets` adds budgets later.
         base = LMConfig(seq_len=512, d_model=128, n_heads=2, d_hidden=512, num_experts=8)
         train = TrainConfig(batch_size=256, lr=2e-3, warmup_steps=50, eval_every=10**9, eval_batches=1,
                             log_every=25)

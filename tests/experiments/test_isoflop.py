@@ -349,3 +349,61 @@ def test_parabola_fit_finds_the_minimum():
     assert fit["interior"] is True
     assert parabola_fit(xs, [-y for y in ys])["params_opt"] is None  # a maximum, not a minimum
     assert parabola_fit([4.0, 5.0], [1.0, 2.0]) is None  # too few points
+
+
+# ----------------------------------------------------------------------- the gpu preset's planning arithmetic
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layers", [("dense", "mod"), ("moe", "staged", "moe"), ("integrated",) * 3,
+                                    ("dense", "mod_random", "dense", "mod_random")])
+def test_operation_counts_of_the_time_estimate_match_a_counted_step(layers, tmp_path):
+    """isoflop_plan.OPS_PER_STEP / OPS_PER_LAYER against the aten operations of one real training step
+    (bf16 autocast, after two warm-up steps). They were counted so; within 10%, so that a small change of a
+    layer's code does not fail this, while a change that makes the estimate wrong does."""
+    from mode.experiments.isoflop_plan import step_ops
+    from mode.train.data import stdlib_corpus
+
+    cfg = LMConfig(seq_len=32, d_model=32, n_heads=2, d_hidden=64, num_experts=4, num_noop=4, layers=layers,
+                   predictor_hidden=16, causal="predictor" if "mod" in layers or "staged" in layers else "none")
+    tcfg = TrainConfig(steps=10, batch_size=4, warmup_steps=1, eval_every=10**9, eval_batches=1, log_every=10**9)
+    trainer = Trainer(cfg, tcfg, stdlib_corpus(max_bytes=200_000), tmp_path, name="ops", progress=False, bf16=True)
+    trainer.train_step()
+    trainer.train_step()
+    with _CountOps() as count:
+        trainer.train_step()
+    assert count.n == pytest.approx(step_ops(cfg), rel=0.10)
+
+
+def test_the_time_estimate_reproduces_the_measured_h200_step_and_the_preset_fits_six_minutes():
+    from mode.experiments.isoflop_plan import estimate_s, estimate_step_s, run_cost
+    from mode.parallel.command import PRESETS
+
+    # the one measurement behind the constants: mode train --preset base --bf16, 477,526 tokens/s at 64 x 512
+    assert estimate_step_s(PRESETS["base"].model, 64) == pytest.approx(64 * 512 / 477_526, rel=0.005)
+    p = preset("gpu")
+    assert p.data == "packages" and p.train.batch_size * p.base.seq_len == 131_072
+    assert 300 <= estimate_s(p, seeds=2) <= 420  # "about 6 minutes" for 2 seeds of the six variants
+    specs = plan(p, Path("."), [0])
+    tokens = [run_cost(s, p)["tokens"] for s in specs]
+    assert max(tokens) < 1.3e8  # at most one epoch of any packages corpus of 130 MB or more (219 MB here)
+    assert min(s.steps for s in specs) >= 30
+
+
+def test_extra_variants_join_the_sweep_only_when_named(tmp_path):
+    p = tiny_preset(budgets=(2e7,), n_layers=(2, 3))
+    names = {s.variant for s in plan(p, tmp_path, [0])}
+    assert names == set(NAMES)
+    names = {s.variant for s in plan(p, tmp_path, [0], only=["staged_mode", "integrated_mode_matched"])}
+    assert names == {"staged_mode", "integrated_mode_matched"}
+    with pytest.raises(ValueError, match="unknown variant 'integrated_mode_matchd'"):
+        run_isoflop(tmp_path / "o", only=["integrated_mode_matchd"], preset_override=p, progress=False)
