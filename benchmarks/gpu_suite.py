@@ -866,6 +866,8 @@ def stage_isoflop(ctx: Ctx) -> dict:
     details["best"] = {f"{e['budget']:.3g}": {n: v["best"] for n, v in e["variants"].items()} for e in report["budgets"]}
     details["data"] = report["data"]
     details["estimate"] = {k: v for k, v in report["estimate"].items() if k != "runs"}
+    details["machine"] = report["machine"]
+    details["device_name"] = report["machine"].get("device_name")
     return {"numbers": numbers, "details": details}
 
 
@@ -1014,6 +1016,9 @@ def run_suite(out: Path, work: Path, budget_s: float, smoke: bool, only: list[st
             record.update(status="ok", numbers=result["numbers"], details=result["details"])
         if record["status"] != "ok" and result_path.exists():
             result_path.unlink()  # a failed rerun must not leave an earlier run's numbers for later stages
+        if stage.name == "isoflop" and record["status"] == "ok" and not payload.get("device"):
+            payload["device"] = record["details"].get("device_name")  # an isoflop-only call runs no env stage
+            payload.setdefault("versions", {"torch": record["details"].get("machine", {}).get("torch")})
         if stage.name == "env" and record["status"] == "ok":
             payload["device"] = record["details"].get("device_name")
             payload["versions"] = {k: record["details"].get(k) for k in

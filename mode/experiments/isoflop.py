@@ -217,7 +217,9 @@ def run_isoflop(out_dir: str | Path, quick: bool | str = False, data: str | None
                         "corpus": corpus.source, "model": asdict(p.base), "train": asdict(p.train),
                         "eval": {"windows": p.eval_windows, "seq_len": p.base.seq_len}}
     report["machine"] = {"torch": torch.__version__, "threads": threads or torch.get_num_threads(), "jobs": jobs,
-                         "device": device or "cpu", "bf16": bf16, "platform": platform.platform()}
+                         "device": device or "cpu", "bf16": bf16, "platform": platform.platform(),
+                         "device_name": (torch.cuda.get_device_name(torch.device(device))
+                                         if device is not None and str(device).startswith("cuda") else None)}
     report["wall_s"] = time.perf_counter() - t0
     report["run_s"] = sum(r["wall_s"] for r in results.values())
     checkpoint.atomic_write_text(out / "isoflop.json", json.dumps(report, indent=2))
