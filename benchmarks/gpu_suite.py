@@ -844,15 +844,15 @@ def stage_isoflop(ctx: Ctx) -> dict:
     numbers: dict = {"complete": done == total and proc.returncode == 0, "runs_done": done, "runs_total": total,
                      "seeds_complete": full}
     details.update(timed_out=timed_out, returncode=proc.returncode, runs_in_archive=runs_packed)
+    if not timed_out and proc.returncode != 0:  # an error, not the clock: the log holds its traceback
+        raise RuntimeError(f"the sweep exited with {proc.returncode} ({done} of {total} runs finished, kept in "
+                           f"{keep / ISOFLOP_ARCHIVE})")
     if not numbers["complete"]:
         details["next"] = (f"{done} of {total} runs finished: rerun the stage with --isoflop-from "
                            f"{keep / ISOFLOP_ARCHIVE} (brought back and carried) to train the rest")
         print(f"isoflop: {details['next']}", flush=True)
-        if full == 0:
-            if timed_out:
-                return {"numbers": numbers, "details": details}
-            raise RuntimeError(f"the sweep exited with {proc.returncode} before a seed was complete ({done} of {total} "
-                               "runs)")
+        if full == 0:  # cut off by the clock before a seed was whole: the archive is what there is
+            return {"numbers": numbers, "details": details}
         # the report of the complete seeds: every run of them is finished, so this trains nothing
         rc = subprocess.run(cmd[:4] + ["--isoflop-seeds", str(full)] + (["--smoke"] if ctx.smoke else []), cwd=ROOT,
                             env=env, timeout=max(10.0, ctx.limit_s - (time.monotonic() - t_start) - 5)).returncode

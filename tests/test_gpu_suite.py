@@ -184,7 +184,7 @@ def test_a_second_call_finishes_the_grid_from_the_first_calls_archive(isoflop_sm
     cut = tmp_path / "cut.tar.gz"  # the first call's archive without its last run: as if killed in that run
     with tarfile.open(archive) as src, tarfile.open(cut, "w:gz") as dst:
         members = src.getmembers()
-        last = [m.name for m in members if m.name.endswith("/result.json")][-1]
+        last = [m.name for m in members if m.name.endswith("/seed1/result.json")][-1]  # a run of seed 1
         for m in members:
             if not m.name.startswith(last.rsplit("/", 1)[0] + "/"):
                 dst.addfile(m, src.extractfile(m))
@@ -201,6 +201,38 @@ def test_a_second_call_finishes_the_grid_from_the_first_calls_archive(isoflop_sm
     assert nums["corpus_list_sha256"] == old["corpus_list_sha256"]
     # the retrained run repeats the first call's (same seed, same data order, CPU): the same claims
     assert nums["mod_minus_dense"] == pytest.approx(old["mod_minus_dense"], abs=1e-4)
+
+
+def test_a_call_cut_off_by_its_limit_reports_the_complete_seeds_and_keeps_the_rest(isoflop_smoke, tmp_path):
+    """The stage stops the sweep ISOFLOP_RESERVE_S before its limit; then it packs what is finished and writes
+    the report of the seeds that are complete. Here the limit leaves the sweep 1 s (no run can finish in it),
+    and the archive given lacks seed 1's last 3 runs: the report is seed 0's, and the rest is for a next call."""
+    import tarfile
+
+    first, cache, _, payload = isoflop_smoke
+    archive = first / "out" / gpu_suite.ISOFLOP_DIR / gpu_suite.ISOFLOP_ARCHIVE
+    cut = tmp_path / "cut.tar.gz"
+    with tarfile.open(archive) as src, tarfile.open(cut, "w:gz") as dst:
+        members = src.getmembers()
+        drop = set(sorted(m.name.rsplit("/", 1)[0] for m in members
+                          if m.name.endswith("/seed1/result.json"))[-3:])  # 3 runs of seed 1
+        for m in members:
+            if m.name.rsplit("/", 1)[0] not in drop:
+                dst.addfile(m, src.extractfile(m))
+    limit = gpu_suite.ISOFLOP_RESERVE_S + 1
+    proc, again = _isoflop(tmp_path, cache, "--isoflop-from", str(cut), "--stage-budget", f"isoflop={limit}")
+    rec = again["stages"]["isoflop"]
+    assert rec["status"] == "ok", rec
+    nums, total = rec["numbers"], payload["stages"]["isoflop"]["numbers"]["runs_total"]
+    assert nums["complete"] is False and rec["details"]["timed_out"] is True
+    assert nums["runs_done"] == total - 3 and nums["seeds_complete"] == 1 and nums["seeds"] == 1
+    assert nums["mod_minus_dense_interval"] is None  # one seed: a difference, no interval
+    assert "--isoflop-from" in rec["details"]["next"]
+    out = tmp_path / "out" / gpu_suite.ISOFLOP_DIR
+    assert sorted(f.name for f in out.iterdir()) == sorted([*gpu_suite.ISOFLOP_REPORT_FILES, gpu_suite.ISOFLOP_ARCHIVE])
+    assert json.loads((out / "isoflop.json").read_text())["config"]["seeds"] == [0]
+    with tarfile.open(out / gpu_suite.ISOFLOP_ARCHIVE) as tar:
+        assert sum(n.endswith("/result.json") for n in tar.getnames()) == total - 3
 
 
 def test_unpack_takes_only_what_pack_writes(tmp_path):
