@@ -72,6 +72,7 @@ class Stage:
     budget_s: float  # its time limit on the GPU
     smoke_budget_s: float  # and in the rehearsal
     doc: str
+    default: bool = True  # run without --only; False: only when --only names it (a stage of its own call)
 
 
 STAGES = (
@@ -83,8 +84,11 @@ STAGES = (
     Stage("train", 150, 300, "mode train --preset base --bf16, eager and compiled: tokens/s and MFU"),
     Stage("nccl", 60, 120, "torchrun, one rank, NCCL: mesh training, sharded checkpoint, resume"),
     Stage("profile", 60, 90, "torch.profiler: wall time vs device busy time and the top kernels of each workload"),
+    Stage("isoflop", 540, 150, "mode isoflop --preset gpu --seeds 2 on the packages corpus: the paper's claims, "
+          "isoFLOP-optimal against isoFLOP-optimal, paired over seeds", default=False),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
+DEFAULT_STAGES = tuple(s.name for s in STAGES if s.default)
 
 # The goals of the first GPU run (docs/gpu.md): (key in the stage's numbers, rule, threshold, what it says)
 GOALS = (
@@ -110,6 +114,7 @@ class Ctx:
     work: Path  # scratch folder of this stage
     device: "object"  # torch.device
     limit_s: float  # the stage's time limit (inner timeouts stay under it)
+    options: dict = None  # stage options from the command line (the isoflop stage's: out, from, seeds)
 
 
 def _device(smoke: bool):
@@ -295,7 +300,12 @@ MOE_GPU_ARGS = ["--tokens", "16384", "--d-model", "1024", "--configs", "8:2048",
 PEER_FAMILIES = ("transformers", "torchtitan")
 
 
-def compiled_ratio(candidate, baseline, x, g, device, warmup: int, repeats: int) -> dict:
+def _compiling(ctx: Ctx) -> bool:
+    """False with --no-compile: the torch.compile rows are left out (recorded as such)."""
+    return not (ctx.options or {}).get("no_compile")
+
+
+def compiled_ratio(candidate, baseline, x, g, device, warmup: int, repeats: int, compile_fn=None) -> dict:
     """``torch.compile``-d candidate / compiled baseline, forward + backward under bf16 autocast, interleaved
     pairs after a warm-up whose first call compiles: what eager's per-op launch cost hides (the host-bound
     share the profile stage shows)."""
@@ -307,7 +317,7 @@ def compiled_ratio(candidate, baseline, x, g, device, warmup: int, repeats: int)
     torch._dynamo.config.capture_scalar_outputs = True
     steps = []
     for module in (candidate, baseline):
-        compiled = torch.compile(module)
+        compiled = (compile_fn or torch.compile)(module)
         params = [p for p in module.parameters() if p.requires_grad]
 
         def step(compiled=compiled, params=params) -> None:
@@ -368,7 +378,7 @@ def stage_moe(ctx: Ctx) -> dict:
 
     compiled = {}
     cfg = payload["config"]
-    for E, H in (cfg["configs"][:1] if ctx.smoke else cfg["configs"]):
+    for E, H in (cfg["configs"][:1] if ctx.smoke else cfg["configs"]) if _compiling(ctx) else ():
         key = _size_key(E, cfg["configs"])
         torch.manual_seed(0)
         x = torch.randn(1, cfg["tokens"], cfg["d_model"], device=ctx.device, requires_grad=True)
@@ -411,9 +421,11 @@ def stage_mod(ctx: Ctx) -> dict:
     g = torch.randn(B, S, d, device=device)
     mod = MoD(TransformerBlock(d, heads, MLP(d, 4 * d)), MoDRouter(MoDRouterConfig(d_model=d, capacity=0.125,
                                                                                    check_finite=False)))
-    compiled = compiled_ratio(mod.to(device), TransformerBlock(d, heads, MLP(d, 4 * d)).to(device), x, g, device,
-                              warmup=2, repeats=block_cfg["repeats"])
-    print(f"compiled MoD block / compiled dense block: {compiled}")
+    compiled = None
+    if _compiling(ctx):
+        compiled = compiled_ratio(mod.to(device), TransformerBlock(d, heads, MLP(d, 4 * d)).to(device), x, g,
+                                  device, warmup=2, repeats=block_cfg["repeats"])
+        print(f"compiled MoD block / compiled dense block: {compiled}")
     print(f"MoD block {block['ratio_median']:.3f} (FLOP ratio {block['flop_ratio']:.3f}); "
           f"LM step {lm['ratio_median']:.3f} (FLOP ratio {lm['flop_ratio']:.3f})")
     numbers = {"block_ratio": block["ratio_median"], "block_flop_ratio": block["flop_ratio"],
@@ -421,10 +433,10 @@ def stage_mod(ctx: Ctx) -> dict:
                "lm_ratio": lm["ratio_median"], "lm_flop_ratio": lm["flop_ratio"],
                "lm_gap": lm["ratio_median"] - lm["flop_ratio"],
                "block_dense_ms": 1e3 * block["baseline_s_median"], "lm_dense_ms": 1e3 * lm["baseline_s_median"],
-               "block_ratio_compiled": compiled["ratio"],
+               **({} if compiled is None else {"block_ratio_compiled": compiled["ratio"],
+                                               "block_gap_compiled": compiled["ratio"] - block["flop_ratio"]}),
                **({} if large is None else {"block_ratio_batch32": large["ratio_median"],
-                                            "block_gap_batch32": large["ratio_median"] - large["flop_ratio"]}),
-               "block_gap_compiled": compiled["ratio"] - block["flop_ratio"]}
+                                            "block_gap_batch32": large["ratio_median"] - large["flop_ratio"]})}
     return {"numbers": numbers, "details": {"dtype": "bf16 autocast", "block": block, "lm": lm,
                                             "block_batch32": large, "block_compiled": compiled}}
 
@@ -492,6 +504,9 @@ def stage_train(ctx: Ctx) -> dict:
     peak = peak_flops(ctx.device)
     t_start = time.monotonic()
     for variant, extra in (("eager", []), ("compile", ["--compile"])):
+        if variant == "compile" and not _compiling(ctx):
+            details[variant] = {"error": "not run: --no-compile"}
+            continue
         left = ctx.limit_s - (time.monotonic() - t_start) - 5
         if left < 20:
             details[variant] = {"error": f"not run: {left:.0f} s left in the stage"}
@@ -666,9 +681,199 @@ def stage_profile(ctx: Ctx) -> dict:
     return {"numbers": numbers, "details": {"dtype": "bf16 autocast", "iters": iters, "workloads": results}}
 
 
+# -- isoflop: the paper's questions at the scale one GPU reaches in minutes (docs/isoflop.md) ---------------------
+
+ISOFLOP_DIR = "isoflop"  # OUT/isoflop: the report, the plots and the archive of every finished run
+ISOFLOP_ARCHIVE = "isoflop_runs.tar.gz"
+ISOFLOP_REPORT_FILES = ("isoflop.json", "isoflop.md", "loss_vs_params.png", "best_loss_vs_budget.png")
+ISOFLOP_SEEDS = 2
+ISOFLOP_RESERVE_S = 45.0  # of the stage's limit, kept for the report of a sweep that ran out of time
+ISOFLOP_PACK_EVERY_S = 20.0  # the archive in OUT is rewritten this often while the sweep runs
+CLAIM_KEYS = {"MoD - best dense": "mod_minus_dense", "learned - random routing": "learned_minus_random",
+              "staged - integrated MoDE": "staged_minus_integrated", "MoE - best dense": "moe_minus_dense"}
+
+
+def isoflop_smoke_preset():
+    """The gpu preset at toy sizes for the rehearsal on a CPU: the same variants, seeds, batch layout, corpus
+    and code path, with budgets of a few steps."""
+    from dataclasses import replace
+
+    from mode.experiments.isoflop_plan import IsoflopPreset, preset
+
+    gpu = preset("gpu")
+    base = replace(gpu.base, seq_len=32, d_model=16, n_heads=1, d_hidden=64, num_experts=4)
+    train = replace(gpu.train, batch_size=4, warmup_steps=2, log_every=5)
+    return IsoflopPreset(base, train, budgets=(3e8,), aspect=16, n_layers=(2, 3), head_dim=16, eval_windows=32,
+                         eval_batch_size=16, data=gpu.data)
+
+
+def run_isoflop_sweep(out: Path, smoke: bool, seeds: int) -> int:
+    """The sweep itself (``gpu_suite.py --isoflop-sweep DIR``, a process of its own that the stage can stop):
+    ``mode isoflop --preset gpu --data packages --device cuda --bf16``, resuming what ``DIR`` holds."""
+    import torch
+
+    from mode.experiments.isoflop import run_isoflop
+
+    device = "cuda" if torch.cuda.is_available() else None  # the rehearsal: the CPU, under bf16 autocast too
+    run_isoflop(out, quick="gpu", preset_override=isoflop_smoke_preset() if smoke else None, seeds=seeds,
+                data="packages", device=device, bf16=True, progress=False)
+    return 0
+
+
+def _finished_files(sweep: Path) -> list[Path]:
+    files = [sweep / "isoflop_run.json"] if (sweep / "isoflop_run.json").is_file() else []
+    runs = sweep / "runs"
+    if runs.is_dir():
+        for result in sorted(runs.glob("**/result.json")):
+            files.append(result)
+            if (result.parent / "log.jsonl").is_file():
+                files.append(result.parent / "log.jsonl")
+    return files
+
+
+def pack_isoflop(sweep: Path, archive: Path) -> int:
+    """Write (atomically) ``archive``: the sweep's record and every finished run's result and log, paths
+    relative to ``sweep``: what a later call needs to resume the sweep (checkpoints of unfinished runs are
+    left out: too large to bring back). Returns the number of finished runs in it."""
+    import tarfile
+
+    files = _finished_files(sweep)
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    tmp = archive.with_name(archive.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for f in files:
+            tar.add(f, arcname=f.relative_to(sweep).as_posix())
+    os.replace(tmp, archive)
+    return sum(1 for f in files if f.name == "result.json")
+
+
+def unpack_isoflop(source: Path, sweep: Path) -> int:
+    """Put an earlier call's finished runs (``source``: its archive, or a folder holding it) into ``sweep``, so
+    the sweep reuses them. Only the files ``pack_isoflop`` writes are taken. Returns the runs unpacked."""
+    import tarfile
+
+    archive = source / ISOFLOP_ARCHIVE if source.is_dir() else source
+    if not archive.is_file():
+        raise RuntimeError(f"--isoflop-from {str(source)!r}: no {ISOFLOP_ARCHIVE} there")
+    sweep.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with tarfile.open(archive, "r:gz") as tar:
+        for member in tar.getmembers():
+            name = member.name
+            ok = member.isfile() and not name.startswith("/") and ".." not in Path(name).parts and (
+                name == "isoflop_run.json" or (name.startswith("runs/") and name.endswith(("/result.json",
+                                                                                          "/log.jsonl"))))
+            if not ok:
+                raise RuntimeError(f"--isoflop-from {str(archive)!r}: unexpected member {name!r}")
+            tar.extract(member, sweep, filter="data")
+            n += name.endswith("/result.json")
+    return n
+
+
+def complete_seeds(sweep: Path, smoke: bool, seeds: int) -> tuple[int, int, int]:
+    """(leading seeds whose every run is finished, finished runs, runs of the whole grid)."""
+    from mode.experiments.isoflop_plan import plan, preset
+
+    p = isoflop_smoke_preset() if smoke else preset("gpu")
+    specs = plan(p, sweep, list(range(seeds)))
+    done = {s.dir for s in specs if (s.dir / "result.json").is_file()}
+    full = 0
+    while full < seeds and all(s.dir in done for s in specs if s.seed == full):
+        full += 1
+    return full, len(done), len(specs)
+
+
+def isoflop_numbers(report: dict) -> dict:
+    """The headline of an isoflop report: per budget each claim's mean difference, interval and edge flags."""
+    numbers: dict = {"seeds": len(report["config"]["seeds"]), "budgets": report["config"]["budgets"],
+                     "run_s": report.get("run_s"), "estimated_s": report["estimate"]["estimated_s"],
+                     "measured_over_estimated": report["estimate"]["measured_over_estimated"],
+                     "corpus_files": report["data"].get("files"), "corpus_list_sha256": report["data"].get("list_sha256"),
+                     "train_bytes": report["data"]["train_bytes"],
+                     "epochs_max": max(report["data"]["epochs_per_budget"].values())}
+    for i, entry in enumerate(report["budgets"]):
+        tag = "" if i == len(report["budgets"]) - 1 else f"_{entry['budget']:.0e}".replace("+", "")
+        dense = entry["variants"].get("dense", {}).get("best")
+        if dense:
+            numbers[f"dense_best{tag}"] = dense["size"] + (" (edge)" if dense["at_edge"] else "")
+        for label, c in entry["claims"].items():
+            key = CLAIM_KEYS.get(label)
+            if key:
+                numbers[f"{key}{tag}"] = c["mean"]
+                numbers[f"{key}_interval{tag}"] = None if c["low"] is None else [c["low"], c["high"]]
+                numbers[f"{key}_significant{tag}"] = c["significant"]
+                numbers[f"{key}_at_edge{tag}"] = c["at_edge"]
+    return numbers
+
+
+def stage_isoflop(ctx: Ctx) -> dict:
+    opts = ctx.options or {}
+    seeds = int(opts.get("isoflop_seeds") or ISOFLOP_SEEDS)
+    keep = Path(opts["isoflop_out"]) if opts.get("isoflop_out") else ctx.work / "keep"
+    sweep = ctx.work / "sweep"
+    details: dict = {"sweep_dir": str(sweep), "kept_in": str(keep)}
+    if opts.get("isoflop_from"):
+        details["reused_from"] = opts["isoflop_from"]
+        details["runs_reused"] = unpack_isoflop(Path(opts["isoflop_from"]), sweep)
+        print(f"isoflop: {details['runs_reused']} finished runs from {opts['isoflop_from']}", flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("MODE_CACHE_DIR", str(ctx.work.parent / "cache"))  # the packages corpus, built once per --work
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--isoflop-sweep", str(sweep), "--isoflop-seeds",
+           str(seeds)] + (["--smoke"] if ctx.smoke else [])
+    t_start = time.monotonic()
+    deadline = t_start + ctx.limit_s - ISOFLOP_RESERVE_S
+    print("$ " + " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)  # its output: the stage's log
+    packed, timed_out = -1, False
+    while True:
+        try:
+            proc.wait(timeout=max(1.0, min(ISOFLOP_PACK_EVERY_S, deadline - time.monotonic())))
+            break
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                timed_out = True
+                _kill_group(proc)
+                break
+            n = len(_finished_files(sweep))
+            if n != packed:  # what is finished so far reaches OUT even if this call is cut off
+                pack_isoflop(sweep, keep / ISOFLOP_ARCHIVE)
+                packed = n
+    details["sweep_s"] = time.monotonic() - t_start
+    runs_packed = pack_isoflop(sweep, keep / ISOFLOP_ARCHIVE)
+    full, done, total = complete_seeds(sweep, ctx.smoke, seeds)
+    numbers: dict = {"complete": done == total and proc.returncode == 0, "runs_done": done, "runs_total": total,
+                     "seeds_complete": full}
+    details.update(timed_out=timed_out, returncode=proc.returncode, runs_in_archive=runs_packed)
+    if not timed_out and proc.returncode != 0:  # an error, not the clock: the log holds its traceback
+        raise RuntimeError(f"the sweep exited with {proc.returncode} ({done} of {total} runs finished, kept in "
+                           f"{keep / ISOFLOP_ARCHIVE})")
+    if not numbers["complete"]:
+        details["next"] = (f"{done} of {total} runs finished: rerun the stage with --isoflop-from "
+                           f"{keep / ISOFLOP_ARCHIVE} (brought back and carried) to train the rest")
+        print(f"isoflop: {details['next']}", flush=True)
+        if full == 0:  # cut off by the clock before a seed was whole: the archive is what there is
+            return {"numbers": numbers, "details": details}
+        # the report of the complete seeds: every run of them is finished, so this trains nothing
+        rc = subprocess.run(cmd[:4] + ["--isoflop-seeds", str(full)] + (["--smoke"] if ctx.smoke else []), cwd=ROOT,
+                            env=env, timeout=max(10.0, ctx.limit_s - (time.monotonic() - t_start) - 5)).returncode
+        if rc != 0:
+            raise RuntimeError(f"the report of the {full} complete seed(s) failed (exit {rc})")
+    for name in ISOFLOP_REPORT_FILES:
+        shutil.copy2(sweep / name, keep / name)
+    report = json.loads((sweep / "isoflop.json").read_text())
+    numbers.update(isoflop_numbers(report))
+    details["claims"] = {f"{e['budget']:.3g}": e["claims"] for e in report["budgets"]}
+    details["best"] = {f"{e['budget']:.3g}": {n: v["best"] for n, v in e["variants"].items()} for e in report["budgets"]}
+    details["data"] = report["data"]
+    details["estimate"] = {k: v for k, v in report["estimate"].items() if k != "runs"}
+    details["machine"] = report["machine"]
+    details["device_name"] = report["machine"].get("device_name")
+    return {"numbers": numbers, "details": details}
+
+
 STAGE_FNS: dict[str, Callable[[Ctx], dict]] = {
     "env": stage_env, "tests": stage_tests, "moe": stage_moe, "mod": stage_mod, "decode": stage_decode,
-    "train": stage_train, "nccl": stage_nccl, "profile": stage_profile,
+    "train": stage_train, "nccl": stage_nccl, "profile": stage_profile, "isoflop": stage_isoflop,
 }
 
 
@@ -686,7 +891,8 @@ def _read_stage_numbers(work: Path, name: str) -> dict:
         return {}
 
 
-def run_stage_child(name: str, work: Path, smoke: bool, limit_s: float, inject: str | None) -> int:
+def run_stage_child(name: str, work: Path, smoke: bool, limit_s: float, inject: str | None,
+                    options: dict | None = None) -> int:
     """The child process: run one stage, write ``work/NAME/result.json``; exit 0 on success."""
     stage_work = work / name
     stage_work.mkdir(parents=True, exist_ok=True)
@@ -696,7 +902,7 @@ def run_stage_child(name: str, work: Path, smoke: bool, limit_s: float, inject: 
         print(f"stage {name!r}: hanging on purpose", flush=True)
         while True:
             time.sleep(1)
-    ctx = Ctx(smoke=smoke, work=stage_work, device=_device(smoke), limit_s=limit_s)
+    ctx = Ctx(smoke=smoke, work=stage_work, device=_device(smoke), limit_s=limit_s, options=options or {})
     result = STAGE_FNS[name](ctx)
     _write_json_atomic(stage_work / "result.json", result)
     return 0
@@ -746,7 +952,8 @@ def _pick(names: list[str] | None, flag: str) -> list[str]:
 
 
 def run_suite(out: Path, work: Path, budget_s: float, smoke: bool, only: list[str], skip: list[str],
-              inject: dict[str, str], stage_budget: dict[str, float]) -> dict:
+              inject: dict[str, str], stage_budget: dict[str, float], isoflop_from: str | None = None,
+              isoflop_seeds: int = ISOFLOP_SEEDS, no_compile: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + budget_s
@@ -756,7 +963,7 @@ def run_suite(out: Path, work: Path, budget_s: float, smoke: bool, only: list[st
     log_path = out / LOG_NAME
     log_path.write_text("")
     for stage in STAGES:
-        if (only and stage.name not in only) or stage.name in skip:
+        if (only and stage.name not in only) or stage.name in skip or (not only and not stage.default):
             continue
         record: dict = {"doc": stage.doc}
         left = deadline - time.monotonic()
@@ -770,6 +977,12 @@ def run_suite(out: Path, work: Path, budget_s: float, smoke: bool, only: list[st
                "--stage-limit-s", f"{limit:.1f}"] + (["--smoke"] if smoke else [])
         if stage.name in inject:
             cmd += ["--inject", f"{stage.name}={inject[stage.name]}"]
+        if no_compile:
+            cmd.append("--no-compile")
+        if stage.name == "isoflop":
+            cmd += ["--isoflop-out", str((out / ISOFLOP_DIR).resolve()), "--isoflop-seeds", str(isoflop_seeds)]
+            if isoflop_from:
+                cmd += ["--isoflop-from", str(Path(isoflop_from).resolve())]
         print(f"[gpu_suite] stage {stage.name}: limit {limit:.0f} s", file=sys.stderr, flush=True)
         stage_log = work / f"{stage.name}.log"
         t0 = time.monotonic()
@@ -803,6 +1016,9 @@ def run_suite(out: Path, work: Path, budget_s: float, smoke: bool, only: list[st
             record.update(status="ok", numbers=result["numbers"], details=result["details"])
         if record["status"] != "ok" and result_path.exists():
             result_path.unlink()  # a failed rerun must not leave an earlier run's numbers for later stages
+        if stage.name == "isoflop" and record["status"] == "ok" and not payload.get("device"):
+            payload["device"] = record["details"].get("device_name")  # an isoflop-only call runs no env stage
+            payload.setdefault("versions", {"torch": record["details"].get("machine", {}).get("torch")})
         if stage.name == "env" and record["status"] == "ok":
             payload["device"] = record["details"].get("device_name")
             payload["versions"] = {k: record["details"].get(k) for k in
@@ -858,6 +1074,8 @@ HEADLINE = {
     "train": ("tok_s_eager", "mfu_eager", "tok_s_compile", "mfu_compile", "mfu_vs_measured_eager"),
     "nccl": ("backend", "last_step", "final_loss"),
     "profile": (),
+    "isoflop": ("complete", "runs_done", "runs_total", "measured_over_estimated", "dense_best", "mod_minus_dense",
+                "mod_minus_dense_significant", "learned_minus_random", "staged_minus_integrated", "moe_minus_dense"),
 }
 
 
@@ -891,14 +1109,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inject", nargs="+", default=[], metavar="STAGE=raise|hang",
                    help="make a stage fail on purpose (to test that stages are isolated)")
     p.add_argument("--work", help="scratch folder (default: a new temporary folder)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="leave out the torch.compile rows of the moe, mod and train stages (recorded as not run); "
+                        "on a CPU they take most of a smoke run's time")
+    p.add_argument("--isoflop-from", metavar="PATH",
+                   help=f"isoflop stage: the {ISOFLOP_ARCHIVE} an earlier call left in OUT/{ISOFLOP_DIR} (or its "
+                        "folder): its finished runs are reused and the sweep goes on from there")
+    p.add_argument("--isoflop-seeds", type=int, default=ISOFLOP_SEEDS,
+                   help=f"isoflop stage: seeds (default {ISOFLOP_SEEDS})")
     p.add_argument("--run-stage", choices=STAGE_NAMES, help=argparse.SUPPRESS)
+    p.add_argument("--isoflop-out", help=argparse.SUPPRESS)
+    p.add_argument("--isoflop-sweep", help=argparse.SUPPRESS)
     p.add_argument("--stage-limit-s", type=float, default=60.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
+    if args.isoflop_sweep:
+        return run_isoflop_sweep(Path(args.isoflop_sweep), args.smoke, args.isoflop_seeds)
     if args.run_stage:
         inject = _parse_inject(args.inject).get(args.run_stage)
+        options = {"isoflop_out": args.isoflop_out, "isoflop_from": args.isoflop_from,
+                   "isoflop_seeds": args.isoflop_seeds, "no_compile": args.no_compile}
         try:
-            return run_stage_child(args.run_stage, Path(args.work), args.smoke, args.stage_limit_s, inject)
+            return run_stage_child(args.run_stage, Path(args.work), args.smoke, args.stage_limit_s, inject, options)
         except Exception:  # noqa: BLE001 - the parent records the error from this output
             traceback.print_exc()
             return 1
@@ -921,7 +1153,12 @@ def main(argv: list[str] | None = None) -> int:
     only, skip = _pick(args.only, "--only"), _pick(args.skip, "--skip")
     inject = _parse_inject(args.inject)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu_suite_"))
-    payload = run_suite(Path(args.out), work, args.budget_s, args.smoke, only, skip, inject, stage_budget)
+    if args.isoflop_seeds < 1:
+        raise SystemExit(f"--isoflop-seeds={args.isoflop_seeds}: must be >= 1")
+    if args.isoflop_from and not Path(args.isoflop_from).exists():
+        raise SystemExit(f"--isoflop-from {args.isoflop_from!r}: no such file or folder")
+    payload = run_suite(Path(args.out), work, args.budget_s, args.smoke, only, skip, inject, stage_budget,
+                        args.isoflop_from, args.isoflop_seeds, args.no_compile)
     print_summary(payload)
     print(f"\nwrote {Path(args.out) / RESULT_NAME} and {LOG_NAME}", file=sys.stderr)
     return 0 if all(r["status"] == "ok" for r in payload["stages"].values()) else 1

@@ -78,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("compare", "train dense, MoD, MoE, staged and integrated MoDE at equal training FLOPs")
     p.add_argument("--quick", action="store_true", help="small models, a few minutes on 2 CPU cores")
-    p.add_argument("--data", help="a UTF-8 text file (default: the Python standard library's sources)")
+    p.add_argument("--preset", choices=("quick", "default", "gpu"), default=None,
+                   help="quick, default (CPU), gpu (one H100/H200 with --device cuda --bf16; docs/compare.md)")
+    p.add_argument("--data", help="a UTF-8 text file, or 'packages': the installed packages' sources (default: "
+                                  "the Python standard library's sources; the gpu preset's: packages)")
     p.add_argument("--out", default="runs/compare", help="output folder (JSON, PNG, logs, checkpoints); a rerun "
                                                          "with the same arguments resumes the run in it")
     p.add_argument("--seed", type=int, default=0, help="the first seed")
@@ -115,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--device cuda --bf16); docs/isoflop.md (default: default, or quick with --quick)")
     p.add_argument("--device", help="where each run trains (default: the CPU); e.g. cuda")
     p.add_argument("--bf16", action="store_true", help="train under bfloat16 autocast (routers and the optimizer stay float32)")
-    p.add_argument("--data", help="a UTF-8 text file (default: the Python standard library's sources)")
+    p.add_argument("--data", help="a UTF-8 text file, or 'packages': the installed packages' sources (default: "
+                                  "the Python standard library's sources; the gpu preset's: packages)")
     p.add_argument("--out", default="runs/isoflop", help="output folder (JSON, Markdown, PNGs, runs); a rerun "
                                                          "resumes the sweep in it")
     p.add_argument("--seeds", type=int, default=1, help="seeds per run (paired: a seed fixes the data order)")
@@ -211,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         from mode.experiments.compare import run_compare
 
         try:
-            run_compare(args.out, quick=args.quick, data=args.data, seed=args.seed, dense_steps=args.dense_steps,
+            run_compare(args.out, quick=args.preset or args.quick, data=args.data, seed=args.seed, dense_steps=args.dense_steps,
                         only=args.only, progress=not args.no_progress, causal=args.causal,
                         ckpt_every_s=args.ckpt_every_s, fresh=args.fresh, seeds=args.seeds, recipe=_recipe(args),
                         device=args.device, bf16=args.bf16)

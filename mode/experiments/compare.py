@@ -35,7 +35,7 @@ import torch
 from mode import _checks
 from mode.experiments import run_record, stats_ci, sweep
 from mode.train import checkpoint
-from mode.train.data import Corpus, file_corpus, min_file_bytes, stdlib_corpus
+from mode.train.data import PACKAGES, Corpus
 from mode.measure.flops import forward_flops_per_token, train_flops_per_token
 from mode.model import LMConfig, alternate
 from mode.model.causal_eval import causal_eval
@@ -63,10 +63,27 @@ class ComparePreset:
     max_corpus_bytes: int | None
     eval_windows: int  # fixed validation windows for the final loss, the same for every variant and seed
     eval_batch_size: int = 32
+    data: str | None = None  # the corpus when none is given: None the built-in one, "packages" (mode.train.packages)
 
 
-def preset(quick: bool) -> ComparePreset:
-    if quick:  # a few minutes on 2 CPU cores
+PRESETS = ("quick", "default", "gpu")
+
+
+def preset(quick: bool | str) -> ComparePreset:
+    """``"quick"`` (or True), ``"default"`` (or False), ``"gpu"``."""
+    name = ("quick" if quick else "default") if isinstance(quick, bool) else quick
+    _checks.check_choice("preset", name, PRESETS)
+    if name == "gpu":
+        # One H100/H200: the isoflop gpu preset's largest size (L4_d256) and its batch of 256 x 512 bytes, on
+        # the packages corpus. Budget: 200 steps of the 4-layer dense model = 6.7e14 training FLOPs; the dense
+        # sweep's 1-layer model trains 765 steps (1.0e8 tokens, 0.46 epochs of 219 MB), MoD 355, staged
+        # MoDE 354. Expected (isoflop_plan.estimate_step_s, eager bf16): 80 s a seed for the 9 runs, plus
+        # the evaluations every 50 steps; about 3 minutes for --seeds 2.
+        model = LMConfig(seq_len=512, d_model=256, n_heads=4, d_hidden=1024, layers=("dense",) * 4, num_experts=8)
+        train = TrainConfig(batch_size=256, lr=2e-3, warmup_steps=50, eval_every=50, eval_batches=4, log_every=25)
+        return ComparePreset(model, train, dense_steps=200, max_corpus_bytes=None, eval_windows=1024,
+                             eval_batch_size=128, data=PACKAGES)
+    if name == "quick":  # a few minutes on 2 CPU cores
         model = LMConfig(seq_len=128, d_model=64, n_heads=2, d_hidden=256, layers=("dense",) * 4, num_experts=4)
         train = TrainConfig(batch_size=8, lr=3e-3, warmup_steps=20, eval_every=50, eval_batches=4, log_every=10)
         return ComparePreset(model, train, dense_steps=150, max_corpus_bytes=3_000_000, eval_windows=512)
@@ -119,7 +136,10 @@ def variants(base: LMConfig, causal: str = "predictor", recipe: MoDRecipe = DEFA
     }
 
 
-def extra_variants(base: LMConfig, causal: str = "predictor") -> dict[str, LMConfig]:
+EXTRA_VARIANTS = ("integrated_mode_matched", "staged_mode_matched", "integrated_budget")
+
+
+def extra_variants(base: LMConfig, causal: str = "predictor", names=EXTRA_VARIANTS) -> dict[str, LMConfig]:
     """Variants trained only when named in ``only`` (not part of the default six): staged and integrated
     MoDE paired at matching per-token FLOPs, each pair sending the same nominal share of tokens to work.
 
@@ -128,13 +148,17 @@ def extra_variants(base: LMConfig, causal: str = "predictor") -> dict[str, LMCon
     capacity (per-token FLOPs 0.60 of dense at the default preset, staged MoDE's are 0.58).
     ``staged_mode_matched``: staged MoDE at capacity 0.5, the share of tokens that the default integrated
     MoDE (as many no-ops as experts) sends to a real expert (0.74 of dense per token; integrated 0.76).
+    ``names``: build only these (``integrated_budget`` cannot be built where attention alone costs more than
+    MoD's FLOPs per token).
     """
     n = base.n_layers
-    return {
-        "integrated_mode_matched": replace(base, layers=("integrated",) * n, num_noop=7 * base.num_experts),
-        "staged_mode_matched": replace(base, layers=alternate(n, "moe", "staged"), capacity=0.5, causal=causal),
-        "integrated_budget": budget_held_integrated(base, variants(base, causal)["mod"]),
+    build = {
+        "integrated_mode_matched": lambda: replace(base, layers=("integrated",) * n, num_noop=7 * base.num_experts),
+        "staged_mode_matched": lambda: replace(base, layers=alternate(n, "moe", "staged"), capacity=0.5,
+                                               causal=causal),
+        "integrated_budget": lambda: budget_held_integrated(base, variants(base, causal)["mod"]),
     }
+    return {name: build[name]() for name in EXTRA_VARIANTS if name in names}  # only those asked for
 
 
 # The budget's bias must outpace the router's own learning, which pulls tokens towards real experts: at 1e-3
@@ -190,18 +214,21 @@ def run_dir(out: Path, name: str, seed: int, n_seeds: int) -> Path:
     return out / name if n_seeds == 1 else out / name / f"seed{seed}"
 
 
-def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = None, seed: int = 0,
+def run_compare(out_dir: str | Path, quick: bool | str = False, data: str | None = None, seed: int = 0,
                 dense_steps: int | None = None, only: list[str] | None = None, progress: bool = True,
                 causal: str = "predictor", ckpt_every_s: float = DEFAULT_CKPT_EVERY_S, fresh: bool = False,
                 seeds: int = 1, recipe: MoDRecipe = DEFAULT_RECIPE, device: str | None = None,
                 bf16: bool = False) -> dict:
     """Train the variants at equal training FLOPs into ``out_dir`` and return the report (also written as
-    ``compare.json``). ``seeds``: train each variant on seeds ``seed .. seed + seeds - 1``. Checkpoints
+    ``compare.json``). ``quick``: True/False for the quick/default preset, or a preset name (``PRESETS``).
+    ``data``: None for the preset's corpus (the built-in one; the gpu preset's is ``"packages"``),
+    ``"packages"``, or a UTF-8 text file. ``seeds``: train each variant on seeds ``seed .. seed + seeds - 1``. Checkpoints
     every ``ckpt_every_s`` seconds (0: only when a variant ends); resumes a killed run of the same
     arguments found in ``out_dir``, or starts over when ``fresh``. ``device``: where to train (default the
     CPU). ``bf16``: train under bfloat16 autocast (weights, gradients and AdamW stay float32; routers run in
     float32); the final loss is measured in float32 either way, so float32 and bf16 runs compare directly."""
     p = preset(quick)
+    data = p.data if data is None else data
     base = p.model
     models = variants(base, causal, recipe)
     sweep_models = dense_sweep(base)
@@ -222,10 +249,9 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
     seed_list = list(range(seed, seed + seeds))
     steps_dense = p.dense_steps if dense_steps is None else dense_steps  # 0 is an error, not "the default"
     out = checkpoint.prepare_dir(out_dir, "out")  # bad output folders fail before any training
-    corpus: Corpus = (file_corpus(data, min_file_bytes(base.seq_len)) if data
-                      else stdlib_corpus(max_bytes=p.max_corpus_bytes))
+    corpus: Corpus = sweep.load_corpus(data, base.seq_len, p.max_corpus_bytes)
     val = sweep.validation_windows(corpus, base.seq_len, p.eval_windows, p.eval_batch_size)
-    identity = {"quick": quick, "data": None if data is None else str(Path(data).resolve()), "seed": seed,
+    identity = {"quick": quick, "data": sweep.data_identity(data), "seed": seed,
                 "seeds": seeds, "dense_steps": steps_dense, "only": sorted(only) if only else None,
                 "causal": causal, "mod_recipe": asdict(recipe), "corpus": run_record.fingerprint(corpus),
                 "model": asdict(base),
@@ -300,6 +326,11 @@ def run_compare(out_dir: str | Path, quick: bool = False, data: str | None = Non
               "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                           "platform": platform.platform()},
               "baseline": baseline, "claims": claims, "validation": validation, "results": results}
+    train_bytes = run_record.fingerprint(corpus)["train_bytes"]
+    epochs = {name: r["tokens"] / train_bytes for name, r in results.items()}  # byte-level: a token is a byte
+    report["data"] = {**sweep.data_record(corpus), "epochs": epochs}
+    print(f"data: {corpus.source}; the most epochs of its {train_bytes:,} training bytes a run read: "
+          f"{max(epochs.values()):.3f} ({max(epochs, key=epochs.get)})")
     # each file appears whole or not at all: a crash here never leaves a half report that looks complete
     checkpoint.atomic_write_text(out / "compare.json", json.dumps(report, indent=2))
     checkpoint.atomic_write_text(out / "compare.md", "\n\n".join([markdown_table(results), legend(report, "md"),

@@ -34,12 +34,13 @@ import torch
 
 from mode import _checks
 from mode.experiments import run_record, stats_ci, sweep
-from mode.experiments.compare import DEFAULT_RECIPE, MoDRecipe, variants
-from mode.experiments.isoflop_plan import IsoflopPreset, RunSpec, plan, preset, size_config
+from mode.experiments.compare import DEFAULT_RECIPE, MoDRecipe
+from mode.experiments.isoflop_plan import (IsoflopPreset, RunSpec, plan, preset, run_cost, size_config,
+                                           sweep_variants, variant_names)
 from mode.experiments.isoflop_report import (format_report, markdown_report, plot_best_vs_budget,
                                              plot_loss_vs_params, summarize)
 from mode.train import checkpoint
-from mode.train.data import Corpus, file_corpus, min_file_bytes, stdlib_corpus
+from mode.train.data import Corpus
 from mode.train.progress import log_line
 
 RUN_FILE = "isoflop_run.json"
@@ -68,6 +69,7 @@ def _run_in_worker(spec: RunSpec, p: IsoflopPreset, ckpt_every_s: float | None, 
 def run_one(spec: RunSpec, p: IsoflopPreset, corpus: Corpus, val, ckpt_every_s: float | None, resume: bool,
             progress: bool, log=log_line, device: str | None = None, bf16: bool = False) -> dict:
     """Train ``spec`` (resuming its checkpoint when ``resume``), evaluate it on ``val``, write its result."""
+    t_start = time.perf_counter()
     tcfg = sweep.run_train_config(p.train, spec.steps, spec.seed, ckpt_every_s)
     log(f"{spec.label}: {spec.size.n_layers} layers, d_model {spec.size.d_model}, {spec.steps} steps")
     trainer = sweep.train(spec.cfg, tcfg, corpus, spec.dir, spec.label, progress, resume, log, device, bf16)
@@ -80,9 +82,29 @@ def run_one(spec: RunSpec, p: IsoflopPreset, corpus: Corpus, val, ckpt_every_s: 
         "nominal_flops": spec.steps * cost, "step_flops": cost, "train_flops": trainer.flops,
         "tokens": trainer.tokens, "val_loss": stats_ci.mean(losses), "window_losses": losses,
         "wall_s": trainer.elapsed,
+        "total_s": time.perf_counter() - t_start,  # this process's: built, trained, saved and evaluated
     }
     checkpoint.atomic_write_text(spec.dir / RESULT_FILE, json.dumps(result))
     return result
+
+
+def epochs_per_budget(p: IsoflopPreset, specs: list[RunSpec], costs: dict[Path, dict]) -> dict[float, float]:
+    """Per budget, the most epochs of the training data that any of its runs reads (byte-level: a token is a
+    byte): above 1 a run sees some text twice, and what it learns depends on the repetition."""
+    return {b: max(costs[s.dir]["epochs"] for s in specs if s.budget == b) for b in p.budgets
+            if any(s.budget == b for s in specs)}
+
+
+def timing(specs: list[RunSpec], results: dict[Path, dict], costs: dict[Path, dict]) -> dict:
+    """The planning estimate (``isoflop_plan.run_cost``: seconds on one H100/H200) beside what the runs took,
+    run by run: ``total_s`` from the model's construction to its evaluation, ``wall_s`` the training loop's."""
+    runs = [{"run": s.label, "steps": s.steps, "tokens": costs[s.dir]["tokens"], "epochs": costs[s.dir]["epochs"],
+             "est_s": costs[s.dir]["est_s"], "wall_s": results[s.dir].get("wall_s"),
+             "total_s": results[s.dir].get("total_s")} for s in specs]
+    est = sum(r["est_s"] for r in runs)
+    wall = sum(r["total_s"] if r["total_s"] is not None else (r["wall_s"] or 0.0) for r in runs)
+    return {"estimated_s": est, "run_s": wall, "measured_over_estimated": wall / est if est else None,
+            "runs": runs}
 
 
 def _check_result(spec: RunSpec, result: dict) -> dict:
@@ -104,7 +126,9 @@ def run_isoflop(out_dir: str | Path, quick: bool | str = False, data: str | None
                 preset_override: IsoflopPreset | None = None) -> dict:
     """Run (or resume) the sweep into ``out_dir``; write and return the report (``isoflop.json``).
 
-    ``quick``: True/False for the quick/default preset, or a preset name (``PRESETS``). ``device``/``bf16``:
+    ``quick``: True/False for the quick/default preset, or a preset name (``PRESETS``). ``data``: None for the
+    preset's corpus (the built-in one, or ``"packages"`` for the gpu preset), ``"packages"``, or a UTF-8 text
+    file. ``only`` may also name the extra variants (``isoflop_plan.variant_names``). ``device``/``bf16``:
     where and how each run trains (None: the trainer's default, the CPU). ``jobs`` > 1 trains that many runs
     at once in worker processes of ``threads`` threads each (CPU)."""
     name = ("quick" if quick else "default") if isinstance(quick, bool) else quick
@@ -116,21 +140,22 @@ def run_isoflop(out_dir: str | Path, quick: bool | str = False, data: str | None
         _checks.check_positive("ckpt_every_s", ckpt_every_s)
     if budgets:
         p = replace(p, budgets=tuple(float(b) for b in budgets))
-    names = list(variants(size_config(p, p.sizes[0]), causal))
-    unknown = [n for n in only or () if n not in names]
+    known = variant_names(causal)
+    unknown = [n for n in only or () if n not in known]
     if unknown:
-        raise ValueError(f"only={only!r}: unknown variant {unknown[0]!r}; must be among {', '.join(names)}")
+        raise ValueError(f"only={only!r}: unknown variant {unknown[0]!r}; must be among {', '.join(known)}")
+    names = list(sweep_variants(size_config(p, p.sizes[0]), causal, recipe, only))
+    data = p.data if data is None else data
     if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r}: torch.cuda.is_available() is False here (torch {torch.__version__}); "
                          "install a CUDA build of torch, or leave --device out to train on the CPU")
     seed_list = list(range(first_seed, first_seed + seeds))
     out = checkpoint.prepare_dir(out_dir, "out")
     specs = plan(p, out, seed_list, causal, only, recipe)  # budgets below one step of a size fail here, before training
-    corpus: Corpus = (file_corpus(data, min_file_bytes(p.base.seq_len)) if data
-                      else stdlib_corpus(max_bytes=p.max_corpus_bytes))
+    corpus: Corpus = sweep.load_corpus(data, p.base.seq_len, p.max_corpus_bytes)
     val = sweep.validation_windows(corpus, p.base.seq_len, p.eval_windows, p.eval_batch_size)
     identity = {"preset": name if preset_override is None else "custom",
-                "data": None if data is None else str(Path(data).resolve()), "causal": causal,
+                "data": sweep.data_identity(data), "causal": causal,
                 "bf16": bf16,
                 "mod_recipe": asdict(recipe),
                 "corpus": run_record.fingerprint(corpus), "model": asdict(p.base),
@@ -143,6 +168,12 @@ def run_isoflop(out_dir: str | Path, quick: bool | str = False, data: str | None
                   *(out / "runs").glob("**/log.jsonl")]
     resume = run_record.start_or_resume(out, identity, fresh, run_file=RUN_FILE, kind="isoflop", stale=stale)
     ckpt_s = ckpt_every_s or None
+    train_bytes = run_record.fingerprint(corpus)["train_bytes"]
+    costs = {spec.dir: run_cost(spec, p, train_bytes) for spec in specs}
+    epochs = epochs_per_budget(p, specs, costs)
+    print(f"data: {corpus.source}; epochs of its {train_bytes:,} training bytes that a run reads, most per budget: "
+          + ", ".join(f"{b:.3g}: {e:.3f}" for b, e in epochs.items())
+          + ("" if max(epochs.values()) <= 1 else "  (more than one: the data repeats)"), flush=True)
 
     t0 = time.perf_counter()
     results: dict[Path, dict] = {}
@@ -181,13 +212,17 @@ def run_isoflop(out_dir: str | Path, quick: bool | str = False, data: str | None
                 report_done(spec, results[spec.dir])
 
     report = summarize(p, specs, results, seed_list, names if not only else [n for n in names if n in only])
+    report["data"] = {**sweep.data_record(corpus), "epochs_per_budget": {f"{b:.6g}": e for b, e in epochs.items()}}
+    report["estimate"] = timing(specs, results, costs)
     report["config"] = {"preset": identity["preset"], "seeds": seed_list, "budgets": list(p.budgets),
                         "sizes": [s.name for s in p.sizes], "aspect": p.aspect, "causal": causal,
                         "mod_recipe": asdict(recipe),
                         "corpus": corpus.source, "model": asdict(p.base), "train": asdict(p.train),
                         "eval": {"windows": p.eval_windows, "seq_len": p.base.seq_len}}
     report["machine"] = {"torch": torch.__version__, "threads": threads or torch.get_num_threads(), "jobs": jobs,
-                         "device": device or "cpu", "bf16": bf16, "platform": platform.platform()}
+                         "device": device or "cpu", "bf16": bf16, "platform": platform.platform(),
+                         "device_name": (torch.cuda.get_device_name(torch.device(device))
+                                         if device is not None and str(device).startswith("cuda") else None)}
     report["wall_s"] = time.perf_counter() - t0
     report["run_s"] = sum(r["wall_s"] for r in results.values())
     checkpoint.atomic_write_text(out / "isoflop.json", json.dumps(report, indent=2))

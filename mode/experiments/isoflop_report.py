@@ -11,6 +11,11 @@ import numpy as np
 
 from mode.experiments import stats_ci
 from mode.experiments.compare import CLAIMS
+
+# Claims made when both sides were trained (the extra variants are trained only when named in ``only``):
+# staged MoDE against integrated MoDE with 7 no-op slots per expert, which sends 1/8 of the tokens to an MLP
+# expert under balanced routing, as staged MoDE's 12.5% capacity does: the same FLOPs per token at each size
+SWEEP_CLAIMS = {**CLAIMS, "staged - integrated MoDE, same FLOPs/token": ("staged_mode", "integrated_mode_matched")}
 from mode.experiments.isoflop_plan import IsoflopPreset, RunSpec, Size
 from mode.train import checkpoint
 
@@ -68,7 +73,8 @@ def summarize(p: IsoflopPreset, specs: list[RunSpec], results: dict[Path, dict],
             best_dense_ratio = entry["variants"]["dense"]["best"]["loss_mean"]
         for v in entry["variants"].values():
             v["best"]["vs_best_dense"] = None if best_dense_ratio is None else v["best"]["loss_mean"] / best_dense_ratio
-        for label, (a, b) in CLAIMS.items():
+        entry["per_size"] = _per_size(p, budget, seeds, by_key, entry["variants"])
+        for label, (a, b) in SWEEP_CLAIMS.items():
             if a not in entry["variants"] or b not in entry["variants"]:
                 continue
             ba, bb = entry["variants"][a]["best"], entry["variants"][b]["best"]
@@ -86,6 +92,27 @@ def summarize(p: IsoflopPreset, specs: list[RunSpec], results: dict[Path, dict],
                   "loss_se_max": max(noise_single, default=None),
                   "difference_se_max": max(noise_pair, default=None)}
     return {"budgets": budgets_out, "validation": validation}
+
+
+def _per_size(p: IsoflopPreset, budget: float, seeds: list[int], by_key: dict, variants: dict) -> dict:
+    """Each claim at each size where both sides were trained on every seed: the same size, the same training
+    FLOPs, paired over seeds; ``flops_per_token_ratio`` is a's nominal FLOPs per token over b's (1.0 for the
+    matched staged/integrated pair, below 1 where a runs more steps in the budget)."""
+    out = {}
+    for label, (a, b) in SWEEP_CLAIMS.items():
+        if a not in variants or b not in variants:
+            continue
+        rows = []
+        for size in p.sizes:
+            runs_a = [by_key.get((budget, a, size, s)) for s in seeds]
+            runs_b = [by_key.get((budget, b, size, s)) for s in seeds]
+            if any(r is None for r in runs_a + runs_b):
+                continue
+            d = stats_ci.paired_difference([r["val_loss"] for r in runs_a], [r["val_loss"] for r in runs_b])
+            rows.append({"size": size.name, **{k: v for k, v in d.items() if k != "diffs"},
+                         "flops_per_token_ratio": runs_a[0]["step_flops"] / runs_b[0]["step_flops"]})
+        out[label] = rows
+    return out
 
 
 def _size(p: IsoflopPreset, name: str) -> Size:
@@ -147,6 +174,11 @@ def format_report(report: dict) -> str:
         for label, c in entry["claims"].items():
             lines.append(f"{entry['budget']:>8.2g} {label:<26}{stats_ci.format_difference(c):>44}"
                          f"  ({c['rel']:+.2%}; eval SE {c['eval_se']:.4f}){_edge_text(c)}")
+    for entry in report["budgets"]:
+        for label, rows in entry.get("per_size", {}).items():
+            if rows:
+                lines.append(f"{entry['budget']:>8.2g} {label + ', same size:':<26}" + "; ".join(
+                    f"{r['size']} {stats_ci.format_difference(r)}" for r in rows))
     lines += ["", validation_note(report)]
     return "\n".join(lines)
 
@@ -171,6 +203,18 @@ def markdown_report(report: dict) -> str:
             lines.append(f"| {entry['budget']:.2g} | {label} | {c['a']} − {c['b']} | "
                          f"{stats_ci.format_pm(c['mean'], c['std'], '+.4f')} | {interval} | {sig} | {c['rel']:+.2%} | "
                          f"{c['eval_se']:.4f} |{_edge_text(c)[3:] or ' '} |")
+    per_size = [(e["budget"], label, rows) for e in report["budgets"] for label, rows in e.get("per_size", {}).items()
+                if rows]
+    if per_size:
+        lines += ["", "| budget (FLOPs) | difference (same size) | size | mean ± std | 95% interval | significant | "
+                  "relative | FLOPs/token a ÷ b |", "|---" * 8 + "|"]
+        for budget, label, rows in per_size:
+            for r in rows:
+                interval = "–" if r["low"] is None else f"[{r['low']:+.4f}, {r['high']:+.4f}]"
+                sig = "–" if r["significant"] is None else ("**yes**" if r["significant"] else "no")
+                lines.append(f"| {budget:.2g} | {label} | {r['size']} | "
+                             f"{stats_ci.format_pm(r['mean'], r['std'], '+.4f')} | {interval} | {sig} | "
+                             f"{r['rel']:+.2%} | {r['flops_per_token_ratio']:.3f} |")
     lines += ["", validation_note(report)]
     return "\n".join(lines)
 

@@ -15,14 +15,31 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+
 from mode.train import checkpoint
-from mode.train.data import Corpus
+from mode.train.data import Corpus, split_parts, split_tokens
+
+_CHUNK = 1 << 24
+
+
+def _crc32(split, crc: int) -> int:
+    """CRC32 of a split's bytes (an array, or memory-mapped parts), read in chunks: no copy of the whole."""
+    for part in split_parts(split):
+        ids = part.ids_N if hasattr(part, "ids_N") else part
+        for i in range(0, len(ids), _CHUNK):
+            crc = zlib.crc32(np.ascontiguousarray(ids[i:i + _CHUNK]), crc)
+    return crc
 
 
 def fingerprint(corpus: Corpus) -> dict:
-    """Sizes and CRC32 of the training and validation bytes: a rerun must train on the same text."""
-    return {"train_bytes": len(corpus.train), "val_bytes": len(corpus.val),
-            "crc32": zlib.crc32(corpus.val.tobytes(), zlib.crc32(corpus.train.tobytes()))}
+    """Sizes and CRC32 of the training and validation bytes: a rerun must train on the same text. The
+    packages corpus (``--data packages``) adds its file count and list hash (mode.train.packages)."""
+    out = {"train_bytes": split_tokens(corpus.train), "val_bytes": split_tokens(corpus.val)}
+    if corpus.packages is not None:  # its CRC was computed as it was built, the same way
+        return {**out, "crc32": corpus.packages.crc32, "files": corpus.packages.files,
+                "list_sha256": corpus.packages.list_sha256}
+    return {**out, "crc32": _crc32(corpus.val, _crc32(corpus.train, 0))}
 
 
 def differences(saved, now, prefix: str = "") -> list[tuple[str, object, object]]:

@@ -12,11 +12,39 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mode.train.data import Corpus, eval_batches
+from mode.experiments import run_record
+from mode.train.data import PACKAGES, Corpus, eval_batches, file_corpus, min_file_bytes, stdlib_corpus
 from mode.measure.flops import train_flops_per_token
 from mode.model import LM, LMConfig
 from mode.train import Trainer, TrainConfig
 from mode.train.progress import log_line
+
+
+def load_corpus(data: str | None, seq_len: int, max_bytes: int | None = None, log=print) -> Corpus:
+    """A sweep's data: None the built-in corpus (its first ``max_bytes`` bytes), ``"packages"`` the installed
+    packages' sources (``mode.train.packages``; a file of that name is ``./packages``), else a UTF-8 text file."""
+    if data is None:
+        return stdlib_corpus(max_bytes=max_bytes)
+    if data == PACKAGES:
+        from mode.train.packages import packages_corpus
+
+        return packages_corpus(log=log)
+    return file_corpus(data, min_file_bytes(seq_len))
+
+
+def data_identity(data: str | None) -> str | None:
+    """What a run record keeps of ``data``: None, ``"packages"`` (its bytes are in the corpus fingerprint), or
+    the file's absolute path."""
+    return data if data in (None, PACKAGES) else str(Path(data).resolve())
+
+
+def data_record(corpus: Corpus) -> dict:
+    """The corpus as a results JSON records it: source, byte counts and, for the packages corpus, the file
+    count, the list hash and what was left out (the exact corpus depends on the installed versions)."""
+    out = {"source": corpus.source, **run_record.fingerprint(corpus)}
+    if corpus.packages is not None:
+        out["packages"] = corpus.packages.to_dict()
+    return out
 
 
 def step_flops(cfg: LMConfig, batch_size: int) -> float:

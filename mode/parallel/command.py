@@ -104,9 +104,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--dedup-rows", action="store_true",
                    help="expert parallelism sends one row per (token, destination rank) instead of one per "
                         "assignment (top-k > 1, device-limited routing; docs/routing.md)")
-    p.add_argument("--data", help="a UTF-8 text file, or a folder of token shards (.bin/.npy and meta.json, e.g. "
-                                  "from mode tokenize; the model takes its vocab_size; docs/data.md) (default: "
-                                  "the Python standard library's sources)")
+    p.add_argument("--data", help="a UTF-8 text file, a folder of token shards (.bin/.npy and meta.json, e.g. "
+                                  "from mode tokenize; the model takes its vocab_size; docs/data.md), or 'packages' "
+                                  "(the installed packages' sources, docs/data.md) (default: the Python standard "
+                                  "library's sources)")
     p.add_argument("--out", default="runs/train",
                    help="folder for log.jsonl and the checkpoint (rank 0 logs); one that holds an earlier run's "
                         "is refused unless --resume or --force (default runs/train)")

@@ -24,6 +24,7 @@ from torch import Tensor
 from mode.train.tokens import TokenizerRef, load_tokenizer, open_token_folder
 
 VOCAB_SIZE = 256
+PACKAGES = "packages"  # ``--data packages``: the installed packages' sources (mode.train.packages)
 VAL_EVERY_NTH_FILE = 20  # built-in corpus: every 20th source file (in sorted order) is held out
 
 
@@ -54,6 +55,7 @@ class Corpus:
     vocab_size: int = VOCAB_SIZE  # every id is below it
     tokenizer: TokenizerRef | None = None  # token shards: what turns their ids into text
     path: str | None = None  # token shards: the folder
+    packages: object = None  # the packages corpus (``--data packages``): its ``PackagesInfo`` (mode.train.packages)
 
     def __post_init__(self) -> None:
         for split in ("train", "val"):
@@ -142,10 +144,15 @@ def token_corpus(path: str | os.PathLike, seq_len: int | None = None) -> Corpus:
 
 
 def load_corpus(data: str | os.PathLike | None, seq_len: int, max_bytes: int | None = None) -> Corpus:
-    """What ``--data`` names: a folder of token shards, a UTF-8 text file, or (None) the built-in corpus
-    (its first ``max_bytes`` bytes, whole files)."""
+    """What ``--data`` names: ``packages`` (the installed packages' sources: ``mode.train.packages``; a file
+    of that name is ``./packages``), a folder of token shards, a UTF-8 text file, or (None) the built-in
+    corpus (its first ``max_bytes`` bytes, whole files)."""
     if data is None:
         return stdlib_corpus(max_bytes=max_bytes)
+    if str(data) == PACKAGES:
+        from mode.train.packages import packages_corpus
+
+        return packages_corpus(log=print)
     if Path(data).is_dir():
         return token_corpus(data, seq_len)
     return file_corpus(data, min_file_bytes(seq_len))

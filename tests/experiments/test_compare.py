@@ -467,3 +467,24 @@ def test_negative_ckpt_every_s_is_refused(tmp_path, capsys):
     assert main(["compare", "--quick", "--ckpt-every-s", "-1", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
     assert "ckpt_every_s=-1.0: must be finite and > 0" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_gpu_preset_is_the_isoflop_gpu_presets_largest_size_on_the_packages_corpus():
+    """The numbers of compare.preset's comment and docs/compare.md: budget, steps, tokens, estimated time."""
+    from mode.experiments import sweep
+    from mode.experiments.isoflop_plan import RUN_OVERHEAD_S, estimate_step_s
+    from mode.experiments.isoflop_plan import preset as iso_preset
+
+    p, iso = preset("gpu"), iso_preset("gpu")
+    assert p.data == "packages" and p.model.d_model == iso.sizes[-1].d_model and p.model.n_layers == iso.sizes[-1].n_layers
+    assert (p.train.batch_size, p.model.seq_len) == (iso.train.batch_size, iso.base.seq_len)
+    models = {**dense_sweep(p.model), **variants(p.model)}
+    budget = p.dense_steps * sweep.step_flops(models["dense"], p.train.batch_size)
+    assert budget == pytest.approx(6.7e14, rel=0.01)
+    steps = {n: sweep.steps_for_budget(c, budget, p.train.batch_size) for n, c in models.items()}
+    assert steps["dense_1l"] == 765 and steps["mod"] == 355
+    seconds = sum(steps[n] * estimate_step_s(c, p.train.batch_size) + RUN_OVERHEAD_S for n, c in models.items())
+    assert seconds == pytest.approx(80, abs=2)
+    assert preset(True) == preset("quick") and preset(False) == preset("default")
+    with pytest.raises(ValueError, match="preset='gpu2'"):
+        preset("gpu2")

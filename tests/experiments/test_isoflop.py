@@ -30,7 +30,7 @@ from test_compare import write_text_file
 
 NAMES = ["dense", "mod", "mod_random", "moe", "staged_mode", "integrated_mode"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-VOLATILE = ("wall_s", "run_s", "tok_s", "wall", "machine")
+VOLATILE = ("wall_s", "run_s", "tok_s", "wall", "machine", "estimate")  # estimate: measured seconds too
 
 
 def tiny_preset(**kw) -> IsoflopPreset:
@@ -56,12 +56,14 @@ def tiny_sweep(tmp_path_factory):
 # ------------------------------------------------------------------------------------- budgets and steps
 
 
-@pytest.mark.parametrize("p", [preset(True), preset(False), preset("gpu"), tiny_preset()],
-                         ids=["quick", "default", "gpu", "tiny"])
-def test_step_counts_hit_the_budget_for_every_size_and_variant(p, tmp_path):
+@pytest.mark.parametrize("p, budgets, sizes", [(preset(True), 3, 4), (preset(False), 3, 4), (preset("gpu"), 2, 3),
+                                              (tiny_preset(), 3, 4)], ids=["quick", "default", "gpu", "tiny"])
+def test_step_counts_hit_the_budget_for_every_size_and_variant(p, budgets, sizes, tmp_path):
     specs = plan(p, tmp_path, seeds=[0])
     assert len(specs) == len(p.budgets) * len(p.sizes) * len(NAMES)
-    assert len(p.budgets) >= 3 and len(p.sizes) >= 4
+    # the gpu preset has what 6 minutes of one GPU allow (isoflop_plan.preset's comment): 3 sizes, the fewest
+    # that can show an optimum inside them, and 2 budgets
+    assert len(p.budgets) >= budgets and len(p.sizes) >= sizes
     for s in specs:
         cost = sweep.step_flops(s.cfg, p.train.batch_size)
         assert abs(s.steps * cost - s.budget) <= cost / 2 + 1e-9 * s.budget, s.label  # nearest whole step
@@ -163,6 +165,15 @@ def test_tiny_sweep_writes_valid_json_with_every_size_and_seed(tiny_sweep):
             assert c["low"] <= c["mean"] <= c["high"] and c["n"] == 2
             assert c["significant"] == (c["low"] > 0 or c["high"] < 0)
             assert c["at_edge"] == [n for n, v in ((a, va), (b, vb)) if v["at_edge"]]  # flagged: not an optimum
+        assert set(entry["per_size"]) == set(CLAIMS)
+        for label, rows in entry["per_size"].items():  # the same claim at each size: same size, same FLOPs
+            a, b = CLAIMS[label]
+            assert [r["size"] for r in rows] == [s["size"] for s in entry["variants"][a]["sizes"]]
+            for r, sa, sb in zip(rows, entry["variants"][a]["sizes"], entry["variants"][b]["sizes"]):
+                assert r["mean"] == pytest.approx(sa["loss_mean"] - sb["loss_mean"]) and r["n"] == 2
+                assert r["low"] <= r["mean"] <= r["high"]
+                assert r["flops_per_token_ratio"] == pytest.approx(sa["nominal_flops"] / sa["steps"]
+                                                                    / (sb["nominal_flops"] / sb["steps"]))
     assert on_disk["validation"]["windows"] == 32 and on_disk["validation"]["loss_se_max"] > 0
 
 
@@ -174,7 +185,8 @@ def test_tiny_sweep_writes_tables_and_nonempty_pngs(tiny_sweep):
     assert format_report(report) in stdout
     assert "validation: 32 fixed windows of 32 bytes" in stdout
     md = (out / "isoflop.md").read_text()
-    assert md.count("| 2e+07 |") == len(NAMES) + len(CLAIMS)
+    n_sizes = len(report["budgets"][0]["variants"]["dense"]["sizes"])
+    assert md.count("| 2e+07 |") == len(NAMES) + len(CLAIMS) + len(CLAIMS) * n_sizes  # best, claims, per size
     assert "MoD - best dense" in md and "learned - random routing" in md
 
 
@@ -344,3 +356,61 @@ def test_parabola_fit_finds_the_minimum():
     assert fit["interior"] is True
     assert parabola_fit(xs, [-y for y in ys])["params_opt"] is None  # a maximum, not a minimum
     assert parabola_fit([4.0, 5.0], [1.0, 2.0]) is None  # too few points
+
+
+# ----------------------------------------------------------------------- the gpu preset's planning arithmetic
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layers", [("dense", "mod"), ("moe", "staged", "moe"), ("integrated",) * 3,
+                                    ("dense", "mod_random", "dense", "mod_random")])
+def test_operation_counts_of_the_time_estimate_match_a_counted_step(layers, tmp_path):
+    """isoflop_plan.OPS_PER_STEP / OPS_PER_LAYER against the aten operations of one real training step
+    (bf16 autocast, after two warm-up steps). They were counted so; within 10%, so that a small change of a
+    layer's code does not fail this, while a change that makes the estimate wrong does."""
+    from mode.experiments.isoflop_plan import step_ops
+    from mode.train.data import stdlib_corpus
+
+    cfg = LMConfig(seq_len=32, d_model=32, n_heads=2, d_hidden=64, num_experts=4, num_noop=4, layers=layers,
+                   predictor_hidden=16, causal="predictor" if "mod" in layers or "staged" in layers else "none")
+    tcfg = TrainConfig(steps=10, batch_size=4, warmup_steps=1, eval_every=10**9, eval_batches=1, log_every=10**9)
+    trainer = Trainer(cfg, tcfg, stdlib_corpus(max_bytes=200_000), tmp_path, name="ops", progress=False, bf16=True)
+    trainer.train_step()
+    trainer.train_step()
+    with _CountOps() as count:
+        trainer.train_step()
+    assert count.n == pytest.approx(step_ops(cfg), rel=0.10)
+
+
+def test_the_time_estimate_reproduces_the_measured_h200_step_and_the_preset_fits_six_minutes():
+    from mode.experiments.isoflop_plan import estimate_s, estimate_step_s, run_cost
+    from mode.parallel.command import PRESETS
+
+    # the one measurement behind the constants: mode train --preset base --bf16, 477,526 tokens/s at 64 x 512
+    assert estimate_step_s(PRESETS["base"].model, 64) == pytest.approx(64 * 512 / 477_526, rel=0.005)
+    p = preset("gpu")
+    assert p.data == "packages" and p.train.batch_size * p.base.seq_len == 131_072
+    assert 300 <= estimate_s(p, seeds=2) <= 420  # "about 6 minutes" for 2 seeds of the six variants
+    specs = plan(p, Path("."), [0])
+    tokens = [run_cost(s, p)["tokens"] for s in specs]
+    assert max(tokens) < 1.3e8  # at most one epoch of any packages corpus of 130 MB or more (219 MB here)
+    assert min(s.steps for s in specs) >= 30
+
+
+def test_extra_variants_join_the_sweep_only_when_named(tmp_path):
+    p = tiny_preset(budgets=(2e7,), n_layers=(2, 3))
+    names = {s.variant for s in plan(p, tmp_path, [0])}
+    assert names == set(NAMES)
+    names = {s.variant for s in plan(p, tmp_path, [0], only=["staged_mode", "integrated_mode_matched"])}
+    assert names == {"staged_mode", "integrated_mode_matched"}
+    with pytest.raises(ValueError, match="unknown variant 'integrated_mode_matchd'"):
+        run_isoflop(tmp_path / "o", only=["integrated_mode_matchd"], preset_override=p, progress=False)
