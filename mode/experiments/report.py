@@ -369,7 +369,8 @@ def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path 
     unless ``force`` (``OutputExistsError``, a ValueError: checked before the checkpoint is read)."""
     from mode import _checks
     from mode.train.checkpoint import atomic_write_text, load_model, prepare_dir, refuse_existing
-    from mode.train.data import eval_batches, load_corpus
+    from mode.train.data import eval_batches
+    from mode.train.sources import load_corpus
 
     _checks.check_int("batches", batches)
     if batch_size is not None:

@@ -305,7 +305,7 @@ def run(args) -> int:
     from mode.train import checkpoint
     from mode.parallel import process_group as mdist
     from mode.parallel.resume import load_newest
-    from mode.train.data import load_corpus
+    from mode.train.sources import load_corpus
     from mode.train import Trainer
     from mode.train.preempt import EXIT_PREEMPTED, Preemption
 

@@ -235,6 +235,8 @@ class RoutingPlan:
         padded: False when the router knows at construction that ``A == counts_E.sum()``.
         logits_TX: the router's logits, where it computes them (token choice).
         noop_gate_TN: each token's gate on each no-op slot, when the layer asks for them.
+        seq_pos_BC: MoD: each slot's position in its sequence (``token_idx_A.view(B, C) - b * S``), handed over
+            by the router so that the layer does not recompute it; None where the router has none.
     """
 
     token_idx_A: Tensor

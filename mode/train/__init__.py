@@ -4,7 +4,8 @@
     runtime     ``Runtime``, the protocol the trainer runs on, and ``OneProcess``; ``mode.parallel`` brings a mesh
     config      ``TrainConfig``
     optim       ``build_optimizer`` (AdamW) and ``lr_at`` (warm-up + cosine)
-    data        the byte corpora, ``load_corpus`` (what --data names) and the seeded, resumable batch sampler
+    data        the byte corpora and the seeded, resumable batch sampler
+    sources     ``load_corpus``: what --data names, as one corpus
     tokens      folders of pre-tokenized shards (nanoGPT's .bin / .npy), read lazily; their meta.json
     tokenize    ``mode tokenize``: text to such shards with a Hugging Face tokenizer.json
     checkpoint  the single-file checkpoint format and atomic writes

@@ -143,21 +143,6 @@ def token_corpus(path: str | os.PathLike, seq_len: int | None = None) -> Corpus:
                   tokenizer=folder.tokenizer, path=str(folder.path))
 
 
-def load_corpus(data: str | os.PathLike | None, seq_len: int, max_bytes: int | None = None) -> Corpus:
-    """What ``--data`` names: ``packages`` (the installed packages' sources: ``mode.train.packages``; a file
-    of that name is ``./packages``), a folder of token shards, a UTF-8 text file, or (None) the built-in
-    corpus (its first ``max_bytes`` bytes, whole files)."""
-    if data is None:
-        return stdlib_corpus(max_bytes=max_bytes)
-    if str(data) == PACKAGES:
-        from mode.train.packages import packages_corpus
-
-        return packages_corpus(log=print)
-    if Path(data).is_dir():
-        return token_corpus(data, seq_len)
-    return file_corpus(data, min_file_bytes(seq_len))
-
-
 def min_file_bytes(seq_len: int, val_fraction: float = 0.1) -> int:
     """Smallest file whose validation split still holds two windows of ``seq_len + 1`` bytes."""
     return int(np.ceil(2 * (seq_len + 1) / val_fraction))

@@ -15,7 +15,8 @@ import pytest
 
 from mode.experiments import run_record, sweep
 from mode.train import packages
-from mode.train.data import BatchSampler, eval_batches, load_corpus, split_tokens
+from mode.train.data import BatchSampler, eval_batches, split_tokens
+from mode.train.sources import load_corpus
 
 
 def _tree(root: Path) -> tuple[list[tuple[str, Path]], dict[str, bytes]]:

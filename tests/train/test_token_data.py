@@ -16,7 +16,8 @@ import torch
 from mode.model import LMConfig
 from mode.train import TrainConfig, Trainer
 from mode.train.checkpoint import load_checkpoint
-from mode.train.data import BatchSampler, Corpus, eval_batches, load_corpus, text_codec, token_corpus
+from mode.train.data import BatchSampler, Corpus, eval_batches, text_codec, token_corpus
+from mode.train.sources import load_corpus
 from mode.train.checkpoint import sha256_file
 from mode.train.tokens import (
     META, VAL_FRACTION, TokenShard, dtype_for_vocab, open_token_folder, split_of,
