@@ -10,7 +10,7 @@
 ``--families``: one transformers block per router kind (Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, DeepSeek-V2,
 ERNIE-4.5, LFM2-MoE, Granite-MoE, gpt-oss, Llama-4, LongCat-Flash; ``experts_implementation="grouped_mm"``
 where the family has it, random weights) against mode's layer configured as each
-(``mode.hf.moe_blocks.from_block``: the same function, checked before timing); ratio = mode's time / the
+(``mode.hf.moe.blocks.from_block``: the same function, checked before timing); ratio = mode's time / the
 block's in the same round, float32 or both under bfloat16 autocast. Writes peers_families[_bf16].json.
 
 Implementations (D=512, 4096 tokens, top-2 SwiGLU experts, float32; 8 experts of hidden 1024 and 64 of 256):
@@ -419,7 +419,7 @@ def family_blocks(shape: dict) -> dict[str, tuple[nn.Module, object]]:
     d, e, h, k = shape["d_model"], shape["experts"], shape["hidden"], shape["top_k"]
     groups = dict(n_group=shape["n_group"], topk_group=shape["topk_group"])
     common = dict(hidden_size=d, moe_intermediate_size=h, num_experts_per_tok=k, experts_implementation="grouped_mm")
-    # name -> (model type, module, block class, config fields): the router kinds of mode.hf.moe_families
+    # name -> (model type, module, block class, config fields): the router kinds of mode.hf.moe.families
     kinds = {
         "Qwen3-MoE": ("qwen3_moe", "qwen3_moe", "Qwen3MoeSparseMoeBlock", dict(num_experts=e, norm_topk_prob=True)),
         "Qwen2-MoE": ("qwen2_moe", "qwen2_moe", "Qwen2MoeSparseMoeBlock",
@@ -460,7 +460,7 @@ def family_blocks(shape: dict) -> dict[str, tuple[nn.Module, object]]:
 def bench_families(shape: dict, device: torch.device, seed: int, bf16: bool = False) -> list[dict]:
     """Each transformers block against mode's layer configured as it: agreement, then interleaved timing,
     in float32 or under bfloat16 autocast (both sides alike)."""
-    from mode.hf.moe_blocks import from_block
+    from mode.hf.moe.blocks import from_block
 
     torch.manual_seed(seed)
     x = torch.randn(1, shape["tokens"], shape["d_model"], device=device, requires_grad=True)

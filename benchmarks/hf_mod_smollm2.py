@@ -47,8 +47,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import mode.hf as mh  # noqa: E402
-from mode.hf.skip_cost import skipped  # noqa: E402
-from mode.hf.skip_update import SkipUpdate  # noqa: E402
+from mode.hf.dense.skip_cost import skipped  # noqa: E402
+from mode.hf.dense.skip_update import SkipUpdate  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 
@@ -189,7 +189,7 @@ def deleted(model, layers: list[int], part: str, estimates: dict[int, SkipUpdate
 def fit_deletion_estimates(model, layers: list[int], part: str, windows_WS, rank: int) -> dict[int, SkipUpdate]:
     """A rank-``rank`` estimate of each layer's part update from its input, fitted on every token (the
     deletion baseline's strongest form). For part "mlp" the input is the attention's output, as for MoD."""
-    from mode.hf.router_fit import _collect
+    from mode.hf.dense.router_fit import _collect
 
     probe = mh.to_mod(copy.deepcopy(model), layers=layers, capacity=1.0, causal="threshold", part=part,
                       kv="routed" if part == "mlp" else "all", skip_rank=rank)
@@ -204,7 +204,7 @@ def fit_deletion_estimates(model, layers: list[int], part: str, windows_WS, rank
 
 def oracle_routing(model) -> None:
     """Route each MoD layer's top-C by the norm of the update its part would make (an upper bound)."""
-    from mode.hf.router_fit import _update
+    from mode.hf.dense.router_fit import _update
 
     for layer in mh.mod_layers(model).values():
         def pre(m, args, kwargs):

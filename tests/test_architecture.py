@@ -94,6 +94,24 @@ def test_imports_go_down_the_layers():
     assert not bad, "imports against the layer rules (docs/architecture.md):\n" + "\n".join(bad)
 
 
+def hf_against_direction(graph: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """Inside ``hf/``, ``moe/`` (adopted MoE models) builds on ``dense/`` (converted dense decoders), never the
+    other way (docs/architecture.md)."""
+    return [f"{name}:{line} imports {target} (mode.hf.dense may not import mode.hf.moe)"
+            for name, edges in graph.items() if name.startswith("mode.hf.dense")
+            for target, line in edges if target.startswith("mode.hf.moe")]
+
+
+def test_hf_dense_does_not_import_hf_moe():
+    g = graph()
+    assert any(n.startswith("mode.hf.dense.") for n in g) and any(n.startswith("mode.hf.moe.") for n in g)
+    bad = hf_against_direction(g)
+    assert not bad, "\n".join(bad)
+    assert hf_against_direction({"mode.hf.dense.tune": [("mode.hf.moe.convert", 3)],
+                                 "mode.hf.moe.convert": [("mode.hf.dense.routing", 1)]}) == [
+        "mode.hf.dense.tune:3 imports mode.hf.moe.convert (mode.hf.dense may not import mode.hf.moe)"]
+
+
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan)."""
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -139,7 +157,7 @@ def test_the_checks_can_fail():
                            "mode.measure.stats": [("mode.parallel.stats_reduce", 9)],
                            "mode.routing.plan": [("mode.layers.moe", 1)],
                            "mode.layers.moe": [("mode.cli", 2)],
-                           "mode.hf.convert": [("mode.experiments.compare", 4)]})) == 5
+                           "mode.hf.dense.convert": [("mode.experiments.compare", 4)]})) == 5
     assert not violations({"mode.parallel.runtime": [("mode.train.trainer", 1)],
                            "mode.layers.moe": [("mode.routing.plan", 1), ("mode._checks", 2)],
                            "mode.cli": [("mode.experiments.compare", 1)]})

@@ -22,20 +22,25 @@ models (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) on mode's MoE layers,
     acc, summary = mh.moe_report(moe_model, ids)  # per-layer expert load, drops, experts and FLOPs per token
     model, tok = mh.load_gguf(mh.fetch_smollm2())  # SmolLM2-135M-Instruct, the real pretrained test bed
 
+Where the code lives (every name above is re-exported here; import them from ``mode.hf``):
+    mode/hf/dense/   a dense decoder converted in place: MoD layers, upcycling, fitting, tuning, saving
+    mode/hf/moe/     a transformers MoE model's blocks adopted as mode layers, and written back
+    mode/hf/_compat.py, pretrained.py   the transformers version and model checks; SmolLM2's GGUF
+
 See docs/hf.md for what is supported, what is refused and why.
 """
 
 from mode.hf._compat import ATTENTIONS, MODEL_TYPES, TESTED_VERSION  # noqa: F401  (checks transformers first)
-from mode.hf.cache import MoDCacheLayer
-from mode.hf.convert import mod_layers, to_mod
-from mode.hf.mod_layer import MoDLayerMixin
-from mode.hf.routing import collect_aux, routing
-from mode.hf.upcycle import UpcycledMLP, upcycle, upcycled_mlps
-from mode.hf.tune import calibrate, freeze_base, router_parameters, router_tune
-from mode.hf.router_fit import router_fit
-from mode.hf.conversion_io import load_conversion, save_conversion
-from mode.hf.skip_cost import cheapest, skip_costs
-from mode.hf.moe_convert import ConvertedMoE, converted_moe, moe_report, save_transformers, to_mode_moe
+from mode.hf.dense.cache import MoDCacheLayer
+from mode.hf.dense.convert import mod_layers, to_mod
+from mode.hf.dense.mod_layer import MoDLayerMixin
+from mode.hf.dense.routing import collect_aux, routing
+from mode.hf.dense.upcycle import UpcycledMLP, upcycle, upcycled_mlps
+from mode.hf.dense.tune import calibrate, freeze_base, router_parameters, router_tune
+from mode.hf.dense.router_fit import router_fit
+from mode.hf.dense.conversion_io import load_conversion, save_conversion
+from mode.hf.dense.skip_cost import cheapest, skip_costs
+from mode.hf.moe.convert import ConvertedMoE, converted_moe, moe_report, save_transformers, to_mode_moe
 from mode.hf.pretrained import SMOLLM2, FetchError, fetch_smollm2, load_gguf, smollm2_path
 
 __all__ = ["calibrate", "cheapest", "collect_aux", "converted_moe", "ConvertedMoE", "freeze_base", "load_conversion",

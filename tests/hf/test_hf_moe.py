@@ -17,8 +17,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
                                                           "'mode-torch[hf]'): the models to convert")
 
 import mode.hf as mh  # noqa: E402
-from mode.hf.moe_convert import transformers_names  # noqa: E402
-from mode.hf.moe_families import FAMILIES as SPECS, NOT_YET, REFUSED, get_path  # noqa: E402
+from mode.hf.moe.convert import transformers_names  # noqa: E402
+from mode.hf.moe.families import FAMILIES as SPECS, NOT_YET, REFUSED, get_path  # noqa: E402
 from mode.routing import update_expert_bias  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -104,7 +104,7 @@ def test_converted_model_computes_the_original_on_its_own_tensors(family):
         gate, w_in, w_out = tensors[name]
         bank_in, bank_out = slot.moe.experts.w_in, slot.moe.experts.w_out
         if spec.router is None:  # Gemma-4: transformers' router stays, the experts are ours
-            assert isinstance(slot, mh.moe_convert.ConvertedExperts) and bank_in is w_in and bank_out is w_out
+            assert isinstance(slot, mh.moe.convert.ConvertedExperts) and bank_in is w_in and bank_out is w_out
             continue
         assert slot.moe.router.weight is gate
         if family == "dbrx":  # fused 2D weights: the input weight is one copy, the output weight a view

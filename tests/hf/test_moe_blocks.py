@@ -1,5 +1,5 @@
 """transformers' own MoE blocks (Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) and our MoELayer configured as each
-(``mode.hf.moe_blocks``): the same output and input gradient, float32, to 1e-5."""
+(``mode.hf.moe.blocks``): the same output and input gradient, float32, to 1e-5."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install "
                                                           "'mode-torch[hf]'): the blocks to compare with")
 
-from mode.hf.moe_blocks import from_block, moe_config  # noqa: E402
+from mode.hf.moe.blocks import from_block, moe_config  # noqa: E402
 
 D, B, S = 32, 3, 10
 

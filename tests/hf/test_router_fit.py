@@ -19,7 +19,7 @@ def _batches(n: int = 4, seed: int = 3):
 
 
 def test_skip_update_starts_at_zero_and_fits_a_planted_map():
-    from mode.hf.skip_update import SkipUpdate
+    from mode.hf.dense.skip_update import SkipUpdate
 
     torch.manual_seed(0)
     est = SkipUpdate(32, 4)

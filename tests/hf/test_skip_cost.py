@@ -16,7 +16,7 @@ ZEROED = {"attention": ("self_attn.o_proj",), "mlp": ("mlp.down_proj",),
 
 
 def loss_of(hf, model, batches):
-    return hf.skip_cost._mean_loss(model, batches)
+    return hf.dense.skip_cost._mean_loss(model, batches)
 
 
 def batches_for(seed=0, left_pad=3):

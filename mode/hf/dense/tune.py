@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
-from mode.hf.convert import mod_layers
-from mode.hf.routing import collect_aux, routing
-from mode.hf.upcycle import upcycled_mlps
+from mode.hf.dense.convert import mod_layers
+from mode.hf.dense.routing import collect_aux, routing
+from mode.hf.dense.upcycle import upcycled_mlps
 
 OBJECTIVES = ("lm", "distill")
 

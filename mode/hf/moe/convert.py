@@ -2,14 +2,14 @@
 ``save_transformers`` writes the model back as an ordinary transformers checkpoint.
 
     import mode.hf as mh
-    mh.to_mode_moe(model)                        # every family of mode.hf.moe_families (docs/hf.md's table)
+    mh.to_mode_moe(model)                        # every family of mode.hf.moe.families (docs/hf.md's table)
     parallelize(model, mesh)                     # mode.parallel: experts over ep, FSDP2 for the rest
     aux = mh.collect_aux(model)                  # layers.{i}.moe.* routing stats (and our losses)
     mh.save_transformers(model, "out")           # every rank calls it; AutoModelForCausalLM loads "out"
 
 What changes and what does not
-    * Each block becomes a ``ConvertedMoE`` holding a ``MoELayer`` (``mode.hf.moe_blocks``) built on the
-      block's own tensors, as its family's entry in ``mode.hf.moe_families`` describes: the expert weights
+    * Each block becomes a ``ConvertedMoE`` holding a ``MoELayer`` (``mode.hf.moe.blocks``) built on the
+      block's own tensors, as its family's entry in ``mode.hf.moe.families`` describes: the expert weights
       stay transformers' 3D Parameters (``ExpertBank`` layout "EFD" or "EDF"), the router takes the family's
       router weight, shared experts stay transformers' MLP modules. Nothing is copied (DBRX's 2D input weights
       excepted: one copy); the logits equal the original's (float32: 2e-6 + 1e-5 relative; DBRX 1e-4), in train
@@ -17,7 +17,7 @@ What changes and what does not
     * Attention, norms, embeddings and the decoder layers are transformers' own: any attention backend works,
       and linear attention, Mamba, MLA, hyper-connections stay as they are.
     * State-dict names change below each block (``mlp.moe.router.weight`` for ``mlp.gate.weight`` ...); the
-      map back is found by tensor identity at conversion (``moe_blocks.hf_names``) and kept on the slot, with
+      map back is found by tensor identity at conversion (``blocks.hf_names``) and kept on the slot, with
       the block's unread tensors (``kept``) and the ones derived from ours (LongCat's rows, DBRX's reshapes).
     * ``output_router_logits`` behaves as before: each slot owns a parameter-free module of the family's
       router class (``router_logits``, or the name a name-matching recorder looks for) that it calls with our
@@ -30,8 +30,8 @@ What changes and what does not
       (``mode.train.Trainer`` calls it), a plain transformers loop leaves it where it is, as transformers does.
       With ``noop_target`` it holds LongCat-Flash's zero experts at a budget.
 
-Which families convert, and how each is described, is ``mode.hf.moe_families`` (one entry per model type).
-Refused, by name: the model types of ``moe_families.REFUSED`` (encoder-decoders) and ``NOT_YET`` (each with
+Which families convert, and how each is described, is ``mode.hf.moe.families`` (one entry per model type).
+Refused, by name: the model types of ``families.REFUSED`` (encoder-decoders) and ``NOT_YET`` (each with
 what it needs), any other model type whose MoE block is not in the table, quantised models, an expert
 activation the family's experts do not compute, an already converted model. Router jitter and PhiMoE convert
 (evaluation is exact) but a training forward refuses with the reason.
@@ -48,17 +48,17 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from mode.hf.moe_blocks import FAMILIES, Extras, SharedMLP, adopt_block, hf_names, kept_name, train_refusal
-from mode.hf.moe_families import FAMILIES as SPECS, NOT_YET, REFUSED, get_path
-from mode.hf.routing import collect_aux
-from mode.hf.upcycle import MoESlot, upcycled_mlps
+from mode.hf.moe.blocks import FAMILIES, Extras, SharedMLP, adopt_block, hf_names, kept_name, train_refusal
+from mode.hf.moe.families import FAMILIES as SPECS, NOT_YET, REFUSED, get_path
+from mode.hf.dense.routing import collect_aux
+from mode.hf.dense.upcycle import MoESlot, upcycled_mlps
 from mode.layers.moe import MoELayer
 from mode.measure.flops import mlp_flops_per_token
 from mode.measure.stats import RoutingAccumulator
 from mode.routing.keys import MOE, router_key
 from mode.train.checkpoint import replace_dir
 
-MOE_MODEL_TYPES = tuple(SPECS)  # the model types of mode.hf.moe_families.FAMILIES
+MOE_MODEL_TYPES = tuple(SPECS)  # the model types of mode.hf.moe.families.FAMILIES
 
 
 class ConvertedMoE(MoESlot):
@@ -66,7 +66,7 @@ class ConvertedMoE(MoESlot):
     None)`` where the family's decoder layer unpacks a pair: gpt-oss, Llama-4) as the decoder layer calls it.
     ``family``: the model type; ``names``: the layer's state-dict name -> the block's; ``router_logits``: the
     family router's recording point (see the module docstring); ``extras``: what the slot keeps for the way
-    back (``moe_blocks.Extras``: the block's unread tensors, and those derived from ours); ``train_refusal``: why a
+    back (``blocks.Extras``: the block's unread tensors, and those derived from ours); ``train_refusal``: why a
     training forward refuses (router jitter on, PhiMoE's sampled routing; evaluation is exact), or None."""
 
     def __init__(self, moe: MoELayer, family: str, names: dict[str, str], router_logits: nn.Module | None,
@@ -146,7 +146,7 @@ def _logits_point(router_cls: type, index: int) -> type:
 
     return type(f"{router_cls.__name__}Logits", (router_cls,),
                 {"__init__": __init__, "forward": forward, "__module__": __name__,
-                 "__doc__": f"Where {router_cls.__name__}'s logits are recorded (mode.hf.moe_convert)."})
+                 "__doc__": f"Where {router_cls.__name__}'s logits are recorded (mode.hf.moe.convert)."})
 
 
 def _router_recorder(model: nn.Module, router_cls: type | None = None):
@@ -180,7 +180,7 @@ def _check_model(model: nn.Module) -> tuple[object, str]:
     if model_type not in MOE_MODEL_TYPES:
         raise ValueError(f"model_type={model_type!r}: to_mode_moe converts {', '.join(MOE_MODEL_TYPES)}; "
                          "missing for this model: its MoE block is not one of these (a new family is one entry "
-                         "of mode.hf.moe_families.FAMILIES)")
+                         "of mode.hf.moe.families.FAMILIES)")
     return config, model_type
 
 

@@ -9,8 +9,8 @@ from torch import nn
 
 from mode import _checks
 from mode.hf._compat import check_attention, check_model_type, decoder_config, decoder_layers, layer_index
-from mode.hf.mod_layer import KV, PARTS, MoDLayerMixin, mod_class
-from mode.hf.skip_update import SkipUpdate
+from mode.hf.dense.mod_layer import KV, PARTS, MoDLayerMixin, mod_class
+from mode.hf.dense.skip_update import SkipUpdate
 from mode.routing.mod_topk import CAUSAL_METHODS, GATES, MoDRouter, MoDRouterConfig
 
 LAYER_PATTERNS = ("every_other", "all")
@@ -44,11 +44,11 @@ def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capaci
     (only the attention half) or ``"mlp"`` (only the MLP half).
     ``kv`` (parts "layer" and "attention"; None: "all"): ``"all"``, every token writes its K/V (it pays the
     input norm and the K/V projections) and only routed tokens ask a query, so routed tokens see the whole
-    context, as the pretrained layer was trained to (``mode.hf.routed_queries``); ``"routed"``, a skipped
+    context, as the pretrained layer was trained to (``mode.hf.dense.routed_queries``); ``"routed"``, a skipped
     token writes no K/V in the layer (the layer's cache stores routed tokens only: less K/V memory, but on
     SmolLM2 it costs far more loss, docs/hf.md).
     ``skip_rank``: None, a skipped token's part adds nothing; an int R, it adds a rank-R affine estimate of
-    the skipped update (``mode.hf.skip_update``; R=0: a constant), zero until ``router_fit`` fits it or
+    the skipped update (``mode.hf.dense.skip_update``; R=0: a constant), zero until ``router_fit`` fits it or
     ``router_tune`` trains it.
     ``gate``: what multiplies a routed token's update, see ``mode.routing.mod_topk``; the default ``"ste"``
     leaves the model's output unchanged at capacity 1.0 and still trains the router. ``causal``: how the

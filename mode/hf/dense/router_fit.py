@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
-from mode.hf import mask as hf_mask
-from mode.hf.convert import mod_layers
-from mode.hf.routing import routing
-from mode.hf.tune import _as_batch, _positions, calibrate
+from mode.hf.dense import mask as hf_mask
+from mode.hf.dense.convert import mod_layers
+from mode.hf.dense.routing import routing
+from mode.hf.dense.tune import _as_batch, _positions, calibrate
 
 
 def _update(layer, x_BSD: Tensor, kwargs: dict) -> tuple[Tensor, Tensor]:

@@ -17,9 +17,9 @@ sampling, see ``mode.hf.routing``); pads never route. What a token the router do
     "mlp"        only the MLP half; every token goes through the attention half first (the model's own dense
                  cache), and the router reads the attention's output
 For "layer" and "attention" the routed tokens are gathered together with the model's own cos/sin at their
-true positions and the model's own mask restricted to them (``mode.hf.mask``), so the attention sees only
+true positions and the model's own mask restricted to them (``mode.hf.dense.mask``), so the attention sees only
 routed keys; the layer's cache becomes a ``MoDCacheLayer``, which stores only routed tokens
-(``mode.hf.cache``). Each routed token gets ``x + g * (part(x) - x)`` (the gate ``g`` from the router,
+(``mode.hf.dense.cache``). Each routed token gets ``x + g * (part(x) - x)`` (the gate ``g`` from the router,
 exactly 1 for ``gate="ste"`` and ``"one"``) and is scattered back; the other tokens are copied through
 unchanged.
 """
@@ -29,10 +29,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mode.hf import mask as hf_mask
+from mode.hf.dense import mask as hf_mask
 from mode.hf._compat import check_attention
-from mode.hf.cache import MoDCacheLayer, mod_cache_layer
-from mode.hf.routed_queries import routed_query_attention
+from mode.hf.dense.cache import MoDCacheLayer, mod_cache_layer
+from mode.hf.dense.routed_queries import routed_query_attention
 from mode.routing.mod_topk import MoDRouter
 from mode.routing.plan import Aux
 
@@ -127,7 +127,7 @@ class MoDLayerMixin:
     def _forward_every_kv(self, x_BSD: Tensor, attention_mask: Tensor | None, past_key_values, position_embeddings,
                           window: int | None, **kwargs) -> Tensor:
         """``kv="all"``: every token writes its K/V to the model's own dense cache, only routed tokens ask a
-        query (``mode.hf.routed_queries``); then the MLP for routed tokens ("layer") or for all ("attention")."""
+        query (``mode.hf.dense.routed_queries``); then the MLP for routed tokens ("layer") or for all ("attention")."""
         attn = self.self_attn
         P = 0
         if past_key_values is not None:

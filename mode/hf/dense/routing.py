@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from torch import nn
 
 from mode import _checks
-from mode.hf.convert import mod_layers
-from mode.hf.mod_layer import ROUTING
+from mode.hf.dense.convert import mod_layers
+from mode.hf.dense.mod_layer import ROUTING
 from mode.routing.plan import Aux
 
 
@@ -50,7 +50,7 @@ def collect_aux(model: nn.Module) -> Aux:
     for i, layer in mod_layers(model).items():
         if layer.mod_aux is not None:
             aux.merge(layer.mod_aux, f"layers.{i}.mod.")
-    from mode.hf.upcycle import MoESlot, upcycled_mlps  # late: upcycling imports the MoE stack
+    from mode.hf.dense.upcycle import MoESlot, upcycled_mlps  # late: upcycling imports the MoE stack
 
     for i, mlp in upcycled_mlps(model, MoESlot).items():
         if mlp.last_aux is not None:

@@ -18,9 +18,9 @@ from torch import nn
 
 from mode import _checks
 from mode.hf._compat import check_model_type, decoder_layers
-from mode.hf.convert import resolve_layers
-from mode.hf.mod_layer import PARTS
-from mode.hf.tune import _as_batch, _positions, lm_loss
+from mode.hf.dense.convert import resolve_layers
+from mode.hf.dense.mod_layer import PARTS
+from mode.hf.dense.tune import _as_batch, _positions, lm_loss
 
 
 def _zero_output(module, args, output):

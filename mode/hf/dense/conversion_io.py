@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from mode.hf._compat import decoder_config
-from mode.hf.convert import to_mod
-from mode.hf.upcycle import upcycle
+from mode.hf.dense.convert import to_mod
+from mode.hf.dense.upcycle import upcycle
 
 SPEC_FILE = "mode_conversion.json"
 WEIGHTS_FILE = "mode_weights.safetensors"

@@ -1,5 +1,5 @@
 """Every transformers 5.23 decoder MoE family as data: one ``Family`` entry per model type drives
-``mode.hf.moe_blocks`` (the block -> ``MoELayer`` adoption) and ``mode.hf.moe_convert``.
+``mode.hf.moe.blocks`` (the block -> ``MoELayer`` adoption) and ``mode.hf.moe.convert``.
 
     FAMILIES["glm4_moe"]    # Family(block="Glm4MoeMoE", score="sigmoid", groups=..., choice_bias=...)
     REFUSED["dbrx"]         # why a family does not convert (the refusal's text)
@@ -104,7 +104,7 @@ class Family:
     weights: tuple[str, str] = ("gate_up_proj", "down_proj")  # its input and output tensors
     biases: tuple[str, str] | None = None  # its input and output biases (gpt-oss)
     other_weights: tuple[str, ...] = ()  # further expert tensors a ``tensors`` rule reads (DBRX's v1)
-    tensors: str | None = None  # a reshaping rule of mode.hf.moe_blocks.TENSOR_RULES (DBRX's fused 2D weights)
+    tensors: str | None = None  # a reshaping rule of mode.hf.moe.blocks.TENSOR_RULES (DBRX's fused 2D weights)
     layout: str = "EFD"
     expert_options: dict = field(default_factory=dict)  # ExpertConfig extras
     activation_field: str | None = "hidden_act"  # config field naming the experts' activation (None: fixed)

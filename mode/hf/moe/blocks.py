@@ -5,7 +5,7 @@
     y, aux = layer(x_BSD)               # the block's output (float32: to 1e-6), plus routing stats and losses
 
 What each family is (its router rule, where its tensors live, its shared experts) is one entry of
-``mode.hf.moe_families.FAMILIES``; nothing here is written per family. The entry's checkpoint-dependent values
+``mode.hf.moe.families.FAMILIES``; nothing here is written per family. The entry's checkpoint-dependent values
 (``norm_topk_prob``, ``routed_scaling_factor``, groups, ...) are read from the block's own router module, so a
 config that names them differently (Kimi-Linear's ``moe_renormalize``) or per layer (Hunyuan's ``moe_topk``)
 converts the same way; ``top_k`` is the router's ``top_k`` and the sizes are the expert tensors'.
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from mode.experts.bank import ExpertBank
-from mode.hf.moe_families import BLOCKS, FAMILIES as SPECS, Family, get_path, read
+from mode.hf.moe.families import BLOCKS, FAMILIES as SPECS, Family, get_path, read
 from mode.layers.moe import IntegratedMoDE, MoEConfig, MoELayer, build_router
 from mode.routing.given import GivenChoices
 from mode.routing.plan import Aux
@@ -167,7 +167,7 @@ def _check_experts(block: nn.Module, spec: Family) -> None:
     wanted = sorted([*spec.weights, *spec.other_weights, *(spec.biases or ())])
     if names != wanted:
         raise ValueError(f"{type(block).__name__}.{spec.experts} holds {names}: the {family_of(block)} entry "
-                         f"of mode.hf.moe_families adopts exactly {wanted}")
+                         f"of mode.hf.moe.families adopts exactly {wanted}")
 
 
 @dataclass

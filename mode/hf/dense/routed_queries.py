@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from mode.hf import mask as hf_mask
+from mode.hf.dense import mask as hf_mask
 
 
 def _rope(x_BNLK: Tensor, cos_BLK: Tensor, sin_BLK: Tensor, rotate_half) -> Tensor:
