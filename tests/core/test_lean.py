@@ -53,7 +53,8 @@ TOKEN_CHOICE = {
 def _pair_token_choice(kw: dict):
     cfg = TokenChoiceConfig(d_model=D, num_experts=E, z_coef=kw.pop("z_coef", 0.1), **kw)
     new = TokenChoiceRouter(cfg)
-    old = old_tc.TokenChoiceRouter(old_tc.TokenChoiceConfig(**dataclasses.asdict(cfg)))
+    old_fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "fused_kernels"}  # new since the copy
+    old = old_tc.TokenChoiceRouter(old_tc.TokenChoiceConfig(**old_fields))
     old.load_state_dict(new.state_dict())
     return new, old
 
@@ -82,11 +83,15 @@ def _total_close(new, old) -> None:
     assert abs(float(got.detach()) - float(want.detach())) <= 1e-6 * max(1.0, abs(float(want.detach())))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
 @pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "mask"])
 @pytest.mark.parametrize("case", list(TOKEN_CHOICE))
-def test_token_choice_router_matches_the_old_one(case, masked):
+def test_token_choice_router_matches_the_old_one(case, masked, fused):
+    """Both router paths (``mode.kernels.router_topk`` where the configuration allows it, and the composed torch
+    ops) against the frozen copy."""
     torch.manual_seed(0)
-    new, old = _pair_token_choice(dict(TOKEN_CHOICE[case]))
+    new, old = _pair_token_choice(dict(TOKEN_CHOICE[case], fused_kernels=fused))
+    assert new._fused == (fused and new.cfg.fusable)
     new.train(), old.train()
     x = torch.randn(B, S, D)
     mask = None
