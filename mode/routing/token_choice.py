@@ -451,9 +451,9 @@ class TokenChoiceRouter(nn.Module):
             w_X = requested_X * (c_b * X / (n * n * K))  # int64 * float: float32, no gradient
             w_S = F.pad(w_X.to(out.sums_S.dtype), (0, 1), value=c_z / n)  # [w_X | z_coef / T]
             total = torch.dot(out.sums_S[:X + 1], w_S)
-        aux.add_weighted(total, {
-            "balance": (functools.partial(out.balance_loss, n), c_b),
-            "z_loss": (functools.partial(torch.div, out.z_sum, n), c_z),
+        aux.add_weighted(total, {  # module functions: torch.compile rebuilds their partials
+            "balance": (functools.partial(_fused_balance, out.prob_sum_X, requested_X, K, n), c_b),
+            "z_loss": (functools.partial(_token_mean, out.z_sum, T, None), c_z),
         })
         return out.z_sum
 
@@ -651,6 +651,12 @@ def _balance_loss(probs_TX: Tensor, requested_X: Tensor, top_k: int, valid_T: Te
 def _token_mean(sum_: Tensor, num_tokens: int, valid_T: Tensor | None) -> Tensor:
     """A sum over the (real) tokens divided by their number, as ``entropy_of`` and ``_masked_mean`` divide."""
     return sum_ / (max(1, num_tokens) if valid_T is None else valid_T.sum().clamp_min(1))
+
+
+def _fused_balance(prob_sum_X: Tensor, count_X: Tensor, top_k: int, n: int) -> Tensor:
+    """``RouterOut.balance_loss(n)``: ``_balance_loss``'s value (scope "batch", no mask) bit for bit."""
+    f_X = count_X.to(prob_sum_X.dtype) / (n * top_k)
+    return prob_sum_X.shape[0] * (f_X * (prob_sum_X / n)).sum()
 
 
 def _balance_from_sums(prob_sum_X: Tensor, requested_X: Tensor, top_k: int, n: Tensor | int,
