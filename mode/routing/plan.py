@@ -236,6 +236,7 @@ class RoutingPlan:
         logits_TX: the router's logits, where it computes them (token choice).
         noop_gate_TN: each token's gate on each no-op slot, when the layer asks for them.
         seq_pos_BC: per-sequence plans: each routed token's position in its sequence, where the router has it.
+        scores_BS: per-sequence plans (MoD): the router's float32 scores ``r`` of every token, the gates' input.
         inv_TK: token choice (K rows per token, padding included): ``inv_TK[t]`` the rows of token t, the
             inverse of ``token_idx_A`` that ``mode.kernels.gather_rows`` / ``combine_rows`` take; None elsewhere.
     """
@@ -253,6 +254,7 @@ class RoutingPlan:
     noop_gate_TN: Tensor | None = None  # each token's gate on each no-op slot (T, N), when the layer asks
     seq_pos_BC: Tensor | None = None  # per-sequence plans: token_idx_A.view(B, C) - b * S, where the router has it
     inv_TK: Tensor | None = None  # token choice: the K rows of each token (``inverse_of``), where the router has it
+    scores_BS: Tensor | None = None  # per-sequence plans: the router's raw scores, where the router has them
 
     @property
     def num_experts(self) -> int:

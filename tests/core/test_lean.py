@@ -190,7 +190,7 @@ def test_mod_router_and_block_match_the_old_ones(kw, masked):
     lay_new = MoD(block, new)
     lay_old = MoD(TransformerBlock(D, 2, MLP(D, 32)), MoDRouter(cfg))
     lay_old.load_state_dict(lay_new.state_dict())
-    lay_old.router.forward = lambda x_, m_=None, causal=False: _as_new_plan(old(x_, m_))
+    lay_old.router.forward = lambda x_, m_=None, causal=False, **kw: _as_new_plan(old(x_, m_))
     old.load_state_dict(lay_old.router.state_dict())
     x_new, x_old = x.clone().requires_grad_(), x.clone().requires_grad_()
     (y_new, a_new), (y_old, a_old) = lay_new(x_new, mask), lay_old(x_old, mask)
