@@ -190,12 +190,15 @@ def _(dout_BSD, x_BCD, y_BCD, r_BS, pos_BC, valid_BC, gate):
 def _combine_setup(ctx, inputs, output) -> None:
     _, x_BCD, y_BCD, r_BS, pos_BC, valid_BC, gate = inputs
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zeros made for the flag's (absent) gradient
     ctx.gate = gate
     ctx.save_for_backward(x_BCD, y_BCD, r_BS, pos_BC, valid_BC)
 
 
 def _combine_backward(ctx, dout_BSD, _dfinite):
     x_BCD, y_BCD, r_BS, pos_BC, valid_BC = ctx.saved_tensors
+    if dout_BSD is None:
+        return None, None, None, None, None, None, None
     dx_BSD, dx_BCD, dy_BCD, dr_BS = _combine_backward_op(dout_BSD.contiguous(), x_BCD, y_BCD, r_BS, pos_BC,
                                                          valid_BC, ctx.gate)
     return dx_BSD, dx_BCD, dy_BCD, (None if ctx.gate == "one" else dr_BS), None, None, None
