@@ -10,7 +10,8 @@ Shape legend: B batch, S sequence, D hidden, C routed slots per sequence; a "row
     combine_kernel        out[row(slot)] = x + w (y - x), or y ("one"), where the slot is valid; program 0 folds
                           the programs' finite flags into one                           (combine forward, 2/2)
     combine_bwd_kernel    dx[row(slot)] = 0, dx_BCD, dy, dr[row(slot)] (dx a copy of dout, dr zeros elsewhere)
-Every value is computed in float32 and rounded once, at the store. The positions of a row are distinct, so no
+Every value is computed in float32 and rounded once, at the store (the kernels call no helper functions: a
+``triton.jit`` kernel may only call other ``triton.jit`` functions, and these are decorated lazily). The positions of a row are distinct, so no
 two programs write the same row. Only long-stable triton.language (masked load/store, sum/min, where, exp).
 Block sizes are first guesses, not tuned on a GPU.
 """
@@ -26,16 +27,10 @@ MAX_BLOCK_D = 256
 GATE_CODES = {"raw": 0, "sigmoid": 1, "ste": 2, "one": 3}
 
 
-def _slot_rows(pos_ptr, slots, slot_ok, S, C):
-    """The token row ``b * S + pos[b, c]`` of each slot ``b * C + c``."""
-    pos = tl.load(pos_ptr + slots, mask=slot_ok, other=0).to(tl.int64)
-    return (slots // C) * S + pos
-
-
 def gather_kernel(x_ptr, pos_ptr, out_ptr, n_slots, S, C, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     slots = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot_ok = slots < n_slots
-    rows = _slot_rows(pos_ptr, slots, slot_ok, S, C)
+    rows = (slots // C) * S + tl.load(pos_ptr + slots, mask=slot_ok, other=0).to(tl.int64)  # b * S + pos
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         m = slot_ok[:, None] & (cols[None, :] < D)
@@ -47,7 +42,7 @@ def add_rows_kernel(keep_ptr, dx_ptr, pos_ptr, out_ptr, n_slots, S, C, D,
                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     slots = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot_ok = slots < n_slots
-    rows = _slot_rows(pos_ptr, slots, slot_ok, S, C)
+    rows = (slots // C) * S + tl.load(pos_ptr + slots, mask=slot_ok, other=0).to(tl.int64)  # b * S + pos
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         m = slot_ok[:, None] & (cols[None, :] < D)
@@ -71,16 +66,6 @@ def copy_check_kernel(x_ptr, r_ptr, out_ptr, flag_ptr, n_rows, D, BLOCK_R: tl.co
         tl.store(out_ptr + off, tl.load(x_ptr + off, mask=m, other=0.0), mask=m)
 
 
-def _gate_weight(r, GATE: tl.constexpr):
-    if GATE == 0:
-        w = r
-    elif GATE == 1:
-        w = 1.0 / (1.0 + tl.exp(-r))
-    else:
-        w = (r - r) + 1.0
-    return w
-
-
 def combine_kernel(xs_ptr, y_ptr, r_ptr, pos_ptr, valid_ptr, out_ptr, flag_ptr, finite_ptr,
                    n_slots, S, C, D, n_flags,
                    GATE: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -88,12 +73,18 @@ def combine_kernel(xs_ptr, y_ptr, r_ptr, pos_ptr, valid_ptr, out_ptr, flag_ptr, 
     pid = tl.program_id(0)
     slots = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot_ok = slots < n_slots
-    rows = _slot_rows(pos_ptr, slots, slot_ok, S, C)
+    rows = (slots // C) * S + tl.load(pos_ptr + slots, mask=slot_ok, other=0).to(tl.int64)  # b * S + pos
     if HAS_VALID:
         valid = tl.load(valid_ptr + slots, mask=slot_ok, other=0) != 0
     else:
         valid = slot_ok
-    w = _gate_weight(tl.load(r_ptr + rows, mask=slot_ok, other=0.0).to(tl.float32), GATE)
+    r = tl.load(r_ptr + rows, mask=slot_ok, other=0.0).to(tl.float32)
+    if GATE == 0:  # raw
+        w = r
+    elif GATE == 1:  # sigmoid
+        w = 1.0 / (1.0 + tl.exp(-r))
+    else:  # ste (exactly 1 where r is finite), or "one" (unused)
+        w = (r - r) + 1.0
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         m = slot_ok[:, None] & (cols[None, :] < D)
@@ -130,12 +121,18 @@ def combine_bwd_kernel(dout_ptr, xs_ptr, y_ptr, r_ptr, pos_ptr, valid_ptr, dx_pt
                        GATE: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     slots = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot_ok = slots < n_slots
-    rows = _slot_rows(pos_ptr, slots, slot_ok, S, C)
+    rows = (slots // C) * S + tl.load(pos_ptr + slots, mask=slot_ok, other=0).to(tl.int64)  # b * S + pos
     if HAS_VALID:
         valid = tl.load(valid_ptr + slots, mask=slot_ok, other=0) != 0
     else:
         valid = slot_ok
-    w = _gate_weight(tl.load(r_ptr + rows, mask=slot_ok, other=0.0).to(tl.float32), GATE)
+    r = tl.load(r_ptr + rows, mask=slot_ok, other=0.0).to(tl.float32)
+    if GATE == 0:  # raw
+        w = r
+    elif GATE == 1:  # sigmoid
+        w = 1.0 / (1.0 + tl.exp(-r))
+    else:  # ste (exactly 1 where r is finite), or "one" (unused)
+        w = (r - r) + 1.0
     dw = tl.zeros([BLOCK_R], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
