@@ -125,6 +125,18 @@ def check_finite_via(name: str, logits: Tensor, total: Tensor | None = None) -> 
                          "logits must stay moderate (check the input hidden states x and the learning rate)") from None
 
 
+def check_finite_flag(name: str, finite: Tensor, logits: Tensor) -> None:
+    """``check_finite_logits`` from a 0-dim bool ``finite`` an op computed over ``logits`` on the way (one
+    operator: the queued assert); on a failure (raised at once on the CPU) the logits are counted for the message."""
+    if logits.numel() == 0 or logits.device.type == "meta":
+        return
+    try:
+        torch._assert_async(finite, f"{name}: router logits are NaN or inf")
+    except RuntimeError:
+        check_finite_logits(name, logits)  # raises, naming how many logits are bad
+        raise
+
+
 def assert_on_device(condition: Tensor, message: str) -> None:
     """Raise ``ValueError(message)`` unless the 0-dim bool ``condition`` holds, without a host sync: on a GPU
     the check is queued (a failure is a device-side assert at the next sync); on the CPU it runs at once."""

@@ -42,11 +42,38 @@ def variants():
                                         sums_ptr="*fp32", counts_ptr="*i32", T="i32", X="i32", scale="fp32"), consts
         yield R.router_bwd_kernel, dict(dgate_ptr="*fp32", dsums_ptr="*fp32", logits_ptr="*fp32", valid_ptr="*u8",
                                         chosen_ptr="*i64", dlogits_ptr="*fp32", T="i32", X="i32", scale="fp32"), consts
+    yield from routed_rows_variants()
+
+
+def routed_rows_variants():
+    """The MoD rows' kernels: every gate with and without a slot mask in float32, the raw and "one" gates in
+    bfloat16 and float16."""
+    from mode.kernels import routed_rows_triton as M
+
+    blocks = dict(BLOCK_R=M.BLOCK_ROWS, BLOCK_D=M.MAX_BLOCK_D)
+    for dt in ("fp32", "bf16", "fp16"):
+        p = f"*{dt}"
+        yield M.gather_kernel, dict(x_ptr=p, pos_ptr="*i64", out_ptr=p, n_slots="i32", S="i32", C="i32", D="i32"), blocks
+        yield M.add_rows_kernel, dict(keep_ptr=p, dx_ptr=p, pos_ptr="*i64", out_ptr=p, n_slots="i32", S="i32", C="i32",
+                                      D="i32"), blocks
+        yield M.copy_check_kernel, dict(x_ptr=p, r_ptr="*fp32", out_ptr=p, flag_ptr="*i32", n_rows="i32", D="i32"), blocks
+        yield M.copy_zero_kernel, dict(dout_ptr=p, dx_ptr=p, dr_ptr="*fp32", n_rows="i32", D="i32"), blocks
+        for gate, valid in itertools.product(M.GATE_CODES.values(), (False, True)):
+            if dt != "fp32" and (valid or gate in (1, 2)):
+                continue
+            consts = dict(GATE=gate, HAS_VALID=valid, **blocks)
+            yield M.combine_kernel, dict(xs_ptr=p, y_ptr=p, r_ptr="*fp32", pos_ptr="*i64", valid_ptr="*u8", out_ptr=p,
+                                         flag_ptr="*i32", finite_ptr="*i8", n_slots="i32", S="i32", C="i32", D="i32",
+                                         n_flags="i32"), dict(consts, BLOCK_F=256)
+            yield M.combine_bwd_kernel, dict(dout_ptr=p, xs_ptr=p, y_ptr=p, r_ptr="*fp32", pos_ptr="*i64",
+                                             valid_ptr="*u8", dx_ptr=p, dxs_ptr=p, dy_ptr=p, dr_ptr="*fp32",
+                                             n_slots="i32", S="i32", C="i32", D="i32"), consts
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 (H100/H200)")
+    parser.add_argument("--only-routed-rows", action="store_true", help="only the MoD rows' kernels")
     args = parser.parse_args()
     import triton
     from triton.backends.compiler import GPUTarget
@@ -54,7 +81,7 @@ def main() -> int:
 
     target = GPUTarget("cuda", args.arch, 32)
     done = 0
-    for fn, signature, consts in variants():
+    for fn, signature, consts in (routed_rows_variants() if args.only_routed_rows else variants()):
         src = ASTSource(triton.jit(fn), {**signature, **{k: "constexpr" for k in consts}}, constexprs=consts)
         try:
             triton.compile(src, target=target)

@@ -303,6 +303,13 @@ class ExpertBank(nn.Module):
         self._gate_on_hidden = cfg.d_hidden < cfg.d_model and not cfg.bias
         self._gate_on_input = cfg.gate_on_input  # Llama 4: gate_A scales the input rows (forward)
 
+    @property
+    def gates_inside(self) -> bool:
+        """Whether ``forward(..., gate_A=)`` applies the gates inside the experts' computation (on the (A, H)
+        hidden activation, or on the input rows) rather than multiplying the (A, D) output rows, which a
+        weighted combine does as well (``MoELayer`` then leaves the gates to the dispatcher)."""
+        return self._gate_on_hidden or self._gate_on_input
+
     def reset_parameters(self, out_std: float | None = None) -> None:
         nn.init.normal_(self.w_in, std=1 / math.sqrt(self.cfg.d_model))
         nn.init.normal_(self.w_out, std=out_std or 1 / math.sqrt(self.cfg.d_hidden))

@@ -55,6 +55,7 @@ class RouterOut(NamedTuple):
     z_sum: Tensor  # sum_t v_t lse_t^2, 0-dim (differentiable)
     entropy_sum: Tensor  # sum_t v_t entropy(share_t), 0-dim (no gradient)
     count_X: Tensor  # int64
+    sums_S: Tensor  # [prob_sum_X | z_sum | entropy_sum]: the op's output, of which the three above are views
 
     def balance_loss(self, num_tokens: Tensor | int) -> Tensor:
         """The Switch balance loss over ``num_tokens`` real tokens (as ``_balance_loss``, scope "batch")."""
@@ -229,4 +230,4 @@ def router_topk(logits_TX: Tensor, k: int, *, gate: str = "softmax", renormalize
             raise ValueError(f"valid_T: must be a bool tensor of shape (T,)=({logits_TX.shape[0]},), got "
                              f"{getattr(valid_T, 'dtype', type(valid_T))} {tuple(getattr(valid_T, 'shape', ()))}")
     gate_TK, chosen_TK, sums_S, count_X = _router_op(logits_TX, valid_T, k, gate, renormalize, float(scale))
-    return RouterOut(gate_TK, chosen_TK, sums_S[:X], sums_S[X], sums_S[X + 1], count_X)
+    return RouterOut(gate_TK, chosen_TK, sums_S[:X], sums_S[X], sums_S[X + 1], count_X, sums_S)

@@ -45,6 +45,7 @@ from mode.layers.block import TransformerBlock
 from mode.layers.block_call import block_call
 from mode.layers.kv_cache import KVCache
 from mode.layers.moe import MoELayer
+from mode.kernels.routed_rows import combine_routed, gather_routed
 from mode.routing.mod_topk import MoDRouter
 from mode.routing.plan import Aux, RoutingStats, scalar
 
@@ -133,23 +134,37 @@ class MoD(nn.Module):
             raise TypeError(self._decode_problem)
         if cache is not None and causal and mask_BS is None and x_BSD.shape[1] == 1:
             return self._decode(x_BSD, positions_BS, cache)
-        plan = self.router(x_BSD, mask_BS, causal=causal)  # validates x
+        # a top-C call leaves the scores' finite check to the write back below, which reads every score anyway
+        defer = not causal and self.router.cfg.check_finite
+        plan = self.router(x_BSD, mask_BS, causal=causal, defer_check=defer)  # validates x
         aux = Aux().merge(plan.aux, "mod.")
         B, S, D = x_BSD.shape
         C = plan.seq_capacity
+        r_BS = plan.scores_BS
         if C == 0 and self.skip_empty:  # an empty sequence, or causal routing sent no token through the block
+            if defer and r_BS is not None:
+                _checks.check_finite_via("MoDRouter", r_BS)
             return x_BSD, aux
         slot_BC = plan.seq_pos_BC
         if slot_BC is None:
             slot_BC = plan.token_idx_A.view(B, C) - torch.arange(B, device=x_BSD.device)[:, None] * S
-        index_BCD = slot_BC[..., None].expand(B, C, D)
-        x_BCD = x_BSD.gather(1, index_BCD)
         pos_BC = slot_BC if positions_BS is None else positions_BS.gather(1, slot_BC)
         valid_BC = None if plan.valid_A is None else plan.valid_A.view(B, C)
-
-        # with a cache: every row, through views of the cache; rows with no routed token store nothing (valid_BC)
-        y_BCD, block_aux = self.block_call(self.block, x_BCD, pos_BC, valid_BC,
-                                           None if cache is None else cache.all_rows())
+        cache_rows = None if cache is None else cache.all_rows()
+        if r_BS is not None:  # the fused ops (mode.kernels.routed_rows): one op each way for the gather, one for
+            # the gated write back; on the CPU the very ops of the path below, bit for bit
+            x_BCD, x_keep_BSD = gather_routed(x_BSD, slot_BC)
+            # with a cache: every row, through views of the cache; rows with no routed token store nothing
+            y_BCD, block_aux = self.block_call(self.block, x_BCD, pos_BC, valid_BC, cache_rows)
+            gate = self.router.cfg.gate if self.scale_delta else "one"
+            y_BSD, finite = combine_routed(x_keep_BSD, x_BCD, y_BCD, r_BS, slot_BC, valid_BC, gate)
+            if defer:
+                _checks.check_finite_flag("MoDRouter", finite, r_BS)
+            return y_BSD, aux.merge(block_aux)
+        # a plan without the scores (made by another router): the composed ops
+        index_BCD = slot_BC[..., None].expand(B, C, D)
+        x_BCD = x_BSD.gather(1, index_BCD)
+        y_BCD, block_aux = self.block_call(self.block, x_BCD, pos_BC, valid_BC, cache_rows)
         if self.scale_delta:
             y_BCD = x_BCD + plan.weight_A.view(B, C, 1).to(x_BCD.dtype) * (y_BCD - x_BCD)
         if valid_BC is not None:

@@ -231,7 +231,10 @@ class MoELayer(nn.Module):
                              f"before dispatch); got top_k={getattr(getattr(router, 'cfg', None), 'top_k', None)}")
         self.experts = experts  # the same slot in _modules: parameter names and order are unchanged
         self.dispatcher = dispatcher
-        self._gates_in_experts = dispatcher.gates_in_experts  # the combine path, chosen once
+        # The combine path, chosen once: the bank applies the gates where it does so inside its computation (on
+        # the hidden activation, or on the input rows); where it would multiply its output rows, the
+        # dispatcher's weighted combine does the same multiply in its one op (mode.kernels.combine_rows)
+        self._gates_in_experts = dispatcher.gates_in_experts and experts.gates_inside
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, dispatcher=None) -> "MoELayer":

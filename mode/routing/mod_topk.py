@@ -199,7 +199,8 @@ class MoDRouter(nn.Module):
                              "batches)): each moves it to the capacity's quantile of the decision logits")
         return logit_BS - self.threshold
 
-    def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, causal: bool = False) -> RoutingPlan:
+    def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, causal: bool = False, *,
+                defer_check: bool = False) -> RoutingPlan:
         """Choose the tokens that go through the block.
 
         Args:
@@ -207,6 +208,9 @@ class MoDRouter(nn.Module):
             mask_BS: None, or False at padding (scored -inf: picked only when a row has fewer than C real
                 tokens, and then marked invalid in ``valid_A``).
             causal: route by the causal decision (logit > 0) instead of the top-C; needs a causal method.
+            defer_check: a top-C call leaves the finite check of the scores (``check_finite``) to the caller,
+                which makes it on ``plan.scores_BS`` (the MoD layer: inside its fused write back,
+                ``mode.kernels.combine_routed``); causal calls check here whatever it says.
 
         Returns:
             a ``RoutingPlan`` with one expert (the block): ``token_idx_A`` the routed tokens (flat ``b * S +
@@ -220,7 +224,7 @@ class MoDRouter(nn.Module):
             raise ValueError("causal=True: this MoD router was built with causal='none'; build it with "
                              "causal='predictor' or 'aux_bce' to route causally")
         r_BS = self.scores(x_BSD)
-        if self.cfg.check_finite:
+        if self.cfg.check_finite and (causal or not defer_check):
             _checks.check_finite_via("MoDRouter", r_BS)  # on the sum of the scores: 4 operators on the device
         if causal:
             routed_BS = self.decision_logits(x_BSD, r_BS) > 0
@@ -287,7 +291,11 @@ class MoDRouter(nn.Module):
         B, S = r_BS.shape
         C = pos_BC.shape[1]
         dev = r_BS.device
-        token_A = (pos_BC + torch.arange(B, device=dev)[:, None] * S).reshape(-1)
+        # b * S: each sequence's first token (one operator; S = 0 has no tokens to step over)
+        start_B = torch.arange(0, B * S, S, device=dev) if S else torch.zeros(B, dtype=torch.long, device=dev)
+        token_A = (pos_BC + start_B[:, None]).reshape(-1)
+        # one expert: every expert index is 0, a broadcast view of start_B[0] (= 0; no operator of its own)
+        expert_A = start_B[:1].expand(B * C) if B else torch.zeros_like(token_A)
         r_A = r_BS.gather(1, pos_BC).reshape(-1)
         gate = self.cfg.gate
         if gate == "raw":
@@ -303,9 +311,9 @@ class MoDRouter(nn.Module):
         T = B * S
         aux = Aux()
         aux.stats["router"] = MoDStats(token_A, valid_A, mask_BS, (B, S))
-        return RoutingPlan(token_idx_A=token_A, expert_idx_A=torch.zeros_like(token_A), weight_A=weight_A,
+        return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=weight_A,
                            counts_E=torch.full((1,), B * C, dtype=torch.long, device=dev), num_tokens=T, aux=aux,
-                           seq_capacity=C, valid_A=valid_A, seq_pos_BC=pos_BC)
+                           seq_capacity=C, valid_A=valid_A, seq_pos_BC=pos_BC, scores_BS=r_BS)
 
     def _empty_plan(self, r_BS: Tensor, mask_BS: Tensor | None) -> RoutingPlan:
         """What ``plan_from_positions`` returns when no token is routed (C = 0), in a handful of ops: decoding

@@ -235,8 +235,10 @@ class RoutingPlan:
         padded: False when the router knows at construction that ``A == counts_E.sum()``.
         logits_TX: the router's logits, where it computes them (token choice).
         noop_gate_TN: each token's gate on each no-op slot, when the layer asks for them.
-        seq_pos_BC: MoD: each slot's position in its sequence (``token_idx_A.view(B, C) - b * S``), handed over
-            by the router so that the layer does not recompute it; None where the router has none.
+        seq_pos_BC: per-sequence plans: each routed token's position in its sequence, where the router has it.
+        scores_BS: per-sequence plans (MoD): the router's float32 scores ``r`` of every token, the gates' input.
+        inv_TK: token choice (K rows per token, padding included): ``inv_TK[t]`` the rows of token t, the
+            inverse of ``token_idx_A`` that ``mode.kernels.gather_rows`` / ``combine_rows`` take; None elsewhere.
     """
 
     token_idx_A: Tensor
@@ -251,6 +253,8 @@ class RoutingPlan:
     logits_TX: Tensor | None = None  # the router's logits over its slots (T, X), where it computes them
     noop_gate_TN: Tensor | None = None  # each token's gate on each no-op slot (T, N), when the layer asks
     seq_pos_BC: Tensor | None = None  # per-sequence plans: token_idx_A.view(B, C) - b * S, where the router has it
+    inv_TK: Tensor | None = None  # token choice: the K rows of each token (``inverse_of``), where the router has it
+    scores_BS: Tensor | None = None  # per-sequence plans: the router's raw scores, where the router has them
 
     @property
     def num_experts(self) -> int:
@@ -277,20 +281,57 @@ class RoutingPlan:
 
 
 def group_by_expert(
-    token_idx_A: Tensor, expert_idx_A: Tensor, weight_A: Tensor, num_experts: int, num_tokens: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    token_idx_A: Tensor, expert_idx_A: Tensor, weight_A: Tensor, num_experts: int, num_tokens: int,
+    return_order: bool = False,
+) -> tuple[Tensor, ...]:
     """Sort assignments by (expert, token) and count them per expert; the size stays ``A``.
 
     ``expert_idx_A == num_experts`` marks an assignment that is not computed: it sorts last and its
     weight becomes 0. Among computed assignments each (expert, token) pair occurs at most once, so the
-    key ``expert * T + token`` is unique; the stable sort keeps padding deterministic too.
+    key ``expert * T + token`` is unique; the stable sort keeps padding deterministic too. Returns
+    ``(token_A, expert_A, weight_A, counts_E)``, and the sort's permutation ``order_A`` last with
+    ``return_order`` (``inverse_of`` makes the plan's inverse index from it).
     """
     key_A = expert_idx_A * num_tokens + token_idx_A
     order_A = torch.argsort(key_A, stable=True)
     expert_sorted_A = expert_idx_A[order_A]
     counts_E = count_per(expert_sorted_A, num_experts + 1)[:num_experts]
     weight_sorted_A = torch.where(expert_sorted_A < num_experts, weight_A[order_A], 0.0)
+    if return_order:
+        return token_idx_A[order_A], expert_sorted_A, weight_sorted_A, counts_E, order_A
     return token_idx_A[order_A], expert_sorted_A, weight_sorted_A, counts_E
+
+
+class _Permute(torch.autograd.Function):
+    """``values_A[order_A]`` for a permutation ``order_A``, whose backward indexes by the inverse permutation
+    (one gather) instead of scattering into zeros (two operators). The same values and gradients, bit for bit:
+    a permutation's scatter adds nothing to anything."""
+
+    @staticmethod
+    def forward(ctx, values_A: Tensor, order_A: Tensor, inv_A: Tensor) -> Tensor:
+        ctx.save_for_backward(inv_A)
+        return values_A[order_A]
+
+    @staticmethod
+    def backward(ctx, grad_A: Tensor):
+        (inv_A,) = ctx.saved_tensors
+        return grad_A[inv_A], None, None
+
+
+def permute(values_A: Tensor, order_A: Tensor, inv_A: Tensor) -> Tensor:
+    """``values_A[order_A]``, ``order_A`` a permutation and ``inv_A`` its inverse (``inv_A[order_A[a]] = a``)."""
+    return _Permute.apply(values_A, order_A, inv_A)
+
+
+def inverse_of(order_A: Tensor, num_tokens: int, k: int, choice_major: bool) -> Tensor:
+    """``inv_TK``: the plan rows of each token's K choices, from the sort that made the plan: ``order_A[a]`` is
+    the choice in plan row ``a``, numbered token-major (``t * K + j``) or choice-major (``j * T + t``). One
+    scatter of the permutation (no second sort): ``inv[order_A[a]] = a``. A token's rows come in its choice
+    order ``j``, not in increasing row order (``mode.kernels.inverse_index``'s): the fused combine sums them in
+    that fixed order, deterministic on every run (for K = 2 the order does not change the sum)."""
+    A = order_A.shape[0]
+    inv_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(A, device=order_A.device))
+    return inv_A.view(k, num_tokens).t() if choice_major else inv_A.view(num_tokens, k)
 
 
 def count_per(index_A: Tensor, size: int, weight_A: Tensor | None = None) -> Tensor:

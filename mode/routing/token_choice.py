@@ -60,6 +60,7 @@ callable summing a tensor over the ranks that hold a copy of the router; this mo
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +70,9 @@ from torch import Tensor, nn
 from mode import _checks
 from mode.routing.losses import _masked_mean, router_z_loss
 from mode.routing.capacity import ceil_of
-from mode.routing.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
+from mode.kernels.router import RouterOut, router_topk
+from mode.routing.plan import (Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, inverse_of,
+                               permute, scalar)
 
 GATES = ("softmax", "sigmoid", "sqrtsoftplus", "sparsemixer")  # sqrtsoftplus: DeepSeek-V4; sparsemixer: PhiMoE
 GROUP_SCORES = ("top2", "max")  # a group scores the sum of its two best experts (DeepSeek-V3) or its best (V2)
@@ -112,6 +115,10 @@ class TokenChoiceConfig:
         bias_rate: the bias's update step.
         noop_target: with bias balancing and no-op slots: the share of the choices to hold on them.
         balance_scope: the balance loss over this forward's "batch", each "sequence", or the "global" batch.
+        fused_kernels: where the configuration allows it (``TokenChoiceConfig.fusable``), the scores, top-k,
+            renormalisation, scale and the loss sums as one op, ``mode.kernels.router_topk`` (Triton on CUDA;
+            on the CPU the same torch ops: losses, statistics and gates bit for bit, logit gradients within
+            float32 rounding). False: the composed torch path.
     """
 
     d_model: int
@@ -141,6 +148,7 @@ class TokenChoiceConfig:
     bias_rate: float = 1e-3  # the bias update step (torchtitan's and Megatron's default)
     noop_target: float | None = None  # bias_balance with no-op slots: the share of choices to hold on them
     balance_scope: str = "batch"  # the balance loss over "batch", "sequence" or "global" (all ranks)
+    fused_kernels: bool = True  # mode.kernels.router_topk where the configuration allows it (``fusable``)
 
     def __post_init__(self) -> None:
         _checks.check_int("d_model", self.d_model)
@@ -203,6 +211,7 @@ class TokenChoiceConfig:
             if _checks.check_fraction("noop_target", self.noop_target) == 1.0:
                 raise ValueError(f"noop_target={self.noop_target}: must be in (0, 1) (1 would compute nothing)")
         _checks.check_choice("balance_scope", self.balance_scope, BALANCE_SCOPES)
+        _checks.check_bool("fused_kernels", self.fused_kernels)
 
     # -- what the FLOP and per-token compute code asks (the router protocol, see mode.routing.registry) --
     @property
@@ -231,6 +240,15 @@ class TokenChoiceConfig:
     @property
     def group_limited(self) -> bool:
         return self.topk_group < self.n_group
+
+    @property
+    def fusable(self) -> bool:
+        """Whether ``mode.kernels.router_topk`` computes this router's math: a softmax or sigmoid gate chosen by
+        its own scores (no bias balancing, no group limit, no hash table), renormalised by the plain sum, and the
+        balance loss over the batch (or the global batch: its counts are reduced as before)."""
+        return (self.gate in ("softmax", "sigmoid") and not self.bias_balance and not self.group_limited
+                and not self.hash_vocab and self.renorm_p == 1.0 and not self.renorm_eps and not self.renorm_min
+                and self.balance_scope in ("batch", "global"))
 
     def target_shares(self) -> list[float]:
         """The share of the choices each slot should get under balanced routing: even over all slots, or
@@ -282,6 +300,7 @@ class TokenChoiceRouter(nn.Module):
             self.register_buffer("load_X", torch.zeros(self.num_slots), persistent=False)  # since the update
             self.register_buffer("share_X", torch.tensor(cfg.target_shares()), persistent=False)
         self._choose_by_score = not cfg.bias_balance and not cfg.group_limited  # topk of the gates themselves
+        self._fused = cfg.fused_kernels and cfg.fusable  # mode.kernels.router_topk: chosen once
         self._dropped_fill = float("-inf") if cfg.dropped_groups == "ninf" else 0.0
 
     def capacity(self, num_tokens: int) -> int | None:
@@ -318,13 +337,20 @@ class TokenChoiceRouter(nn.Module):
             logits_TX = F.linear(x_BSD.reshape(T, self.cfg.d_model).float(), self.weight.float(), bias_X)
             if self.cfg.logit_softcap:
                 logits_TX = torch.tanh(logits_TX / self.cfg.logit_softcap) * self.cfg.logit_softcap
-            if self.cfg.gate in ("softmax", "sparsemixer"):
+            fused = None
+            if self._fused:  # scores, top-k, renormalisation, scale, loss sums and counts: one op
+                fused = router_topk(logits_TX, K, gate=self.cfg.gate, renormalize=self.cfg.renormalize,
+                                    scale=self.cfg.scale, valid_T=valid_T)
+                gate_TK, chosen_TK, probs_TX, balance_probs_TX = fused.gate_TK, fused.chosen_TK, None, None
+            elif self.cfg.gate in ("softmax", "sparsemixer"):
                 probs_TX = logits_TX.softmax(-1)
                 balance_probs_TX = probs_TX
             else:
                 probs_TX = logits_TX.sigmoid() if self.cfg.gate == "sigmoid" else F.softplus(logits_TX).sqrt()
                 balance_probs_TX = probs_TX / probs_TX.sum(-1, keepdim=True)
-            if self.cfg.gate == "sparsemixer":
+            if fused is not None:
+                pass
+            elif self.cfg.gate == "sparsemixer":
                 gate_TK, chosen_TK = _sparsemixer(logits_TX, K, self.cfg.mixer_eps)
             elif self.cfg.hash_vocab:  # the table decides; the scores at its experts are the gates
                 chosen_TK = self.hash_table_VK[ids_BS.reshape(T)]
@@ -334,7 +360,7 @@ class TokenChoiceRouter(nn.Module):
             else:  # the bias and the group limit change which slots are chosen, never the gate values
                 chosen_TK = self._choice_scores(probs_TX, logits_TX).topk(K, dim=-1).indices
                 gate_TK = probs_TX.gather(1, chosen_TK)
-            if self.cfg.renormalize:
+            if self.cfg.renormalize and fused is None:
                 if self.cfg.renorm_p == 1.0:
                     denom_T1 = gate_TK.sum(-1, keepdim=True)
                 else:
@@ -344,7 +370,7 @@ class TokenChoiceRouter(nn.Module):
                 if self.cfg.renorm_min:
                     denom_T1 = denom_T1.clamp_min(self.cfg.renorm_min)
                 gate_TK = gate_TK / denom_T1
-            if self.cfg.scale != 1.0:
+            if self.cfg.scale != 1.0 and fused is None:
                 gate_TK = gate_TK * self.cfg.scale
             noop_gate_TN = None
             if self.emit_noop_gates:  # each token's gate on each no-op slot (0 where not chosen, and on pads)
@@ -360,14 +386,19 @@ class TokenChoiceRouter(nn.Module):
                 slot_A = chosen_TK.t().reshape(-1)
                 token_A = torch.arange(T, device=dev).repeat(K)
                 valid_A = None if valid_T is None else valid_T[token_A]
-                requested_X = count_per(slot_A, self.num_slots, valid_A)  # choices per slot, before capacity
+                # choices per slot, before capacity (the fused op counts them: the same integers)
+                requested_X = fused.count_X if fused is not None else count_per(slot_A, self.num_slots, valid_A)
             else:  # every choice is a computed assignment of a real expert: the counts are the choice counts
-                requested_X = count_per(chosen_TK.reshape(-1), E)
+                requested_X = fused.count_X if fused is not None else count_per(chosen_TK.reshape(-1), E)
             if self.cfg.bias_balance and self.training and torch.is_grad_enabled():
                 self.load_X += requested_X  # eval and no_grad forwards never move the bias
 
             aux = Aux()
-            z_total = self._add_losses(aux, logits_TX, probs_TX, balance_probs_TX, requested_X, chosen_TK, valid_T, B)
+            if fused is not None:
+                z_total = self._add_fused_losses(aux, fused, requested_X, valid_T)
+            else:
+                z_total = self._add_losses(aux, logits_TX, probs_TX, balance_probs_TX, requested_X, chosen_TK,
+                                           valid_T, B)
             if self.cfg.check_finite:  # on a reduction over every logit the step makes anyway (the z-loss)
                 _checks.check_finite_via("TokenChoiceRouter", logits_TX, z_total)
 
@@ -377,19 +408,54 @@ class TokenChoiceRouter(nn.Module):
             if cap is not None:
                 computed_A = computed_A & _within_capacity(slot_A, computed_A, E, cap)
             expert_key_A = torch.where(computed_A, slot_A, E)  # E: not computed, sorts after every expert
-            token_A, expert_A, gate_A, counts_E = group_by_expert(token_A, expert_key_A, gate_A, E, T)
+            token_A, expert_A, gate_A, counts_E, order_A = group_by_expert(token_A, expert_key_A, gate_A, E, T,
+                                                                           return_order=True)
+            inv_TK = inverse_of(order_A, T, K, choice_major=True)
         else:
             # One stable sort of the token-major choices (a = t * K + k) by expert: inside an expert the choices
             # stay in token order, the plan's order (group_by_expert's, whose (expert, token) keys are unique)
             expert_A, order_A = torch.sort(chosen_TK.reshape(-1), stable=True)
             token_A = order_A if K == 1 else order_A.div(K, rounding_mode="floor")
-            gate_A = gate_TK.reshape(-1)[order_A]
+            inv_TK = inverse_of(order_A, T, K, choice_major=False)
+            gate_A = permute(gate_TK.reshape(-1), order_A, inv_TK.reshape(-1))  # backward: one gather
             counts_E = requested_X
 
+        entropy = None if fused is None else functools.partial(_token_mean, fused.entropy_sum.detach(), T, valid_T)
         aux.stats["router"] = TokenChoiceStats(counts_E, requested_X, token_A, expert_A, balance_probs_TX, valid_T,
-                                               padded, (B, S))
+                                               padded, (B, S), entropy=entropy)
         return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
-                           num_tokens=T, aux=aux, padded=padded, logits_TX=logits_TX, noop_gate_TN=noop_gate_TN)
+                           num_tokens=T, aux=aux, padded=padded, logits_TX=logits_TX, noop_gate_TN=noop_gate_TN,
+                           inv_TK=inv_TK)
+
+    def _add_fused_losses(self, aux: Aux, out: RouterOut, requested_X: Tensor, valid_T: Tensor | None) -> Tensor:
+        """The balance and z losses from the fused op's sums (``RouterOut``), bit for bit the values of
+        ``_add_losses``. Without a mask or a cross-rank reduction, the objective ``balance_coef * balance + z_coef
+        * z_loss`` is one dot product of the sums ``[p_X | z]`` with ``[w_X | z_coef / T]``, ``w_X`` the choice
+        counts times ``balance_coef * X / (T^2 K)``, and the raw losses are computed on first read. Returns the
+        z-loss sum, NaN or inf whenever a logit is, for the finite check."""
+        T, K, X = out.gate_TK.shape[0], self.cfg.top_k, self.num_slots
+        c_b, c_z = self.cfg.balance_coef, self.cfg.z_coef
+        n = max(1, T) if valid_T is None else valid_T.sum().clamp_min(1)
+        if self.cfg.balance_scope == "global" and self.reduce_counts is not None:
+            n_1 = out.prob_sum_X.new_full((1,), T) if valid_T is None else valid_T.sum().float()[None]
+            counts = self.reduce_counts(torch.cat([requested_X.to(out.prob_sum_X.dtype), n_1]))  # one collective
+            aux.add_loss("balance", _balance_from_sums(out.prob_sum_X, requested_X, K, n, global_counts=counts), c_b)
+            aux.add_loss("z_loss", out.z_sum / n, c_z)
+            return out.z_sum
+        if valid_T is not None:  # the masked losses, formed as they are read (n is a device count)
+            aux.add_loss("balance", out.balance_loss(n), c_b)
+            aux.add_loss("z_loss", out.z_sum / n, c_z)
+            return out.z_sum
+        total = None
+        if c_b or c_z:
+            w_X = requested_X * (c_b * X / (n * n * K))  # int64 * float: float32, no gradient
+            w_S = F.pad(w_X.to(out.sums_S.dtype), (0, 1), value=c_z / n)  # [w_X | z_coef / T]
+            total = torch.dot(out.sums_S[:X + 1], w_S)
+        aux.add_weighted(total, {  # module functions: torch.compile rebuilds their partials
+            "balance": (functools.partial(_fused_balance, out.prob_sum_X, requested_X, K, n), c_b),
+            "z_loss": (functools.partial(_token_mean, out.z_sum, T, None), c_z),
+        })
+        return out.z_sum
 
     def _add_losses(self, aux: Aux, logits_TX: Tensor, probs_TX: Tensor, balance_probs_TX: Tensor,
                     requested_X: Tensor, chosen_TK: Tensor, valid_T: Tensor | None, batch: int) -> Tensor | None:
@@ -487,10 +553,13 @@ class TokenChoiceStats(RoutingStats):
     sync) from tensors the router kept: a training step that does not read them launches none of their
     operators. The values are those the fields always had."""
 
-    def __init__(self, counts_E: Tensor, requested_X: Tensor, token_A: Tensor, expert_A: Tensor, probs_TX: Tensor,
-                 valid_T: Tensor | None, padded: bool, batch_shape: tuple[int, int]):
+    def __init__(self, counts_E: Tensor, requested_X: Tensor, token_A: Tensor, expert_A: Tensor,
+                 probs_TX: Tensor | None, valid_T: Tensor | None, padded: bool, batch_shape: tuple[int, int],
+                 entropy: Callable[[], Tensor] | None = None):
         self._counts_E, self._requested_X = counts_E.detach(), requested_X.detach()
-        self._token_A, self._expert_A, self._probs_TX = token_A, expert_A, probs_TX.detach()
+        self._token_A, self._expert_A = token_A, expert_A
+        self._probs_TX = None if probs_TX is None else probs_TX.detach()
+        self._entropy = entropy  # the fused router's entropy from its sum (else computed from probs_TX)
         self._valid_T, self._padded = valid_T, padded
         self.batch_shape = batch_shape
 
@@ -522,6 +591,8 @@ class TokenChoiceStats(RoutingStats):
 
     @functools.cached_property
     def entropy(self) -> Tensor:
+        if self._entropy is not None:
+            return self._entropy()
         return entropy_of(self._probs_TX, self._valid_T)
 
     @property
@@ -575,6 +646,26 @@ def _balance_loss(probs_TX: Tensor, requested_X: Tensor, top_k: int, valid_T: Te
         f_X = global_counts[:num_slots] / (global_counts[num_slots].clamp_min(1) * top_k)
     p_X = probs_TX.sum(0) / n
     return num_slots * (f_X * p_X).sum()
+
+
+def _token_mean(sum_: Tensor, num_tokens: int, valid_T: Tensor | None) -> Tensor:
+    """A sum over the (real) tokens divided by their number, as ``entropy_of`` and ``_masked_mean`` divide."""
+    return sum_ / (max(1, num_tokens) if valid_T is None else valid_T.sum().clamp_min(1))
+
+
+def _fused_balance(prob_sum_X: Tensor, count_X: Tensor, top_k: int, n: int) -> Tensor:
+    """``RouterOut.balance_loss(n)``: ``_balance_loss``'s value (scope "batch", no mask) bit for bit."""
+    f_X = count_X.to(prob_sum_X.dtype) / (n * top_k)
+    return prob_sum_X.shape[0] * (f_X * (prob_sum_X / n)).sum()
+
+
+def _balance_from_sums(prob_sum_X: Tensor, requested_X: Tensor, top_k: int, n: Tensor | int,
+                       global_counts: Tensor) -> Tensor:
+    """``_balance_loss`` with global counts, from the fused op's (masked) column sums of the shares: the same
+    value bit for bit (``(probs * valid).sum(0)`` is what the op sums)."""
+    num_slots = prob_sum_X.shape[-1]
+    f_X = global_counts[:num_slots] / (global_counts[num_slots].clamp_min(1) * top_k)
+    return num_slots * (f_X * (prob_sum_X / n)).sum()
 
 
 def _sequence_balance_loss(probs_TX: Tensor, chosen_TK: Tensor, valid_T: Tensor | None, batch: int) -> Tensor:

@@ -53,7 +53,8 @@ TOKEN_CHOICE = {
 def _pair_token_choice(kw: dict):
     cfg = TokenChoiceConfig(d_model=D, num_experts=E, z_coef=kw.pop("z_coef", 0.1), **kw)
     new = TokenChoiceRouter(cfg)
-    old = old_tc.TokenChoiceRouter(old_tc.TokenChoiceConfig(**dataclasses.asdict(cfg)))
+    old_fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "fused_kernels"}  # new since the copy
+    old = old_tc.TokenChoiceRouter(old_tc.TokenChoiceConfig(**old_fields))
     old.load_state_dict(new.state_dict())
     return new, old
 
@@ -82,11 +83,15 @@ def _total_close(new, old) -> None:
     assert abs(float(got.detach()) - float(want.detach())) <= 1e-6 * max(1.0, abs(float(want.detach())))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
 @pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "mask"])
 @pytest.mark.parametrize("case", list(TOKEN_CHOICE))
-def test_token_choice_router_matches_the_old_one(case, masked):
+def test_token_choice_router_matches_the_old_one(case, masked, fused):
+    """Both router paths (``mode.kernels.router_topk`` where the configuration allows it, and the composed torch
+    ops) against the frozen copy."""
     torch.manual_seed(0)
-    new, old = _pair_token_choice(dict(TOKEN_CHOICE[case]))
+    new, old = _pair_token_choice(dict(TOKEN_CHOICE[case], fused_kernels=fused))
+    assert new._fused == (fused and new.cfg.fusable)
     new.train(), old.train()
     x = torch.randn(B, S, D)
     mask = None
@@ -185,7 +190,7 @@ def test_mod_router_and_block_match_the_old_ones(kw, masked):
     lay_new = MoD(block, new)
     lay_old = MoD(TransformerBlock(D, 2, MLP(D, 32)), MoDRouter(cfg))
     lay_old.load_state_dict(lay_new.state_dict())
-    lay_old.router.forward = lambda x_, m_=None, causal=False: _as_new_plan(old(x_, m_))
+    lay_old.router.forward = lambda x_, m_=None, causal=False, **kw: _as_new_plan(old(x_, m_))
     old.load_state_dict(lay_old.router.state_dict())
     x_new, x_old = x.clone().requires_grad_(), x.clone().requires_grad_()
     (y_new, a_new), (y_old, a_old) = lay_new(x_new, mask), lay_old(x_old, mask)

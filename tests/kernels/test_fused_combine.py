@@ -4,6 +4,8 @@ per direction, the inverse index."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -202,3 +204,40 @@ def test_bad_input_raises():
         gather_rows(torch.randn(4, 4), token_A, inv_TK)
     with pytest.raises(ValueError, match="token_A"):
         gather_rows(torch.randn(3, 4), token_A.float(), inv_TK)
+
+
+@pytest.mark.parametrize("kw,masked", [(dict(), False), (dict(), True), (dict(num_noop=2), False),
+                                       (dict(capacity_factor=0.5), False), (dict(top_k=3), False)],
+                         ids=["dropless", "mask", "noop", "capacity", "top3"])
+def test_the_routers_inverse_index_and_the_dispatcher(kernel_device, kw, masked):
+    """A token-choice plan carries inv_TK (one scatter of its sort's permutation): token t's K rows, padding rows
+    included, each row once. The local dispatcher gathers and combines through the fused ops with it; the Triton
+    combine over the plan's inverse agrees with the CPU reference (float32; exactly for K = 2)."""
+    from mode.dispatch.local import LocalDispatcher
+
+    torch.manual_seed(0)
+    cfg = TokenChoiceConfig(d_model=16, num_experts=4, **{"top_k": 2, **kw})
+    B, S, K = 2, 9, cfg.top_k
+    x = torch.randn(B, S, 16)
+    mask = None
+    if masked:
+        mask = torch.ones(B, S, dtype=torch.bool)
+        mask[1, 6:] = False
+    plan = TokenChoiceRouter(cfg)(x, mask)
+    T = B * S
+    inv = plan.inv_TK
+    assert inv is not None and tuple(inv.shape) == (T, K)
+    assert torch.equal(plan.token_idx_A[inv], torch.arange(T)[:, None].expand(T, K))
+    assert torch.equal(inv.reshape(-1).sort().values, torch.arange(T * K))
+
+    with OpLog() as log:
+        x_AD, _, _ = LocalDispatcher().dispatch(x.reshape(T, 16), plan)
+        y_TD = LocalDispatcher().combine(x_AD, plan, None)
+    assert [op for op in log.ops if op.startswith("mode_kernels")] == ["mode_kernels.gather_rows",
+                                                                       "mode_kernels.combine_rows"]
+    assert torch.equal(y_TD, scatter_weighted(x_AD, dataclasses.replace(plan, inv_TK=None)))
+    got = kc.combine_triton(x_AD.to(kernel_device), plan.weight_A.detach().to(kernel_device), inv.to(kernel_device))
+    if K == 2:
+        assert torch.equal(got.cpu(), y_TD)
+    else:
+        torch.testing.assert_close(got.cpu(), y_TD, rtol=4 * torch.finfo(torch.float32).eps, atol=1e-7)
