@@ -61,6 +61,11 @@ class OpCounter(TorchDispatchMode):
     def count(self) -> int:
         return len(self.events)
 
+    @property
+    def packets(self) -> list[str]:
+        """``events`` without the overload (``mode_kernels.router``), in the order they ran."""
+        return [e.rsplit(".", 1)[0] for e in self.events]
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if launches(func):
             name = str(func)

@@ -8,12 +8,12 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mode.kernels.combine as kc
 from mode.dispatch.local import scatter_rows, scatter_weighted
 from mode.kernels import combine_rows, gather_rows, inverse_index
 from mode.routing import TokenChoiceConfig, TokenChoiceRouter
+from mode.measure.op_count import OpCounter
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CASES = [(13, 3, 40), (5, 1, 300), (4, 2, 8)]  # (T, K, D): D past one 256-column block
@@ -43,6 +43,7 @@ def assert_within(name, got, truth, mag, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,K,D", CASES)
 @pytest.mark.parametrize("weighted", [False, True])
+
 def test_triton_matches_float64_truth(kernel_device, dtype, T, K, D, weighted):
     token_A, inv_TK = plan_like(T, K, kernel_device)
     A = T * K
@@ -166,23 +167,14 @@ def test_opcheck():
                               (x.detach(), y.detach(), None if weight is None else weight.detach(), token_A))
 
 
-class OpLog(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
 
 def test_one_op_each_way():
     token_A, inv_TK = plan_like(4, 2, "cpu")
     x, w = torch.randn(4, 8, requires_grad=True), torch.rand(8, requires_grad=True)
-    with OpLog() as log:
+    with OpCounter() as log:
         out = combine_rows(gather_rows(x, token_A, inv_TK), w, token_A, inv_TK)
         out.sum().backward()
-    assert [op for op in log.ops if op.startswith("mode_kernels")] == [
+    assert [op for op in log.packets if op.startswith("mode_kernels")] == [
         "mode_kernels.gather_rows", "mode_kernels.combine_rows", "mode_kernels.combine_rows_backward",
         "mode_kernels.gather_rows_backward"]
 
@@ -230,10 +222,10 @@ def test_the_routers_inverse_index_and_the_dispatcher(kernel_device, kw, masked)
     assert torch.equal(plan.token_idx_A[inv], torch.arange(T)[:, None].expand(T, K))
     assert torch.equal(inv.reshape(-1).sort().values, torch.arange(T * K))
 
-    with OpLog() as log:
+    with OpCounter() as log:
         x_AD, _, _ = LocalDispatcher().dispatch(x.reshape(T, 16), plan)
         y_TD = LocalDispatcher().combine(x_AD, plan, None)
-    assert [op for op in log.ops if op.startswith("mode_kernels")] == ["mode_kernels.gather_rows",
+    assert [op for op in log.packets if op.startswith("mode_kernels")] == ["mode_kernels.gather_rows",
                                                                        "mode_kernels.combine_rows"]
     assert torch.equal(y_TD, scatter_weighted(x_AD, dataclasses.replace(plan, inv_TK=None)))
     got = kc.combine_triton(x_AD.to(kernel_device), plan.weight_A.detach().to(kernel_device), inv.to(kernel_device))

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mode.kernels.router as kr
 from mode.kernels import router_topk
 from mode.routing import TokenChoiceConfig, TokenChoiceRouter
+from mode.measure.op_count import OpCounter
 
 # (T, X, K): X past one power of two, X = 256 (the widest block), K = X, one row
 CASES = [(37, 8, 2), (9, 200, 6), (5, 3, 3), (1, 256, 8), (0, 8, 2)]
@@ -30,6 +30,7 @@ def make(T, X, masked, device, seed=0):
 @pytest.mark.parametrize("gate", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
+
 def test_triton_matches_float64_truth(kernel_device, T, X, k, gate, renormalize, masked):
     logits, valid = make(T, X, masked, kernel_device)
     opts = (k, gate, renormalize, 2.5)
@@ -127,22 +128,13 @@ def test_opcheck(gate, masked):
                           (torch.randn(7, 2), torch.randn(7), logits.detach(), valid, chosen, 2, gate, True, 1.0))
 
 
-class OpLog(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
 
 def test_one_op_each_way():
     logits = torch.randn(6, 4, requires_grad=True)
-    with OpLog() as log:
+    with OpCounter() as log:
         out = router_topk(logits, 2, renormalize=True)
         (out.gate_TK.sum() + out.z_sum + out.prob_sum_X.sum()).backward()
-    assert [op for op in log.ops if op.startswith("mode_kernels")] == ["mode_kernels.router",
+    assert [op for op in log.packets if op.startswith("mode_kernels")] == ["mode_kernels.router",
                                                                        "mode_kernels.router_backward"]
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mode.kernels.swiglu as ks
 from mode.experts.bank import ExpertBank, ExpertConfig
 from mode.experts.swiglu import swiglu as experts_swiglu
+from mode.measure.op_count import OpCounter
 
 SHAPES = [(7, 24), (19, 40), (3, 300), (0, 8)]  # (A, H): H past one 256-column block, and no rows
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -59,6 +59,7 @@ def inputs(A, H, dtype, device, gated):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("A,H", SHAPES)
 @pytest.mark.parametrize("gated", [False, True])
+
 def test_triton_matches_float64_truth(kernel_device, dtype, A, H, gated):
     h, gate, dout = inputs(A, H, dtype, kernel_device, gated)
     (y64, dh64, dg64), (my, mdh, mdg) = truth_and_magnitudes(h.cpu(), None if gate is None else gate.cpu(), dout.cpu())
@@ -119,24 +120,15 @@ def test_opcheck(gated):
                           (dout, h.detach(), None if gate is None else gate.detach()))
 
 
-class OpLog(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
 
 def test_one_op_each_way():
     h = torch.randn(6, 16, requires_grad=True)
     gate = torch.rand(6, requires_grad=True)
-    with OpLog() as log:
+    with OpCounter() as log:
         y = ks.gated_swiglu(h, gate)
         y.backward(torch.ones_like(y))
-    kernel_ops = [op for op in log.ops if op.startswith("mode_kernels")]
-    assert kernel_ops == ["mode_kernels.swiglu", "mode_kernels.swiglu_backward"], log.ops
+    kernel_ops = [op for op in log.packets if op.startswith("mode_kernels")]
+    assert kernel_ops == ["mode_kernels.swiglu", "mode_kernels.swiglu_backward"], log.packets
 
 
 def test_bad_input_raises():

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mode.kernels.routed_rows as rr
 from mode.kernels import combine_routed, gather_routed
+from mode.measure.op_count import OpCounter
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GATES = ["raw", "sigmoid", "ste", "one"]
@@ -53,6 +53,7 @@ def bound(dtype, mag):
 @pytest.mark.parametrize("B,S,C,D", CASES)
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("masked", [False, True])
+
 def test_triton_matches_float64_truth(kernel_device, dtype, B, S, C, D, gate, masked):
     x, y, r, pos, valid = make(B, S, C, D, dtype, masked)
     dout = torch.randn(B, S, D).to(dtype)
@@ -136,24 +137,15 @@ def test_ops_reproduce_the_composed_path_bit_for_bit(gate, masked, dtype):
     assert torch.equal(grads1[2], scale.grad)
 
 
-class OpLog(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
 
 def test_one_op_each_way():
     x, y, r, pos, valid = make(2, 9, 3, 8, torch.float32, True)
     x, y, r = x.requires_grad_(), y.requires_grad_(), r.requires_grad_()
-    with OpLog() as log:
+    with OpCounter() as log:
         xs, keep = gather_routed(x, pos)
         out, _ = combine_routed(keep, xs, y, r, pos, valid, "sigmoid")
         (out.sum() + xs.sum()).backward()
-    assert [op for op in log.ops if op.startswith("mode_kernels")] == [
+    assert [op for op in log.packets if op.startswith("mode_kernels")] == [
         "mode_kernels.routed_gather", "mode_kernels.routed_combine", "mode_kernels.routed_combine_backward",
         "mode_kernels.routed_gather_backward"]
 
