@@ -45,6 +45,13 @@ def test_smoke_run_names_every_stage_in_json_and_table(tmp_path):
     assert nums["decode"]["speedup_b1"] > 0
     assert nums["train"]["tok_s_eager"] > 0 and nums["train"]["tok_s_compile"] > 0
     assert nums["nccl"]["backend"] == "gloo" and nums["nccl"]["last_step"] == 30
+    # the CUDA-graph stages rehearse their CPU part and say what they left out
+    from mode.parallel.command import GPU_PRESET_PARAMS
+
+    assert nums["gtests"]["passed"] > 0 and nums["gtests"]["failed"] == 0
+    assert nums["graphs"]["tok_s_eager"] > 0 and nums["graphs"]["graphs"] == gpu_suite.NO_CUDA
+    assert nums["gdecode"]["tok_s_eager_mod_b1"] > 0 and nums["gdecode"]["graphs"] == gpu_suite.NO_CUDA
+    assert nums["gpumfu"]["params"] == GPU_PRESET_PARAMS and nums["gpumfu"]["gpu_preset"] == gpu_suite.NO_CUDA
     assert payload["versions"]["torch"]
     # a smoke run's toy shapes are not held against the goals
     assert {g["verdict"] for g in payload["goals"]} <= {"not judged", "not measured"}
