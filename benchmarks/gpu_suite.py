@@ -575,6 +575,9 @@ def train_in_process(preset: str, steps: int, skip: int, device, cuda_graphs: bo
                         **({} if batch_size is None else {"batch_size": batch_size}))
     corpus = load_corpus(None, p.model.seq_len, 4_000_000)
     model_cfg = replace(p.model, vocab_size=corpus.vocab_size)
+    import gc
+
+    gc.collect()  # a previous run's trainer (a cycle through its graphed step) and its graph's memory pool go first
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
