@@ -29,6 +29,7 @@ def _run(tmp_path: Path, *args: str, timeout: float) -> tuple[subprocess.Complet
     return proc, json.loads((out / gpu_suite.RESULT_NAME).read_text()), seconds
 
 
+@pytest.mark.timeout(900)  # the rehearsal of every stage, ~4 min unloaded (the subprocess's own limit: 900 s)
 def test_smoke_run_names_every_stage_in_json_and_table(tmp_path):
     proc, payload, _ = _run(tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
