@@ -21,6 +21,9 @@ Implementations (D=512, 4096 tokens, top-2 SwiGLU experts, float32; 8 experts of
     torchtitan      ``torchtitan.models.common.moe.MoE`` (softmax scores, ``route_norm``, top-2) as shipped,
                     whose grouped experts cast to bfloat16, and the same with its expert matmuls kept in
                     float32 (its ``.bfloat16()`` casts turned into no-ops while its experts run)
+    liger           liger-kernel's fused MoE (``liger_kernel.ops.fused_moe.LigerFusedMoEFunction``, Triton: CUDA
+                    only) behind the same softmax top-2 routing, in the autocast dtype (bfloat16) or the
+                    input's; its TF32/bfloat16 dots are reported against mode's output, not judged in float32
     dense           ``mode.MLP(D, 2H, "swiglu")``: the dense MLP with the same active FLOPs, the baseline
     mode + recipes  the same layer with the DeepSeek-V3 routing options that add no FLOPs switched on: bias
                     balancing (a zero bias: the same choices) and the sequence-wise balance loss; and with 4
@@ -96,7 +99,7 @@ DENSE_FP32 = "dense SwiGLU MLP, float32 (no autocast)"
 @dataclass
 class Impl:
     name: str
-    family: str  # mode, transformers, torchtitan
+    family: str  # mode, transformers, torchtitan, liger
     build: Callable[[MoELayer], nn.Module]  # from mode's layer (weights to copy); runs on the CPU
     returns_aux: bool = False  # mode's convention: (y, Aux)
     float32: bool = True  # computes in float32 (expected to agree with mode to FLOAT32_TOL)
@@ -253,6 +256,52 @@ def torchtitan_impls() -> tuple[list[Impl], str | None]:
                  lambda src: build(src, True)),
             Impl(f"torchtitan {version} MoE as shipped (expert matmuls in bfloat16)", "torchtitan",
                  lambda src: build(src, False), float32=False)], None
+
+
+# -- liger-kernel ----------------------------------------------------------------------------------------
+
+LIGER_WHEEL = ("liger-kernel: pip download liger-kernel --no-deps -d .whl (a 0.9 MB pure-Python wheel; "
+               "docs/gpu.md carries .whl/ to the GPU machine)")
+
+
+class _LigerMoE(nn.Module):
+    """liger-kernel's fused MoE (``liger_kernel.ops.fused_moe.LigerFusedMoEFunction``: Triton kernels for the
+    routing metadata, a gather + grouped GEMM + SwiGLU, the down projection and the weighted combine) behind
+    mode's router convention (softmax over the experts, top-2, the two gates renormalised). It takes the
+    routing precomputed; its weights are (E, 2H, D) gate half first and (E, D, H), in one dtype: the
+    autocast dtype under autocast (cast each call, as autocast casts a Linear's weight), else the input's."""
+
+    def __init__(self, src: MoELayer, fn):
+        super().__init__()
+        router, gate, up, down = _mode_weights(src)
+        self.fn = fn
+        self.router = nn.Parameter(router.clone())
+        self.gate_up = nn.Parameter(torch.cat([gate, up], dim=2).transpose(1, 2).contiguous())
+        self.down = nn.Parameter(down.transpose(1, 2).contiguous())
+
+    def forward(self, x: Tensor) -> Tensor:
+        x_TD = x.reshape(-1, x.shape[-1])
+        probs_TE = nn.functional.linear(x_TD, self.router).float().softmax(-1)
+        w_TK, idx_TK = probs_TE.topk(TOP_K, dim=-1)
+        w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        y_TD = self.fn(x_TD.to(dtype), self.gate_up.to(dtype), self.down.to(dtype), idx_TK.to(torch.int32),
+                       w_TK.to(dtype))
+        return y_TD.reshape(x.shape)
+
+
+def liger_impls(device: torch.device) -> tuple[list[Impl], str | None]:
+    """liger-kernel's fused MoE (CUDA only: Triton), or ([], why not)."""
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except Exception as e:
+        return [], f"liger-kernel does not import here ({type(e).__name__}: {e}); {LIGER_WHEEL}"
+    if device.type != "cuda":
+        return [], f"liger-kernel's fused MoE runs Triton kernels on CUDA only (device {device})"
+    version = _version("liger-kernel")
+    return [Impl(f"liger-kernel {version} fused MoE (Triton)", "liger",
+                 lambda src: _LigerMoE(src, LigerFusedMoEFunction.apply), float32=False)], None
 
 
 # -- measurement -----------------------------------------------------------------------------------------
@@ -575,7 +624,8 @@ def main(argv: list[str] | None = None) -> dict:
              Impl(RECIPES_GROUPS, "mode", lambda src: _rebuild_mode(src, "auto", {**RECIPE_OPTIONS, **GROUPS}),
                   returns_aux=True, same_function=False)]
     skipped = {}
-    for family, loader in (("transformers", transformers_impls), ("torchtitan", torchtitan_impls)):
+    for family, loader in (("transformers", transformers_impls), ("torchtitan", torchtitan_impls),
+                           ("liger", lambda: liger_impls(device))):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # import-time deprecation chatter of the peers
             found, reason = loader()
@@ -587,7 +637,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"skipping {family}: {reason}", file=sys.stderr)
 
     info = machine_info(device)
-    info["versions"] = {dist: _version(dist) for dist in ("mode-torch", "transformers", "torchtitan", "triton")}
+    info["versions"] = {dist: _version(dist) for dist in ("mode-torch", "transformers", "torchtitan", "triton",
+                                                          "liger-kernel")}
     print(f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {device} "
           f"({info['device_name']})", file=sys.stderr)
     rows = []

@@ -7,6 +7,14 @@ Stages, in this order, each in its own subprocess with its own time limit, under
 
     env      nvidia-smi, versions, and two measured ceilings: a large bf16 matmul (TFLOP/s) and a
              device-to-device copy (GB/s, bytes read + written)
+    gtests   the tests of the CUDA-graph work on CUDA (test_graphs, test_gpu_preset, test_generate, test_compile,
+             test_train), gpu-marked ones included: capture, replay, equal results, one sync per replayed step
+    graphs   the training step replayed from one CUDA graph vs eager (preset base, bf16, in-process): step
+             time, speed-up, the losses of the two runs side by side
+    gdecode  generate() on the static path, eager vs cuda_graphs=True (MoD and dense, batch 1 and 8): tokens/s
+             and whether the tokens are the same
+    gpumfu   the "gpu" preset (873M parameters, batch 32 on >= 100 GiB, else 16) with --cuda-graphs and eager:
+             MFU against the datasheet peak and against the matmul ceiling measured at start-up
     tests    the test suite on CUDA (MODE_TEST_DEVICE=cuda), the files that exercise the device first, with
              the stage's time limit; what it skipped, by reason
     moe      benchmarks/bench_peers.py in bf16: our MoE layer / the dense SwiGLU MLP of the same active FLOPs
@@ -77,6 +85,11 @@ class Stage:
 
 STAGES = (
     Stage("env", 45, 60, "nvidia-smi, versions, bf16 matmul and copy ceilings"),
+    Stage("gtests", 90, 120, "the fused kernels' tests and the CUDA-graph, generate, compile and preset tests on CUDA "
+          "(gpu-marked included)"),
+    Stage("graphs", 90, 120, "training step: CUDA graph vs eager (preset base, bf16): step time, losses agree"),
+    Stage("gdecode", 60, 90, "decode with CUDA graphs vs the eager static path: tokens/s, the same tokens"),
+    Stage("gpumfu", 150, 120, "mode train --preset gpu --bf16, eager and --cuda-graphs: MFU vs nominal and measured"),
     Stage("tests", 100, 150, "the test suite on CUDA"),
     Stage("moe", 90, 150, "MoE layer / dense MLP, bf16, beside transformers and torchtitan"),
     Stage("mod", 60, 90, "MoD block and LM step / dense, beside their FLOP ratios"),
@@ -87,6 +100,7 @@ STAGES = (
     Stage("isoflop", 540, 150, "mode isoflop --preset gpu --seeds 2 on the packages corpus: the paper's claims, "
           "isoFLOP-optimal against isoFLOP-optimal, paired over seeds", default=False),
 )
+
 STAGE_NAMES = tuple(s.name for s in STAGES)
 DEFAULT_STAGES = tuple(s.name for s in STAGES if s.default)
 
@@ -101,6 +115,7 @@ GOALS = (
     ("decode", "speedup_b1", ">=", 1.7, "MoD decode >= 1.7 x dense at batch 1 (best path)"),
     ("train", "mfu_eager", ">=", 0.40, "mode train --preset base --bf16 MFU >= 40% (eager)"),
     ("train", "mfu_compile", ">=", 0.40, "mode train --preset base --bf16 MFU >= 40% (--compile)"),
+    ("gpumfu", "mfu_graphs", ">=", 0.40, "mode train --preset gpu --bf16 --cuda-graphs MFU >= 40% (datasheet peak)"),
 )
 
 
@@ -255,7 +270,24 @@ def group_failures(failures: list[dict], top: int = 40) -> list[dict]:
 
 
 def stage_tests(ctx: Ctx) -> dict:
-    targets = [t for t in (SMOKE_TESTS if ctx.smoke else TEST_ORDER) if (ROOT / t).exists()]
+    return run_tests(ctx, SMOKE_TESTS if ctx.smoke else TEST_ORDER)
+
+
+# tests/kernels first: the fused Triton kernels against their torch references, compiled on the GPU (on the CPU
+# they only ever ran in triton's interpreter)
+GRAPH_TESTS = ("tests/kernels", "tests/train/test_graphs.py", "tests/train/test_gpu_preset.py", "tests/core/test_generate.py",
+               "tests/core/test_compile.py", "tests/train/test_train.py")
+GRAPH_SMOKE_TESTS = ("tests/train/test_graphs.py", "tests/train/test_gpu_preset.py")
+
+
+def stage_gtests(ctx: Ctx) -> dict:
+    """The fused kernels' tests and the tests of the CUDA-graph work, on CUDA: the gpu-marked tests (capture, replay, equal results, one
+    sync per replayed step) and the CPU tests of the same files under the CUDA default device."""
+    return run_tests(ctx, GRAPH_SMOKE_TESTS if ctx.smoke else GRAPH_TESTS)
+
+
+def run_tests(ctx: Ctx, order: tuple[str, ...]) -> dict:
+    targets = [t for t in order if (ROOT / t).exists()]
     env = dict(os.environ, MODE_TEST_DEVICE=ctx.device.type if ctx.device.type == "cuda" else "cpu",
                PYTHONUNBUFFERED="1")
     log = ctx.work / "pytest.log"
@@ -297,7 +329,7 @@ def stage_tests(ctx: Ctx) -> dict:
 # bf16 shapes a GPU is not idle on: 16k tokens, d 1024; E=8 of hidden 2048 and E=64 of hidden 512, top-2
 MOE_GPU_ARGS = ["--tokens", "16384", "--d-model", "1024", "--configs", "8:2048", "64:512",
                 "--warmup", "3", "--repeats", "15"]
-PEER_FAMILIES = ("transformers", "torchtitan")
+PEER_FAMILIES = ("transformers", "torchtitan", "liger")
 
 
 def _compiling(ctx: Ctx) -> bool:
@@ -540,6 +572,196 @@ def stage_train(ctx: Ctx) -> dict:
         numbers["compile_speedup"] = numbers["tok_s_compile"] / numbers["tok_s_eager"]
     details["peak_flops_datasheet"] = peak
     details["measured_ceiling_tflops"] = env_ceiling
+    return {"numbers": numbers, "details": details}
+
+
+def train_in_process(preset: str, steps: int, skip: int, device, cuda_graphs: bool, work: Path,
+                     batch_size: int | None = None, measured_peak: float | None = None) -> dict:
+    """``steps`` training steps of a ``mode train`` preset under bf16 autocast, in this process (no evaluation,
+    no checkpoint: an 873M-parameter run's would write 10 GB), each timed to its end (a step ends with its one
+    host sync); steady state = the median of the steps after ``skip`` (warm-up and capture before)."""
+    from dataclasses import replace
+
+    import torch
+
+    from mode.parallel.command import PRESETS
+    from mode.train import Trainer
+    from mode.train.data import load_corpus
+
+    p = PRESETS[preset]
+    train_cfg = replace(p.train, steps=steps, eval_every=10 * steps, log_every=1,
+                        **({} if batch_size is None else {"batch_size": batch_size}))
+    corpus = load_corpus(None, p.model.seq_len, 4_000_000)
+    model_cfg = replace(p.model, vocab_size=corpus.vocab_size)
+    import gc
+
+    gc.collect()  # a previous run's trainer (a cycle through its graphed step) and its graph's memory pool go first
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.monotonic()
+    trainer = Trainer(model_cfg, train_cfg, corpus, work, progress=False, device=str(device), bf16=True,
+                      cuda_graphs=cuda_graphs)
+    trainer.measured_peak_flops = measured_peak
+    build_s = time.monotonic() - t0
+    times, losses, flops = [], [], []
+    for _ in range(steps):
+        f0, t1 = trainer.flops, time.perf_counter()
+        loss, _ = trainer.train_step()
+        times.append(time.perf_counter() - t1)
+        losses.append(loss)
+        flops.append(trainer.flops - f0)
+    steady = times[skip:] or times[-1:]
+    step_s = statistics.median(steady)
+    flop_s = statistics.median(flops[skip:] or flops[-1:]) / step_s
+    tokens = train_cfg.batch_size * model_cfg.seq_len
+    out = {"preset": preset, "cuda_graphs": cuda_graphs, "batch_size": train_cfg.batch_size,
+           "seq_len": model_cfg.seq_len, "params": trainer.model.num_params(), "steps": steps, "skip": skip,
+           "build_s": build_s, "first_steps_ms": [1e3 * t for t in times[:skip]], "step_ms": 1e3 * step_s,
+           "tok_s": tokens / step_s, "tflops": flop_s / 1e12, "losses": losses,
+           "mfu": None if trainer.peak_flops is None else flop_s / trainer.peak_flops,
+           "mfu_measured": None if not measured_peak else flop_s / measured_peak}
+    if device.type == "cuda":
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if trainer.graphed is not None:
+        out["captures"] = trainer.graphed.captures
+    del trainer
+    return out
+
+
+def _loss_agreement(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(x), 1e-9) for x, y in zip(a, b))
+
+
+GRAPHS_GPU = dict(preset="base", steps=30, skip=10)
+GRAPHS_SMOKE = dict(preset="quick", steps=8, skip=4)
+NO_CUDA = "skipped: no CUDA"
+
+
+def stage_graphs(ctx: Ctx) -> dict:
+    """The training step replayed from one CUDA graph against the eager step, same preset, same batches."""
+    p = GRAPHS_SMOKE if ctx.smoke else GRAPHS_GPU
+    eager = train_in_process(p["preset"], p["steps"], p["skip"], ctx.device, False, ctx.work / "eager")
+    numbers = {"step_ms_eager": eager["step_ms"], "tok_s_eager": eager["tok_s"]}
+    details = {"eager": eager}
+    if ctx.device.type != "cuda":
+        details["graphs"] = NO_CUDA
+        numbers["graphs"] = NO_CUDA
+    else:
+        graphs = train_in_process(p["preset"], p["steps"], p["skip"], ctx.device, True, ctx.work / "graphs")
+        details["graphs"] = graphs
+        numbers.update(step_ms_graphs=graphs["step_ms"], tok_s_graphs=graphs["tok_s"],
+                       graph_speedup=eager["step_ms"] / graphs["step_ms"], captures=graphs.get("captures"),
+                       loss_rel_diff_max=_loss_agreement(eager["losses"], graphs["losses"]))
+    print(f"graphs: {numbers}", flush=True)
+    return {"numbers": numbers, "details": details}
+
+
+GDECODE_GPU = dict(size="base", prompt=128, new=192, batches=(1, 8), repeats=3)
+GDECODE_SMOKE = dict(size="tiny", prompt=16, new=24, batches=(1, 2), repeats=1)
+
+
+def stage_gdecode(ctx: Ctx) -> dict:
+    """generate() on the static path, eager and with cuda_graphs=True: tokens/s, and the same tokens."""
+    import torch
+
+    from benchmarks import bench_decode
+    from mode.model.generate import generate
+
+    p = GDECODE_SMOKE if ctx.smoke else GDECODE_GPU
+    size = bench_decode.SIZES[p["size"]]
+    cfg = dict(size, seq_len=p["prompt"] + p["new"])
+    numbers: dict = {}
+    details: dict = {"config": {**p, **cfg}}
+    for kind in ("mod", "dense"):
+        model = bench_decode.build(cfg, kind == "mod", seed=0, device=ctx.device)
+        for B in p["batches"]:
+            prompts = bench_decode.text_windows(B, p["prompt"], seed=B).tolist()
+            row: dict = {}
+            variants = [("eager", False)] + ([("graphs", True)] if ctx.device.type == "cuda" else [])
+            outs = {}
+            for name, graphs in variants:
+                generate(model, prompts, 8, temperature=0, static_cache=True, cuda_graphs=graphs)  # warm-up
+                times = []
+                for _ in range(p["repeats"]):
+                    _sync(ctx.device)
+                    t0 = time.perf_counter()
+                    outs[name] = generate(model, prompts, p["new"], temperature=0, static_cache=True,
+                                          cuda_graphs=graphs)
+                    _sync(ctx.device)
+                    times.append(time.perf_counter() - t0)
+                row[f"tok_s_{name}"] = B * p["new"] / statistics.median(times)
+            if "graphs" in outs:
+                row["same_tokens"] = outs["graphs"] == outs["eager"]
+                row["speedup"] = row["tok_s_graphs"] / row["tok_s_eager"]
+                numbers[f"speedup_{kind}_b{B}"] = row["speedup"]
+                numbers[f"same_tokens_{kind}_b{B}"] = row["same_tokens"]
+            else:
+                row["graphs"] = NO_CUDA
+            numbers[f"tok_s_eager_{kind}_b{B}"] = row["tok_s_eager"]
+            details[f"{kind}_b{B}"] = row
+            print(f"decode {kind} batch {B}: {row}", flush=True)
+        del model
+    if ctx.device.type != "cuda":
+        numbers["graphs"] = NO_CUDA
+    return {"numbers": numbers, "details": details}
+
+
+GPUMFU_GPU = dict(steps=24, skip=8)
+
+
+def stage_gpumfu(ctx: Ctx) -> dict:
+    """The "gpu" preset (873M parameters) under bf16 autocast, eager and with CUDA graphs: MFU against the
+    datasheet peak and against the bf16 matmul ceiling measured at start-up (as ``mode train`` states it).
+    Batch 32 where the device has >= 100 GiB (H200), else 16 (H100, 80 GB). The rehearsal builds the preset on
+    the meta device (its size) and runs the same code on the quick preset."""
+    import torch
+
+    from mode.measure.flops import train_flops_per_token
+    from mode.model import LM
+    from mode.parallel.command import PRESETS
+    from mode.train.log_sinks import measure_matmul_flops
+
+    cfg = PRESETS["gpu"].model
+    with torch.device("meta"):
+        params = LM(cfg).num_params()
+    numbers: dict = {"params": params, "train_gflop_per_token": train_flops_per_token(cfg) / 1e9}
+    details: dict = {}
+    if ctx.device.type != "cuda":
+        details["quick"] = train_in_process("quick", 6, 3, ctx.device, False, ctx.work / "quick")
+        numbers["gpu_preset"] = NO_CUDA
+        return {"numbers": numbers, "details": details}
+    measured = measure_matmul_flops(ctx.device)
+    numbers["measured_tflops"] = measured / 1e12
+    memory_gib = torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
+    batch = 32 if memory_gib >= 100 else 16
+    numbers["batch_size"] = batch
+    p = GPUMFU_GPU
+    t_start = time.monotonic()
+    for name, graphs in (("graphs", True), ("eager", False)):  # graphs first: the number the goal is about
+        if ctx.limit_s - (time.monotonic() - t_start) < 40:
+            details[name] = {"error": "not run: under 40 s left in the stage"}
+            continue
+        try:
+            r = train_in_process("gpu", p["steps"], p["skip"], ctx.device, graphs, ctx.work / name,
+                                 batch_size=batch, measured_peak=measured)
+        except torch.cuda.OutOfMemoryError as err:
+            details[name] = {"error": f"out of memory at batch {batch}: {str(err)[:300]}"}
+            torch.cuda.empty_cache()
+            continue
+        details[name] = r
+        numbers.update({f"mfu_{name}": r["mfu"], f"mfu_measured_{name}": r["mfu_measured"],
+                        f"tok_s_{name}": r["tok_s"], f"step_ms_{name}": r["step_ms"],
+                        f"peak_memory_gib_{name}": r.get("peak_memory_gib")})
+        print(f"gpu preset ({name}): MFU {r['mfu']:.1%} of nominal, {r['mfu_measured']:.1%} of measured "
+              f"{measured / 1e12:.0f} TFLOP/s; {r['tok_s']:,.0f} tokens/s; step {r['step_ms']:.1f} ms; peak "
+              f"{r.get('peak_memory_gib', 0):.1f} GiB", flush=True)
+    if "step_ms_graphs" in numbers and "step_ms_eager" in numbers:
+        numbers["graph_speedup"] = numbers["step_ms_eager"] / numbers["step_ms_graphs"]
+        numbers["loss_rel_diff_max"] = _loss_agreement(details["eager"]["losses"], details["graphs"]["losses"])
+    if not any(k.startswith("mfu_") for k in numbers):
+        raise RuntimeError("no gpu-preset run gave numbers: " + "; ".join(
+            f"{k}: {v.get('error')}" for k, v in details.items()))
     return {"numbers": numbers, "details": details}
 
 
@@ -872,7 +1094,8 @@ def stage_isoflop(ctx: Ctx) -> dict:
 
 
 STAGE_FNS: dict[str, Callable[[Ctx], dict]] = {
-    "env": stage_env, "tests": stage_tests, "moe": stage_moe, "mod": stage_mod, "decode": stage_decode,
+    "env": stage_env, "gtests": stage_gtests, "graphs": stage_graphs, "gdecode": stage_gdecode,
+    "gpumfu": stage_gpumfu, "tests": stage_tests, "moe": stage_moe, "mod": stage_mod, "decode": stage_decode,
     "train": stage_train, "nccl": stage_nccl, "profile": stage_profile, "isoflop": stage_isoflop,
 }
 
@@ -1067,6 +1290,11 @@ def _fmt(value) -> str:
 HEADLINE = {
     "env": ("device_name", "matmul_bf16_tflops", "copy_gbs"),
     "tests": ("passed", "failed", "skipped", "cut_off"),
+    "gtests": ("passed", "failed", "skipped", "cut_off"),
+    "graphs": ("step_ms_eager", "step_ms_graphs", "graph_speedup", "loss_rel_diff_max", "graphs"),
+    "gdecode": ("speedup_mod_b1", "speedup_mod_b8", "speedup_dense_b1", "same_tokens_mod_b1", "graphs"),
+    "gpumfu": ("params", "batch_size", "mfu_graphs", "mfu_measured_graphs", "mfu_eager", "graph_speedup",
+               "gpu_preset"),
     "moe": ("moe_ratio_E8", "best_peer_ratio_E8", "moe_ratio_E64", "best_peer_ratio_E64", "moe_ratio_compiled_E8",
             "moe_ratio_compiled_E64"),
     "mod": ("block_ratio", "block_ratio_compiled", "block_flop_ratio", "lm_ratio", "lm_flop_ratio"),

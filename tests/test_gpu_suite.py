@@ -35,8 +35,10 @@ def _run(tmp_path: Path, *args: str, timeout: float) -> tuple[subprocess.Complet
 # torch.compile rows took most of a smoke run's time on a CPU (the whole run once hit the 300 s timeout);
 # their code is covered by test_compiled_ratio_times_the_compiled_pair, and they ran on the H200
 # (docs/results-gpu.md). Measured, --no-compile, load average 6 to 12 on 2 cores: env 5 s, tests 45, moe 62,
-# mod 13, decode 25, train 30, nccl 68, profile 19 (83 CPU-seconds in all).
-SMOKE_HALVES = (("env", "tests", "moe", "mod"), ("env", "decode", "train", "nccl", "profile"))
+# mod 13, decode 25, train 30, nccl 68, profile 19 (83 CPU-seconds in all). The CUDA-graph stages rehearse their
+# CPU part in a third call.
+SMOKE_HALVES = (("env", "tests", "moe", "mod"), ("env", "decode", "train", "nccl", "profile"),
+                ("env", "gtests", "graphs", "gdecode", "gpumfu"))
 
 
 def test_the_smoke_halves_cover_every_default_stage():
@@ -44,7 +46,7 @@ def test_the_smoke_halves_cover_every_default_stage():
     assert "isoflop" not in gpu_suite.DEFAULT_STAGES  # a call of its own: --only isoflop
 
 
-@pytest.mark.parametrize("stages", SMOKE_HALVES, ids=["first", "second"])
+@pytest.mark.parametrize("stages", SMOKE_HALVES, ids=["first", "second", "graphs"])
 def test_smoke_run_names_every_stage_in_json_and_table(stages, tmp_path):
     proc, payload, _ = _run(tmp_path, "--no-compile", "--only", *stages, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -54,6 +56,8 @@ def test_smoke_run_names_every_stage_in_json_and_table(stages, tmp_path):
         assert rec["numbers"], name
         assert f"\n  {name:<8}ok" in proc.stdout
     nums = {name: rec["numbers"] for name, rec in payload["stages"].items()}
+    from mode.parallel.command import GPU_PRESET_PARAMS
+
     checks = {
         "env": lambda n: n["matmul_bf16_tflops"] > 0 and n["copy_gbs"] > 0,
         "tests": lambda n: n["passed"] > 0 and n["failed"] == 0,
@@ -63,6 +67,11 @@ def test_smoke_run_names_every_stage_in_json_and_table(stages, tmp_path):
         "train": lambda n: n["tok_s_eager"] > 0 and n["mfu_vs_measured_eager"] > 0,
         "nccl": lambda n: n["backend"] == "gloo" and n["last_step"] == 30,
         "profile": lambda n: len(n) > 0,
+        # the CUDA-graph stages rehearse their CPU part and say what they left out
+        "gtests": lambda n: n["passed"] > 0 and n["failed"] == 0,
+        "graphs": lambda n: n["tok_s_eager"] > 0 and n["graphs"] == gpu_suite.NO_CUDA,
+        "gdecode": lambda n: n["tok_s_eager_mod_b1"] > 0 and n["graphs"] == gpu_suite.NO_CUDA,
+        "gpumfu": lambda n: n["params"] == GPU_PRESET_PARAMS and n["gpu_preset"] == gpu_suite.NO_CUDA,
     }
     for name in stages:
         assert checks[name](nums[name]), (name, nums[name])

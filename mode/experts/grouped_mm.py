@@ -31,6 +31,17 @@ custom op with its own shape function, backward and autocast rule:
     dw_EKN[e] = x_AK[segment e]^T @ dy_AN[segment e]      (torch._grouped_mm's 2-D x 2-D form)
 Under ``torch.autocast`` both ops cast their float32/float16/bfloat16 inputs to the autocast dtype of
 the device (float64 is left alone, as autocast does for its own ops) and compute in it.
+
+Compiled, on the bfloat16 CUDA path, ``grouped_mm`` calls ``torch._grouped_mm`` itself instead of the custom
+op (``NATIVE_WHEN_COMPILING``): the meta kernel admits bfloat16, torch's own autograd formula gives the
+backward, and inductor sees an aten op it has a lowering for (and can fuse the casts and the activation
+around), where the custom op is opaque to it. Eager keeps the custom op, whose backward handles what the
+native one does not: expanded gradients (AOTAutograd makes a compiled graph's incoming gradients contiguous),
+misaligned views, and the exact zero gradient of an empty expert on sm100 (pytorch/pytorch#172439; sm90, the
+H100/H200, writes zeros there itself).
+
+The argument checks run before every eager call; they depend on metadata only (dims, the in/out sizes, the
+dtypes, the device, the autocast dtype), so each distinct combination is checked once and cached.
 """
 
 from __future__ import annotations
@@ -125,25 +136,37 @@ def _unsupported_reason(available: bool, device_type: str, dtype: torch.dtype, s
 
 
 def check_grouped_mm_args(x_AK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> None:
-    """Metadata checks only (no host sync); raises ValueError/TypeError naming the argument."""
-    if x_AK.dim() != 2 or w_EKN.dim() != 3:
-        raise ValueError(f"x_AK.shape={tuple(x_AK.shape)}, w_EKN.shape={tuple(w_EKN.shape)}: "
+    """Metadata checks only (no host sync); raises ValueError/TypeError naming the argument. Cached per
+    combination of the metadata they read (module doc); traced uncached (sizes may be symbolic there)."""
+    key = (tuple(x_AK.shape[1:]), x_AK.dim(), tuple(w_EKN.shape), tuple(offsets_E.shape), x_AK.dtype, w_EKN.dtype,
+           offsets_E.dtype, x_AK.device.type, autocast_dtype(x_AK))
+    if torch.compiler.is_compiling():
+        _check_metadata(*key)
+    else:
+        _check_metadata_cached(*key)
+
+
+def _check_metadata(x_rest: tuple, x_dim: int, w_shape: tuple, off_shape: tuple, x_dtype: torch.dtype,
+                    w_dtype: torch.dtype, off_dtype: torch.dtype, device_type: str,
+                    cast_to: torch.dtype | None) -> None:
+    if x_dim != 2 or len(w_shape) != 3:
+        raise ValueError(f"x_AK.shape=(A, {', '.join(map(str, x_rest))}), w_EKN.shape={w_shape}: "
                          "grouped_mm multiplies a 2-D x by a 3-D stack of expert weights")
-    if x_AK.shape[1] != w_EKN.shape[1]:
-        raise ValueError(f"x_AK.shape[1]={x_AK.shape[1]}: must equal w_EKN.shape[1]={w_EKN.shape[1]}")
-    if offsets_E.dtype != torch.int32:
-        raise TypeError(f"offsets_E.dtype={offsets_E.dtype}: torch._grouped_mm needs int32 offsets")
-    if offsets_E.dim() != 1 or offsets_E.shape[0] != w_EKN.shape[0]:
-        raise ValueError(f"offsets_E.shape={tuple(offsets_E.shape)}: must be ({w_EKN.shape[0]},), one end "
-                         "offset per expert")
-    cast_to = autocast_dtype(x_AK)
-    if cast_to is None and w_EKN.dtype != x_AK.dtype:  # under autocast both are cast to one dtype
-        raise TypeError(f"w_EKN.dtype={w_EKN.dtype}: must equal x_AK.dtype={x_AK.dtype}")
-    reason = unsupported_reason(x_AK.device.type, cast_to or x_AK.dtype,
-                                {"x_AK.shape[1]": w_EKN.shape[1], "w_EKN.shape[2]": w_EKN.shape[2]},
-                                num_experts=w_EKN.shape[0])
+    if x_rest[0] != w_shape[1]:
+        raise ValueError(f"x_AK.shape[1]={x_rest[0]}: must equal w_EKN.shape[1]={w_shape[1]}")
+    if off_dtype != torch.int32:
+        raise TypeError(f"offsets_E.dtype={off_dtype}: torch._grouped_mm needs int32 offsets")
+    if len(off_shape) != 1 or off_shape[0] != w_shape[0]:
+        raise ValueError(f"offsets_E.shape={off_shape}: must be ({w_shape[0]},), one end offset per expert")
+    if cast_to is None and w_dtype != x_dtype:  # under autocast both are cast to one dtype
+        raise TypeError(f"w_EKN.dtype={w_dtype}: must equal x_AK.dtype={x_dtype}")
+    reason = unsupported_reason(device_type, cast_to or x_dtype,
+                                {"x_AK.shape[1]": w_shape[1], "w_EKN.shape[2]": w_shape[2]}, num_experts=w_shape[0])
     if reason is not None:
         raise ValueError(f"grouped_mm: {reason}")
+
+
+_check_metadata_cached = functools.lru_cache(maxsize=512)(_check_metadata)  # a raise is not cached: it repeats
 
 
 def autocast_dtype(t: Tensor) -> torch.dtype | None:
@@ -232,6 +255,22 @@ if grouped_mm_available():
         _register_autocast(_grouped_mm_t, "grouped_mm_t", _device_type)
 
 
+# Device types on which a compiled graph calls torch._grouped_mm itself, in bfloat16 (module doc). The CPU is left
+# out: its bfloat16 kernel is the fallback loop, the custom op's path is tested there; the tests add "cpu" here
+# to trace the native path on a CPU.
+NATIVE_WHEN_COMPILING: set[str] = {"cuda"}
+
+
 def grouped_mm(x_AK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
     check_grouped_mm_args(x_AK, w_EKN, offsets_E)
+    if torch.compiler.is_compiling() and x_AK.device.type in NATIVE_WHEN_COMPILING:
+        dtype = autocast_dtype(x_AK) or x_AK.dtype
+        if dtype == torch.bfloat16:
+            return native_grouped_mm(x_AK, w_EKN, offsets_E)
     return _grouped_mm_op(x_AK, w_EKN, offsets_E)
+
+
+def native_grouped_mm(x_AK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
+    """``torch._grouped_mm`` in bfloat16 with torch's own backward: what a compiled graph calls (the inputs
+    cast as the custom op's autocast rule would, outside autocast's own handling of the op)."""
+    return torch._grouped_mm(x_AK.to(torch.bfloat16), w_EKN.to(torch.bfloat16), offs=offsets_E)

@@ -99,9 +99,11 @@ class KVCache:
     def decode_all(self, q_BH1K: Tensor, k_BH1K: Tensor, v_BH1K: Tensor, store_B: Tensor | None) -> Tensor:
         """One new token per row for every row: store it (only where ``store_B``, if given) after the row's
         cached tokens and attend over the row's tokens and itself. Returns the attention output."""
+        if self.static:  # the host half, then the device half: what a CUDA graph of the step replays
+            return self._scatter_attend(q_BH1K, k_BH1K, v_BH1K, store_B, self.advance_static())
         need = self.bound + 1
         self._check_room(need)
-        lens = None if self.static else self.host_len  # static: every step issues the same kernels
+        lens = self.host_len
         if store_B is None and lens is not None and min(lens) == max(lens):
             L = lens[0]  # every row holds L tokens: plain slices, no index, no mask
             self._k_BHLK[:, :, L:L + 1].copy_(k_BH1K)
@@ -109,22 +111,42 @@ class KVCache:
             self.len_B.add_(1)
             self.host_len, self.bound = [L + 1] * len(lens), L + 1
             return F.scaled_dot_product_attention(q_BH1K, self._k_BHLK[:, :, :L + 1], self._v_BHLK[:, :, :L + 1])
+        if store_B is None and lens is not None:  # every row stores: the lengths stay known on the host
+            self.host_len, self.bound = [n + 1 for n in lens], max(lens) + 1
+        else:  # which rows stored is known on the device only
+            self.host_len, self.bound = None, need
+        return self._scatter_attend(q_BH1K, k_BH1K, v_BH1K, store_B, self._width(self.bound))
 
+    def static_step_width(self) -> int:
+        """The width the next static decode step attends (host arithmetic only): a captured step is valid for
+        as long as this stays the same (``mode.model.decode_graphs`` keys its CUDA graphs by it)."""
+        return self._width(self.bound + 1)
+
+    def advance_static(self) -> int:
+        """The host half of a static decode step: check there is room for one more token per row, count it in
+        ``bound`` (the lengths are then known on the device only) and return the width to attend. A replayed
+        CUDA graph of a decode step runs kernels only, so its caller runs this for every cache first."""
+        if not self.static:
+            raise ValueError("advance_static: this cache is dynamic (static=False); only static caches decode "
+                             "without the host")
+        need = self.bound + 1
+        self._check_room(need)
+        self.host_len, self.bound = None, need
+        return self._width(need)
+
+    def _scatter_attend(self, q_BH1K: Tensor, k_BH1K: Tensor, v_BH1K: Tensor, store_B: Tensor | None,
+                        W: int) -> Tensor:
+        """The device half of a decode step over every row: no host state is read or written, every shape is
+        fixed by ``W`` (capture-safe). Rows that store nothing (``store_B`` False) write to the scratch slot
+        (index capacity), which is never attended; the mask lets each query see its row's tokens and itself."""
         limit_B1 = (self.len_B + 1)[:, None]  # a query sees its row's earlier tokens and its own slot
         if store_B is None:
             dest_B = self.len_B
-        else:  # rows that store nothing write to the scratch slot (index capacity), which is never attended
+        else:
             dest_B = torch.where(store_B, self.len_B, self.capacity)
         self._k_BHLK[self._rows_B, :, dest_B] = k_BH1K[:, :, 0].to(self._k_BHLK.dtype)
         self._v_BHLK[self._rows_B, :, dest_B] = v_BH1K[:, :, 0].to(self._v_BHLK.dtype)
-        if store_B is None:
-            self.len_B.add_(1)
-            self.host_len = None if lens is None else [n + 1 for n in lens]
-        else:
-            self.len_B.add_(store_B)
-            self.host_len = None  # which rows stored is known on the device only
-        self.bound = need if lens is None or store_B is not None else max(lens) + 1
-        W = self._width(self.bound)
+        self.len_B.add_(1 if store_B is None else store_B)
         allowed_B11W = (self._slot_L[:W] < limit_B1)[:, None, None]
         return F.scaled_dot_product_attention(q_BH1K, self._k_BHLK[:, :, :W], self._v_BHLK[:, :, :W],
                                               attn_mask=allowed_B11W)

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from mode import _checks
+from mode.model.decode_graphs import GraphedDecode, autocast_step, check_cuda_graphs
 from mode.model.lm import LM
 
 
@@ -110,21 +111,30 @@ def decode_step(model: LM, tokens_B: Tensor, positions_B: Tensor, caches: list) 
 @torch.no_grad()
 def generate(model: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, eos_id: int | None = None, seed: int | None = None,
-             static_cache: bool | None = None, bf16: bool = False) -> list[list[int]]:
+             static_cache: bool | None = None, bf16: bool = False, cuda_graphs: bool = False) -> list[list[int]]:
     """Sample continuations (token ids, prompt excluded) for a batch of prompts.
 
     ``static_cache``: the decode path (module doc); None picks static on CUDA, dynamic elsewhere. Each step
     reads the sampled tokens on the host once (the step's one host sync), which also checks ``eos_id``.
     ``bf16``: decode under ``torch.autocast(bfloat16)`` with bfloat16 KV caches (module doc, "Precision"); on
     CUDA a float32 model with experts needs it for the fast, sync-free grouped GEMM.
+    ``cuda_graphs``: replay each decode step from a CUDA graph (``mode.model.decode_graphs``: one capture per
+    attended width, the same tokens as without); CUDA and the static path only (ValueError elsewhere).
     """
     _checks.check_int("max_new_tokens", max_new_tokens)
     _checks.check_non_negative("temperature", temperature)
     if top_k is not None:
         _checks.check_int("top_k", top_k)
     _checks.check_bool("bf16", bf16)
+    _checks.check_bool("cuda_graphs", cuda_graphs)
     device = model.embed.weight.device
     static = device.type == "cuda" if static_cache is None else _checks.check_bool("static_cache", static_cache)
+    if cuda_graphs:
+        check_cuda_graphs(device, "cuda_graphs")
+        if not static:
+            raise ValueError("cuda_graphs=True with static_cache=False: CUDA graphs replay the static decode path "
+                             "only (the dynamic one reads each MoD layer's decision on the host); pass "
+                             "static_cache=True or leave it None")
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
@@ -134,6 +144,9 @@ def generate(model: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
     with autocast():
         logits_BV, caches, pos_B = prefill(model, prompts, capacity, static=static,
                                            cache_dtype=torch.bfloat16 if bf16 else None)
+    decode = autocast_step(model, caches, autocast, decode_step)
+    if cuda_graphs:
+        decode = GraphedDecode(decode, caches)
     B = len(prompts)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -145,8 +158,7 @@ def generate(model: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
                 done[b] = token == eos_id
         if all(done) or step == max_new_tokens - 1:
             break
-        with autocast():
-            logits_BV = decode_step(model, next_B, pos_B, caches)
+        logits_BV = decode(next_B, pos_B)
         pos_B = pos_B + 1
     model.train(was_training)
     return out

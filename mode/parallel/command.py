@@ -49,12 +49,20 @@ PRESET_VALUES = {  # name -> (LMConfig fields, TrainConfig fields, max_corpus_by
              dict(steps=5000, batch_size=64, lr=1e-3, warmup_steps=200, eval_every=250, eval_batches=8,
                   log_every=10),
              None, "GPU-sized: 8 layers, d_model 512, 16 experts, top-2"),
+    "gpu": (dict(seq_len=2048, d_model=1024, n_heads=16, d_hidden=4096, num_experts=8, expert_hidden=2048, top_k=2,
+                 activation="swiglu", layers=("moe", "staged") * 8, causal="predictor"),
+            dict(steps=5000, batch_size=32, lr=6e-4, warmup_steps=200, eval_every=500, eval_batches=4, log_every=10),
+            None, "one H100/H200, device-bound: 16 layers (moe, staged), d_model 1024, 8 SwiGLU experts of 2048, "
+                  "top-2, seq 2048, batch 32: 873M parameters; with --bf16 about 60-70 GB (docs/gpu.md)"),
 }
 # Defaults the help states that live in modules importing torch; tests/test_cli_conventions.py checks that they
 # are those modules' values.
 MODEL_DEFAULTS = {"router": "token_choice", "balance_coef": 0.01}  # LMConfig's
 DEFAULT_GRACE_S, EXIT_PREEMPTED = 25.0, 143  # mode.train.preempt's
 TIMEOUT_ENV, DEFAULT_TIMEOUT_S = "MODE_DIST_TIMEOUT_S", 300.0  # mode.parallel.process_group's
+
+
+GPU_PRESET_PARAMS = 873_375_752  # parameters of the "gpu" preset (vocabulary 256), checked by the tests on meta
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="auto: CUDA (NCCL, one GPU per process) when present, else CPU (gloo) (default auto)")
     p.add_argument("--bf16", action="store_true", help="forward under bfloat16 autocast (weights stay float32)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (slow first step on CPU)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="after 3 eager steps, capture the whole training step (forward, backward, clipping, capturable "
+                        "AdamW) in one CUDA graph and replay it (one process on CUDA; mode.train.graphs)")
     p.add_argument("--dedup-rows", action="store_true",
                    help="expert parallelism sends one row per (token, destination rank) instead of one per "
                         "assignment (top-k > 1, device-limited routing; docs/routing.md)")
@@ -296,6 +307,21 @@ def configs(args) -> tuple[LMConfig, TrainConfig, int | None]:
     return replace(preset.model, **m), replace(preset.train, seed=args.seed, **t), preset.max_corpus_bytes
 
 
+def mfu_line(record: dict, trainer) -> str | None:
+    """"MFU x% of measured y TFLOP/s peak (z% of the nominal w)" from a logged training record, or None when
+    neither peak is known (a CPU without --peak-tflops)."""
+    parts = []
+    if record.get("mfu_measured") is not None and trainer.measured_peak_flops:
+        parts.append(f"MFU {record['mfu_measured']:.1%} of measured {trainer.measured_peak_flops / 1e12:.0f} TFLOP/s "
+                     "peak (bf16 matmul timed at start-up)")
+    if record.get("mfu") is not None and trainer.peak_flops:
+        parts.append(f"{record['mfu']:.1%} of the nominal {trainer.peak_flops / trainer.world_size / 1e12:.0f} "
+                     "TFLOP/s")
+    if not parts:
+        return None
+    return parts[0] + (f" ({parts[1]})" if len(parts) > 1 else "") + f"; {record['tok_s']:,.0f} tokens/s"
+
+
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -355,9 +381,16 @@ def run(args) -> int:
             from mode.train.runtime import OneProcess, resolve_device
 
             runtime = OneProcess(resolve_device(device), keep=args.keep)  # keep > 1: OUT/ckpt-step-*.pt too
+        if args.cuda_graphs and mesh is not None:
+            raise ValueError("--cuda-graphs: one process only (not under torchrun); collectives inside a captured "
+                             "step are not supported")
         trainer = Trainer(model_cfg, train_cfg, corpus, args.out, name="mode train", progress=not args.no_progress,
                           runtime=runtime, device=device, bf16=args.bf16, compile=args.compile,
-                          timeout_s=None if ctx is None else ctx.timeout_s)
+                          timeout_s=None if ctx is None else ctx.timeout_s, cuda_graphs=args.cuda_graphs)
+        if trainer.device.type == "cuda":  # MFU against what this card reaches, beside the datasheet's
+            from mode.train.log_sinks import measure_matmul_flops
+
+            trainer.measured_peak_flops = measure_matmul_flops(trainer.device)
         if trainer.rank == 0:
             split = (f"{model_cfg.num_experts} experts -> {model_cfg.num_experts // dims.ep} per ep rank; "
                      if dims is not None and model_cfg.uses_moe else "")
@@ -365,6 +398,7 @@ def run(args) -> int:
             print(f"mode train: {where}" + ("" if str(trainer.device) in where else f", device {trainer.device}")
                   + (f", backend {ctx.backend}, timeout {ctx.timeout_s:g} s" if ctx else "")
                   + (", bf16 autocast" if args.bf16 else "") + (", compiled" if args.compile else "")
+                  + (", CUDA graphs" if args.cuda_graphs else "")
                   + (", activation checkpointing" if train_cfg.activation_checkpointing else "")
                   + f": {split}global batch {train_cfg.batch_size} = {trainer.world_size} x {trainer.local_batch} "
                   f"sequences of {model_cfg.seq_len}"
@@ -409,6 +443,9 @@ def run(args) -> int:
         print(f"mode train: step {trainer.step}: train loss {losses[-1]['loss']:.4f}"
               + (f", val loss {vals[-1]['val_loss']:.4f}" if vals else "")
               + f"; checkpoint {trainer.ckpt_path} (mode sample / mode report read it)", flush=True)
+        line = mfu_line(losses[-1], trainer)
+        if line:
+            print(f"mode train: {line}", flush=True)
     if ctx is not None:
         mdist.destroy()
     return 0

@@ -1,6 +1,7 @@
 """Training one model: the loop, its data, its checkpoints, its optimizer and schedule.
 
     trainer     ``Trainer``: AdamW, schedule, clipping, aux losses, validation, JSONL log, exact resume
+    graphs      ``GraphedTrainStep``: the whole step captured in one CUDA graph and replayed (``cuda_graphs=True``)
     runtime     ``Runtime``, the protocol the trainer runs on, and ``OneProcess``; ``mode.parallel`` brings a mesh
     config      ``TrainConfig``
     optim       ``build_optimizer`` (AdamW) and ``lr_at`` (warm-up + cosine)

@@ -50,6 +50,35 @@ def peak_flops(device: torch.device, peak_tflops: float | None = None) -> float 
     return None if known is None else known[1] * 1e12
 
 
+MATMUL_PROBE_N = 8192  # the measured ceiling: a bf16 (n, n) @ (n, n) matmul, 2 n^3 FLOPs
+
+
+def measure_matmul_flops(device: torch.device, n: int = MATMUL_PROBE_N, repeats: int = 20) -> float:
+    """The bf16 matmul rate this device reaches, FLOP/s: the median of ``repeats`` timed ``(n, n) @ (n, n)``
+    products after a warm-up, each timed with CUDA events. The ceiling a training step's matmuls can reach
+    on this card, clocks and power limit included (an H200 measured 763-768 TFLOP/s against the datasheet's
+    989: docs/results-gpu.md), for a second MFU beside the datasheet's. CUDA only (ValueError elsewhere);
+    about a second, and 3 n^2 bf16 values of memory while it runs."""
+    if device.type != "cuda":
+        raise ValueError(f"device={device}: the matmul ceiling is measured on a CUDA device only")
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.mm(a, b, out=out)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mm(a, b, out=out)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b, out
+    times.sort()
+    return 2 * n**3 / times[len(times) // 2]
+
+
 def mfu(flops: float, seconds: float, peak_total: float | None) -> float | None:
     """Model FLOPs utilisation: ``flops`` done in ``seconds`` against ``peak_total`` FLOP/s (all devices)."""
     if peak_total is None or seconds <= 0:
@@ -59,7 +88,7 @@ def mfu(flops: float, seconds: float, peak_total: float | None) -> float | None:
 
 # A training record's number -> its TensorBoard tag (validation: "val/loss"; routing: "routing/<overall key>").
 SCALAR_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tok_s": "train/tok_s",
-               "mfu": "train/mfu", "flops": "train/flops"}
+               "mfu": "train/mfu", "mfu_measured": "train/mfu_measured", "flops": "train/flops"}
 
 
 def summary_writer_class():

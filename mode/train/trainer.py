@@ -41,6 +41,7 @@ from mode.routing.bias_balance import bias_routers, update_expert_bias
 from mode.train import checkpoint, faults, log_sinks
 from mode.train.accumulate import GradAccumulation
 from mode.train.config import TrainConfig
+from mode.train.graphs import GraphedTrainStep
 from mode.train.data import BatchSampler, Corpus, eval_batches
 from mode.train.optim import build_optimizer, lr_at
 from mode.train.progress import Progress
@@ -94,16 +95,19 @@ class Trainer:
     (``mode.train.progress``; a ``Progress`` sets their interval or turns them off). Rank 0 reports.
     ``bf16``: forward under ``torch.autocast(bfloat16)`` (weights, gradients and AdamW stay float32).
     ``compile``: ``torch.compile`` each block. ``timeout_s``: named in the ``CollectiveError`` raised when a
-    collective fails (the process group's own timeout is set where it is initialised).
+    collective fails (the process group's own timeout is set where it is initialised). ``cuda_graphs``: after a
+    few eager steps, capture the whole step (forward, backward, clipping, AdamW) in one CUDA graph and replay
+    it (``mode.train.graphs``; one process on CUDA, ValueError elsewhere); AdamW is then ``capturable``.
     """
 
     def __init__(self, model_cfg: LMConfig, train_cfg: TrainConfig, corpus: Corpus, out_dir: str | Path,
                  name: str = "model", progress: bool | Progress = True, *, mesh=None,
                  runtime: Runtime | None = None,
                  device: str | torch.device | None = None, bf16: bool = False, compile: bool = False,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, cuda_graphs: bool = False):
         _checks.check_bool("bf16", bf16)
         _checks.check_bool("compile", compile)
+        _checks.check_bool("cuda_graphs", cuda_graphs)
         if runtime is not None and mesh is not None:
             raise ValueError("mesh and runtime: give one of them (a runtime already knows its mesh)")
         if runtime is not None and not isinstance(runtime, Runtime):
@@ -161,6 +165,8 @@ class Trainer:
         self._gradient_sync = getattr(self.runtime, "set_gradient_sync", None) if train_cfg.grad_accum > 1 else None
         self.bias_routers = bias_routers(self.model)  # aux-loss-free balancing: updated after every step
         self.optimizer = build_optimizer(self.model, train_cfg)
+        # cuda_graphs: the step captured and replayed (replaces self.optimizer by a capturable AdamW)
+        self.graphed = GraphedTrainStep(self) if cuda_graphs else None
         # Every rank draws the whole global batch from the same seeded sampler and keeps its rows.
         self.sampler = BatchSampler(corpus.train, train_cfg.batch_size, model_cfg.seq_len, train_cfg.seed)
         self.val_batches = eval_batches(corpus.val, train_cfg.batch_size, model_cfg.seq_len, train_cfg.eval_batches)
@@ -180,6 +186,8 @@ class Trainer:
         # MFU's denominator: every process's device at its peak (None: a CPU or an unknown GPU, no MFU)
         peak = log_sinks.peak_flops(self.device, train_cfg.peak_tflops)
         self.peak_flops = None if peak is None else peak * self.world_size
+        # a second MFU against a ceiling measured on this device (mode train sets it: log_sinks.measure_matmul_flops)
+        self.measured_peak_flops: float | None = None
         if train_cfg.tensorboard:
             log_sinks.summary_writer_class()  # fails on every rank alike when tensorboard is missing
         self.tensorboard = (log_sinks.TensorBoardLog(self.out_dir / "tb")
@@ -239,6 +247,10 @@ class Trainer:
         mfu = log_sinks.mfu(self.flops, self.wall, self.peak_flops)
         if mfu is not None:
             speed["mfu"] = mfu
+        measured = (None if self.measured_peak_flops is None else
+                    log_sinks.mfu(self.flops, self.wall, self.measured_peak_flops * self.world_size))
+        if measured is not None:
+            speed["mfu_measured"] = measured
         return speed
 
     def _time_to_save(self) -> bool:
@@ -253,8 +265,25 @@ class Trainer:
     def _train_step(self) -> tuple[float, float]:
         rt = self.runtime
         x_BS, y_BS = self.sampler.next()  # the global batch (the same on every rank)
-        x_bS, y_bS = rt.rows(x_BS), rt.rows(y_BS)  # this rank's rows (one process: all of them)
         lr = lr_at(self.step, self.cfg)
+        if self.graphed is not None:  # one process: its rows are the global batch
+            ce, flops, self.grad_norm = self.graphed.step(x_BS, y_BS, lr)
+        else:
+            ce, flops = self._eager_step(rt.rows(x_BS), rt.rows(y_BS), lr)
+        due = self.rank == 0 and self._time_to_save()  # clocks differ: rank 0 decides for every rank
+        stop = self.preemption is not None and self.preemption.requested  # this rank's own signal
+        loss_sum, flops, due, stop = rt.sum_scalars([ce, flops, float(due), float(stop)])  # one all-reduce
+        self._save_due = due > 0
+        self._stop = stop > 0
+        self.flops += flops
+        self.tokens += x_BS.numel()
+        self.step += 1
+        return loss_sum / self.world_size, lr  # mean cross-entropy over the global batch
+
+    def _eager_step(self, x_bS: Tensor, y_bS: Tensor, lr: float) -> tuple[Tensor, Tensor | float]:
+        """Forward and backward of this rank's rows, clipping, AdamW, the bias update; returns (this rank's mean
+        cross-entropy, its realized training FLOPs), unread."""
+        rt = self.runtime
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         n = self.cfg.grad_accum
@@ -280,15 +309,7 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         update_expert_bias(self.model, self.bias_routers)  # the step's choice counts, summed over ranks
-        due = self.rank == 0 and self._time_to_save()  # clocks differ: rank 0 decides for every rank
-        stop = self.preemption is not None and self.preemption.requested  # this rank's own signal
-        loss_sum, flops, due, stop = rt.sum_scalars([ce_sum / n, flops, float(due), float(stop)])  # one all-reduce
-        self._save_due = due > 0
-        self._stop = stop > 0
-        self.flops += flops
-        self.tokens += x_BS.numel()
-        self.step += 1
-        return loss_sum / self.world_size, lr  # mean cross-entropy over the global batch
+        return ce_sum / n, flops
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -308,6 +329,8 @@ class Trainer:
 
     def routing_record(self) -> dict | None:
         """The routing statistics since the last record, summed over every rank (a collective)."""
+        if self.graphed is not None:
+            self.graphed.drain()
         acc = self.runtime.reduce_routing(self.routing)
         return acc.summary() if acc else None
 
@@ -331,6 +354,8 @@ class Trainer:
         """Write the checkpoint atomically (the previous one stays whole until the new one is complete).
         One process: a single file. A mesh: a sharded save (every rank must call it)."""
         path = Path(path or self.ckpt_path)
+        if self.graphed is not None:
+            self.graphed.drain()
         routing = self.runtime.reduce_routing(self.routing).state_dict()  # sums over ranks: what one process holds
         return self.runtime.save(path, self.model, self.optimizer, {**self._progress_state(), "routing_acc": routing})
 
@@ -353,6 +378,8 @@ class Trainer:
             check_same_model(state["model_cfg"], self.model_cfg, where)
 
         state = self.runtime.load(path, self.model, self.optimizer, check)
+        if self.graphed is not None:
+            self.graphed.reset()  # the optimizer's state tensors are new: warm up and capture again
         self.step, self.flops, self.tokens, self.wall = state["step"], state["flops"], state["tokens"], state["wall"]
         self.elapsed = state.get("elapsed_s", 0.0)
         self.history = state["history"]

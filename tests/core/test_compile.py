@@ -73,3 +73,74 @@ def test_mod_is_one_static_graph():
     layer = _no_sync(_layers()["mod"])
     explanation = torch._dynamo.explain(layer)(torch.randn(2, 16, D))
     assert explanation.graph_count == 1 and explanation.graph_break_count == 0
+
+
+def _grouped_ops(layer: torch.nn.Module, x: torch.Tensor) -> set[str]:
+    """The grouped-GEMM calls in the graph dynamo traces of ``layer(x)`` (fullgraph)."""
+    seen: set[str] = set()
+
+    def backend(gm, example_inputs):
+        seen.update("torch._grouped_mm" if n.target is torch._grouped_mm else str(n.target)
+                    for n in gm.graph.nodes if n.op == "call_function" and "grouped_mm" in str(n.target))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.compile(layer, backend=backend, fullgraph=True)(x)
+    torch._dynamo.reset()
+    return seen
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_compiled_bf16_moe_calls_torch_grouped_mm_natively_and_matches_eager(top_k, monkeypatch):
+    """Compiled on the bfloat16 path of a device in ``NATIVE_WHEN_COMPILING`` (CUDA; the CPU added here), the
+    MoE layer calls ``torch._grouped_mm`` itself -- an aten op inductor lowers -- not the opaque custom op, with
+    torch's own backward; fullgraph, and the same outputs and gradients as eager (which keeps the custom op) up
+    to bfloat16 rounding. Eager and a float32 compile keep the custom op."""
+    from mode.experts import grouped_mm as gm
+
+    layer = _no_sync(MoELayer.from_config(MoEConfig(d_model=D, d_hidden=64, num_experts=4, top_k=top_k,
+                                                    activation="swiglu", backend="grouped")))
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, D)
+    assert _grouped_ops(layer, x) == {"mode.grouped_mm.default"}  # CUDA only by default
+    monkeypatch.setattr(gm, "NATIVE_WHEN_COMPILING", {"cpu", "cuda"})
+    ops = _grouped_ops(layer, x)
+    assert ops == {"torch._grouped_mm"}, ops
+
+    x_eager, x_comp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref, aux_ref = layer(x_eager)
+    (y_ref.float().square().sum() + aux_ref.total()).backward()
+    grads_ref = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, aux = torch.compile(layer, backend="aot_eager", fullgraph=True)(x_comp)
+    (y.float().square().sum() + aux.total()).backward()  # .sum(): an expanded incoming gradient
+    torch._dynamo.reset()
+    # the same bfloat16 products; only the order of the float32 accumulations may differ: bounds scaled to values
+    scale = lambda t: 2e-2 * float(t.abs().max()) + 1e-6  # noqa: E731
+    assert float((y.float() - y_ref.float()).abs().max()) <= scale(y_ref)
+    assert float((x_comp.grad - x_eager.grad).abs().max()) <= scale(x_eager.grad)
+    for n, p in layer.named_parameters():
+        if n in grads_ref:
+            assert float((p.grad - grads_ref[n]).abs().max()) <= scale(grads_ref[n]), n
+
+
+def test_grouped_mm_checks_are_cached_and_still_raise():
+    """The metadata checks run once per combination (an lru_cache), and a bad call raises every time."""
+    from mode.experts.grouped_mm import _check_metadata_cached, grouped_mm
+
+    x, w = torch.randn(8, 16), torch.randn(2, 16, 8)
+    offs = torch.tensor([4, 8], dtype=torch.int32)
+    _check_metadata_cached.cache_clear()
+    for _ in range(3):
+        grouped_mm(x, w, offs)
+    info = _check_metadata_cached.cache_info()
+    assert (info.misses, info.hits) == (1, 2), info
+    for _ in range(2):
+        with pytest.raises(TypeError, match="offsets_E.dtype=torch.int64: torch._grouped_mm needs int32 offsets"):
+            grouped_mm(x, w, offs.long())
+    with pytest.raises(ValueError, match=r"x_AK.shape\[1\]=12: must equal w_EKN.shape\[1\]=16"):
+        grouped_mm(torch.randn(8, 12), w, offs)

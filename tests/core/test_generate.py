@@ -879,3 +879,73 @@ def test_short_training_teaches_the_predictor(tmp_path):
         assert 0.1 < layer["routed_fraction"] < 0.45, (name, layer)  # near capacity: not nothing, not everything
     assert after["loss_causal"] < before["loss_causal"]
     assert abs(after["ar_gap"]) < 0.05, after  # sampling's loss is close to the top-k loss
+
+
+# ------------------------------------------------------------------------------------ CUDA graphs (decode)
+
+
+@torch.no_grad()
+def test_a_static_step_does_exactly_its_host_half():
+    """What a replayed CUDA graph of a decode step relies on (``mode.model.decode_graphs``): a static step's
+    only host effect on each cache is ``advance_static`` -- one more token in ``bound``, lengths known on the
+    device only -- and it attends the width ``static_step_width()`` announced before it."""
+    model = make_lm(("moe", "staged", "dense", "mod"), "predictor")
+    x = tokens(3, S, seed=21)
+    prompts = [x[0, :5].tolist(), x[1, :9].tolist(), x[2, :7].tolist()]
+    logits_BV, caches, pos_B = prefill(model, prompts, capacity=80, static=True)
+    for _ in range(70):  # past the first width bucket (64)
+        widths = [c.static_step_width() for c in caches]
+        bounds = [c.bound for c in caches]
+        logits_BV = decode_step(model, logits_BV.argmax(-1), pos_B, caches)
+        pos_B = pos_B + 1
+        assert [c.bound for c in caches] == [b + 1 for b in bounds]
+        assert all(c.host_len is None for c in caches)
+        assert [c._width(c.bound) for c in caches] == widths
+    assert len({c.static_step_width() for c in caches}) >= 1 and max(c.bound for c in caches) > 64
+    dynamic = KVCache(2, 2, 8, 4, torch.float32)
+    with pytest.raises(ValueError, match=lit("advance_static: this cache is dynamic (static=False)")):
+        dynamic.advance_static()
+    full = KVCache(1, 2, 2, 4, torch.float32, static=True)
+    full.bound = 2
+    with pytest.raises(ValueError, match=lit("KV cache capacity=2: cannot hold 3 tokens")):
+        full.advance_static()
+
+
+def test_generate_with_cuda_graphs_needs_cuda():
+    with torch.device("cpu"):  # a model on the CPU, whatever the test device
+        model = make_lm(("dense", "mod"))
+    with pytest.raises(ValueError, match=lit("cuda_graphs=True needs CUDA: the model is on cpu")):
+        generate(model, [[1, 2, 3]], max_new_tokens=4, cuda_graphs=True)
+    with pytest.raises(TypeError, match=lit("cuda_graphs=1: must be a bool")):
+        generate(model, [[1, 2, 3]], max_new_tokens=4, cuda_graphs=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layers", [("moe", "staged"), ("dense", "mod", "dense", "mod")], ids=["moe-staged", "mod"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_cuda_graph_decoding_gives_the_same_tokens(layers, temperature, monkeypatch):
+    """generate(cuda_graphs=True): each step replayed from a graph captured per attended width (two widths
+    here), the same tokens as the eager static path, bf16 and float32."""
+    import mode.model.generate as gen
+    from mode.model.decode_graphs import GraphedDecode
+
+    made: list[GraphedDecode] = []
+
+    class Recorded(GraphedDecode):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(gen, "GraphedDecode", Recorded)
+    model = make_lm(layers, "predictor").cuda()
+    x = tokens(3, S, seed=22)
+    prompts = [x[0, :5].tolist(), x[1, :9].tolist(), x[2, :7].tolist()]
+    for bf16 in (False, True):
+        kw = dict(max_new_tokens=80, temperature=temperature, seed=3, bf16=bf16)
+        eager = generate(model, prompts, static_cache=True, **kw)
+        graphed = generate(model, prompts, cuda_graphs=True, **kw)
+        assert graphed == eager
+        assert made[-1].captures >= 2 and made[-1].replays >= 70
+    with pytest.raises(ValueError, match=lit("cuda_graphs=True with static_cache=False")):
+        generate(model, prompts, max_new_tokens=4, cuda_graphs=True, static_cache=False)

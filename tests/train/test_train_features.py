@@ -253,7 +253,7 @@ def test_recompute_without_restored_buffers_would_count_twice(monkeypatch):
 def test_trainer_with_activation_checkpointing_trains_the_same_run(tmp_path, n):
     """The whole loop: curve, bias, routing records (counted once) and checkpoint equal the plain run's."""
     cfg = model_cfg("mod_random", "moe", "staged", "integrated", causal="threshold", **GLOBAL)
-    drop = ("wall", "tok_s", "mfu")
+    drop = ("wall", "tok_s", "mfu", "mfu_measured")
     plain = Trainer(cfg, train_cfg(grad_accum=n), corpus(), tmp_path / "plain", progress=False)
     h1 = [{k: v for k, v in r.items() if k not in drop} for r in plain.run()]  # (the random MoD layer draws
     ac = Trainer(cfg, train_cfg(grad_accum=n, activation_checkpointing=True), corpus(), tmp_path / "ac",
