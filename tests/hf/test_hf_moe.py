@@ -23,6 +23,7 @@ from mode.routing import update_expert_bias  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import moe_models as mm  # noqa: E402
+from scaled_close import assert_close_scaled  # noqa: E402
 
 # How close a converted model comes to transformers' own, in float32. Not bit for bit: the sums run in another
 # order (the CPU GEMM's rounding of a row depends on its place in the block, and transformers orders an expert's
@@ -42,17 +43,8 @@ FAMILY_REL = {"dbrx": 1e-3}
 
 
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor, family: str = "", what: str = "") -> None:
-    """``max |actual - expected| <= rel * max |expected|`` (float64 arithmetic), rel by family (see REL)."""
-    rel = FAMILY_REL.get(family, REL)
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a, e = actual.detach().double(), expected.detach().double()
-    assert torch.isfinite(a).equal(torch.isfinite(e)), f"{what}: non-finite values differ"
-    a, e = a.nan_to_num(), e.nan_to_num()
-    scale = e.abs().max().item() if e.numel() else 0.0
-    err = (a - e).abs().max().item() if e.numel() else 0.0
-    # the same call site logs for scripts/tolerance_margins.py as assert_close would
-    torch.testing.assert_close(torch.tensor(err, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64), rtol=0, atol=rel * scale + 1e-30,
-                               msg=f"{family} {what}: max |d| = {err:.3g} > {rel:g} * max |expected| = {rel * scale:.3g}")
+    """``max |actual - expected| <= rel * max |expected|`` (tests/scaled_close.py), rel by family (see REL)."""
+    assert_close_scaled(actual, expected, FAMILY_REL.get(family, REL), f"{family} {what}")
 
 
 def _model_type(family: str) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from scaled_close import assert_close_scaled
 
 pytest.importorskip("transformers", reason="mode.hf needs transformers 5.x: pip install -e '.[hf]'")
 import mode.hf as mh  # noqa: E402
@@ -349,7 +350,8 @@ def test_real_model_generate_equals_recomputation_at_half_capacity(smollm2, part
             ref = conv(fed, attention_mask=fed_mask, position_ids=pos, use_cache=False).logits
         routed = [mh.collect_aux(conv).stats[f"layers.{i}.mod.router"].compute_T.view(fed.shape).bool()
                   for i in (5, 12)]
-    torch.testing.assert_close(torch.stack(g.logits, 1), ref[:, 8:], rtol=0, atol=2e-4)
+    # the cached and the recomputed pass sum in other orders: a bound scaled to the logits (tests/scaled_close.py)
+    assert_close_scaled(torch.stack(g.logits, 1), ref[:, 8:], 2e-5, "generate's logits")
     assert torch.equal(ref[:, 8:].argmax(-1), g.sequences[:, 9:])
     assert any(0 < float(r[fed_mask.bool()].float().mean()) < 1 for r in routed)
 
