@@ -586,7 +586,7 @@ def train_in_process(preset: str, steps: int, skip: int, device, cuda_graphs: bo
 
     from mode.parallel.command import PRESETS
     from mode.train import Trainer
-    from mode.train.data import load_corpus
+    from mode.train.sources import load_corpus
 
     p = PRESETS[preset]
     train_cfg = replace(p.train, steps=steps, eval_every=10 * steps, log_every=1,

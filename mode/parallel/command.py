@@ -49,7 +49,7 @@ PRESET_VALUES = {  # name -> (LMConfig fields, TrainConfig fields, max_corpus_by
              dict(steps=5000, batch_size=64, lr=1e-3, warmup_steps=200, eval_every=250, eval_batches=8,
                   log_every=10),
              None, "GPU-sized: 8 layers, d_model 512, 16 experts, top-2"),
-    "gpu": (dict(seq_len=2048, d_model=1024, n_heads=16, d_hidden=4096, num_experts=8, expert_hidden=2048, top_k=2,
+    "gpu": (dict(seq_len=2048, d_model=1024, n_heads=16, d_hidden=4096, num_experts=8, expert_hidden=2048, num_noop=0, top_k=2,
                  activation="swiglu", layers=("moe", "staged") * 8, causal="predictor"),
             dict(steps=5000, batch_size=32, lr=6e-4, warmup_steps=200, eval_every=500, eval_batches=4, log_every=10),
             None, "one H100/H200, device-bound: 16 layers (moe, staged), d_model 1024, 8 SwiGLU experts of 2048, "
