@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from mode.experiments import run_record
-from mode.train.data import PACKAGES, Corpus, eval_batches, file_corpus, min_file_bytes, stdlib_corpus
+from mode.train import sources
+from mode.train.data import PACKAGES, Corpus, eval_batches
 from mode.measure.flops import train_flops_per_token
 from mode.model import LM, LMConfig
 from mode.train import Trainer, TrainConfig
@@ -21,15 +22,9 @@ from mode.train.progress import log_line
 
 
 def load_corpus(data: str | None, seq_len: int, max_bytes: int | None = None, log=print) -> Corpus:
-    """A sweep's data: None the built-in corpus (its first ``max_bytes`` bytes), ``"packages"`` the installed
-    packages' sources (``mode.train.packages``; a file of that name is ``./packages``), else a UTF-8 text file."""
-    if data is None:
-        return stdlib_corpus(max_bytes=max_bytes)
-    if data == PACKAGES:
-        from mode.train.packages import packages_corpus
-
-        return packages_corpus(log=log)
-    return file_corpus(data, min_file_bytes(seq_len))
+    """A sweep's data (``mode.train.sources.load_corpus``, byte-level: no token-shard folders): None the built-in
+    corpus (its first ``max_bytes`` bytes), ``"packages"`` the installed packages' sources, else a UTF-8 text file."""
+    return sources.load_corpus(data, seq_len, max_bytes, log=log, token_folders=False)
 
 
 def data_identity(data: str | None) -> str | None:
