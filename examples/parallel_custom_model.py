@@ -78,7 +78,9 @@ class TinyMoDE(nn.Module):
             x_BSD, layer_aux = layer(x_BSD)
             aux.merge(layer_aux, f"{name}.")
         logits_BSV = self.head(self.norm(x_BSD))
-        return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten()), aux
+        # the loss in float32 at least: a float64 model (exactness checks) keeps float64
+        logits_TV = logits_BSV.flatten(0, 1).to(torch.promote_types(logits_BSV.dtype, torch.float32))
+        return F.cross_entropy(logits_TV, targets_BS.flatten()), aux
 
 
 def make_batches(steps: int, batch: int, seq: int, seed: int = 0) -> list[tuple[Tensor, Tensor]]:

@@ -167,6 +167,13 @@ def check_numel(names: str, *dims: int) -> None:
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
 
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or unchanged when it is float64. Math that must not run in a low precision (routing
+    scores, rotary embeddings, the loss) keeps a float64 model's precision: exactness checks (a mesh against one
+    process, ``Trainer(dtype=torch.float64)``) rely on it, as float32 rounding would flip near-tied routing."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def float32_region(device: torch.device):
     """A context in which autocast is off, so router math stays in float32 (top-k on bf16 logits ties
     far too often). A no-op context on devices autocast does not know (meta)."""

@@ -211,9 +211,11 @@ if _triton.available():  # the CUDA kernels (triton itself is imported on the fi
 
 def router_topk(logits_TX: Tensor, k: int, *, gate: str = "softmax", renormalize: bool = False,
                 scale: float = 1.0, valid_T: Tensor | None = None) -> RouterOut:
-    """The fused router math on float32 logits (``mode_kernels::router``); see the module docstring."""
-    if not isinstance(logits_TX, Tensor) or logits_TX.dtype != torch.float32 or logits_TX.dim() != 2:
-        raise TypeError(f"logits_TX: must be a 2-D float32 tensor, got "
+    """The fused router math on float32 logits (``mode_kernels::router``); see the module docstring. float64
+    logits (a float64 model's exactness runs) take the torch reference on every device."""
+    if (not isinstance(logits_TX, Tensor) or logits_TX.dtype not in (torch.float32, torch.float64)
+            or logits_TX.dim() != 2):
+        raise TypeError(f"logits_TX: must be a 2-D float32 (or float64) tensor, got "
                         f"{getattr(logits_TX, 'dtype', type(logits_TX))} {tuple(getattr(logits_TX, 'shape', ()))}")
     X = logits_TX.shape[1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= X:

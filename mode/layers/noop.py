@@ -73,7 +73,7 @@ class NoopExperts(nn.Module):
         if self.const_idx:
             g_TC = noop_gate_TN[:, self.const_idx].to(x_TD.dtype)
             w_C2D, v_CD = self.const_w_C2D.to(x_TD.dtype), self.const_v_CD.to(x_TD.dtype)
-            a_TC2 = torch.einsum("td,ckd->tck", x_TD, w_C2D).float().softmax(-1).to(x_TD.dtype)
+            a_TC2 = _checks.at_least_float32(torch.einsum("td,ckd->tck", x_TD, w_C2D)).softmax(-1).to(x_TD.dtype)
             # sum over c of g * (a1 * x + a2 * v), without a (T, C, D) tensor
             y_TD = y_TD + (g_TC * a_TC2[..., 0]).sum(-1, keepdim=True) * x_TD + (g_TC * a_TC2[..., 1]) @ v_CD
         return y_TD

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mode import _checks
+
 
 def rope_angles(positions_BS: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
     """cos and sin of shape (B, 1, S, K/2) for ``positions_BS``."""
@@ -18,5 +20,5 @@ def rope_angles(positions_BS: Tensor, head_dim: int, base: float) -> tuple[Tenso
 
 
 def apply_rope(x_BHSK: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x_BHSK.float().chunk(2, dim=-1)
+    x1, x2 = _checks.at_least_float32(x_BHSK).chunk(2, dim=-1)  # float64 stays float64
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BHSK.dtype)

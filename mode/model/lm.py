@@ -88,7 +88,7 @@ class LM(nn.Module):
         loss = None
         if targets_BS is not None:
             targets = targets_BS if mask_BS is None else targets_BS.masked_fill(~mask_BS, -100)
-            loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets.reshape(-1))
+            loss = F.cross_entropy(_checks.at_least_float32(logits_BSV).reshape(-1, logits_BSV.shape[-1]), targets.reshape(-1))
         return LMOutput(logits_BSV, loss, aux)
 
     def new_caches(self, batch: int, capacity: int, static: bool = False,

@@ -156,6 +156,14 @@ def read_meta(folder: Path, where: str, training: bool, reader: SafeReader | Non
     return state
 
 
+def _stored_dtype(md: dcp_metadata.Metadata) -> torch.dtype:
+    """float64 when every floating model tensor was saved in float64 (a ``Trainer(dtype=torch.float64)`` run),
+    else float32, the dtype ``LM`` is built in."""
+    dtypes = {item.properties.dtype for k, item in md.state_dict_metadata.items()
+              if k.startswith("model.") and hasattr(item, "properties") and item.properties.dtype.is_floating_point}
+    return torch.float64 if dtypes == {torch.float64} else torch.float32
+
+
 def _check_shapes(expected: dict[str, Tensor], md: dcp_metadata.Metadata, prefix: str, where: str) -> None:
     """Every ``expected`` tensor is in the checkpoint under ``prefix + name`` with the same global shape and
     dtype (DTensors: their global shape)."""
@@ -244,10 +252,11 @@ def read_sharded(path: str | Path, training: bool = False) -> dict:
     meta = read_meta(folder, where, training, reader)
     cfg = checkpoint.model_config_from_dict(meta.get("model_cfg"), where)
     md = reader.read_metadata()
+    dtype = _stored_dtype(md)
     with torch.device("meta"):  # shapes first: a checkpoint that does not fit its config allocates nothing
-        _check_shapes(LM(cfg).state_dict(), md, "model.", where)
+        _check_shapes(LM(cfg).to(dtype).state_dict(), md, "model.", where)
     with torch.device("cpu"):  # on the host, as torch.load(map_location="cpu") gives a single file's tensors
-        model = LM(cfg)
+        model = LM(cfg).to(dtype)
         optimizer = None
         if training:
             try:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from mode import _checks
 from mode.measure.stats import RoutingAccumulator
 from mode.parallel import checkpoint as sharded
 from mode.parallel import process_group as mdist
@@ -51,7 +52,8 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> Tensor:
     for ps in by_mesh.values():
         n = get_total_norm([p.grad for p in ps], norm_type=2.0)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    total = (norms[0] if len(norms) == 1
+             else torch.linalg.vector_norm(torch.stack([_checks.at_least_float32(n) for n in norms])))
     for ps in by_mesh.values():
         clip_grads_with_norm_(ps, max_norm, total)
     return total

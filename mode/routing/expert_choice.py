@@ -135,7 +135,8 @@ class ExpertChoiceRouter(nn.Module):
         dev = x_BSD.device
 
         with _checks.float32_region(dev):  # routing math in float32, also under autocast
-            logits_BSX = F.linear(x_BSD.float(), self.weight.float())
+            x_BSD = _checks.at_least_float32(x_BSD)  # float64 stays float64
+            logits_BSX = F.linear(x_BSD, self.weight.to(x_BSD.dtype))
             probs_BSX = logits_BSX.softmax(-1)
             scores_BSX = probs_BSX if mask_BS is None else probs_BSX.masked_fill(~mask_BS[..., None], -1.0)
             gate_BcX, pos_BcX = scores_BSX.topk(c, dim=1)  # each slot's c best positions per sequence

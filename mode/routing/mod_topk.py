@@ -168,7 +168,8 @@ class MoDRouter(nn.Module):
     def scores(self, x_BSD: Tensor) -> Tensor:
         """Raw router logits ``r_BS = x . w`` in float32 (autocast off: see ``_checks.float32_region``)."""
         with _checks.float32_region(x_BSD.device):
-            return x_BSD.float() @ self.weight.float()
+            x_BSD = _checks.at_least_float32(x_BSD)  # float64 stays float64
+            return x_BSD @ self.weight.to(x_BSD.dtype)
 
     def raw_decision_logits(self, x_BSD: Tensor, r_BS: Tensor) -> Tensor:
         """The learned (or, for "threshold", the plain) decision logits before any threshold: the predictor's
@@ -176,7 +177,7 @@ class MoDRouter(nn.Module):
         if self.predictor is not None:
             with _checks.float32_region(x_BSD.device):
                 x_in = x_BSD.detach().to(self.predictor[0].weight.dtype)
-                return self.predictor(x_in).squeeze(-1).float()
+                return _checks.at_least_float32(self.predictor(x_in).squeeze(-1))
         return r_BS
 
     @property
@@ -261,7 +262,7 @@ class MoDRouter(nn.Module):
         logit_N = logit_BS.detach().reshape(-1) if mask_BS is None else logit_BS.detach()[mask_BS]
         if logit_N.numel() == 0:
             return
-        logit_N = logit_N.float()
+        logit_N = _checks.at_least_float32(logit_N)
         q = torch.quantile(logit_N, 1.0 - self.cfg.capacity)
         # A quantile that lands on a logit (a lump of equal ones: a layer-0 score is a function of the token id,
         # so every occurrence of one id ties) would leave those tokens' decisions at exactly 0, which the

@@ -192,9 +192,10 @@ class Aux:
                  if k not in self._covered and self.coefs[k] != 0.0] + self.weighted
         if not terms:
             return torch.zeros((), device="cpu")  # a CPU scalar adds to a loss on any device, without a copy
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in terms) else torch.float32  # float64 stays
         if len(terms) == 1:
-            return terms[0].float()
-        return torch.stack([t.float() for t in terms]).sum()
+            return terms[0].to(dtype)
+        return torch.stack([t.to(dtype) for t in terms]).sum()
 
     def merge(self, other: "Aux", prefix: str = "") -> "Aux":
         """Add ``other``'s entries under ``prefix`` (in place); returns self for chaining. Lazy losses stay lazy."""

@@ -333,8 +333,9 @@ class TokenChoiceRouter(nn.Module):
         dev = x_BSD.device
         with _checks.float32_region(dev):  # routing math in float32, also under autocast
             # float32 whatever the activation dtype: top-k on bf16 logits ties too often
-            bias_X = None if self.logit_bias_X is None else self.logit_bias_X.float()
-            logits_TX = F.linear(x_BSD.reshape(T, self.cfg.d_model).float(), self.weight.float(), bias_X)
+            x_TD = _checks.at_least_float32(x_BSD.reshape(T, self.cfg.d_model))  # float64 stays float64
+            bias_X = None if self.logit_bias_X is None else self.logit_bias_X.to(x_TD.dtype)
+            logits_TX = F.linear(x_TD, self.weight.to(x_TD.dtype), bias_X)
             if self.cfg.logit_softcap:
                 logits_TX = torch.tanh(logits_TX / self.cfg.logit_softcap) * self.cfg.logit_softcap
             fused = None
@@ -448,8 +449,8 @@ class TokenChoiceRouter(nn.Module):
             return out.z_sum
         total = None
         if c_b or c_z:
-            w_X = requested_X * (c_b * X / (n * n * K))  # int64 * float: float32, no gradient
-            w_S = F.pad(w_X.to(out.sums_S.dtype), (0, 1), value=c_z / n)  # [w_X | z_coef / T]
+            w_X = requested_X.to(out.sums_S.dtype) * (c_b * X / (n * n * K))  # the router's dtype, no gradient
+            w_S = F.pad(w_X, (0, 1), value=c_z / n)  # [w_X | z_coef / T]
             total = torch.dot(out.sums_S[:X + 1], w_S)
         aux.add_weighted(total, {  # module functions: torch.compile rebuilds their partials
             "balance": (functools.partial(_fused_balance, out.prob_sum_X, requested_X, K, n), c_b),
@@ -488,8 +489,9 @@ class TokenChoiceRouter(nn.Module):
         c_b, c_z = self.cfg.balance_coef, self.cfg.z_coef
         total = None
         if c_b:
-            w_X = requested_X * (c_b * X / (T * T * K))  # int64 * float: float32 (the router's dtype), no gradient
-            total = torch.dot(balance_probs_TX.sum(0), w_X.to(balance_probs_TX.dtype))
+            # in the router's dtype (float32, or a float64 model's float64), no gradient
+            w_X = requested_X.to(balance_probs_TX.dtype) * (c_b * X / (T * T * K))
+            total = torch.dot(balance_probs_TX.sum(0), w_X)
         lse_T = None
         if c_z:
             lse_T = (_logsumexp_from_softmax(logits_TX, probs_TX) if self.cfg.gate in ("softmax", "sparsemixer")

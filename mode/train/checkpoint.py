@@ -467,9 +467,12 @@ def load_model(path: str | Path) -> tuple[LM, dict]:
     state = load_checkpoint(path)
     where = f"checkpoint {str(path)!r}"
     cfg = model_config_from_dict(state["model_cfg"], where)
+    # a float64 run (Trainer(dtype=torch.float64)) loads as it trained; every other in float32
+    floating = {t.dtype for t in state["model"].values() if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    dtype = torch.float64 if floating == {torch.float64} else torch.float32
     with torch.device("meta"):  # shapes only: a file whose tensors do not fit its config allocates nothing
-        check_model_state(LM(cfg).state_dict(), state["model"], where)
+        check_model_state(LM(cfg).to(dtype).state_dict(), state["model"], where)
     with torch.device("cpu"):  # on the CPU whatever the default device (the caller moves it)
-        model = LM(cfg)
+        model = LM(cfg).to(dtype)
     model.load_state_dict(state["model"])
     return model, state

@@ -94,6 +94,11 @@ class Trainer:
     ``progress``: True/False for a bar (on a terminal only) or none; plain progress lines print either way
     (``mode.train.progress``; a ``Progress`` sets their interval or turns them off). Rank 0 reports.
     ``bf16``: forward under ``torch.autocast(bfloat16)`` (weights, gradients and AdamW stay float32).
+    ``dtype``: the weights', gradients' and AdamW's dtype, ``torch.float32`` or ``torch.float64``. float64 is for
+    exactness checks: a run on a mesh against one process differs by sums taken in another order, ~1e-16 in
+    float64, far below the gaps between routing scores at a top-k boundary, so no near-tie flips a decision
+    (float32's ~1e-7 does: tests/parallel/test_ep_training.py). The model is built as in float32 (the same
+    initial values), then converted.
     ``compile``: ``torch.compile`` each block. ``timeout_s``: named in the ``CollectiveError`` raised when a
     collective fails (the process group's own timeout is set where it is initialised). ``cuda_graphs``: after a
     few eager steps, capture the whole step (forward, backward, clipping, AdamW) in one CUDA graph and replay
@@ -104,8 +109,12 @@ class Trainer:
                  name: str = "model", progress: bool | Progress = True, *, mesh=None,
                  runtime: Runtime | None = None,
                  device: str | torch.device | None = None, bf16: bool = False, compile: bool = False,
-                 timeout_s: float | None = None, cuda_graphs: bool = False):
+                 timeout_s: float | None = None, cuda_graphs: bool = False, dtype: torch.dtype = torch.float32):
         _checks.check_bool("bf16", bf16)
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype={dtype!r}: must be torch.float32 or torch.float64 (bfloat16 training: bf16=True)")
+        if bf16 and dtype == torch.float64:
+            raise ValueError("bf16=True with dtype=torch.float64: choose one (float64 is for exactness checks)")
         _checks.check_bool("compile", compile)
         _checks.check_bool("cuda_graphs", cuda_graphs)
         if runtime is not None and mesh is not None:
@@ -156,6 +165,9 @@ class Trainer:
             with torch.device("cpu"):
                 model = LM(model_cfg)
             model = model.to(self.device)
+        if dtype != torch.float32:
+            model = model.to(dtype)  # on meta too: materialize copies the float32 draws into float64 storage
+        self.dtype = dtype
         self.model = self.runtime.prepare(model, compile=compile)
         if train_cfg.activation_checkpointing:
             checkpoint_blocks(self.model)  # on the prepared model: FSDP's hooks stay outside the checkpoints
