@@ -52,3 +52,23 @@ def test_every_exported_name_has_a_real_docstring(name):
             f"mode.{name}.forward: its docstring must say what it returns: {forward!r}"
         params = [p for p in inspect.signature(obj.forward).parameters if p != "self"]
         assert all(p in forward for p in params), f"mode.{name}.forward: name every argument ({params})"
+
+
+def test_the_version_is_written_once_and_is_the_installed_metadata():
+    """``mode.__version__`` is the one place (pyproject.toml reads it as a dynamic attribute); an installed
+    distribution reports the same version."""
+    import re
+    from importlib import metadata
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    project = pyproject[pyproject.index("[project]"):pyproject.index("\n[", pyproject.index("[project]"))]
+    assert not re.search(r"^version\s*=", project, re.M), "pyproject.toml: the version lives in mode.__version__"
+    assert re.search(r'^dynamic = \[[^]]*"version"', project, re.M)
+    assert re.search(r'^version = \{ attr = "mode\.__version__" \}', pyproject, re.M)
+    assert re.fullmatch(r"\d+\.\d+\.\d+(?:\.?(?:a|b|rc|dev|post)\d+)*", mode.__version__)
+    try:
+        installed = metadata.version("mode-torch")
+    except metadata.PackageNotFoundError:
+        pytest.skip("mode-torch is not installed (pip install -e .)")
+    assert installed == mode.__version__
