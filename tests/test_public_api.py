@@ -72,3 +72,17 @@ def test_the_version_is_written_once_and_is_the_installed_metadata():
     except metadata.PackageNotFoundError:
         pytest.skip("mode-torch is not installed (pip install -e .)")
     assert installed == mode.__version__
+
+
+def test_every_public_name_of_the_four_packages_has_a_docstring_and_an_api_entry():
+    """scripts/check_docstrings.py (also run by ``mkdocs build``): mode, mode.hf, mode.parallel, mode.train."""
+    pytest.importorskip("griffe", reason="the docs extra reads the source with griffe: pip install -e '.[docs]'")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "check_docstrings.py"
+    spec = importlib.util.spec_from_file_location("check_docstrings", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert set(check.public_names("mode")) == set(mode.__all__)
+    assert not check.missing_docstrings(), "\n".join(check.missing_docstrings())
