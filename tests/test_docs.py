@@ -60,3 +60,39 @@ def test_family_counts_match_the_family_table():
     wrong = [f"{where}: {n} (len({table}) is {len(getattr(families, table))})" for where, table, n in claims
              if n != len(getattr(families, table))]
     assert not wrong, "family counts that differ from mode.hf.moe.families:\n" + "\n".join(wrong)
+
+
+def test_the_readme_is_a_landing_page_under_10_kb():
+    size = len((ROOT / "README.md").read_bytes())
+    assert size < 10_000, f"README.md is {size} bytes: move detail into docs/ (docs/results.md, docs/commands.md)"
+
+
+def test_relative_links_in_the_readme_and_docs_resolve():
+    """Every relative link's file exists (anchors are checked by ``mkdocs build --strict`` for docs/)."""
+    broken = []
+    for path in [*DOCS, *sorted((ROOT / "docs").glob("*/*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+:|#", target):
+                continue
+            if not (path.parent / target.split("#")[0]).exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not broken, "links to missing files:\n" + "\n".join(broken)
+
+
+def test_what_left_the_readme_is_in_the_docs():
+    """The README keeps a summary; the command table, the conventions and the results with their commands live
+    in docs/ (moved there, not dropped)."""
+    commands = (ROOT / "docs" / "commands.md").read_text()
+    for command in ("mode compare", "mode isoflop", "mode sample", "mode report", "mode train", "mode tokenize",
+                    "mode export", "python benchmarks/bench_performance.py"):
+        assert f"| `{command}" in commands, command
+    assert "## Conventions" in commands and "status 2" in commands and "--force" in commands
+    results = (ROOT / "docs" / "results.md").read_text()
+    for heading in ("Against the isoFLOP-optimal dense model", "Speed", "MoE recipes", "transformers MoE models",
+                    "MoD on a real pretrained model", "Correctness"):
+        assert f"## {heading}" in results, heading
+    assert "benchmarks/count_ops.py" in results and "mode isoflop" in results  # numbers beside their commands
+    assert "| piece | module |" in (ROOT / "docs" / "architecture.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for page in ("docs/results.md", "docs/commands.md", "docs/tutorial_first_model.md"):
+        assert page in readme, f"the README links {page}"

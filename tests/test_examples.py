@@ -1,6 +1,6 @@
-"""What a new user runs first stays runnable: the README's Python snippets and
-examples/custom_transformer.py (at 3 steps). The other examples have their own tests (grep tests for
-'examples')."""
+"""What a new user runs first stays runnable: the Python blocks of the README and of the tutorials
+(docs/tutorial_*.md), and examples/custom_transformer.py (at 3 steps). The other examples have their own tests
+(grep tests for 'examples')."""
 
 from __future__ import annotations
 
@@ -15,19 +15,35 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+PAGES = ["README.md", "docs/tutorial_first_model.md", "docs/tutorial_convert.md"]
+
+
+def python_blocks(page: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
+
+
 def readme_snippets() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    return python_blocks("README.md")
 
 
-def test_the_readme_has_its_snippets():
-    assert len(readme_snippets()) >= 2  # the layers, and MoD around a block of one's own
+SNIPPETS = [(page, i) for page in PAGES for i in range(len(python_blocks(page)))]
 
 
-@pytest.mark.parametrize("index", range(len(readme_snippets())))
-def test_each_readme_snippet_runs(index):
+def test_the_pages_have_their_snippets():
+    assert len(readme_snippets()) >= 1  # MoD and MoE composed (staged MoDE)
+    assert "StagedMoDE" in readme_snippets()[0] and "MoELayer" in readme_snippets()[0]
+    assert len(python_blocks("docs/tutorial_first_model.md")) >= 2  # the layers, and MoD around a block of one's own
+    assert any("to_mode_moe" in block for block in python_blocks("docs/tutorial_convert.md"))
+
+
+@pytest.mark.parametrize("page,index", SNIPPETS, ids=[f"{page}:{i}" for page, i in SNIPPETS])
+def test_each_snippet_runs(page, index):
+    code = python_blocks(page)[index]
+    if "transformers" in code:
+        pytest.importorskip("transformers", reason="mode.hf needs transformers 5.x: pip install -e '.[hf]'")
     namespace: dict = {}
     torch.manual_seed(0)
-    exec(compile(readme_snippets()[index], f"README.md python block {index}", "exec"), namespace)
+    exec(compile(code, f"{page} python block {index}", "exec"), namespace)
     if {"x", "y", "aux"} <= namespace.keys():  # a MoD snippet: the skipped tokens are unchanged
         stats = namespace["aux"].stats["mod.router"]
         routed_BS = stats.compute_T.view(stats.batch_shape).bool()
@@ -37,7 +53,7 @@ def test_each_readme_snippet_runs(index):
 
 def test_the_readme_quick_start_is_the_quick_run_and_keeps_the_test_command():
     text = (ROOT / "README.md").read_text()
-    quick = text[text.index("## Quick start"):text.index("**The full run.**")]
+    quick = text[text.index("## Quick start"):text.index("**Tests**")]
     block = re.search(r"```bash\n(.*?)```", quick, re.S).group(1)
     lines = [line.split("#")[0].strip() for line in block.strip().splitlines()]
     assert lines[0].startswith("git clone ") and lines[0].endswith("&& cd mode")

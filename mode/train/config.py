@@ -11,6 +11,17 @@ from mode import _checks
 
 @dataclass
 class TrainConfig:
+    """The optimisation and bookkeeping of one training run, for ``Trainer``: ``steps`` optimizer steps of
+    ``batch_size`` sequences (split into ``grad_accum`` micro-batches), AdamW at peak ``lr`` with
+    ``weight_decay``, ``warmup_steps`` of linear warm-up then a cosine decay to ``min_lr_ratio * lr``, gradients
+    clipped to norm ``grad_clip``; ``activation_checkpointing`` recomputes each block in backward. Evaluation on
+    ``eval_batches`` batches every ``eval_every`` steps, a log line every ``log_every``, routing statistics every
+    ``stats_every`` (None: with evaluation), a checkpoint every ``ckpt_every`` steps (0: at the end) and/or
+    every ``ckpt_every_s`` seconds; ``tensorboard`` also writes event files; ``peak_tflops`` is one device's peak
+    for the logged MFU; ``seed`` seeds the run. Invalid values raise ``ValueError`` naming the field
+    (docs/training.md).
+    """
+
     steps: int = 1000
     batch_size: int = 8
     lr: float = 3e-3

@@ -24,6 +24,18 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 
 
 class MoDCacheLayer(DynamicLayer):
+    """The sparse KV cache of one converted MoD layer (``to_mod(kv="routed")``): each row stores the keys and
+    values of only the tokens it routed through the layer, while reporting the dense length (every token the
+    model has seen) to ``generate()``. It replaces transformers' layer of a ``Cache`` for that layer; the MoD
+    layer ``stage()``s each call's real slots before the attention's ``update``. It cannot be cropped, so
+    assisted and speculative decoding are refused.
+
+    Shape legend: B rows (beams count as rows), H key/value heads, L stored keys (the widest row), K head dim.
+
+    Args:
+        sliding_window: the layer's sliding window, or None for full attention (``get_max_length`` reports it).
+    """
+
     is_croppable = False  # tells generate() not to roll it back (assisted decoding needs crop: refused)
 
     def __init__(self, sliding_window: int | None = None):

@@ -36,6 +36,10 @@ def conversion_state(model: nn.Module) -> dict:
 
 
 def save_conversion(model: nn.Module, directory: str | Path) -> Path:
+    """Save the conversion ``model`` carries (``model.mode_conversion``, set by ``to_mod`` and ``upcycle``) into
+    ``directory`` as ``mode_conversion.json`` (the spec, the model type, the transformers version) and
+    ``mode_weights.safetensors`` (only the tensors the conversion added or replaced); ``load_conversion`` puts
+    it back onto the original checkpoint. Returns the directory; raises ``ValueError`` for an unconverted model."""
     spec = getattr(model, "mode_conversion", None)
     if not spec:
         raise ValueError("save_conversion: the model carries no mode.hf conversion (model.mode_conversion)")

@@ -1,0 +1,20 @@
+"""mkdocs hooks (mkdocs.yml ``hooks:``): the build fails, naming them, when a public name has no docstring or no
+entry in the API reference (scripts/check_docstrings.py), which mkdocstrings itself would render as nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from mkdocs.exceptions import PluginError
+
+_spec = importlib.util.spec_from_file_location("check_docstrings", Path(__file__).with_name("check_docstrings.py"))
+check_docstrings = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check_docstrings)
+
+
+def on_pre_build(config, **kwargs) -> None:
+    problems = check_docstrings.missing_docstrings()
+    if problems:
+        raise PluginError("public names without a docstring or an API entry (scripts/check_docstrings.py):\n  "
+                          + "\n  ".join(problems))
