@@ -29,8 +29,10 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def render(payload: dict) -> str:
+    budget = ("no overall deadline" if payload.get("budget_s") is None
+              else f"of a {payload['budget_s']:.0f} s budget")
     lines = [f"Device: **{payload.get('device', '?')}**; command: `{payload.get('command')}`; "
-             f"{payload.get('seconds', '?')} s of a {payload.get('budget_s', 0):.0f} s budget"
+             f"{payload.get('seconds', '?')} s, {budget}"
              f"{' (smoke run)' if payload.get('smoke') else ''}.", ""]
     versions = payload.get("versions") or {}
     if versions:
@@ -41,8 +43,9 @@ def render(payload: dict) -> str:
     lines += _table(["goal", "measured", "rule", "verdict"],
                     [[g["goal"], g["value"], g["rule"], g["verdict"]] for g in payload.get("goals", [])])
     lines += ["", "### Stages", ""]
-    lines += _table(["stage", "status", "seconds", "limit s", "error"],
-                    [[n, r["status"], r.get("seconds"), r.get("limit_s"), (r.get("error") or r.get("reason") or "")
+    lines += _table(["stage", "status", "seconds", "limit s", "error or note"],
+                    [[n, r["status"] + (" (slow)" if r.get("slow") else ""), r.get("seconds"), r.get("limit_s"),
+                      (r.get("error") or r.get("reason") or r.get("slow") or "")
                       .replace("|", "/")[:200]] for n, r in payload["stages"].items()])
     stages = payload["stages"]
     for name, rec in stages.items():

@@ -46,9 +46,13 @@ def test_the_smoke_halves_cover_every_default_stage():
     assert "isoflop" not in gpu_suite.DEFAULT_STAGES  # a call of its own: --only isoflop
 
 
+# Each half takes about 2 minutes on an idle 2-core CPU, several times that beside other jobs (issue 46: the
+# second half failed its nccl stage at 68 s with two busy processes on the cores). Its stages' budgets no longer
+# fail it (a slow stage is recorded as slow); the subprocess and the test get room for a machine 6x slower.
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("stages", SMOKE_HALVES, ids=["first", "second", "graphs"])
 def test_smoke_run_names_every_stage_in_json_and_table(stages, tmp_path):
-    proc, payload, _ = _run(tmp_path, "--no-compile", "--only", *stages, timeout=280)
+    proc, payload, _ = _run(tmp_path, "--no-compile", "--only", *stages, timeout=1400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert list(payload["stages"]) == [n for n in gpu_suite.DEFAULT_STAGES if n in stages]  # in the suite's order
     for name, rec in payload["stages"].items():
@@ -273,6 +277,47 @@ def test_unpack_takes_only_what_pack_writes(tmp_path):
         gpu_suite.unpack_isoflop(evil, tmp_path / "x")
     with pytest.raises(RuntimeError, match="no isoflop_runs.tar.gz there"):
         gpu_suite.unpack_isoflop(tmp_path / "x", tmp_path / "y")
+
+
+class _TimedProc:
+    """A stage process that takes ``sleep_s``, records the limit it was given, and succeeds."""
+    sleep_s = 0.0
+    limits: dict = {}
+    returncode = 0
+
+    def __init__(self, cmd, **kw):
+        self.name = cmd[cmd.index("--run-stage") + 1]
+        work = Path(cmd[cmd.index("--work") + 1])
+        (work / self.name).mkdir(parents=True, exist_ok=True)
+        (work / self.name / "result.json").write_text(json.dumps({"numbers": {"x": 1}, "details": {}}))
+
+    def wait(self, timeout=None):
+        _TimedProc.limits[self.name] = timeout
+        time.sleep(self.sleep_s)
+        return 0
+
+
+def test_a_rehearsal_stage_over_its_budget_is_slow_not_failed(monkeypatch, tmp_path):
+    """--smoke: the stage budgets are yardsticks (a loaded CPU takes longer); a stage over its budget is ok with a
+    slow note, killed only past SMOKE_HANG_FACTOR times it, and there is no overall deadline. On the GPU the
+    budgets are the limits and the deadline holds."""
+    stages = tuple(gpu_suite.Stage(n, 30.0, 0.01, "doc") for n in ("env", "mod"))
+    monkeypatch.setattr(gpu_suite, "STAGES", stages)
+    monkeypatch.setattr(gpu_suite.subprocess, "Popen", _TimedProc)
+    monkeypatch.setattr(_TimedProc, "sleep_s", 0.03)
+    monkeypatch.setattr(_TimedProc, "limits", {})
+    payload = gpu_suite.run_suite(tmp_path / "out", tmp_path / "work", None, True, [], [], {}, {"mod": 5.0})
+    env, mod = payload["stages"]["env"], payload["stages"]["mod"]
+    assert env["status"] == "ok" and "over its rehearsal budget of 0 s" in env["slow"], env
+    assert _TimedProc.limits["env"] == pytest.approx(0.01 * gpu_suite.SMOKE_HANG_FACTOR)
+    assert mod["status"] == "ok" and "slow" not in mod and _TimedProc.limits["mod"] == 5.0  # --stage-budget: as given
+    assert payload["budget_s"] is None
+    assert "ok (slow)" in gpu_report.render(payload)
+
+    monkeypatch.setattr(_TimedProc, "limits", {})
+    payload = gpu_suite.run_suite(tmp_path / "out2", tmp_path / "work2", 100.0, False, [], [], {}, {})
+    assert all("slow" not in r for r in payload["stages"].values())  # on the GPU no yardstick: a limit
+    assert _TimedProc.limits["env"] == pytest.approx(30.0, abs=0.5)
 
 
 def test_a_stage_that_raises_or_hangs_is_recorded_and_the_next_stage_runs(tmp_path):
