@@ -7,14 +7,14 @@ compute the same scores up to rounding: sums taken in another order, matmuls on 
 closer than that rounding may pick differently in the two runs, and from then on the runs differ by far more
 than rounding: a test of their equality then fails on a correct implementation, on some CPUs only.
 
-``TopkGaps`` records, while it is active, the smallest gap ``s_k - s_(k+1)`` at every top-k boundary of a
-floating tensor (``torch.topk`` and ``Tensor.topk``, the routers' only selection), one minimum per call. A
+``TopkGaps`` records, while it is active, the smallest relative gap ``|s_k - s_(k+1)| / max(|s_k|, |s_(k+1)|)``
+(rounding is relative to the values' size) at every top-k boundary of a floating tensor (``torch.topk`` and ``Tensor.topk``, the routers' only selection), one minimum per call. A
 test runs its reference inside it and asserts ``smallest() > floor``, the floor far above the arithmetic's
 error: then, by construction, the other run takes the same decisions, and the equality it asserts is a
 property of the implementation, not of the machine. The tests that use it choose their data so that it holds
 (no two positions of a sequence with identical hidden states: an exact tie, which ``topk`` breaks by an order
 that depends on the tensor's shape) and run in float64 (``Trainer(dtype=torch.float64)``), whose error is
-~1e-15 against gaps of ~1e-6 and more.
+~1e-15 against relative gaps of ~1e-5 and more.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 
 class TopkGaps:
-    """Per ``topk`` call on a floating tensor with ``k < n``: ``(shape, dim, k, smallest gap)``. A gap of a
+    """Per ``topk`` call on a floating tensor with ``k < n``: ``(shape, dim, k, smallest relative gap)``. A gap of a
     non-finite boundary (masked scores at -inf on both sides) counts as 0: a tie."""
 
     def __init__(self) -> None:
@@ -37,7 +37,9 @@ class TopkGaps:
         if not t.is_floating_point() or not 0 < k < n:
             return
         s = t.detach().sort(dim=dim, descending=largest).values
-        gap = (s.narrow(dim, k - 1, 1) - s.narrow(dim, k, 1)).abs()
+        a, b = s.narrow(dim, k - 1, 1), s.narrow(dim, k, 1)
+        # relative to the scores' size, as rounding is: |a - b| / max(|a|, |b|)
+        gap = (a - b).abs() / torch.maximum(a.abs(), b.abs()).clamp_min(torch.finfo(t.dtype).tiny)
         gap = torch.where(torch.isnan(gap), torch.zeros_like(gap), gap)
         self.calls.append((tuple(t.shape), dim % t.dim(), k, float(gap.min())))
 
@@ -73,3 +75,18 @@ def active() -> Iterator[TopkGaps]:
         yield gaps
     finally:
         torch.topk, torch.Tensor.topk = fn, method
+
+
+def zipf_no_repeat(n: int, vocab: int = 256, seed: int = 0):
+    """``n`` token ids drawn from a Zipf law over ``vocab`` values, an id never following itself (numpy int64):
+    learnable (the unigram law), and no two positions of a window with identical hidden states (the leading
+    positions of a run of one id have them: causal attention over identical values), whose scores would tie
+    exactly at a top-k boundary."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, vocab + 1)
+    data = rng.choice(vocab, size=n + n // 2 + 64, p=p / p.sum())
+    data = data[np.r_[True, data[1:] != data[:-1]]][:n]  # drop each repeat of the id before
+    assert len(data) == n and not (data[1:] == data[:-1]).any()
+    return data

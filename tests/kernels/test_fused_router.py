@@ -150,7 +150,19 @@ def test_gradient_of_the_gates_alone():
 def test_bad_input_raises():
     logits = torch.randn(4, 6)
     with pytest.raises(TypeError, match="logits_TX"):
-        router_topk(logits.double(), 2)
+        router_topk(logits.half(), 2)
+    with pytest.raises(TypeError, match="logits_TX"):
+        router_topk(logits[0], 2)
+
+
+def test_float64_logits_take_the_reference():
+    """A float64 model (exactness runs, Trainer(dtype=torch.float64)) routes through the fused op's torch
+    reference in float64: the same choices and gates as the float32 op on the same logits, to float32's rounding."""
+    logits = torch.randn(16, 6, dtype=torch.float64)
+    out64, out32 = router_topk(logits, 2, renormalize=True), router_topk(logits.float(), 2, renormalize=True)
+    assert out64.gate_TK.dtype == torch.float64
+    assert torch.equal(out64.chosen_TK, out32.chosen_TK)
+    torch.testing.assert_close(out64.gate_TK.float(), out32.gate_TK, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="k=7"):
         router_topk(logits, 7)
     with pytest.raises(ValueError, match="gate='sqrtsoftplus'"):

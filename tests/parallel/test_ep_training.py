@@ -100,11 +100,7 @@ def _corpus() -> Corpus:
     """Bytes drawn from a Zipf law over the 256 values, a byte never following itself: learnable (the
     unigram law), and no two positions of a window with identical hidden states, whose routing scores would
     tie exactly (the module docstring)."""
-    rng = np.random.default_rng(0)
-    p = 1.0 / np.arange(1, 257)
-    data = rng.choice(256, size=240_000, p=p / p.sum()).astype(np.uint8)
-    data = data[np.r_[True, data[1:] != data[:-1]]][:200_000]  # drop each repeat of the byte before
-    assert len(data) == 200_000 and not (data[1:] == data[:-1]).any()
+    data = ties.zipf_no_repeat(200_000, 256, seed=0).astype(np.uint8)
     return Corpus(train=data[:180_000], val=data[180_000:], source="zipf-bytes-no-repeat")
 
 

@@ -13,8 +13,11 @@ group, and loads the transformers folder with plain transformers.
 Exactness: every rank holds the same number of rows (the mean of the per-rank cross-entropies is the global
 mean), our routing losses are off (the converted default) and routing is dropless, so the mesh computes the
 single-process function: losses to 1e-5 and gradient norms to 1e-4 relative, as tests/parallel/test_ep_training.py.
-The token ids are i.i.d. Zipf draws (no runs of identical tokens whose near-tied routing scores could flip
-under float rounding).
+Near-ties (tests/ties.py): the token ids are Zipf draws, none following itself (the leading positions of a run
+of one id have identical hidden states, whose scores tie exactly and break by the tensor's shape), and every
+top-k gap of each family's reference is asserted above GAP_FLOOR, 100x the float32 rounding that parts the
+runs (test_reference_decisions_are_not_near_ties): no decision flips. These models run in float32, as
+transformers builds them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import pools
 import pytest
+import ties
 import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install "
@@ -41,6 +45,7 @@ JOIN_TIMEOUT_S = 240.0
 TIMEOUT_S = 60.0
 TOL = 1e-5
 NORM_RTOL = 1e-4
+GAP_FLOOR = 1e-5  # float32 scores of the two runs differ by ~1e-7 over 6 steps (the losses by <= 1e-6)
 STEPS, SAVE_AT, BATCH, SEQ = 6, 3, 8, 16
 LAYOUTS = [(2, 2), (1, 4)]
 # one family of each router kind: softmax (Mixtral, Qwen3-MoE), sigmoid + correction bias + groups (GLM-4.5),
@@ -68,11 +73,9 @@ def _example():
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Global batches of i.i.d. Zipf token ids (no pad, bos or eos ids) and their next tokens."""
+    """Global batches of Zipf token ids, none following itself (no pad, bos or eos ids), and their next tokens."""
     V = _models().V
-    g = torch.Generator().manual_seed(0)
-    p = 1.0 / torch.arange(1, V - 2, dtype=torch.float64)
-    ids = torch.multinomial(p / p.sum(), STEPS * BATCH * (SEQ + 1), replacement=True, generator=g) + 3
+    ids = torch.from_numpy(ties.zipf_no_repeat(STEPS * BATCH * (SEQ + 1), V - 3, seed=0)) + 3
     ids = ids.view(STEPS, BATCH, SEQ + 1)
     return [(ids[s, :, :-1], ids[s, :, 1:]) for s in range(STEPS)]
 
@@ -163,10 +166,11 @@ def runs():
     with pools.running(_worker, POOLS) as run:
         tmp = run.tmp
         ex, batches = _example(), _batches()
-        ref, trained = {}, {}
+        ref, trained, gaps = {}, {}, {}
         for family in FAMILIES:
             model = _model(family)
-            ref[family] = ex.train(model, batches, optimizer=_optimizer(model))
+            with ties.active() as gaps[family]:
+                ref[family] = ex.train(model, batches, optimizer=_optimizer(model))
             trained[family] = model
         results = run.wait(None, JOIN_TIMEOUT_S)
         parent = {}
@@ -184,10 +188,16 @@ def runs():
                 parent["hf_logits"] = (plain.eval()(input_ids=x).logits,
                                        trained["qwen3_moe"].eval()(input_ids=x).logits)
                 parent["hf_class"] = type(plain).__name__
-        yield {"results": results, "ref": ref, "parent": parent}
+        yield {"gaps": gaps, "results": results, "ref": ref, "parent": parent}
 
 
 _assert_curve = functools.partial(pools.assert_curve, tol=TOL, norm_rtol=NORM_RTOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reference_decisions_are_not_near_ties(runs, family):
+    """The precondition of the equalities below (tests/ties.py)."""
+    runs["gaps"][family].assert_above(GAP_FLOOR, f"{family}'s one-process reference")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dp{x[0]}xep{x[1]}")
