@@ -181,6 +181,8 @@ class Extras:
 
     kept: dict[str, Tensor] = field(default_factory=dict)
     derived: dict[str, tuple[list[str], Callable]] = field(default_factory=dict)
+    # the way in: a derived tensor's name -> f(its value, *its parts' current values) -> the parts' new values
+    inverse: dict[str, Callable] = field(default_factory=dict)
     post_norm: tuple[str, nn.Module] | None = None  # (path in the block, module) applied to the output (AXK1)
 
 
@@ -193,12 +195,17 @@ def _cat0(*parts: Tensor) -> Tensor:
     return torch.cat(parts, 0)
 
 
+def _split0(whole: Tensor, first: Tensor, rest: Tensor) -> tuple[Tensor, Tensor]:
+    return whole[: first.shape[0]], whole[first.shape[0]:]
+
+
 def _adopt_rows(spec: Family, w_in: Tensor, num_experts: int, names: tuple[str, str], extras: Extras) -> Tensor:
     """LongCat: ``gate_up_proj`` has rows past the real experts that nothing reads; the bank takes a view of
     the first ``num_experts`` (the same storage), the slot keeps the rest."""
     path = f"{spec.experts}.{spec.weights[0]}"
     extras.kept[path + ".rest"] = w_in.detach()[num_experts:]
     extras.derived[path] = ([f"moe.experts.{names[0]}", "kept." + kept_name(path + ".rest")], _cat0)
+    extras.inverse[path] = _split0
     return nn.Parameter(w_in.detach()[:num_experts], requires_grad=w_in.requires_grad)
 
 
@@ -207,8 +214,20 @@ def _dbrx_half(index: int, hidden: int, w_in_EDF: Tensor) -> Tensor:
     return w_in_EDF[:, :, index * hidden:(index + 1) * hidden].transpose(1, 2).reshape(-1, w_in_EDF.shape[1])
 
 
+def _dbrx_half_back(index: int, hidden: int, w_half: Tensor, w_in_EDF: Tensor) -> tuple[Tensor]:
+    """The bank's input weight with DBRX's ``w1`` (index 0) or ``v1`` (1), (E * H, D), written into its half."""
+    E, D, _ = w_in_EDF.shape
+    w = w_in_EDF.detach().clone()
+    w[:, :, index * hidden:(index + 1) * hidden] = w_half.reshape(E, hidden, D).transpose(1, 2)
+    return (w,)
+
+
 def _flatten_experts(w_EHD: Tensor) -> Tensor:
     return w_EHD.reshape(-1, w_EHD.shape[-1])
+
+
+def _unflatten_experts(w_flat: Tensor, w_EHD: Tensor) -> tuple[Tensor]:
+    return (w_flat.reshape(w_EHD.shape),)
 
 
 def _dbrx_tensors(experts: nn.Module, cfg: MoEConfig, names: tuple[str, str], extras: Extras,
@@ -222,6 +241,8 @@ def _dbrx_tensors(experts: nn.Module, cfg: MoEConfig, names: tuple[str, str], ex
     extras.derived[f"{path}.w1"] = ([f"moe.experts.{names[0]}"], functools.partial(_dbrx_half, 0, H))
     extras.derived[f"{path}.v1"] = ([f"moe.experts.{names[0]}"], functools.partial(_dbrx_half, 1, H))
     extras.derived[f"{path}.w2"] = ([f"moe.experts.{names[1]}"], _flatten_experts)
+    extras.inverse.update({f"{path}.w1": functools.partial(_dbrx_half_back, 0, H),
+                           f"{path}.v1": functools.partial(_dbrx_half_back, 1, H), f"{path}.w2": _unflatten_experts})
     return (nn.Parameter(w_in, requires_grad=w1.requires_grad),
             nn.Parameter(w2.detach().view(E, H, D), requires_grad=w2.requires_grad))
 
