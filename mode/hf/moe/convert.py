@@ -52,6 +52,7 @@ from mode.layers.moe import MoELayer
 from mode.measure.flops import mlp_flops_per_token
 from mode.measure.stats import RoutingAccumulator
 from mode.routing.keys import MOE, router_key
+from mode.hf.moe.weight_init import block_skeletons, install_init, mark_initialised
 from mode.hf.moe.saving import (install_save_pretrained, load_family_names, save_transformers,  # noqa: F401
                                  transformers_names, transformers_state_dict)
 
@@ -208,7 +209,9 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
         layer, extras = adopt_block(block, config, backend=backend, balance_coef=balance_coef, z_coef=z_coef,
                                     noop_target=noop_target)
         if spec.router is None:  # Gemma-4: transformers' router stays; only the experts become mode's
-            setattr(parent, name, ConvertedExperts(layer, model_type, hf_names(layer, block, extras)))
+            slot = ConvertedExperts(layer, model_type, hf_names(layer, block, extras))
+            _keep_family_init(slot, block)
+            setattr(parent, name, slot)
             continue
         point = None
         # a block whose router transformers does not record (DeepSeek-V4's hash layers) gets no point either
@@ -223,9 +226,17 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
             point_name = recorder.layer_name.split(".")[-1]
         slot = ConvertedMoE(layer, model_type, hf_names(layer, block, extras), point, extras,
                             train_refusal(block, config, SPECS[model_type]), point_name)
+        _keep_family_init(slot, block)
         setattr(parent, name, slot)
     install_save_pretrained(model)
+    install_init(model)
     return model
+
+
+def _keep_family_init(slot: nn.Module, block: nn.Module) -> None:
+    """What transformers' ``_init_weights`` needs to initialise ``slot`` as ``block`` (``weight_init``)."""
+    slot.hf_skeletons = block_skeletons(block, slot)
+    mark_initialised(slot, block)
 
 
 def converted_moe(model: nn.Module) -> dict[str, ConvertedMoE | ConvertedExperts]:
