@@ -90,7 +90,7 @@ from mode.experts import grouped_mm as gmm_mod
 from mode.experts import megablocks_backend, row_buckets
 from mode.experts.grouped_mm import autocast_dtype, grouped_mm
 from mode.experts.swiglu import swiglu
-from mode.experts.swiglu_options import FUSED, SwiGLUOptions
+from mode.experts.swiglu_options import FUSED, GLU_ACTS, SwiGLUOptions
 from mode.kernels.swiglu import gated_swiglu
 
 ACTIVATIONS = ("gelu", "swiglu", "relu2")  # relu2: relu(h)^2, ungated (Nemotron-H's experts)
@@ -119,7 +119,8 @@ class ExpertConfig:
         fused: SwiGLU: gate and up as the "concat" halves of F = 2H or "interleaved".
         swiglu_gate_softcap: SwiGLU: ``c * tanh(gate / c)`` as the gate's linear factor.
         swiglu_up_softcap: SwiGLU: ``c * tanh(up / c)``.
-        glu_act: the gate's activation, "silu" (SwiGLU) or "gelu_tanh" (GeGLU).
+        glu_act: the gate's activation, "silu" (SwiGLU), "gelu" / "gelu_tanh" (GeGLU) or another of
+            ``swiglu_options.GLU_ACTS`` (the gated experts of a transformers ``hidden_act``).
         gate_on_input: a routing gate scales each row's input instead of its output (Llama 4).
         fused_kernels: the plain SwiGLU runs as ``mode.kernels``' fused op (one op each way; Triton on CUDA,
             the torch reference elsewhere, bit for bit ``mode.experts.swiglu`` on the CPU); False keeps that path.
@@ -139,7 +140,7 @@ class ExpertConfig:
     fused: str = "concat"  # gate and up in F = 2H: "concat" halves or "interleaved" (gate 0::2, up 1::2: gpt-oss)
     swiglu_gate_softcap: float | None = None  # c * tanh(gate / c) as the linear gate factor (Inkling-2: 4)
     swiglu_up_softcap: float | None = None  # c * tanh(up / c) (Inkling-2: 25)
-    glu_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma-4)
+    glu_act: str = "silu"  # the gate's activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU: Gemma-4), ... GLU_ACTS
     gate_on_input: bool = False  # gate_A scales each row's input, not its output (Llama 4)
     fused_kernels: bool = True  # the plain SwiGLU as mode.kernels' op (Triton on CUDA); False: mode.experts.swiglu
 
@@ -157,7 +158,7 @@ class ExpertConfig:
             _checks.check_positive("swiglu_limit", self.swiglu_limit)
         if self.swiglu_alpha is not None:
             _checks.check_positive("swiglu_alpha", self.swiglu_alpha)
-        _checks.check_choice("glu_act", self.glu_act, ("silu", "gelu_tanh"))
+        _checks.check_choice("glu_act", self.glu_act, tuple(GLU_ACTS))
         if self.glu_act != "silu" and self.swiglu_alpha is not None:
             raise ValueError(f"swiglu_alpha={self.swiglu_alpha}: only applies to glu_act='silu' (got "
                              f"glu_act={self.glu_act!r})")

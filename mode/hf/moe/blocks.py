@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from mode.experts.bank import ExpertBank
-from mode.hf.moe.families import BLOCKS, FAMILIES as SPECS, Family, get_path, read
+from mode.hf.moe.families import BLOCKS, FAMILIES as SPECS, GLU_ACTS, Family, get_path, read
 from mode.layers.moe import IntegratedMoDE, MoEConfig, MoELayer, build_router
 from mode.routing.given import GivenChoices
 from mode.routing.plan import Aux
@@ -58,12 +58,22 @@ def family_of(block: nn.Module) -> str:
     return BLOCKS[name]
 
 
-def check_config(config, spec: Family) -> None:
-    """The options of a family's config that mode's layer does not compute refuse here, by name."""
+def glu_act(config, spec: Family) -> str | None:
+    """The gate activation of the family's gated experts for this config (None: the family's fixed one); a value
+    mode's experts do not compute refuses here, by name."""
     field = spec.activation_field
-    wanted = spec.activation_name or ("silu" if spec.activation == "swiglu" else spec.activation)
-    if field is not None and getattr(config, field, wanted) != wanted:
-        raise ValueError(f"{field}={getattr(config, field)!r}: mode's experts for this family use {wanted}")
+    if field is None or not hasattr(config, field):
+        return None
+    value = getattr(config, field)
+    if spec.activation_name is not None or spec.activation != "swiglu":
+        wanted = spec.activation_name or spec.activation
+        if value != wanted:
+            raise ValueError(f"{field}={value!r}: mode's experts for this family use {wanted}")
+        return None
+    if value not in GLU_ACTS:
+        raise ValueError(f"{field}={value!r}: mode's gated experts compute act(gate) * up for act in "
+                         f"{', '.join(sorted(GLU_ACTS))} (mode.hf.moe.families.GLU_ACTS)")
+    return GLU_ACTS[value]
 
 
 def train_refusal(block: nn.Module, config, spec: Family) -> str | None:
@@ -82,7 +92,7 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
     """The ``MoEConfig`` computing what ``block`` (a sparse block of a family in the table) computes."""
     family = family_of(block)
     spec = SPECS[family]
-    check_config(config, spec)
+    act = glu_act(config, spec)
     why = read(spec.check, block, config) if spec.check is not None else None
     if why:
         raise ValueError(why)
@@ -121,6 +131,8 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
         options.pop("renorm_min")
         options.pop("renorm_p")
     expert_options = {k: read(v, block, config) for k, v in spec.expert_options.items()}
+    if act not in (None, "silu"):
+        expert_options["glu_act"] = act
     shared_hidden = None
     if shared is not None:
         shared_hidden = next(p for p in shared.parameters()).shape[0]  # its gate (or first) projection's rows

@@ -23,6 +23,7 @@ first, and a mismatch raises naming ``save_transformers``.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
@@ -82,11 +83,12 @@ def transformers_twin(model: nn.Module, state: dict[str, Tensor]) -> nn.Module:
     ones afresh)."""
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
+    config = copy.deepcopy(model.config)  # what transformers' init and save write into it stays off the model's
     with torch.device("meta"):
         if isinstance(model, PreTrainedModel):  # a causal LM, or a multimodal model around the MoE decoder
-            fresh = type(model)._from_config(model.config)
+            fresh = type(model)._from_config(config)
         else:
-            fresh = AutoModelForCausalLM.from_config(model.config)
+            fresh = AutoModelForCausalLM.from_config(config)
     expected = set(fresh.state_dict())
     if set(state) != expected:
         raise ValueError(f"the converted model's tensors do not match a fresh {type(fresh).__name__}: missing "
