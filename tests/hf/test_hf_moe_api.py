@@ -243,3 +243,18 @@ def test_glm5_next_experts_clamp_as_transformers_when_the_limit_bites(monkeypatc
     _text_config_with(monkeypatch, "swiglu_limit", 0.05)
     ref, model = _pair("glm5_next")
     _compare("glm5_next", ref, model)
+
+
+# ---- (4) group-limited routing at any top_k transformers accepts ----------------------------------------------
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "axk2", "mistral_large4"])
+def test_top_k_above_the_kept_groups_slots_computes_what_transformers_computes(family, monkeypatch):
+    """top_k 8 with one kept group of 4 experts: transformers' ``torch.topk(..., sorted=False)`` takes the other 4
+    from the dropped groups (score -inf, or 0 where dropped groups are zero-filled) with their real gates; the
+    converted router takes the same ones (``surplus_from_dropped``): transformers' logits and gradients."""
+    for field, value in (("num_experts_per_tok", 8), ("topk_group", 1)):
+        _text_config_with(monkeypatch, field, value)
+    ref, model = _pair(family)
+    router = next(iter(mh.converted_moe(model).values())).moe.router
+    assert router.cfg.top_k == 8 and router.cfg.surplus_from_dropped
+    _compare(family, ref, model)

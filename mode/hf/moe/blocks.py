@@ -125,6 +125,8 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
                    bias_balance=spec.choice_bias is not None and get_path(block, spec.choice_bias) is not None)
     if noop_target is not None:
         options["noop_target"] = noop_target
+    if topk_group is not None and int(top_k) > topk_group * (num_experts // n_group):
+        options["surplus_from_dropped"] = True  # transformers' torch.topk takes the rest from dropped groups
     renormalize = bool(read(spec.renormalize, block, config))
     if not renormalize:
         options.pop("renorm_eps")
