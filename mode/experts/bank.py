@@ -77,6 +77,7 @@ Sharded weights (``mode.parallel.parallelize``)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -303,6 +304,16 @@ class ExpertBank(nn.Module):
         # gate the output): converted models would no longer match them to float32 rounding (docs/performance.md)
         self._gate_on_hidden = cfg.d_hidden < cfg.d_model and not cfg.bias
         self._gate_on_input = cfg.gate_on_input  # Llama 4: gate_A scales the input rows (forward)
+
+    def set_backend(self, backend: str) -> None:
+        """Choose another backend (``BACKENDS``) for the next forward, with the construction-time checks."""
+        cfg = dataclasses.replace(self.cfg, backend=backend)  # validated by ExpertConfig
+        check_backend_environment(backend, self.sizes)
+        if backend == "megablocks" and cfg.layout != "EDF":
+            raise ValueError(f"layout={cfg.layout!r}: backend='megablocks' needs contiguous (E, D, F) weights, "
+                             "layout='EDF'")
+        self.cfg = cfg
+        self._resolved.clear()
 
     @property
     def gates_inside(self) -> bool:

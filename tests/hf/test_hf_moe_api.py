@@ -258,3 +258,105 @@ def test_top_k_above_the_kept_groups_slots_computes_what_transformers_computes(f
     router = next(iter(mh.converted_moe(model).values())).moe.router
     assert router.cfg.top_k == 8 and router.cfg.surplus_from_dropped
     _compare(family, ref, model)
+
+
+# ---- (5) set_experts_implementation, (6) metadata -------------------------------------------------------------
+
+def test_set_experts_implementation_selects_our_backends_or_raises():
+    ref, model = _pair("qwen3_moe")
+    ids, mask = _batch()
+    expected = _logits(ref, ids, mask)
+    for name, backend in (("reference", "reference"), ("eager", "reference"), ("grouped_mm", "grouped"),
+                          ("grouped", "grouped"), ("auto", "auto")):
+        model.set_experts_implementation(name)
+        assert {s.moe.experts.cfg.backend for s in mh.converted_moe(model).values()} == {backend}
+        assert_matches(_logits(model, ids, mask), expected, "qwen3_moe", f"logits with {name}")
+    with pytest.raises(ValueError, match="experts_implementation='batched_mm': a converted model's experts are "
+                                         "mode's; call set_experts_implementation with one of 'auto'"):
+        model.set_experts_implementation("batched_mm")
+    with pytest.raises(TypeError, match="experts_implementation=.*a str"):
+        model.set_experts_implementation({"text_config": "eager"})
+
+
+def test_metadata_names_our_tensors_and_the_fp32_rule_holds(tmp_path):
+    """DeepSeek-V3: the strict fp32 pattern names our correction bias too; tp/ep plans no longer name the
+    experts' tensors (gone) but follow the shared experts; ``_no_split_modules`` names ConvertedMoE. Loaded in
+    bfloat16 the bias stays float32 (transformers' rule), through the conversion and a save_pretrained ->
+    from_pretrained(dtype=bfloat16) round trip."""
+    model = mh.to_mode_moe(mm.build("deepseek_v3"))
+    assert model._keep_in_fp32_modules_strict == {"e_score_correction_bias", "moe.router.bias_X"}
+    assert "ConvertedMoE" in model._no_split_modules and "DeepseekV3DecoderLayer" in model._no_split_modules
+    for plan in (model.tp_plan, model.ep_plan):
+        assert not any("experts.gate_up_proj" in k or "experts.down_proj" in k or k.endswith("mlp.experts")
+                       for k in plan), plan
+    assert model.tp_plan["model.layers.*.mlp.moe.shared_experts.mlp.gate_proj"] == "colwise"
+    assert model.tp_plan["model.layers.*.mlp.gate_proj"] == "colwise"  # layer 0's dense MLP is still there
+    model.save_pretrained(tmp_path / "fp32")
+    half = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16)
+    assert half.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    mh.to_mode_moe(half)
+    router = mh.converted_moe(half)["model.layers.1.mlp"].moe.router
+    assert router.bias_X.dtype == torch.float32 and router.weight.dtype == torch.bfloat16
+    half.save_pretrained(tmp_path / "bf16")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert again.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+
+# ---- (7) the transformers features that keep working --------------------------------------------------------
+
+def _attentions(model) -> list[str]:
+    """The attention backends the family's model accepts, of eager and sdpa."""
+    ok = []
+    for impl in ("eager", "sdpa"):
+        try:
+            model.set_attn_implementation(impl)
+            ok.append(impl)
+        except (ValueError, ImportError):
+            pass
+    return ok
+
+
+@pytest.mark.parametrize("family", CONVERTS)
+def test_transformers_features_keep_working(family, tmp_path):
+    """On a converted model, each with the original model's numbers (the family's tolerance): the attention
+    switch (eager / sdpa, and through from_pretrained), padding-free packed inputs with position_ids,
+    from_pretrained(..., ignore_mismatched_sizes=True) of its saved checkpoint, dtype=bfloat16 loading (the
+    converted model's own numbers, bit for bit through its save_pretrained), and resize_token_embeddings (same
+    seed on both)."""
+    ref, model = _pair(family)
+    ids, mask = _batch()
+    for impl in _attentions(ref):
+        ref.set_attn_implementation(impl)
+        model.set_attn_implementation(impl)
+        assert_matches(_logits(model, ids, mask), _logits(ref, ids, mask), family, f"logits, {impl}")
+    # padding-free: two sequences packed in one row, positions restarting (what a packing collator gives)
+    packed = ids[1:, :].reshape(1, -1)
+    pos = torch.arange(ids.shape[1]).repeat(2)[None].to(packed.device)
+    with torch.no_grad():
+        assert_matches(model(input_ids=packed, position_ids=pos).logits,
+                       ref(input_ids=packed, position_ids=pos).logits, family, "packed logits")
+    model.save_pretrained(tmp_path / "f32")
+    impls = _attentions(copy.deepcopy(ref))
+    plain = _class(family).from_pretrained(tmp_path / "f32", dtype=torch.float32, ignore_mismatched_sizes=True,
+                                           attn_implementation=impls[0])
+    converted = mh.to_mode_moe(copy.deepcopy(plain))
+    assert_matches(_logits(converted, ids, mask), _logits(plain, ids, mask), family,
+                   f"logits after from_pretrained(ignore_mismatched_sizes, attn_implementation={impls[0]!r})")
+    # dtype=bfloat16: the converted model's own numbers, through its own save_pretrained round trip, bit for bit
+    # (against transformers' bfloat16 model the routing may differ: mode's routers take float32 logits)
+    half = mh.to_mode_moe(_class(family).from_pretrained(tmp_path / "f32", dtype=torch.bfloat16))
+    assert {s.moe.experts.w_in.dtype for s in mh.converted_moe(half).values()} == {torch.bfloat16}
+    expected = _logits(half, ids, mask)
+    assert expected.isfinite().all()
+    half.save_pretrained(tmp_path / "bf16")
+    again = mh.to_mode_moe(_class(family).from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16))
+    assert torch.equal(_logits(again, ids, mask), expected)
+    for m in (model, ref):
+        torch.manual_seed(0)
+        m.resize_token_embeddings(mm.V + 8, mean_resizing=False)
+    # a new token id (DeepSeek-V4's hash layers route by a (vocab, k) table transformers does not resize: old ids)
+    new_id = mm.V + 3 if SPECS[_model_type(family)].hash_table is None else 5
+    ids2 = torch.cat([ids, torch.full_like(ids[:, :2], new_id)], 1)
+    mask2 = torch.cat([mask, torch.ones_like(mask[:, :2])], 1)
+    assert_matches(_logits(model, ids2, mask2), _logits(ref, ids2, mask2), family, "logits after resizing")
+

@@ -52,6 +52,7 @@ from mode.layers.moe import MoELayer
 from mode.measure.flops import mlp_flops_per_token
 from mode.measure.stats import RoutingAccumulator
 from mode.routing.keys import MOE, router_key
+from mode.hf.moe.transformers_api import adopt as adopt_transformers_api
 from mode.hf.moe.weight_init import block_skeletons, install_init, mark_initialised
 from mode.hf.moe.saving import (install_save_pretrained, load_family_names, save_transformers,  # noqa: F401
                                  transformers_names, transformers_state_dict)
@@ -230,12 +231,14 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
         setattr(parent, name, slot)
     install_save_pretrained(model)
     install_init(model)
+    adopt_transformers_api(model)
     return model
 
 
 def _keep_family_init(slot: nn.Module, block: nn.Module) -> None:
     """What transformers' ``_init_weights`` needs to initialise ``slot`` as ``block`` (``weight_init``)."""
     slot.hf_skeletons = block_skeletons(block, slot)
+    slot.block_class = type(block).__name__
     mark_initialised(slot, block)
 
 
