@@ -167,7 +167,7 @@ def test_built_on_meta_and_initialised_trains_like_built_on_the_cpu(family):
             loss.backward()
             opt.step()
             opt.zero_grad()
-            run.append(float(loss))
+            run.append(loss.item())
         losses[where] = run
     for run in losses.values():
         assert all(map(torch.isfinite, torch.tensor(run))) and run[-1] < run[0] - 0.05, losses
