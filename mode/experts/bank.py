@@ -77,6 +77,7 @@ Sharded weights (``mode.parallel.parallelize``)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -90,7 +91,7 @@ from mode.experts import grouped_mm as gmm_mod
 from mode.experts import megablocks_backend, row_buckets
 from mode.experts.grouped_mm import autocast_dtype, grouped_mm
 from mode.experts.swiglu import swiglu
-from mode.experts.swiglu_options import FUSED, SwiGLUOptions
+from mode.experts.swiglu_options import FUSED, GLU_ACTS, SwiGLUOptions
 from mode.kernels.swiglu import gated_swiglu
 
 ACTIVATIONS = ("gelu", "swiglu", "relu2")  # relu2: relu(h)^2, ungated (Nemotron-H's experts)
@@ -119,7 +120,8 @@ class ExpertConfig:
         fused: SwiGLU: gate and up as the "concat" halves of F = 2H or "interleaved".
         swiglu_gate_softcap: SwiGLU: ``c * tanh(gate / c)`` as the gate's linear factor.
         swiglu_up_softcap: SwiGLU: ``c * tanh(up / c)``.
-        glu_act: the gate's activation, "silu" (SwiGLU) or "gelu_tanh" (GeGLU).
+        glu_act: the gate's activation, "silu" (SwiGLU), "gelu" / "gelu_tanh" (GeGLU) or another of
+            ``swiglu_options.GLU_ACTS`` (the gated experts of a transformers ``hidden_act``).
         gate_on_input: a routing gate scales each row's input instead of its output (Llama 4).
         fused_kernels: the plain SwiGLU runs as ``mode.kernels``' fused op (one op each way; Triton on CUDA,
             the torch reference elsewhere, bit for bit ``mode.experts.swiglu`` on the CPU); False keeps that path.
@@ -139,7 +141,7 @@ class ExpertConfig:
     fused: str = "concat"  # gate and up in F = 2H: "concat" halves or "interleaved" (gate 0::2, up 1::2: gpt-oss)
     swiglu_gate_softcap: float | None = None  # c * tanh(gate / c) as the linear gate factor (Inkling-2: 4)
     swiglu_up_softcap: float | None = None  # c * tanh(up / c) (Inkling-2: 25)
-    glu_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma-4)
+    glu_act: str = "silu"  # the gate's activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU: Gemma-4), ... GLU_ACTS
     gate_on_input: bool = False  # gate_A scales each row's input, not its output (Llama 4)
     fused_kernels: bool = True  # the plain SwiGLU as mode.kernels' op (Triton on CUDA); False: mode.experts.swiglu
 
@@ -157,7 +159,7 @@ class ExpertConfig:
             _checks.check_positive("swiglu_limit", self.swiglu_limit)
         if self.swiglu_alpha is not None:
             _checks.check_positive("swiglu_alpha", self.swiglu_alpha)
-        _checks.check_choice("glu_act", self.glu_act, ("silu", "gelu_tanh"))
+        _checks.check_choice("glu_act", self.glu_act, tuple(GLU_ACTS))
         if self.glu_act != "silu" and self.swiglu_alpha is not None:
             raise ValueError(f"swiglu_alpha={self.swiglu_alpha}: only applies to glu_act='silu' (got "
                              f"glu_act={self.glu_act!r})")
@@ -302,6 +304,16 @@ class ExpertBank(nn.Module):
         # gate the output): converted models would no longer match them to float32 rounding (docs/performance.md)
         self._gate_on_hidden = cfg.d_hidden < cfg.d_model and not cfg.bias
         self._gate_on_input = cfg.gate_on_input  # Llama 4: gate_A scales the input rows (forward)
+
+    def set_backend(self, backend: str) -> None:
+        """Choose another backend (``BACKENDS``) for the next forward, with the construction-time checks."""
+        cfg = dataclasses.replace(self.cfg, backend=backend)  # validated by ExpertConfig
+        check_backend_environment(backend, self.sizes)
+        if backend == "megablocks" and cfg.layout != "EDF":
+            raise ValueError(f"layout={cfg.layout!r}: backend='megablocks' needs contiguous (E, D, F) weights, "
+                             "layout='EDF'")
+        self.cfg = cfg
+        self._resolved.clear()
 
     @property
     def gates_inside(self) -> bool:

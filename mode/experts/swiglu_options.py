@@ -8,7 +8,7 @@ Shape legend: A rows, H expert hidden size, F = 2H (the fused gate + up projecti
     up_AH   = clamp(up_AH, -L, L)
     act_AH  = gate_AH * sigmoid(alpha * gate_AH) * (up_AH + offset)
     act_AH  = softcap_g(gate_AH) * sigmoid(gate_AH) * softcap_u(up_AH)   gate/up softcaps (Inkling-2), float32
-    act_AH  = gelu_tanh(gate_AH) * up_AH                 act="gelu_tanh" (GeGLU: Gemma-4)
+    act_AH  = gelu_tanh(gate_AH) * up_AH                 act="gelu_tanh" (GeGLU: Gemma-4); any act of GLU_ACTS
 
 ``alpha=None`` is silu (alpha 1); gpt-oss has alpha 1.702, limit 7 and offset 1
 (transformers 5.23 ``GptOssExperts._apply_gate``), DeepSeek-V4 limit 10, alpha None, offset 0
@@ -28,6 +28,24 @@ from torch import Tensor
 FUSED = ("concat", "interleaved")  # how gate and up share the F = 2H columns of the input projection
 
 
+def _relu2(x: Tensor) -> Tensor:
+    return F.relu(x).square()
+
+
+def _quick_gelu(x: Tensor) -> Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# The gate's activation (``act``): silu is SwiGLU, the gelus GeGLU (Gemma-4: gelu_tanh), the rest the gated
+# experts transformers builds for any other ``hidden_act`` (``ACT2FN[hidden_act](gate) * up``)
+GLU_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "quick_gelu": _quick_gelu, "relu": F.relu,
+            "relu2": _relu2, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "mish": F.mish}
+
+
 @dataclass(frozen=True)
 class SwiGLUOptions:
     """The bank's SwiGLU (validated by ``ExpertConfig``, whose fields these are: ``swiglu_limit``,
@@ -39,7 +57,7 @@ class SwiGLUOptions:
     fused: str = "concat"
     gate_softcap: float | None = None
     up_softcap: float | None = None
-    act: str = "silu"  # the gate's activation: "silu" or "gelu_tanh" (GeGLU: Gemma-4's experts)
+    act: str = "silu"  # the gate's activation, a key of GLU_ACTS ("gelu_tanh": GeGLU, Gemma-4's experts)
 
     @property
     def is_plain(self) -> bool:
@@ -58,8 +76,8 @@ class SwiGLUOptions:
         if self.limit is not None:
             gate_AH = gate_AH.clamp(max=self.limit)
             up_AH = up_AH.clamp(min=-self.limit, max=self.limit)
-        if self.act == "gelu_tanh":
-            glu_AH = F.gelu(gate_AH, approximate="tanh")
+        if self.act != "silu":
+            glu_AH = GLU_ACTS[self.act](gate_AH)
         elif self.alpha is None:
             glu_AH = F.silu(gate_AH)
         else:

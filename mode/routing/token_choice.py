@@ -110,6 +110,9 @@ class TokenChoiceConfig:
         logit_softcap: > 0: ``c * tanh(logit / c)`` on the logits first.
         bias_on: bias balancing adds its bias to the "scores" or to the raw "logits".
         dropped_groups: the experts of a token's dropped groups score "ninf" (-inf) or "zero".
+        surplus_from_dropped: a group-limited ``top_k`` may exceed the slots of the kept groups: the surplus
+            choices fall on dropped-group experts at their fill score, as ``torch.topk(..., sorted=False)`` breaks
+            that tie (transformers' DeepSeek-V3 family computes this); False refuses such a ``top_k``.
         bias_balance: balancing without an aux loss: a per-slot bias, for choosing only, moved after each
             optimizer step (``mode.routing.bias_balance``).
         bias_rate: the bias's update step.
@@ -144,6 +147,7 @@ class TokenChoiceConfig:
     logit_softcap: float = 0.0  # > 0: logits = c * tanh(logits / c) before everything else (Laguna)
     bias_on: str = "scores"  # bias_balance: the bias is added to the scores, or to the raw logits (Kolibri-1)
     dropped_groups: str = "ninf"  # the experts of dropped groups score -inf ("ninf") or 0 ("zero": AXK2)
+    surplus_from_dropped: bool = False  # top_k above the kept groups' slots: the rest from dropped groups
     bias_balance: bool = False  # aux-loss-free balancing (DeepSeek-V3): a bias on the scores for choosing
     bias_rate: float = 1e-3  # the bias update step (torchtitan's and Megatron's default)
     noop_target: float | None = None  # bias_balance with no-op slots: the share of choices to hold on them
@@ -199,6 +203,9 @@ class TokenChoiceConfig:
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group={self.topk_group}: must be <= n_group={self.n_group}")
         eligible = self.topk_group * (self.num_experts // self.n_group) + self.num_noop
+        _checks.check_bool("surplus_from_dropped", self.surplus_from_dropped)
+        if self.surplus_from_dropped:
+            eligible = self.num_experts + self.num_noop
         if self.top_k > eligible:
             raise ValueError(f"top_k={self.top_k}: must be <= the slots a token can choose from, topk_group * "
                              f"num_experts / n_group + num_noop = {eligible}")
@@ -302,6 +309,7 @@ class TokenChoiceRouter(nn.Module):
         self._choose_by_score = not cfg.bias_balance and not cfg.group_limited  # topk of the gates themselves
         self._fused = cfg.fused_kernels and cfg.fusable  # mode.kernels.router_topk: chosen once
         self._dropped_fill = float("-inf") if cfg.dropped_groups == "ninf" else 0.0
+        self._surplus = cfg.surplus_from_dropped and cfg.top_k > cfg.topk_group * (cfg.num_experts // cfg.n_group)
 
     def capacity(self, num_tokens: int) -> int | None:
         """Per-expert assignment limit for ``num_tokens`` tokens (None when dropless)."""
@@ -359,7 +367,9 @@ class TokenChoiceRouter(nn.Module):
             elif self._choose_by_score:
                 gate_TK, chosen_TK = probs_TX.topk(K, dim=-1)
             else:  # the bias and the group limit change which slots are chosen, never the gate values
-                chosen_TK = self._choice_scores(probs_TX, logits_TX).topk(K, dim=-1).indices
+                # sorted=False where the surplus falls on tied dropped-group experts: torch.topk's tie-break then is
+                # transformers' (the same call on the same scores)
+                chosen_TK = self._choice_scores(probs_TX, logits_TX).topk(K, dim=-1, sorted=not self._surplus).indices
                 gate_TK = probs_TX.gather(1, chosen_TK)
             if self.cfg.renormalize and fused is None:
                 if self.cfg.renorm_p == 1.0:

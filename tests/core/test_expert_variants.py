@@ -581,4 +581,4 @@ def test_geglu_experts_are_gemma4s():
     assert torch.equal(cfg.swiglu_options(h), ACT2FN["gelu_pytorch_tanh"](gate) * up)
     _reference_and_grouped_agree(cfg)
     with pytest.raises(ValueError, match="glu_act"):
-        ExpertConfig(d_model=16, d_hidden=32, num_experts=2, activation="swiglu", glu_act="relu")
+        ExpertConfig(d_model=16, d_hidden=32, num_experts=2, activation="swiglu", glu_act="softplus")

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from mode.experts.bank import ExpertBank
-from mode.hf.moe.families import BLOCKS, FAMILIES as SPECS, Family, get_path, read
+from mode.hf.moe.families import BLOCKS, FAMILIES as SPECS, GLU_ACTS, Family, get_path, read
 from mode.layers.moe import IntegratedMoDE, MoEConfig, MoELayer, build_router
 from mode.routing.given import GivenChoices
 from mode.routing.plan import Aux
@@ -58,12 +58,22 @@ def family_of(block: nn.Module) -> str:
     return BLOCKS[name]
 
 
-def check_config(config, spec: Family) -> None:
-    """The options of a family's config that mode's layer does not compute refuse here, by name."""
+def glu_act(config, spec: Family) -> str | None:
+    """The gate activation of the family's gated experts for this config (None: the family's fixed one); a value
+    mode's experts do not compute refuses here, by name."""
     field = spec.activation_field
-    wanted = spec.activation_name or ("silu" if spec.activation == "swiglu" else spec.activation)
-    if field is not None and getattr(config, field, wanted) != wanted:
-        raise ValueError(f"{field}={getattr(config, field)!r}: mode's experts for this family use {wanted}")
+    if field is None or not hasattr(config, field):
+        return None
+    value = getattr(config, field)
+    if spec.activation_name is not None or spec.activation != "swiglu":
+        wanted = spec.activation_name or spec.activation
+        if value != wanted:
+            raise ValueError(f"{field}={value!r}: mode's experts for this family use {wanted}")
+        return None
+    if value not in GLU_ACTS:
+        raise ValueError(f"{field}={value!r}: mode's gated experts compute act(gate) * up for act in "
+                         f"{', '.join(sorted(GLU_ACTS))} (mode.hf.moe.families.GLU_ACTS)")
+    return GLU_ACTS[value]
 
 
 def train_refusal(block: nn.Module, config, spec: Family) -> str | None:
@@ -82,7 +92,7 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
     """The ``MoEConfig`` computing what ``block`` (a sparse block of a family in the table) computes."""
     family = family_of(block)
     spec = SPECS[family]
-    check_config(config, spec)
+    act = glu_act(config, spec)
     why = read(spec.check, block, config) if spec.check is not None else None
     if why:
         raise ValueError(why)
@@ -115,12 +125,16 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
                    bias_balance=spec.choice_bias is not None and get_path(block, spec.choice_bias) is not None)
     if noop_target is not None:
         options["noop_target"] = noop_target
+    if topk_group is not None and int(top_k) > topk_group * (num_experts // n_group):
+        options["surplus_from_dropped"] = True  # transformers' torch.topk takes the rest from dropped groups
     renormalize = bool(read(spec.renormalize, block, config))
     if not renormalize:
         options.pop("renorm_eps")
         options.pop("renorm_min")
         options.pop("renorm_p")
     expert_options = {k: read(v, block, config) for k, v in spec.expert_options.items()}
+    if act not in (None, "silu"):
+        expert_options["glu_act"] = act
     shared_hidden = None
     if shared is not None:
         shared_hidden = next(p for p in shared.parameters()).shape[0]  # its gate (or first) projection's rows
@@ -181,6 +195,8 @@ class Extras:
 
     kept: dict[str, Tensor] = field(default_factory=dict)
     derived: dict[str, tuple[list[str], Callable]] = field(default_factory=dict)
+    # the way in: a derived tensor's name -> f(its value, *its parts' current values) -> the parts' new values
+    inverse: dict[str, Callable] = field(default_factory=dict)
     post_norm: tuple[str, nn.Module] | None = None  # (path in the block, module) applied to the output (AXK1)
 
 
@@ -193,12 +209,17 @@ def _cat0(*parts: Tensor) -> Tensor:
     return torch.cat(parts, 0)
 
 
+def _split0(whole: Tensor, first: Tensor, rest: Tensor) -> tuple[Tensor, Tensor]:
+    return whole[: first.shape[0]], whole[first.shape[0]:]
+
+
 def _adopt_rows(spec: Family, w_in: Tensor, num_experts: int, names: tuple[str, str], extras: Extras) -> Tensor:
     """LongCat: ``gate_up_proj`` has rows past the real experts that nothing reads; the bank takes a view of
     the first ``num_experts`` (the same storage), the slot keeps the rest."""
     path = f"{spec.experts}.{spec.weights[0]}"
     extras.kept[path + ".rest"] = w_in.detach()[num_experts:]
     extras.derived[path] = ([f"moe.experts.{names[0]}", "kept." + kept_name(path + ".rest")], _cat0)
+    extras.inverse[path] = _split0
     return nn.Parameter(w_in.detach()[:num_experts], requires_grad=w_in.requires_grad)
 
 
@@ -207,8 +228,20 @@ def _dbrx_half(index: int, hidden: int, w_in_EDF: Tensor) -> Tensor:
     return w_in_EDF[:, :, index * hidden:(index + 1) * hidden].transpose(1, 2).reshape(-1, w_in_EDF.shape[1])
 
 
+def _dbrx_half_back(index: int, hidden: int, w_half: Tensor, w_in_EDF: Tensor) -> tuple[Tensor]:
+    """The bank's input weight with DBRX's ``w1`` (index 0) or ``v1`` (1), (E * H, D), written into its half."""
+    E, D, _ = w_in_EDF.shape
+    w = w_in_EDF.detach().clone()
+    w[:, :, index * hidden:(index + 1) * hidden] = w_half.reshape(E, hidden, D).transpose(1, 2)
+    return (w,)
+
+
 def _flatten_experts(w_EHD: Tensor) -> Tensor:
     return w_EHD.reshape(-1, w_EHD.shape[-1])
+
+
+def _unflatten_experts(w_flat: Tensor, w_EHD: Tensor) -> tuple[Tensor]:
+    return (w_flat.reshape(w_EHD.shape),)
 
 
 def _dbrx_tensors(experts: nn.Module, cfg: MoEConfig, names: tuple[str, str], extras: Extras,
@@ -222,6 +255,8 @@ def _dbrx_tensors(experts: nn.Module, cfg: MoEConfig, names: tuple[str, str], ex
     extras.derived[f"{path}.w1"] = ([f"moe.experts.{names[0]}"], functools.partial(_dbrx_half, 0, H))
     extras.derived[f"{path}.v1"] = ([f"moe.experts.{names[0]}"], functools.partial(_dbrx_half, 1, H))
     extras.derived[f"{path}.w2"] = ([f"moe.experts.{names[1]}"], _flatten_experts)
+    extras.inverse.update({f"{path}.w1": functools.partial(_dbrx_half_back, 0, H),
+                           f"{path}.v1": functools.partial(_dbrx_half_back, 1, H), f"{path}.w2": _unflatten_experts})
     return (nn.Parameter(w_in, requires_grad=w1.requires_grad),
             nn.Parameter(w2.detach().view(E, H, D), requires_grad=w2.requires_grad))
 

@@ -40,10 +40,6 @@ activation the family's experts do not compute, an already converted model. Rout
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -56,7 +52,10 @@ from mode.layers.moe import MoELayer
 from mode.measure.flops import mlp_flops_per_token
 from mode.measure.stats import RoutingAccumulator
 from mode.routing.keys import MOE, router_key
-from mode.train.checkpoint import replace_dir
+from mode.hf.moe.transformers_api import adopt as adopt_transformers_api
+from mode.hf.moe.weight_init import block_skeletons, install_init, mark_initialised
+from mode.hf.moe.saving import (install_save_pretrained, load_family_names, save_transformers,  # noqa: F401
+                                 transformers_names, transformers_state_dict)
 
 MOE_MODEL_TYPES = tuple(SPECS)  # the model types of mode.hf.moe.families.FAMILIES
 
@@ -93,6 +92,8 @@ class ConvertedMoE(MoESlot):
             self.post_norm = norm
             self.kept_names.update({f"post_norm.{n}": f"{path}.{n}" for n in norm.state_dict()})
         self.derived = dict(extras.derived)  # the block's name -> (our slot-relative names, function)
+        self.inverse = dict(extras.inverse)  # the block's name -> its parts' values from its value (loading)
+        self.register_load_state_dict_pre_hook(load_family_names)  # a family checkpoint loads too
         self.train_refusal = train_refusal
         self._hashed = bool(getattr(getattr(moe.router, "cfg", None), "hash_vocab", 0))
         self.returns_tuple = SPECS[family].returns_tuple
@@ -126,6 +127,8 @@ class ConvertedExperts(MoESlot):
         self.kept = nn.Module()
         self.kept_names: dict[str, str] = {}
         self.derived: dict = {}
+        self.inverse: dict = {}
+        self.register_load_state_dict_pre_hook(load_family_names)
 
     def forward(self, x_TD: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         plan = self.moe.router.plan(top_k_index, top_k_weights)
@@ -207,7 +210,9 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
         layer, extras = adopt_block(block, config, backend=backend, balance_coef=balance_coef, z_coef=z_coef,
                                     noop_target=noop_target)
         if spec.router is None:  # Gemma-4: transformers' router stays; only the experts become mode's
-            setattr(parent, name, ConvertedExperts(layer, model_type, hf_names(layer, block, extras)))
+            slot = ConvertedExperts(layer, model_type, hf_names(layer, block, extras))
+            _keep_family_init(slot, block)
+            setattr(parent, name, slot)
             continue
         point = None
         # a block whose router transformers does not record (DeepSeek-V4's hash layers) gets no point either
@@ -222,83 +227,24 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
             point_name = recorder.layer_name.split(".")[-1]
         slot = ConvertedMoE(layer, model_type, hf_names(layer, block, extras), point, extras,
                             train_refusal(block, config, SPECS[model_type]), point_name)
+        _keep_family_init(slot, block)
         setattr(parent, name, slot)
+    install_save_pretrained(model)
+    install_init(model)
+    adopt_transformers_api(model)
     return model
+
+
+def _keep_family_init(slot: nn.Module, block: nn.Module) -> None:
+    """What transformers' ``_init_weights`` needs to initialise ``slot`` as ``block`` (``weight_init``)."""
+    slot.hf_skeletons = block_skeletons(block, slot)
+    slot.block_class = type(block).__name__
+    mark_initialised(slot, block)
 
 
 def converted_moe(model: nn.Module) -> dict[str, ConvertedMoE | ConvertedExperts]:
     """Module name -> every ``ConvertedMoE`` (and ``ConvertedExperts``) of ``model``."""
     return {name: m for name, m in model.named_modules() if isinstance(m, (ConvertedMoE, ConvertedExperts))}
-
-
-def transformers_names(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``state`` (the converted model's state dict, full tensors) under transformers' names."""
-    rename, derived = {}, {}
-    for slot_name, slot in converted_moe(model).items():
-        for ours, theirs in slot.names.items():
-            rename[f"{slot_name}.moe.{ours}"] = f"{slot_name}.{theirs}"
-        for ours, theirs in slot.kept_names.items():
-            rename[f"{slot_name}.{ours}"] = f"{slot_name}.{theirs}"
-        for theirs, (parts, fn) in slot.derived.items():
-            derived[f"{slot_name}.{theirs}"] = ([f"{slot_name}.{p}" for p in parts], fn)
-    out = {rename.get(k, k): v for k, v in state.items()}
-    used = set()
-    for theirs, (parts, fn) in derived.items():  # LongCat's gate_up_proj, DBRX's w1 / v1 / w2
-        if all(p in out for p in parts):
-            got = [out[p] for p in parts]
-            out[theirs] = None if any(g is None for g in got) else fn(*got)
-            used.update(parts)
-    for p in used:
-        del out[p]
-    return out
-
-
-def save_transformers(model: nn.Module, path: str | os.PathLike) -> Path | None:
-    """Write a converted model (parallelized or not) as an ordinary transformers checkpoint folder
-    (``save_pretrained``: config, generation config, safetensors), gathered from the shards. Every rank of
-    a parallelized model calls it; rank 0 writes (into a temporary folder renamed into place, so ``path``
-    is either the previous folder or the complete new one) and returns the path, the others return None
-    once it is written. ``AutoModelForCausalLM.from_pretrained(path)`` needs no ``mode`` to load it."""
-    from mode.parallel.full_state import barrier, full_state_dict
-
-    if not converted_moe(model):
-        raise ValueError("model: holds no ConvertedMoE layer (convert it with mode.hf.to_mode_moe first); "
-                         "save a plain transformers model with its own save_pretrained")
-    state = full_state_dict(model)
-    out = None
-    if state is not None:
-        out = _write_transformers(model, transformers_names(model, state), Path(path))
-    barrier(model)
-    return out
-
-
-def _write_transformers(model: nn.Module, state: dict[str, Tensor], path: Path) -> Path:
-    from transformers import AutoModelForCausalLM, PreTrainedModel
-
-    with torch.device("meta"):  # the gathered tensors are assigned: nothing is allocated twice
-        # the model's own class (a causal LM, or a multimodal model around the MoE text decoder)
-        if isinstance(model, PreTrainedModel):
-            fresh = type(model)._from_config(model.config)
-        else:
-            fresh = AutoModelForCausalLM.from_config(model.config)
-    expected = set(fresh.state_dict())
-    if set(state) != expected:
-        raise ValueError(f"the converted model's tensors do not match a fresh {type(fresh).__name__}: missing "
-                         f"{sorted(expected - set(state))[:5]}, unexpected {sorted(set(state) - expected)[:5]}")
-    fresh.load_state_dict(state, strict=True, assign=True)
-    fresh.generation_config = getattr(model, "generation_config", fresh.generation_config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        fresh.save_pretrained(tmp, safe_serialization=True)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
 
 
 @torch.no_grad()

@@ -109,7 +109,9 @@ class Family:
     expert_options: dict = field(default_factory=dict)  # ExpertConfig extras
     activation_field: str | None = "hidden_act"  # config field naming the experts' activation (None: fixed)
     activation: str = "swiglu"  # ExpertConfig.activation: "swiglu" or "relu2"
-    activation_name: str | None = None  # what the activation field must say (None: silu for swiglu, else activation)
+    # what the activation field must say (None: any of GLU_ACTS for swiglu, which becomes the experts' glu_act;
+    # else the activation itself)
+    activation_name: str | None = None
     check: Any = None  # a function (block, config) -> why this checkpoint does not convert, or None
     shared: str | None = None  # the shared experts' MLP, in the block (absent or None: none)
     shared_gate: str | None = None  # its per-token sigmoid gate Linear(D, 1), in the block
@@ -245,14 +247,17 @@ FAMILIES: dict[str, Family] = {
                        choice_bias="gate.e_score_correction_bias", bias_on="logits", shared="shared_experts"),
     "dots3_note_text": _dsr("Dots3NoteTextMoE"),
     "solar_open": _dsr("SolarOpenMoE"),
-    "hy_v4": _dsr("HYV4MoE", expert_options=dict(swiglu_limit=At("experts.swiglu_limit"))),
+    "hy_v4": _dsr("HYV4MoE", expert_options=dict(swiglu_limit=At("experts.swiglu_limit")),
+                  activation_field=None),  # its experts' clamped SwiGLU is silu whatever hidden_act says
     # the scale multiplies the routed output on the block (the same as the gates, up to rounding)
     "beam": _dsr("BeamMoE", scale=At("routed_scaling_factor", 1.0), shared=None),
     # more softmax and top-k-of-logits routers
     "mellum": Family("MellumSparseMoeBlock", renormalize=At("gate.norm_topk_prob")),
     "qwen4_exp_text": Family("Qwen4ExpTextSparseMoeBlock", renormalize=At("gate.norm_topk_prob"),
                              shared="shared_expert", shared_gate="shared_expert_gate"),
-    "aria_text": Family("AriaTextMoELayer", router="router", layout="EDF", shared="shared_experts"),
+    # Aria: routed experts always SiLU-gated (its shared experts, transformers' own module, follow hidden_act)
+    "aria_text": Family("AriaTextMoELayer", router="router", layout="EDF", shared="shared_experts",
+                        activation_field=None),
     "granitemoe_swa": Family("GraniteMoeSWAMoE", router="router"),
     # sigmoid scores: without a bias (Flint), with a bias on the block or the router and no groups
     "flint": Family("FlintSparseMoeBlock", score="sigmoid", renormalize=At("gate.norm_topk_prob"),
@@ -276,7 +281,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3_vl_moe_text": Family("Qwen3VLMoeTextSparseMoeBlock"),
     "qwen3_omni_moe_text": Family("Qwen3OmniMoeThinkerTextSparseMoeBlock", renormalize=At("gate.norm_topk_prob")),
     "glm4v_moe_text": _dsr("Glm4vMoeTextMoE"),
-    "glm5_next_text": _dsr("Glm5NextTextMoE"),
+    # GLM-5-Next's experts: silu whatever hidden_act says, gate and up clamped at swiglu_limit (10)
+    "glm5_next_text": _dsr("Glm5NextTextMoE", activation_field=None,
+                           expert_options=dict(swiglu_limit=At("experts.swiglu_limit"))),
     "deepseek_ocr2_text": Family("DeepseekOcr2TextMoe", renormalize=False, scale=At("gate.routed_scaling_factor", 1.0),
                                  groups=_deepseek_v2_groups, group_score="max", shared="shared_experts"),
     "unlimited_ocr_text": Family("UnlimitedOcrTextMoe", renormalize=False,
@@ -296,6 +303,13 @@ FAMILIES: dict[str, Family] = {
                                                      swiglu_alpha=At("experts.swiglu_alpha"),
                                                      swiglu_up_offset=1.0)),
 }
+
+# transformers' activation name (``hidden_act``, ``ACT2FN``) -> the gate activation of mode's gated experts
+# (``ExpertConfig.glu_act``): a gated family computes ``ACT2FN[hidden_act](gate) * up`` with whichever it names.
+# gelu_new and gelu_fast are the tanh approximation written out (the same function, rounded differently).
+GLU_ACTS: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                            "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "quick_gelu": "quick_gelu",
+                            "relu": "relu", "relu2": "relu2", "sigmoid": "sigmoid", "tanh": "tanh", "mish": "mish"}
 
 # Decoder MoE families of transformers 5.23 that do not convert yet, and what they need (the refusal says it)
 NOT_YET: dict[str, str] = {
