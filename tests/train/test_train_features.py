@@ -22,6 +22,7 @@ import sys
 
 import numpy as np
 import pytest
+import ties
 import torch
 
 from mode.model import LM, LMConfig
@@ -39,12 +40,10 @@ GRAD_TOL = 1e-6
 
 
 def corpus() -> Corpus:
-    """i.i.d. Zipf bytes: no runs of identical bytes whose near-tied routing scores would flip under the float
-    rounding that differs between a batch and its micro-batches (docs/distributed.md, "Near ties")."""
-    rng = np.random.default_rng(0)
-    p = 1.0 / np.arange(1, 257)
-    data = rng.choice(256, size=40_000, p=p / p.sum()).astype(np.uint8)
-    return Corpus(train=data[:36_000], val=data[36_000:], source="zipf-bytes")
+    """Zipf bytes, none following itself: no identical hidden states whose routing scores tie exactly and break
+    by the batch's shape, whole batch against micro-batches (docs/distributed.md, "Near ties"; tests/ties.py)."""
+    data = ties.zipf_no_repeat(40_000, 256, seed=0).astype(np.uint8)
+    return Corpus(train=data[:36_000], val=data[36_000:], source="zipf-bytes-no-repeat")
 
 
 def model_cfg(*layers: str, **kw) -> LMConfig:
