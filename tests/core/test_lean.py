@@ -53,7 +53,9 @@ TOKEN_CHOICE = {
 def _pair_token_choice(kw: dict):
     cfg = TokenChoiceConfig(d_model=D, num_experts=E, z_coef=kw.pop("z_coef", 0.1), **kw)
     new = TokenChoiceRouter(cfg)
-    old_fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "fused_kernels"}  # new since the copy
+    new_since_the_copy = ("fused_kernels", "surplus_from_dropped")  # the copy computes them as their defaults do
+    assert not cfg.surplus_from_dropped
+    old_fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in new_since_the_copy}
     old = old_tc.TokenChoiceRouter(old_tc.TokenChoiceConfig(**old_fields))
     old.load_state_dict(new.state_dict())
     return new, old

@@ -68,6 +68,8 @@ class ConvertedMoE(MoESlot):
     back (``blocks.Extras``: the block's unread tensors, and those derived from ours); ``train_refusal``: why a
     training forward refuses (router jitter on, PhiMoE's sampled routing; evaluation is exact), or None."""
 
+    _mode_converted_slot = True  # saving.CONVERTED_MARK: how saving and transformers_api find slots
+
     def __init__(self, moe: MoELayer, family: str, names: dict[str, str], router_logits: nn.Module | None,
                  extras: Extras | None = None, train_refusal: str | None = None,
                  point_name: str = "router_logits"):
@@ -119,6 +121,8 @@ class ConvertedExperts(MoESlot):
     ``experts(x_TD, top_k_index, top_k_weights) -> y_TD`` as the layer calls it, computed by a ``MoELayer``
     whose router is ``GivenChoices`` (the plan of the given choices): mode's dispatch and experts, local or
     expert-parallel; transformers' router, its logits and their recording stay as they are."""
+
+    _mode_converted_slot = True  # saving.CONVERTED_MARK: how saving and transformers_api find slots
 
     def __init__(self, moe: MoELayer, family: str, names: dict[str, str]):
         super().__init__(moe)

@@ -36,10 +36,16 @@ from torch import Tensor, nn
 from mode.train.checkpoint import replace_dir
 
 
-def _slots(model: nn.Module) -> dict:
-    from mode.hf.moe.convert import converted_moe  # convert imports this module: resolved at call time
+CONVERTED_MARK = "_mode_converted_slot"  # a class attribute of convert's ConvertedMoE and ConvertedExperts
 
-    return converted_moe(model)
+
+def converted_slots(model: nn.Module) -> dict:
+    """Module name -> every slot ``to_mode_moe`` put in ``model`` (``ConvertedMoE`` and ``ConvertedExperts``),
+    found by their class's ``CONVERTED_MARK``: this module sits below ``mode.hf.moe.convert``, which imports it."""
+    return {name: m for name, m in model.named_modules() if getattr(type(m), CONVERTED_MARK, False)}
+
+
+_slots = converted_slots
 
 
 def transformers_names(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -30,9 +30,9 @@ EXPERTS_IMPLEMENTATIONS = {"eager": "reference", "grouped_mm": "grouped"}
 
 
 def _slots(model: nn.Module) -> dict:
-    from mode.hf.moe.convert import converted_moe
+    from mode.hf.moe.saving import converted_slots
 
-    return converted_moe(model)
+    return converted_slots(model)
 
 
 def _owners(model: nn.Module) -> list[nn.Module]:
