@@ -34,10 +34,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from mode.experiments import stats_ci, sweep
-from mode.train.data import stdlib_corpus
 from mode.layers.mod import MoD
 from mode.model import LMConfig, alternate
-from mode.train import Trainer, TrainConfig, build_optimizer
+from mode.train import TrainConfig, Trainer, build_optimizer
+from mode.train.data import stdlib_corpus
 
 BASE = LMConfig(seq_len=128, d_model=64, n_heads=2, d_hidden=256, layers=("dense",) * 4, num_experts=4)
 TRAIN = TrainConfig(batch_size=8, lr=3e-3, warmup_steps=20, eval_every=10**9, eval_batches=1, log_every=10**6)

@@ -64,10 +64,10 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_device_arg, machine_info, print_table, sync, write_json  # noqa: E402
-from mode.train.data import stdlib_corpus  # noqa: E402
 from mode.layers.mod import MoD  # noqa: E402
 from mode.model import LM, LMConfig, alternate  # noqa: E402
 from mode.model.generate import decode_step, generate, prefill  # noqa: E402
+from mode.train.data import stdlib_corpus  # noqa: E402
 
 SIZES = {
     "base": dict(d_model=512, n_layers=8, n_heads=8, new=128, repeats=7),

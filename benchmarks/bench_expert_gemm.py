@@ -27,8 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, machine_info, print_table,  # noqa: E402
-                               time_pair, write_json)
+from benchmarks.common import (  # noqa: E402
+    add_device_arg,
+    add_malloc_arg,
+    apply_malloc,
+    machine_info,
+    print_table,
+    time_pair,
+    write_json,
+)
 from mode.experts.grouped_mm import grouped_mm  # noqa: E402
 
 ROWS_PER_EXPERT = (16, 32, 64, 128, 256, 512)

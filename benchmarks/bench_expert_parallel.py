@@ -63,11 +63,18 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (add_device_arg, add_dtype_arg, dtype_choice, machine_info, print_table,  # noqa: E402
-                               sync, write_json)
-from mode.train.data import stdlib_corpus  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_device_arg,
+    add_dtype_arg,
+    dtype_choice,
+    machine_info,
+    print_table,
+    sync,
+    write_json,
+)
 from mode.model import LMConfig  # noqa: E402
-from mode.train import Trainer, TrainConfig  # noqa: E402
+from mode.train import TrainConfig, Trainer  # noqa: E402
+from mode.train.data import stdlib_corpus  # noqa: E402
 
 MODEL = LMConfig(seq_len=128, d_model=128, n_heads=4, d_hidden=512, num_experts=8, num_noop=2, top_k=2,
                  capacity_factor=1.25, layers=("moe", "integrated", "moe", "integrated"))
@@ -134,8 +141,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg
             dedup: bool = False, bf16: bool = False) -> None:
     import torch.distributed as dist
 
-    from mode.parallel import process_group as mdist
-    from mode.parallel import ParallelDims, build_mesh
+    from mode.parallel import ParallelDims, build_mesh, process_group as mdist
     from mode.parallel.ep_model import expert_parallel_layers
 
     torch.set_num_threads(1)

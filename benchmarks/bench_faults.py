@@ -49,10 +49,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-
 from common import machine_info, print_table, write_json  # noqa: E402
 
-from mode.parallel.checkpoint import LATEST, saves, step_of  # noqa: E402
+from mode.parallel.checkpoint import saves  # noqa: E402
 from mode.train.checkpoint import load_checkpoint  # noqa: E402
 
 KINDS = ("kill", "sigterm", "corrupt", "killsave")

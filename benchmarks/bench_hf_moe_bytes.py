@@ -105,12 +105,11 @@ def run_mode(rank: int, dp: int, ep: int, dedup: bool) -> dict:
 
 def run_transformers(rank: int, tmp: str) -> dict:
     """transformers' own tensor + expert parallelism, tp = ep = 4: every rank runs the whole batch."""
+    import torch.distributed as dist
     import transformers as tf
     from transformers.distributed import DistributedConfig
 
     from benchmarks.collective_bytes import CollectiveBytes
-
-    import torch.distributed as dist
 
     folder = Path(tmp, "tf_model")
     if rank == 0:  # save_pretrained writes on the main process only

@@ -40,9 +40,20 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (add_device_arg, add_dtype_arg, add_malloc_arg, apply_malloc,  # noqa: E402
-                               apply_run_args, autocast, dtype_choice, fwd_bwd_step, machine_info, print_table,
-                               time_pair, write_json)
+from benchmarks.common import (  # noqa: E402
+    add_device_arg,
+    add_dtype_arg,
+    add_malloc_arg,
+    apply_malloc,
+    apply_run_args,
+    autocast,
+    dtype_choice,
+    fwd_bwd_step,
+    machine_info,
+    print_table,
+    time_pair,
+    write_json,
+)
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
 
 FULL = dict(tokens=4096, d_model=512, expert_hidden=2048, mod_batch=8, mod_seq=512, n_heads=8, warmup=3, repeats=5)

@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from mode.train.data import Corpus  # noqa: E402
 from mode.parallel.command import PRESETS  # noqa: E402
 from mode.train import Trainer  # noqa: E402
+from mode.train.data import Corpus  # noqa: E402
 
 LAYOUTS = {4: [(1, 4), (2, 2), (4, 1)], 2: [(1, 2), (2, 1)]}
 

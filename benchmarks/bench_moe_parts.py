@@ -34,8 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, machine_info, print_table,  # noqa: E402
-                               time_interleaved, write_json)
+from benchmarks.common import (  # noqa: E402
+    add_device_arg,
+    add_malloc_arg,
+    apply_malloc,
+    machine_info,
+    print_table,
+    time_interleaved,
+    write_json,
+)
 from mode import MLP, MoEConfig, MoELayer  # noqa: E402
 
 

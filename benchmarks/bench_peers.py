@@ -59,9 +59,9 @@ import os
 import statistics
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -71,8 +71,17 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, apply_run_args,  # noqa: E402
-                               machine_info, print_table, save_figure, time_interleaved, write_json)
+from benchmarks.common import (  # noqa: E402
+    add_device_arg,
+    add_malloc_arg,
+    apply_malloc,
+    apply_run_args,
+    machine_info,
+    print_table,
+    save_figure,
+    time_interleaved,
+    write_json,
+)
 from mode import MLP, MoEConfig, MoELayer  # noqa: E402
 
 FULL = dict(tokens=4096, d_model=512, configs=((8, 1024), (64, 256)), warmup=3, repeats=9)
@@ -222,7 +231,7 @@ def torchtitan_impls() -> tuple[list[Impl], str | None]:
     """torchtitan's MoE as shipped (bfloat16 expert matmuls) and with float32 expert matmuls, or ([], why not)."""
     try:
         from torchtitan.models.common.linear import Linear
-        from torchtitan.models.common.moe import MoE, GroupedExperts, RoutedExperts, TokenChoiceTopKRouter
+        from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
         from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
     except Exception as e:
         hint = INSTALL

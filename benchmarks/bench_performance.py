@@ -32,8 +32,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_layers import FULL, QUICK, bench_mod, bench_moe, moe_flop_ratio  # noqa: E402
-from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, fwd_bwd_step, machine_info,  # noqa: E402
-                               print_table, time_pair, write_json)
+from benchmarks.common import (  # noqa: E402
+    add_device_arg,
+    add_malloc_arg,
+    apply_malloc,
+    fwd_bwd_step,
+    machine_info,
+    print_table,
+    time_pair,
+    write_json,
+)
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
 from mode.measure.flops import forward_flops_per_token  # noqa: E402
 from mode.model import LM, LMConfig, alternate  # noqa: E402

@@ -28,8 +28,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 from unittest import mock
 
 import torch

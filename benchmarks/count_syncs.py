@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock
-from mode.measure.host_sync import HostSyncCounter
 from mode.layers.mod import StagedMoDE
 from mode.layers.moe import IntegratedMoDE
+from mode.measure.host_sync import HostSyncCounter
 from mode.model.config import LMConfig
 from mode.model.lm import LM
 

@@ -61,9 +61,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -135,7 +135,7 @@ GOALS = (
 class Ctx:
     smoke: bool
     work: Path  # scratch folder of this stage
-    device: "object"  # torch.device
+    device: object  # torch.device
     limit_s: float  # the stage's time limit (inner timeouts stay under it)
     options: dict = None  # stage options from the command line (the isoflop stage's: out, from, seeds)
 
@@ -671,7 +671,6 @@ GDECODE_SMOKE = dict(size="tiny", prompt=16, new=24, batches=(1, 2), repeats=1)
 
 def stage_gdecode(ctx: Ctx) -> dict:
     """generate() on the static path, eager and with cuda_graphs=True: tokens/s, and the same tokens."""
-    import torch
 
     from benchmarks import bench_decode
     from mode.model.generate import generate

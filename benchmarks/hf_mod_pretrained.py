@@ -47,13 +47,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import mode.hf as mh  # noqa: E402
-from mode.hf.dense.convert import resolve_layers  # noqa: E402
-from mode.hf.dense.tune import lm_loss  # noqa: E402
-from mode.train.checkpoint import atomic_write_text  # noqa: E402
-from mode.train.config import TrainConfig  # noqa: E402
-from mode.train.data import BatchSampler, eval_batches, stdlib_corpus  # noqa: E402
-from mode.train.optim import build_optimizer, lr_at  # noqa: E402
+import mode.hf as mh
+from mode.hf.dense.convert import resolve_layers
+from mode.hf.dense.tune import lm_loss
+from mode.train.checkpoint import atomic_write_text
+from mode.train.config import TrainConfig
+from mode.train.data import BatchSampler, eval_batches, stdlib_corpus
+from mode.train.optim import build_optimizer, lr_at
 
 PARTS = ("layer", "attention", "mlp")
 METHODS = {"topk": "aux_bce", "threshold": "threshold", "random": None}  # causal method; random: no router

@@ -46,10 +46,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import mode.hf as mh  # noqa: E402
-from mode.hf.dense.skip_cost import skipped  # noqa: E402
-from mode.hf.dense.skip_update import SkipUpdate  # noqa: E402
-from mode.train.checkpoint import atomic_write_text  # noqa: E402
+import mode.hf as mh
+from mode.hf.dense.skip_cost import skipped
+from mode.hf.dense.skip_update import SkipUpdate
+from mode.train.checkpoint import atomic_write_text
 
 
 # -- data -----------------------------------------------------------------------------------------------------

@@ -108,10 +108,10 @@ register_router("top_p", TopPConfig, TopPRouter)  # the one line: now usable as 
 
 def main() -> None:
     from mode.cli import main as mode_cli
-    from mode.train.data import stdlib_corpus
     from mode.measure.flops import forward_flops_per_token, measured_flops
-    from mode.model import LM, LMConfig, alternate
+    from mode.model import LMConfig, alternate
     from mode.train import TrainConfig, Trainer
+    from mode.train.data import stdlib_corpus
 
     torch.set_num_threads(2)
     cfg = LMConfig(seq_len=128, d_model=64, n_heads=2, d_hidden=256, layers=alternate(4, "dense", "moe"),

@@ -36,7 +36,16 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 from mode import (  # noqa: E402
-    MLP, Aux, IntegratedMoDE, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, StagedMoDE, TransformerBlock,
+    MLP,
+    Aux,
+    IntegratedMoDE,
+    MoD,
+    MoDRouter,
+    MoDRouterConfig,
+    MoEConfig,
+    MoELayer,
+    StagedMoDE,
+    TransformerBlock,
 )
 
 

@@ -42,8 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import mode.hf as mh  # noqa: E402
-from mode.train.data import stdlib_corpus  # noqa: E402
+import mode.hf as mh
+from mode.train.data import stdlib_corpus
 
 
 def load(args):

@@ -105,8 +105,7 @@ def main() -> None:
 
     world, rank, mesh, ctx = 1, 0, None, None
     if "WORLD_SIZE" in os.environ:  # started by torchrun
-        from mode.parallel import ParallelDims, build_mesh
-        from mode.parallel import process_group as mdist
+        from mode.parallel import ParallelDims, build_mesh, process_group as mdist
 
         torch.set_num_threads(1)
         ctx = mdist.init_distributed("auto")  # gloo on CPU, NCCL on GPUs; with a timeout

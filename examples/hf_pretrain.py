@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from mode.train.config import TrainConfig  # noqa: E402
-from mode.train.data import BatchSampler, eval_batches, stdlib_corpus  # noqa: E402
-from mode.train.optim import build_optimizer, lr_at  # noqa: E402
+from mode.train.config import TrainConfig
+from mode.train.data import BatchSampler, eval_batches, stdlib_corpus
+from mode.train.optim import build_optimizer, lr_at
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -37,7 +37,16 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 from mode import (  # noqa: E402
-    MLP, Aux, IntegratedMoDE, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, StagedMoDE, TransformerBlock,
+    MLP,
+    Aux,
+    IntegratedMoDE,
+    MoD,
+    MoDRouter,
+    MoDRouterConfig,
+    MoEConfig,
+    MoELayer,
+    StagedMoDE,
+    TransformerBlock,
 )
 from mode.parallel import clip_grad_norm_  # noqa: E402  (no torch.distributed work at import)
 
@@ -140,8 +149,7 @@ def main() -> None:
 
     world, rank, mesh = 1, 0, None
     if "WORLD_SIZE" in os.environ:  # started by torchrun
-        from mode.parallel import process_group as mdist
-        from mode.parallel import ParallelDims, build_mesh, parallelize
+        from mode.parallel import ParallelDims, build_mesh, parallelize, process_group as mdist
 
         ctx = mdist.init_distributed("auto")  # gloo on CPU, NCCL on GPUs; with a timeout
         world, rank = ctx.world_size, ctx.rank

@@ -17,7 +17,6 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-
 __version__ = "0.1.0"
 
 # public name -> the module that defines it

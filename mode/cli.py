@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-
 # The parser imports no torch (``mode --help`` and ``mode <command> --help`` answer at once): the commands import
 # what they need when they run. The defaults it states that live in modules importing torch are written here
 # too; tests/test_cli_conventions.py checks them against those modules.
@@ -211,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     if args.command == "compare":
-        from mode.train.checkpoint import WriteError
         from mode.experiments.compare import run_compare
+        from mode.train.checkpoint import WriteError
 
         try:
             run_compare(args.out, quick=args.preset or args.quick, data=args.data, seed=args.seed, dense_steps=args.dense_steps,
@@ -240,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _isoflop(args) -> int:
-    from mode.train.checkpoint import WriteError
     from mode.experiments.isoflop import run_isoflop
+    from mode.train.checkpoint import WriteError
 
     try:
         run_isoflop(args.out, quick=args.preset or args.quick, data=args.data, seeds=args.seeds,
@@ -260,8 +259,8 @@ def _isoflop(args) -> int:
 
 
 def _export(args) -> int:
-    from mode.train.checkpoint import WriteError
     from mode.parallel.checkpoint import export
+    from mode.train.checkpoint import WriteError
 
     try:
         path = export(args.checkpoint, args.out, overwrite=args.force)
@@ -276,9 +275,9 @@ def _export(args) -> int:
 
 
 def _sample(args) -> int:
-    from mode.train.data import text_codec
     from mode.model.generate import generate
     from mode.train import load_model
+    from mode.train.data import text_codec
 
     try:
         model, state = load_model(args.checkpoint)

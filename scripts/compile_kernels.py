@@ -18,9 +18,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not for the int
 
 
 def variants():
-    from mode.kernels import combine_triton as C
-    from mode.kernels import router_triton as R
-    from mode.kernels import swiglu_triton as S
+    from mode.kernels import combine_triton as C, router_triton as R, swiglu_triton as S
 
     for dt, flag in itertools.product(("fp32", "bf16", "fp16"), (False, True)):
         p = f"*{dt}"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from mode.hf.pretrained import FetchError, fetch_smollm2  # noqa: E402
+from mode.hf.pretrained import FetchError, fetch_smollm2
 
 
 def main(argv: list[str] | None = None) -> int:

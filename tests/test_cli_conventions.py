@@ -65,7 +65,7 @@ def sharded(tmp_path_factory) -> Path:
 
     from mode.model import LMConfig
     from mode.parallel.checkpoint import save_sharded
-    from mode.train import Trainer, TrainConfig
+    from mode.train import TrainConfig, Trainer
     from mode.train.data import Corpus
 
     arr = np.frombuffer(b"def f(x):\n    return x + 1\n" * 200, dtype=np.uint8)

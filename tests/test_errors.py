@@ -8,8 +8,21 @@ import pytest
 import torch
 
 from mode import (
-    MLP, ExpertBank, ExpertChoiceConfig, ExpertChoiceRouter, ExpertConfig, IntegratedMoDE, MoD, MoDRouter,
-    MoDRouterConfig, MoEConfig, MoELayer, StagedMoDE, TokenChoiceConfig, TokenChoiceRouter, TransformerBlock,
+    MLP,
+    ExpertBank,
+    ExpertChoiceConfig,
+    ExpertChoiceRouter,
+    ExpertConfig,
+    IntegratedMoDE,
+    MoD,
+    MoDRouter,
+    MoDRouterConfig,
+    MoEConfig,
+    MoELayer,
+    StagedMoDE,
+    TokenChoiceConfig,
+    TokenChoiceRouter,
+    TransformerBlock,
 )
 
 D = 8

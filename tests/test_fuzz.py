@@ -15,8 +15,21 @@ import pytest
 import torch
 
 from mode import (
-    MLP, CausalSelfAttention, ExpertBank, ExpertChoiceConfig, ExpertChoiceRouter, ExpertConfig, IntegratedMoDE, MoD,
-    MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, StagedMoDE, TokenChoiceConfig, TokenChoiceRouter,
+    MLP,
+    CausalSelfAttention,
+    ExpertBank,
+    ExpertChoiceConfig,
+    ExpertChoiceRouter,
+    ExpertConfig,
+    IntegratedMoDE,
+    MoD,
+    MoDRouter,
+    MoDRouterConfig,
+    MoEConfig,
+    MoELayer,
+    StagedMoDE,
+    TokenChoiceConfig,
+    TokenChoiceRouter,
     TransformerBlock,
 )
 from mode.model import LM, LMConfig

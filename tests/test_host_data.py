@@ -14,7 +14,7 @@ import contextlib
 import json
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -94,7 +94,7 @@ def test_a_sharded_checkpoints_rng_states_and_optimizer_steps_load_on_the_host(t
     """meta.json's RNG states become CPU byte tensors (``torch.set_rng_state`` takes nothing else), and the
     optimizer skeleton DCP loads into keeps AdamW's ``step`` on the CPU, as non-capturable AdamW does."""
     from mode.parallel.checkpoint import load_sharded, save_sharded
-    from mode.train import Trainer, TrainConfig
+    from mode.train import TrainConfig, Trainer
     from mode.train.data import Corpus
 
     cfg = replace(CFG, layers=("dense", "moe"))
@@ -170,7 +170,7 @@ def test_checkpoints_load_on_the_host_whatever_the_default_device(tmp_path):
     read with ``map_location="cpu"``) build their LM and optimizer on the CPU: under a CUDA default device they
     gave CUDA tensors, which ``torch.equal`` against the trainer's CPU model refused."""
     from mode.parallel.checkpoint import save_sharded
-    from mode.train import Trainer, TrainConfig
+    from mode.train import TrainConfig, Trainer
     from mode.train.checkpoint import load_checkpoint, load_model
     from mode.train.data import Corpus
 
@@ -223,7 +223,7 @@ def test_a_cpu_trainer_trains_the_same_whatever_the_default_device(tmp_path, lay
     seed, which the resume and parallel-job tests of the H200 run saw as a different first loss), ``Aux.total``
     with no losses is a CPU zero, and AdamW's step counters stay on the host (torch 2.11 creates them on the
     default device and reads each with ``.item()``: a sync per parameter on a GPU)."""
-    from mode.train import Trainer, TrainConfig
+    from mode.train import TrainConfig, Trainer
     from mode.train.data import Corpus
 
     volatile = {"wall", "tok_s", "mfu", "elapsed"}

@@ -34,13 +34,12 @@ import torch
 
 from mode import _checks
 from mode.experiments import run_record, stats_ci, sweep
-from mode.train import checkpoint
-from mode.train.data import PACKAGES, Corpus
 from mode.measure.flops import forward_flops_per_token, train_flops_per_token
 from mode.model import LMConfig, alternate
 from mode.model.causal_eval import causal_eval
 from mode.routing.mod_topk import GATES
-from mode.train import TrainConfig
+from mode.train import TrainConfig, checkpoint
+from mode.train.data import PACKAGES, Corpus
 from mode.train.progress import format_duration, log_line
 
 # The differences the comparison claims, as (variant a, variant b): a - b < 0 means a is better. "dense"

@@ -35,10 +35,23 @@ import torch
 from mode import _checks
 from mode.experiments import run_record, stats_ci, sweep
 from mode.experiments.compare import DEFAULT_RECIPE, MoDRecipe
-from mode.experiments.isoflop_plan import (IsoflopPreset, RunSpec, plan, preset, run_cost, size_config,
-                                           sweep_variants, variant_names)
-from mode.experiments.isoflop_report import (format_report, markdown_report, plot_best_vs_budget,
-                                             plot_loss_vs_params, summarize)
+from mode.experiments.isoflop_plan import (
+    IsoflopPreset,
+    RunSpec,
+    plan,
+    preset,
+    run_cost,
+    size_config,
+    sweep_variants,
+    variant_names,
+)
+from mode.experiments.isoflop_report import (
+    format_report,
+    markdown_report,
+    plot_best_vs_budget,
+    plot_loss_vs_params,
+    summarize,
+)
 from mode.train import checkpoint
 from mode.train.data import Corpus
 from mode.train.progress import log_line

@@ -19,7 +19,6 @@ SWEEP_CLAIMS = {**CLAIMS, "staged - integrated MoDE, same FLOPs/token": ("staged
 from mode.experiments.isoflop_plan import IsoflopPreset, RunSpec, Size
 from mode.train import checkpoint
 
-
 # -- analysis ---------------------------------------------------------------------------------------------
 
 

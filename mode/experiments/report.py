@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mode.measure.stats import RoutingAccumulator
 from mode.model.lm import LM
 from mode.routing.keys import PARTS, router_key
-from mode.measure.stats import RoutingAccumulator
 
 WORD_BYTES = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") | frozenset(range(128, 256))
 

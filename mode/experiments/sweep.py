@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from mode.experiments import run_record
-from mode.train import sources
-from mode.train.data import PACKAGES, Corpus, eval_batches
 from mode.measure.flops import train_flops_per_token
 from mode.model import LM, LMConfig
-from mode.train import Trainer, TrainConfig
+from mode.train import TrainConfig, Trainer, sources
+from mode.train.data import PACKAGES, Corpus, eval_batches
 from mode.train.progress import log_line
 
 

@@ -87,8 +87,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
-from mode.experts import grouped_mm as gmm_mod
-from mode.experts import megablocks_backend, row_buckets
+from mode.experts import grouped_mm as gmm_mod, megablocks_backend, row_buckets
 from mode.experts.grouped_mm import autocast_dtype, grouped_mm
 from mode.experts.swiglu import swiglu
 from mode.experts.swiglu_options import FUSED, GLU_ACTS, SwiGLUOptions

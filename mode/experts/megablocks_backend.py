@@ -18,7 +18,7 @@ stack this is the only fast expert path (see docs/backends.md for the environmen
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -38,7 +38,7 @@ def _import_gmm():
     return gmm
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def megablocks_available() -> bool:
     """grouped_gemm imports here (cached: the import is tried once per process)."""
     try:

@@ -65,10 +65,10 @@ class KVCache:
     def capacity(self) -> int:
         return self.k_BHLK.shape[2]
 
-    def rows(self, rows_n: Tensor | list[int]) -> "RowView":
+    def rows(self, rows_n: Tensor | list[int]) -> RowView:
         return RowView(self, rows_n)
 
-    def all_rows(self) -> "RowView":
+    def all_rows(self) -> RowView:
         return RowView(self, None)
 
     def attend(self, q_BHCK: Tensor, k_BHCK: Tensor, v_BHCK: Tensor, valid_BC: Tensor | None) -> Tensor:

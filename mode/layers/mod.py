@@ -41,11 +41,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
+from mode.kernels.routed_rows import combine_routed, gather_routed
 from mode.layers.block import TransformerBlock
 from mode.layers.block_call import block_call
 from mode.layers.kv_cache import KVCache
 from mode.layers.moe import MoELayer
-from mode.kernels.routed_rows import combine_routed, gather_routed
 from mode.routing.mod_topk import MoDRouter
 from mode.routing.plan import Aux, RoutingStats, scalar
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from mode import _checks
 from mode.dispatch.base import Dispatcher
 from mode.dispatch.local import LocalDispatcher
-from mode import _checks
 from mode.experts.bank import LAYOUTS, ExpertBank, ExpertConfig
 from mode.layers.mlp import MLP
 from mode.layers.noop import NOOP_KINDS, NoopExperts, noop_kinds
@@ -237,7 +237,7 @@ class MoELayer(nn.Module):
         self._gates_in_experts = dispatcher.gates_in_experts and experts.gates_inside
 
     @classmethod
-    def from_config(cls, cfg: MoEConfig, dispatcher=None) -> "MoELayer":
+    def from_config(cls, cfg: MoEConfig, dispatcher=None) -> MoELayer:
         router, experts = build_router(cfg), ExpertBank(cfg.expert_config())
         shared, gate = cfg.build_shared()  # built after the routed layer: its random draws stay the same
         return cls(router, experts, dispatcher, shared, gate, cfg.build_noop())

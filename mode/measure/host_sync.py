@@ -152,7 +152,7 @@ class CudaSyncCounter:
     def count(self) -> int:
         return len(self.events)
 
-    def __enter__(self) -> "CudaSyncCounter":
+    def __enter__(self) -> CudaSyncCounter:
         if not torch.cuda.is_available():
             raise ValueError("CudaSyncCounter: torch.cuda.is_available() is False here; it counts the syncs CUDA "
                              "reports, so it needs a CUDA device (on the CPU, HostSyncCounter counts would-be syncs)")

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mode.measure.token_compute import TokenCompute, max_mlp_per_layer, slots_to_positions, token_compute
 from mode.model.config import LMConfig
 from mode.routing.keys import MOD, MOE, parse_router_key, router_key
 from mode.routing.plan import Aux, RoutingStats
-from mode.measure.token_compute import TokenCompute, max_mlp_per_layer, slots_to_positions, token_compute
 
 TOKENS = "tokens"  # scope of the LM-level per-token compute sums
 
@@ -200,7 +200,7 @@ class RoutingAccumulator:
         return tc
 
     # -- combining ---------------------------------------------------------------------------------------
-    def merge(self, other: "RoutingAccumulator") -> "RoutingAccumulator":
+    def merge(self, other: RoutingAccumulator) -> RoutingAccumulator:
         """Add ``other``'s sums into this one (in place); returns self."""
         if other.layer_kinds is not None:
             if self.layer_kinds is not None and self.layer_kinds != other.layer_kinds:

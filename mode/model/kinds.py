@@ -16,8 +16,8 @@ assignments and router cost come from its router config.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import nn
 

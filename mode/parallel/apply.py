@@ -41,7 +41,6 @@ mesh, combined, then applied per mesh); ``torch.nn.utils.clip_grad_norm_`` refus
 from __future__ import annotations
 
 import dataclasses
-
 import inspect
 import re
 from collections.abc import Iterable
@@ -62,7 +61,6 @@ from mode.model.deferred_init import guard_forward, is_meta_built
 from mode.parallel.ep_model import shard_experts
 from mode.parallel.mesh import flat_mesh, mesh_dims
 from mode.parallel.stats_reduce import SumOverGroup
-
 
 # Chosen once, by what the installed torch offers: fully_shard(..., dp_mesh_dims=) on the whole (dp, ep) mesh
 # (torch >= 2.13), or the older EP path (the bank on mesh["ep"], fully_shard on mesh["dp"]; tested on torch 2.11).

@@ -328,12 +328,11 @@ def under_torchrun() -> bool:
 
 def run(args) -> int:
     """The command; returns the exit status (2: a user mistake, 1: a failed collective or write)."""
-    from mode.train import checkpoint
     from mode.parallel import process_group as mdist
     from mode.parallel.resume import load_newest
-    from mode.train.sources import load_corpus
-    from mode.train import Trainer
+    from mode.train import Trainer, checkpoint
     from mode.train.preempt import EXIT_PREEMPTED, Preemption
+    from mode.train.sources import load_corpus
 
     if args.threads is not None:
         if args.threads < 1:

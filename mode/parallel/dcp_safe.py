@@ -32,13 +32,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from mode.train import checkpoint
-
 
 MANIFEST = "SHA256SUMS"  # "<sha256 hex>  <file name>" per line, as coreutils' sha256sum writes and checks
 METADATA = ".metadata"

@@ -56,7 +56,7 @@ class ParallelDims:
         return self.dp * self.ep
 
     @classmethod
-    def for_world(cls, world_size: int, dp: int | None = None, ep: int | None = None) -> "ParallelDims":
+    def for_world(cls, world_size: int, dp: int | None = None, ep: int | None = None) -> ParallelDims:
         """The dims of a run on ``world_size`` processes: give ``dp``, ``ep``, both or neither (neither:
         ``ep = world_size``, all experts spread as far as possible). The product must be the world size."""
         _checks.check_int("world_size", world_size)

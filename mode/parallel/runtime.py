@@ -27,8 +27,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from mode import _checks
 from mode.measure.stats import RoutingAccumulator
-from mode.parallel import checkpoint as sharded
-from mode.parallel import process_group as mdist
+from mode.parallel import checkpoint as sharded, process_group as mdist
 from mode.parallel.apply import parallelize
 from mode.parallel.mesh import flat_mesh, mesh_dims
 from mode.parallel.meta_init import is_meta_built, materialize

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
-from mode.routing.losses import router_z_loss
 from mode.routing.capacity import ceil_of
+from mode.routing.losses import router_z_loss
 from mode.routing.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 
 

@@ -197,7 +197,7 @@ class Aux:
             return terms[0].to(dtype)
         return torch.stack([t.to(dtype) for t in terms]).sum()
 
-    def merge(self, other: "Aux", prefix: str = "") -> "Aux":
+    def merge(self, other: Aux, prefix: str = "") -> Aux:
         """Add ``other``'s entries under ``prefix`` (in place); returns self for chaining. Lazy losses stay lazy."""
         for k in other.losses:
             name = prefix + k
@@ -266,7 +266,7 @@ class RoutingPlan:
         """Static size ``A`` of the plan (computed assignments and padding)."""
         return self.token_idx_A.numel()
 
-    def compact(self) -> "RoutingPlan":
+    def compact(self) -> RoutingPlan:
         """The same plan without its padding: only the computed assignments. Reads their number on the
         host, so it is for tests, debugging and reference code, never the hot path."""
         n = int(self.counts_E.sum())

@@ -68,11 +68,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
-from mode.routing.losses import _masked_mean, router_z_loss
-from mode.routing.capacity import ceil_of
 from mode.kernels.router import RouterOut, router_topk
-from mode.routing.plan import (Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, inverse_of,
-                               permute, scalar)
+from mode.routing.capacity import ceil_of
+from mode.routing.losses import _masked_mean, router_z_loss
+from mode.routing.plan import (
+    Aux,
+    RoutingPlan,
+    RoutingStats,
+    count_per,
+    entropy_of,
+    group_by_expert,
+    inverse_of,
+    permute,
+    scalar,
+)
 
 GATES = ("softmax", "sigmoid", "sqrtsoftplus", "sparsemixer")  # sqrtsoftplus: DeepSeek-V4; sparsemixer: PhiMoE
 GROUP_SCORES = ("top2", "max")  # a group scores the sum of its two best experts (DeepSeek-V3) or its best (V2)

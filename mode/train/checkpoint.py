@@ -40,9 +40,9 @@ import hashlib
 import io
 import numbers
 import os
-import shutil
 import pickle
 import secrets
+import shutil
 import time
 import warnings
 import zipfile

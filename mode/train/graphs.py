@@ -51,7 +51,7 @@ class StepSums(RoutingAccumulator):
     accumulator's (``like``); a statistic outside it is an error, not a silent new tensor."""
 
     @classmethod
-    def like(cls, acc: RoutingAccumulator, device: torch.device) -> "StepSums":
+    def like(cls, acc: RoutingAccumulator, device: torch.device) -> StepSums:
         sums = cls()
         sums.sums = {k: torch.zeros(v.shape, dtype=torch.float64, device=device) for k, v in acc.sums.items()}
         sums.layer_kinds = acc.layer_kinds

@@ -49,7 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mode.train.data import PACKAGES, Corpus  # noqa: F401 - PACKAGES: the name ``--data`` takes for this corpus
+from mode.train.data import PACKAGES, Corpus
+
 SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt")
 MAX_FILE_BYTES = 2_000_000  # larger files are generated tables (torch's _VariableFunctions.pyi is 1.1 MB)
 VAL_EVERY = 20  # a file is validation when int(sha256[:8], 16) % VAL_EVERY == 0

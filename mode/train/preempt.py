@@ -38,7 +38,7 @@ class Preemption:
         self._timer: threading.Timer | None = None
         self._previous = None
 
-    def install(self) -> "Preemption":
+    def install(self) -> Preemption:
         """Handle SIGTERM in this process (the main thread must call it); ``uninstall`` restores the handler."""
         self._previous = signal.signal(signal.SIGTERM, self._on_signal)
         return self

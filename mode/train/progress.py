@@ -74,7 +74,7 @@ class Progress:
         _checks.check_non_negative("every_s", self.every_s)
 
     @classmethod
-    def of(cls, progress: "bool | Progress") -> "Progress":
+    def of(cls, progress: bool | Progress) -> Progress:
         """``True``/``False`` (bar or no bar, lines either way), or a ``Progress`` as it is."""
         if isinstance(progress, Progress):
             return progress
@@ -82,7 +82,7 @@ class Progress:
             return cls(bar=progress)
         raise TypeError(f"progress={progress!r}: must be a bool or a mode.train.progress.Progress")
 
-    def start(self, name: str, total: int, initial: int = 0, clock=time.monotonic) -> "RunProgress":
+    def start(self, name: str, total: int, initial: int = 0, clock=time.monotonic) -> RunProgress:
         """The progress of one run from step ``initial`` to ``total`` (``clock``: seconds, for the tests)."""
         return RunProgress(self, name, total, initial, clock)
 

@@ -34,7 +34,14 @@ from mode import _checks
 from mode.train import checkpoint
 from mode.train.data import VAL_EVERY_NTH_FILE, stdlib_sources, val_files
 from mode.train.tokens import (
-    META, SUFFIXES, VAL_FRACTION, ShardSpec, TokenizerRef, TokenMeta, dtype_for_vocab, load_tokenizer,
+    META,
+    SUFFIXES,
+    VAL_FRACTION,
+    ShardSpec,
+    TokenizerRef,
+    TokenMeta,
+    dtype_for_vocab,
+    load_tokenizer,
 )
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # ids a shard (200 MB as uint16)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
 from mode import _checks
 from mode.measure.flops import train_flops_per_token
 from mode.measure.stats import RoutingAccumulator
@@ -41,8 +42,8 @@ from mode.routing.bias_balance import bias_routers, update_expert_bias
 from mode.train import checkpoint, faults, log_sinks
 from mode.train.accumulate import GradAccumulation
 from mode.train.config import TrainConfig
-from mode.train.graphs import GraphedTrainStep
 from mode.train.data import BatchSampler, Corpus, eval_batches
+from mode.train.graphs import GraphedTrainStep
 from mode.train.optim import build_optimizer, lr_at
 from mode.train.progress import Progress
 from mode.train.runtime import OneProcess, Runtime, mesh_runtime, resolve_device, to_device

@@ -12,12 +12,23 @@ import pytest
 import torch
 
 from mode import (
-    MLP, ExpertChoiceConfig, ExpertChoiceRouter, IntegratedMoDE, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer,
-    StagedMoDE, TokenChoiceConfig, TokenChoiceRouter, TransformerBlock,
+    MLP,
+    ExpertChoiceConfig,
+    ExpertChoiceRouter,
+    IntegratedMoDE,
+    MoD,
+    MoDRouter,
+    MoDRouterConfig,
+    MoEConfig,
+    MoELayer,
+    StagedMoDE,
+    TokenChoiceConfig,
+    TokenChoiceRouter,
+    TransformerBlock,
 )
+from mode.measure.stats import RoutingAccumulator
 from mode.model import LM, LMConfig
 from mode.routing.capacity import ceil_of, floor_of
-from mode.measure.stats import RoutingAccumulator
 
 D, H = 16, 32
 

@@ -11,11 +11,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-from mode.experts import ExpertBank, ExpertConfig
-from mode.experts import bank as bank_mod
-from mode.experts.grouped_mm import grouped_mm_available
 from scaled_close import assert_close_scaled
+
+from mode.experts import ExpertBank, ExpertConfig, bank as bank_mod
+from mode.experts.grouped_mm import grouped_mm_available
 
 # float32 results summed in another order: max |d| <= REL * max |expected| (tests/scaled_close.py)
 REL = 1e-5

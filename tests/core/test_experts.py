@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from scaled_close import assert_close_scaled
 
 from mode.experts import ExpertBank, ExpertConfig
 from mode.experts.grouped_mm import grouped_mm_available
-from scaled_close import assert_close_scaled
 
 # float32 results summed in another order: max |d| <= REL * max |expected| (tests/scaled_close.py)
 REL = 1e-5

@@ -16,18 +16,17 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mode.layers.attention as attention_module
-from mode.train.data import eval_batches, file_corpus
-from mode.measure.host_sync import HostSyncCounter
 from mode.layers.kv_cache import KVCache
 from mode.layers.rope import apply_rope, rope_angles
+from mode.measure.host_sync import HostSyncCounter
 from mode.model import LM, LMConfig
 from mode.model.causal_eval import causal_eval
 from mode.model.generate import decode_step, generate, prefill
 from mode.train import TrainConfig, Trainer
+from mode.train.data import eval_batches, file_corpus
 
 V, D, S = 64, 32, 24
 MIXES = [("dense", "mod", "dense", "mod"), ("moe", "staged"), ("integrated", "mod")]

@@ -6,13 +6,20 @@ import copy
 
 import pytest
 import torch
+from scaled_close import assert_close_scaled
 from torch import nn
 
 from mode import (
-    MLP, IntegratedMoDE, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, StagedMoDE,
+    MLP,
+    IntegratedMoDE,
+    MoD,
+    MoDRouter,
+    MoDRouterConfig,
+    MoEConfig,
+    MoELayer,
+    StagedMoDE,
     TransformerBlock,
 )
-from scaled_close import assert_close_scaled
 
 # float32 results summed in another order: max |d| <= REL * max |expected| (tests/scaled_close.py)
 REL = 1e-5

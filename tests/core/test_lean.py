@@ -17,15 +17,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/core/legacy as the package "legacy"
 
-from legacy import expert_choice as old_ec  # noqa: E402
-from legacy import mod_topk as old_mod  # noqa: E402
-from legacy import token_choice as old_tc  # noqa: E402
+from legacy import (
+    expert_choice as old_ec,
+    mod_topk as old_mod,
+    token_choice as old_tc,
+)
 
-from mode import MLP, MoD, MoELayer, TransformerBlock  # noqa: E402
-from mode.experts.bank import ExpertBank, ExpertConfig  # noqa: E402
-from mode.routing.expert_choice import ExpertChoiceConfig, ExpertChoiceRouter  # noqa: E402
-from mode.routing.mod_topk import MoDRouter, MoDRouterConfig  # noqa: E402
-from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter  # noqa: E402
+from mode import MLP, MoD, MoELayer, TransformerBlock
+from mode.experts.bank import ExpertBank, ExpertConfig
+from mode.routing.expert_choice import ExpertChoiceConfig, ExpertChoiceRouter
+from mode.routing.mod_topk import MoDRouter, MoDRouterConfig
+from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
 
 B, S, D, E = 2, 12, 16, 4
 STAT_FIELDS = ("kept_E", "requested_X", "dropped", "noop", "tokens", "compute_T", "entropy", "batch_shape",

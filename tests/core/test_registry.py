@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from mode import MLP, MoD, MoDRouter, MoEConfig, MoELayer, TransformerBlock
+from mode.experiments.report import build_report
 from mode.measure.flops import forward_flops_per_token, measured_flops
+from mode.measure.stats import RoutingAccumulator
+from mode.measure.token_compute import token_compute
 from mode.model import LM, LMConfig, alternate
 from mode.model.generate import generate
 from mode.model.kinds import LAYER_KINDS, LayerKind, register_layer_kind
-from mode.experiments.report import build_report
 from mode.routing import ROUTERS, get_router, register_router
 from mode.routing.keys import MOD, MOE, layer_prefix, parse_router_key, router_key
-from mode.measure.stats import RoutingAccumulator
-from mode.measure.token_compute import token_compute
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_router.py"
 

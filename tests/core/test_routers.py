@@ -13,8 +13,14 @@ import pytest
 import torch
 
 from mode.routing import (
-    ExpertChoiceConfig, ExpertChoiceRouter, MoDRouter, MoDRouterConfig, TokenChoiceConfig, TokenChoiceRouter,
-    load_balancing_loss, router_z_loss,
+    ExpertChoiceConfig,
+    ExpertChoiceRouter,
+    MoDRouter,
+    MoDRouterConfig,
+    TokenChoiceConfig,
+    TokenChoiceRouter,
+    load_balancing_loss,
+    router_z_loss,
 )
 
 

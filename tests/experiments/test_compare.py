@@ -17,8 +17,17 @@ import pytest
 
 import mode.train.data
 from mode.cli import main
-from mode.experiments.compare import (CLAIMS, dense_depths, dense_sweep, extra_variants, format_table, legend,
-                                      preset, run_compare, variants)
+from mode.experiments.compare import (
+    CLAIMS,
+    dense_depths,
+    dense_sweep,
+    extra_variants,
+    format_table,
+    legend,
+    preset,
+    run_compare,
+    variants,
+)
 from mode.measure.flops import forward_flops_per_token, train_flops_per_token
 
 SIX = ["dense", "mod", "mod_random", "moe", "staged_mode", "integrated_mode"]
@@ -472,8 +481,7 @@ def test_negative_ckpt_every_s_is_refused(tmp_path, capsys):
 def test_gpu_preset_is_the_isoflop_gpu_presets_largest_size_on_the_packages_corpus():
     """The numbers of compare.preset's comment and docs/compare.md: budget, steps, tokens, estimated time."""
     from mode.experiments import sweep
-    from mode.experiments.isoflop_plan import RUN_OVERHEAD_S, estimate_step_s
-    from mode.experiments.isoflop_plan import preset as iso_preset
+    from mode.experiments.isoflop_plan import RUN_OVERHEAD_S, estimate_step_s, preset as iso_preset
 
     p, iso = preset("gpu"), iso_preset("gpu")
     assert p.data == "packages" and p.model.d_model == iso.sizes[-1].d_model and p.model.n_layers == iso.sizes[-1].n_layers

@@ -13,20 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_compare import write_text_file
 
 import mode.experiments.isoflop
 import mode.model
-from mode.experiments import stats_ci, sweep
 from mode.cli import main
+from mode.experiments import stats_ci, sweep
 from mode.experiments.compare import CLAIMS, variants
-from mode.train.data import file_corpus
 from mode.experiments.isoflop import run_isoflop
 from mode.experiments.isoflop_plan import IsoflopPreset, plan, preset, size_config
 from mode.experiments.isoflop_report import format_report, parabola_fit
 from mode.model import LMConfig
 from mode.train import TrainConfig, Trainer
-
-from test_compare import write_text_file
+from mode.train.data import file_corpus
 
 NAMES = ["dense", "mod", "mod_random", "moe", "staged_mode", "integrated_mode"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -205,7 +204,7 @@ def test_rerun_reuses_finished_runs_and_resumes_an_interrupted_one(tiny_sweep, t
     capsys.readouterr()
     again = run_isoflop(out, data=str(data), seeds=2, progress=False, preset_override=p)
     stdout = capsys.readouterr().out
-    assert f"143 of 144 runs done in an earlier run" in stdout
+    assert "143 of 144 runs done in an earlier run" in stdout
     assert f"{spec.label}: resuming at step {spec.steps} of {spec.steps}" in stdout
     strip = lambda r: {k: v for k, v in r.items() if k not in VOLATILE}  # noqa: E731
     assert strip(json.loads(json.dumps(again))) == strip(json.loads(json.dumps(report)))

@@ -17,9 +17,17 @@ import torch
 from mode.routing.mod_topk import GATES, MoDRouter, MoDRouterConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mod_models import (ATTENTIONS, FAMILIES, V, batch, causal_forward, converted, layer_io,  # noqa: E402
-                        positions, tiny)
-
+from mod_models import (
+    ATTENTIONS,
+    FAMILIES,
+    V,
+    batch,
+    causal_forward,
+    converted,
+    layer_io,
+    positions,
+    tiny,
+)
 
 # -- the straight-through gate (no transformers needed) --
 

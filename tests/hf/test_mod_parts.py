@@ -11,8 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mod_models import (FAMILIES, V, batch, causal_forward, converted, generate_matches_recomputation,  # noqa: E402
-                        layer_io, tiny)
+from mod_models import FAMILIES, V, batch, converted, generate_matches_recomputation, layer_io, tiny
 
 PARTS = ("layer", "attention", "mlp")
 

@@ -20,8 +20,8 @@ import torch
 from scaled_close import assert_close_scaled
 
 pytest.importorskip("transformers", reason="mode.hf needs transformers 5.x: pip install -e '.[hf]'")
-import mode.hf as mh  # noqa: E402
-from mode.hf import pretrained as P  # noqa: E402
+import mode.hf as mh
+from mode.hf import pretrained as P
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"

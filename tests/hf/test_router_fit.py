@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mod_models import V, batch, generate_matches_recomputation, tiny  # noqa: E402
+from mod_models import V, batch, generate_matches_recomputation, tiny
 
 
 def _batches(n: int = 4, seed: int = 3):

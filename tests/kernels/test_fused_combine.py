@@ -12,8 +12,8 @@ import torch
 import mode.kernels.combine as kc
 from mode.dispatch.local import scatter_rows, scatter_weighted
 from mode.kernels import combine_rows, gather_rows, inverse_index
-from mode.routing import TokenChoiceConfig, TokenChoiceRouter
 from mode.measure.op_count import OpCounter
+from mode.routing import TokenChoiceConfig, TokenChoiceRouter
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CASES = [(13, 3, 40), (5, 1, 300), (4, 2, 8)]  # (T, K, D): D past one 256-column block

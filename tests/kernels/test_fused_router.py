@@ -8,8 +8,8 @@ import torch
 
 import mode.kernels.router as kr
 from mode.kernels import router_topk
-from mode.routing import TokenChoiceConfig, TokenChoiceRouter
 from mode.measure.op_count import OpCounter
+from mode.routing import TokenChoiceConfig, TokenChoiceRouter
 
 # (T, X, K): X past one power of two, X = 256 (the widest block), K = X, one row
 CASES = [(37, 8, 2), (9, 200, 6), (5, 3, 3), (1, 256, 8), (0, 8, 2)]

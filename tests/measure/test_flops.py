@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from mode.measure.flops import (
-    TRAIN_MULTIPLIER, attention_flops, forward_flops, forward_flops_per_token, layer_flops, measured_flops,
-    mlp_flops_per_token, realized_assignments, train_flops_per_token,
+    TRAIN_MULTIPLIER,
+    attention_flops,
+    forward_flops,
+    forward_flops_per_token,
+    layer_flops,
+    measured_flops,
+    mlp_flops_per_token,
+    realized_assignments,
+    train_flops_per_token,
 )
 from mode.model import LAYER_KINDS, LM, LMConfig, alternate
 from mode.model.kinds import get_layer_kind

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_host_sync import LAYERS, B, D, S
 
 from mode.model import LM, LMConfig
-
-from test_host_sync import LAYERS, B, D, S
 
 
 @pytest.mark.parametrize("name", list(LAYERS))

@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mode.train.data import Corpus
 from mode.measure.flops import attention_flops, forward_flops, mlp_flops_per_token
+from mode.measure.stats import RoutingAccumulator, coefficient_of_variation, max_over_mean, rate_by_position
+from mode.measure.token_compute import slots_to_positions, token_compute
 from mode.model import LM, LMConfig
 from mode.routing.mod_topk import MoDRouter, MoDRouterConfig
 from mode.routing.plan import RoutingStats
 from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
-from mode.measure.stats import RoutingAccumulator, coefficient_of_variation, max_over_mean, rate_by_position
-from mode.measure.token_compute import slots_to_positions, token_compute
+from mode.train.data import Corpus
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -291,7 +291,7 @@ def corpus_of(path: Path) -> Corpus:
 
 def test_training_logs_routing_records_and_compare_reads_them(tmp_path):
     from mode.experiments.compare import _routing_summary, format_table
-    from mode.train import Trainer, TrainConfig
+    from mode.train import TrainConfig, Trainer
 
     cfg = tiny_cfg("dense", "mod", "integrated", top_k=1)
     tcfg = TrainConfig(steps=6, batch_size=2, warmup_steps=1, eval_every=6, eval_batches=1, log_every=3,
@@ -319,7 +319,7 @@ def test_training_logs_routing_records_and_compare_reads_them(tmp_path):
 
 def test_mode_report_on_a_trained_checkpoint(tmp_path, capsys):
     from mode.cli import main
-    from mode.train import Trainer, TrainConfig
+    from mode.train import TrainConfig, Trainer
 
     data = write_text(tmp_path / "data.txt")
     cfg = tiny_cfg("moe", "staged", "integrated", "mod", top_k=2, capacity_factor=1.0)

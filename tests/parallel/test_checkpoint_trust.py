@@ -22,9 +22,9 @@ curve equals the uninterrupted one.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-import functools
 import os
 import shutil
 import subprocess
@@ -40,7 +40,7 @@ import torch
 
 from mode.model import LMConfig
 from mode.train import TrainConfig, Trainer
-from mode.train.checkpoint import ChecksumError, CheckpointError
+from mode.train.checkpoint import CheckpointError, ChecksumError
 from mode.train.data import BatchSampler, Corpus
 
 pytestmark = [pytest.mark.timeout(300),

@@ -31,8 +31,8 @@ from mode.experts.bank import ExpertBank, ExpertConfig
 from mode.layers.block import TransformerBlock
 from mode.layers.mod import StagedMoDE
 from mode.layers.moe import IntegratedMoDE, MoEConfig, MoELayer
-from mode.routing.mod_topk import MoDRouter, MoDRouterConfig
 from mode.parallel.ep_model import shard_layer
+from mode.routing.mod_topk import MoDRouter, MoDRouterConfig
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -42,9 +42,9 @@ ep group's experts (every expert tensor in the checkpoint has all E rows; resume
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-import functools
 import math
 import os
 import signal
@@ -59,10 +59,10 @@ import pytest
 import ties
 import torch
 
-from mode.train.data import BatchSampler, Corpus
 from mode.model import LM, LMConfig
 from mode.parallel.mesh import ParallelDims, mesh_dims
-from mode.train import Trainer, TrainConfig, build_optimizer, lr_at
+from mode.train import TrainConfig, Trainer, build_optimizer, lr_at
+from mode.train.data import BatchSampler, Corpus
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.cpu_only("gloo ranks on CPU; the CPU run covers them (NCCL needs one GPU per rank)")]
@@ -182,9 +182,9 @@ def _pool4(rank: int, out: Path) -> dict:
 
 
 def _pool2(rank: int, out: Path, out4: Path) -> dict:
-    from mode.parallel.process_group import CollectiveError
     from mode.parallel import build_mesh
     from mode.parallel.checkpoint import export
+    from mode.parallel.process_group import CollectiveError
 
     corpus, res = _corpus(), {}
 
@@ -243,8 +243,8 @@ def _pool2(rank: int, out: Path, out4: Path) -> dict:
 
 
 def _pool_stuck(rank: int, out: Path) -> dict:
-    from mode.parallel.process_group import CollectiveError
     from mode.parallel import build_mesh
+    from mode.parallel.process_group import CollectiveError
 
     t = Trainer(TOKEN_CHOICE, TRAIN, _corpus(), out, progress=False,
                 mesh=build_mesh(ParallelDims(1, 2), timeout_s=STUCK_TIMEOUT_S), timeout_s=STUCK_TIMEOUT_S)
@@ -309,10 +309,10 @@ REPORTING = {"mesh4": [0, 1, 2, 3], "mesh2": [0, 1], "stuck": [0]}  # the stuck 
 
 @pytest.fixture(scope="module")
 def runs():
-    from mode.train.checkpoint import load_model
     from mode.parallel.checkpoint import save_folder
     from mode.parallel.dcp_safe import read_metadata
     from mode.train import evaluate
+    from mode.train.checkpoint import load_model
 
     with pools.running(_worker, POOLS) as run:
         tmp = run.tmp

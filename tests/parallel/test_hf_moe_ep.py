@@ -22,8 +22,8 @@ transformers builds them.
 
 from __future__ import annotations
 
-import importlib.util
 import functools
+import importlib.util
 import sys
 import time
 from pathlib import Path

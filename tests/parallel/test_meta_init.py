@@ -338,7 +338,7 @@ def _pool_mesh(rank: int, out: Path) -> dict:
 
     def trainer():
         from mode.parallel.runtime import MeshRuntime
-        from mode.train import Trainer, TrainConfig
+        from mode.train import TrainConfig, Trainer
         from mode.train.data import Corpus
 
         data = torch.randint(0, 256, (60_000,), generator=torch.Generator().manual_seed(0)).to(torch.uint8).numpy()

@@ -24,7 +24,7 @@ import ties
 import torch
 
 from mode.model import LMConfig
-from mode.train import Trainer, TrainConfig
+from mode.train import TrainConfig, Trainer
 from mode.train.data import Corpus
 
 pytestmark = [pytest.mark.timeout(300),

@@ -15,12 +15,11 @@ import pytest
 import torch
 from test_train import corpus, model_cfg, stable, train_cfg  # the tiny model and data of the training tests
 
-import mode.train.data
 import mode.train
-from mode.train import checkpoint
-from mode.train.checkpoint import CheckpointError, WriteError, load_checkpoint, read_checkpoint
+import mode.train.data
 from mode.cli import main
-from mode.train import Trainer
+from mode.train import Trainer, checkpoint
+from mode.train.checkpoint import CheckpointError, WriteError, load_checkpoint, read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 

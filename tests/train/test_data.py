@@ -11,8 +11,16 @@ import pytest
 import torch
 
 from mode.train.data import (
-    VAL_EVERY_NTH_FILE, BatchSampler, Corpus, decode, encode, eval_batches, file_corpus, min_file_bytes,
-    stdlib_corpus, stdlib_sources,
+    VAL_EVERY_NTH_FILE,
+    BatchSampler,
+    Corpus,
+    decode,
+    encode,
+    eval_batches,
+    file_corpus,
+    min_file_bytes,
+    stdlib_corpus,
+    stdlib_sources,
 )
 
 SEQ = 64
@@ -200,7 +208,7 @@ def _expected_stdlib_split(max_bytes: int) -> tuple[bytes, bytes, int]:
     train, val, total, used = [], [], 0, 0
     for i, path in enumerate(stdlib_sources()):
         data = path.read_bytes()
-        ((val if (i + 1) % VAL_EVERY_NTH_FILE == 0 else train)).append(data)
+        (val if (i + 1) % VAL_EVERY_NTH_FILE == 0 else train).append(data)
         total += len(data)
         used = i + 1
         if total >= max_bytes:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_train import corpus, model_cfg, train_cfg
 
 from mode.measure.flops import train_flops_per_token
 from mode.model import LM
 from mode.parallel.command import GPU_PRESET_PARAMS, PRESETS, mfu_line
 from mode.train.log_sinks import measure_matmul_flops
-
-from test_train import corpus, model_cfg, train_cfg
 
 
 def test_the_gpu_preset_builds_on_meta_with_its_stated_size():

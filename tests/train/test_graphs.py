@@ -7,12 +7,11 @@ import importlib
 
 import pytest
 import torch
+from test_train import corpus, model_cfg, stable, train_cfg
 
 from mode.measure.host_sync import HostSyncCounter
 from mode.train import Trainer
 from mode.train.graphs import GRAPH_WARMUP_STEPS, GraphedTrainStep, StepSums
-
-from test_train import corpus, model_cfg, stable, train_cfg
 
 LAYERS = ("moe", "staged", "integrated")  # dropless token choice, MoD top-C with an MoE inside, no-op slots
 

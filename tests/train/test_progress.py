@@ -12,7 +12,7 @@ import pytest
 
 from mode.cli import main
 from mode.model import LMConfig
-from mode.train import Trainer, TrainConfig
+from mode.train import TrainConfig, Trainer
 from mode.train.data import Corpus
 from mode.train.progress import Progress, format_duration
 

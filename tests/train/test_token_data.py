@@ -15,12 +15,16 @@ import torch
 
 from mode.model import LMConfig
 from mode.train import TrainConfig, Trainer
-from mode.train.checkpoint import load_checkpoint
+from mode.train.checkpoint import load_checkpoint, sha256_file
 from mode.train.data import BatchSampler, Corpus, eval_batches, text_codec, token_corpus
 from mode.train.sources import load_corpus
-from mode.train.checkpoint import sha256_file
 from mode.train.tokens import (
-    META, VAL_FRACTION, TokenShard, dtype_for_vocab, open_token_folder, split_of,
+    META,
+    VAL_FRACTION,
+    TokenShard,
+    dtype_for_vocab,
+    open_token_folder,
+    split_of,
 )
 
 SEQ = 16
@@ -611,6 +615,7 @@ def test_train_sample_and_report_on_token_shards(shards, bpe, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("--- prompt: 'def '\ndef ")
     from tokenizers import Tokenizer
+
     from mode.model.generate import generate
     from mode.train import load_model
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from mode.train.checkpoint import load_checkpoint
-from mode.train.data import Corpus
 from mode.measure.flops import train_flops_per_token
 from mode.model import LMConfig
-from mode.train import Trainer, TrainConfig, evaluate, load_model, lr_at
+from mode.train import TrainConfig, Trainer, evaluate, load_model, lr_at
+from mode.train.checkpoint import load_checkpoint
+from mode.train.data import Corpus
 
 SEQ, BATCH, STEPS = 16, 4, 12
 VOLATILE = ("wall", "tok_s", "mfu", "mfu_measured")  # timing fields differ between runs (mfu: logged on a known GPU)

@@ -25,14 +25,13 @@ import pytest
 import ties
 import torch
 
-from mode.model import LM, LMConfig
-from mode.model import checkpointing
+from mode.model import LM, LMConfig, checkpointing
 from mode.model.checkpointing import checkpoint_blocks, is_checkpointed, preserved_buffers
-from mode.train import Trainer, TrainConfig
+from mode.train import TrainConfig, Trainer
 from mode.train.accumulate import GradAccumulation, global_balance_routers
-from mode.train.progress import Progress
 from mode.train.data import Corpus
 from mode.train.log_sinks import known_peak_tflops
+from mode.train.progress import Progress
 from mode.train.runtime import OneProcess
 
 SEQ, BATCH = 16, 8

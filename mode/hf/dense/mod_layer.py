@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mode.hf.dense import mask as hf_mask
 from mode.hf._compat import check_attention
+from mode.hf.dense import mask as hf_mask
 from mode.hf.dense.cache import MoDCacheLayer, mod_cache_layer
 from mode.hf.dense.routed_queries import routed_query_attention
 from mode.routing.mod_topk import MoDRouter

@@ -27,10 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from mode import _checks
+from mode.experts.bank import ExpertBank
 from mode.hf._compat import check_model_type, decoder_config, decoder_layers
 from mode.hf.dense.convert import resolve_layers
 from mode.layers.moe import IntegratedMoDE, MoEConfig, MoELayer, build_router
-from mode.experts.bank import ExpertBank
 from mode.routing.plan import Aux
 
 

@@ -44,18 +44,23 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from mode.hf.moe.blocks import FAMILIES, Extras, SharedMLP, adopt_block, hf_names, kept_name, train_refusal
-from mode.hf.moe.families import FAMILIES as SPECS, NOT_YET, REFUSED, get_path
 from mode.hf.dense.routing import collect_aux
 from mode.hf.dense.upcycle import MoESlot, upcycled_mlps
+from mode.hf.moe.blocks import FAMILIES, Extras, SharedMLP, adopt_block, hf_names, kept_name, train_refusal
+from mode.hf.moe.families import FAMILIES as SPECS, NOT_YET, REFUSED, get_path
+from mode.hf.moe.saving import (  # noqa: F401
+    install_save_pretrained,
+    load_family_names,
+    save_transformers,
+    transformers_names,
+    transformers_state_dict,
+)
+from mode.hf.moe.transformers_api import adopt as adopt_transformers_api
+from mode.hf.moe.weight_init import block_skeletons, install_init, mark_initialised
 from mode.layers.moe import MoELayer
 from mode.measure.flops import mlp_flops_per_token
 from mode.measure.stats import RoutingAccumulator
 from mode.routing.keys import MOE, router_key
-from mode.hf.moe.transformers_api import adopt as adopt_transformers_api
-from mode.hf.moe.weight_init import block_skeletons, install_init, mark_initialised
-from mode.hf.moe.saving import (install_save_pretrained, load_family_names, save_transformers,  # noqa: F401
-                                 transformers_names, transformers_state_dict)
 
 MOE_MODEL_TYPES = tuple(SPECS)  # the model types of mode.hf.moe.families.FAMILIES
 

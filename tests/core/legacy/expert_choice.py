@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from legacy.losses import router_z_loss
+from legacy.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 from torch import Tensor, nn
 
 from mode import _checks
-from legacy.losses import router_z_loss
 from mode.routing.capacity import ceil_of
-from legacy.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 
 
 @dataclass

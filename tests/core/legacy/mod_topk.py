@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from legacy.plan import Aux, RoutingPlan, RoutingStats, scalar
 from torch import Tensor, nn
 
 from mode import _checks
 from mode.routing.capacity import floor_of
-from legacy.plan import Aux, RoutingPlan, RoutingStats, scalar
 
 GATES = ("raw", "sigmoid", "one", "ste")
 SELECTIONS = ("learned", "random")

@@ -63,12 +63,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from legacy.losses import router_z_loss
+from legacy.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 from torch import Tensor, nn
 
 from mode import _checks
-from legacy.losses import router_z_loss
 from mode.routing.capacity import ceil_of
-from legacy.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 
 GATES = ("softmax", "sigmoid", "sqrtsoftplus", "sparsemixer")  # sqrtsoftplus: DeepSeek-V4; sparsemixer: PhiMoE
 GROUP_SCORES = ("top2", "max")  # a group scores the sum of its two best experts (DeepSeek-V3) or its best (V2)
