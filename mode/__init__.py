@@ -21,16 +21,40 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _PUBLIC = {
-    "Aux": "mode.routing", "CausalSelfAttention": "mode.layers", "Dispatcher": "mode.dispatch",
-    "ExpertBank": "mode.experts", "ExpertChoiceConfig": "mode.routing", "ExpertChoiceRouter": "mode.routing",
-    "ExpertConfig": "mode.experts", "IntegratedMoDE": "mode.layers", "LocalDispatcher": "mode.dispatch",
-    "MLP": "mode.layers", "MoD": "mode.layers", "MoDRouter": "mode.routing", "MoDRouterConfig": "mode.routing",
-    "MoEConfig": "mode.layers", "MoELayer": "mode.layers", "RoutingPlan": "mode.routing",
-    "RoutingStats": "mode.routing", "StagedMoDE": "mode.layers", "TokenChoiceConfig": "mode.routing",
-    "TokenChoiceRouter": "mode.routing", "TransformerBlock": "mode.layers",
+    "Aux": "mode.routing",
+    "CausalSelfAttention": "mode.layers",
+    "Dispatcher": "mode.dispatch",
+    "ExpertBank": "mode.experts",
+    "ExpertChoiceConfig": "mode.routing",
+    "ExpertChoiceRouter": "mode.routing",
+    "ExpertConfig": "mode.experts",
+    "IntegratedMoDE": "mode.layers",
+    "LocalDispatcher": "mode.dispatch",
+    "MLP": "mode.layers",
+    "MoD": "mode.layers",
+    "MoDRouter": "mode.routing",
+    "MoDRouterConfig": "mode.routing",
+    "MoEConfig": "mode.layers",
+    "MoELayer": "mode.layers",
+    "RoutingPlan": "mode.routing",
+    "RoutingStats": "mode.routing",
+    "StagedMoDE": "mode.layers",
+    "TokenChoiceConfig": "mode.routing",
+    "TokenChoiceRouter": "mode.routing",
+    "TransformerBlock": "mode.layers",
 }
-_SUBPACKAGES = ("routing", "experts", "dispatch", "layers", "model", "hf", "measure", "train", "parallel",
-                "experiments")
+_SUBPACKAGES = (
+    "routing",
+    "experts",
+    "dispatch",
+    "layers",
+    "model",
+    "hf",
+    "measure",
+    "train",
+    "parallel",
+    "experiments",
+)
 
 __all__ = sorted(_PUBLIC)
 

@@ -23,8 +23,11 @@ from mode.hf.pretrained import FetchError, fetch_smollm2
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cache-dir", default=None,
-                   help="cache root (default: $MODE_CACHE, else ~/.cache/mode); the file goes in its smollm2/")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="cache root (default: $MODE_CACHE, else ~/.cache/mode); the file goes in its smollm2/",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds pip may take (default 900)")
     args = p.parse_args(argv)
     try:

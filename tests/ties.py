@@ -53,7 +53,8 @@ class TopkGaps:
         assert self.smallest() > floor, (
             f"{what}: a routing decision is a near-tie (gap {self.smallest():.3g} <= {floor:g}): the compared run "
             f"may flip it, so its equality cannot be asserted; change the data (closest calls: shape, dim, k, "
-            f"gap = {closest})")
+            f"gap = {closest})"
+        )
 
 
 @contextlib.contextmanager

@@ -43,8 +43,33 @@ from mode.hf.dense.upcycle import UpcycledMLP, upcycle, upcycled_mlps
 from mode.hf.moe.convert import ConvertedMoE, converted_moe, moe_report, save_transformers, to_mode_moe
 from mode.hf.pretrained import SMOLLM2, FetchError, fetch_smollm2, load_gguf, smollm2_path
 
-__all__ = ["calibrate", "cheapest", "collect_aux", "converted_moe", "ConvertedMoE", "freeze_base", "load_conversion",
-           "mod_layers", "MoDCacheLayer", "MoDLayerMixin", "moe_report", "router_fit", "router_parameters",
-           "router_tune",
-           "routing", "save_conversion", "save_transformers", "skip_costs", "to_mod", "to_mode_moe", "upcycle",
-           "upcycled_mlps", "UpcycledMLP", "SMOLLM2", "FetchError", "fetch_smollm2", "load_gguf", "smollm2_path"]
+__all__ = [
+    "calibrate",
+    "cheapest",
+    "collect_aux",
+    "converted_moe",
+    "ConvertedMoE",
+    "freeze_base",
+    "load_conversion",
+    "mod_layers",
+    "MoDCacheLayer",
+    "MoDLayerMixin",
+    "moe_report",
+    "router_fit",
+    "router_parameters",
+    "router_tune",
+    "routing",
+    "save_conversion",
+    "save_transformers",
+    "skip_costs",
+    "to_mod",
+    "to_mode_moe",
+    "upcycle",
+    "upcycled_mlps",
+    "UpcycledMLP",
+    "SMOLLM2",
+    "FetchError",
+    "fetch_smollm2",
+    "load_gguf",
+    "smollm2_path",
+]

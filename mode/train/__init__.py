@@ -22,5 +22,14 @@ from mode.train.optim import build_optimizer, lr_at
 from mode.train.runtime import OneProcess, Runtime, resolve_device
 from mode.train.trainer import Trainer, evaluate
 
-__all__ = ["OneProcess", "Runtime", "TrainConfig", "Trainer", "build_optimizer", "evaluate", "load_model",
-           "lr_at", "resolve_device"]
+__all__ = [
+    "OneProcess",
+    "Runtime",
+    "TrainConfig",
+    "Trainer",
+    "build_optimizer",
+    "evaluate",
+    "load_model",
+    "lr_at",
+    "resolve_device",
+]

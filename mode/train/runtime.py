@@ -93,8 +93,10 @@ def register_mesh_runtime(factory: MeshRuntimeFactory) -> None:
 def mesh_runtime(mesh, timeout_s: float | None) -> Runtime:
     """The runtime of a device mesh, from the registered factory."""
     if not _mesh_runtimes:
-        raise ValueError("mesh: no mesh runtime is registered; build the mesh with mode.parallel.build_mesh "
-                         "(importing mode.parallel registers it), or pass runtime=mode.parallel.MeshRuntime(mesh)")
+        raise ValueError(
+            "mesh: no mesh runtime is registered; build the mesh with mode.parallel.build_mesh "
+            "(importing mode.parallel registers it), or pass runtime=mode.parallel.MeshRuntime(mesh)"
+        )
     return _mesh_runtimes[-1](mesh, timeout_s)
 
 
@@ -132,7 +134,7 @@ def kept_checkpoints(path: Path) -> list[Path]:
     (highest step) first."""
     found = []
     for f in path.parent.glob(f"{path.stem}-step-*{path.suffix}"):
-        digits = f.name[len(path.stem) + len("-step-"):-len(path.suffix) or None]
+        digits = f.name[len(path.stem) + len("-step-") : -len(path.suffix) or None]
         if digits.isdigit():
             found.append((int(digits), f))
     return [f for _, f in sorted(found, reverse=True)]
@@ -202,11 +204,12 @@ class OneProcess:
         return acc
 
     def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> Path:
-        path = checkpoint.save_checkpoint(path, {**meta, "model": model.state_dict(),
-                                                 "optimizer": optimizer.state_dict()})
+        path = checkpoint.save_checkpoint(
+            path, {**meta, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        )
         if self.keep > 1:
             link_or_copy(path, path.with_name(f"{path.stem}-step-{meta['step']:08d}{path.suffix}"))
-            for old in kept_checkpoints(path)[self.keep:]:
+            for old in kept_checkpoints(path)[self.keep :]:
                 old.unlink(missing_ok=True)
         return path
 

@@ -57,8 +57,10 @@ class ExpertChoiceConfig:
     def causal_problem(self) -> str | None:
         """Why token-by-token decoding would not match the full forward: an expert picks among the whole
         sequence, future tokens included."""
-        return ("router='expert_choice': expert-choice routing picks tokens across the sequence and is not "
-                "causal; generate() needs token-choice MoE layers")
+        return (
+            "router='expert_choice': expert-choice routing picks tokens across the sequence and is not "
+            "causal; generate() needs token-choice MoE layers"
+        )
 
     def tokens_per_slot(self, seq_len: int) -> int:
         """``c = ceil(capacity_factor * S / X)`` tokens each slot picks per sequence."""
@@ -119,7 +121,8 @@ class ExpertChoiceRouter(nn.Module):
         else:
             expert_key_BcE = torch.where(gate_BcE >= 0, slot_BcE, E)
         token_A, expert_A, gate_A, counts_E = group_by_expert(
-            token_BcE.reshape(-1), expert_key_BcE.reshape(-1), gate_BcE.reshape(-1), E, T)
+            token_BcE.reshape(-1), expert_key_BcE.reshape(-1), gate_BcE.reshape(-1), E, T
+        )
 
         picked_BcX = gate_BcX >= 0  # False only for padded positions
         requested_X = picked_BcX.sum((0, 1)).float()
@@ -133,5 +136,6 @@ class ExpertChoiceRouter(nn.Module):
             entropy=entropy_of(probs_BSX.detach().reshape(T, X), valid_T),
             batch_shape=(B, S),
         )
-        return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
-                           num_tokens=T, aux=aux)
+        return RoutingPlan(
+            token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E, num_tokens=T, aux=aux
+        )

@@ -130,9 +130,17 @@ class RoutingPlan:
         n = int(self.counts_E.sum())
         if self.seq_capacity is not None or n == self.num_assignments:
             return self  # per-sequence (MoD) plans keep their slots; nothing to drop
-        return RoutingPlan(token_idx_A=self.token_idx_A[:n], expert_idx_A=self.expert_idx_A[:n],
-                           weight_A=self.weight_A[:n], counts_E=self.counts_E, num_tokens=self.num_tokens,
-                           aux=self.aux, seq_capacity=None, valid_A=None, padded=False)
+        return RoutingPlan(
+            token_idx_A=self.token_idx_A[:n],
+            expert_idx_A=self.expert_idx_A[:n],
+            weight_A=self.weight_A[:n],
+            counts_E=self.counts_E,
+            num_tokens=self.num_tokens,
+            aux=self.aux,
+            seq_capacity=None,
+            valid_A=None,
+            padded=False,
+        )
 
     def computed_A(self) -> Tensor:
         """True for the assignments that are computed (the first ``counts_E.sum()``), on the device."""
