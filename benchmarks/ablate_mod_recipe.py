@@ -165,12 +165,12 @@ def summary(rows: list[dict], ref: str | None) -> str:
             losses = [runs[s]["loss"] for s in seeds]
 
             def versus(other: str) -> str:
-                o = by.get((budget, other), {})
-                common = [s for s in seeds if s in o]
-                if not common or other == n:
+                o = by.get((budget, other), {})  # noqa: B023 - called in this iteration
+                common = [s for s in seeds if s in o]  # noqa: B023 - called in this iteration
+                if not common or other == n:  # noqa: B023 - called in this iteration
                     return "-"
                 return stats_ci.format_difference(
-                    stats_ci.paired_difference([runs[s]["loss"] for s in common], [o[s]["loss"] for s in common])
+                    stats_ci.paired_difference([runs[s]["loss"] for s in common], [o[s]["loss"] for s in common])  # noqa: B023 - called in this iteration
                 )
 
             gate = runs[seeds[0]]["gate"]
@@ -181,7 +181,8 @@ def summary(rows: list[dict], ref: str | None) -> str:
                 f"{n:<24}{len(seeds):>3}{stats_ci.format_pm(stats_ci.mean(losses), stats_ci.std(losses)):>18}"
                 f"{runs[seeds[0]]['steps']:>7}{'-' if gate is None else f'{gate:.3f}':>8}"
                 f"{'-' if not sel else f'{stats_ci.mean(sel):+.4f}':>10}  "
-                f"{versus(base) if base else '-':<46}{versus(rand_twin) if rand_twin else ('(twin of ' + twin + ')' if twin else '-')}"
+                f"{versus(base) if base else '-':<46}"
+                f"{versus(rand_twin) if rand_twin else ('(twin of ' + twin + ')' if twin else '-')}"
             )
         lines.append("")
     return "\n".join(lines)

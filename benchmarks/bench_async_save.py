@@ -18,7 +18,8 @@ complete (shards written and hashed, ``meta.json``, ``SHA256SUMS``, ``latest``);
 rank's shards are copied to CPU memory, and the rest runs in a background thread on a gloo group of its own
 while the following steps train. Reported: medians over rounds of the plain step, the saving step, the next
 step and the later ones (the background write competes with them for the CPU), the wait left at the end of
-the round, and what the save added to the round against the plain step of all rounds. Writes benchmarks/results/async_save.json (``--out``).
+the round, and what the save added to the round against the plain step of all rounds. Writes
+benchmarks/results/async_save.json (``--out``).
 """
 
 from __future__ import annotations

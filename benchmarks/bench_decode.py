@@ -110,11 +110,11 @@ def calibrate(model: LM, x_BS: torch.Tensor, fraction: float, start: int = 0, st
     route under causal routing (layer by layer: a layer's input depends on the routing before it); ``step``
     < 1 moves the bias only that part of the way."""
     x_BS = x_BS.to(model.embed.weight.device)
-    for i, layer in enumerate(model.layers):
+    for layer in model.layers:
         if not isinstance(layer, MoD):
             continue
         seen = []
-        hook = layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[0]), with_kwargs=True)
+        hook = layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[0]), with_kwargs=True)  # noqa: B023 - called in this iteration
         model(x_BS, causal_routing=True)
         hook.remove()
         router = layer.router
@@ -153,7 +153,7 @@ def run_once(model: LM, prompts: list[list[int]], new: int, static: bool) -> dic
     per phase (wall clock and process CPU time)."""
     device = model.embed.weight.device
     sync(device)  # on a GPU the clock must not start while earlier work is still queued
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0 = time.perf_counter()
     logits_BV, caches, pos_B = prefill(model, prompts, max(map(len, prompts)) + new, static=static)
     sync(device)
     t1, c1 = time.perf_counter(), time.process_time()
@@ -209,11 +209,11 @@ def replay(model: LM, prompts: list[list[int]], new: int) -> dict:
                 st["tokens"] += B
                 st["ran"] += any(routed)
                 st["steps"] += 1
-                block, w = layer.block, 2 * matmul_params(layer.block)
+                w = 2 * matmul_params(layer.block)
                 flops += B * layer.router.cfg.router_flops(1)
                 bytes_read += matmul_params(layer.router) * elem
             else:
-                block, w, routed = layer, 2 * matmul_params(layer), [True] * B
+                w, routed = 2 * matmul_params(layer), [True] * B
             flops += sum(w + 4 * n * d for n, r in zip(lens, routed) if r)
             if any(routed):
                 bytes_read += (w // 2) * elem + sum(2 * n * d * elem for n, r in zip(lens, routed) if r)

@@ -25,7 +25,8 @@ counted in the element size that phase actually sent (``row_esize`` in the JSON)
 (b) Step time. One training step (forward, backward, gradient all-reduce, clipping, AdamW) of the same
     LM on the same global batch: ``mode.train.Trainer`` in one process against the same ``Trainer`` on a
     (dp=1, ep=P) mesh (``mode.parallel``: experts split over the ranks, every weight also sharded by FSDP2,
-    so a step also all-gathers and reduce-scatters the weights) on EP = 2 and 4 processes with 1 thread each (as torchrun sets by default); medians after warm-up,
+    so a step also all-gathers and reduce-scatters the weights) on EP = 2 and 4 processes with 1 thread each (as
+    torchrun sets by default); medians after warm-up,
     EP time is rank 0's. The single process is timed with 1 thread (the main baseline: same per-process
     threads as a rank) and with torch's default thread count, each before and after the EP runs (the
     median of both runs is the baseline). All EP ranks share this machine's cores, so on a 2-core machine
@@ -38,7 +39,8 @@ counted in the element size that phase actually sent (``row_esize`` in the JSON)
     ranks actually sent (intercepted, as in (a)), their ratio to the unlimited run's, and the most ranks any
     token's rows went to (counted from the plans; at most M). Writes expert_parallel_groups.json.
 
-With ``--device cuda`` the ranks are NCCL processes, one GPU each (set up by ``mode.parallel.process_group.init_distributed``,
+With ``--device cuda`` the ranks are NCCL processes, one GPU each (set up by
+``mode.parallel.process_group.init_distributed``,
 as ``torchrun`` would), for EP = 1, 2 and 4 as far as the machine has GPUs; the baseline is EP = 1 (the same
 trainer on a mesh of one GPU).
 

@@ -167,7 +167,7 @@ def transformers_impls() -> tuple[list[Impl], str | None]:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-    except Exception as e:  # ImportError, or anything a half-installed stack raises at import
+    except Exception as e:  # noqa: BLE001 - ImportError, or anything a half-installed stack raises at import
         return [], f"transformers does not import here ({type(e).__name__}: {e}); {INSTALL}"
     if "grouped_mm" not in ALL_EXPERTS_FUNCTIONS:
         return [], (
@@ -270,7 +270,7 @@ def torchtitan_impls() -> tuple[list[Impl], str | None]:
         from torchtitan.models.common.linear import Linear
         from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
         from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any import failure is reported as the reason this peer is skipped
         hint = INSTALL
         if isinstance(e, ModuleNotFoundError) and e.name == "triton":
             hint = (
@@ -358,7 +358,7 @@ def liger_impls(device: torch.device) -> tuple[list[Impl], str | None]:
     """liger-kernel's fused MoE (CUDA only: Triton), or ([], why not)."""
     try:
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any import failure is reported as the reason this peer is skipped
         return [], f"liger-kernel does not import here ({type(e).__name__}: {e}); {LIGER_WHEEL}"
     if device.type != "cuda":
         return [], f"liger-kernel's fused MoE runs Triton kernels on CUDA only (device {device})"

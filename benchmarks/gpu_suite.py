@@ -39,7 +39,8 @@ back) together with the goals (met / missed / not measured).
 ``--smoke`` runs every stage at its smallest on whatever device there is (the CPU here): it proves that the
 command, the JSON and the table work before GPU time is spent on them. Its stage budgets are yardsticks, not
 limits: a stage over its budget (a loaded or older CPU) is recorded ``ok`` with a ``slow`` note, and is killed
-only past ``SMOKE_HANG_FACTOR`` times it; a rehearsal has no overall deadline unless ``--budget-s`` is given. ``--only``/``--skip`` pick stages
+only past ``SMOKE_HANG_FACTOR`` times it; a rehearsal has no overall deadline unless ``--budget-s`` is given.
+``--only``/``--skip`` pick stages
 (a second run after a failure reruns only what failed). ``--inject STAGE=raise|hang`` makes a stage fail
 on purpose (the isolation test).
 
@@ -343,7 +344,8 @@ GRAPH_SMOKE_TESTS = ("tests/train/test_graphs.py", "tests/train/test_gpu_preset.
 
 
 def stage_gtests(ctx: Ctx) -> dict:
-    """The fused kernels' tests and the tests of the CUDA-graph work, on CUDA: the gpu-marked tests (capture, replay, equal results, one
+    """The fused kernels' tests and the tests of the CUDA-graph work, on CUDA: the gpu-marked tests (capture, replay,
+    equal results, one
     sync per replayed step) and the CPU tests of the same files under the CUDA default device."""
     return run_tests(ctx, GRAPH_SMOKE_TESTS if ctx.smoke else GRAPH_TESTS)
 

@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
         def dele(ls, est=None):
             return {
                 i: {
-                    "part": part,
+                    "part": part,  # noqa: B023 - called in this iteration
                     "share": 0.0,
                     "kv_all": False,
                     "rank": None if est is None else args.rank,

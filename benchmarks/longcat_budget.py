@@ -14,7 +14,8 @@ A random LongCat config of transformers' own class (hidden 64, 2 layers, 16 real
 weight drawn; nothing downloaded), trained with AdamW (lr 1e-3) on i.i.d. Zipf token ids (the controller, not the
 language model, is what is measured), batch 8 x 32, bias step 0.002 (0.01 overshoots: a score is ~1/24 here).
 Per target and seed: the realised share of choices on the zero experts at each step (summed over layers), its
-mean and max deviation over the second half of training, and the activated experts per token that follow. Writes benchmarks/results/longcat_budget.json and
+mean and max deviation over the second half of training, and the activated experts per token that follow. Writes
+benchmarks/results/longcat_budget.json and
 a PNG of the share over steps.
 """
 

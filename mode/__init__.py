@@ -6,7 +6,8 @@ importing only those before it; ``cli`` on top.
 
 Importing the package imports no torch: the public names below (``mode.MoD``, ``from mode import MoD``) and the
 subpackages (``mode.layers``) load on first use (PEP 562), so that ``mode --help`` answers at once. What the
-package used to do on import still happens before anything needs it: ``mode.parallel`` plugs its mesh runtime and sharded-checkpoint reader into ``mode.train``
+package used to do on import still happens before anything needs it: ``mode.parallel`` plugs its mesh runtime and
+sharded-checkpoint reader into ``mode.train``
 as soon as ``mode.train`` is imported (``_PlugParallel`` below), however it is reached.
 """
 

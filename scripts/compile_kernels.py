@@ -174,7 +174,7 @@ def main() -> int:
         src = ASTSource(triton.jit(fn), {**signature, **{k: "constexpr" for k in consts}}, constexprs=consts)
         try:
             triton.compile(src, target=target)
-        except Exception as exc:  # report which variant, then stop
+        except Exception as exc:  # noqa: BLE001 - report which variant, then stop
             print(f"FAILED {fn.__name__} {consts}: {type(exc).__name__}: {exc}")
             return 1
         done += 1

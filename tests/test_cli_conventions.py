@@ -1,5 +1,6 @@
 """The ``mode`` command line's conventions (docs/commands.md, 'Conventions'): no command replaces a file or
-folder it did not write in this run unless told to (``--force``, or resuming its own run), refusing with one line and status 2;
+folder it did not write in this run unless told to (``--force``, or resuming its own run), refusing with one line and
+status 2;
 messages that name what was wrong and what to pass instead; ``--version``; every option's help with its default;
 ``--help`` answered without importing torch."""
 

@@ -91,7 +91,7 @@ def test_module_constructor_arguments(ctor, base, value):
             continue
         kwargs = {**base, arg: value}
         with torch.device("meta"):  # huge sizes must not allocate
-            _ok_or_named_error(lambda: ctor(**kwargs), arg)
+            _ok_or_named_error(lambda: ctor(**kwargs), arg)  # noqa: B023 - called in this iteration
 
 
 def test_layer_constructors_reject_wrong_parts():
@@ -227,7 +227,7 @@ def test_generate_arguments(arg, value):
 def test_lm_forward_inputs():
     lm = LM(LMConfig(vocab_size=32, seq_len=16, d_model=D, n_heads=2, d_hidden=16, layers=("dense", "mod")))
     for value in [torch.zeros(2, 17, dtype=torch.long), torch.zeros(2, 4), [[1, 2]]]:
-        assert _ok_or_named_error(lambda: lm(value), "idx") == "error", value
+        assert _ok_or_named_error(lambda: lm(value), "idx") == "error", value  # noqa: B023 - called in this iteration
     assert (
         _ok_or_named_error(
             lambda: lm(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)), "targets"

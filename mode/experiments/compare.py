@@ -246,7 +246,8 @@ def run_compare(
     """Train the variants at equal training FLOPs into ``out_dir`` and return the report (also written as
     ``compare.json``). ``quick``: True/False for the quick/default preset, or a preset name (``PRESETS``).
     ``data``: None for the preset's corpus (the built-in one; the gpu preset's is ``"packages"``),
-    ``"packages"``, or a UTF-8 text file. ``seeds``: train each variant on seeds ``seed .. seed + seeds - 1``. Checkpoints
+    ``"packages"``, or a UTF-8 text file. ``seeds``: train each variant on seeds ``seed .. seed + seeds - 1``.
+    Checkpoints
     every ``ckpt_every_s`` seconds (0: only when a variant ends); resumes a killed run of the same
     arguments found in ``out_dir``, or starts over when ``fresh``. ``device``: where to train (default the
     CPU). ``bf16``: train under bfloat16 autocast (weights, gradients and AdamW stay float32; routers run in

@@ -11,13 +11,13 @@ import numpy as np
 
 from mode.experiments import stats_ci
 from mode.experiments.compare import CLAIMS
+from mode.experiments.isoflop_plan import IsoflopPreset, RunSpec, Size
+from mode.train import checkpoint
 
 # Claims made when both sides were trained (the extra variants are trained only when named in ``only``):
 # staged MoDE against integrated MoDE with 7 no-op slots per expert, which sends 1/8 of the tokens to an MLP
 # expert under balanced routing, as staged MoDE's 12.5% capacity does: the same FLOPs per token at each size
 SWEEP_CLAIMS = {**CLAIMS, "staged - integrated MoDE, same FLOPs/token": ("staged_mode", "integrated_mode_matched")}
-from mode.experiments.isoflop_plan import IsoflopPreset, RunSpec, Size
-from mode.train import checkpoint
 
 # -- analysis ---------------------------------------------------------------------------------------------
 

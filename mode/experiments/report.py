@@ -197,7 +197,7 @@ def build_report(
     nb = min(buckets, S)
     edges = [(b * S // nb, (b + 1) * S // nb) for b in range(nb)]  # [start, end) of each position bucket
     layers = []
-    for i, kind in enumerate(cfg.layers):
+    for i in range(len(cfg.layers)):
         ls = acc.layer_summary(i, buckets=nb, positions=True)
         routers = {}
         for part in PARTS:

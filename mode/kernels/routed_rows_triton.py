@@ -11,7 +11,8 @@ Shape legend: B batch, S sequence, D hidden, C routed slots per sequence; a "row
                           the programs' finite flags into one                           (combine forward, 2/2)
     combine_bwd_kernel    dx[row(slot)] = 0, dx_BCD, dy, dr[row(slot)] (dx a copy of dout, dr zeros elsewhere)
 Every value is computed in float32 and rounded once, at the store (the kernels call no helper functions: a
-``triton.jit`` kernel may only call other ``triton.jit`` functions, and these are decorated lazily). The positions of a row are distinct, so no
+``triton.jit`` kernel may only call other ``triton.jit`` functions, and these are decorated lazily). The positions of a
+row are distinct, so no
 two programs write the same row. Only long-stable triton.language (masked load/store, sum/min, where, exp).
 Block sizes are first guesses, not tuned on a GPU.
 """

@@ -100,8 +100,8 @@ class MoD(nn.Module):
                 f"that hold routed tokens (skipped ones must store nothing), and {self.block_call.signature} takes no "
                 f"{' and no '.join(n for n in ('mask', 'cache') if n not in takes)} parameter. A block that attends "
                 "across tokens must read and extend the cache, as TransformerBlock does (forward(x, positions_BS=None, "
-                "mask_BS=None, cache=None)); a block that works on each token alone can take cache=None and mask_BS=None "
-                "and ignore them. Without a cache (training, a full forward, causal=True) any block works"
+                "mask_BS=None, cache=None)); a block that works on each token alone can take cache=None and "
+                "mask_BS=None and ignore them. Without a cache (training, a full forward, causal=True) any block works"
             )
         )
         self.scale_delta = router.cfg.gate != "one"  # gate "one": routed tokens take the block output as is

@@ -8,7 +8,8 @@ Set-up (``init_distributed``)
     * rank, world size and local rank come from the environment ``torchrun`` sets (``RANK``,
       ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); without any of them the process
       runs as a group of one (handy for smoke runs), unless ``world_size`` > 1 was asked for: then, and when
-      ``RANK``/``WORLD_SIZE`` are set without the rest, it refuses with a ``ValueError`` saying how to start the processes (several
+      ``RANK``/``WORLD_SIZE`` are set without the rest, it refuses with a ``ValueError`` saying how to start the
+      processes (several
       copies of a script started by hand would otherwise each train alone, silently);
     * backend ``"auto"``: NCCL when CUDA is available (one GPU per process, ``cuda:LOCAL_RANK``), else gloo
       on CPU;

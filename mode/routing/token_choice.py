@@ -7,7 +7,8 @@ Shape legend
 Each token scores the X slots, keeps its top-k, and its gates are the softmax (or sigmoid, or
 ``sqrtsoftplus``: DeepSeek-V4's sqrt(softplus(logit))) scores of those slots, optionally renormalised over the
 k chosen. Choosing by the scores or by the raw logits is the same choice (each is monotone in the logit); a
-softmax over the k chosen logits (gpt-oss, Granite) is the renormalised softmax. Choices of a no-op slot are never computed:
+softmax over the k chosen logits (gpt-oss, Granite) is the renormalised softmax. Choices of a no-op slot are never
+computed:
 the token simply gets less (or no) expert output. With ``capacity_factor`` set, each real expert takes at
 most ``ceil(capacity_factor * T * K / E)`` assignments (the factor read as the decimal written) and the
 rest are dropped, first choices before second choices and earlier tokens first; ``capacity_factor=None``

@@ -9,7 +9,8 @@ downloaded. Every document (a file) is encoded on its own, with ``eot``'s id aft
 
 The split (the same rules as the byte corpora, ``mode.train.data``)
     the built-in corpus, or a folder of 20 or more files: every ``VAL_EVERY_NTH_FILE``-th file (in sorted
-    order) is validation, or the last one when a byte budget keeps fewer (``mode.train.data.val_files``); one file, or a folder of fewer: the last ``VAL_FRACTION`` of the tokens.
+    order) is validation, or the last one when a byte budget keeps fewer (``mode.train.data.val_files``); one file, or a
+    folder of fewer: the last ``VAL_FRACTION`` of the tokens.
 
 The output (format: ``mode.train.tokens``)
     OUT/train_000.bin ...   ids as raw little-endian uint16 (vocabularies up to 65536) or uint32, at most

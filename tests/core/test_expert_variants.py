@@ -397,7 +397,7 @@ def test_gpt_oss_experts_match_transformers(backend):
     from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    E, I, T, K = 4, 24, 11, 2
+    E, I, T, K = 4, 24, 11, 2  # noqa: E741 - I: the intermediate size, as transformers names it
     config = GptOssConfig(
         hidden_size=D,
         intermediate_size=I,
@@ -447,7 +447,7 @@ def test_deepseek_v4_experts_match_transformers(backend):
     except ImportError:
         pytest.skip("this transformers has no DeepSeek-V4")
 
-    E, I, T, K = 4, 24, 11, 2
+    E, I, T, K = 4, 24, 11, 2  # noqa: E741 - I: the intermediate size, as transformers names it
     config = DeepseekV4Config(
         hidden_size=D,
         moe_intermediate_size=I,
@@ -488,7 +488,7 @@ def test_llama4_experts_match_transformers(backend):
     from transformers.models.llama4.configuration_llama4 import Llama4TextConfig
     from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
 
-    E, I, T, K = 4, 24, 11, 2
+    E, I, T, K = 4, 24, 11, 2  # noqa: E741 - I: the intermediate size, as transformers names it
     config = Llama4TextConfig(
         hidden_size=D,
         intermediate_size=I,

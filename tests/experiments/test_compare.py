@@ -111,7 +111,7 @@ def test_variants_train_to_the_same_flop_budget(quick_run):
         assert results[name]["steps"] > DENSE_STEPS, name  # cheaper steps: more of them in the same budget
     assert results["moe"]["params"] > results["dense"]["params"]
     best = report["baseline"]["variant"]
-    for name, r in results.items():
+    for r in results.values():
         assert r["loss_ratio"] == pytest.approx(r["val_loss"] / results[best]["val_loss"])
         assert r["loss_ratio_same_size"] == pytest.approx(r["val_loss"] / dense["val_loss"])
 
@@ -214,7 +214,7 @@ def test_plot_ends_at_the_tables_loss_and_names_the_dense_depth(quick_run, monke
     plot_curves(json.loads(json.dumps(report)), out / "unused.png")
     ax = figures[0].axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert "dense (4 layers): %.4f" % report["results"]["dense"]["val_loss"] in labels
+    assert f"dense (4 layers): {report['results']['dense']['val_loss']:.4f}" in labels
     stars = [line for line in ax.get_lines() if line.get_marker() == "*"]
     assert [(float(s.get_xdata()[0]), float(s.get_ydata()[0])) for s in stars] == [
         (r["train_flops"], r["val_loss"]) for r in report["results"].values()

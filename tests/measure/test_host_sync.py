@@ -185,13 +185,13 @@ def test_cuda_sync_counter_keeps_the_sync_reports_and_restores_the_mode(monkeypa
     with pytest.warns(UserWarning, match="unrelated") as passed:
         with CudaSyncCounter() as syncs:
             assert modes[-1] == "warn"
-            warnings.warn(
+            warnings.warn(  # noqa: B028 - the test checks this line warns
                 "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"
             )
             for _ in range(2):  # the same line twice: both count
-                warnings.warn("called a synchronizing CUDA operation")
-            warnings.warn("Synchronizing CUDA operation forced by Tensor.item()")  # other torch versions' wording
-            warnings.warn("unrelated")
+                warnings.warn("called a synchronizing CUDA operation")  # noqa: B028 - the test checks this line warns
+            warnings.warn("Synchronizing CUDA operation forced by Tensor.item()")  # noqa: B028 - other torch versions' wording
+            warnings.warn("unrelated")  # noqa: B028 - the test checks this line warns
     assert modes[-1] == 1
     assert syncs.count == 3 and all(where.startswith(__file__) for where, _ in syncs.events), syncs.events
     assert [str(w.message) for w in passed] == ["unrelated"]

@@ -1,4 +1,5 @@
-"""Load-balance and per-token compute statistics (mode.measure.stats, mode.measure.token_compute), their accumulation over
+"""Load-balance and per-token compute statistics (mode.measure.stats, mode.measure.token_compute), their accumulation
+over
 steps and ranks, the training log's "routing" records, and `mode report`."""
 
 from __future__ import annotations

@@ -359,7 +359,7 @@ def test_expert_weights_on_a_2x2_mesh_show_strided_shard_and_their_local_rows(ru
     """What docs/distributed.md shows a user: 6 experts on (dp, ep) = (2, 2). ep rank e holds experts
     [3e, 3e+3); FSDP splits those 3 over dp as 2 + 1 (torch.chunk: uneven sizes, no padding shown)."""
     seen = [x["seen"] for x in pools.case_results(runs["results"], "mesh4", "custom")]
-    for r, s in enumerate(seen):
+    for s in seen:
         assert s["type"] == "DTensor" and s["mesh"] == ["dp", "ep"] and s["global"] == [EXPERTS, 32, 64], s
         assert s["placements"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", s
         assert s["after_steps"] == s["placements"], s

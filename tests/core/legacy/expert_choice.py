@@ -7,7 +7,8 @@ Shape legend
 Affinities are the per-token softmax over the X slots; every slot (no-op slots too) picks the ``c``
 highest-affinity tokens of each sequence, ``c = ceil(capacity_factor * S / X)`` (the factor read as the
 decimal written), and a real expert's gate is the affinity. The plan has the static size ``B * c * E``;
-picks of padded positions stay in it as padding after the computed ones (no host sync). Picks by a no-op slot are never computed; no-op slots still take probability mass
+picks of padded positions stay in it as padding after the computed ones (no host sync). Picks by a no-op slot are never
+computed; no-op slots still take probability mass
 from the real experts. Routing within a sequence keeps sequences independent (no leakage across the
 batch), like MoD, which is expert choice with one expert.
 """
