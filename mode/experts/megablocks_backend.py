@@ -28,7 +28,7 @@ INSTALL = 'pip install "mode-torch[megablocks]" on a CUDA machine with torch 2.7
 
 def _import_gmm():
     try:
-        from grouped_gemm.ops import gmm  # megablocks[gg] installs grouped_gemm
+        from grouped_gemm.ops import gmm  # pyright: ignore[reportMissingImports] - megablocks[gg] has it
     except (ImportError, OSError) as e:  # OSError: the CUDA extension was built against another torch
         raise ValueError(
             f"backend='megablocks': grouped_gemm (MegaBlocks' grouped GEMM kernel) is not importable ({e}); "

@@ -49,34 +49,44 @@ class Runtime(Protocol):
 
     def describe(self) -> str:
         """One line for the command's banner."""
+        ...
 
-    def guard(self, what: str):
+    def guard(self, what: str) -> contextlib.AbstractContextManager:
         """A context manager around collectives (turns a failed one into a clear error naming ``what``)."""
+        ...
 
     def prepare(self, model: nn.Module, compile: bool = False) -> nn.Module:
         """The model ready to train here (compiled, parallelized)."""
+        ...
 
     def rows(self, t_BS: Tensor) -> Tensor:
         """This process's rows of a global batch, on its device: ``t_bS``."""
+        ...
 
     def sum_scalars(self, values: list) -> list[float]:
         """Each value summed over the processes (one collective for all of them)."""
+        ...
 
     def mean_over_ranks(self, t: Tensor) -> Tensor:
         """``t`` (float64) averaged over the processes."""
+        ...
 
     def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
         """Clip by the global gradient norm; returns it."""
+        ...
 
     def reduce_routing(self, acc: RoutingAccumulator) -> RoutingAccumulator:
         """Routing sums over every process (``acc`` itself in one process)."""
+        ...
 
     def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> Path:
         """Write a checkpoint of ``model``, ``optimizer`` and the non-tensor state ``meta``, atomically."""
+        ...
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, check: Callable) -> dict:
         """Resume from ``path``; ``check(state)`` sees the non-tensor state before any tensor changes.
         Returns the non-tensor state."""
+        ...
 
 
 MeshRuntimeFactory = Callable[..., Runtime]  # (mesh, timeout_s) -> Runtime
@@ -192,7 +202,7 @@ class OneProcess:
             read = torch.stack([values[i].detach().reshape(()).to(self.device, torch.float64) for i in at]).tolist()
             for i, value in zip(at, read):
                 out[i] = value
-        return out
+        return out  # pyright: ignore[reportReturnType] - the loop above replaced every None
 
     def mean_over_ranks(self, t: Tensor) -> Tensor:
         return t.detach().double()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -50,7 +51,12 @@ from mode.train.runtime import OneProcess, Runtime, mesh_runtime, resolve_device
 
 
 @torch.no_grad()
-def evaluate(model: LM, batches, device: torch.device | None = None, autocast=contextlib.nullcontext) -> float:
+def evaluate(
+    model: LM,
+    batches,
+    device: torch.device | None = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> float:
     """Mean loss over ``batches`` (moved to ``device``, by default the model's: ``eval_batches``' windows stay
     on the CPU, the model may be on a GPU; under the ``autocast`` context)."""
     if device is None:
@@ -255,7 +261,7 @@ class Trainer:
                         "step": self.step,
                         "loss": loss,
                         "lr": lr,
-                        "grad_norm": float(self.grad_norm),
+                        "grad_norm": float(self.grad_norm),  # pyright: ignore[reportArgumentType] - set by this step
                         "tokens": self.tokens,
                         "flops": self.flops,
                         "wall": self.wall,
@@ -339,7 +345,7 @@ class Trainer:
         self.step += 1
         return loss_sum / self.world_size, lr  # mean cross-entropy over the global batch
 
-    def _eager_step(self, x_bS: Tensor, y_bS: Tensor, lr: float) -> tuple[Tensor, Tensor | float]:
+    def _eager_step(self, x_bS: Tensor, y_bS: Tensor, lr: float) -> tuple[Tensor | float, Tensor | float]:
         """Forward and backward of this rank's rows, clipping, AdamW, the bias update; returns (this rank's mean
         cross-entropy, its realized training FLOPs), unread."""
         rt = self.runtime
@@ -354,7 +360,7 @@ class Trainer:
                     self._gradient_sync(self.model, i == n - 1)  # FSDP reduces once, after the last one
                 with self._autocast():
                     out = self.model(x_mS, y_mS)
-                self.routing.add_lm(self.model_cfg, out.aux, tuple(x_mS.shape))  # detached sums, no host sync
+                self.routing.add_lm(self.model_cfg, out.aux, tuple(x_mS.shape))  # pyright: ignore[reportArgumentType] - (b, S)
                 # loss / (W n): FSDP sums the gradients over the ranks, the micro-batches add up in .grad:
                 # the gradient of the global mean
                 ((out.loss + out.aux.total()) / (self.world_size * n)).backward()
@@ -375,7 +381,8 @@ class Trainer:
         """Mean validation cross-entropy over the fixed validation batches (each split over the ranks):
         the number ``evaluate(model, batches)`` gives for the single-process model."""
         if self.world_size == 1 and isinstance(self.runtime, OneProcess):
-            return evaluate(self.model, self.val_batches, self.device, self._autocast)
+            # the prepared model is the LM itself in one process (OneProcess.prepare returns it)
+            return evaluate(self.model, self.val_batches, self.device, self._autocast)  # pyright: ignore[reportArgumentType]
         with self.runtime.guard("evaluation"):
             was_training = self.model.training
             self.model.eval()
