@@ -34,10 +34,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from mode.experiments import stats_ci, sweep
-from mode.train.data import stdlib_corpus
 from mode.layers.mod import MoD
 from mode.model import LMConfig, alternate
-from mode.train import Trainer, TrainConfig, build_optimizer
+from mode.train import TrainConfig, Trainer, build_optimizer
+from mode.train.data import stdlib_corpus
 
 BASE = LMConfig(seq_len=128, d_model=64, n_heads=2, d_hidden=256, layers=("dense",) * 4, num_experts=4)
 TRAIN = TrainConfig(batch_size=8, lr=3e-3, warmup_steps=20, eval_every=10**9, eval_batches=1, log_every=10**6)
@@ -100,8 +100,10 @@ def selection_value(model, val) -> float:
 
 def mean_gate(model, val) -> float | None:
     values = []
-    hooks = [layer.router.register_forward_hook(lambda m, i, plan: values.append(plan.weight_A.abs().mean().item()))
-             for layer in _mod_layers(model)]
+    hooks = [
+        layer.router.register_forward_hook(lambda m, i, plan: values.append(plan.weight_A.abs().mean().item()))
+        for layer in _mod_layers(model)
+    ]
     model.eval()
     with torch.no_grad():
         model(val[0][0])
@@ -126,10 +128,18 @@ def run(name: str, cfg: LMConfig, opts: dict, budget: float, seed: int, corpus, 
     trainer.run()
     losses = sweep.window_losses(trainer.model, val)
     learned = any(k.mod == "learned" for k in cfg.kinds)
-    return {"config": name, "seed": seed, "steps": steps, "budget": budget, "params": trainer.model.num_params(),
-            "loss": stats_ci.mean(losses), "gate": mean_gate(trainer.model, val),
-            "sel_value": selection_value(trainer.model, val) if learned else None,
-            "wall_s": time.perf_counter() - t0, "window_losses": losses}
+    return {
+        "config": name,
+        "seed": seed,
+        "steps": steps,
+        "budget": budget,
+        "params": trainer.model.num_params(),
+        "loss": stats_ci.mean(losses),
+        "gate": mean_gate(trainer.model, val),
+        "sel_value": selection_value(trainer.model, val) if learned else None,
+        "wall_s": time.perf_counter() - t0,
+        "window_losses": losses,
+    }
 
 
 def summary(rows: list[dict], ref: str | None) -> str:
@@ -139,34 +149,41 @@ def summary(rows: list[dict], ref: str | None) -> str:
     lines = []
     for budget in sorted({b for b, _ in by}):
         names = [n for b, n in by if b == budget]
-        dense = {n: stats_ci.mean([r["loss"] for r in by[(budget, n)].values()]) for n in names
-                 if n.startswith("dense_")}
+        dense = {
+            n: stats_ci.mean([r["loss"] for r in by[(budget, n)].values()]) for n in names if n.startswith("dense_")
+        }
         base = ref or (min(dense, key=dense.get) if dense else None)
-        lines += [f"budget {budget:.3g} FLOPs; reference {base}; differences are paired over the common seeds, "
-                  "mean ± std [95% t interval], * significant",
-                  f"{'config':<24}{'n':>3}{'loss':>18}{'steps':>7}{'gate':>8}{'sel_value':>10}  "
-                  f"{'vs ' + str(base):<46}vs random twin"]
+        lines += [
+            f"budget {budget:.3g} FLOPs; reference {base}; differences are paired over the common seeds, "
+            "mean ± std [95% t interval], * significant",
+            f"{'config':<24}{'n':>3}{'loss':>18}{'steps':>7}{'gate':>8}{'sel_value':>10}  "
+            f"{'vs ' + str(base):<46}vs random twin",
+        ]
         for n in names:
             runs = by[(budget, n)]
             seeds = sorted(runs)
             losses = [runs[s]["loss"] for s in seeds]
 
             def versus(other: str) -> str:
-                o = by.get((budget, other), {})
-                common = [s for s in seeds if s in o]
-                if not common or other == n:
+                o = by.get((budget, other), {})  # noqa: B023 - called in this iteration
+                common = [s for s in seeds if s in o]  # noqa: B023 - called in this iteration
+                if not common or other == n:  # noqa: B023 - called in this iteration
                     return "-"
-                return stats_ci.format_difference(stats_ci.paired_difference(
-                    [runs[s]["loss"] for s in common], [o[s]["loss"] for s in common]))
+                return stats_ci.format_difference(
+                    stats_ci.paired_difference([runs[s]["loss"] for s in common], [o[s]["loss"] for s in common])  # noqa: B023 - called in this iteration
+                )
 
             gate = runs[seeds[0]]["gate"]
             sel = [runs[s]["sel_value"] for s in seeds if runs[s]["sel_value"] is not None]
             twin = n.replace("_rand", "") if n.endswith("_rand") else None
             rand_twin = f"{n}_rand" if (budget, f"{n}_rand") in by else None
-            lines.append(f"{n:<24}{len(seeds):>3}{stats_ci.format_pm(stats_ci.mean(losses), stats_ci.std(losses)):>18}"
-                         f"{runs[seeds[0]]['steps']:>7}{'-' if gate is None else f'{gate:.3f}':>8}"
-                         f"{'-' if not sel else f'{stats_ci.mean(sel):+.4f}':>10}  "
-                         f"{versus(base) if base else '-':<46}{versus(rand_twin) if rand_twin else ('(twin of ' + twin + ')' if twin else '-')}")
+            lines.append(
+                f"{n:<24}{len(seeds):>3}{stats_ci.format_pm(stats_ci.mean(losses), stats_ci.std(losses)):>18}"
+                f"{runs[seeds[0]]['steps']:>7}{'-' if gate is None else f'{gate:.3f}':>8}"
+                f"{'-' if not sel else f'{stats_ci.mean(sel):+.4f}':>10}  "
+                f"{versus(base) if base else '-':<46}"
+                f"{versus(rand_twin) if rand_twin else ('(twin of ' + twin + ')' if twin else '-')}"
+            )
         lines.append("")
     return "\n".join(lines)
 

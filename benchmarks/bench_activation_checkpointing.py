@@ -37,7 +37,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 CASES = [  # (activation checkpointing, micro-batches)
-    (False, 1), (True, 1), (False, 2), (True, 2), (False, 4), (True, 4)]
+    (False, 1),
+    (True, 1),
+    (False, 2),
+    (True, 2),
+    (False, 4),
+    (True, 4),
+]
 MIB = 1 << 20
 
 
@@ -88,8 +94,14 @@ def child(ac: bool, n: int, device: str, threads: int) -> dict:
             peak = _vm("VmHWM")
         seconds = time.perf_counter() - t0
         params = sum(p.numel() * p.element_size() for p in t.model.parameters())
-    return {"activation_checkpointing": ac, "grad_accum": n, "step_peak_bytes": peak - before,
-            "before_bytes": before, "param_bytes": params, "step_seconds": seconds}
+    return {
+        "activation_checkpointing": ac,
+        "grad_accum": n,
+        "step_peak_bytes": peak - before,
+        "before_bytes": before,
+        "param_bytes": params,
+        "step_seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -110,26 +122,53 @@ def main() -> None:
     rows = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     for ac, n in CASES:
-        out = subprocess.run([sys.executable, __file__, "--device", args.device, "--threads", str(args.threads),
-                              "--child", str(int(ac)), str(n)], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--device",
+                args.device,
+                "--threads",
+                str(args.threads),
+                "--child",
+                str(int(ac)),
+                str(n),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = rows[0]["step_peak_bytes"]
     for r in rows:
         r["vs_plain"] = r["step_peak_bytes"] / base
     preset = PRESETS["small"]
-    measure = ("peak resident memory (VmHWM) - resident before the step" if args.device == "cpu"
-               else "torch.cuda.max_memory_allocated - memory_allocated before the step")
-    report = {"preset": "small", "batch": [preset.train.batch_size, preset.model.seq_len], "measure": measure,
-              "machine": machine_info(torch.device(args.device)), "rows": rows}
+    measure = (
+        "peak resident memory (VmHWM) - resident before the step"
+        if args.device == "cpu"
+        else "torch.cuda.max_memory_allocated - memory_allocated before the step"
+    )
+    report = {
+        "preset": "small",
+        "batch": [preset.train.batch_size, preset.model.seq_len],
+        "measure": measure,
+        "machine": machine_info(torch.device(args.device)),
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"preset small, global batch {preset.train.batch_size} x {preset.model.seq_len}, one process on "
-          f"{args.device} ({measure}); weights {rows[0]['param_bytes'] / MIB:.1f} MiB")
+    print(
+        f"preset small, global batch {preset.train.batch_size} x {preset.model.seq_len}, one process on "
+        f"{args.device} ({measure}); weights {rows[0]['param_bytes'] / MIB:.1f} MiB"
+    )
     print("| activation checkpointing | micro-batches | step peak over weights + AdamW | vs plain | step time |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {'on' if r['activation_checkpointing'] else 'off'} | {r['grad_accum']} | "
-              f"{r['step_peak_bytes'] / MIB:.1f} MiB | {r['vs_plain']:.2f} | {r['step_seconds']:.2f} s |")
+        print(
+            f"| {'on' if r['activation_checkpointing'] else 'off'} | {r['grad_accum']} | "
+            f"{r['step_peak_bytes'] / MIB:.1f} MiB | {r['vs_plain']:.2f} | {r['step_seconds']:.2f} s |"
+        )
     print(f"wrote {args.out}")
 
 

@@ -48,15 +48,17 @@ CURVE_EVERY = 10  # the JSON keeps every 10th step of the max/mean curves (the P
 
 def run(name: str, seed: int, steps: int, work: Path, corpus, val, progress: bool) -> dict:
     p = preset(quick=True)
-    cfg = replace(p.model, layers=("moe",) * p.model.n_layers, num_experts=8, top_k=2, z_coef=1e-3,
-                  **RECIPES[name])
+    cfg = replace(p.model, layers=("moe",) * p.model.n_layers, num_experts=8, top_k=2, z_coef=1e-3, **RECIPES[name])
     tcfg = replace(sweep.run_train_config(p.train, steps, seed, None), stats_every=1, eval_every=10**9)
-    trainer = sweep.train(cfg, tcfg, corpus, work / f"{name}_seed{seed}", f"{name} seed {seed}", progress,
-                          resume=False)
+    trainer = sweep.train(cfg, tcfg, corpus, work / f"{name}_seed{seed}", f"{name} seed {seed}", progress, resume=False)
     routing = [(r["step"], r["routing"]["overall"]["max_mean"]) for r in trainer.history if "routing" in r]
     late = [v for s, v in routing if s > 0.8 * steps]
-    return {"val_loss": stats_ci.mean(sweep.window_losses(trainer.model, val)), "max_mean_curve": routing,
-            "max_mean_late": stats_ci.mean(late), "tok_s": trainer.tokens / trainer.wall}
+    return {
+        "val_loss": stats_ci.mean(sweep.window_losses(trainer.model, val)),
+        "max_mean_curve": routing,
+        "max_mean_late": stats_ci.mean(late),
+        "tok_s": trainer.tokens / trainer.wall,
+    }
 
 
 def plot(results: dict, path: Path, title: str) -> None:
@@ -102,37 +104,66 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_balance_") as tmp:
         for name in args.only:
             results[name] = [run(name, s, args.steps, Path(tmp), corpus, val, not args.no_progress) for s in seeds]
-            print(f"{name}: val loss {[round(r['val_loss'], 4) for r in results[name]]}, max/mean (last 20%) "
-                  f"{[round(r['max_mean_late'], 3) for r in results[name]]}", flush=True)
+            print(
+                f"{name}: val loss {[round(r['val_loss'], 4) for r in results[name]]}, max/mean (last 20%) "
+                f"{[round(r['max_mean_late'], 3) for r in results[name]]}",
+                flush=True,
+            )
     rows = []
     for name, runs in results.items():
         loss, mm = [r["val_loss"] for r in runs], [r["max_mean_late"] for r in runs]
-        row = dict(recipe=name, loss=stats_ci.mean(loss), loss_std=stats_ci.std(loss), max_mean=stats_ci.mean(mm),
-                   max_mean_std=stats_ci.std(mm), tok_s=stats_ci.mean([r["tok_s"] for r in runs]))
+        row = dict(
+            recipe=name,
+            loss=stats_ci.mean(loss),
+            loss_std=stats_ci.std(loss),
+            max_mean=stats_ci.mean(mm),
+            max_mean_std=stats_ci.std(mm),
+            tok_s=stats_ci.mean([r["tok_s"] for r in runs]),
+        )
         if name != BASELINE and BASELINE in results:
             d = stats_ci.paired_difference(loss, [r["val_loss"] for r in results[BASELINE]])
             row.update(vs_switch=d, vs_switch_text=stats_ci.format_difference(d))
-            dm = stats_ci.paired_difference(mm, [r["max_mean_late"] for r in results[BASELINE]], )
+            dm = stats_ci.paired_difference(
+                mm,
+                [r["max_mean_late"] for r in results[BASELINE]],
+            )
             row.update(max_mean_vs_switch=dm, max_mean_vs_switch_text=stats_ci.format_difference(dm, "+.3f"))
         rows.append(row)
     print()
-    print_table(rows, [("recipe", "recipe", ""), ("loss", "val loss", ".4f"), ("loss_std", "± std", ".4f"),
-                       ("vs_switch_text", f"- {BASELINE} (paired, 95% interval)", ""),
-                       ("max_mean", "max/mean, last 20%", ".3f"), ("max_mean_std", "± std", ".3f"),
-                       ("max_mean_vs_switch_text", f"- {BASELINE}", ""), ("tok_s", "tok/s", ",.0f")])
+    print_table(
+        rows,
+        [
+            ("recipe", "recipe", ""),
+            ("loss", "val loss", ".4f"),
+            ("loss_std", "± std", ".4f"),
+            ("vs_switch_text", f"- {BASELINE} (paired, 95% interval)", ""),
+            ("max_mean", "max/mean, last 20%", ".3f"),
+            ("max_mean_std", "± std", ".3f"),
+            ("max_mean_vs_switch_text", f"- {BASELINE}", ""),
+            ("tok_s", "tok/s", ",.0f"),
+        ],
+    )
     print(f"\n{args.seeds} seed(s), {args.steps} steps each; * = the interval excludes 0")
     info = machine_info()
-    payload = dict(benchmark="bench_balance",
-                   command=" ".join(["bench_balance.py"] + (argv if argv is not None else sys.argv[1:])),
-                   seeds=seeds, steps=args.steps, recipes={k: RECIPES[k] for k in args.only}, machine=info,
-                   results=rows, curve_every=CURVE_EVERY,
-                   runs={k: [{**r, "max_mean_curve": r["max_mean_curve"][::CURVE_EVERY]} for r in v]
-                         for k, v in results.items()})
+    payload = dict(
+        benchmark="bench_balance",
+        command=" ".join(["bench_balance.py"] + (argv if argv is not None else sys.argv[1:])),
+        seeds=seeds,
+        steps=args.steps,
+        recipes={k: RECIPES[k] for k in args.only},
+        machine=info,
+        results=rows,
+        curve_every=CURVE_EVERY,
+        runs={k: [{**r, "max_mean_curve": r["max_mean_curve"][::CURVE_EVERY]} for r in v] for k, v in results.items()},
+    )
     name = "bench_balance_quick.json" if args.quick_test else "bench_balance.json"
     path = write_json(Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name, payload)
     png = path.with_suffix(".png")
-    plot(results, png, f"MoE LM ({pre.model.n_layers} layers, 8 experts, top-2): load balance per recipe, "
-                       f"{args.seeds} seed(s)")
+    plot(
+        results,
+        png,
+        f"MoE LM ({pre.model.n_layers} layers, 8 experts, top-2): load balance per recipe, {args.seeds} seed(s)",
+    )
     print(f"\nwrote {path} and {png}")
     return payload
 

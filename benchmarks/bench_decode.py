@@ -64,10 +64,10 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import add_device_arg, machine_info, print_table, sync, write_json  # noqa: E402
-from mode.train.data import stdlib_corpus  # noqa: E402
 from mode.layers.mod import MoD  # noqa: E402
 from mode.model import LM, LMConfig, alternate  # noqa: E402
 from mode.model.generate import decode_step, generate, prefill  # noqa: E402
+from mode.train.data import stdlib_corpus  # noqa: E402
 
 SIZES = {
     "base": dict(d_model=512, n_layers=8, n_heads=8, new=128, repeats=7),
@@ -83,9 +83,16 @@ CAPACITY = 0.125
 def build(cfg: dict, mod: bool, seed: int, device: torch.device) -> LM:
     torch.manual_seed(seed)
     kind = "mod" if mod else "dense"
-    lcfg = LMConfig(vocab_size=256, seq_len=cfg["seq_len"], d_model=cfg["d_model"], n_heads=cfg["n_heads"],
-                    d_hidden=4 * cfg["d_model"], layers=alternate(cfg["n_layers"], "dense", kind),
-                    capacity=CAPACITY, causal="predictor" if mod else "none")
+    lcfg = LMConfig(
+        vocab_size=256,
+        seq_len=cfg["seq_len"],
+        d_model=cfg["d_model"],
+        n_heads=cfg["n_heads"],
+        d_hidden=4 * cfg["d_model"],
+        layers=alternate(cfg["n_layers"], "dense", kind),
+        capacity=CAPACITY,
+        causal="predictor" if mod else "none",
+    )
     return LM(lcfg).eval().to(device)
 
 
@@ -103,11 +110,11 @@ def calibrate(model: LM, x_BS: torch.Tensor, fraction: float, start: int = 0, st
     route under causal routing (layer by layer: a layer's input depends on the routing before it); ``step``
     < 1 moves the bias only that part of the way."""
     x_BS = x_BS.to(model.embed.weight.device)
-    for i, layer in enumerate(model.layers):
+    for layer in model.layers:
         if not isinstance(layer, MoD):
             continue
         seen = []
-        hook = layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[0]), with_kwargs=True)
+        hook = layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[0]), with_kwargs=True)  # noqa: B023 - called in this iteration
         model(x_BS, causal_routing=True)
         hook.remove()
         router = layer.router
@@ -125,8 +132,13 @@ def calibrate_on_own_decode(model: LM, prompts: list[list[int]], new: int, fract
     best = None
     for r in range(rounds):
         cont = generate(model, prompts, new, temperature=0)
-        calibrate(model, torch.tensor([p + c for p, c in zip(prompts, cont)]), fraction, start=len(prompts[0]),
-                  step=1.0 if r == 0 else 0.5)
+        calibrate(
+            model,
+            torch.tensor([p + c for p, c in zip(prompts, cont)]),
+            fraction,
+            start=len(prompts[0]),
+            step=1.0 if r == 0 else 0.5,
+        )
         layers = replay(model, prompts, new)["layers"].values()
         miss = abs(statistics.mean(v["decode_routed_fraction"] for v in layers) - fraction)
         if best is None or miss < best[0]:
@@ -141,7 +153,7 @@ def run_once(model: LM, prompts: list[list[int]], new: int, static: bool) -> dic
     per phase (wall clock and process CPU time)."""
     device = model.embed.weight.device
     sync(device)  # on a GPU the clock must not start while earlier work is still queued
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0 = time.perf_counter()
     logits_BV, caches, pos_B = prefill(model, prompts, max(map(len, prompts)) + new, static=static)
     sync(device)
     t1, c1 = time.perf_counter(), time.process_time()
@@ -155,8 +167,9 @@ def run_once(model: LM, prompts: list[list[int]], new: int, static: bool) -> dic
         pos_B = pos_B + 1
     sync(device)
     t2, c2 = time.perf_counter(), time.process_time()
-    return dict(prefill_s=t1 - t0, decode_s=t2 - t1, decode_cpu_s=c2 - c1, tokens=torch.stack(out, 1).tolist(),
-                caches=caches)
+    return dict(
+        prefill_s=t1 - t0, decode_s=t2 - t1, decode_cpu_s=c2 - c1, tokens=torch.stack(out, 1).tolist(), caches=caches
+    )
 
 
 def cache_bytes(model: LM, caches) -> int:
@@ -196,25 +209,31 @@ def replay(model: LM, prompts: list[list[int]], new: int) -> dict:
                 st["tokens"] += B
                 st["ran"] += any(routed)
                 st["steps"] += 1
-                block, w = layer.block, 2 * matmul_params(layer.block)
+                w = 2 * matmul_params(layer.block)
                 flops += B * layer.router.cfg.router_flops(1)
                 bytes_read += matmul_params(layer.router) * elem
             else:
-                block, w, routed = layer, 2 * matmul_params(layer), [True] * B
+                w, routed = 2 * matmul_params(layer), [True] * B
             flops += sum(w + 4 * n * d for n, r in zip(lens, routed) if r)
             if any(routed):
                 bytes_read += (w // 2) * elem + sum(2 * n * d * elem for n, r in zip(lens, routed) if r)
-    layers = {f"layers.{i}": dict(decode_routed_fraction=st["routed"] / st["tokens"],
-                                  decode_steps_block_ran=st["ran"] / st["steps"],
-                                  prefill_routed_fraction=prefill_frac[i]) for i, st in per_layer.items()}
+    layers = {
+        f"layers.{i}": dict(
+            decode_routed_fraction=st["routed"] / st["tokens"],
+            decode_steps_block_ran=st["ran"] / st["steps"],
+            prefill_routed_fraction=prefill_frac[i],
+        )
+        for i, st in per_layer.items()
+    }
     return dict(flops=flops, bytes=bytes_read, layers=layers)
 
 
 def bench_batch(mod: LM, dense: LM, prompts: list[list[int]], cfg: dict, paths: tuple[str, ...]) -> list[dict]:
     new = cfg["new"]
     B = len(prompts)
-    fns = {(name, path): (model, path == "static") for name, model in (("mod", mod), ("dense", dense))
-           for path in paths}
+    fns = {
+        (name, path): (model, path == "static") for name, model in (("mod", mod), ("dense", dense)) for path in paths
+    }
     keys = list(fns)
     for _ in range(cfg["warmup"]):
         for key in keys:
@@ -222,8 +241,8 @@ def bench_batch(mod: LM, dense: LM, prompts: list[list[int]], cfg: dict, paths: 
             run_once(model, prompts, new, static)
     runs: dict[tuple, list[dict]] = {key: [] for key in keys}
     for r in range(cfg["repeats"]):  # rotate the order so that no run always follows the same one
-        order = keys[r % len(keys):] + keys[:r % len(keys)]
-        for key in (order if r % 2 == 0 else order[::-1]):
+        order = keys[r % len(keys) :] + keys[: r % len(keys)]
+        for key in order if r % 2 == 0 else order[::-1]:
             model, static = fns[key]
             runs[key].append(run_once(model, prompts, new, static))
     seen = replay(mod, prompts, new)
@@ -237,35 +256,56 @@ def bench_batch(mod: LM, dense: LM, prompts: list[list[int]], cfg: dict, paths: 
         m, dn = runs[("mod", path)], runs[("dense", path)]
         # sanity: the timed loop gives what generate() gives, and both paths give the same tokens
         assert m[-1]["tokens"] == generate(mod, prompts, new, temperature=0, static_cache=path == "static") == greedy
-        med = {name: {k: statistics.median(x[k] for x in rs) for k in ("prefill_s", "decode_s", "decode_cpu_s")}
-               for name, rs in (("mod", m), ("dense", dn))}
+        med = {
+            name: {k: statistics.median(x[k] for x in rs) for k in ("prefill_s", "decode_s", "decode_cpu_s")}
+            for name, rs in (("mod", m), ("dense", dn))
+        }
         speedups = [d["decode_s"] / x["decode_s"] for x, d in zip(m, dn)]
         cpu_speedups = [d["decode_cpu_s"] / x["decode_cpu_s"] for x, d in zip(m, dn)]
         prefill_speedups = [d["prefill_s"] / x["prefill_s"] for x, d in zip(m, dn)]
         mod_bytes, dense_bytes = cache_bytes(mod, m[-1]["caches"]), cache_bytes(dense, dn[-1]["caches"])
         row = dict(
-            size=cfg["size"], d_model=cfg["d_model"], n_layers=cfg["n_layers"], path=path,
-            batch=B, prompt=cfg["prompt"], new_tokens=new,
+            size=cfg["size"],
+            d_model=cfg["d_model"],
+            n_layers=cfg["n_layers"],
+            path=path,
+            batch=B,
+            prompt=cfg["prompt"],
+            new_tokens=new,
             mod_decode_tok_s=decode_tokens / med["mod"]["decode_s"],
             dense_decode_tok_s=decode_tokens / med["dense"]["decode_s"],
-            decode_speedup=statistics.median(speedups), decode_speedup_min=min(speedups),
-            decode_speedup_max=max(speedups), decode_speedup_cpu=statistics.median(cpu_speedups),
-            flop_bound=flop_bound, bytes_bound=bytes_bound,
+            decode_speedup=statistics.median(speedups),
+            decode_speedup_min=min(speedups),
+            decode_speedup_max=max(speedups),
+            decode_speedup_cpu=statistics.median(cpu_speedups),
+            flop_bound=flop_bound,
+            bytes_bound=bytes_bound,
             mod_decode_ms_per_step=1e3 * med["mod"]["decode_s"] / (new - 1),
             dense_decode_ms_per_step=1e3 * med["dense"]["decode_s"] / (new - 1),
             prefill_speedup=statistics.median(prefill_speedups),
-            mod_kv_bytes=mod_bytes, dense_kv_bytes=dense_bytes, kv_bytes_ratio=mod_bytes / dense_bytes,
+            mod_kv_bytes=mod_bytes,
+            dense_kv_bytes=dense_bytes,
+            kv_bytes_ratio=mod_bytes / dense_bytes,
             routed_fraction_decode=statistics.mean(v["decode_routed_fraction"] for v in seen["layers"].values()),
             routed_fraction_prefill=statistics.mean(v["prefill_routed_fraction"] for v in seen["layers"].values()),
             block_ran_fraction_decode=statistics.mean(v["decode_steps_block_ran"] for v in seen["layers"].values()),
-            per_layer=seen["layers"], mod_decode_flops=seen["flops"], dense_decode_flops=dense_seen["flops"],
-            mod_decode_bytes=seen["bytes"], dense_decode_bytes=dense_seen["bytes"],
-            mod_decode_s=[x["decode_s"] for x in m], dense_decode_s=[x["decode_s"] for x in dn],
-            mod_decode_cpu_s=[x["decode_cpu_s"] for x in m], dense_decode_cpu_s=[x["decode_cpu_s"] for x in dn],
+            per_layer=seen["layers"],
+            mod_decode_flops=seen["flops"],
+            dense_decode_flops=dense_seen["flops"],
+            mod_decode_bytes=seen["bytes"],
+            dense_decode_bytes=dense_seen["bytes"],
+            mod_decode_s=[x["decode_s"] for x in m],
+            dense_decode_s=[x["decode_s"] for x in dn],
+            mod_decode_cpu_s=[x["decode_cpu_s"] for x in m],
+            dense_decode_cpu_s=[x["decode_cpu_s"] for x in dn],
         )
-        print(f"  {cfg['size']} batch {B} {path}: decode speedup {row['decode_speedup']:.2f}x (cpu "
-              f"{row['decode_speedup_cpu']:.2f}x; FLOP bound {flop_bound:.2f}x, bytes bound {bytes_bound:.2f}x)  "
-              f"routed {row['routed_fraction_decode']:.3f}", file=sys.stderr, flush=True)
+        print(
+            f"  {cfg['size']} batch {B} {path}: decode speedup {row['decode_speedup']:.2f}x (cpu "
+            f"{row['decode_speedup_cpu']:.2f}x; FLOP bound {flop_bound:.2f}x, bytes bound {bytes_bound:.2f}x)  "
+            f"routed {row['routed_fraction_decode']:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
         rows.append(row)
     return rows
 
@@ -275,13 +315,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="small shapes and few repeats (smoke test)")
     p.add_argument("--sizes", default=None, help=f"comma-separated, of {', '.join(SIZES)} (default: base,deep)")
     p.add_argument("--paths", default=",".join(PATHS), help="comma-separated decode paths (default: dynamic,static)")
-    p.add_argument("--out", default=None,
-                   help="JSON path (default benchmarks/results/decode.json, or decode_quick.json with --quick)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default benchmarks/results/decode.json, or decode_quick.json with --quick)",
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed rounds per batch size (after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds per batch size")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads(N) before timing; 0 leaves torch's default (default: 1, see the "
-                        "module doc)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads(N) before timing; 0 leaves torch's default (default: 1, see the module doc)",
+    )
     p.add_argument("--seed", type=int, default=0)
     add_device_arg(p)
     args = p.parse_args(argv)
@@ -304,8 +350,11 @@ def main(argv: list[str] | None = None) -> dict:
     out = args.out or str(ROOT / "benchmarks" / "results" / ("decode_quick.json" if args.quick else "decode.json"))
 
     info = machine_info(args.device)
-    print(f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {args.device} "
-          f"({info['device_name']})", file=sys.stderr)
+    print(
+        f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {args.device} "
+        f"({info['device_name']})",
+        file=sys.stderr,
+    )
     rows, configs = [], {}
     t_start = time.perf_counter()
     for size in sizes:
@@ -323,28 +372,53 @@ def main(argv: list[str] | None = None) -> dict:
     if hasattr(os, "getloadavg"):
         info["loadavg_1_5_15_at_end"] = [round(v, 2) for v in os.getloadavg()]
     print()
-    print_table(rows, [("size", "size", "s"), ("batch", "batch", "d"), ("path", "path", "s"),
-                       ("mod_decode_tok_s", "MoD tok/s", ".1f"), ("dense_decode_tok_s", "dense tok/s", ".1f"),
-                       ("decode_speedup", "speedup", ".2f"), ("decode_speedup_min", "min", ".2f"),
-                       ("decode_speedup_max", "max", ".2f"), ("decode_speedup_cpu", "cpu", ".2f"),
-                       ("flop_bound", "FLOP bnd", ".2f"), ("bytes_bound", "bytes bnd", ".2f"),
-                       ("kv_bytes_ratio", "KV bytes", ".3f"), ("routed_fraction_decode", "routed", ".3f"),
-                       ("block_ran_fraction_decode", "block ran", ".3f")])
+    print_table(
+        rows,
+        [
+            ("size", "size", "s"),
+            ("batch", "batch", "d"),
+            ("path", "path", "s"),
+            ("mod_decode_tok_s", "MoD tok/s", ".1f"),
+            ("dense_decode_tok_s", "dense tok/s", ".1f"),
+            ("decode_speedup", "speedup", ".2f"),
+            ("decode_speedup_min", "min", ".2f"),
+            ("decode_speedup_max", "max", ".2f"),
+            ("decode_speedup_cpu", "cpu", ".2f"),
+            ("flop_bound", "FLOP bnd", ".2f"),
+            ("bytes_bound", "bytes bnd", ".2f"),
+            ("kv_bytes_ratio", "KV bytes", ".3f"),
+            ("routed_fraction_decode", "routed", ".3f"),
+            ("block_ran_fraction_decode", "block ran", ".3f"),
+        ],
+    )
     payload = dict(
         benchmark="bench_decode",
         command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-        config={"sizes": configs, "capacity": CAPACITY, "mod_layers": "every other block (1, 3, ...)",
-                "causal": "predictor", "mlp_hidden": "4 * d_model", "vocab_size": 256, "paths": list(paths)},
-        device=str(args.device), dtype="float32", machine=info, wall_s=round(time.perf_counter() - t_start, 1),
-        notes=("speedup = dense decode time / MoD decode time on the same path, median of rotating interleaved "
-               "rounds (cpu: the same in process CPU time); tok/s = batch * (new_tokens - 1) decode-step tokens / "
-               "median decode time. FLOP bound and bytes bound: dense / MoD decode FLOPs and bytes read, from a "
-               "replay of the same greedy run (module doc). routed = fraction of decode tokens the MoD layers sent "
-               "through their block (target: capacity), after calibrating the untrained predictors' bias; block "
-               "ran = fraction of (layer, step) pairs where at least one row routed. KV bytes = MoD / dense bytes "
-               "held in the caches after the run. The static path runs every block on every row (MoD saves cache "
-               "writes, not compute): on a CPU its MoD model is slower than dense by design."),
-        results=rows)
+        config={
+            "sizes": configs,
+            "capacity": CAPACITY,
+            "mod_layers": "every other block (1, 3, ...)",
+            "causal": "predictor",
+            "mlp_hidden": "4 * d_model",
+            "vocab_size": 256,
+            "paths": list(paths),
+        },
+        device=str(args.device),
+        dtype="float32",
+        machine=info,
+        wall_s=round(time.perf_counter() - t_start, 1),
+        notes=(
+            "speedup = dense decode time / MoD decode time on the same path, median of rotating interleaved "
+            "rounds (cpu: the same in process CPU time); tok/s = batch * (new_tokens - 1) decode-step tokens / "
+            "median decode time. FLOP bound and bytes bound: dense / MoD decode FLOPs and bytes read, from a "
+            "replay of the same greedy run (module doc). routed = fraction of decode tokens the MoD layers sent "
+            "through their block (target: capacity), after calibrating the untrained predictors' bias; block "
+            "ran = fraction of (layer, step) pairs where at least one row routed. KV bytes = MoD / dense bytes "
+            "held in the caches after the run. The static path runs every block on every row (MoD saves cache "
+            "writes, not compute): on a CPU its MoD model is slower than dense by design."
+        ),
+        results=rows,
+    )
     path = write_json(out, payload)
     print(f"\nwrote {path}", file=sys.stderr)
     return payload

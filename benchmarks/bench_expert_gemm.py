@@ -27,15 +27,23 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, machine_info, print_table,  # noqa: E402
-                               time_pair, write_json)
+from benchmarks.common import (  # noqa: E402
+    add_device_arg,
+    add_malloc_arg,
+    apply_malloc,
+    machine_info,
+    print_table,
+    time_pair,
+    write_json,
+)
 from mode.experts.grouped_mm import grouped_mm  # noqa: E402
 
 ROWS_PER_EXPERT = (16, 32, 64, 128, 256, 512)
 
 
-def bench_rows(m: int, num_experts: int, d: int, h: int, warmup: int, repeats: int, device: torch.device,
-               dtype: torch.dtype) -> list[dict]:
+def bench_rows(
+    m: int, num_experts: int, d: int, h: int, warmup: int, repeats: int, device: torch.device, dtype: torch.dtype
+) -> list[dict]:
     tokens = m * num_experts
     new = dict(device=device, dtype=dtype)
     x_AD = torch.randn(tokens, d, **new)
@@ -59,9 +67,18 @@ def bench_rows(m: int, num_experts: int, d: int, h: int, warmup: int, repeats: i
     rows = []
     for name, grouped, single in cases:
         res = time_pair(grouped, single, warmup=warmup, repeats=repeats, device=device)
-        rows.append(dict(gemm=name, rows_per_expert=m, experts=num_experts, tokens=tokens,
-                         grouped_ms=1e3 * res["candidate_s_median"], single_ms=1e3 * res["baseline_s_median"],
-                         ratio=res["ratio_median"], spread=f"{res['ratio_min']:.2f}-{res['ratio_max']:.2f}"))
+        rows.append(
+            dict(
+                gemm=name,
+                rows_per_expert=m,
+                experts=num_experts,
+                tokens=tokens,
+                grouped_ms=1e3 * res["candidate_s_median"],
+                single_ms=1e3 * res["baseline_s_median"],
+                ratio=res["ratio_median"],
+                spread=f"{res['ratio_min']:.2f}-{res['ratio_max']:.2f}",
+            )
+        )
         print(f"  m={m:<4} {name:<22} ratio {res['ratio_median']:.3f}", file=sys.stderr, flush=True)
     return rows
 
@@ -97,8 +114,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "expert_gemm.json"))
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="auto: float32 on the CPU, bfloat16 on CUDA (torch._grouped_mm's CUDA kernel wants bfloat16)")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="auto: float32 on the CPU, bfloat16 on CUDA (torch._grouped_mm's CUDA kernel wants bfloat16)",
+    )
     add_device_arg(p)
     add_malloc_arg(p)
     args = p.parse_args(argv)
@@ -118,14 +139,30 @@ def main(argv: list[str] | None = None) -> dict:
     for m in args.rows:
         rows += bench_rows(m, args.experts, args.d_model, args.hidden, args.warmup, args.repeats, args.device, dtype)
     print()
-    print_table(rows, [("gemm", "GEMM", ""), ("rows_per_expert", "rows/expert", "d"), ("tokens", "tokens", "d"),
-                       ("grouped_ms", "E GEMMs ms", ".1f"), ("single_ms", "one GEMM ms", ".1f"),
-                       ("ratio", "ratio", ".3f"), ("spread", "min-max", "")])
+    print_table(
+        rows,
+        [
+            ("gemm", "GEMM", ""),
+            ("rows_per_expert", "rows/expert", "d"),
+            ("tokens", "tokens", "d"),
+            ("grouped_ms", "E GEMMs ms", ".1f"),
+            ("single_ms", "one GEMM ms", ".1f"),
+            ("ratio", "ratio", ".3f"),
+            ("spread", "min-max", ""),
+        ],
+    )
     out = Path(args.out)
-    payload = dict(benchmark="bench_expert_gemm",
-                   command=" ".join(["bench_expert_gemm.py"] + (argv if argv is not None else sys.argv[1:])),
-                   device=str(args.device), dtype=dtype_name, machine=info, malloc=malloc, d_model=args.d_model,
-                   hidden=args.hidden, results=rows)
+    payload = dict(
+        benchmark="bench_expert_gemm",
+        command=" ".join(["bench_expert_gemm.py"] + (argv if argv is not None else sys.argv[1:])),
+        device=str(args.device),
+        dtype=dtype_name,
+        machine=info,
+        malloc=malloc,
+        d_model=args.d_model,
+        hidden=args.hidden,
+        results=rows,
+    )
     write_json(out, payload)
     plot(rows, out.with_suffix(".png"), f"{dtype_name} {info['device_name'] if args.device.type == 'cuda' else 'CPU'}")
     print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)

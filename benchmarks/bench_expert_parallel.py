@@ -25,7 +25,8 @@ counted in the element size that phase actually sent (``row_esize`` in the JSON)
 (b) Step time. One training step (forward, backward, gradient all-reduce, clipping, AdamW) of the same
     LM on the same global batch: ``mode.train.Trainer`` in one process against the same ``Trainer`` on a
     (dp=1, ep=P) mesh (``mode.parallel``: experts split over the ranks, every weight also sharded by FSDP2,
-    so a step also all-gathers and reduce-scatters the weights) on EP = 2 and 4 processes with 1 thread each (as torchrun sets by default); medians after warm-up,
+    so a step also all-gathers and reduce-scatters the weights) on EP = 2 and 4 processes with 1 thread each (as
+    torchrun sets by default); medians after warm-up,
     EP time is rank 0's. The single process is timed with 1 thread (the main baseline: same per-process
     threads as a rank) and with torch's default thread count, each before and after the EP runs (the
     median of both runs is the baseline). All EP ranks share this machine's cores, so on a 2-core machine
@@ -38,7 +39,8 @@ counted in the element size that phase actually sent (``row_esize`` in the JSON)
     ranks actually sent (intercepted, as in (a)), their ratio to the unlimited run's, and the most ranks any
     token's rows went to (counted from the plans; at most M). Writes expert_parallel_groups.json.
 
-With ``--device cuda`` the ranks are NCCL processes, one GPU each (set up by ``mode.parallel.process_group.init_distributed``,
+With ``--device cuda`` the ranks are NCCL processes, one GPU each (set up by
+``mode.parallel.process_group.init_distributed``,
 as ``torchrun`` would), for EP = 1, 2 and 4 as far as the machine has GPUs; the baseline is EP = 1 (the same
 trainer on a mesh of one GPU).
 
@@ -63,23 +65,48 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (add_device_arg, add_dtype_arg, dtype_choice, machine_info, print_table,  # noqa: E402
-                               sync, write_json)
-from mode.train.data import stdlib_corpus  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_device_arg,
+    add_dtype_arg,
+    dtype_choice,
+    machine_info,
+    print_table,
+    sync,
+    write_json,
+)
 from mode.model import LMConfig  # noqa: E402
-from mode.train import Trainer, TrainConfig  # noqa: E402
+from mode.train import TrainConfig, Trainer  # noqa: E402
+from mode.train.data import stdlib_corpus  # noqa: E402
 
-MODEL = LMConfig(seq_len=128, d_model=128, n_heads=4, d_hidden=512, num_experts=8, num_noop=2, top_k=2,
-                 capacity_factor=1.25, layers=("moe", "integrated", "moe", "integrated"))
+MODEL = LMConfig(
+    seq_len=128,
+    d_model=128,
+    n_heads=4,
+    d_hidden=512,
+    num_experts=8,
+    num_noop=2,
+    top_k=2,
+    capacity_factor=1.25,
+    layers=("moe", "integrated", "moe", "integrated"),
+)
 TRAIN = TrainConfig(steps=1000, batch_size=16, lr=1e-3, warmup_steps=10, eval_every=1000, seed=0)
 FULL = dict(byte_steps=3, warmup=3, timed=10)
 QUICK = dict(byte_steps=2, warmup=1, timed=3)
 QUICK_MODEL = replace(MODEL, seq_len=32, d_model=32, d_hidden=64)
 WORLDS = (2, 4)
 CORPUS_BYTES = 2_000_000
-GROUPS_MODEL = LMConfig(seq_len=128, d_model=128, n_heads=4, d_hidden=512, expert_hidden=128, num_experts=16, top_k=4,
-                        layers=("moe",) * 4, balance_coef=0.0,
-                        router_options=dict(gate="sigmoid", renormalize=True, n_group=4, bias_balance=True))
+GROUPS_MODEL = LMConfig(
+    seq_len=128,
+    d_model=128,
+    n_heads=4,
+    d_hidden=512,
+    expert_hidden=128,
+    num_experts=16,
+    top_k=4,
+    layers=("moe",) * 4,
+    balance_coef=0.0,
+    router_options=dict(gate="sigmoid", renormalize=True, n_group=4, bias_balance=True),
+)
 GROUPS_KEEP = (4, 2, 1)
 
 
@@ -127,29 +154,46 @@ def _phase(counter: _ByteCounter, fn, phase: str):
             return fn(*args, **kwargs)
         finally:
             counter.phase = "backward"  # anything outside dispatch/combine is the autograd backward
+
     return wrapped
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg: dict, backend: str,
-            dedup: bool = False, bf16: bool = False) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    out_dir: str,
+    model_cfg: dict,
+    cfg: dict,
+    backend: str,
+    dedup: bool = False,
+    bf16: bool = False,
+) -> None:
     import torch.distributed as dist
 
-    from mode.parallel import process_group as mdist
-    from mode.parallel import ParallelDims, build_mesh
+    from mode.parallel import ParallelDims, build_mesh, process_group as mdist
     from mode.parallel.ep_model import expert_parallel_layers
 
     torch.set_num_threads(1)
     # the environment torchrun would set, then the library's own set-up (NCCL: cuda:rank, device_id, NCCL env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     ctx = mdist.init_distributed(backend, timeout_s=120)
     device = ctx.device
     mesh = build_mesh(ParallelDims(1, world), device.type, ctx.timeout_s)
     mcfg = LMConfig(**model_cfg)
     from mode.parallel.runtime import MeshRuntime
 
-    trainer = Trainer(mcfg, TRAIN, stdlib_corpus(max_bytes=CORPUS_BYTES), Path(out_dir) / "run", progress=False,
-                      runtime=MeshRuntime(mesh, ctx.timeout_s, dedup=dedup), bf16=bf16)
+    trainer = Trainer(
+        mcfg,
+        TRAIN,
+        stdlib_corpus(max_bytes=CORPUS_BYTES),
+        Path(out_dir) / "run",
+        progress=False,
+        runtime=MeshRuntime(mesh, ctx.timeout_s, dedup=dedup),
+        bf16=bf16,
+    )
     layers = expert_parallel_layers(trainer.model)
     L = mcfg.num_experts // world
     D, esize = mcfg.d_model, trainer.model.embed.weight.element_size()
@@ -197,32 +241,51 @@ def _worker(rank: int, world: int, port: int, out_dir: str, model_cfg: dict, cfg
         trainer.train_step()
         sync(device)  # a GPU step ends when its kernels do, not when they are queued
         times.append(time.perf_counter() - t0)
-    result = {"sent": counter.sent, "dispatch_calls_actual": counter.dispatch_calls,
-              "dispatch_calls_min": [r * D * row_esize["dispatch"] for r in minimum["dispatch_calls"]],
-              "min_bytes": minimum["rows"] * D * row_esize["dispatch"],
-              "min_bytes_combine": minimum["rows"] * D * row_esize["combine"], "row_esize": row_esize,
-              "noop": minimum["noop"], "dropped": minimum["dropped"], "last_dispatch_stats_bytes": stats_sent,
-              "max_ranks_per_token": minimum["max_ranks_per_token"],
-              "times": times}
+    result = {
+        "sent": counter.sent,
+        "dispatch_calls_actual": counter.dispatch_calls,
+        "dispatch_calls_min": [r * D * row_esize["dispatch"] for r in minimum["dispatch_calls"]],
+        "min_bytes": minimum["rows"] * D * row_esize["dispatch"],
+        "min_bytes_combine": minimum["rows"] * D * row_esize["combine"],
+        "row_esize": row_esize,
+        "noop": minimum["noop"],
+        "dropped": minimum["dropped"],
+        "last_dispatch_stats_bytes": stats_sent,
+        "max_ranks_per_token": minimum["max_ranks_per_token"],
+        "times": times,
+    }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-def run_ep(world: int, model_cfg: LMConfig, cfg: dict, tmp: Path, backend: str = "gloo",
-           dedup: bool = False, bf16: bool = False) -> list[dict]:
+def run_ep(
+    world: int,
+    model_cfg: LMConfig,
+    cfg: dict,
+    tmp: Path,
+    backend: str = "gloo",
+    dedup: bool = False,
+    bf16: bool = False,
+) -> list[dict]:
     import torch.multiprocessing as mp
 
     from mode.parallel.process_group import free_port
 
     out = tmp / f"ep{world}"
     out.mkdir()
-    mp.start_processes(_worker, args=(world, free_port(), str(out), asdict(model_cfg), cfg, backend, dedup, bf16),
-                       nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(
+        _worker,
+        args=(world, free_port(), str(out), asdict(model_cfg), cfg, backend, dedup, bf16),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def single_process_times(model_cfg: LMConfig, cfg: dict, tmp: Path, threads: int | None = None,
-                         bf16: bool = False) -> list[float]:
+def single_process_times(
+    model_cfg: LMConfig, cfg: dict, tmp: Path, threads: int | None = None, bf16: bool = False
+) -> list[float]:
     default = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -260,27 +323,51 @@ def main_groups(args) -> dict:
                 where = Path(tmp_s) / f"keep{keep}_dedup{int(dedup)}"
                 where.mkdir()
                 res = run_ep(4, model_cfg, cfg, where, dedup=dedup, bf16=args.dtype == "bfloat16")
-                rows.append({"keep_groups": keep, "dedup": dedup,
-                             "dispatch_bytes": sum(r["sent"]["dispatch"] for r in res),
-                             "max_ranks_per_token": max(r["max_ranks_per_token"] for r in res)})
+                rows.append(
+                    {
+                        "keep_groups": keep,
+                        "dedup": dedup,
+                        "dispatch_bytes": sum(r["sent"]["dispatch"] for r in res),
+                        "max_ranks_per_token": max(r["max_ranks_per_token"] for r in res),
+                    }
+                )
     for r in rows:
         r["vs_unlimited_per_assignment"] = r["dispatch_bytes"] / rows[0]["dispatch_bytes"]
     info = machine_info(torch.device("cpu"))
-    print(f"\nDevice-limited routing on 4 gloo ranks: E={base.num_experts} in 4 groups (one per rank), top-"
-          f"{base.top_k}, {len(base.layers)} MoE layers, global batch {TRAIN.batch_size} x {base.seq_len}, "
-          f"{cfg['byte_steps']} training steps\n")
-    print_table(rows, [("keep_groups", "groups kept (M)", "d"), ("dedup", "one row per (token, rank)", ""),
-                       ("dispatch_bytes", "dispatch bytes sent", ",d"),
-                       ("vs_unlimited_per_assignment", "/ unlimited, one row per assignment", ".3f"),
-                       ("max_ranks_per_token", "max ranks per token", "d")])
-    payload = dict(benchmark="expert_parallel --groups", machine=info, quick=args.quick, model=asdict(base),
-                   dtype=args.dtype,
-                   steps=cfg, notes="dispatch bytes: everything the forward dispatch all-to-alls sent to other "
-                                    "ranks (rows; with dedup also the int64 row index and float32 gate of each "
-                                    "assignment), intercepted, summed over ranks and byte steps; combine and "
-                                    "backward move the same rows back", results=rows)
-    out = args.out or str(ROOT / "benchmarks" / "results" / ("expert_parallel_groups_quick.json" if args.quick
-                                                             else "expert_parallel_groups.json"))
+    print(
+        f"\nDevice-limited routing on 4 gloo ranks: E={base.num_experts} in 4 groups (one per rank), top-"
+        f"{base.top_k}, {len(base.layers)} MoE layers, global batch {TRAIN.batch_size} x {base.seq_len}, "
+        f"{cfg['byte_steps']} training steps\n"
+    )
+    print_table(
+        rows,
+        [
+            ("keep_groups", "groups kept (M)", "d"),
+            ("dedup", "one row per (token, rank)", ""),
+            ("dispatch_bytes", "dispatch bytes sent", ",d"),
+            ("vs_unlimited_per_assignment", "/ unlimited, one row per assignment", ".3f"),
+            ("max_ranks_per_token", "max ranks per token", "d"),
+        ],
+    )
+    payload = dict(
+        benchmark="expert_parallel --groups",
+        machine=info,
+        quick=args.quick,
+        model=asdict(base),
+        dtype=args.dtype,
+        steps=cfg,
+        notes="dispatch bytes: everything the forward dispatch all-to-alls sent to other "
+        "ranks (rows; with dedup also the int64 row index and float32 gate of each "
+        "assignment), intercepted, summed over ranks and byte steps; combine and "
+        "backward move the same rows back",
+        results=rows,
+    )
+    out = args.out or str(
+        ROOT
+        / "benchmarks"
+        / "results"
+        / ("expert_parallel_groups_quick.json" if args.quick else "expert_parallel_groups.json")
+    )
     path = write_json(out, payload)
     print(f"\nwrote {path}")
     return payload
@@ -318,68 +405,121 @@ def main(argv: list[str] | None = None) -> dict:
     base = statistics.median(base_before + base_after)
     one = statistics.median(one_before + one_after)
     if not cuda:
-        rows.append({"ranks": 1, "threads": info["torch_threads"], "step_ms": base * 1e3, "vs_single": 1.0,
-                     "vs_single_1t": base / one})
+        rows.append(
+            {
+                "ranks": 1,
+                "threads": info["torch_threads"],
+                "step_ms": base * 1e3,
+                "vs_single": 1.0,
+                "vs_single_1t": base / one,
+            }
+        )
         rows.append({"ranks": 1, "threads": 1, "step_ms": one * 1e3, "vs_single": one / base, "vs_single_1t": 1.0})
     for w, res in ep.items():
         min_bytes = sum(r["min_bytes"] for r in res)  # dispatch's element size
         min_combine = sum(r["min_bytes_combine"] for r in res)  # combine's (bfloat16 outputs under autocast)
         sent = {k: sum(r["sent"][k] for r in res) for k in ("dispatch", "combine", "backward", "counts")}
         per_call = [a / m for r in res for a, m in zip(r["dispatch_calls_actual"], r["dispatch_calls_min"]) if m]
-        calls_match = all(len(r["dispatch_calls_actual"]) == len(r["dispatch_calls_min"]) and
-                          r["dispatch_calls_actual"] == r["dispatch_calls_min"] for r in res)
+        calls_match = all(
+            len(r["dispatch_calls_actual"]) == len(r["dispatch_calls_min"])
+            and r["dispatch_calls_actual"] == r["dispatch_calls_min"]
+            for r in res
+        )
         step = statistics.median(res[0]["times"])
-        rows.append({
-            "ranks": w, "threads": 1, "step_ms": step * 1e3, "vs_single": step / base, "vs_single_1t": step / one,
-            "dispatch_ratio": _ratio(sent["dispatch"], min_bytes), "combine_ratio": _ratio(sent["combine"], min_combine),
-            "backward_ratio": _ratio(sent["backward"], min_bytes + min_combine),
-            "per_call_ratio_min": min(per_call, default=None), "per_call_ratio_max": max(per_call, default=None),
-            "every_call_exact": calls_match,
-            "min_bytes": min_bytes, "min_bytes_combine": min_combine, "row_esize": res[0]["row_esize"],
-            "dispatch_bytes": sent["dispatch"], "combine_bytes": sent["combine"],
-            "backward_bytes": sent["backward"], "counts_bytes": sent["counts"],
-            "noop_assignments": sum(r["noop"] for r in res), "dropped_assignments": sum(r["dropped"] for r in res),
-            "dispatch_calls": sum(len(r["dispatch_calls_actual"]) for r in res),
-            "step_s_rank0": res[0]["times"],
-        })
-    where = (f"NCCL, one {info['device_name']} per rank" if cuda
-             else f"gloo, CPU; {info['cpu_count']} cores")
+        rows.append(
+            {
+                "ranks": w,
+                "threads": 1,
+                "step_ms": step * 1e3,
+                "vs_single": step / base,
+                "vs_single_1t": step / one,
+                "dispatch_ratio": _ratio(sent["dispatch"], min_bytes),
+                "combine_ratio": _ratio(sent["combine"], min_combine),
+                "backward_ratio": _ratio(sent["backward"], min_bytes + min_combine),
+                "per_call_ratio_min": min(per_call, default=None),
+                "per_call_ratio_max": max(per_call, default=None),
+                "every_call_exact": calls_match,
+                "min_bytes": min_bytes,
+                "min_bytes_combine": min_combine,
+                "row_esize": res[0]["row_esize"],
+                "dispatch_bytes": sent["dispatch"],
+                "combine_bytes": sent["combine"],
+                "backward_bytes": sent["backward"],
+                "counts_bytes": sent["counts"],
+                "noop_assignments": sum(r["noop"] for r in res),
+                "dropped_assignments": sum(r["dropped"] for r in res),
+                "dispatch_calls": sum(len(r["dispatch_calls_actual"]) for r in res),
+                "step_s_rank0": res[0]["times"],
+            }
+        )
+    where = f"NCCL, one {info['device_name']} per rank" if cuda else f"gloo, CPU; {info['cpu_count']} cores"
     print(f"\nExpert-parallel bytes and step time ({where}; torch {info['torch']}; {args.dtype})")
     if cuda and not bf16:
-        print("note: float32 on CUDA times torch._grouped_mm's looped fallback (a host sync per GEMM); "
-              "--dtype bfloat16 (--bf16) times its fast kernel")
-    print(f"model: layers {','.join(model_cfg.layers)}, d_model {model_cfg.d_model}, E={model_cfg.num_experts} "
-          f"(+{model_cfg.num_noop} no-op), top-{model_cfg.top_k}, capacity factor {model_cfg.capacity_factor}; "
-          f"global batch {TRAIN.batch_size} x {model_cfg.seq_len}\n")
-    times = ([("vs_single", "step / EP=1", ".2f")] if cuda else
-             [("vs_single_1t", "step / single (1 thread)", ".2f"),
-              ("vs_single", f"step / single ({info['torch_threads']} threads)", ".2f")])
-    print_table(rows, [("ranks", "ranks", "d"), ("threads", "threads/rank", "d"),
-                       ("dispatch_ratio", "dispatch/min", ".2f"),
-                       ("combine_ratio", "combine/min", ".2f"), ("backward_ratio", "backward/(2 min)", ".2f"),
-                       ("noop_assignments", "no-op rows (not sent)", "d"),
-                       ("dropped_assignments", "dropped rows (not sent)", "d"),
-                       ("step_ms", "step ms (median)", ".1f"), *times])
-    baseline = ("EP = 1: Trainer on a mesh of one GPU" if cuda else
-                f"single process with torch's default threads ({info['torch_threads']}) vs EP ranks with 1 thread "
-                "each on the same machine")
+        print(
+            "note: float32 on CUDA times torch._grouped_mm's looped fallback (a host sync per GEMM); "
+            "--dtype bfloat16 (--bf16) times its fast kernel"
+        )
+    print(
+        f"model: layers {','.join(model_cfg.layers)}, d_model {model_cfg.d_model}, E={model_cfg.num_experts} "
+        f"(+{model_cfg.num_noop} no-op), top-{model_cfg.top_k}, capacity factor {model_cfg.capacity_factor}; "
+        f"global batch {TRAIN.batch_size} x {model_cfg.seq_len}\n"
+    )
+    times = (
+        [("vs_single", "step / EP=1", ".2f")]
+        if cuda
+        else [
+            ("vs_single_1t", "step / single (1 thread)", ".2f"),
+            ("vs_single", f"step / single ({info['torch_threads']} threads)", ".2f"),
+        ]
+    )
+    print_table(
+        rows,
+        [
+            ("ranks", "ranks", "d"),
+            ("threads", "threads/rank", "d"),
+            ("dispatch_ratio", "dispatch/min", ".2f"),
+            ("combine_ratio", "combine/min", ".2f"),
+            ("backward_ratio", "backward/(2 min)", ".2f"),
+            ("noop_assignments", "no-op rows (not sent)", "d"),
+            ("dropped_assignments", "dropped rows (not sent)", "d"),
+            ("step_ms", "step ms (median)", ".1f"),
+            *times,
+        ],
+    )
+    baseline = (
+        "EP = 1: Trainer on a mesh of one GPU"
+        if cuda
+        else f"single process with torch's default threads ({info['torch_threads']}) vs EP ranks with 1 thread "
+        "each on the same machine"
+    )
     payload = dict(
-        benchmark="expert_parallel", machine=info, quick=args.quick, model=asdict(model_cfg),
-        train=dict(batch_size=TRAIN.batch_size, lr=TRAIN.lr, bf16=bf16), steps=cfg,
-        device=str(device), dtype=args.dtype,
-        notes=("bytes: rows sent to other ranks by every all_to_all_single, intercepted, over the byte steps, "
-               "summed over ranks; min = plan assignments whose expert is on another rank x D x element size "
-               f"(no-op and dropped tokens are not in the plan). Step time baseline: {baseline}."),
+        benchmark="expert_parallel",
+        machine=info,
+        quick=args.quick,
+        model=asdict(model_cfg),
+        train=dict(batch_size=TRAIN.batch_size, lr=TRAIN.lr, bf16=bf16),
+        steps=cfg,
+        device=str(device),
+        dtype=args.dtype,
+        notes=(
+            "bytes: rows sent to other ranks by every all_to_all_single, intercepted, over the byte steps, "
+            "summed over ranks; min = plan assignments whose expert is on another rank x D x element size "
+            f"(no-op and dropped tokens are not in the plan). Step time baseline: {baseline}."
+        ),
         single_process_s=None if cuda else dict(before=base_before, after=base_after, median=base),
         single_process_1thread_s=None if cuda else dict(before=one_before, after=one_after, median=one),
         loadavg_at_end=[round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None,
-        results=rows)
-    out = args.out or str(ROOT / "benchmarks" / "results" / ("expert_parallel_quick.json" if args.quick
-                                                             else "expert_parallel.json"))
+        results=rows,
+    )
+    out = args.out or str(
+        ROOT / "benchmarks" / "results" / ("expert_parallel_quick.json" if args.quick else "expert_parallel.json")
+    )
     path = write_json(out, payload)
     if hasattr(os, "getloadavg"):
-        print(f"load average (1, 5, 15 min) at start {info.get('loadavg_1_5_15_at_start')}, at end "
-              f"{[round(v, 2) for v in os.getloadavg()]}: other processes share these cores")
+        print(
+            f"load average (1, 5, 15 min) at start {info.get('loadavg_1_5_15_at_start')}, at end "
+            f"{[round(v, 2) for v in os.getloadavg()]}: other processes share these cores"
+        )
     print(f"\nwrote {path}")
     return payload
 

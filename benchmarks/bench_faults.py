@@ -49,10 +49,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-
 from common import machine_info, print_table, write_json  # noqa: E402
 
-from mode.parallel.checkpoint import LATEST, saves, step_of  # noqa: E402
+from mode.parallel.checkpoint import saves  # noqa: E402
 from mode.train.checkpoint import load_checkpoint  # noqa: E402
 
 KINDS = ("kill", "sigterm", "corrupt", "killsave")
@@ -61,16 +60,54 @@ _STOPPED = re.compile(r"mode train: preempted \(SIGTERM\): stopped after step (\
 
 
 def command(args, out: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.world),
-            "--max-restarts", "1", "-m", "mode", "train", "--preset", "quick", "--ep", str(args.world),
-            "--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every), "--keep", "2", "--log-every", "1",
-            "--eval-every", str(args.steps), "--data", str(args.data), "--device", "cpu", "--threads", "1",
-            "--timeout", "60", "--no-progress", "--resume", "auto", "--out", str(out)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.world),
+        "--max-restarts",
+        "1",
+        "-m",
+        "mode",
+        "train",
+        "--preset",
+        "quick",
+        "--ep",
+        str(args.world),
+        "--steps",
+        str(args.steps),
+        "--ckpt-every",
+        str(args.ckpt_every),
+        "--keep",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-every",
+        str(args.steps),
+        "--data",
+        str(args.data),
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--timeout",
+        "60",
+        "--no-progress",
+        "--resume",
+        "auto",
+        "--out",
+        str(out),
+    ]
 
 
 def environment(fault: str | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "MODE_TEST_FAULT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MODE_TEST_FAULT")
+    }
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if fault:
         env["MODE_TEST_FAULT"] = fault
@@ -78,8 +115,9 @@ def environment(fault: str | None = None) -> dict:
 
 
 def run(args, out: Path, fault: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(command(args, out), capture_output=True, text=True, timeout=args.timeout_s,
-                          env=environment(fault), cwd=ROOT)
+    return subprocess.run(
+        command(args, out), capture_output=True, text=True, timeout=args.timeout_s, env=environment(fault), cwd=ROOT
+    )
 
 
 def last_logged_step(out: Path) -> int:
@@ -94,8 +132,9 @@ def last_logged_step(out: Path) -> int:
 def run_preempted(args, out: Path, at_step: int) -> tuple[subprocess.CompletedProcess, int]:
     """Start the command, send SIGTERM to the torchrun agent once the log reaches ``at_step``; returns the
     finished process and the step the signal was sent at (the last step logged then)."""
-    proc = subprocess.Popen(command(args, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=environment(), cwd=ROOT)
+    proc = subprocess.Popen(
+        command(args, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(), cwd=ROOT
+    )
     deadline = time.monotonic() + args.timeout_s
     sent_at = None
     while proc.poll() is None and time.monotonic() < deadline:
@@ -174,9 +213,17 @@ def summarize(rows: list[dict]) -> list[dict]:
         if not rs:
             continue
         lost = [r["steps_lost"] for r in rs]
-        out.append({"kind": kind, "trials": len(rs), "survived": sum(r["survived"] for r in rs),
-                    "equal": sum(r["equal"] for r in rs), "lost_mean": statistics.mean(lost), "lost_max": max(lost),
-                    "wall_mean": statistics.mean(r["wall_s"] for r in rs)})
+        out.append(
+            {
+                "kind": kind,
+                "trials": len(rs),
+                "survived": sum(r["survived"] for r in rs),
+                "equal": sum(r["equal"] for r in rs),
+                "lost_mean": statistics.mean(lost),
+                "lost_max": max(lost),
+                "wall_mean": statistics.mean(r["wall_s"] for r in rs),
+            }
+        )
     return out
 
 
@@ -198,8 +245,9 @@ def main() -> None:
         folder = Path(tmp)
         if args.data is None:
             args.data = folder / "text.txt"
-            args.data.write_text("".join((ROOT / "mode" / "train" / f).read_text()
-                                         for f in ("data.py", "trainer.py", "tokens.py")))
+            args.data.write_text(
+                "".join((ROOT / "mode" / "train" / f).read_text() for f in ("data.py", "trainer.py", "tokens.py"))
+            )
         t0 = time.perf_counter()
         ref = run(args, folder / "uninterrupted")
         if ref.returncode != 0:
@@ -210,22 +258,44 @@ def main() -> None:
         for i in range(args.trials):
             rows.append(trial(args, i, rng, folder, reference))
             r = rows[-1]
-            print(f"trial {i:3d} {r['kind']:8s} rank {r['rank']!s:5s} step {r['fault_step']:3d}: "
-                  f"{'survived' if r['survived'] else 'FAILED'}, resumed from {r['resumed_from']}, "
-                  f"lost {r['steps_lost']}, {'equal' if r['equal'] else 'NOT EQUAL'} ({r['wall_s']:.1f} s)",
-                  flush=True)
+            print(
+                f"trial {i:3d} {r['kind']:8s} rank {r['rank']!s:5s} step {r['fault_step']:3d}: "
+                f"{'survived' if r['survived'] else 'FAILED'}, resumed from {r['resumed_from']}, "
+                f"lost {r['steps_lost']}, {'equal' if r['equal'] else 'NOT EQUAL'} ({r['wall_s']:.1f} s)",
+                flush=True,
+            )
     table = summarize(rows)
-    print(f"\nFault injection: {args.world} gloo processes (torchrun --max-restarts 1, --ep {args.world}), "
-          f"{args.steps} steps, a checkpoint every {args.ckpt_every}, --keep 2, seed {args.seed}; uninterrupted "
-          f"run {reference_s:.1f} s\n")
-    print_table(table, [("kind", "fault", ""), ("trials", "trials", "d"), ("survived", "survived", "d"),
-                        ("equal", "final state = uninterrupted", "d"), ("lost_mean", "steps lost (mean)", ".2f"),
-                        ("lost_max", "steps lost (max)", "d"), ("wall_mean", "seconds per trial", ".1f")])
+    print(
+        f"\nFault injection: {args.world} gloo processes (torchrun --max-restarts 1, --ep {args.world}), "
+        f"{args.steps} steps, a checkpoint every {args.ckpt_every}, --keep 2, seed {args.seed}; uninterrupted "
+        f"run {reference_s:.1f} s\n"
+    )
+    print_table(
+        table,
+        [
+            ("kind", "fault", ""),
+            ("trials", "trials", "d"),
+            ("survived", "survived", "d"),
+            ("equal", "final state = uninterrupted", "d"),
+            ("lost_mean", "steps lost (mean)", ".2f"),
+            ("lost_max", "steps lost (max)", "d"),
+            ("wall_mean", "seconds per trial", ".1f"),
+        ],
+    )
     path = args.out or ROOT / "benchmarks" / "results" / f"bench_faults_{args.world}.json"
-    payload = dict(benchmark="bench_faults", machine=machine_info(torch.device("cpu")), world=args.world,
-                   trials=args.trials, steps=args.steps, ckpt_every=args.ckpt_every, seed=args.seed,
-                   command=" ".join(command(args, Path("OUT"))[1:]).replace(str(args.data), "DATA"),
-                   reference_s=reference_s, summary=table, rows=rows)
+    payload = dict(
+        benchmark="bench_faults",
+        machine=machine_info(torch.device("cpu")),
+        world=args.world,
+        trials=args.trials,
+        steps=args.steps,
+        ckpt_every=args.ckpt_every,
+        seed=args.seed,
+        command=" ".join(command(args, Path("OUT"))[1:]).replace(str(args.data), "DATA"),
+        reference_s=reference_s,
+        summary=table,
+        rows=rows,
+    )
     print(f"wrote {write_json(path, payload)}")
 
 

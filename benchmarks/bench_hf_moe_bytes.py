@@ -55,11 +55,25 @@ TRANSFORMERS = "transformers tp=ep=4"
 def qwen3_config():
     import transformers as tf
 
-    return tf.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=128,
-                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                             attn_implementation="sdpa")
+    return tf.Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
 
 
 def batch() -> torch.Tensor:
@@ -96,7 +110,7 @@ def run_mode(rank: int, dp: int, ep: int, dedup: bool) -> dict:
     parallelize(model, build_mesh(ParallelDims(dp, ep), timeout_s=60), dedup=dedup)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     b = BATCH // WORLD
-    rows = batch()[rank * b:(rank + 1) * b]
+    rows = batch()[rank * b : (rank + 1) * b]
     _step(model, opt, rows)  # warm-up
     with CollectiveBytes() as counter:
         _step(model, opt, rows, counter)
@@ -105,20 +119,20 @@ def run_mode(rank: int, dp: int, ep: int, dedup: bool) -> dict:
 
 def run_transformers(rank: int, tmp: str) -> dict:
     """transformers' own tensor + expert parallelism, tp = ep = 4: every rank runs the whole batch."""
+    import torch.distributed as dist
     import transformers as tf
     from transformers.distributed import DistributedConfig
 
     from benchmarks.collective_bytes import CollectiveBytes
-
-    import torch.distributed as dist
 
     folder = Path(tmp, "tf_model")
     if rank == 0:  # save_pretrained writes on the main process only
         torch.manual_seed(0)
         tf.AutoModelForCausalLM.from_config(qwen3_config()).float().save_pretrained(folder)
     dist.barrier()
-    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                    distributed_config=DistributedConfig(tp_size=WORLD, ep_size=WORLD))
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=WORLD, ep_size=WORLD)
+    )
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     rows = batch()  # tensor parallelism: the same (whole) batch on every rank
@@ -135,8 +149,9 @@ def _worker(rank: int, store: str, out: str, batch_size: int, seq_len: int) -> N
     BATCH, SEQ = batch_size, seq_len  # a spawned process starts from the module's defaults
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
+    )
     res = {}
     for name, dp, ep, dedup in LAYOUTS:
         try:
@@ -156,15 +171,15 @@ def spawn(fn, timeout_s: float = 300.0) -> list[dict]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(fn, args=(str(Path(tmp) / "store"), tmp, BATCH, SEQ), nprocs=WORLD, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(
+            fn, args=(str(Path(tmp) / "store"), tmp, BATCH, SEQ), nprocs=WORLD, join=False, start_method="spawn"
+        )
         t0 = time.monotonic()
         while not all(Path(tmp, f"rank{r}.json").exists() for r in range(WORLD)):
             if time.monotonic() - t0 > timeout_s or not any(p.is_alive() for p in ctx.processes):
                 break
             time.sleep(0.2)
-        out = [json.loads(p.read_text()) if (p := Path(tmp, f"rank{r}.json")).exists() else None
-               for r in range(WORLD)]
+        out = [json.loads(p.read_text()) if (p := Path(tmp, f"rank{r}.json")).exists() else None for r in range(WORLD)]
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
@@ -206,12 +221,24 @@ def main(argv=None) -> dict:
     base = rows[-1]["total"]
     for r in rows:
         r["vs transformers"] = r["total"] / base if base else float("nan")
-    print(f"\nBytes sent per training step, all {WORLD} ranks together (global batch {BATCH}x{SEQ}; torch "
-          f"{info['torch']}, gloo)")
-    print_table(rows, [("variant", "variant", "s"), ("forward", "forward", ",d"), ("backward", "backward", ",d"),
-                       ("all_to_all", "all-to-all", ",d"), ("all_gather", "all-gather", ",d"),
-                       ("reduce_scatter", "reduce-scatter", ",d"), ("all_reduce", "all-reduce", ",d"),
-                       ("total", "total", ",d"), ("vs transformers", "÷ transformers", ".3f")])
+    print(
+        f"\nBytes sent per training step, all {WORLD} ranks together (global batch {BATCH}x{SEQ}; torch "
+        f"{info['torch']}, gloo)"
+    )
+    print_table(
+        rows,
+        [
+            ("variant", "variant", "s"),
+            ("forward", "forward", ",d"),
+            ("backward", "backward", ",d"),
+            ("all_to_all", "all-to-all", ",d"),
+            ("all_gather", "all-gather", ",d"),
+            ("reduce_scatter", "reduce-scatter", ",d"),
+            ("all_reduce", "all-reduce", ",d"),
+            ("total", "total", ",d"),
+            ("vs transformers", "÷ transformers", ".3f"),
+        ],
+    )
     path = write_json(ROOT / "benchmarks" / "results" / f"hf_moe_bytes_{BATCH}x{SEQ}.json", result)
     print(f"wrote {path}")
     return result
@@ -220,10 +247,17 @@ def main(argv=None) -> dict:
 def _row(name: str, total: dict) -> dict:
     def part(suffix: str) -> int:
         return sum(v for key, v in total.items() if key.endswith(suffix) or key.startswith(suffix))
-    return {"variant": name, "forward": part("forward/"), "backward": part("backward/"),
-            "all_to_all": part("/all_to_all"), "all_gather": part("/all_gather"),
-            "reduce_scatter": part("/reduce_scatter"), "all_reduce": part("/all_reduce") + part("/broadcast"),
-            "total": sum(total.values())}
+
+    return {
+        "variant": name,
+        "forward": part("forward/"),
+        "backward": part("backward/"),
+        "all_to_all": part("/all_to_all"),
+        "all_gather": part("/all_gather"),
+        "reduce_scatter": part("/reduce_scatter"),
+        "all_reduce": part("/all_reduce") + part("/broadcast"),
+        "total": sum(total.values()),
+    }
 
 
 if __name__ == "__main__":

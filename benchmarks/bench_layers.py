@@ -40,9 +40,20 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (add_device_arg, add_dtype_arg, add_malloc_arg, apply_malloc,  # noqa: E402
-                               apply_run_args, autocast, dtype_choice, fwd_bwd_step, machine_info, print_table,
-                               time_pair, write_json)
+from benchmarks.common import (  # noqa: E402
+    add_device_arg,
+    add_dtype_arg,
+    add_malloc_arg,
+    apply_malloc,
+    apply_run_args,
+    autocast,
+    dtype_choice,
+    fwd_bwd_step,
+    machine_info,
+    print_table,
+    time_pair,
+    write_json,
+)
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
 
 FULL = dict(tokens=4096, d_model=512, expert_hidden=2048, mod_batch=8, mod_seq=512, n_heads=8, warmup=3, repeats=5)
@@ -76,18 +87,42 @@ def bench_moe(cfg: dict, device: torch.device, seed: int, autocast_dtype: torch.
             base_step = fwd_bwd_step(dense, x, g, autocast_dtype)
             for backend in BACKENDS:
                 torch.manual_seed(seed + 1)  # same router weights, hence the same routing, for every backend
-                moe = MoELayer.from_config(MoEConfig(
-                    d_model=d, d_hidden=h, num_experts=e, router="token_choice", top_k=k,
-                    capacity_factor=None, backend=backend)).to(device)
+                moe = MoELayer.from_config(
+                    MoEConfig(
+                        d_model=d,
+                        d_hidden=h,
+                        num_experts=e,
+                        router="token_choice",
+                        top_k=k,
+                        capacity_factor=None,
+                        backend=backend,
+                    )
+                ).to(device)
                 with torch.no_grad(), autocast(device, autocast_dtype):
                     kept_E = moe(x)[1].stats["router"].kept_E
-                res = time_pair(fwd_bwd_step(moe, x, g, autocast_dtype), base_step, warmup=cfg["warmup"],
-                                repeats=cfg["repeats"], device=device)
-                rows.append(dict(
-                    case=f"MoE top-{k} E={e} / MLP h={k * h}", kind="moe", backend=backend, top_k=k, num_experts=e,
-                    tokens=T, d_model=d, expert_hidden=h, dense_hidden=k * h,
-                    flop_ratio=moe_flop_ratio(d, h, k, e),
-                    load_max_over_mean=float(kept_E.max() / kept_E.mean()), **res))
+                res = time_pair(
+                    fwd_bwd_step(moe, x, g, autocast_dtype),
+                    base_step,
+                    warmup=cfg["warmup"],
+                    repeats=cfg["repeats"],
+                    device=device,
+                )
+                rows.append(
+                    dict(
+                        case=f"MoE top-{k} E={e} / MLP h={k * h}",
+                        kind="moe",
+                        backend=backend,
+                        top_k=k,
+                        num_experts=e,
+                        tokens=T,
+                        d_model=d,
+                        expert_hidden=h,
+                        dense_hidden=k * h,
+                        flop_ratio=moe_flop_ratio(d, h, k, e),
+                        load_max_over_mean=float(kept_E.max() / kept_E.mean()),
+                        **res,
+                    )
+                )
                 _report(rows[-1])
                 del moe
                 gc.collect()
@@ -96,8 +131,9 @@ def bench_moe(cfg: dict, device: torch.device, seed: int, autocast_dtype: torch.
     return rows
 
 
-def bench_mod(cfg: dict, device: torch.device, seed: int, capacity: float = 0.125,
-              autocast_dtype: torch.dtype | None = None) -> dict:
+def bench_mod(
+    cfg: dict, device: torch.device, seed: int, capacity: float = 0.125, autocast_dtype: torch.dtype | None = None
+) -> dict:
     d, heads, B, S = cfg["d_model"], cfg["n_heads"], cfg["mod_batch"], cfg["mod_seq"]
     h = 4 * d
     torch.manual_seed(seed)
@@ -107,16 +143,31 @@ def bench_mod(cfg: dict, device: torch.device, seed: int, capacity: float = 0.12
     router = MoDRouter(MoDRouterConfig(d_model=d, capacity=capacity))
     mod = MoD(TransformerBlock(d, heads, MLP(d, h)), router).to(device)
     C = router.seq_capacity(S)
-    res = time_pair(fwd_bwd_step(mod, x, g, autocast_dtype), fwd_bwd_step(dense, x, g, autocast_dtype),
-                    warmup=cfg["warmup"],
-                    repeats=cfg["repeats"], device=device)
+    res = time_pair(
+        fwd_bwd_step(mod, x, g, autocast_dtype),
+        fwd_bwd_step(dense, x, g, autocast_dtype),
+        warmup=cfg["warmup"],
+        repeats=cfg["repeats"],
+        device=device,
+    )
 
     def ratio(causal_half: bool) -> float:
         return (block_flops(C, d, h, causal_half) + 2 * S * d) / block_flops(S, d, h, causal_half)
 
-    row = dict(case=f"MoD c={capacity} / dense block", kind="mod", backend="-", batch=B, seq=S, routed_per_seq=C,
-               d_model=d, n_heads=heads, mlp_hidden=h, flop_ratio=ratio(False), flop_ratio_causal_half=ratio(True),
-               **res)
+    row = dict(
+        case=f"MoD c={capacity} / dense block",
+        kind="mod",
+        backend="-",
+        batch=B,
+        seq=S,
+        routed_per_seq=C,
+        d_model=d,
+        n_heads=heads,
+        mlp_hidden=h,
+        flop_ratio=ratio(False),
+        flop_ratio_causal_half=ratio(True),
+        **res,
+    )
     _report(row)
     return row
 
@@ -128,12 +179,19 @@ def _report(row: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small shapes and few repeats (smoke test)")
-    p.add_argument("--out", default=None,
-                   help="JSON path (default benchmarks/results/layers.json, or layers_quick.json with --quick)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default benchmarks/results/layers.json, or layers_quick.json with --quick)",
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed pairs per case (after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="untimed pairs per case")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads(N) before timing (default: leave torch's default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads(N) before timing (default: leave torch's default)",
+    )
     p.add_argument("--seed", type=int, default=0)
     add_device_arg(p)
     add_dtype_arg(p)
@@ -147,11 +205,17 @@ def main(argv: list[str] | None = None) -> dict:
     out = args.out or str(ROOT / "benchmarks" / "results" / ("layers_quick.json" if args.quick else "layers.json"))
 
     info = machine_info(device)
-    print(f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {device} "
-          f"({info['device_name']}), {args.dtype}", file=sys.stderr)
+    print(
+        f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {device} "
+        f"({info['device_name']}), {args.dtype}",
+        file=sys.stderr,
+    )
     if device.type == "cuda" and compute is None:
-        print("note: float32 on CUDA times torch._grouped_mm's looped fallback (a host sync per GEMM), not its "
-              "fast kernel, which is bfloat16 only; pass --dtype bfloat16 (--bf16) to time that", file=sys.stderr)
+        print(
+            "note: float32 on CUDA times torch._grouped_mm's looped fallback (a host sync per GEMM), not its "
+            "fast kernel, which is bfloat16 only; pass --dtype bfloat16 (--bf16) to time that",
+            file=sys.stderr,
+        )
     rows = bench_moe(cfg, device, args.seed, compute) + [bench_mod(cfg, device, args.seed, autocast_dtype=compute)]
     if hasattr(os, "getloadavg"):
         info["loadavg_1_5_15_at_end"] = [round(v, 2) for v in os.getloadavg()]
@@ -161,23 +225,38 @@ def main(argv: list[str] | None = None) -> dict:
         r["baseline_ms"] = 1e3 * r["baseline_s_median"]
         r["spread"] = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
     print()
-    print_table(rows, [("case", "case", ""), ("backend", "backend", ""), ("ratio_median", "ratio", ".3f"),
-                       ("spread", "min-max", ""), ("cpu_ratio_median", "CPU-time ratio", ".3f"),
-                       ("flop_ratio", "FLOP ratio", ".3f"),
-                       ("candidate_ms", "cand ms", ".1f"), ("baseline_ms", "base ms", ".1f"),
-                       ("load_max_over_mean", "load max/mean", ".2f")])
+    print_table(
+        rows,
+        [
+            ("case", "case", ""),
+            ("backend", "backend", ""),
+            ("ratio_median", "ratio", ".3f"),
+            ("spread", "min-max", ""),
+            ("cpu_ratio_median", "CPU-time ratio", ".3f"),
+            ("flop_ratio", "FLOP ratio", ".3f"),
+            ("candidate_ms", "cand ms", ".1f"),
+            ("baseline_ms", "base ms", ".1f"),
+            ("load_max_over_mean", "load max/mean", ".2f"),
+        ],
+    )
     payload = dict(
         benchmark="bench_layers",
         command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-        config=cfg, device=str(device), dtype=args.dtype,
+        config=cfg,
+        device=str(device),
+        dtype=args.dtype,
         autocast=None if compute is None else f"torch.autocast({device.type!r}, {compute}); weights float32",
-        machine=info, malloc=malloc,
-        notes=("ratio = candidate / baseline wall time of forward+backward, median of interleaved pairs; "
-               "cpu_ratio_median: the same with process CPU time (all threads). "
-               "MoE: token-choice, dropless; baseline MLP hidden = top_k * expert_hidden (same active FLOPs). "
-               "FLOPs: 2mkn per matmul, full S^2 attention scores/values, router 2*D per token (MoD) or "
-               "2*D*E (MoE); flop_ratio_causal_half counts S^2/2 instead."),
-        results=rows)
+        machine=info,
+        malloc=malloc,
+        notes=(
+            "ratio = candidate / baseline wall time of forward+backward, median of interleaved pairs; "
+            "cpu_ratio_median: the same with process CPU time (all threads). "
+            "MoE: token-choice, dropless; baseline MLP hidden = top_k * expert_hidden (same active FLOPs). "
+            "FLOPs: 2mkn per matmul, full S^2 attention scores/values, router 2*D per token (MoD) or "
+            "2*D*E (MoE); flop_ratio_causal_half counts S^2/2 instead."
+        ),
+        results=rows,
+    )
     path = write_json(out, payload)
     print(f"\nwrote {path}", file=sys.stderr)
     return payload

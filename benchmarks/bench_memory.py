@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from mode.train.data import Corpus  # noqa: E402
 from mode.parallel.command import PRESETS  # noqa: E402
 from mode.train import Trainer  # noqa: E402
+from mode.train.data import Corpus  # noqa: E402
 
 LAYOUTS = {4: [(1, 4), (2, 2), (4, 1)], 2: [(1, 2), (2, 1)]}
 
@@ -74,15 +74,17 @@ def _worker(rank: int, world: int, store: str, out: str, presets: list[str]) -> 
     from mode.parallel import ParallelDims, build_mesh
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     res = {}
     for name in presets:
         preset = PRESETS[name]
         for dp, ep in LAYOUTS[world]:
             mesh = build_mesh(ParallelDims(dp, ep), timeout_s=600)
-            t = Trainer(preset.model, _train_cfg(preset), _corpus(), Path(out) / f"{name}_{dp}x{ep}", progress=False,
-                        mesh=mesh)
+            t = Trainer(
+                preset.model, _train_cfg(preset), _corpus(), Path(out) / f"{name}_{dp}x{ep}", progress=False, mesh=mesh
+            )
             _step(t)
             res[f"{name} {dp}x{ep}"] = _bytes(t)
             del t
@@ -114,17 +116,31 @@ def main() -> None:
         for world in (4, 2):
             out = tmp / f"w{world}"
             out.mkdir()
-            mp.start_processes(_worker, args=(world, str(tmp / f"store{world}"), str(out), args.preset),
-                               nprocs=world, join=True, start_method="spawn")
+            mp.start_processes(
+                _worker,
+                args=(world, str(tmp / f"store{world}"), str(out), args.preset),
+                nprocs=world,
+                join=True,
+                start_method="spawn",
+            )
             ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
             for key in ranks[0]:
                 per_layout[key] = [r[key] for r in ranks]
     for name in args.preset:
         one = single[name]
         total_one = sum(one.values())
-        rows.append({"preset": name, "layout": "one process", "ranks": 1, "max_rank_bytes": total_one,
-                     "params": one["param_expert"] + one["param_dense"],
-                     "optimizer": one["optim_expert"] + one["optim_dense"], "vs_one": 1.0, "ep_only_bytes": total_one})
+        rows.append(
+            {
+                "preset": name,
+                "layout": "one process",
+                "ranks": 1,
+                "max_rank_bytes": total_one,
+                "params": one["param_expert"] + one["param_dense"],
+                "optimizer": one["optim_expert"] + one["optim_dense"],
+                "vs_one": 1.0,
+                "ep_only_bytes": total_one,
+            }
+        )
         for world, layouts in LAYOUTS.items():
             for dp, ep in layouts:
                 ranks = per_layout[f"{name} {dp}x{ep}"]
@@ -132,21 +148,29 @@ def main() -> None:
                 worst = max(range(world), key=lambda i: totals[i])
                 r = ranks[worst]
                 ep_only = one["param_dense"] + one["optim_dense"] + (one["param_expert"] + one["optim_expert"]) / world
-                rows.append({"preset": name, "layout": f"dp={dp} x ep={ep}", "ranks": world,
-                             "max_rank_bytes": totals[worst], "params": r["param_expert"] + r["param_dense"],
-                             "optimizer": r["optim_expert"] + r["optim_dense"],
-                             "sum_over_ranks": sum(totals), "vs_one": totals[worst] / total_one,
-                             "ep_only_bytes": ep_only})
-    report = {"torch": torch.__version__, "seconds": time.time() - t0, "rows": rows,
-              "single_process_split": single}
+                rows.append(
+                    {
+                        "preset": name,
+                        "layout": f"dp={dp} x ep={ep}",
+                        "ranks": world,
+                        "max_rank_bytes": totals[worst],
+                        "params": r["param_expert"] + r["param_dense"],
+                        "optimizer": r["optim_expert"] + r["optim_dense"],
+                        "sum_over_ranks": sum(totals),
+                        "vs_one": totals[worst] / total_one,
+                        "ep_only_bytes": ep_only,
+                    }
+                )
+    report = {"torch": torch.__version__, "seconds": time.time() - t0, "rows": rows, "single_process_split": single}
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print("| preset | layout | params / rank | AdamW / rank | total / rank | vs one process | "
-          "EP without FSDP / rank |")
+    print("| preset | layout | params / rank | AdamW / rank | total / rank | vs one process | EP without FSDP / rank |")
     print("|---|---|---|---|---|---|---|")
-    mb = 2 ** 20
+    mb = 2**20
     for r in rows:
-        print(f"| {r['preset']} | {r['layout']} | {r['params'] / mb:.2f} MiB | {r['optimizer'] / mb:.2f} MiB | "
-              f"{r['max_rank_bytes'] / mb:.2f} MiB | {r['vs_one']:.3f} | {r['ep_only_bytes'] / mb:.2f} MiB |")
+        print(
+            f"| {r['preset']} | {r['layout']} | {r['params'] / mb:.2f} MiB | {r['optimizer'] / mb:.2f} MiB | "
+            f"{r['max_rank_bytes'] / mb:.2f} MiB | {r['vs_one']:.3f} | {r['ep_only_bytes'] / mb:.2f} MiB |"
+        )
     print(f"\nwrote {args.out} ({report['seconds']:.0f} s)")
 
 

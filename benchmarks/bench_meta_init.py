@@ -45,8 +45,17 @@ CONFIGS = {"36M": (256, 512, 8), "285M": (512, 1024, 16), "1.14B": (1024, 2048, 
 
 def _config(name: str) -> LMConfig:
     d, h, n = CONFIGS[name]
-    return LMConfig(seq_len=256, d_model=d, n_heads=8, d_hidden=h, layers=("moe",) * n, num_experts=16, top_k=2,
-                    capacity_factor=None, balance_coef=0.0)
+    return LMConfig(
+        seq_len=256,
+        d_model=d,
+        n_heads=8,
+        d_hidden=h,
+        layers=("moe",) * n,
+        num_experts=16,
+        top_k=2,
+        capacity_factor=None,
+        balance_coef=0.0,
+    )
 
 
 def _rss_now() -> int:
@@ -65,11 +74,15 @@ def _measure(build) -> dict:
     seconds = time.perf_counter() - t0
     params = list(model.parameters())
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-    return {"peak_growth": _peak() - before, "rss_growth_after": _rss_now() - before, "seconds": seconds,
-            "shard_bytes": sum(t.numel() * t.element_size() for t in local),
-            "full_bytes": sum(p.numel() * p.element_size() for p in params),
-            "largest_bytes": max(p.numel() * p.element_size() for p in params),
-            "params": sum(p.numel() for p in params)}
+    return {
+        "peak_growth": _peak() - before,
+        "rss_growth_after": _rss_now() - before,
+        "seconds": seconds,
+        "shard_bytes": sum(t.numel() * t.element_size() for t in local),
+        "full_bytes": sum(p.numel() * p.element_size() for p in params),
+        "largest_bytes": max(p.numel() * p.element_size() for p in params),
+        "params": sum(p.numel() for p in params),
+    }
 
 
 def _worker(rank: int, world: int, store: str, out: str, config: str, mode: str) -> None:
@@ -84,8 +97,9 @@ def _worker(rank: int, world: int, store: str, out: str, config: str, mode: str)
         from mode.parallel import ParallelDims, build_mesh, parallelize
         from mode.parallel.meta_init import build_on_meta, materialize
 
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=900))
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=900)
+        )
         mesh = build_mesh(ParallelDims(2, 2), timeout_s=900)
 
         def eager():
@@ -105,8 +119,9 @@ def _run(config: str, mode: str, world: int) -> list[dict]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(world, f"{tmp}/store", tmp, config, mode), nprocs=world,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _worker, args=(world, f"{tmp}/store", tmp, config, mode), nprocs=world, join=False, start_method="spawn"
+        )
         while not ctx.join(timeout=1):
             pass
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
@@ -116,8 +131,12 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", default=["285M", "1.14B"], choices=list(CONFIGS))
     p.add_argument("--quick", action="store_true", help="the 36M model only")
-    p.add_argument("--eager-max-gb", type=float, default=8.0,
-                   help="run eager on 4 ranks at once only when 4 full models take at most this many GB")
+    p.add_argument(
+        "--eager-max-gb",
+        type=float,
+        default=8.0,
+        help="run eager on 4 ranks at once only when 4 full models take at most this many GB",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "meta_init.json"))
     args = p.parse_args(argv)
     configs = ["36M"] if args.quick else args.configs
@@ -131,25 +150,51 @@ def main(argv: list[str] | None = None) -> dict:
             ranks = _run(name, mode, world)
             peaks = [r["peak_growth"] for r in ranks]
             r0 = ranks[0]
-            rows.append({"config": name, "params_M": r0["params"] / 1e6, "full_MiB": r0["full_bytes"] / MIB,
-                         "largest_MiB": r0["largest_bytes"] / MIB, "how": {"meta": "meta, 4 ranks",
-                                                                           "eager": "eager, 4 ranks",
-                                                                           "eager_one": "eager, one process"}[mode],
-                         "shard_MiB": max(r["shard_bytes"] for r in ranks) / MIB,
-                         "peak_MiB_max": max(peaks) / MIB, "peak_MiB_min": min(peaks) / MIB,
-                         "peak_over_full": max(peaks) / r0["full_bytes"],
-                         "seconds_build": max(r["seconds"] for r in ranks),
-                         "wall_s": time.perf_counter() - t0, "ranks": ranks})
-            print(f"{name} {rows[-1]['how']}: peak growth {max(peaks) / MIB:,.0f} MiB per rank "
-                  f"(full model {r0['full_bytes'] / MIB:,.0f} MiB)", flush=True)
+            rows.append(
+                {
+                    "config": name,
+                    "params_M": r0["params"] / 1e6,
+                    "full_MiB": r0["full_bytes"] / MIB,
+                    "largest_MiB": r0["largest_bytes"] / MIB,
+                    "how": {"meta": "meta, 4 ranks", "eager": "eager, 4 ranks", "eager_one": "eager, one process"}[
+                        mode
+                    ],
+                    "shard_MiB": max(r["shard_bytes"] for r in ranks) / MIB,
+                    "peak_MiB_max": max(peaks) / MIB,
+                    "peak_MiB_min": min(peaks) / MIB,
+                    "peak_over_full": max(peaks) / r0["full_bytes"],
+                    "seconds_build": max(r["seconds"] for r in ranks),
+                    "wall_s": time.perf_counter() - t0,
+                    "ranks": ranks,
+                }
+            )
+            print(
+                f"{name} {rows[-1]['how']}: peak growth {max(peaks) / MIB:,.0f} MiB per rank "
+                f"(full model {r0['full_bytes'] / MIB:,.0f} MiB)",
+                flush=True,
+            )
     print()
-    print_table(rows, [("config", "model", "s"), ("params_M", "params (M)", ",.0f"), ("how", "built", "s"),
-                       ("full_MiB", "full weights MiB", ",.0f"), ("shard_MiB", "shard MiB", ",.0f"),
-                       ("largest_MiB", "largest tensor MiB", ",.0f"), ("peak_MiB_max", "peak growth MiB", ",.0f"),
-                       ("peak_over_full", "peak / full", ".2f"), ("seconds_build", "build s", ".1f")])
-    payload = {"machine": machine_info(), "mesh": {"dp": 2, "ep": 2}, "dtype": "float32",
-               "configs": {n: dict(zip(("d_model", "d_hidden", "layers"), CONFIGS[n])) for n in configs},
-               "results": rows}
+    print_table(
+        rows,
+        [
+            ("config", "model", "s"),
+            ("params_M", "params (M)", ",.0f"),
+            ("how", "built", "s"),
+            ("full_MiB", "full weights MiB", ",.0f"),
+            ("shard_MiB", "shard MiB", ",.0f"),
+            ("largest_MiB", "largest tensor MiB", ",.0f"),
+            ("peak_MiB_max", "peak growth MiB", ",.0f"),
+            ("peak_over_full", "peak / full", ".2f"),
+            ("seconds_build", "build s", ".1f"),
+        ],
+    )
+    payload = {
+        "machine": machine_info(),
+        "mesh": {"dp": 2, "ep": 2},
+        "dtype": "float32",
+        "configs": {n: dict(zip(("d_model", "d_hidden", "layers"), CONFIGS[n])) for n in configs},
+        "results": rows,
+    }
     print(f"\nwrote {write_json(args.out, payload)}")
     return payload
 

@@ -34,8 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, machine_info, print_table,  # noqa: E402
-                               time_interleaved, write_json)
+from benchmarks.common import (  # noqa: E402
+    add_device_arg,
+    add_malloc_arg,
+    apply_malloc,
+    machine_info,
+    print_table,
+    time_interleaved,
+    write_json,
+)
 from mode import MLP, MoEConfig, MoELayer  # noqa: E402
 
 
@@ -61,8 +68,9 @@ def main(argv: list[str] | None = None) -> dict:
     g = torch.randn(1, T, D, device=dev)
     dense = MLP(D, K * H, activation="swiglu").to(dev)
     torch.manual_seed(1)
-    moe = MoELayer.from_config(MoEConfig(d_model=D, d_hidden=H, num_experts=E, top_k=K, renormalize=True,
-                                         activation="swiglu")).to(dev)
+    moe = MoELayer.from_config(
+        MoEConfig(d_model=D, d_hidden=H, num_experts=E, top_k=K, renormalize=True, activation="swiglu")
+    ).to(dev)
     with torch.no_grad():
         plan = moe.router(x)
         x_AD, counts_E, _ = moe.dispatcher.dispatch(x[0], plan)
@@ -126,27 +134,54 @@ def main(argv: list[str] | None = None) -> dict:
     def router_gemms():
         xd @ wr.t(), dl @ wr, dl.t() @ xd
 
-    fns = {"dense MLP": dense_step, "layer": layer, "router": router, "gather": gather, "experts": experts,
-           "combine": combine, "expert GEMMs": expert_gemms, "dense GEMMs": dense_gemms, "router GEMMs": router_gemms}
+    fns = {
+        "dense MLP": dense_step,
+        "layer": layer,
+        "router": router,
+        "gather": gather,
+        "experts": experts,
+        "combine": combine,
+        "expert GEMMs": expert_gemms,
+        "dense GEMMs": dense_gemms,
+        "router GEMMs": router_gemms,
+    }
     info = machine_info(dev)
     res = time_interleaved(fns, "dense MLP", warmup=args.warmup, repeats=args.repeats, device=dev)
     if hasattr(os, "getloadavg"):
         info["loadavg_1_5_15_at_end"] = [round(v, 2) for v in os.getloadavg()]
-    rows = [dict(part=k, ms=1e3 * r["s_median"], spread=f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}", **r)
-            for k, r in res.items()]
+    rows = [
+        dict(part=k, ms=1e3 * r["s_median"], spread=f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}", **r)
+        for k, r in res.items()
+    ]
     parts = sum(res[k]["ratio_median"] for k in ("router", "gather", "experts", "combine"))
-    print_table(rows, [("part", "part", ""), ("ms", "ms", ".1f"), ("ratio_median", "/ dense MLP", ".3f"),
-                       ("spread", "min-max", ""), ("cpu_ratio_median", "CPU-time ratio", ".3f")])
+    print_table(
+        rows,
+        [
+            ("part", "part", ""),
+            ("ms", "ms", ".1f"),
+            ("ratio_median", "/ dense MLP", ".3f"),
+            ("spread", "min-max", ""),
+            ("cpu_ratio_median", "CPU-time ratio", ".3f"),
+        ],
+    )
     gemm_ratio = statistics.median(e / d for e, d in zip(res["expert GEMMs"]["s"], res["dense GEMMs"]["s"]))
-    print(f"\nrouter + gather + experts + combine = {parts:.3f} of the dense MLP; expert GEMMs / dense GEMMs "
-          f"(median over rounds) = {gemm_ratio:.3f}", file=sys.stderr)
-    payload = dict(benchmark="bench_moe_parts",
-                   command=" ".join(["bench_moe_parts.py"] + (argv if argv is not None else sys.argv[1:])),
-                   config=dict(experts=E, hidden=H, tokens=T, d_model=D, top_k=K, repeats=args.repeats,
-                               warmup=args.warmup),
-                   load_max_over_mean=float(counts_E.max() / counts_E.float().mean()),
-                   parts_sum_ratio=parts, expert_over_dense_gemms=gemm_ratio,
-                   device=str(dev), machine=info, malloc=malloc, results=rows)
+    print(
+        f"\nrouter + gather + experts + combine = {parts:.3f} of the dense MLP; expert GEMMs / dense GEMMs "
+        f"(median over rounds) = {gemm_ratio:.3f}",
+        file=sys.stderr,
+    )
+    payload = dict(
+        benchmark="bench_moe_parts",
+        command=" ".join(["bench_moe_parts.py"] + (argv if argv is not None else sys.argv[1:])),
+        config=dict(experts=E, hidden=H, tokens=T, d_model=D, top_k=K, repeats=args.repeats, warmup=args.warmup),
+        load_max_over_mean=float(counts_E.max() / counts_E.float().mean()),
+        parts_sum_ratio=parts,
+        expert_over_dense_gemms=gemm_ratio,
+        device=str(dev),
+        machine=info,
+        malloc=malloc,
+        results=rows,
+    )
     print(f"wrote {write_json(args.out, payload)}", file=sys.stderr)
     return payload
 

@@ -59,9 +59,9 @@ import os
 import statistics
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -71,8 +71,17 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, apply_run_args,  # noqa: E402
-                               machine_info, print_table, save_figure, time_interleaved, write_json)
+from benchmarks.common import (  # noqa: E402
+    add_device_arg,
+    add_malloc_arg,
+    apply_malloc,
+    apply_run_args,
+    machine_info,
+    print_table,
+    save_figure,
+    time_interleaved,
+    write_json,
+)
 from mode import MLP, MoEConfig, MoELayer  # noqa: E402
 
 FULL = dict(tokens=4096, d_model=512, configs=((8, 1024), (64, 256)), warmup=3, repeats=9)
@@ -115,11 +124,23 @@ def _version(dist: str) -> str | None:
 
 # -- mode ------------------------------------------------------------------------------------------------
 
+
 def build_mode(cfg: dict, num_experts: int, hidden: int, backend: str, seed: int) -> MoELayer:
     torch.manual_seed(seed)  # the same router and expert weights for every backend
-    return MoELayer.from_config(MoEConfig(
-        d_model=cfg["d_model"], d_hidden=hidden, num_experts=num_experts, router="token_choice", top_k=TOP_K,
-        gate="softmax", renormalize=True, capacity_factor=None, activation="swiglu", backend=backend))
+    return MoELayer.from_config(
+        MoEConfig(
+            d_model=cfg["d_model"],
+            d_hidden=hidden,
+            num_experts=num_experts,
+            router="token_choice",
+            top_k=TOP_K,
+            gate="softmax",
+            renormalize=True,
+            capacity_factor=None,
+            activation="swiglu",
+            backend=backend,
+        )
+    )
 
 
 def _mode_weights(src: MoELayer) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -138,6 +159,7 @@ def _copy(param: nn.Parameter, value: Tensor) -> None:
 
 # -- transformers ----------------------------------------------------------------------------------------
 
+
 def transformers_impls() -> tuple[list[Impl], str | None]:
     """Mixtral and Qwen3-MoE sparse MoE blocks, or ([], why not)."""
     try:
@@ -145,11 +167,13 @@ def transformers_impls() -> tuple[list[Impl], str | None]:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-    except Exception as e:  # ImportError, or anything a half-installed stack raises at import
+    except Exception as e:  # noqa: BLE001 - ImportError, or anything a half-installed stack raises at import
         return [], f"transformers does not import here ({type(e).__name__}: {e}); {INSTALL}"
     if "grouped_mm" not in ALL_EXPERTS_FUNCTIONS:
-        return [], (f"transformers {_version('transformers')} has no 'grouped_mm' experts implementation "
-                    f"(transformers>=5 has it); {INSTALL}")
+        return [], (
+            f"transformers {_version('transformers')} has no 'grouped_mm' experts implementation "
+            f"(transformers>=5 has it); {INSTALL}"
+        )
 
     def copy_into(block: nn.Module, src: MoELayer) -> nn.Module:
         router, gate, up, down = _mode_weights(src)
@@ -161,19 +185,35 @@ def transformers_impls() -> tuple[list[Impl], str | None]:
 
     def mixtral(src: MoELayer) -> nn.Module:
         e, d, h = src.experts.num_experts, src.experts.cfg.d_model, src.experts.cfg.d_hidden
-        config = MixtralConfig(hidden_size=d, intermediate_size=h, num_local_experts=e, num_experts_per_tok=TOP_K,
-                               hidden_act="silu", router_jitter_noise=0.0, experts_implementation="grouped_mm")
+        config = MixtralConfig(
+            hidden_size=d,
+            intermediate_size=h,
+            num_local_experts=e,
+            num_experts_per_tok=TOP_K,
+            hidden_act="silu",
+            router_jitter_noise=0.0,
+            experts_implementation="grouped_mm",
+        )
         return copy_into(MixtralSparseMoeBlock(config), src)
 
     def qwen3(src: MoELayer) -> nn.Module:
         e, d, h = src.experts.num_experts, src.experts.cfg.d_model, src.experts.cfg.d_hidden
-        config = Qwen3MoeConfig(hidden_size=d, moe_intermediate_size=h, num_experts=e, num_experts_per_tok=TOP_K,
-                                norm_topk_prob=True, hidden_act="silu", experts_implementation="grouped_mm")
+        config = Qwen3MoeConfig(
+            hidden_size=d,
+            moe_intermediate_size=h,
+            num_experts=e,
+            num_experts_per_tok=TOP_K,
+            norm_topk_prob=True,
+            hidden_act="silu",
+            experts_implementation="grouped_mm",
+        )
         return copy_into(Qwen3MoeSparseMoeBlock(config), src)
 
     version = _version("transformers")
-    return [Impl(f"transformers {version} Mixtral block, grouped_mm", "transformers", mixtral),
-            Impl(f"transformers {version} Qwen3-MoE block, grouped_mm", "transformers", qwen3)], None
+    return [
+        Impl(f"transformers {version} Mixtral block, grouped_mm", "transformers", mixtral),
+        Impl(f"transformers {version} Qwen3-MoE block, grouped_mm", "transformers", qwen3),
+    ], None
 
 
 class _Bf16Weights(nn.Module):
@@ -189,11 +229,17 @@ class _Bf16Weights(nn.Module):
 
 
 def bf16_weights(impl: Impl) -> Impl:
-    return Impl(impl.name + ", weights in bfloat16", impl.family, lambda src: _Bf16Weights(impl.build(src)),
-                impl.returns_aux, float32=False)
+    return Impl(
+        impl.name + ", weights in bfloat16",
+        impl.family,
+        lambda src: _Bf16Weights(impl.build(src)),
+        impl.returns_aux,
+        float32=False,
+    )
 
 
 # -- torchtitan ------------------------------------------------------------------------------------------
+
 
 class _KeepFloat32(TorchFunctionMode):
     """Turns ``Tensor.bfloat16()`` into a no-op: torchtitan's grouped experts cast their inputs and weights
@@ -222,13 +268,15 @@ def torchtitan_impls() -> tuple[list[Impl], str | None]:
     """torchtitan's MoE as shipped (bfloat16 expert matmuls) and with float32 expert matmuls, or ([], why not)."""
     try:
         from torchtitan.models.common.linear import Linear
-        from torchtitan.models.common.moe import MoE, GroupedExperts, RoutedExperts, TokenChoiceTopKRouter
+        from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
         from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any import failure is reported as the reason this peer is skipped
         hint = INSTALL
         if isinstance(e, ModuleNotFoundError) and e.name == "triton":
-            hint = ("torchtitan 0.3 imports triton when it loads; CUDA builds of torch bring it, a CPU build "
-                    "does not: pip install triton")
+            hint = (
+                "torchtitan 0.3 imports triton when it loads; CUDA builds of torch bring it, a CPU build "
+                "does not: pip install triton"
+            )
         return [], f"torchtitan does not import here ({type(e).__name__}: {e}); {hint}"
 
     def build(src: MoELayer, float32: bool) -> nn.Module:
@@ -237,9 +285,16 @@ def torchtitan_impls() -> tuple[list[Impl], str | None]:
             num_experts=e,
             routed_experts=RoutedExperts.Config(
                 inner_experts=GroupedExperts.Config(dim=d, hidden_dim=h, num_experts=e),
-                token_dispatcher=LocalTokenDispatcher.Config(num_experts=e, top_k=TOP_K)),
-            router=TokenChoiceTopKRouter.Config(num_experts=e, gate=Linear.Config(in_features=d, out_features=e),
-                                                top_k=TOP_K, score_func="softmax", route_norm=True))
+                token_dispatcher=LocalTokenDispatcher.Config(num_experts=e, top_k=TOP_K),
+            ),
+            router=TokenChoiceTopKRouter.Config(
+                num_experts=e,
+                gate=Linear.Config(in_features=d, out_features=e),
+                top_k=TOP_K,
+                score_func="softmax",
+                route_norm=True,
+            ),
+        )
         moe = config.build()
         router, gate, up, down = _mode_weights(src)
         experts = moe.routed_experts.inner_experts
@@ -252,16 +307,23 @@ def torchtitan_impls() -> tuple[list[Impl], str | None]:
         return moe
 
     version = _version("torchtitan")
-    return [Impl(f"torchtitan {version} MoE, expert matmuls kept in float32", "torchtitan",
-                 lambda src: build(src, True)),
-            Impl(f"torchtitan {version} MoE as shipped (expert matmuls in bfloat16)", "torchtitan",
-                 lambda src: build(src, False), float32=False)], None
+    return [
+        Impl(f"torchtitan {version} MoE, expert matmuls kept in float32", "torchtitan", lambda src: build(src, True)),
+        Impl(
+            f"torchtitan {version} MoE as shipped (expert matmuls in bfloat16)",
+            "torchtitan",
+            lambda src: build(src, False),
+            float32=False,
+        ),
+    ], None
 
 
 # -- liger-kernel ----------------------------------------------------------------------------------------
 
-LIGER_WHEEL = ("liger-kernel: pip download liger-kernel --no-deps -d .whl (a 0.9 MB pure-Python wheel; "
-               "docs/gpu.md carries .whl/ to the GPU machine)")
+LIGER_WHEEL = (
+    "liger-kernel: pip download liger-kernel --no-deps -d .whl (a 0.9 MB pure-Python wheel; "
+    "docs/gpu.md carries .whl/ to the GPU machine)"
+)
 
 
 class _LigerMoE(nn.Module):
@@ -286,8 +348,9 @@ class _LigerMoE(nn.Module):
         w_TK = w_TK / w_TK.sum(-1, keepdim=True)
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        y_TD = self.fn(x_TD.to(dtype), self.gate_up.to(dtype), self.down.to(dtype), idx_TK.to(torch.int32),
-                       w_TK.to(dtype))
+        y_TD = self.fn(
+            x_TD.to(dtype), self.gate_up.to(dtype), self.down.to(dtype), idx_TK.to(torch.int32), w_TK.to(dtype)
+        )
         return y_TD.reshape(x.shape)
 
 
@@ -295,19 +358,27 @@ def liger_impls(device: torch.device) -> tuple[list[Impl], str | None]:
     """liger-kernel's fused MoE (CUDA only: Triton), or ([], why not)."""
     try:
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any import failure is reported as the reason this peer is skipped
         return [], f"liger-kernel does not import here ({type(e).__name__}: {e}); {LIGER_WHEEL}"
     if device.type != "cuda":
         return [], f"liger-kernel's fused MoE runs Triton kernels on CUDA only (device {device})"
     version = _version("liger-kernel")
-    return [Impl(f"liger-kernel {version} fused MoE (Triton)", "liger",
-                 lambda src: _LigerMoE(src, LigerFusedMoEFunction.apply), float32=False)], None
+    return [
+        Impl(
+            f"liger-kernel {version} fused MoE (Triton)",
+            "liger",
+            lambda src: _LigerMoE(src, LigerFusedMoEFunction.apply),
+            float32=False,
+        )
+    ], None
 
 
 # -- measurement -----------------------------------------------------------------------------------------
 
-def make_step(module: nn.Module, x: Tensor, grad_out: Tensor, returns_aux: bool,
-              with_aux: bool = True, bf16: bool = False) -> Callable[[], tuple[Tensor, Tensor]]:
+
+def make_step(
+    module: nn.Module, x: Tensor, grad_out: Tensor, returns_aux: bool, with_aux: bool = True, bf16: bool = False
+) -> Callable[[], tuple[Tensor, Tensor]]:
     """One forward + backward of ``<y, grad_out>`` (plus mode's aux losses when ``with_aux``), the forward
     under bfloat16 autocast when ``bf16``; returns (y, x.grad), both detached. Gradients of the module are
     dropped first."""
@@ -336,8 +407,9 @@ def max_abs_diff(a: Tensor, b: Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
 
-def bench_config(cfg: dict, num_experts: int, hidden: int, impls: list[Impl], device: torch.device,
-                 seed: int, bf16: bool = False) -> list[dict]:
+def bench_config(
+    cfg: dict, num_experts: int, hidden: int, impls: list[Impl], device: torch.device, seed: int, bf16: bool = False
+) -> list[dict]:
     d, T = cfg["d_model"], cfg["tokens"]
     tag = f"E={num_experts}, H={hidden}"
     torch.manual_seed(seed)
@@ -392,22 +464,41 @@ def bench_config(cfg: dict, num_experts: int, hidden: int, impls: list[Impl], de
             agrees = bool(dy <= BF16_REL_TOL and ddx <= BF16_REL_TOL)
         else:
             agrees = None  # torchtitan's bf16 experts in a float32 run: reported, not judged
-        rows.append(dict(
-            config=tag, num_experts=num_experts, expert_hidden=hidden, dense_hidden=TOP_K * hidden, tokens=T,
-            d_model=d, top_k=TOP_K,
-            implementation=(f"dense SwiGLU MLP, hidden 2H{', bf16 autocast' if bf16 else ''} (the baseline)"
-                            if name == "dense" else name),
-            family=impl.family if impl else ("mode" if name == MODE_FP32 else "dense"), backend=backends.get(name),
-            computes_in=computes_in, max_abs_diff_y=dy, max_abs_diff_dx=ddx,
-            same_function=impl.same_function if impl else None,
-            diff_is_relative=bf16 if dy is not None else None, agrees=agrees,
-            load_max_over_mean=float(kept_E.max() / kept_E.mean()),
-            ms=1e3 * res["s_median"], **res))
+        rows.append(
+            dict(
+                config=tag,
+                num_experts=num_experts,
+                expert_hidden=hidden,
+                dense_hidden=TOP_K * hidden,
+                tokens=T,
+                d_model=d,
+                top_k=TOP_K,
+                implementation=(
+                    f"dense SwiGLU MLP, hidden 2H{', bf16 autocast' if bf16 else ''} (the baseline)"
+                    if name == "dense"
+                    else name
+                ),
+                family=impl.family if impl else ("mode" if name == MODE_FP32 else "dense"),
+                backend=backends.get(name),
+                computes_in=computes_in,
+                max_abs_diff_y=dy,
+                max_abs_diff_dx=ddx,
+                same_function=impl.same_function if impl else None,
+                diff_is_relative=bf16 if dy is not None else None,
+                agrees=agrees,
+                load_max_over_mean=float(kept_E.max() / kept_E.mean()),
+                ms=1e3 * res["s_median"],
+                **res,
+            )
+        )
         if fp32_s is not None:
             rows[-1]["ratio_to_mode_float32"] = statistics.median(a / b for a, b in zip(res["s"], fp32_s))
-        print(f"  {tag:<14} {rows[-1]['implementation']:<62} ratio {res['ratio_median']:.3f}  "
-              f"|dy| {dy if dy is not None else '-'}  |dx| {ddx if ddx is not None else '-'}",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {tag:<14} {rows[-1]['implementation']:<62} ratio {res['ratio_median']:.3f}  "
+            f"|dy| {dy if dy is not None else '-'}  |dx| {ddx if ddx is not None else '-'}",
+            file=sys.stderr,
+            flush=True,
+        )
     del modules, steps, src, dense
     gc.collect()
     return rows
@@ -442,10 +533,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     save_figure(fig, path)
 
 
-FAMILY_SHAPES = {"full": dict(tokens=4096, d_model=512, experts=64, hidden=256, top_k=4, n_group=8, topk_group=4,
-                              warmup=3, repeats=9),
-                 "quick": dict(tokens=128, d_model=32, experts=8, hidden=16, top_k=2, n_group=4, topk_group=2,
-                               warmup=1, repeats=3)}
+FAMILY_SHAPES = {
+    "full": dict(
+        tokens=4096, d_model=512, experts=64, hidden=256, top_k=4, n_group=8, topk_group=4, warmup=3, repeats=9
+    ),
+    "quick": dict(tokens=128, d_model=32, experts=8, hidden=16, top_k=2, n_group=4, topk_group=2, warmup=1, repeats=3),
+}
 
 
 class FirstOutput(nn.Module):
@@ -471,25 +564,51 @@ def family_blocks(shape: dict) -> dict[str, tuple[nn.Module, object]]:
     # name -> (model type, module, block class, config fields): the router kinds of mode.hf.moe.families
     kinds = {
         "Qwen3-MoE": ("qwen3_moe", "qwen3_moe", "Qwen3MoeSparseMoeBlock", dict(num_experts=e, norm_topk_prob=True)),
-        "Qwen2-MoE": ("qwen2_moe", "qwen2_moe", "Qwen2MoeSparseMoeBlock",
-                      dict(num_experts=e, shared_expert_intermediate_size=4 * h, norm_topk_prob=False)),
-        "DeepSeek-V3": ("deepseek_v3", "deepseek_v3", "DeepseekV3MoE",
-                        dict(n_routed_experts=e, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-                             **groups)),
-        "DeepSeek-V2": ("deepseek_v2", "deepseek_v2", "DeepseekV2Moe",
-                        dict(n_routed_experts=e, n_shared_experts=1, routed_scaling_factor=2.5,
-                             topk_method="group_limited_greedy", **groups)),
-        "ERNIE-4.5": ("ernie4_5_moe", "ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock",
-                      dict(moe_num_experts=e, moe_k=k, moe_num_shared_experts=0)),
-        "LFM2-MoE": ("lfm2_moe", "lfm2_moe", "Lfm2MoeSparseMoeBlock",
-                     dict(num_experts=e, use_expert_bias=True, norm_topk_prob=True, routed_scaling_factor=1.0)),
-        "Granite-MoE": ("granitemoe", "granitemoe", "GraniteMoeMoE",
-                        dict(num_local_experts=e, intermediate_size=h)),
+        "Qwen2-MoE": (
+            "qwen2_moe",
+            "qwen2_moe",
+            "Qwen2MoeSparseMoeBlock",
+            dict(num_experts=e, shared_expert_intermediate_size=4 * h, norm_topk_prob=False),
+        ),
+        "DeepSeek-V3": (
+            "deepseek_v3",
+            "deepseek_v3",
+            "DeepseekV3MoE",
+            dict(n_routed_experts=e, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, **groups),
+        ),
+        "DeepSeek-V2": (
+            "deepseek_v2",
+            "deepseek_v2",
+            "DeepseekV2Moe",
+            dict(
+                n_routed_experts=e,
+                n_shared_experts=1,
+                routed_scaling_factor=2.5,
+                topk_method="group_limited_greedy",
+                **groups,
+            ),
+        ),
+        "ERNIE-4.5": (
+            "ernie4_5_moe",
+            "ernie4_5_moe",
+            "Ernie4_5_MoeSparseMoeBlock",
+            dict(moe_num_experts=e, moe_k=k, moe_num_shared_experts=0),
+        ),
+        "LFM2-MoE": (
+            "lfm2_moe",
+            "lfm2_moe",
+            "Lfm2MoeSparseMoeBlock",
+            dict(num_experts=e, use_expert_bias=True, norm_topk_prob=True, routed_scaling_factor=1.0),
+        ),
+        "Granite-MoE": ("granitemoe", "granitemoe", "GraniteMoeMoE", dict(num_local_experts=e, intermediate_size=h)),
         "gpt-oss": ("gpt_oss", "gpt_oss", "GptOssMLP", dict(num_local_experts=e, intermediate_size=h)),
         "Llama-4": ("llama4_text", "llama4", "Llama4TextMoe", dict(num_local_experts=e, intermediate_size=h)),
-        "LongCat-Flash": ("longcat_flash", "longcat_flash", "LongcatFlashMoE",
-                          dict(n_routed_experts=e, zero_expert_num=e // 2, expert_ffn_hidden_size=h,
-                               routed_scaling_factor=6.0)),
+        "LongCat-Flash": (
+            "longcat_flash",
+            "longcat_flash",
+            "LongcatFlashMoE",
+            dict(n_routed_experts=e, zero_expert_num=e // 2, expert_ffn_hidden_size=h, routed_scaling_factor=6.0),
+        ),
     }
     out = {}
     g = torch.Generator().manual_seed(0)
@@ -530,21 +649,41 @@ def bench_families(shape: dict, device: torch.device, seed: int, bf16: bool = Fa
         off_T = dy_T > BF16_TOL * float(y_b.float().abs().max())
         tokens_off = float(off_T.float().mean())
         dy_alike = float(dy_T[~off_T].max()) if (~off_T).any() else float("nan")
-        timing = time_interleaved({"mode": make_step(ours, x, g, True, with_aux=False, bf16=bf16),
-                                   "transformers": make_step(theirs, x, g, False, bf16=bf16)}, "transformers",
-                                  warmup=shape["warmup"], repeats=shape["repeats"], device=device)
-        rows.append(dict(family=name, precision="bf16" if bf16 else "float32", tokens=shape["tokens"],
-                         d_model=shape["d_model"], experts=shape["experts"], hidden=shape["hidden"],
-                         top_k=shape["top_k"], max_abs_diff_y=dy, max_abs_diff_dx=ddx,
-                         tokens_routed_off=tokens_off, max_abs_diff_y_alike=dy_alike,
-                         agrees=bool(tokens_off <= 0.1 and dy_alike <= tol * scale) if bf16 else
-                         bool(max(dy, ddx) <= tol),
-                         mode_over_transformers=timing["mode"]["ratio_median"],
-                         spread=f"{timing['mode']['ratio_min']:.2f}-{timing['mode']['ratio_max']:.2f}",
-                         mode_ms=1e3 * timing["mode"]["s_median"],
-                         transformers_ms=1e3 * timing["transformers"]["s_median"]))
-        print(f"  {name:<14} mode / transformers {rows[-1]['mode_over_transformers']:.3f}  |dy| {dy:.1e}  "
-              f"|dx| {ddx:.1e}", file=sys.stderr, flush=True)
+        timing = time_interleaved(
+            {
+                "mode": make_step(ours, x, g, True, with_aux=False, bf16=bf16),
+                "transformers": make_step(theirs, x, g, False, bf16=bf16),
+            },
+            "transformers",
+            warmup=shape["warmup"],
+            repeats=shape["repeats"],
+            device=device,
+        )
+        rows.append(
+            dict(
+                family=name,
+                precision="bf16" if bf16 else "float32",
+                tokens=shape["tokens"],
+                d_model=shape["d_model"],
+                experts=shape["experts"],
+                hidden=shape["hidden"],
+                top_k=shape["top_k"],
+                max_abs_diff_y=dy,
+                max_abs_diff_dx=ddx,
+                tokens_routed_off=tokens_off,
+                max_abs_diff_y_alike=dy_alike,
+                agrees=bool(tokens_off <= 0.1 and dy_alike <= tol * scale) if bf16 else bool(max(dy, ddx) <= tol),
+                mode_over_transformers=timing["mode"]["ratio_median"],
+                spread=f"{timing['mode']['ratio_min']:.2f}-{timing['mode']['ratio_max']:.2f}",
+                mode_ms=1e3 * timing["mode"]["s_median"],
+                transformers_ms=1e3 * timing["transformers"]["s_median"],
+            )
+        )
+        print(
+            f"  {name:<14} mode / transformers {rows[-1]['mode_over_transformers']:.3f}  |dy| {dy:.1e}  |dx| {ddx:.1e}",
+            file=sys.stderr,
+            flush=True,
+        )
     return rows
 
 
@@ -557,20 +696,37 @@ def main_families(args, device: torch.device) -> dict:
     bf16 = args.precision == "bf16"
     rows = bench_families(shape, device, args.seed, bf16=bf16)
     print()
-    extra = [("tokens_routed_off", "tokens off", ".3f"), ("max_abs_diff_y_alike", "max |dy| rest", ".1e")] if bf16 else []
-    print_table(rows, [("family", "transformers block", ""), ("agrees", "agrees", ""), *extra,
-                       ("mode_over_transformers", "mode / block", ".3f"),
-                       ("spread", "min-max", ""), ("mode_ms", "mode ms", ".1f"), ("transformers_ms", "block ms", ".1f"),
-                       ("max_abs_diff_y", "max |dy|", ".1e"), ("max_abs_diff_dx", "max |dx|", ".1e")])
-    payload = dict(benchmark="bench_peers --families",
-                   command=" ".join(["bench_peers.py"] + sys.argv[1:]), shape=shape, device=str(device),
-                   machine=info, notes="forward + backward of <y, g>, no aux losses; ratio = mode's wall time / "
-                                       "the transformers block's in the same round, median over rounds; bf16: "
-                                       "both under bfloat16 autocast; tokens_routed_off: the share of tokens whose "
-                                       "output differs by more than 5e-2 of the largest |y| (their top-k of bf16 "
-                                       "logits differs from ours of float32 logits); agrees: <= 10% of them and "
-                                       "the rest within 5e-2 of the largest value",
-                   results=rows)
+    extra = (
+        [("tokens_routed_off", "tokens off", ".3f"), ("max_abs_diff_y_alike", "max |dy| rest", ".1e")] if bf16 else []
+    )
+    print_table(
+        rows,
+        [
+            ("family", "transformers block", ""),
+            ("agrees", "agrees", ""),
+            *extra,
+            ("mode_over_transformers", "mode / block", ".3f"),
+            ("spread", "min-max", ""),
+            ("mode_ms", "mode ms", ".1f"),
+            ("transformers_ms", "block ms", ".1f"),
+            ("max_abs_diff_y", "max |dy|", ".1e"),
+            ("max_abs_diff_dx", "max |dx|", ".1e"),
+        ],
+    )
+    payload = dict(
+        benchmark="bench_peers --families",
+        command=" ".join(["bench_peers.py"] + sys.argv[1:]),
+        shape=shape,
+        device=str(device),
+        machine=info,
+        notes="forward + backward of <y, g>, no aux losses; ratio = mode's wall time / "
+        "the transformers block's in the same round, median over rounds; bf16: "
+        "both under bfloat16 autocast; tokens_routed_off: the share of tokens whose "
+        "output differs by more than 5e-2 of the largest |y| (their top-k of bf16 "
+        "logits differs from ours of float32 logits); agrees: <= 10% of them and "
+        "the rest within 5e-2 of the largest value",
+        results=rows,
+    )
     stem = "peers_families" + ("_bf16" if bf16 else "") + ("_quick" if args.quick else "")
     path = write_json(Path(args.out or ROOT / "benchmarks" / "results" / f"{stem}.json"), payload)
     print(f"\nwrote {path}", file=sys.stderr)
@@ -580,25 +736,45 @@ def main_families(args, device: torch.device) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (smoke test)")
-    p.add_argument("--out", default=None,
-                   help="JSON path (default benchmarks/results/peers.json, peers_quick.json with --quick); "
-                        "the PNG goes next to it")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default benchmarks/results/peers.json, peers_quick.json with --quick); "
+        "the PNG goes next to it",
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed rounds per configuration (after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds per configuration")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) (default: torch's)")
-    p.add_argument("--experts", type=int, nargs="*", default=None,
-                   help="run only the configurations with these expert counts (e.g. --experts 64)")
+    p.add_argument(
+        "--experts",
+        type=int,
+        nargs="*",
+        default=None,
+        help="run only the configurations with these expert counts (e.g. --experts 64)",
+    )
     p.add_argument("--tokens", type=int, default=None, help="tokens per call (default: the preset's)")
     p.add_argument("--d-model", type=int, default=None, help="model width D (default: the preset's)")
-    p.add_argument("--configs", nargs="+", default=None, metavar="E:H",
-                   help="expert count and expert hidden per configuration, e.g. 8:2048 64:512 (default: the "
-                        "preset's); the GPU suite uses sizes a GPU is not idle on")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        metavar="E:H",
+        help="expert count and expert hidden per configuration, e.g. 8:2048 64:512 (default: the "
+        "preset's); the GPU suite uses sizes a GPU is not idle on",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--precision", choices=("float32", "bf16"), default="float32",
-                   help="bf16: everything under bfloat16 autocast, beside mode and the dense MLP in float32")
-    p.add_argument("--families", action="store_true",
-                   help="one transformers MoE block per router kind against mode configured as each (float32, or "
-                        "--precision bf16)")
+    p.add_argument(
+        "--precision",
+        choices=("float32", "bf16"),
+        default="float32",
+        help="bf16: everything under bfloat16 autocast, beside mode and the dense MLP in float32",
+    )
+    p.add_argument(
+        "--families",
+        action="store_true",
+        help="one transformers MoE block per router kind against mode configured as each (float32, or "
+        "--precision bf16)",
+    )
     add_device_arg(p)
     add_malloc_arg(p)
     args = p.parse_args(argv)
@@ -612,20 +788,32 @@ def main(argv: list[str] | None = None) -> dict:
     cfg.update(shape_overrides(args))
     configs = [c for c in cfg["configs"] if args.experts is None or c[0] in args.experts]
     if not configs:
-        raise SystemExit(f"--experts {args.experts}: no configuration has that many experts "
-                         f"(configurations: {[c[0] for c in cfg['configs']]})")
+        raise SystemExit(
+            f"--experts {args.experts}: no configuration has that many experts "
+            f"(configurations: {[c[0] for c in cfg['configs']]})"
+        )
     device = args.device
     stem = "peers" + ("_bf16" if bf16 else "") + ("_quick" if args.quick else "")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"{stem}.json")
 
-    impls = [Impl("mode, auto", "mode", lambda src: src, returns_aux=True),
-             Impl("mode, reference", "mode", lambda src: _rebuild_mode(src, "reference"), returns_aux=True),
-             Impl(RECIPES_SAME, "mode", lambda src: _rebuild_mode(src, "auto", RECIPE_OPTIONS), returns_aux=True),
-             Impl(RECIPES_GROUPS, "mode", lambda src: _rebuild_mode(src, "auto", {**RECIPE_OPTIONS, **GROUPS}),
-                  returns_aux=True, same_function=False)]
+    impls = [
+        Impl("mode, auto", "mode", lambda src: src, returns_aux=True),
+        Impl("mode, reference", "mode", lambda src: _rebuild_mode(src, "reference"), returns_aux=True),
+        Impl(RECIPES_SAME, "mode", lambda src: _rebuild_mode(src, "auto", RECIPE_OPTIONS), returns_aux=True),
+        Impl(
+            RECIPES_GROUPS,
+            "mode",
+            lambda src: _rebuild_mode(src, "auto", {**RECIPE_OPTIONS, **GROUPS}),
+            returns_aux=True,
+            same_function=False,
+        ),
+    ]
     skipped = {}
-    for family, loader in (("transformers", transformers_impls), ("torchtitan", torchtitan_impls),
-                           ("liger", lambda: liger_impls(device))):
+    for family, loader in (
+        ("transformers", transformers_impls),
+        ("torchtitan", torchtitan_impls),
+        ("liger", lambda: liger_impls(device)),
+    ):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # import-time deprecation chatter of the peers
             found, reason = loader()
@@ -637,10 +825,14 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"skipping {family}: {reason}", file=sys.stderr)
 
     info = machine_info(device)
-    info["versions"] = {dist: _version(dist) for dist in ("mode-torch", "transformers", "torchtitan", "triton",
-                                                          "liger-kernel")}
-    print(f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {device} "
-          f"({info['device_name']})", file=sys.stderr)
+    info["versions"] = {
+        dist: _version(dist) for dist in ("mode-torch", "transformers", "torchtitan", "triton", "liger-kernel")
+    }
+    print(
+        f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {device} "
+        f"({info['device_name']})",
+        file=sys.stderr,
+    )
     rows = []
     with warnings.catch_warnings():
         # torchtitan's router enters torch.autocast(dtype=float32), which CPU autocast rejects with a warning
@@ -666,7 +858,9 @@ def main(argv: list[str] | None = None) -> dict:
         columns += [(t, f"{t}: ratio", ".3f"), (t + " spread", "min-max", "")]
         if bf16:
             columns += [(t + " vs fp32", "time / mode fp32", ".3f")]
-        columns += [(t + " |dy|,|dx|", "max |dy|, |dx| vs mode fp32, relative" if bf16 else "max |dy|, |dx| vs mode", "")]
+        columns += [
+            (t + " |dy|,|dx|", "max |dy|, |dx| vs mode fp32, relative" if bf16 else "max |dy|, |dx| vs mode", "")
+        ]
     print()
     print_table(list(wide.values()), columns)
     for family, reason in skipped.items():
@@ -676,21 +870,36 @@ def main(argv: list[str] | None = None) -> dict:
         benchmark="bench_peers",
         command=" ".join(["bench_peers.py"] + (argv if argv is not None else sys.argv[1:])),
         config={k: (list(map(list, v)) if k == "configs" else v) for k, v in cfg.items()},
-        device=str(device), dtype=args.precision, machine=info, malloc=malloc, skipped=skipped,
-        notes=("ratio = forward+backward wall time / the dense SwiGLU MLP's (hidden top_k * H, the same active "
-               "FLOPs) in the same round, median over rounds; cpu_ratio_median: the same in process CPU time. "
-               "Same weights everywhere (copied from mode's layer), so the same routing: softmax, top-2, "
-               "renormalised. max_abs_diff_*: output and input gradient of <y, g> against 'mode, auto', measured "
-               "before timing, without aux losses. mode is timed as shipped (its balance and z-loss included); "
-               "the peers' blocks compute no aux loss."
-               + (" bf16: the ratio's baseline is the dense MLP under bf16 autocast; ratio_to_mode_float32 = time / "
-                  "mode's float32 layer's in the same round; max_abs_diff_* are relative to the largest value of "
-                  "mode's float32 y and x.grad." if bf16 else "")),
-        results=rows)
+        device=str(device),
+        dtype=args.precision,
+        machine=info,
+        malloc=malloc,
+        skipped=skipped,
+        notes=(
+            "ratio = forward+backward wall time / the dense SwiGLU MLP's (hidden top_k * H, the same active "
+            "FLOPs) in the same round, median over rounds; cpu_ratio_median: the same in process CPU time. "
+            "Same weights everywhere (copied from mode's layer), so the same routing: softmax, top-2, "
+            "renormalised. max_abs_diff_*: output and input gradient of <y, g> against 'mode, auto', measured "
+            "before timing, without aux losses. mode is timed as shipped (its balance and z-loss included); "
+            "the peers' blocks compute no aux loss."
+            + (
+                " bf16: the ratio's baseline is the dense MLP under bf16 autocast; ratio_to_mode_float32 = time / "
+                "mode's float32 layer's in the same round; max_abs_diff_* are relative to the largest value of "
+                "mode's float32 y and x.grad."
+                if bf16
+                else ""
+            )
+        ),
+        results=rows,
+    )
     path = write_json(out, payload)
     png = path.with_suffix(".png")
-    plot(rows, png, f"{device} ({info['device_name']}), {info['torch_threads']} thread(s), {args.precision}, "
-                    f"{cfg['tokens']} tokens, d={cfg['d_model']}, top-2 SwiGLU")
+    plot(
+        rows,
+        png,
+        f"{device} ({info['device_name']}), {info['torch_threads']} thread(s), {args.precision}, "
+        f"{cfg['tokens']} tokens, d={cfg['d_model']}, top-2 SwiGLU",
+    )
     print(f"\nwrote {path} and {png}", file=sys.stderr)
     return payload
 
@@ -718,10 +927,21 @@ def shape_overrides(args: argparse.Namespace) -> dict:
 def _rebuild_mode(src: MoELayer, backend: str, router_options: dict | None = None) -> MoELayer:
     """mode's layer with another expert backend (and router options) and the same weights."""
     cfg = src.experts.cfg
-    layer = MoELayer.from_config(MoEConfig(
-        d_model=cfg.d_model, d_hidden=cfg.d_hidden, num_experts=cfg.num_experts, router="token_choice",
-        top_k=TOP_K, gate="softmax", renormalize=True, capacity_factor=None, activation="swiglu", backend=backend,
-        router_options=dict(router_options or {})))
+    layer = MoELayer.from_config(
+        MoEConfig(
+            d_model=cfg.d_model,
+            d_hidden=cfg.d_hidden,
+            num_experts=cfg.num_experts,
+            router="token_choice",
+            top_k=TOP_K,
+            gate="softmax",
+            renormalize=True,
+            capacity_factor=None,
+            activation="swiglu",
+            backend=backend,
+            router_options=dict(router_options or {}),
+        )
+    )
     layer.load_state_dict(src.state_dict(), strict=not router_options)  # the options add a zero bias buffer
     return layer
 

@@ -32,8 +32,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_layers import FULL, QUICK, bench_mod, bench_moe, moe_flop_ratio  # noqa: E402
-from benchmarks.common import (add_device_arg, add_malloc_arg, apply_malloc, fwd_bwd_step, machine_info,  # noqa: E402
-                               print_table, time_pair, write_json)
+from benchmarks.common import (  # noqa: E402
+    add_device_arg,
+    add_malloc_arg,
+    apply_malloc,
+    fwd_bwd_step,
+    machine_info,
+    print_table,
+    time_pair,
+    write_json,
+)
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
 from mode.measure.flops import forward_flops_per_token  # noqa: E402
 from mode.model import LM, LMConfig, alternate  # noqa: E402
@@ -47,19 +55,36 @@ def bench_moe_balanced(cfg: dict, device: torch.device, seed: int) -> dict:
     x = torch.randn(1, T, d, device=device, requires_grad=True)
     g = torch.randn(1, T, d, device=device)
     dense = MLP(d, h).to(device)
-    moe = MoELayer.from_config(MoEConfig(d_model=d, d_hidden=h, num_experts=e, router="expert_choice",
-                                         capacity_factor=1.0, backend="grouped")).to(device)
-    res = time_pair(fwd_bwd_step(moe, x, g), fwd_bwd_step(dense, x, g), warmup=cfg["warmup"],
-                    repeats=cfg["repeats"], device=device)
-    row = dict(case=f"MoE expert-choice E={e} ({T // e} rows each) / MLP h={h}", kind="moe", backend="grouped",
-               top_k=None, num_experts=e, tokens=T, flop_ratio=moe_flop_ratio(d, h, 1, e), target=1.10,
-               load_max_over_mean=1.0, **res)
+    moe = MoELayer.from_config(
+        MoEConfig(d_model=d, d_hidden=h, num_experts=e, router="expert_choice", capacity_factor=1.0, backend="grouped")
+    ).to(device)
+    res = time_pair(
+        fwd_bwd_step(moe, x, g), fwd_bwd_step(dense, x, g), warmup=cfg["warmup"], repeats=cfg["repeats"], device=device
+    )
+    row = dict(
+        case=f"MoE expert-choice E={e} ({T // e} rows each) / MLP h={h}",
+        kind="moe",
+        backend="grouped",
+        top_k=None,
+        num_experts=e,
+        tokens=T,
+        flop_ratio=moe_flop_ratio(d, h, 1, e),
+        target=1.10,
+        load_max_over_mean=1.0,
+        **res,
+    )
     print(f"  {row['case']:<40} ratio {res['ratio_median']:.3f}", file=sys.stderr, flush=True)
     return row
 
 
-def bench_lm_step(quick: bool, device: torch.device, seed: int, warmup: int, repeats: int,
-                  shape: tuple[int, int, int, int] | None = None) -> dict:
+def bench_lm_step(
+    quick: bool,
+    device: torch.device,
+    seed: int,
+    warmup: int,
+    repeats: int,
+    shape: tuple[int, int, int, int] | None = None,
+) -> dict:
     """Full training step (forward, backward, AdamW) of an MoD LM vs the dense LM of the same shape.
 
     ``shape``: (seq_len, batch, d_model, layers), default by ``quick``; the GPU suite passes a larger one."""
@@ -85,8 +110,18 @@ def bench_lm_step(quick: bool, device: torch.device, seed: int, warmup: int, rep
 
     res = time_pair(step_fn(cfg_mod), step_fn(cfg_dense), warmup=warmup, repeats=repeats, device=device)
     flop_ratio = forward_flops_per_token(cfg_mod) / forward_flops_per_token(cfg_dense)
-    return dict(case=f"MoD LM step / dense LM step (S={S}, d={d}, {layers} layers)", kind="lm", backend="-",
-                seq=S, batch=B, d_model=d, layers=layers, flop_ratio=flop_ratio, target=0.62, **res)
+    return dict(
+        case=f"MoD LM step / dense LM step (S={S}, d={d}, {layers} layers)",
+        kind="lm",
+        backend="-",
+        seq=S,
+        batch=B,
+        d_model=d,
+        layers=layers,
+        flop_ratio=flop_ratio,
+        target=0.62,
+        **res,
+    )
 
 
 def bench_compile(quick: bool, device: torch.device, seed: int, warmup: int, repeats: int) -> list[dict]:
@@ -97,16 +132,23 @@ def bench_compile(quick: bool, device: torch.device, seed: int, warmup: int, rep
     torch._dynamo.config.capture_scalar_outputs = True
     rows = []
     torch.manual_seed(seed)
-    mod = MoD(TransformerBlock(d, 8 if d >= 512 else 4, MLP(d, 4 * d)),
-              MoDRouter(MoDRouterConfig(d, capacity=0.125, check_finite=False))).to(device)
+    mod = MoD(
+        TransformerBlock(d, 8 if d >= 512 else 4, MLP(d, 4 * d)),
+        MoDRouter(MoDRouterConfig(d, capacity=0.125, check_finite=False)),
+    ).to(device)
     moe = MoELayer.from_config(MoEConfig(d_model=d, d_hidden=4 * d, num_experts=8, top_k=2, backend="grouped"))
     moe.router.cfg.check_finite = False
     for name, layer, shape in (("MoD block c=0.125", mod, (B, S, d)), ("MoE top-2 E=8", moe.to(device), (1, T, d))):
         x = torch.randn(*shape, device=device, requires_grad=True)
         g = torch.randn(*shape, device=device)
         compiled = torch.compile(layer)
-        res = time_pair(fwd_bwd_step(compiled, x, g), fwd_bwd_step(layer, x, g), warmup=max(warmup, 2),
-                        repeats=repeats, device=device)  # the first warm-up call compiles
+        res = time_pair(
+            fwd_bwd_step(compiled, x, g),
+            fwd_bwd_step(layer, x, g),
+            warmup=max(warmup, 2),
+            repeats=repeats,
+            device=device,
+        )  # the first warm-up call compiles
         rows.append(dict(case=f"compiled / eager: {name}", kind="compile", backend="inductor", **res))
         print(f"  {rows[-1]['case']:<40} ratio {res['ratio_median']:.3f}", file=sys.stderr, flush=True)
     return rows
@@ -124,17 +166,30 @@ def bench_gpu(quick: bool, device: torch.device, seed: int, warmup: int, repeats
         for backend in ("grouped", "megablocks"):
             torch.manual_seed(seed + 1)  # same router weights, hence the same routing, for both backends
             try:
-                moe = MoELayer.from_config(MoEConfig(d_model=d, d_hidden=h, num_experts=e, top_k=k,
-                                                     backend=backend)).to(device, torch.bfloat16)
+                moe = MoELayer.from_config(
+                    MoEConfig(d_model=d, d_hidden=h, num_experts=e, top_k=k, backend=backend)
+                ).to(device, torch.bfloat16)
             except ValueError as err:
                 rows.append(dict(case=f"GPU bf16 MoE top-{k} E={e}", kind="gpu", backend=backend, skipped=str(err)))
                 continue
-            res = time_pair(fwd_bwd_step(moe, x, g), fwd_bwd_step(dense, x, g), warmup=warmup,
-                            repeats=repeats, device=device)
-            rows.append(dict(case=f"GPU bf16 MoE top-{k} E={e} / MLP h={k * h}", kind="gpu", backend=backend,
-                             tokens=T, d_model=d, expert_hidden=h, target=1.15, **res))
-            print(f"  {rows[-1]['case']:<40} {backend:<10} ratio {res['ratio_median']:.3f}", file=sys.stderr,
-                  flush=True)
+            res = time_pair(
+                fwd_bwd_step(moe, x, g), fwd_bwd_step(dense, x, g), warmup=warmup, repeats=repeats, device=device
+            )
+            rows.append(
+                dict(
+                    case=f"GPU bf16 MoE top-{k} E={e} / MLP h={k * h}",
+                    kind="gpu",
+                    backend=backend,
+                    tokens=T,
+                    d_model=d,
+                    expert_hidden=h,
+                    target=1.15,
+                    **res,
+                )
+            )
+            print(
+                f"  {rows[-1]['case']:<40} {backend:<10} ratio {res['ratio_median']:.3f}", file=sys.stderr, flush=True
+            )
     return rows
 
 
@@ -154,8 +209,11 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = dict(QUICK if args.quick else FULL)
     device = args.device
     info = machine_info(device)
-    print(f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {device} "
-          f"({info['device_name']})", file=sys.stderr)
+    print(
+        f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs, device {device} "
+        f"({info['device_name']})",
+        file=sys.stderr,
+    )
 
     rows = bench_moe(cfg, device, args.seed)
     for r in rows:
@@ -178,16 +236,34 @@ def main(argv: list[str] | None = None) -> dict:
             r["spread"] = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
             r["meets_target"] = None if r.get("target") is None else bool(r["ratio_median"] <= r["target"])
     print()
-    print_table(rows, [("case", "case", ""), ("backend", "backend", ""), ("ratio_median", "ratio", ".3f"),
-                       ("spread", "min-max", ""), ("flop_ratio", "FLOP ratio", ".3f"), ("target", "target", ".3f"),
-                       ("meets_target", "met", ""), ("candidate_faults_median", "faults cand", ".0f"),
-                       ("baseline_faults_median", "faults base", ".0f")])
+    print_table(
+        rows,
+        [
+            ("case", "case", ""),
+            ("backend", "backend", ""),
+            ("ratio_median", "ratio", ".3f"),
+            ("spread", "min-max", ""),
+            ("flop_ratio", "FLOP ratio", ".3f"),
+            ("target", "target", ".3f"),
+            ("meets_target", "met", ""),
+            ("candidate_faults_median", "faults cand", ".0f"),
+            ("baseline_faults_median", "faults base", ".0f"),
+        ],
+    )
     print(f"\nGPU: {gpu_note}", file=sys.stderr)
-    out = args.out or str(ROOT / "benchmarks" / "results" / ("performance_quick.json" if args.quick
-                                                            else "performance.json"))
-    payload = dict(benchmark="bench_performance",
-                   command=" ".join(["bench_performance.py"] + (argv if argv is not None else sys.argv[1:])),
-                   device=str(device), machine=info, malloc=malloc, gpu=gpu_note, config=cfg, results=rows)
+    out = args.out or str(
+        ROOT / "benchmarks" / "results" / ("performance_quick.json" if args.quick else "performance.json")
+    )
+    payload = dict(
+        benchmark="bench_performance",
+        command=" ".join(["bench_performance.py"] + (argv if argv is not None else sys.argv[1:])),
+        device=str(device),
+        machine=info,
+        malloc=malloc,
+        gpu=gpu_note,
+        config=cfg,
+        results=rows,
+    )
     print(f"wrote {write_json(out, payload)}", file=sys.stderr)
     return payload
 

@@ -57,7 +57,7 @@ def train_gap(fp32: list[dict], bf16: list[dict]) -> tuple[float, float]:
     diffs = [stats_ci.mean([dict(b["train"])[t] - dict(a["train"])[t] for a, b in zip(fp32, bf16)]) for t in steps]
     if not diffs:
         return float("nan"), float("nan")
-    return stats_ci.mean(diffs[len(diffs) // 2:]), max(abs(d) for d in diffs)
+    return stats_ci.mean(diffs[len(diffs) // 2 :]), max(abs(d) for d in diffs)
 
 
 def summarize(work: Path, names: list[str], seeds: list[int]) -> list[dict]:
@@ -67,15 +67,23 @@ def summarize(work: Path, names: list[str], seeds: list[int]) -> list[dict]:
         loss = {p: [r["val_loss"] for r in runs[p]] for p in PRECISIONS}
         diff = stats_ci.paired_difference(loss["bf16"], loss["fp32"])
         gap_late, gap_max = train_gap(runs["fp32"], runs["bf16"])
-        rows.append(dict(
-            variant=name, steps=runs["fp32"][0]["steps"],
-            fp32=stats_ci.mean(loss["fp32"]), fp32_std=stats_ci.std(loss["fp32"]),
-            bf16=stats_ci.mean(loss["bf16"]), bf16_std=stats_ci.std(loss["bf16"]),
-            diff=diff, diff_text=stats_ci.format_difference(diff),
-            rel_pct=100 * diff["rel"],
-            train_gap_late=gap_late, train_gap_max=gap_max,
-            tok_s_ratio=statistics.median(b["tok_s"] / a["tok_s"] for a, b in zip(runs["fp32"], runs["bf16"])),
-            curves={p: [r["train"] for r in runs[p]] for p in PRECISIONS}))
+        rows.append(
+            dict(
+                variant=name,
+                steps=runs["fp32"][0]["steps"],
+                fp32=stats_ci.mean(loss["fp32"]),
+                fp32_std=stats_ci.std(loss["fp32"]),
+                bf16=stats_ci.mean(loss["bf16"]),
+                bf16_std=stats_ci.std(loss["bf16"]),
+                diff=diff,
+                diff_text=stats_ci.format_difference(diff),
+                rel_pct=100 * diff["rel"],
+                train_gap_late=gap_late,
+                train_gap_max=gap_max,
+                tok_s_ratio=statistics.median(b["tok_s"] / a["tok_s"] for a, b in zip(runs["fp32"], runs["bf16"])),
+                curves={p: [r["train"] for r in runs[p]] for p in PRECISIONS},
+            )
+        )
     return rows
 
 
@@ -90,8 +98,15 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         for precision, style in (("fp32", "-"), ("bf16", "--")):
             for i, curve in enumerate(r["curves"][precision]):
                 step, loss = zip(*curve)
-                ax.plot(step, loss, style, color="C0" if precision == "fp32" else "C3", lw=1, alpha=0.8,
-                        label=precision if i == 0 else None)
+                ax.plot(
+                    step,
+                    loss,
+                    style,
+                    color="C0" if precision == "fp32" else "C3",
+                    lw=1,
+                    alpha=0.8,
+                    label=precision if i == 0 else None,
+                )
         ax.set_title(f"{r['variant']}\nbf16 - fp32 {r['diff']['mean']:+.4f}", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_yscale("log")
@@ -125,30 +140,58 @@ def main(argv: list[str] | None = None) -> dict:
     reports = {}
     for precision in PRECISIONS:
         print(f"== {precision} ==", flush=True)
-        reports[precision] = run_compare(work / precision, quick=not args.full, seeds=args.seeds,
-                                         only=args.only, dense_steps=args.dense_steps,
-                                         progress=not args.no_progress, bf16=precision == "bf16")
+        reports[precision] = run_compare(
+            work / precision,
+            quick=not args.full,
+            seeds=args.seeds,
+            only=args.only,
+            dense_steps=args.dense_steps,
+            progress=not args.no_progress,
+            bf16=precision == "bf16",
+        )
     rows = summarize(work, args.only, seeds)
     print()
-    print_table(rows, [("variant", "variant", ""), ("steps", "steps", "d"), ("fp32", "fp32 loss", ".4f"),
-                       ("fp32_std", "± std", ".4f"), ("bf16", "bf16 loss", ".4f"), ("bf16_std", "± std", ".4f"),
-                       ("diff_text", "bf16 - fp32 (paired, 95% interval)", ""), ("rel_pct", "%", "+.2f"),
-                       ("train_gap_late", "train loss gap, 2nd half", "+.4f"), ("train_gap_max", "max |gap|", ".4f"),
-                       ("tok_s_ratio", "tok/s bf16 / fp32", ".2f")])
-    print(f"\n{args.seeds} seed(s); * = the interval excludes 0. Final losses in float32 on "
-          f"{reports['fp32']['validation']['windows']} fixed windows; eval noise of one loss <= "
-          f"{reports['fp32']['validation']['loss_se_max']:.4f}")
+    print_table(
+        rows,
+        [
+            ("variant", "variant", ""),
+            ("steps", "steps", "d"),
+            ("fp32", "fp32 loss", ".4f"),
+            ("fp32_std", "± std", ".4f"),
+            ("bf16", "bf16 loss", ".4f"),
+            ("bf16_std", "± std", ".4f"),
+            ("diff_text", "bf16 - fp32 (paired, 95% interval)", ""),
+            ("rel_pct", "%", "+.2f"),
+            ("train_gap_late", "train loss gap, 2nd half", "+.4f"),
+            ("train_gap_max", "max |gap|", ".4f"),
+            ("tok_s_ratio", "tok/s bf16 / fp32", ".2f"),
+        ],
+    )
+    print(
+        f"\n{args.seeds} seed(s); * = the interval excludes 0. Final losses in float32 on "
+        f"{reports['fp32']['validation']['windows']} fixed windows; eval noise of one loss <= "
+        f"{reports['fp32']['validation']['loss_se_max']:.4f}"
+    )
     info = machine_info()
-    payload = dict(benchmark="bf16_training",
-                   command=" ".join(["bf16_training.py"] + (argv if argv is not None else sys.argv[1:])),
-                   preset="default" if args.full else "quick", seeds=seeds, machine=info,
-                   budget_flops=reports["fp32"]["config"]["budget_flops"],
-                   validation=reports["fp32"]["validation"], results=rows)
+    payload = dict(
+        benchmark="bf16_training",
+        command=" ".join(["bf16_training.py"] + (argv if argv is not None else sys.argv[1:])),
+        preset="default" if args.full else "quick",
+        seeds=seeds,
+        machine=info,
+        budget_flops=reports["fp32"]["config"]["budget_flops"],
+        validation=reports["fp32"]["validation"],
+        results=rows,
+    )
     name = "bf16_training_quick.json" if args.quick_test else "bf16_training.json"
     path = write_json(Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name, payload)
     png = path.with_suffix(".png")
-    plot(rows, png, f"bf16 autocast vs float32, mode compare {'default' if args.full else 'quick'} preset, "
-                    f"{args.seeds} seed(s), {info['torch_threads']} thread(s)")
+    plot(
+        rows,
+        png,
+        f"bf16 autocast vs float32, mode compare {'default' if args.full else 'quick'} preset, "
+        f"{args.seeds} seed(s), {info['torch_threads']} thread(s)",
+    )
     print(f"\nwrote {path} and {png}")
     return payload
 

@@ -26,8 +26,17 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_EAGER = ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast",
-          "all_gather", "reduce_scatter", "all_gather_single", "reduce_scatter_single")
+_EAGER = (
+    "all_to_all_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_gather_single",
+    "reduce_scatter_single",
+)
 
 
 def _size(group) -> int:
@@ -95,6 +104,7 @@ class CollectiveBytes(TorchDispatchMode):
             elif name == "reduce_scatter":
                 self._add("reduce_scatter", sum(_nbytes(t) for t in a["input_list"]) * (W - 1) // W)
             return fn(*args, **kwargs)
+
         return counted
 
     # -- functional (dispatcher ops) -------------------------------------------------------------------------
@@ -130,10 +140,16 @@ class CollectiveBytes(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def table(self) -> dict:
-        return {f"{phase}/{kind}": {"calls": self.calls[(phase, kind)], "bytes": self.bytes[(phase, kind)],
-                                    "shapes": sorted(self.shapes[(phase, kind)])}
-                for phase, kind in sorted(self.calls)}
+        return {
+            f"{phase}/{kind}": {
+                "calls": self.calls[(phase, kind)],
+                "bytes": self.bytes[(phase, kind)],
+                "shapes": sorted(self.shapes[(phase, kind)]),
+            }
+            for phase, kind in sorted(self.calls)
+        }
 
     def total(self, phase: str | None = None, kind: str | None = None) -> int:
-        return sum(v for (p, k), v in self.bytes.items() if (phase is None or p == phase) and (kind is None or k == kind))
-
+        return sum(
+            v for (p, k), v in self.bytes.items() if (phase is None or p == phase) and (kind is None or k == kind)
+        )

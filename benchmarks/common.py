@@ -16,16 +16,20 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
 
 def add_device_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", type=parse_device,
-                        help="cpu (default), cuda, cuda:N, or auto (cuda when a GPU is visible, else cpu)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        type=parse_device,
+        help="cpu (default), cuda, cuda:N, or auto (cuda when a GPU is visible, else cpu)",
+    )
 
 
 def parse_device(choice: str) -> torch.device:
@@ -66,8 +70,11 @@ def machine_info(device: torch.device | None = None) -> dict:
     }
     if cuda:
         props = torch.cuda.get_device_properties(device)
-        info.update(device_memory_gib=round(props.total_memory / 2**30, 1),
-                    device_capability=f"{props.major}.{props.minor}", cudnn=torch.backends.cudnn.version())
+        info.update(
+            device_memory_gib=round(props.total_memory / 2**30, 1),
+            device_capability=f"{props.major}.{props.minor}",
+            cudnn=torch.backends.cudnn.version(),
+        )
     if hasattr(os, "getloadavg"):
         info["loadavg_1_5_15_at_start"] = [round(v, 2) for v in os.getloadavg()]
     return info
@@ -82,11 +89,16 @@ def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
     as ``Trainer(bf16=True)`` and ``mode train --bf16`` do. Use it on CUDA: the experts' grouped GEMM runs
     torch's fast kernel (CUTLASS, sm90/sm100) in bfloat16 only; in float32 it takes a looped fallback that
     reads the expert offsets on the host (a host sync per GEMM), which is not what a GPU run should time."""
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                        help="float32 (default) or bfloat16 (forward under torch.autocast(bfloat16), weights "
-                             "float32; on CUDA the experts' fast grouped GEMM is bfloat16 only)")
-    parser.add_argument("--bf16", dest="dtype", action="store_const", const="bfloat16",
-                        help="the same as --dtype bfloat16")
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="float32",
+        help="float32 (default) or bfloat16 (forward under torch.autocast(bfloat16), weights "
+        "float32; on CUDA the experts' fast grouped GEMM is bfloat16 only)",
+    )
+    parser.add_argument(
+        "--bf16", dest="dtype", action="store_const", const="bfloat16", help="the same as --dtype bfloat16"
+    )
 
 
 def dtype_choice(name: str) -> torch.dtype | None:
@@ -102,9 +114,13 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 
 
 def add_malloc_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--malloc", choices=("retain", "glibc"), default="retain",
-                        help="retain: keep freed CPU memory in the process (mode.cpu_allocator, the default); "
-                             "glibc: the C library's defaults, which unmap every block above 32 MiB on free")
+    parser.add_argument(
+        "--malloc",
+        choices=("retain", "glibc"),
+        default="retain",
+        help="retain: keep freed CPU memory in the process (mode.cpu_allocator, the default); "
+        "glibc: the C library's defaults, which unmap every block above 32 MiB on free",
+    )
 
 
 def apply_malloc(choice: str) -> dict:
@@ -130,8 +146,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def fwd_bwd_step(module: nn.Module, x: Tensor, grad_out: Tensor,
-                 autocast_dtype: torch.dtype | None = None) -> Callable[[], None]:
+def fwd_bwd_step(
+    module: nn.Module, x: Tensor, grad_out: Tensor, autocast_dtype: torch.dtype | None = None
+) -> Callable[[], None]:
     """One training-like step: forward, backward of ``<y, grad_out> + aux.total()``, grads dropped first.
 
     The module follows the library convention ``module(x) -> (y, Aux)``. ``autocast_dtype``: run the forward
@@ -181,8 +198,9 @@ def apply_run_args(args: argparse.Namespace, preset: dict) -> dict:
     return cfg
 
 
-def time_pair(candidate: Callable[[], None], baseline: Callable[[], None], *, warmup: int, repeats: int,
-              device: torch.device) -> dict:
+def time_pair(
+    candidate: Callable[[], None], baseline: Callable[[], None], *, warmup: int, repeats: int, device: torch.device
+) -> dict:
     """Warm both up, then ``repeats`` interleaved pairs; returns wall-clock medians (seconds), the median
     of the per-pair wall-clock ratios, the same ratio in process CPU time, and the median minor page
     faults per call of each side."""
@@ -220,8 +238,9 @@ def time_pair(candidate: Callable[[], None], baseline: Callable[[], None], *, wa
     }
 
 
-def time_interleaved(fns: dict[str, Callable[[], None]], baseline: str, *, warmup: int, repeats: int,
-                     device: torch.device) -> dict[str, dict]:
+def time_interleaved(
+    fns: dict[str, Callable[[], None]], baseline: str, *, warmup: int, repeats: int, device: torch.device
+) -> dict[str, dict]:
     """Several candidates and one baseline, timed in rounds: every round runs each once, in an order that
     rotates from round to round (so no candidate always follows the same one), and each candidate's
     ratio is the median over rounds of its time / the baseline's time in the same round. Returns, per
@@ -235,8 +254,8 @@ def time_interleaved(fns: dict[str, Callable[[], None]], baseline: str, *, warmu
             fns[name]()
     runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in names}
     for i in range(repeats):
-        order = names[i % len(names):] + names[:i % len(names)]
-        for name in (order if i % 2 == 0 else order[::-1]):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for name in order if i % 2 == 0 else order[::-1]:
             runs[name].append(_timed(fns[name], device))
     base = runs[baseline]
     out = {}
@@ -245,8 +264,11 @@ def time_interleaved(fns: dict[str, Callable[[], None]], baseline: str, *, warmu
         ratios = [w / b for (w, _, _), (b, _, _) in zip(r, base)]
         cpu_ratios = [c / b for (_, c, _), (_, b, _) in zip(r, base) if b > 0]
         out[name] = {
-            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "s_median": statistics.median(wall), "s": wall,
+            "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "s_median": statistics.median(wall),
+            "s": wall,
             "cpu_ratio_median": statistics.median(cpu_ratios) if cpu_ratios else None,
             "cpu_s": [c for _, c, _ in r],
             "faults_median": statistics.median(f for _, _, f in r),

@@ -28,8 +28,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 from unittest import mock
 
 import torch
@@ -54,9 +54,9 @@ CAPACITY = 0.125
 
 def mode_layers(d: int, experts: int, hidden: int) -> dict[str, tuple[str, Callable[[], nn.Module]]]:
     """name -> (kind, builder): mode's layers and the dense baselines."""
+
     def moe(**kw) -> MoEConfig:
-        base = dict(d_model=d, d_hidden=hidden, num_experts=experts, top_k=TOP_K, renormalize=True,
-                    activation="swiglu")
+        base = dict(d_model=d, d_hidden=hidden, num_experts=experts, top_k=TOP_K, renormalize=True, activation="swiglu")
         return MoEConfig(**{**base, **kw})
 
     def block(mlp: nn.Module) -> TransformerBlock:
@@ -67,8 +67,7 @@ def mode_layers(d: int, experts: int, hidden: int) -> dict[str, tuple[str, Calla
 
     return {
         "MoE token choice": ("moe", lambda: MoELayer.from_config(moe())),
-        "MoE expert choice": ("moe", lambda: MoELayer.from_config(moe(router="expert_choice",
-                                                                      capacity_factor=1.0))),
+        "MoE expert choice": ("moe", lambda: MoELayer.from_config(moe(router="expert_choice", capacity_factor=1.0))),
         "integrated MoDE": ("moe", lambda: IntegratedMoDE.from_config(moe(num_noop=experts))),
         "dense SwiGLU MLP": ("dense", lambda: MLP(d, TOP_K * hidden, "swiglu")),
         "MoD block": ("block", lambda: MoD(block(MLP(d, TOP_K * hidden, "swiglu")), mod_router())),
@@ -92,9 +91,18 @@ def peer_layers(d: int, experts: int, hidden: int) -> tuple[dict, dict[str, str]
 
             def build(impl=impl):
                 torch.manual_seed(0)
-                src = MoELayer.from_config(MoEConfig(d_model=d, d_hidden=hidden, num_experts=experts, top_k=TOP_K,
-                                                     renormalize=True, activation="swiglu"))
+                src = MoELayer.from_config(
+                    MoEConfig(
+                        d_model=d,
+                        d_hidden=hidden,
+                        num_experts=experts,
+                        top_k=TOP_K,
+                        renormalize=True,
+                        activation="swiglu",
+                    )
+                )
                 return impl.build(src)
+
             built[impl.name] = ("peer", build)
     return built, missing
 
@@ -106,8 +114,7 @@ def count_step(module: nn.Module, x: torch.Tensor, g: torch.Tensor, bf16: bool) 
     x = x.detach().requires_grad_(True)
     one = torch.ones((), device=x.device)
     amp = torch.autocast(x.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    with mock.patch.object(row_buckets, "needed", lambda *args: False), HostSyncCounter() as syncs, \
-            OpCounter() as ops:
+    with mock.patch.object(row_buckets, "needed", lambda *args: False), HostSyncCounter() as syncs, OpCounter() as ops:
         with amp:
             out = module(x)
             y, aux = out if isinstance(out, tuple) and not isinstance(out[1], torch.Tensor) else (out, None)
@@ -122,8 +129,9 @@ def count_step(module: nn.Module, x: torch.Tensor, g: torch.Tensor, bf16: bool) 
     return ops, syncs
 
 
-def count_all(device: torch.device, d: int, experts: int, hidden: int, batch: int, seq: int,
-              dtypes=DTYPES, peers: bool = True) -> dict:
+def count_all(
+    device: torch.device, d: int, experts: int, hidden: int, batch: int, seq: int, dtypes=DTYPES, peers: bool = True
+) -> dict:
     """Counts of every layer in every dtype: ``{"rows": [...], "peers_missing": {family: why}}``."""
     layers = mode_layers(d, experts, hidden)
     missing = {}
@@ -158,21 +166,43 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--no-peers", action="store_true", help="count mode's layers and the dense baselines only")
-    ap.add_argument("--out", type=Path, default=None, help="write the JSON here (e.g. benchmarks/results/count_ops.json)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="write the JSON here (e.g. benchmarks/results/count_ops.json)"
+    )
     args = ap.parse_args()
-    result = count_all(args.device, args.d_model, args.experts, args.hidden, args.batch, args.seq,
-                       peers=not args.no_peers)
-    print_table(result["rows"], [("layer", "layer", "s"), ("ops_float32", "ops fp32", "d"),
-                                 ("ops_bfloat16", "ops bf16", "d"), ("syncs_float32", "syncs fp32", "d"),
-                                 ("syncs_bfloat16", "syncs bf16", "d")])
+    result = count_all(
+        args.device, args.d_model, args.experts, args.hidden, args.batch, args.seq, peers=not args.no_peers
+    )
+    print_table(
+        result["rows"],
+        [
+            ("layer", "layer", "s"),
+            ("ops_float32", "ops fp32", "d"),
+            ("ops_bfloat16", "ops bf16", "d"),
+            ("syncs_float32", "syncs fp32", "d"),
+            ("syncs_bfloat16", "syncs bf16", "d"),
+        ],
+    )
     for family, why in result["peers_missing"].items():
         print(f"{family}: not counted ({why})")
     if args.out:
-        payload = {"config": dict(d_model=args.d_model, experts=args.experts, hidden=args.hidden, top_k=TOP_K,
-                                  batch=args.batch, seq=args.seq, mod_capacity=CAPACITY, heads=HEADS),
-                   "device": str(args.device), "machine": machine_info(args.device),
-                   "counting": "OpCounter: one forward + aux.total() + backward; views and allocations not "
-                               "counted, a custom op once; row bucketing off (the CUDA path)", **result}
+        payload = {
+            "config": dict(
+                d_model=args.d_model,
+                experts=args.experts,
+                hidden=args.hidden,
+                top_k=TOP_K,
+                batch=args.batch,
+                seq=args.seq,
+                mod_capacity=CAPACITY,
+                heads=HEADS,
+            ),
+            "device": str(args.device),
+            "machine": machine_info(args.device),
+            "counting": "OpCounter: one forward + aux.total() + backward; views and allocations not "
+            "counted, a custom op once; row bucketing off (the CUDA path)",
+            **result,
+        }
         write_json(args.out, payload)
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock
-from mode.measure.host_sync import HostSyncCounter
 from mode.layers.mod import StagedMoDE
 from mode.layers.moe import IntegratedMoDE
+from mode.measure.host_sync import HostSyncCounter
 from mode.model.config import LMConfig
 from mode.model.lm import LM
 
@@ -56,24 +56,34 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     mask_BS = torch.ones(B, S, dtype=torch.bool)
-    mask_BS[0, S // 2:] = False
+    mask_BS[0, S // 2 :] = False
     for name, layer in layers().items():
         x = torch.randn(B, S, D)
-        plain = count_step(lambda: layer(x))
-        padded = count_step(lambda: layer(x, mask_BS))
-        rows.append({"layer": name, "syncs": plain.count, "syncs_padded": padded.count,
-                     "reasons": dict(plain.by_reason + padded.by_reason)})
+        plain = count_step(lambda: layer(x))  # noqa: B023 - called in this iteration
+        padded = count_step(lambda: layer(x, mask_BS))  # noqa: B023 - called in this iteration
+        rows.append(
+            {
+                "layer": name,
+                "syncs": plain.count,
+                "syncs_padded": padded.count,
+                "reasons": dict(plain.by_reason + padded.by_reason),
+            }
+        )
     kinds = ("dense", "mod", "mod_random", "moe", "staged", "integrated")
-    lm = LM(LMConfig(vocab_size=64, seq_len=S, d_model=D, n_heads=4, d_hidden=H, layers=kinds, num_noop=4,
-                     num_experts=4))
+    lm = LM(
+        LMConfig(vocab_size=64, seq_len=S, d_model=D, n_heads=4, d_hidden=H, layers=kinds, num_noop=4, num_experts=4)
+    )
     idx = torch.randint(0, 64, (B, S))
     s = count_step(lambda: (lm(idx, idx).loss, lm(idx, idx).aux))
-    rows.append({"layer": "LM, six kinds (two forwards)", "syncs": s.count, "syncs_padded": None,
-                 "reasons": dict(s.by_reason)})
+    rows.append(
+        {"layer": "LM, six kinds (two forwards)", "syncs": s.count, "syncs_padded": None, "reasons": dict(s.by_reason)}
+    )
     print(f"{'layer':<34}{'syncs':>7}{'padded':>8}  reasons")
     for r in rows:
-        print(f"{r['layer']:<34}{r['syncs']:>7}{'' if r['syncs_padded'] is None else r['syncs_padded']:>8}  "
-              f"{r['reasons']}")
+        print(
+            f"{r['layer']:<34}{r['syncs']:>7}{'' if r['syncs_padded'] is None else r['syncs_padded']:>8}  "
+            f"{r['reasons']}"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))

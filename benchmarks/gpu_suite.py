@@ -39,7 +39,8 @@ back) together with the goals (met / missed / not measured).
 ``--smoke`` runs every stage at its smallest on whatever device there is (the CPU here): it proves that the
 command, the JSON and the table work before GPU time is spent on them. Its stage budgets are yardsticks, not
 limits: a stage over its budget (a loaded or older CPU) is recorded ``ok`` with a ``slow`` note, and is killed
-only past ``SMOKE_HANG_FACTOR`` times it; a rehearsal has no overall deadline unless ``--budget-s`` is given. ``--only``/``--skip`` pick stages
+only past ``SMOKE_HANG_FACTOR`` times it; a rehearsal has no overall deadline unless ``--budget-s`` is given.
+``--only``/``--skip`` pick stages
 (a second run after a failure reruns only what failed). ``--inject STAGE=raise|hang`` makes a stage fail
 on purpose (the isolation test).
 
@@ -61,9 +62,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -93,8 +94,12 @@ class Stage:
 
 STAGES = (
     Stage("env", 45, 60, "nvidia-smi, versions, bf16 matmul and copy ceilings"),
-    Stage("gtests", 90, 120, "the fused kernels' tests and the CUDA-graph, generate, compile and preset tests on CUDA "
-          "(gpu-marked included)"),
+    Stage(
+        "gtests",
+        90,
+        120,
+        "the fused kernels' tests and the CUDA-graph, generate, compile and preset tests on CUDA (gpu-marked included)",
+    ),
     Stage("graphs", 90, 120, "training step: CUDA graph vs eager (preset base, bf16): step time, losses agree"),
     Stage("gdecode", 60, 90, "decode with CUDA graphs vs the eager static path: tokens/s, the same tokens"),
     Stage("gpumfu", 150, 120, "mode train --preset gpu --bf16, eager and --cuda-graphs: MFU vs nominal and measured"),
@@ -105,8 +110,14 @@ STAGES = (
     Stage("train", 150, 300, "mode train --preset base --bf16, eager and compiled: tokens/s and MFU"),
     Stage("nccl", 60, 120, "torchrun, one rank, NCCL: mesh training, sharded checkpoint, resume"),
     Stage("profile", 60, 90, "torch.profiler: wall time vs device busy time and the top kernels of each workload"),
-    Stage("isoflop", 540, 150, "mode isoflop --preset gpu --seeds 2 on the packages corpus: the paper's claims, "
-          "isoFLOP-optimal against isoFLOP-optimal, paired over seeds", default=False),
+    Stage(
+        "isoflop",
+        540,
+        150,
+        "mode isoflop --preset gpu --seeds 2 on the packages corpus: the paper's claims, "
+        "isoFLOP-optimal against isoFLOP-optimal, paired over seeds",
+        default=False,
+    ),
 )
 
 STAGE_NAMES = tuple(s.name for s in STAGES)
@@ -131,11 +142,12 @@ GOALS = (
 # the stages (each runs in its own process: ``gpu_suite.py --run-stage NAME``)
 # --------------------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Ctx:
     smoke: bool
     work: Path  # scratch folder of this stage
-    device: "object"  # torch.device
+    device: object  # torch.device
     limit_s: float  # the stage's time limit (inner timeouts stay under it)
     options: dict = None  # stage options from the command line (the isoflop stage's: out, from, seeds)
 
@@ -146,8 +158,10 @@ def _device(smoke: bool):
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     if not smoke:
-        raise RuntimeError("no CUDA device is visible (torch.cuda.is_available() is False); on a machine without "
-                           "a GPU run the rehearsal: --smoke")
+        raise RuntimeError(
+            "no CUDA device is visible (torch.cuda.is_available() is False); on a machine without "
+            "a GPU run the rehearsal: --smoke"
+        )
     return torch.device("cpu")
 
 
@@ -177,8 +191,12 @@ def _versions() -> dict:
 
     import torch
 
-    out = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    }
     try:
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
     except Exception as err:  # noqa: BLE001 - a version probe must not end the stage
@@ -198,15 +216,20 @@ def stage_env(ctx: Ctx) -> dict:
     nvidia_smi = None
     if smi:
         query = "name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit,pcie.link.gen.max"
-        nvidia_smi = subprocess.run([smi, f"--query-gpu={query}", "--format=csv"], capture_output=True, text=True,
-                                    timeout=30).stdout.strip()
+        nvidia_smi = subprocess.run(
+            [smi, f"--query-gpu={query}", "--format=csv"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
         print(nvidia_smi)
     device = ctx.device
     info = {"device": str(device), "nvidia_smi": nvidia_smi or "nvidia-smi not found", **_versions()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
-                    memory_gib=round(props.total_memory / 2**30, 1), sm_count=props.multi_processor_count)
+        info.update(
+            device_name=props.name,
+            capability=f"{props.major}.{props.minor}",
+            memory_gib=round(props.total_memory / 2**30, 1),
+            sm_count=props.multi_processor_count,
+        )
     else:
         import platform
 
@@ -230,9 +253,20 @@ def stage_env(ctx: Ctx) -> dict:
 
 
 # The test files that exercise the device, first; the rest of the suite after them, as time allows.
-TEST_ORDER = ("tests/test_device_switch.py", "tests/test_device_asserts.py", "tests/test_host_data.py", "tests/core",
-              "tests/measure", "tests/train", "tests/parallel/test_meta_init.py", "tests/test_architecture.py", "tests/hf", "tests/experiments",
-              "tests/test_errors.py", "tests/test_fuzz.py")
+TEST_ORDER = (
+    "tests/test_device_switch.py",
+    "tests/test_device_asserts.py",
+    "tests/test_host_data.py",
+    "tests/core",
+    "tests/measure",
+    "tests/train",
+    "tests/parallel/test_meta_init.py",
+    "tests/test_architecture.py",
+    "tests/hf",
+    "tests/experiments",
+    "tests/test_errors.py",
+    "tests/test_fuzz.py",
+)
 SMOKE_TESTS = ("tests/test_device_switch.py", "tests/core/test_registry.py")
 _RESULT_RE = re.compile(r"^(\S+::\S+.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 _XDIST_RE = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+)")
@@ -258,8 +292,14 @@ def parse_pytest(text: str) -> dict:
         if m:
             reason = m.group(3).strip()
             skips[reason] = skips.get(reason, 0) + int(m.group(1))
-    summary = next((line.strip("= ") for line in reversed(text.splitlines())
-                    if re.search(r"\d+ (passed|failed|error)", line) and line.startswith("=")), None)
+    summary = next(
+        (
+            line.strip("= ")
+            for line in reversed(text.splitlines())
+            if re.search(r"\d+ (passed|failed|error)", line) and line.startswith("=")
+        ),
+        None,
+    )
     return {"counts": counts, "failed": sorted(set(failed)), "skip_reasons": skips, "summary": summary}
 
 
@@ -269,8 +309,17 @@ def group_failures(failures: list[dict], top: int = 40) -> list[dict]:
     groups: dict[tuple, dict] = {}
     for f in failures:
         key = (f["message"][:200], f.get("library_frame"))
-        g = groups.setdefault(key, {"count": 0, "message": f["message"], "library_frame": f.get("library_frame"),
-                                    "test_frame": f.get("test_frame"), "example": f["test"], "files": set()})
+        g = groups.setdefault(
+            key,
+            {
+                "count": 0,
+                "message": f["message"],
+                "library_frame": f.get("library_frame"),
+                "test_frame": f.get("test_frame"),
+                "example": f["test"],
+                "files": set(),
+            },
+        )
         g["count"] += 1
         g["files"].add(f["test"].split("::")[0])
     ranked = sorted(groups.values(), key=lambda g: -g["count"])[:top]
@@ -283,21 +332,29 @@ def stage_tests(ctx: Ctx) -> dict:
 
 # tests/kernels first: the fused Triton kernels against their torch references, compiled on the GPU (on the CPU
 # they only ever ran in triton's interpreter)
-GRAPH_TESTS = ("tests/kernels", "tests/train/test_graphs.py", "tests/train/test_gpu_preset.py", "tests/core/test_generate.py",
-               "tests/core/test_compile.py", "tests/train/test_train.py")
+GRAPH_TESTS = (
+    "tests/kernels",
+    "tests/train/test_graphs.py",
+    "tests/train/test_gpu_preset.py",
+    "tests/core/test_generate.py",
+    "tests/core/test_compile.py",
+    "tests/train/test_train.py",
+)
 GRAPH_SMOKE_TESTS = ("tests/train/test_graphs.py", "tests/train/test_gpu_preset.py")
 
 
 def stage_gtests(ctx: Ctx) -> dict:
-    """The fused kernels' tests and the tests of the CUDA-graph work, on CUDA: the gpu-marked tests (capture, replay, equal results, one
+    """The fused kernels' tests and the tests of the CUDA-graph work, on CUDA: the gpu-marked tests (capture, replay,
+    equal results, one
     sync per replayed step) and the CPU tests of the same files under the CUDA default device."""
     return run_tests(ctx, GRAPH_SMOKE_TESTS if ctx.smoke else GRAPH_TESTS)
 
 
 def run_tests(ctx: Ctx, order: tuple[str, ...]) -> dict:
     targets = [t for t in order if (ROOT / t).exists()]
-    env = dict(os.environ, MODE_TEST_DEVICE=ctx.device.type if ctx.device.type == "cuda" else "cpu",
-               PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ, MODE_TEST_DEVICE=ctx.device.type if ctx.device.type == "cuda" else "cpu", PYTHONUNBUFFERED="1"
+    )
     log = ctx.work / "pytest.log"
     import importlib.util
 
@@ -305,8 +362,23 @@ def run_tests(ctx: Ctx, order: tuple[str, ...]) -> dict:
     failures_path = ctx.work / "failures.jsonl"
     failures_path.unlink(missing_ok=True)
     env["MODE_FAILURES_JSONL"] = str(failures_path)
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "-p", "benchmarks.pytest_failures",
-           "--timeout", "90", "-o", "addopts=", *(["-n", str(XDIST_WORKERS)] if xdist else []), *targets]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-v",
+        "-rfEs",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "benchmarks.pytest_failures",
+        "--timeout",
+        "90",
+        "-o",
+        "addopts=",
+        *(["-n", str(XDIST_WORKERS)] if xdist else []),
+        *targets,
+    ]
     print(" ".join(cmd), flush=True)
     inner = max(ctx.limit_s - 15, 5)  # leave time to parse and report what ran before the limit
     cut_off = False
@@ -323,11 +395,18 @@ def run_tests(ctx: Ctx, order: tuple[str, ...]) -> dict:
     failures = [json.loads(line) for line in failures_path.read_text().splitlines()] if failures_path.exists() else []
     parsed["failure_groups"] = group_failures(failures)
     for g in parsed["failure_groups"]:
-        print(f"FAILURE GROUP x{g['count']}: {g['message']}\n    at {g['library_frame']} / {g['test_frame']}; "
-              f"e.g. {g['example']}")
+        print(
+            f"FAILURE GROUP x{g['count']}: {g['message']}\n    at {g['library_frame']} / {g['test_frame']}; "
+            f"e.g. {g['example']}"
+        )
     c = parsed["counts"]
-    numbers = {"passed": c.get("passed", 0), "failed": c.get("failed", 0) + c.get("error", 0),
-               "skipped": c.get("skipped", 0), "cut_off": cut_off, "returncode": proc.returncode}
+    numbers = {
+        "passed": c.get("passed", 0),
+        "failed": c.get("failed", 0) + c.get("error", 0),
+        "skipped": c.get("skipped", 0),
+        "cut_off": cut_off,
+        "returncode": proc.returncode,
+    }
     details = {"command": " ".join(cmd), "targets": targets, "time_limit_s": inner, **parsed}
     if cut_off:
         details["note"] = f"pytest ran past {inner:.0f} s and was stopped; the counts are of what ran before"
@@ -335,8 +414,19 @@ def run_tests(ctx: Ctx, order: tuple[str, ...]) -> dict:
 
 
 # bf16 shapes a GPU is not idle on: 16k tokens, d 1024; E=8 of hidden 2048 and E=64 of hidden 512, top-2
-MOE_GPU_ARGS = ["--tokens", "16384", "--d-model", "1024", "--configs", "8:2048", "64:512",
-                "--warmup", "3", "--repeats", "15"]
+MOE_GPU_ARGS = [
+    "--tokens",
+    "16384",
+    "--d-model",
+    "1024",
+    "--configs",
+    "8:2048",
+    "64:512",
+    "--warmup",
+    "3",
+    "--repeats",
+    "15",
+]
 PEER_FAMILIES = ("transformers", "torchtitan", "liger")
 
 
@@ -378,8 +468,12 @@ def compiled_ratio(candidate, baseline, x, g, device, warmup: int, repeats: int,
     _sync(device)
     compile_s = time.monotonic() - t0
     res = time_pair(steps[0], steps[1], warmup=warmup, repeats=repeats, device=device)
-    return {"ratio": res["ratio_median"], "candidate_ms": 1e3 * res["candidate_s_median"],
-            "baseline_ms": 1e3 * res["baseline_s_median"], "compile_s": compile_s}
+    return {
+        "ratio": res["ratio_median"],
+        "candidate_ms": 1e3 * res["candidate_s_median"],
+        "baseline_ms": 1e3 * res["baseline_s_median"],
+        "compile_s": compile_s,
+    }
 
 
 def _size_key(num_experts: int, configs) -> str:
@@ -428,8 +522,15 @@ def stage_moe(ctx: Ctx) -> dict:
         compiled[key] = compiled_ratio(layer, dense, x, g, ctx.device, warmup=2, repeats=5 if ctx.smoke else 15)
         numbers[f"moe_ratio_compiled_{key}"] = compiled[key]["ratio"]
         print(f"compiled E={E}: {compiled[key]}", flush=True)
-    return {"numbers": numbers, "details": {"skipped": payload["skipped"], "config": payload["config"],
-                                            "compiled": compiled, "results": payload["results"]}}
+    return {
+        "numbers": numbers,
+        "details": {
+            "skipped": payload["skipped"],
+            "config": payload["config"],
+            "compiled": compiled,
+            "results": payload["results"],
+        },
+    }
 
 
 MOD_GPU_BLOCK = dict(d_model=1024, n_heads=16, mod_batch=8, mod_seq=2048, warmup=3, repeats=15)
@@ -451,34 +552,71 @@ def stage_mod(ctx: Ctx) -> dict:
     with torch.autocast(device.type, dtype=torch.bfloat16):
         block = bench_mod(block_cfg, device, seed=0)
         large = None if ctx.smoke else bench_mod(MOD_GPU_BLOCK_LARGE, device, seed=0)
-        lm = bench_lm_step(False, device, seed=0, warmup=block_cfg["warmup"], repeats=block_cfg["repeats"],
-                           shape=lm_shape)
+        lm = bench_lm_step(
+            False, device, seed=0, warmup=block_cfg["warmup"], repeats=block_cfg["repeats"], shape=lm_shape
+        )
     from mode import MLP, MoD, MoDRouter, MoDRouterConfig, TransformerBlock
 
     d, heads, B, S = block_cfg["d_model"], block_cfg["n_heads"], block_cfg["mod_batch"], block_cfg["mod_seq"]
     torch.manual_seed(0)
     x = torch.randn(B, S, d, device=device, requires_grad=True)
     g = torch.randn(B, S, d, device=device)
-    mod = MoD(TransformerBlock(d, heads, MLP(d, 4 * d)), MoDRouter(MoDRouterConfig(d_model=d, capacity=0.125,
-                                                                                   check_finite=False)))
+    mod = MoD(
+        TransformerBlock(d, heads, MLP(d, 4 * d)),
+        MoDRouter(MoDRouterConfig(d_model=d, capacity=0.125, check_finite=False)),
+    )
     compiled = None
     if _compiling(ctx):
-        compiled = compiled_ratio(mod.to(device), TransformerBlock(d, heads, MLP(d, 4 * d)).to(device), x, g,
-                                  device, warmup=2, repeats=block_cfg["repeats"])
+        compiled = compiled_ratio(
+            mod.to(device),
+            TransformerBlock(d, heads, MLP(d, 4 * d)).to(device),
+            x,
+            g,
+            device,
+            warmup=2,
+            repeats=block_cfg["repeats"],
+        )
         print(f"compiled MoD block / compiled dense block: {compiled}")
-    print(f"MoD block {block['ratio_median']:.3f} (FLOP ratio {block['flop_ratio']:.3f}); "
-          f"LM step {lm['ratio_median']:.3f} (FLOP ratio {lm['flop_ratio']:.3f})")
-    numbers = {"block_ratio": block["ratio_median"], "block_flop_ratio": block["flop_ratio"],
-               "block_gap": block["ratio_median"] - block["flop_ratio"],
-               "lm_ratio": lm["ratio_median"], "lm_flop_ratio": lm["flop_ratio"],
-               "lm_gap": lm["ratio_median"] - lm["flop_ratio"],
-               "block_dense_ms": 1e3 * block["baseline_s_median"], "lm_dense_ms": 1e3 * lm["baseline_s_median"],
-               **({} if compiled is None else {"block_ratio_compiled": compiled["ratio"],
-                                               "block_gap_compiled": compiled["ratio"] - block["flop_ratio"]}),
-               **({} if large is None else {"block_ratio_batch32": large["ratio_median"],
-                                            "block_gap_batch32": large["ratio_median"] - large["flop_ratio"]})}
-    return {"numbers": numbers, "details": {"dtype": "bf16 autocast", "block": block, "lm": lm,
-                                            "block_batch32": large, "block_compiled": compiled}}
+    print(
+        f"MoD block {block['ratio_median']:.3f} (FLOP ratio {block['flop_ratio']:.3f}); "
+        f"LM step {lm['ratio_median']:.3f} (FLOP ratio {lm['flop_ratio']:.3f})"
+    )
+    numbers = {
+        "block_ratio": block["ratio_median"],
+        "block_flop_ratio": block["flop_ratio"],
+        "block_gap": block["ratio_median"] - block["flop_ratio"],
+        "lm_ratio": lm["ratio_median"],
+        "lm_flop_ratio": lm["flop_ratio"],
+        "lm_gap": lm["ratio_median"] - lm["flop_ratio"],
+        "block_dense_ms": 1e3 * block["baseline_s_median"],
+        "lm_dense_ms": 1e3 * lm["baseline_s_median"],
+        **(
+            {}
+            if compiled is None
+            else {
+                "block_ratio_compiled": compiled["ratio"],
+                "block_gap_compiled": compiled["ratio"] - block["flop_ratio"],
+            }
+        ),
+        **(
+            {}
+            if large is None
+            else {
+                "block_ratio_batch32": large["ratio_median"],
+                "block_gap_batch32": large["ratio_median"] - large["flop_ratio"],
+            }
+        ),
+    }
+    return {
+        "numbers": numbers,
+        "details": {
+            "dtype": "bf16 autocast",
+            "block": block,
+            "lm": lm,
+            "block_batch32": large,
+            "block_compiled": compiled,
+        },
+    }
 
 
 def stage_decode(ctx: Ctx) -> dict:
@@ -509,9 +647,16 @@ def steady_speed(records: list[dict], skip_steps: int) -> dict:
     a = next((r for r in reversed(rows) if r["step"] <= later[0]["step"] - 1), rows[0])
     b = rows[-1]
     dt = b["wall"] - a["wall"]
-    return {"from_step": a["step"], "to_step": b["step"], "tok_s": (b["tokens"] - a["tokens"]) / dt,
-            "flop_s": (b["flops"] - a["flops"]) / dt, "final_loss": b["loss"], "first_loss": rows[0]["loss"],
-            "tok_s_logged_cumulative": b["tok_s"], "mfu_logged_cumulative": b.get("mfu")}
+    return {
+        "from_step": a["step"],
+        "to_step": b["step"],
+        "tok_s": (b["tokens"] - a["tokens"]) / dt,
+        "flop_s": (b["flops"] - a["flops"]) / dt,
+        "final_loss": b["loss"],
+        "first_loss": rows[0]["loss"],
+        "tok_s_logged_cumulative": b["tok_s"],
+        "mfu_logged_cumulative": b.get("mfu"),
+    }
 
 
 TRAIN_GPU = dict(preset="base", steps=60, skip=20)
@@ -520,8 +665,9 @@ TRAIN_SMOKE = dict(preset="quick", steps=20, skip=10)
 
 def _run_logged(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
     print("$ " + " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -553,9 +699,25 @@ def stage_train(ctx: Ctx) -> dict:
             continue
         out = ctx.work / f"train_{variant}"
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, "-m", "mode", "train", "--preset", p["preset"], "--bf16", "--device", device,
-               "--steps", str(p["steps"]), "--eval-every", str(10 * p["steps"]), "--no-progress",
-               "--out", str(out), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mode",
+            "train",
+            "--preset",
+            p["preset"],
+            "--bf16",
+            "--device",
+            device,
+            "--steps",
+            str(p["steps"]),
+            "--eval-every",
+            str(10 * p["steps"]),
+            "--no-progress",
+            "--out",
+            str(out),
+            *extra,
+        ]
         try:  # a variant that fails or runs out of time is recorded; the other one's numbers stay
             rc, text = _run_logged(cmd, timeout=left)
             if rc != 0:
@@ -574,8 +736,10 @@ def stage_train(ctx: Ctx) -> dict:
             numbers[f"mfu_vs_measured_{variant}"] = speed["flop_s"] / (env_ceiling * 1e12)
         details[variant] = {"command": " ".join(cmd[1:]), **speed}
     if not numbers:
-        raise RuntimeError("neither training run gave numbers: " + "; ".join(
-            f"{v}: {details[v].get('error')}" for v in ("eager", "compile")))
+        raise RuntimeError(
+            "neither training run gave numbers: "
+            + "; ".join(f"{v}: {details[v].get('error')}" for v in ("eager", "compile"))
+        )
     if "tok_s_eager" in numbers and "tok_s_compile" in numbers:
         numbers["compile_speedup"] = numbers["tok_s_compile"] / numbers["tok_s_eager"]
     details["peak_flops_datasheet"] = peak
@@ -583,8 +747,16 @@ def stage_train(ctx: Ctx) -> dict:
     return {"numbers": numbers, "details": details}
 
 
-def train_in_process(preset: str, steps: int, skip: int, device, cuda_graphs: bool, work: Path,
-                     batch_size: int | None = None, measured_peak: float | None = None) -> dict:
+def train_in_process(
+    preset: str,
+    steps: int,
+    skip: int,
+    device,
+    cuda_graphs: bool,
+    work: Path,
+    batch_size: int | None = None,
+    measured_peak: float | None = None,
+) -> dict:
     """``steps`` training steps of a ``mode train`` preset under bf16 autocast, in this process (no evaluation,
     no checkpoint: an 873M-parameter run's would write 10 GB), each timed to its end (a step ends with its one
     host sync); steady state = the median of the steps after ``skip`` (warm-up and capture before)."""
@@ -597,8 +769,13 @@ def train_in_process(preset: str, steps: int, skip: int, device, cuda_graphs: bo
     from mode.train.sources import load_corpus
 
     p = PRESETS[preset]
-    train_cfg = replace(p.train, steps=steps, eval_every=10 * steps, log_every=1,
-                        **({} if batch_size is None else {"batch_size": batch_size}))
+    train_cfg = replace(
+        p.train,
+        steps=steps,
+        eval_every=10 * steps,
+        log_every=1,
+        **({} if batch_size is None else {"batch_size": batch_size}),
+    )
     corpus = load_corpus(None, p.model.seq_len, 4_000_000)
     model_cfg = replace(p.model, vocab_size=corpus.vocab_size)
     import gc
@@ -608,8 +785,9 @@ def train_in_process(preset: str, steps: int, skip: int, device, cuda_graphs: bo
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.monotonic()
-    trainer = Trainer(model_cfg, train_cfg, corpus, work, progress=False, device=str(device), bf16=True,
-                      cuda_graphs=cuda_graphs)
+    trainer = Trainer(
+        model_cfg, train_cfg, corpus, work, progress=False, device=str(device), bf16=True, cuda_graphs=cuda_graphs
+    )
     trainer.measured_peak_flops = measured_peak
     build_s = time.monotonic() - t0
     times, losses, flops = [], [], []
@@ -623,12 +801,23 @@ def train_in_process(preset: str, steps: int, skip: int, device, cuda_graphs: bo
     step_s = statistics.median(steady)
     flop_s = statistics.median(flops[skip:] or flops[-1:]) / step_s
     tokens = train_cfg.batch_size * model_cfg.seq_len
-    out = {"preset": preset, "cuda_graphs": cuda_graphs, "batch_size": train_cfg.batch_size,
-           "seq_len": model_cfg.seq_len, "params": trainer.model.num_params(), "steps": steps, "skip": skip,
-           "build_s": build_s, "first_steps_ms": [1e3 * t for t in times[:skip]], "step_ms": 1e3 * step_s,
-           "tok_s": tokens / step_s, "tflops": flop_s / 1e12, "losses": losses,
-           "mfu": None if trainer.peak_flops is None else flop_s / trainer.peak_flops,
-           "mfu_measured": None if not measured_peak else flop_s / measured_peak}
+    out = {
+        "preset": preset,
+        "cuda_graphs": cuda_graphs,
+        "batch_size": train_cfg.batch_size,
+        "seq_len": model_cfg.seq_len,
+        "params": trainer.model.num_params(),
+        "steps": steps,
+        "skip": skip,
+        "build_s": build_s,
+        "first_steps_ms": [1e3 * t for t in times[:skip]],
+        "step_ms": 1e3 * step_s,
+        "tok_s": tokens / step_s,
+        "tflops": flop_s / 1e12,
+        "losses": losses,
+        "mfu": None if trainer.peak_flops is None else flop_s / trainer.peak_flops,
+        "mfu_measured": None if not measured_peak else flop_s / measured_peak,
+    }
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if trainer.graphed is not None:
@@ -658,9 +847,13 @@ def stage_graphs(ctx: Ctx) -> dict:
     else:
         graphs = train_in_process(p["preset"], p["steps"], p["skip"], ctx.device, True, ctx.work / "graphs")
         details["graphs"] = graphs
-        numbers.update(step_ms_graphs=graphs["step_ms"], tok_s_graphs=graphs["tok_s"],
-                       graph_speedup=eager["step_ms"] / graphs["step_ms"], captures=graphs.get("captures"),
-                       loss_rel_diff_max=_loss_agreement(eager["losses"], graphs["losses"]))
+        numbers.update(
+            step_ms_graphs=graphs["step_ms"],
+            tok_s_graphs=graphs["tok_s"],
+            graph_speedup=eager["step_ms"] / graphs["step_ms"],
+            captures=graphs.get("captures"),
+            loss_rel_diff_max=_loss_agreement(eager["losses"], graphs["losses"]),
+        )
     print(f"graphs: {numbers}", flush=True)
     return {"numbers": numbers, "details": details}
 
@@ -671,7 +864,6 @@ GDECODE_SMOKE = dict(size="tiny", prompt=16, new=24, batches=(1, 2), repeats=1)
 
 def stage_gdecode(ctx: Ctx) -> dict:
     """generate() on the static path, eager and with cuda_graphs=True: tokens/s, and the same tokens."""
-    import torch
 
     from benchmarks import bench_decode
     from mode.model.generate import generate
@@ -694,8 +886,9 @@ def stage_gdecode(ctx: Ctx) -> dict:
                 for _ in range(p["repeats"]):
                     _sync(ctx.device)
                     t0 = time.perf_counter()
-                    outs[name] = generate(model, prompts, p["new"], temperature=0, static_cache=True,
-                                          cuda_graphs=graphs)
+                    outs[name] = generate(
+                        model, prompts, p["new"], temperature=0, static_cache=True, cuda_graphs=graphs
+                    )
                     _sync(ctx.device)
                     times.append(time.perf_counter() - t0)
                 row[f"tok_s_{name}"] = B * p["new"] / statistics.median(times)
@@ -751,25 +944,43 @@ def stage_gpumfu(ctx: Ctx) -> dict:
             details[name] = {"error": "not run: under 40 s left in the stage"}
             continue
         try:
-            r = train_in_process("gpu", p["steps"], p["skip"], ctx.device, graphs, ctx.work / name,
-                                 batch_size=batch, measured_peak=measured)
+            r = train_in_process(
+                "gpu",
+                p["steps"],
+                p["skip"],
+                ctx.device,
+                graphs,
+                ctx.work / name,
+                batch_size=batch,
+                measured_peak=measured,
+            )
         except torch.cuda.OutOfMemoryError as err:
             details[name] = {"error": f"out of memory at batch {batch}: {str(err)[:300]}"}
             torch.cuda.empty_cache()
             continue
         details[name] = r
-        numbers.update({f"mfu_{name}": r["mfu"], f"mfu_measured_{name}": r["mfu_measured"],
-                        f"tok_s_{name}": r["tok_s"], f"step_ms_{name}": r["step_ms"],
-                        f"peak_memory_gib_{name}": r.get("peak_memory_gib")})
-        print(f"gpu preset ({name}): MFU {r['mfu']:.1%} of nominal, {r['mfu_measured']:.1%} of measured "
-              f"{measured / 1e12:.0f} TFLOP/s; {r['tok_s']:,.0f} tokens/s; step {r['step_ms']:.1f} ms; peak "
-              f"{r.get('peak_memory_gib', 0):.1f} GiB", flush=True)
+        numbers.update(
+            {
+                f"mfu_{name}": r["mfu"],
+                f"mfu_measured_{name}": r["mfu_measured"],
+                f"tok_s_{name}": r["tok_s"],
+                f"step_ms_{name}": r["step_ms"],
+                f"peak_memory_gib_{name}": r.get("peak_memory_gib"),
+            }
+        )
+        print(
+            f"gpu preset ({name}): MFU {r['mfu']:.1%} of nominal, {r['mfu_measured']:.1%} of measured "
+            f"{measured / 1e12:.0f} TFLOP/s; {r['tok_s']:,.0f} tokens/s; step {r['step_ms']:.1f} ms; peak "
+            f"{r.get('peak_memory_gib', 0):.1f} GiB",
+            flush=True,
+        )
     if "step_ms_graphs" in numbers and "step_ms_eager" in numbers:
         numbers["graph_speedup"] = numbers["step_ms_eager"] / numbers["step_ms_graphs"]
         numbers["loss_rel_diff_max"] = _loss_agreement(details["eager"]["losses"], details["graphs"]["losses"])
     if not any(k.startswith("mfu_") for k in numbers):
-        raise RuntimeError("no gpu-preset run gave numbers: " + "; ".join(
-            f"{k}: {v.get('error')}" for k, v in details.items()))
+        raise RuntimeError(
+            "no gpu-preset run gave numbers: " + "; ".join(f"{k}: {v.get('error')}" for k, v in details.items())
+        )
     return {"numbers": numbers, "details": details}
 
 
@@ -780,8 +991,20 @@ def stage_nccl(ctx: Ctx) -> dict:
     device = "cuda" if ctx.device.type == "cuda" else "cpu"
     out = ctx.work / "nccl_run"
     shutil.rmtree(out, ignore_errors=True)
-    common = ["-m", "mode", "train", "--preset", "quick", "--device", device, "--no-progress", "--out", str(out),
-              "--timeout", "60"]
+    common = [
+        "-m",
+        "mode",
+        "train",
+        "--preset",
+        "quick",
+        "--device",
+        device,
+        "--no-progress",
+        "--out",
+        str(out),
+        "--timeout",
+        "60",
+    ]
     if device == "cuda":
         common.append("--bf16")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -792,17 +1015,25 @@ def stage_nccl(ctx: Ctx) -> dict:
     first_s = time.monotonic() - t_start
     if not (out / "ckpt").is_dir():
         raise RuntimeError(f"no sharded checkpoint in {out}: {sorted(p.name for p in out.iterdir())}")
-    rc, text2 = _run_logged(torchrun + common + ["--steps", "30", "--resume"],
-                            timeout=max(ctx.limit_s - (time.monotonic() - t_start) - 5, 10), env=env)
+    rc, text2 = _run_logged(
+        torchrun + common + ["--steps", "30", "--resume"],
+        timeout=max(ctx.limit_s - (time.monotonic() - t_start) - 5, 10),
+        env=env,
+    )
     if rc != 0:
         raise RuntimeError(f"torchrun mode train --resume exited with {rc}: {_last_error(text2)}")
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in records if "loss" in r]
     backend = "nccl" if device == "cuda" else "gloo"
     said = re.findall(r"\b(nccl|gloo)\b", text)
-    numbers = {"backend": backend, "backend_in_output": said[0] if said else None, "last_step": max(steps),
-               "final_loss": [r["loss"] for r in records if "loss" in r][-1], "first_run_s": first_s,
-               "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if device == "cuda" else None}
+    numbers = {
+        "backend": backend,
+        "backend_in_output": said[0] if said else None,
+        "last_step": max(steps),
+        "final_loss": [r["loss"] for r in records if "loss" in r][-1],
+        "first_run_s": first_s,
+        "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if device == "cuda" else None,
+    }
     if max(steps) != 30:
         raise RuntimeError(f"the resumed run logged steps {steps}, expected to end at 30")
     return {"numbers": numbers, "details": {"log": records[-3:]}}
@@ -834,25 +1065,42 @@ def profile_step(step: Callable[[], None], device, iters: int, top: int = 8) -> 
 
     # on CUDA only the kernels (device events) count: an aten op's device time is its kernels' time again
     averages = prof.key_averages()
-    events = [e for e in averages if own(e) > 0
-              and (not cuda or getattr(e, "device_type", None) == DeviceType.CUDA)]
+    events = [e for e in averages if own(e) > 0 and (not cuda or getattr(e, "device_type", None) == DeviceType.CUDA)]
     busy_us = sum(own(e) for e in events) / iters
     ranked = sorted(events, key=own, reverse=True)[:top]
     total_us = sum(own(e) for e in events) or 1.0
     # the host side: CPU time of the ops themselves (dispatch, autograd, Python custom-op wrappers), the
     # launch cost a host-bound step pays; on a CPU this is the same list as "top"
-    host = [e for e in averages if getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU
-            and e.self_cpu_time_total > 0]
+    host = [
+        e for e in averages if getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU and e.self_cpu_time_total > 0
+    ]
     host_us = sum(e.self_cpu_time_total for e in host) or 1.0
     host_ranked = sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return {"wall_ms": 1e3 * wall, "device_busy_ms": busy_us / 1e3 if cuda else None,
-            "busy_fraction": (busy_us / 1e6) / wall if cuda else None,
-            "host_ms": host_us / iters / 1e3, "host_ops_per_step": sum(e.count for e in host) / iters,
-            "top": [{"name": e.key[:120], "ms_per_step": own(e) / iters / 1e3, "share": own(e) / total_us,
-                     "calls_per_step": e.count / iters} for e in ranked],
-            "top_host": [{"name": e.key[:120], "ms_per_step": e.self_cpu_time_total / iters / 1e3,
-                          "share": e.self_cpu_time_total / host_us, "calls_per_step": e.count / iters}
-                         for e in host_ranked]}
+    return {
+        "wall_ms": 1e3 * wall,
+        "device_busy_ms": busy_us / 1e3 if cuda else None,
+        "busy_fraction": (busy_us / 1e6) / wall if cuda else None,
+        "host_ms": host_us / iters / 1e3,
+        "host_ops_per_step": sum(e.count for e in host) / iters,
+        "top": [
+            {
+                "name": e.key[:120],
+                "ms_per_step": own(e) / iters / 1e3,
+                "share": own(e) / total_us,
+                "calls_per_step": e.count / iters,
+            }
+            for e in ranked
+        ],
+        "top_host": [
+            {
+                "name": e.key[:120],
+                "ms_per_step": e.self_cpu_time_total / iters / 1e3,
+                "share": e.self_cpu_time_total / host_us,
+                "calls_per_step": e.count / iters,
+            }
+            for e in host_ranked
+        ],
+    }
 
 
 def stage_profile(ctx: Ctx) -> dict:
@@ -873,15 +1121,21 @@ def stage_profile(ctx: Ctx) -> dict:
     x = torch.randn(1, T, d, device=device, requires_grad=True)
     g = torch.randn(1, T, d, device=device)
     for E, H in moe_cfgs:
-        moe = MoELayer.from_config(MoEConfig(d_model=d, d_hidden=H, num_experts=E, top_k=2, activation="swiglu",
-                                             capacity_factor=None)).to(device)
+        moe = MoELayer.from_config(
+            MoEConfig(d_model=d, d_hidden=H, num_experts=E, top_k=2, activation="swiglu", capacity_factor=None)
+        ).to(device)
         workloads[f"moe E={E} H={H}"] = fwd_bwd_step(moe, x, g)
         workloads[f"dense MLP 2H={2 * H}"] = fwd_bwd_step(MLP(d, 2 * H, activation="swiglu").to(device), x, g)
     dm, heads, B, S = blk["d_model"], blk["n_heads"], blk["mod_batch"], blk["mod_seq"]
     xb = torch.randn(B, S, dm, device=device, requires_grad=True)
     gb = torch.randn(B, S, dm, device=device)
-    workloads["MoD block c=0.125"] = fwd_bwd_step(MoD(TransformerBlock(dm, heads, MLP(dm, 4 * dm)), MoDRouter(
-        MoDRouterConfig(d_model=dm, capacity=0.125))).to(device), xb, gb)
+    workloads["MoD block c=0.125"] = fwd_bwd_step(
+        MoD(TransformerBlock(dm, heads, MLP(dm, 4 * dm)), MoDRouter(MoDRouterConfig(d_model=dm, capacity=0.125))).to(
+            device
+        ),
+        xb,
+        gb,
+    )
     workloads["dense block"] = fwd_bwd_step(TransformerBlock(dm, heads, MLP(dm, 4 * dm)).to(device), xb, gb)
     model_cfg = PRESETS[preset].model
     model = LM(model_cfg).to(device)
@@ -901,13 +1155,16 @@ def stage_profile(ctx: Ctx) -> dict:
             results[name] = profile_step(step, device, iters)
         r = results[name]
         busy = "" if r["device_busy_ms"] is None else f", device busy {r['device_busy_ms']:.2f} ms"
-        print(f"{name}: {r['wall_ms']:.2f} ms per step{busy}, host ops {r['host_ms']:.2f} ms "
-              f"({r['host_ops_per_step']:.0f} ops)")
+        print(
+            f"{name}: {r['wall_ms']:.2f} ms per step{busy}, host ops {r['host_ms']:.2f} ms "
+            f"({r['host_ops_per_step']:.0f} ops)"
+        )
         for t in r["top"][:5]:
             print(f"    {t['ms_per_step']:8.3f} ms  {100 * t['share']:5.1f}%  x{t['calls_per_step']:.0f}  {t['name']}")
     numbers = {f"{k}: wall_ms": v["wall_ms"] for k, v in results.items()}
-    numbers.update({f"{k}: busy_fraction": v["busy_fraction"] for k, v in results.items()
-                    if v["busy_fraction"] is not None})
+    numbers.update(
+        {f"{k}: busy_fraction": v["busy_fraction"] for k, v in results.items() if v["busy_fraction"] is not None}
+    )
     return {"numbers": numbers, "details": {"dtype": "bf16 autocast", "iters": iters, "workloads": results}}
 
 
@@ -919,8 +1176,12 @@ ISOFLOP_REPORT_FILES = ("isoflop.json", "isoflop.md", "loss_vs_params.png", "bes
 ISOFLOP_SEEDS = 2
 ISOFLOP_RESERVE_S = 45.0  # of the stage's limit, kept for the report of a sweep that ran out of time
 ISOFLOP_PACK_EVERY_S = 20.0  # the archive in OUT is rewritten this often while the sweep runs
-CLAIM_KEYS = {"MoD - best dense": "mod_minus_dense", "learned - random routing": "learned_minus_random",
-              "staged - integrated MoDE": "staged_minus_integrated", "MoE - best dense": "moe_minus_dense"}
+CLAIM_KEYS = {
+    "MoD - best dense": "mod_minus_dense",
+    "learned - random routing": "learned_minus_random",
+    "staged - integrated MoDE": "staged_minus_integrated",
+    "MoE - best dense": "moe_minus_dense",
+}
 
 
 def isoflop_smoke_preset():
@@ -933,8 +1194,17 @@ def isoflop_smoke_preset():
     gpu = preset("gpu")
     base = replace(gpu.base, seq_len=32, d_model=16, n_heads=1, d_hidden=64, num_experts=4)
     train = replace(gpu.train, batch_size=4, warmup_steps=2, log_every=5)
-    return IsoflopPreset(base, train, budgets=(3e8,), aspect=16, n_layers=(2, 3), head_dim=16, eval_windows=32,
-                         eval_batch_size=16, data=gpu.data)
+    return IsoflopPreset(
+        base,
+        train,
+        budgets=(3e8,),
+        aspect=16,
+        n_layers=(2, 3),
+        head_dim=16,
+        eval_windows=32,
+        eval_batch_size=16,
+        data=gpu.data,
+    )
 
 
 def run_isoflop_sweep(out: Path, smoke: bool, seeds: int) -> int:
@@ -945,8 +1215,16 @@ def run_isoflop_sweep(out: Path, smoke: bool, seeds: int) -> int:
     from mode.experiments.isoflop import run_isoflop
 
     device = "cuda" if torch.cuda.is_available() else None  # the rehearsal: the CPU, under bf16 autocast too
-    run_isoflop(out, quick="gpu", preset_override=isoflop_smoke_preset() if smoke else None, seeds=seeds,
-                data="packages", device=device, bf16=True, progress=False)
+    run_isoflop(
+        out,
+        quick="gpu",
+        preset_override=isoflop_smoke_preset() if smoke else None,
+        seeds=seeds,
+        data="packages",
+        device=device,
+        bf16=True,
+        progress=False,
+    )
     return 0
 
 
@@ -990,9 +1268,15 @@ def unpack_isoflop(source: Path, sweep: Path) -> int:
     with tarfile.open(archive, "r:gz") as tar:
         for member in tar.getmembers():
             name = member.name
-            ok = member.isfile() and not name.startswith("/") and ".." not in Path(name).parts and (
-                name == "isoflop_run.json" or (name.startswith("runs/") and name.endswith(("/result.json",
-                                                                                          "/log.jsonl"))))
+            ok = (
+                member.isfile()
+                and not name.startswith("/")
+                and ".." not in Path(name).parts
+                and (
+                    name == "isoflop_run.json"
+                    or (name.startswith("runs/") and name.endswith(("/result.json", "/log.jsonl")))
+                )
+            )
             if not ok:
                 raise RuntimeError(f"--isoflop-from {str(archive)!r}: unexpected member {name!r}")
             tar.extract(member, sweep, filter="data")
@@ -1015,12 +1299,17 @@ def complete_seeds(sweep: Path, smoke: bool, seeds: int) -> tuple[int, int, int]
 
 def isoflop_numbers(report: dict) -> dict:
     """The headline of an isoflop report: per budget each claim's mean difference, interval and edge flags."""
-    numbers: dict = {"seeds": len(report["config"]["seeds"]), "budgets": report["config"]["budgets"],
-                     "run_s": report.get("run_s"), "estimated_s": report["estimate"]["estimated_s"],
-                     "measured_over_estimated": report["estimate"]["measured_over_estimated"],
-                     "corpus_files": report["data"].get("files"), "corpus_list_sha256": report["data"].get("list_sha256"),
-                     "train_bytes": report["data"]["train_bytes"],
-                     "epochs_max": max(report["data"]["epochs_per_budget"].values())}
+    numbers: dict = {
+        "seeds": len(report["config"]["seeds"]),
+        "budgets": report["config"]["budgets"],
+        "run_s": report.get("run_s"),
+        "estimated_s": report["estimate"]["estimated_s"],
+        "measured_over_estimated": report["estimate"]["measured_over_estimated"],
+        "corpus_files": report["data"].get("files"),
+        "corpus_list_sha256": report["data"].get("list_sha256"),
+        "train_bytes": report["data"]["train_bytes"],
+        "epochs_max": max(report["data"]["epochs_per_budget"].values()),
+    }
     for i, entry in enumerate(report["budgets"]):
         tag = "" if i == len(report["budgets"]) - 1 else f"_{entry['budget']:.0e}".replace("+", "")
         dense = entry["variants"].get("dense", {}).get("best")
@@ -1048,8 +1337,14 @@ def stage_isoflop(ctx: Ctx) -> dict:
         print(f"isoflop: {details['runs_reused']} finished runs from {opts['isoflop_from']}", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("MODE_CACHE_DIR", str(ctx.work.parent / "cache"))  # the packages corpus, built once per --work
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--isoflop-sweep", str(sweep), "--isoflop-seeds",
-           str(seeds)] + (["--smoke"] if ctx.smoke else [])
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--isoflop-sweep",
+        str(sweep),
+        "--isoflop-seeds",
+        str(seeds),
+    ] + (["--smoke"] if ctx.smoke else [])
     t_start = time.monotonic()
     deadline = t_start + ctx.limit_s - ISOFLOP_RESERVE_S
     print("$ " + " ".join(cmd), flush=True)
@@ -1071,21 +1366,33 @@ def stage_isoflop(ctx: Ctx) -> dict:
     details["sweep_s"] = time.monotonic() - t_start
     runs_packed = pack_isoflop(sweep, keep / ISOFLOP_ARCHIVE)
     full, done, total = complete_seeds(sweep, ctx.smoke, seeds)
-    numbers: dict = {"complete": done == total and proc.returncode == 0, "runs_done": done, "runs_total": total,
-                     "seeds_complete": full}
+    numbers: dict = {
+        "complete": done == total and proc.returncode == 0,
+        "runs_done": done,
+        "runs_total": total,
+        "seeds_complete": full,
+    }
     details.update(timed_out=timed_out, returncode=proc.returncode, runs_in_archive=runs_packed)
     if not timed_out and proc.returncode != 0:  # an error, not the clock: the log holds its traceback
-        raise RuntimeError(f"the sweep exited with {proc.returncode} ({done} of {total} runs finished, kept in "
-                           f"{keep / ISOFLOP_ARCHIVE})")
+        raise RuntimeError(
+            f"the sweep exited with {proc.returncode} ({done} of {total} runs finished, kept in "
+            f"{keep / ISOFLOP_ARCHIVE})"
+        )
     if not numbers["complete"]:
-        details["next"] = (f"{done} of {total} runs finished: rerun the stage with --isoflop-from "
-                           f"{keep / ISOFLOP_ARCHIVE} (brought back and carried) to train the rest")
+        details["next"] = (
+            f"{done} of {total} runs finished: rerun the stage with --isoflop-from "
+            f"{keep / ISOFLOP_ARCHIVE} (brought back and carried) to train the rest"
+        )
         print(f"isoflop: {details['next']}", flush=True)
         if full == 0:  # cut off by the clock before a seed was whole: the archive is what there is
             return {"numbers": numbers, "details": details}
         # the report of the complete seeds: every run of them is finished, so this trains nothing
-        rc = subprocess.run(cmd[:4] + ["--isoflop-seeds", str(full)] + (["--smoke"] if ctx.smoke else []), cwd=ROOT,
-                            env=env, timeout=max(10.0, ctx.limit_s - (time.monotonic() - t_start) - 5)).returncode
+        rc = subprocess.run(
+            cmd[:4] + ["--isoflop-seeds", str(full)] + (["--smoke"] if ctx.smoke else []),
+            cwd=ROOT,
+            env=env,
+            timeout=max(10.0, ctx.limit_s - (time.monotonic() - t_start) - 5),
+        ).returncode
         if rc != 0:
             raise RuntimeError(f"the report of the {full} complete seed(s) failed (exit {rc})")
     for name in ISOFLOP_REPORT_FILES:
@@ -1093,7 +1400,9 @@ def stage_isoflop(ctx: Ctx) -> dict:
     report = json.loads((sweep / "isoflop.json").read_text())
     numbers.update(isoflop_numbers(report))
     details["claims"] = {f"{e['budget']:.3g}": e["claims"] for e in report["budgets"]}
-    details["best"] = {f"{e['budget']:.3g}": {n: v["best"] for n, v in e["variants"].items()} for e in report["budgets"]}
+    details["best"] = {
+        f"{e['budget']:.3g}": {n: v["best"] for n, v in e["variants"].items()} for e in report["budgets"]
+    }
     details["data"] = report["data"]
     details["estimate"] = {k: v for k, v in report["estimate"].items() if k != "runs"}
     details["machine"] = report["machine"]
@@ -1102,9 +1411,19 @@ def stage_isoflop(ctx: Ctx) -> dict:
 
 
 STAGE_FNS: dict[str, Callable[[Ctx], dict]] = {
-    "env": stage_env, "gtests": stage_gtests, "graphs": stage_graphs, "gdecode": stage_gdecode,
-    "gpumfu": stage_gpumfu, "tests": stage_tests, "moe": stage_moe, "mod": stage_mod, "decode": stage_decode,
-    "train": stage_train, "nccl": stage_nccl, "profile": stage_profile, "isoflop": stage_isoflop,
+    "env": stage_env,
+    "gtests": stage_gtests,
+    "graphs": stage_graphs,
+    "gdecode": stage_gdecode,
+    "gpumfu": stage_gpumfu,
+    "tests": stage_tests,
+    "moe": stage_moe,
+    "mod": stage_mod,
+    "decode": stage_decode,
+    "train": stage_train,
+    "nccl": stage_nccl,
+    "profile": stage_profile,
+    "isoflop": stage_isoflop,
 }
 
 
@@ -1122,8 +1441,9 @@ def _read_stage_numbers(work: Path, name: str) -> dict:
         return {}
 
 
-def run_stage_child(name: str, work: Path, smoke: bool, limit_s: float, inject: str | None,
-                    options: dict | None = None) -> int:
+def run_stage_child(
+    name: str, work: Path, smoke: bool, limit_s: float, inject: str | None, options: dict | None = None
+) -> int:
     """The child process: run one stage, write ``work/NAME/result.json``; exit 0 on success."""
     stage_work = work / name
     stage_work.mkdir(parents=True, exist_ok=True)
@@ -1142,6 +1462,7 @@ def run_stage_child(name: str, work: Path, smoke: bool, limit_s: float, inject: 
 # --------------------------------------------------------------------------------------------------------------
 # the orchestrator
 # --------------------------------------------------------------------------------------------------------------
+
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM to the child's whole process group, then SIGKILL after a grace period."""
@@ -1169,8 +1490,9 @@ def _parse_inject(items: list[str]) -> dict[str, str]:
     for item in items:
         name, _, how = item.partition("=")
         if name not in STAGE_NAMES or how not in ("raise", "hang"):
-            raise SystemExit(f"--inject {item!r}: must be STAGE=raise or STAGE=hang with STAGE one of "
-                             f"{', '.join(STAGE_NAMES)}")
+            raise SystemExit(
+                f"--inject {item!r}: must be STAGE=raise or STAGE=hang with STAGE one of {', '.join(STAGE_NAMES)}"
+            )
         out[name] = how
     return out
 
@@ -1182,15 +1504,31 @@ def _pick(names: list[str] | None, flag: str) -> list[str]:
     return list(names or [])
 
 
-def run_suite(out: Path, work: Path, budget_s: float | None, smoke: bool, only: list[str], skip: list[str],
-              inject: dict[str, str], stage_budget: dict[str, float], isoflop_from: str | None = None,
-              isoflop_seeds: int = ISOFLOP_SEEDS, no_compile: bool = False) -> dict:
+def run_suite(
+    out: Path,
+    work: Path,
+    budget_s: float | None,
+    smoke: bool,
+    only: list[str],
+    skip: list[str],
+    inject: dict[str, str],
+    stage_budget: dict[str, float],
+    isoflop_from: str | None = None,
+    isoflop_seeds: int = ISOFLOP_SEEDS,
+    no_compile: bool = False,
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + (budget_s if budget_s is not None else float("inf"))
     started = time.time()
-    payload = {"suite": "gpu_suite", "command": " ".join(["gpu_suite.py", *sys.argv[1:]]), "smoke": smoke,
-               "budget_s": budget_s, "started_unix": started, "stages": {}}
+    payload = {
+        "suite": "gpu_suite",
+        "command": " ".join(["gpu_suite.py", *sys.argv[1:]]),
+        "smoke": smoke,
+        "budget_s": budget_s,
+        "started_unix": started,
+        "stages": {},
+    }
     log_path = out / LOG_NAME
     log_path.write_text("")
     for stage in STAGES:
@@ -1206,8 +1544,16 @@ def run_suite(out: Path, work: Path, budget_s: float | None, smoke: bool, only: 
             payload["stages"][stage.name] = record
             _write_json_atomic(out / RESULT_NAME, payload)
             continue
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--run-stage", stage.name, "--work", str(work),
-               "--stage-limit-s", f"{limit:.1f}"] + (["--smoke"] if smoke else [])
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--run-stage",
+            stage.name,
+            "--work",
+            str(work),
+            "--stage-limit-s",
+            f"{limit:.1f}",
+        ] + (["--smoke"] if smoke else [])
         if stage.name in inject:
             cmd += ["--inject", f"{stage.name}={inject[stage.name]}"]
         if no_compile:
@@ -1220,12 +1566,21 @@ def run_suite(out: Path, work: Path, budget_s: float | None, smoke: bool, only: 
         stage_log = work / f"{stage.name}.log"
         t0 = time.monotonic()
         with open(stage_log, "w") as fh:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=dict(os.environ, PYTHONUNBUFFERED="1",
-                                             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                                             # a cache of this run's own: a shared one left truncated by a killed
-                                             # compile ("file too short") failed a rehearsal's compiled run
-                                             TORCHINDUCTOR_CACHE_DIR=str(work / "inductor_cache")))
+            proc = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=dict(
+                    os.environ,
+                    PYTHONUNBUFFERED="1",
+                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                    # a cache of this run's own: a shared one left truncated by a killed
+                    # compile ("file too short") failed a rehearsal's compiled run
+                    TORCHINDUCTOR_CACHE_DIR=str(work / "inductor_cache"),
+                ),
+            )
             try:
                 proc.wait(timeout=limit)
                 timed_out = False
@@ -1242,8 +1597,10 @@ def run_suite(out: Path, work: Path, budget_s: float | None, smoke: bool, only: 
         record["limit_s"] = round(limit, 1)
         record["budget_s"] = round(budget, 1)
         if hang_guard and seconds > budget and not timed_out:
-            record["slow"] = (f"took {seconds:.0f} s, over its rehearsal budget of {budget:.0f} s (a loaded or slower "
-                              f"CPU; killed only past {limit:.0f} s)")
+            record["slow"] = (
+                f"took {seconds:.0f} s, over its rehearsal budget of {budget:.0f} s (a loaded or slower "
+                f"CPU; killed only past {limit:.0f} s)"
+            )
         if timed_out:
             record.update(status="timeout", error=f"ran past its limit of {limit:.0f} s and was killed", tail=tail)
         elif proc.returncode != 0 or not result_path.exists():
@@ -1258,9 +1615,20 @@ def run_suite(out: Path, work: Path, budget_s: float | None, smoke: bool, only: 
             payload.setdefault("versions", {"torch": record["details"].get("machine", {}).get("torch")})
         if stage.name == "env" and record["status"] == "ok":
             payload["device"] = record["details"].get("device_name")
-            payload["versions"] = {k: record["details"].get(k) for k in
-                                   ("python", "torch", "torch_cuda", "cudnn", "nccl", "triton", "transformers",
-                                    "torchtitan", "nvidia_smi")}
+            payload["versions"] = {
+                k: record["details"].get(k)
+                for k in (
+                    "python",
+                    "torch",
+                    "torch_cuda",
+                    "cudnn",
+                    "nccl",
+                    "triton",
+                    "transformers",
+                    "torchtitan",
+                    "nvidia_smi",
+                )
+            }
         payload["stages"][stage.name] = record
         payload["goals"] = evaluate_goals(payload["stages"], smoke)
         _write_json_atomic(out / RESULT_NAME, payload)
@@ -1288,8 +1656,16 @@ def evaluate_goals(stages: dict, smoke: bool = False) -> list[dict]:
             verdict = "met" if value >= threshold else "missed"
         else:
             verdict = "met" if value == threshold else "missed"
-        out.append({"goal": text, "stage": stage, "key": key, "value": value, "rule": f"{rule} {threshold}",
-                    "verdict": verdict})
+        out.append(
+            {
+                "goal": text,
+                "stage": stage,
+                "key": key,
+                "value": value,
+                "rule": f"{rule} {threshold}",
+                "verdict": verdict,
+            }
+        )
     return out
 
 
@@ -1307,32 +1683,53 @@ HEADLINE = {
     "gtests": ("passed", "failed", "skipped", "cut_off"),
     "graphs": ("step_ms_eager", "step_ms_graphs", "graph_speedup", "loss_rel_diff_max", "graphs"),
     "gdecode": ("speedup_mod_b1", "speedup_mod_b8", "speedup_dense_b1", "same_tokens_mod_b1", "graphs"),
-    "gpumfu": ("params", "batch_size", "mfu_graphs", "mfu_measured_graphs", "mfu_eager", "graph_speedup",
-               "gpu_preset"),
-    "moe": ("moe_ratio_E8", "best_peer_ratio_E8", "moe_ratio_E64", "best_peer_ratio_E64", "moe_ratio_compiled_E8",
-            "moe_ratio_compiled_E64"),
+    "gpumfu": ("params", "batch_size", "mfu_graphs", "mfu_measured_graphs", "mfu_eager", "graph_speedup", "gpu_preset"),
+    "moe": (
+        "moe_ratio_E8",
+        "best_peer_ratio_E8",
+        "moe_ratio_E64",
+        "best_peer_ratio_E64",
+        "moe_ratio_compiled_E8",
+        "moe_ratio_compiled_E64",
+    ),
     "mod": ("block_ratio", "block_ratio_compiled", "block_flop_ratio", "lm_ratio", "lm_flop_ratio"),
     "decode": ("speedup_b1", "speedup_b8"),
     "train": ("tok_s_eager", "mfu_eager", "tok_s_compile", "mfu_compile", "mfu_vs_measured_eager"),
     "nccl": ("backend", "last_step", "final_loss"),
     "profile": (),
-    "isoflop": ("complete", "runs_done", "runs_total", "measured_over_estimated", "dense_best", "mod_minus_dense",
-                "mod_minus_dense_significant", "learned_minus_random", "staged_minus_integrated", "moe_minus_dense"),
+    "isoflop": (
+        "complete",
+        "runs_done",
+        "runs_total",
+        "measured_over_estimated",
+        "dense_best",
+        "mod_minus_dense",
+        "mod_minus_dense_significant",
+        "learned_minus_random",
+        "staged_minus_integrated",
+        "moe_minus_dense",
+    ),
 }
 
 
 def print_summary(payload: dict) -> None:
-    print(f"\ngpu_suite: {payload.get('device', '?')}, torch {payload.get('versions', {}).get('torch', '?')}, "
-          f"{payload.get('seconds', '?')} s" + ("" if payload["budget_s"] is None else f" of {payload['budget_s']:.0f}")
-          + (" (smoke)" if payload["smoke"] else ""))
+    print(
+        f"\ngpu_suite: {payload.get('device', '?')}, torch {payload.get('versions', {}).get('torch', '?')}, "
+        f"{payload.get('seconds', '?')} s"
+        + ("" if payload["budget_s"] is None else f" of {payload['budget_s']:.0f}")
+        + (" (smoke)" if payload["smoke"] else "")
+    )
     for name, rec in payload["stages"].items():
         if rec["status"] == "ok":
             nums = rec["numbers"]
             what = ", ".join(f"{k}={_fmt(nums[k])}" for k in HEADLINE.get(name, ()) if k in nums)
             if name == "profile":
                 busy = [f"{k.split(':')[0]} {v:.0%}" for k, v in nums.items() if k.endswith("busy_fraction")]
-                what = ("device busy: " + ", ".join(busy)) if busy else "wall ms per step: " + ", ".join(
-                    f"{k.split(':')[0]} {v:.1f}" for k, v in nums.items())
+                what = (
+                    ("device busy: " + ", ".join(busy))
+                    if busy
+                    else "wall ms per step: " + ", ".join(f"{k.split(':')[0]} {v:.1f}" for k, v in nums.items())
+                )
         else:
             what = rec.get("error") or rec.get("reason", "")
         if rec.get("slow"):
@@ -1345,26 +1742,47 @@ def print_summary(payload: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="folder for gpu_suite.json and gpu_suite.log (on the GPU machine: $OUT)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help=f"overall deadline in seconds (default {GPU_BUDGET_S:.0f}; with --smoke none: a rehearsal's "
-                        f"stages are killed only past {SMOKE_HANG_FACTOR:g} x their budget, and a slow one is "
-                        "reported as slow)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help=f"overall deadline in seconds (default {GPU_BUDGET_S:.0f}; with --smoke none: a rehearsal's "
+        f"stages are killed only past {SMOKE_HANG_FACTOR:g} x their budget, and a slow one is "
+        "reported as slow)",
+    )
     p.add_argument("--smoke", action="store_true", help="every stage at its smallest, on any device (rehearsal)")
     p.add_argument("--only", nargs="+", help=f"run only these stages ({', '.join(STAGE_NAMES)})")
     p.add_argument("--skip", nargs="+", help="leave these stages out")
-    p.add_argument("--stage-budget", nargs="+", default=[], metavar="STAGE=S",
-                   help="override a stage's time limit in seconds, e.g. tests=60")
-    p.add_argument("--inject", nargs="+", default=[], metavar="STAGE=raise|hang",
-                   help="make a stage fail on purpose (to test that stages are isolated)")
+    p.add_argument(
+        "--stage-budget",
+        nargs="+",
+        default=[],
+        metavar="STAGE=S",
+        help="override a stage's time limit in seconds, e.g. tests=60",
+    )
+    p.add_argument(
+        "--inject",
+        nargs="+",
+        default=[],
+        metavar="STAGE=raise|hang",
+        help="make a stage fail on purpose (to test that stages are isolated)",
+    )
     p.add_argument("--work", help="scratch folder (default: a new temporary folder)")
-    p.add_argument("--no-compile", action="store_true",
-                   help="leave out the torch.compile rows of the moe, mod and train stages (recorded as not run); "
-                        "on a CPU they take most of a smoke run's time")
-    p.add_argument("--isoflop-from", metavar="PATH",
-                   help=f"isoflop stage: the {ISOFLOP_ARCHIVE} an earlier call left in OUT/{ISOFLOP_DIR} (or its "
-                        "folder): its finished runs are reused and the sweep goes on from there")
-    p.add_argument("--isoflop-seeds", type=int, default=ISOFLOP_SEEDS,
-                   help=f"isoflop stage: seeds (default {ISOFLOP_SEEDS})")
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="leave out the torch.compile rows of the moe, mod and train stages (recorded as not run); "
+        "on a CPU they take most of a smoke run's time",
+    )
+    p.add_argument(
+        "--isoflop-from",
+        metavar="PATH",
+        help=f"isoflop stage: the {ISOFLOP_ARCHIVE} an earlier call left in OUT/{ISOFLOP_DIR} (or its "
+        "folder): its finished runs are reused and the sweep goes on from there",
+    )
+    p.add_argument(
+        "--isoflop-seeds", type=int, default=ISOFLOP_SEEDS, help=f"isoflop stage: seeds (default {ISOFLOP_SEEDS})"
+    )
     p.add_argument("--run-stage", choices=STAGE_NAMES, help=argparse.SUPPRESS)
     p.add_argument("--isoflop-out", help=argparse.SUPPRESS)
     p.add_argument("--isoflop-sweep", help=argparse.SUPPRESS)
@@ -1375,8 +1793,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_isoflop_sweep(Path(args.isoflop_sweep), args.smoke, args.isoflop_seeds)
     if args.run_stage:
         inject = _parse_inject(args.inject).get(args.run_stage)
-        options = {"isoflop_out": args.isoflop_out, "isoflop_from": args.isoflop_from,
-                   "isoflop_seeds": args.isoflop_seeds, "no_compile": args.no_compile}
+        options = {
+            "isoflop_out": args.isoflop_out,
+            "isoflop_from": args.isoflop_from,
+            "isoflop_seeds": args.isoflop_seeds,
+            "no_compile": args.no_compile,
+        }
         try:
             return run_stage_child(args.run_stage, Path(args.work), args.smoke, args.stage_limit_s, inject, options)
         except Exception:  # noqa: BLE001 - the parent records the error from this output
@@ -1397,8 +1819,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             value = -1.0
         if name not in STAGE_NAMES or value <= 0:
-            raise SystemExit(f"--stage-budget {item!r}: must be STAGE=SECONDS with STAGE one of "
-                             f"{', '.join(STAGE_NAMES)} and SECONDS > 0")
+            raise SystemExit(
+                f"--stage-budget {item!r}: must be STAGE=SECONDS with STAGE one of "
+                f"{', '.join(STAGE_NAMES)} and SECONDS > 0"
+            )
         stage_budget[name] = value
     only, skip = _pick(args.only, "--only"), _pick(args.skip, "--skip")
     inject = _parse_inject(args.inject)
@@ -1407,8 +1831,19 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--isoflop-seeds={args.isoflop_seeds}: must be >= 1")
     if args.isoflop_from and not Path(args.isoflop_from).exists():
         raise SystemExit(f"--isoflop-from {args.isoflop_from!r}: no such file or folder")
-    payload = run_suite(Path(args.out), work, args.budget_s, args.smoke, only, skip, inject, stage_budget,
-                        args.isoflop_from, args.isoflop_seeds, args.no_compile)
+    payload = run_suite(
+        Path(args.out),
+        work,
+        args.budget_s,
+        args.smoke,
+        only,
+        skip,
+        inject,
+        stage_budget,
+        args.isoflop_from,
+        args.isoflop_seeds,
+        args.no_compile,
+    )
     print_summary(payload)
     print(f"\nwrote {Path(args.out) / RESULT_NAME} and {LOG_NAME}", file=sys.stderr)
     return 0 if all(r["status"] == "ok" for r in payload["stages"].values()) else 1

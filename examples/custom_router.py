@@ -95,12 +95,18 @@ class TopPRouter(nn.Module):
         token_A, expert_A, gate_A, counts_E = group_by_expert(token_A, expert_key_A, gate_TK.reshape(-1), E, T)
         requested_E = count_per(chosen_TK.reshape(-1), E, computed_TK.reshape(-1))
         aux.stats["router"] = RoutingStats(
-            kept_E=counts_E.float(), requested_X=requested_E.float(), dropped=torch.zeros((), device=dev),
-            noop=torch.zeros((), device=dev), tokens=scalar(T, dev) if valid_T is None else valid_T.sum().float(),
-            compute_T=count_per(token_A, T, expert_A < E).float(), entropy=entropy_of(probs_TE.detach(), valid_T),
-            batch_shape=(B, S))
-        return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
-                           num_tokens=T, aux=aux)
+            kept_E=counts_E.float(),
+            requested_X=requested_E.float(),
+            dropped=torch.zeros((), device=dev),
+            noop=torch.zeros((), device=dev),
+            tokens=scalar(T, dev) if valid_T is None else valid_T.sum().float(),
+            compute_T=count_per(token_A, T, expert_A < E).float(),
+            entropy=entropy_of(probs_TE.detach(), valid_T),
+            batch_shape=(B, S),
+        )
+        return RoutingPlan(
+            token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E, num_tokens=T, aux=aux
+        )
 
 
 register_router("top_p", TopPConfig, TopPRouter)  # the one line: now usable as MoEConfig/LMConfig(router="top_p")
@@ -108,17 +114,32 @@ register_router("top_p", TopPConfig, TopPRouter)  # the one line: now usable as 
 
 def main() -> None:
     from mode.cli import main as mode_cli
-    from mode.train.data import stdlib_corpus
     from mode.measure.flops import forward_flops_per_token, measured_flops
-    from mode.model import LM, LMConfig, alternate
+    from mode.model import LMConfig, alternate
     from mode.train import TrainConfig, Trainer
+    from mode.train.data import stdlib_corpus
 
     torch.set_num_threads(2)
-    cfg = LMConfig(seq_len=128, d_model=64, n_heads=2, d_hidden=256, layers=alternate(4, "dense", "moe"),
-                   num_experts=4, top_k=3, router="top_p", router_options={"threshold": 0.6})
+    cfg = LMConfig(
+        seq_len=128,
+        d_model=64,
+        n_heads=2,
+        d_hidden=256,
+        layers=alternate(4, "dense", "moe"),
+        num_experts=4,
+        top_k=3,
+        router="top_p",
+        router_options={"threshold": 0.6},
+    )
     out = Path(tempfile.mkdtemp(prefix="custom_router_"))
-    trainer = Trainer(cfg, TrainConfig(steps=60, batch_size=8, eval_every=60, warmup_steps=10, lr=3e-3),
-                      stdlib_corpus(max_bytes=2_000_000), out, name="top_p", progress=False)
+    trainer = Trainer(
+        cfg,
+        TrainConfig(steps=60, batch_size=8, eval_every=60, warmup_steps=10, lr=3e-3),
+        stdlib_corpus(max_bytes=2_000_000),
+        out,
+        name="top_p",
+        progress=False,
+    )
     trainer.run()
     print(f"trained 60 steps: val loss {trainer.history[-1].get('val_loss', float('nan')):.3f}")
 
@@ -127,8 +148,10 @@ def main() -> None:
     idx = torch.randint(0, 256, (2, cfg.seq_len))
     counted, result = measured_flops(model, idx)
     realized = forward_flops_per_token(cfg, aux=result.aux) * idx.numel()
-    print(f"forward FLOPs per token: nominal {forward_flops_per_token(cfg):.3e}, realized "
-          f"{realized / idx.numel():.3e}, torch's flop counter {counted / idx.numel():.3e}")
+    print(
+        f"forward FLOPs per token: nominal {forward_flops_per_token(cfg):.3e}, realized "
+        f"{realized / idx.numel():.3e}, torch's flop counter {counted / idx.numel():.3e}"
+    )
     # ... and `mode report` reads the checkpoint (this process has registered the router).
     sys.exit(mode_cli(["report", str(trainer.ckpt_path), "--batches", "2", "--out", str(out / "report")]))
 

@@ -36,7 +36,16 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 from mode import (  # noqa: E402
-    MLP, Aux, IntegratedMoDE, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, StagedMoDE, TransformerBlock,
+    MLP,
+    Aux,
+    IntegratedMoDE,
+    MoD,
+    MoDRouter,
+    MoDRouterConfig,
+    MoEConfig,
+    MoELayer,
+    StagedMoDE,
+    TransformerBlock,
 )
 
 
@@ -71,21 +80,25 @@ class TinyLM(nn.Module):
         def moe(**kw) -> MoEConfig:
             return MoEConfig(d_model=d, d_hidden=2 * d, num_experts=experts, **kw)
 
-        self.layers = nn.ModuleDict({
-            "dense": TransformerBlock(d, n_heads, MLP(d, 4 * d)),
-            # Only the top `capacity` fraction of each sequence goes through this block (the paper uses
-            # 0.125; 0.25 here because the sequences are short).
-            "mod": MoD(TransformerBlock(d, n_heads, MLP(d, 4 * d)), MoDRouter(MoDRouterConfig(d, capacity))),
-            # Top-2 with a capacity limit: an expert takes at most 1.0 x its fair share, the rest is dropped.
-            "moe": TransformerBlock(d, n_heads, MoELayer.from_config(moe(top_k=2, capacity_factor=1.0))),
-            # MoD in front of an MoE block: skipped tokens skip attention and experts.
-            "staged": StagedMoDE(TransformerBlock(d, n_heads, MoELayer.from_config(moe(top_k=1))),
-                                 MoDRouter(MoDRouterConfig(d, capacity))),
-            # One router over 4 experts + 1 no-op expert: a no-op token skips the MLP only.
-            "integrated": TransformerBlock(d, n_heads, IntegratedMoDE.from_config(moe(top_k=1, num_noop=1))),
-            # MoD around a block written above: the routed quarter of each sequence goes through ConvBlock.
-            "mod_own": MoD(ConvBlock(d), MoDRouter(MoDRouterConfig(d, capacity))),
-        })
+        self.layers = nn.ModuleDict(
+            {
+                "dense": TransformerBlock(d, n_heads, MLP(d, 4 * d)),
+                # Only the top `capacity` fraction of each sequence goes through this block (the paper uses
+                # 0.125; 0.25 here because the sequences are short).
+                "mod": MoD(TransformerBlock(d, n_heads, MLP(d, 4 * d)), MoDRouter(MoDRouterConfig(d, capacity))),
+                # Top-2 with a capacity limit: an expert takes at most 1.0 x its fair share, the rest is dropped.
+                "moe": TransformerBlock(d, n_heads, MoELayer.from_config(moe(top_k=2, capacity_factor=1.0))),
+                # MoD in front of an MoE block: skipped tokens skip attention and experts.
+                "staged": StagedMoDE(
+                    TransformerBlock(d, n_heads, MoELayer.from_config(moe(top_k=1))),
+                    MoDRouter(MoDRouterConfig(d, capacity)),
+                ),
+                # One router over 4 experts + 1 no-op expert: a no-op token skips the MLP only.
+                "integrated": TransformerBlock(d, n_heads, IntegratedMoDE.from_config(moe(top_k=1, num_noop=1))),
+                # MoD around a block written above: the routed quarter of each sequence goes through ConvBlock.
+                "mod_own": MoD(ConvBlock(d), MoDRouter(MoDRouterConfig(d, capacity))),
+            }
+        )
         self.norm = nn.RMSNorm(d)
         self.head = nn.Linear(d, 256, bias=False)
 
@@ -106,28 +119,35 @@ def load_bytes() -> Tensor:
 
 def batch(data: Tensor, batch_size: int, seq: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
     start = torch.randint(0, data.numel() - seq - 1, (batch_size,), generator=gen)
-    window_BS = torch.stack([data[s:s + seq + 1] for s in start.tolist()])
+    window_BS = torch.stack([data[s : s + seq + 1] for s in start.tolist()])
     return window_BS[:, :-1], window_BS[:, 1:]  # inputs, next-byte targets
 
 
 def print_routing(aux: Aux, layer_names: list[str]) -> None:
     print("\nper layer: aux losses (raw value x coef)")
     for layer in layer_names:
-        items = [f"{key.split('.', 1)[1]}={value.item():.4f} x {aux.coefs[key]:g}"
-                 for key, value in aux.losses.items() if key.split(".", 1)[0] == layer]
+        items = [
+            f"{key.split('.', 1)[1]}={value.item():.4f} x {aux.coefs[key]:g}"
+            for key, value in aux.losses.items()
+            if key.split(".", 1)[0] == layer
+        ]
         print(f"  {layer:<11} " + (", ".join(items) or "none"))
     print("\nper router: routing stats (last validation batch)")
     for key, st in aux.stats.items():
         tokens = st.tokens.item()
         if st.entropy is None:  # MoD router: one "expert" (the block); skipping is the no-op
-            print(f"  {key:<26} MoD routed fraction {st.kept_E[0].item() / tokens:.3f} "
-                  f"({int(st.kept_E[0].item())}/{int(tokens)} tokens)")
+            print(
+                f"  {key:<26} MoD routed fraction {st.kept_E[0].item() / tokens:.3f} "
+                f"({int(st.kept_E[0].item())}/{int(tokens)} tokens)"
+            )
             continue
         share_E = st.kept_E / st.kept_E.sum().clamp_min(1)
         requested = st.requested_X.sum().item()
-        print(f"  {key:<26} per-expert share {[round(v, 3) for v in share_E.tolist()]}, "
-              f"dropped {int(st.dropped.item())}, no-op share {st.noop.item() / requested:.3f}, "
-              f"entropy {st.entropy.item():.3f} nats, tokens {int(tokens)}")
+        print(
+            f"  {key:<26} per-expert share {[round(v, 3) for v in share_E.tolist()]}, "
+            f"dropped {int(st.dropped.item())}, no-op share {st.noop.item() / requested:.3f}, "
+            f"entropy {st.entropy.item():.3f} nats, tokens {int(tokens)}"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -138,9 +158,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: this model's matmuls are tiny, and on a busy 2-core machine "
-                        "two OpenMP threads made a step about 30x slower than one)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: this model's matmuls are tiny, and on a busy 2-core machine "
+        "two OpenMP threads made a step about 30x slower than one)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.log_every < 1:
         p.error(f"--steps={args.steps}, --log-every={args.log_every}: must be >= 1")
@@ -171,16 +195,20 @@ def main(argv: list[str] | None = None) -> dict:
         seen += x_BS.numel()
         if step % args.log_every == 0 or step == args.steps:
             elapsed = time.perf_counter() - t_start
-            print(f"step {step:3d}/{args.steps}  lm loss {lm_loss.item():.4f} ({lm_loss.item() / math.log(2):.3f} "
-                  f"bits/byte)  aux {aux.total().item():.4f}  {seen / elapsed:,.0f} tok/s  {elapsed:.1f} s")
+            print(
+                f"step {step:3d}/{args.steps}  lm loss {lm_loss.item():.4f} ({lm_loss.item() / math.log(2):.3f} "
+                f"bits/byte)  aux {aux.total().item():.4f}  {seen / elapsed:,.0f} tok/s  {elapsed:.1f} s"
+            )
 
     model.eval()
     with torch.no_grad():
         x_BS, y_BS = batch(val, args.batch, args.seq, gen)
         logits_BSV, aux = model(x_BS)
         val_loss = F.cross_entropy(logits_BSV.flatten(0, 1), y_BS.flatten()).item()
-    print(f"\nvalidation lm loss {val_loss:.4f} ({val_loss / math.log(2):.3f} bits/byte); "
-          f"uniform would be {math.log(256):.4f}; {time.perf_counter() - t_start:.1f} s in all")
+    print(
+        f"\nvalidation lm loss {val_loss:.4f} ({val_loss / math.log(2):.3f} bits/byte); "
+        f"uniform would be {math.log(256):.4f}; {time.perf_counter() - t_start:.1f} s in all"
+    )
     print_routing(aux, list(model.layers))
     return {"train_loss": lm_loss.item(), "val_loss": val_loss, "stats": aux.stats}
 

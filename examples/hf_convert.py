@@ -42,8 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import mode.hf as mh  # noqa: E402
-from mode.train.data import stdlib_corpus  # noqa: E402
+import mode.hf as mh
+from mode.train.data import stdlib_corpus
 
 
 def load(args):
@@ -52,13 +52,24 @@ def load(args):
 
     if args.model is None:
         torch.manual_seed(args.seed)
-        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                          attn_implementation="sdpa", pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        cfg = LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            attn_implementation="sdpa",
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         model = LlamaForCausalLM(cfg)
         return model.eval(), (lambda s: list(s.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", "replace"))
-    model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, attn_implementation="sdpa",
-                                                 dtype=getattr(torch, args.dtype))
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, local_files_only=True, attn_implementation="sdpa", dtype=getattr(torch, args.dtype)
+    )
     try:
         tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     except (OSError, ValueError):  # no tokenizer saved next to the weights: bytes, if the vocabulary allows
@@ -99,7 +110,7 @@ def speed(model, prompt_BS: torch.Tensor, new_tokens: int, repeats: int) -> tupl
         t0 = time.perf_counter()
         out = model.generate(prompt_BS, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         rates.append(prompt_BS.shape[0] * new_tokens / (time.perf_counter() - t0))
-    return sorted(rates)[len(rates) // 2], out[0, prompt_BS.shape[1]:].tolist()
+    return sorted(rates)[len(rates) // 2], out[0, prompt_BS.shape[1] :].tolist()
 
 
 def tuning_means(hist: list[dict]) -> tuple[dict, dict]:
@@ -118,8 +129,10 @@ def tuning_summary(hist: list[dict], objective: str) -> str:
     the objective and the routers' weighted causal BCE (``aux``), which router tuning minimises together."""
     first, last = tuning_means(hist)
     k = max(1, min(10, len(hist) // 2))
-    return (f"{objective} {first['loss']:.4f} -> {last['loss']:.4f}, weighted causal BCE {first['aux']:.4f} -> "
-            f"{last['aux']:.4f} (means of the first and last {k} steps)")
+    return (
+        f"{objective} {first['loss']:.4f} -> {last['loss']:.4f}, weighted causal BCE {first['aux']:.4f} -> "
+        f"{last['aux']:.4f} (means of the first and last {k} steps)"
+    )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -154,14 +167,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     base_loss, _ = loss_on(model, val, None)
     base_speed, base_tokens = speed(model, prompt_BS, args.new_tokens, args.repeats)
-    rows = [{"model": "original", "capacity": 1.0, "loss_topk": base_loss, "loss_causal": base_loss,
-             "routed": 1.0, "tok_per_s": base_speed}]
+    rows = [
+        {
+            "model": "original",
+            "capacity": 1.0,
+            "loss_topk": base_loss,
+            "loss_causal": base_loss,
+            "routed": 1.0,
+            "tok_per_s": base_speed,
+        }
+    ]
     print(f"original: loss {base_loss:.4f}, {base_speed:.1f} tok/s")
     layers = args.layers if args.layers in ("every_other", "all") else [int(i) for i in args.layers.split(",")]
     for cap in args.capacities:
         # kv="routed": the sparse cache this example reports on (the default, "all", keeps every token's K/V)
-        conv = mh.to_mod(copy.deepcopy(model), layers=layers, capacity=cap, gate="ste", causal="aux_bce",
-                         kv="routed")
+        conv = mh.to_mod(copy.deepcopy(model), layers=layers, capacity=cap, gate="ste", causal="aux_bce", kv="routed")
         t0 = time.perf_counter()
         hist = mh.router_tune(conv, train, steps=args.tune_steps, lr=args.lr, objective=args.objective)
         tune_s = time.perf_counter() - t0
@@ -170,28 +190,47 @@ def main(argv: list[str] | None = None) -> list[dict]:
         loss_causal, routed = loss_on(conv, val, "causal")
         tok_s, tokens = speed(conv, prompt_BS, args.new_tokens, args.repeats)
         with torch.no_grad(), mh.routing(conv, "causal"):
-            cache = conv.generate(prompt_BS, max_new_tokens=args.new_tokens, do_sample=False,
-                                  return_dict_in_generate=True).past_key_values
+            cache = conv.generate(
+                prompt_BS, max_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True
+            ).past_key_values
         stored = {i: int(cache.layers[i].stored_tokens().sum()) for i in mh.mod_layers(conv)}
-        rows.append({"model": "mod", "capacity": cap, "loss_topk": loss_topk, "loss_causal": loss_causal,
-                     "routed": routed, "tok_per_s": tok_s, "tune_steps": args.tune_steps, "tune_s": tune_s,
-                     "tune_first": hist[0], "tune_last": hist[-1], "dense_len": cache.get_seq_length(),
-                     "stored_per_layer": stored})
-        print(f"capacity {cap}: tuned {args.tune_steps} steps ({tune_s:.1f} s, "
-              f"{tuning_summary(hist, args.objective)}); loss top-C {loss_topk:.4f}, causal {loss_causal:.4f}; "
-              f"causal routes {routed:.3f} of tokens; {tok_s:.1f} tok/s ({tok_s / base_speed:.2f}x); KV stored per "
-              f"MoD layer {stored} of {cache.get_seq_length()} tokens")
+        rows.append(
+            {
+                "model": "mod",
+                "capacity": cap,
+                "loss_topk": loss_topk,
+                "loss_causal": loss_causal,
+                "routed": routed,
+                "tok_per_s": tok_s,
+                "tune_steps": args.tune_steps,
+                "tune_s": tune_s,
+                "tune_first": hist[0],
+                "tune_last": hist[-1],
+                "dense_len": cache.get_seq_length(),
+                "stored_per_layer": stored,
+            }
+        )
+        print(
+            f"capacity {cap}: tuned {args.tune_steps} steps ({tune_s:.1f} s, "
+            f"{tuning_summary(hist, args.objective)}); loss top-C {loss_topk:.4f}, causal {loss_causal:.4f}; "
+            f"causal routes {routed:.3f} of tokens; {tok_s:.1f} tok/s ({tok_s / base_speed:.2f}x); KV stored per "
+            f"MoD layer {stored} of {cache.get_seq_length()} tokens"
+        )
         first, last = tuning_means(hist)
         if last["loss"] > first["loss"] and last["loss"] + last["aux"] < first["loss"] + first["aux"]:
-            print(f"  ({args.objective} rose: tuning minimises {args.objective} + causal BCE, and the BCE, which "
-                  "teaches each router's logit to predict its own top-C choice, fell by more)")
+            print(
+                f"  ({args.objective} rose: tuning minimises {args.objective} + causal BCE, and the BCE, which "
+                "teaches each router's logit to predict its own top-C choice, fell by more)"
+            )
         print(f"  sample: {decode(tokens)!r}")
     print(f"original sample: {decode(base_tokens)!r}")
     print("\n| model | capacity | loss top-C | loss causal | routed (causal) | tok/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['capacity']} | {r['loss_topk']:.4f} | {r['loss_causal']:.4f} | "
-              f"{r['routed']:.3f} | {r['tok_per_s']:.1f} |")
+        print(
+            f"| {r['model']} | {r['capacity']} | {r['loss_topk']:.4f} | {r['loss_causal']:.4f} | "
+            f"{r['routed']:.3f} | {r['tok_per_s']:.1f} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
     return rows

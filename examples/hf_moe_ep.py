@@ -34,18 +34,41 @@ def small_qwen3_moe(seed: int = 0, vocab_size: int = 256):
     """A 2-layer Qwen3-MoE with 8 experts, top-2, random weights (the same on every rank)."""
     import transformers as tf
 
-    cfg = tf.Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
-                            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                            attn_implementation="sdpa")
+    cfg = tf.Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(seed)
     return tf.AutoModelForCausalLM.from_config(cfg).float()
 
 
-def train(model: nn.Module, batches, *, world_size: int = 1, row_rank: int = 0, lr: float = 1e-3,
-          clip: float = 1.0, optimizer: torch.optim.Optimizer | None = None, first_step: int = 1,
-          log=None) -> list[tuple[float, float]]:
+def train(
+    model: nn.Module,
+    batches,
+    *,
+    world_size: int = 1,
+    row_rank: int = 0,
+    lr: float = 1e-3,
+    clip: float = 1.0,
+    optimizer: torch.optim.Optimizer | None = None,
+    first_step: int = 1,
+    log=None,
+) -> list[tuple[float, float]]:
     """Train on ``batches`` (global batches of (inputs, next-token targets)); returns (global mean loss,
     gradient norm) per step. With ``world_size > 1`` every rank of the model's mesh calls it (``row_rank``:
     its flat rank, which picks its rows of each batch)."""
@@ -105,8 +128,7 @@ def main() -> None:
 
     world, rank, mesh, ctx = 1, 0, None, None
     if "WORLD_SIZE" in os.environ:  # started by torchrun
-        from mode.parallel import ParallelDims, build_mesh
-        from mode.parallel import process_group as mdist
+        from mode.parallel import ParallelDims, build_mesh, process_group as mdist
 
         torch.set_num_threads(1)
         ctx = mdist.init_distributed("auto")  # gloo on CPU, NCCL on GPUs; with a timeout
@@ -118,7 +140,9 @@ def main() -> None:
     if args.model:
         import transformers as tf
 
-        model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=torch.bfloat16 if args.bf16 else torch.float32
+        )
         tokenizer = tf.AutoTokenizer.from_pretrained(args.model)
     else:
         model = small_qwen3_moe(args.seed)
@@ -129,9 +153,11 @@ def main() -> None:
         from mode.parallel import parallelize
 
         parallelize(model, mesh)
-        say(f"{world} processes, mesh dp={mesh.size(0)} x ep={mesh.size(1)}; "
+        say(
+            f"{world} processes, mesh dp={mesh.size(0)} x ep={mesh.size(1)}; "
             f"{sum(p.to_local().numel() for p in model.parameters()):,} of "
-            f"{sum(p.numel() for p in model.parameters()):,} parameters on rank 0")
+            f"{sum(p.numel() for p in model.parameters()):,} parameters on rank 0"
+        )
     from mode.parallel.model_state import load_state, save_state
 
     vocab = model.config.vocab_size

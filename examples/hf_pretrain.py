@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from mode.train.config import TrainConfig  # noqa: E402
-from mode.train.data import BatchSampler, eval_batches, stdlib_corpus  # noqa: E402
-from mode.train.optim import build_optimizer, lr_at  # noqa: E402
+from mode.train.config import TrainConfig
+from mode.train.data import BatchSampler, eval_batches, stdlib_corpus
+from mode.train.optim import build_optimizer, lr_at
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -51,16 +51,27 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=int(8 * args.hidden / 3) // 16 * 16,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.kv_heads, max_position_embeddings=1024, attn_implementation="sdpa",
-                      pad_token_id=0, bos_token_id=None, eos_token_id=None, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=args.hidden,
+        intermediate_size=int(8 * args.hidden / 3) // 16 * 16,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(cfg)
     corpus = stdlib_corpus(max_bytes=args.corpus_bytes)
     sampler = BatchSampler(corpus.train, args.batch, args.seq_len, args.seed)
     val = eval_batches(corpus.val, args.batch, args.seq_len, 8)
-    train_cfg = TrainConfig(steps=args.steps, batch_size=args.batch, lr=args.lr,
-                            warmup_steps=max(1, args.steps // 20), seed=args.seed)
+    train_cfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch, lr=args.lr, warmup_steps=max(1, args.steps // 20), seed=args.seed
+    )
     opt = build_optimizer(model, train_cfg)
 
     def val_loss() -> float:
@@ -90,9 +101,14 @@ def main(argv: list[str] | None = None) -> dict:
     final = val_loss()
     out = Path(args.out)
     model.save_pretrained(out)  # config.json + model.safetensors
-    summary = {"params": sum(p.numel() for p in model.parameters()), "steps": args.steps,
-               "tokens": args.steps * args.batch * args.seq_len, "val_loss": final,
-               "wall_s": time.perf_counter() - start, "config": {k: getattr(args, k) for k in vars(args)}}
+    summary = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "steps": args.steps,
+        "tokens": args.steps * args.batch * args.seq_len,
+        "val_loss": final,
+        "wall_s": time.perf_counter() - start,
+        "config": {k: getattr(args, k) for k in vars(args)},
+    }
     (out / "pretrain.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"val loss {final:.4f} nats/byte after {args.steps} steps ({summary['params']:,} parameters); saved {out}")
     return summary

@@ -37,7 +37,16 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 from mode import (  # noqa: E402
-    MLP, Aux, IntegratedMoDE, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, StagedMoDE, TransformerBlock,
+    MLP,
+    Aux,
+    IntegratedMoDE,
+    MoD,
+    MoDRouter,
+    MoDRouterConfig,
+    MoEConfig,
+    MoELayer,
+    StagedMoDE,
+    TransformerBlock,
 )
 from mode.parallel import clip_grad_norm_  # noqa: E402  (no torch.distributed work at import)
 
@@ -49,8 +58,9 @@ class TinyMoDE(nn.Module):
     no load-balancing loss), so the result does not depend on the number of processes; see
     docs/distributed.md for what changes with a capacity factor or a balance loss."""
 
-    def __init__(self, d: int = 32, n_heads: int = 2, experts: int = 8, router: str = "token_choice",
-                 capacity: float = 0.5):
+    def __init__(
+        self, d: int = 32, n_heads: int = 2, experts: int = 8, router: str = "token_choice", capacity: float = 0.5
+    ):
         super().__init__()
         self.embed = nn.Embedding(256, d)
 
@@ -60,14 +70,17 @@ class TinyMoDE(nn.Module):
                 base.update(top_k=2, balance_coef=0.0)
             return MoEConfig(**base, **kw)
 
-        self.layers = nn.ModuleDict({
-            "dense": TransformerBlock(d, n_heads, MLP(d, 4 * d)),
-            "mod": MoD(TransformerBlock(d, n_heads, MLP(d, 4 * d)), MoDRouter(MoDRouterConfig(d, capacity))),
-            "moe": TransformerBlock(d, n_heads, MoELayer.from_config(moe())),
-            "staged": StagedMoDE(TransformerBlock(d, n_heads, MoELayer.from_config(moe())),
-                                 MoDRouter(MoDRouterConfig(d, capacity))),
-            "integrated": TransformerBlock(d, n_heads, IntegratedMoDE.from_config(moe(num_noop=2))),
-        })
+        self.layers = nn.ModuleDict(
+            {
+                "dense": TransformerBlock(d, n_heads, MLP(d, 4 * d)),
+                "mod": MoD(TransformerBlock(d, n_heads, MLP(d, 4 * d)), MoDRouter(MoDRouterConfig(d, capacity))),
+                "moe": TransformerBlock(d, n_heads, MoELayer.from_config(moe())),
+                "staged": StagedMoDE(
+                    TransformerBlock(d, n_heads, MoELayer.from_config(moe())), MoDRouter(MoDRouterConfig(d, capacity))
+                ),
+                "integrated": TransformerBlock(d, n_heads, IntegratedMoDE.from_config(moe(num_noop=2))),
+            }
+        )
         self.norm = nn.RMSNorm(d)
         self.head = nn.Linear(d, 256, bias=False)
 
@@ -91,13 +104,14 @@ def make_batches(steps: int, batch: int, seq: int, seed: int = 0) -> list[tuple[
     out = []
     for _ in range(steps):
         start = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
-        window_BS = torch.stack([data[s:s + seq + 1] for s in start.tolist()])
+        window_BS = torch.stack([data[s : s + seq + 1] for s in start.tolist()])
         out.append((window_BS[:, :-1], window_BS[:, 1:]))
     return out
 
 
-def train(model: nn.Module, batches, *, world_size: int = 1, row_rank: int = 0, lr: float = 1e-3,
-          clip: float = 1.0, log=None) -> list[tuple[float, float]]:
+def train(
+    model: nn.Module, batches, *, world_size: int = 1, row_rank: int = 0, lr: float = 1e-3, clip: float = 1.0, log=None
+) -> list[tuple[float, float]]:
     """Train on ``batches`` (global batches); returns (global mean loss, gradient norm) per step. With
     ``world_size > 1`` every rank of the model's mesh calls it (``row_rank``: its flat rank)."""
     params = list(model.parameters())
@@ -140,8 +154,7 @@ def main() -> None:
 
     world, rank, mesh = 1, 0, None
     if "WORLD_SIZE" in os.environ:  # started by torchrun
-        from mode.parallel import process_group as mdist
-        from mode.parallel import ParallelDims, build_mesh, parallelize
+        from mode.parallel import ParallelDims, build_mesh, parallelize, process_group as mdist
 
         ctx = mdist.init_distributed("auto")  # gloo on CPU, NCCL on GPUs; with a timeout
         world, rank = ctx.world_size, ctx.rank
@@ -151,9 +164,11 @@ def main() -> None:
     if mesh is not None:
         model = parallelize(model.to(ctx.device), mesh)
         if rank == 0:
-            print(f"{world} processes, mesh dp={mesh.size(0)} x ep={mesh.size(1)}; "
-                  f"{sum(p.to_local().numel() for p in model.parameters()):,} of "
-                  f"{sum(p.numel() for p in model.parameters()):,} parameters on rank 0")
+            print(
+                f"{world} processes, mesh dp={mesh.size(0)} x ep={mesh.size(1)}; "
+                f"{sum(p.to_local().numel() for p in model.parameters()):,} of "
+                f"{sum(p.numel() for p in model.parameters()):,} parameters on rank 0"
+            )
     batches = make_batches(args.steps, args.batch, args.seq, args.seed)
     train(model, batches, world_size=world, row_rank=rank, log=print if rank == 0 else None)
     if mesh is not None:

@@ -6,7 +6,8 @@ importing only those before it; ``cli`` on top.
 
 Importing the package imports no torch: the public names below (``mode.MoD``, ``from mode import MoD``) and the
 subpackages (``mode.layers``) load on first use (PEP 562), so that ``mode --help`` answers at once. What the
-package used to do on import still happens before anything needs it: ``mode.parallel`` plugs its mesh runtime and sharded-checkpoint reader into ``mode.train``
+package used to do on import still happens before anything needs it: ``mode.parallel`` plugs its mesh runtime and
+sharded-checkpoint reader into ``mode.train``
 as soon as ``mode.train`` is imported (``_PlugParallel`` below), however it is reached.
 """
 
@@ -17,21 +18,44 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _PUBLIC = {
-    "Aux": "mode.routing", "CausalSelfAttention": "mode.layers", "Dispatcher": "mode.dispatch",
-    "ExpertBank": "mode.experts", "ExpertChoiceConfig": "mode.routing", "ExpertChoiceRouter": "mode.routing",
-    "ExpertConfig": "mode.experts", "IntegratedMoDE": "mode.layers", "LocalDispatcher": "mode.dispatch",
-    "MLP": "mode.layers", "MoD": "mode.layers", "MoDRouter": "mode.routing", "MoDRouterConfig": "mode.routing",
-    "MoEConfig": "mode.layers", "MoELayer": "mode.layers", "RoutingPlan": "mode.routing",
-    "RoutingStats": "mode.routing", "StagedMoDE": "mode.layers", "TokenChoiceConfig": "mode.routing",
-    "TokenChoiceRouter": "mode.routing", "TransformerBlock": "mode.layers",
+    "Aux": "mode.routing",
+    "CausalSelfAttention": "mode.layers",
+    "Dispatcher": "mode.dispatch",
+    "ExpertBank": "mode.experts",
+    "ExpertChoiceConfig": "mode.routing",
+    "ExpertChoiceRouter": "mode.routing",
+    "ExpertConfig": "mode.experts",
+    "IntegratedMoDE": "mode.layers",
+    "LocalDispatcher": "mode.dispatch",
+    "MLP": "mode.layers",
+    "MoD": "mode.layers",
+    "MoDRouter": "mode.routing",
+    "MoDRouterConfig": "mode.routing",
+    "MoEConfig": "mode.layers",
+    "MoELayer": "mode.layers",
+    "RoutingPlan": "mode.routing",
+    "RoutingStats": "mode.routing",
+    "StagedMoDE": "mode.layers",
+    "TokenChoiceConfig": "mode.routing",
+    "TokenChoiceRouter": "mode.routing",
+    "TransformerBlock": "mode.layers",
 }
-_SUBPACKAGES = ("routing", "experts", "dispatch", "layers", "model", "hf", "measure", "train", "parallel",
-                "experiments")
+_SUBPACKAGES = (
+    "routing",
+    "experts",
+    "dispatch",
+    "layers",
+    "model",
+    "hf",
+    "measure",
+    "train",
+    "parallel",
+    "experiments",
+)
 
 __all__ = sorted(_PUBLIC)
 

@@ -83,8 +83,10 @@ def check_mask(name: str, mask: Tensor | None, shape: tuple[int, ...], device: t
     if device is not None and isinstance(mask, Tensor):
         check_device(name, mask, device)
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-        raise TypeError(f"{name}: must be a torch.bool tensor (True = real token), got "
-                        f"{getattr(mask, 'dtype', type(mask).__name__)}")
+        raise TypeError(
+            f"{name}: must be a torch.bool tensor (True = real token), got "
+            f"{getattr(mask, 'dtype', type(mask).__name__)}"
+        )
     if tuple(mask.shape) != tuple(shape):
         raise ValueError(f"{name}.shape={tuple(mask.shape)}: must equal {tuple(shape)}")
 
@@ -102,8 +104,10 @@ def check_finite_logits(name: str, logits: Tensor) -> None:
         torch._assert_async(finite.all(), f"{name}: router logits are NaN or inf")
     except RuntimeError as err:  # raised at once on the CPU: counting the bad logits costs nothing now
         bad = int((~finite).sum())
-        raise ValueError(f"{name}: {bad} router logits are NaN or inf; router logits must be finite "
-                         "(check the input hidden states x and the learning rate)") from err
+        raise ValueError(
+            f"{name}: {bad} router logits are NaN or inf; router logits must be finite "
+            "(check the input hidden states x and the learning rate)"
+        ) from err
 
 
 def check_finite_via(name: str, logits: Tensor, total: Tensor | None = None) -> None:
@@ -121,8 +125,10 @@ def check_finite_via(name: str, logits: Tensor, total: Tensor | None = None) -> 
         torch._assert_async(total * 0 == 0, f"{name}: router logits are NaN or inf")
     except RuntimeError:
         check_finite_logits(name, logits)  # raises, naming how many logits are bad
-        raise ValueError(f"{name}: the router's loss overflowed to inf although every logit is finite; router "
-                         "logits must stay moderate (check the input hidden states x and the learning rate)") from None
+        raise ValueError(
+            f"{name}: the router's loss overflowed to inf although every logit is finite; router "
+            "logits must stay moderate (check the input hidden states x and the learning rate)"
+        ) from None
 
 
 def check_finite_flag(name: str, finite: Tensor, logits: Tensor) -> None:
@@ -151,8 +157,9 @@ def assert_on_device(condition: Tensor, message: str) -> None:
 def check_device(name: str, t: Tensor | None, device: torch.device) -> None:
     """``t`` lives on ``device`` (the module's parameters' device)."""
     if t is not None and t.device != device:
-        raise ValueError(f"{name}.device={t.device}: must be the module's device {device} "
-                         "(move the input or the module with .to())")
+        raise ValueError(
+            f"{name}.device={t.device}: must be the module's device {device} (move the input or the module with .to())"
+        )
 
 
 MAX_NUMEL = 2**62

@@ -44,8 +44,9 @@ class MallocTuning:
     top_pad: int
 
 
-def retain_freed_memory(*, mmap_threshold: int = GIB, trim_threshold: int = INT_MAX,
-                        top_pad: int = 64 * MIB) -> MallocTuning:
+def retain_freed_memory(
+    *, mmap_threshold: int = GIB, trim_threshold: int = INT_MAX, top_pad: int = 64 * MIB
+) -> MallocTuning:
     """Serve blocks below ``mmap_threshold`` bytes from the heap and keep up to ``trim_threshold`` bytes
     of freed memory at its top; grow the heap ``top_pad`` bytes beyond each request.
 
@@ -59,19 +60,24 @@ def retain_freed_memory(*, mmap_threshold: int = GIB, trim_threshold: int = INT_
             raise ValueError(f"{name}={value}: must be <= {INT_MAX} (mallopt takes a C int)")
     libc_name = platform.libc_ver()[0]
     if platform.system() != "Linux" or libc_name != "glibc":
-        return MallocTuning(False, f"needs Linux with glibc (found {platform.system()}, "
-                                   f"{libc_name or 'unknown C library'})", **values)
+        return MallocTuning(
+            False, f"needs Linux with glibc (found {platform.system()}, {libc_name or 'unknown C library'})", **values
+        )
     libc = ctypes.CDLL(None)
     mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     # setting either threshold also turns off glibc's own adjustment of them (its dynamic mmap threshold)
-    for name, param, value in (("mmap_threshold", _M_MMAP_THRESHOLD, mmap_threshold),
-                               ("trim_threshold", _M_TRIM_THRESHOLD, trim_threshold),
-                               ("top_pad", _M_TOP_PAD, top_pad)):
+    for name, param, value in (
+        ("mmap_threshold", _M_MMAP_THRESHOLD, mmap_threshold),
+        ("trim_threshold", _M_TRIM_THRESHOLD, trim_threshold),
+        ("top_pad", _M_TOP_PAD, top_pad),
+    ):
         if mallopt(param, value) != 1:
-            raise ValueError(f"{name}={value}: rejected by this glibc's mallopt "
-                             f"(glibc {platform.libc_ver()[1]}; older versions cap mmap_threshold at 32 MiB)")
+            raise ValueError(
+                f"{name}={value}: rejected by this glibc's mallopt "
+                f"(glibc {platform.libc_ver()[1]}; older versions cap mmap_threshold at 32 MiB)"
+            )
     return MallocTuning(True, "glibc mallopt applied", **values)
 
 

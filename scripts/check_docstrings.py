@@ -41,8 +41,12 @@ def public_names(package: str) -> dict[str, str]:
             tables[target] = ast.literal_eval(node.value)
         elif target == "__all__":
             value = node.value
-            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "sorted" \
-                    and isinstance(value.args[0], ast.Name):
+            if (
+                isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Name)
+                and value.func.id == "sorted"
+                and isinstance(value.args[0], ast.Name)
+            ):
                 names = sorted(tables[value.args[0].id])  # __all__ = sorted(_PUBLIC)
             else:
                 names = list(ast.literal_eval(value))
@@ -82,8 +86,9 @@ def missing_docstrings(members: bool = False) -> list[str]:
                     if member.name.startswith("_") or not (member.is_function or "property" in member.labels):
                         continue
                     if not (member.docstring and member.docstring.value.strip()):
-                        problems.append(f"{package}.{name}.{member.name} "
-                                        f"({member.relative_filepath}:{member.lineno}): no docstring")
+                        problems.append(
+                            f"{package}.{name}.{member.name} ({member.relative_filepath}:{member.lineno}): no docstring"
+                        )
             if not members and path not in rendered:
                 problems.append(f"{package}.{name}: no '::: {path}' in docs/api/*.md, so the reference lacks it")
     return problems
@@ -99,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in problems:
         print(line, file=sys.stderr)
     if problems:
-        print(f"{len(problems)} public names without a docstring or an API entry (scripts/check_docstrings.py)",
-              file=sys.stderr)
+        print(
+            f"{len(problems)} public names without a docstring or an API entry (scripts/check_docstrings.py)",
+            file=sys.stderr,
+        )
     return 1 if problems else 0
 
 

@@ -18,13 +18,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from mode.hf.pretrained import FetchError, fetch_smollm2  # noqa: E402
+from mode.hf.pretrained import FetchError, fetch_smollm2
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cache-dir", default=None,
-                   help="cache root (default: $MODE_CACHE, else ~/.cache/mode); the file goes in its smollm2/")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="cache root (default: $MODE_CACHE, else ~/.cache/mode); the file goes in its smollm2/",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds pip may take (default 900)")
     args = p.parse_args(argv)
     try:

@@ -16,5 +16,7 @@ _spec.loader.exec_module(check_docstrings)
 def on_pre_build(config, **kwargs) -> None:
     problems = check_docstrings.missing_docstrings()
     if problems:
-        raise PluginError("public names without a docstring or an API entry (scripts/check_docstrings.py):\n  "
-                          + "\n  ".join(problems))
+        raise PluginError(
+            "public names without a docstring or an API entry (scripts/check_docstrings.py):\n  "
+            + "\n  ".join(problems)
+        )

@@ -69,8 +69,11 @@ def main() -> int:
         print(f"  {top:7.3f}  {key}  " + " ".join(f"{s}={v:.3f}" for s, v in by.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": {k: SETTINGS[k] for k in args.settings.split(",")}, "exit": failed,
-                       "worst": worst}, f, indent=1)
+            json.dump(
+                {"settings": {k: SETTINGS[k] for k in args.settings.split(",")}, "exit": failed, "worst": worst},
+                f,
+                indent=1,
+            )
     return max(failed.values(), default=0)
 
 

@@ -55,8 +55,7 @@ if not torch.cuda.is_available():
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--device", default=None,
-                     help=f"cpu (default), cuda or cuda:N; overrides ${DEVICE_ENV}")
+    parser.addoption("--device", default=None, help=f"cpu (default), cuda or cuda:N; overrides ${DEVICE_ENV}")
 
 
 def _resolve_device(raw: str, source: str) -> torch.device:
@@ -71,9 +70,11 @@ def _resolve_device(raw: str, source: str) -> torch.device:
         raise pytest.UsageError(f"{source}={raw!r}: {rule} (the suite runs on the CPU or on one CUDA GPU)")
     if not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        raise pytest.UsageError(f"{source}={raw!r}: torch.cuda.is_available() is False (torch {torch.__version__}, "
-                                f"{build}); install a CUDA build of torch on a machine with a GPU, or use "
-                                f"{DEVICE_ENV}=cpu")
+        raise pytest.UsageError(
+            f"{source}={raw!r}: torch.cuda.is_available() is False (torch {torch.__version__}, "
+            f"{build}); install a CUDA build of torch on a machine with a GPU, or use "
+            f"{DEVICE_ENV}=cpu"
+        )
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index >= torch.cuda.device_count():
         raise pytest.UsageError(f"{source}={raw!r}: this machine has {torch.cuda.device_count()} GPU(s)")
@@ -82,10 +83,14 @@ def _resolve_device(raw: str, source: str) -> torch.device:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cpu_only(reason): skipped unless the test device is the CPU")
-    config.addinivalue_line("markers", "bitwise(reason): bit-for-bit claim; on CUDA runs only with "
-                                       f"{DETERMINISTIC_ENV}=1")
-    config.addinivalue_line("markers", "device_assert(reason): trips a device-side assert on CUDA; skipped there "
-                                       "(checked in a subprocess by tests/test_device_asserts.py)")
+    config.addinivalue_line(
+        "markers", f"bitwise(reason): bit-for-bit claim; on CUDA runs only with {DETERMINISTIC_ENV}=1"
+    )
+    config.addinivalue_line(
+        "markers",
+        "device_assert(reason): trips a device-side assert on CUDA; skipped there "
+        "(checked in a subprocess by tests/test_device_asserts.py)",
+    )
     raw, source = config.getoption("--device"), "--device"
     if raw is None:
         raw, source = os.environ.get(DEVICE_ENV, "cpu"), DEVICE_ENV
@@ -124,13 +129,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"cpu_only on {device}: {_reason(marker)}"))
         if device.type == "cuda":
             for marker in item.iter_markers("device_assert"):
-                item.add_marker(pytest.mark.skip(reason=f"device_assert on {device}: {_reason(marker)}; a device-side "
-                                                        "assert would poison this process's CUDA context: checked in "
-                                                        "a subprocess by tests/test_device_asserts.py"))
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"device_assert on {device}: {_reason(marker)}; a device-side "
+                        "assert would poison this process's CUDA context: checked in "
+                        "a subprocess by tests/test_device_asserts.py"
+                    )
+                )
         if not deterministic:
             for marker in item.iter_markers("bitwise"):
-                item.add_marker(pytest.mark.skip(reason=f"bitwise on {device} without {DETERMINISTIC_ENV}=1: "
-                                                        f"{_reason(marker)}"))
+                item.add_marker(
+                    pytest.mark.skip(reason=f"bitwise on {device} without {DETERMINISTIC_ENV}=1: {_reason(marker)}")
+                )
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,10 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, rel: float
     scale = e.abs().max().item() if e.numel() else 0.0
     err = (a - e).abs().max().item() if e.numel() else 0.0
     f64 = torch.float64
-    torch.testing.assert_close(torch.tensor(err, dtype=f64), torch.tensor(0.0, dtype=f64), rtol=0,
-                               atol=rel * scale + 1e-30,
-                               msg=f"{what}: max |d| = {err:.3g} > {rel:g} * max |expected| = {rel * scale:.3g}")
+    torch.testing.assert_close(
+        torch.tensor(err, dtype=f64),
+        torch.tensor(0.0, dtype=f64),
+        rtol=0,
+        atol=rel * scale + 1e-30,
+        msg=f"{what}: max |d| = {err:.3g} > {rel:g} * max |expected| = {rel * scale:.3g}",
+    )

@@ -10,8 +10,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "mode"
 
 # The core's own order: a core module imports its own subpackage or the ones before it.
-CORE = {"_checks": 0, "cpu_allocator": 0, "kernels": 0, "routing": 1, "experts": 1, "dispatch": 2, "layers": 3,
-        "model": 4}
+CORE = {
+    "_checks": 0,
+    "cpu_allocator": 0,
+    "kernels": 0,
+    "routing": 1,
+    "experts": 1,
+    "dispatch": 2,
+    "layers": 3,
+    "model": 4,
+}
 # What each layer may import (besides itself); "top" (the package facade and cli) may
 # import anything.
 MAY_IMPORT = {
@@ -97,9 +105,13 @@ def test_imports_go_down_the_layers():
 def hf_against_direction(graph: dict[str, list[tuple[str, int]]]) -> list[str]:
     """Inside ``hf/``, ``moe/`` (adopted MoE models) builds on ``dense/`` (converted dense decoders), never the
     other way (docs/architecture.md)."""
-    return [f"{name}:{line} imports {target} (mode.hf.dense may not import mode.hf.moe)"
-            for name, edges in graph.items() if name.startswith("mode.hf.dense")
-            for target, line in edges if target.startswith("mode.hf.moe")]
+    return [
+        f"{name}:{line} imports {target} (mode.hf.dense may not import mode.hf.moe)"
+        for name, edges in graph.items()
+        if name.startswith("mode.hf.dense")
+        for target, line in edges
+        if target.startswith("mode.hf.moe")
+    ]
 
 
 def test_hf_dense_does_not_import_hf_moe():
@@ -107,9 +119,9 @@ def test_hf_dense_does_not_import_hf_moe():
     assert any(n.startswith("mode.hf.dense.") for n in g) and any(n.startswith("mode.hf.moe.") for n in g)
     bad = hf_against_direction(g)
     assert not bad, "\n".join(bad)
-    assert hf_against_direction({"mode.hf.dense.tune": [("mode.hf.moe.convert", 3)],
-                                 "mode.hf.moe.convert": [("mode.hf.dense.routing", 1)]}) == [
-        "mode.hf.dense.tune:3 imports mode.hf.moe.convert (mode.hf.dense may not import mode.hf.moe)"]
+    assert hf_against_direction(
+        {"mode.hf.dense.tune": [("mode.hf.moe.convert", 3)], "mode.hf.moe.convert": [("mode.hf.dense.routing", 1)]}
+    ) == ["mode.hf.dense.tune:3 imports mode.hf.moe.convert (mode.hf.dense may not import mode.hf.moe)"]
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -153,12 +165,25 @@ def test_the_checks_can_fail():
     lazy = "def f():\n    from mode.parallel.runtime import MeshRuntime\n"
     found = [n.module for n in ast.walk(ast.parse(lazy)) if isinstance(n, ast.ImportFrom)]
     assert found == ["mode.parallel.runtime"]  # ast.walk sees imports inside functions
-    assert len(violations({"mode.train.trainer": [("mode.parallel.runtime", 3)],
-                           "mode.measure.stats": [("mode.parallel.stats_reduce", 9)],
-                           "mode.routing.plan": [("mode.layers.moe", 1)],
-                           "mode.layers.moe": [("mode.cli", 2)],
-                           "mode.hf.dense.convert": [("mode.experiments.compare", 4)]})) == 5
-    assert not violations({"mode.parallel.runtime": [("mode.train.trainer", 1)],
-                           "mode.layers.moe": [("mode.routing.plan", 1), ("mode._checks", 2)],
-                           "mode.cli": [("mode.experiments.compare", 1)]})
+    assert (
+        len(
+            violations(
+                {
+                    "mode.train.trainer": [("mode.parallel.runtime", 3)],
+                    "mode.measure.stats": [("mode.parallel.stats_reduce", 9)],
+                    "mode.routing.plan": [("mode.layers.moe", 1)],
+                    "mode.layers.moe": [("mode.cli", 2)],
+                    "mode.hf.dense.convert": [("mode.experiments.compare", 4)],
+                }
+            )
+        )
+        == 5
+    )
+    assert not violations(
+        {
+            "mode.parallel.runtime": [("mode.train.trainer", 1)],
+            "mode.layers.moe": [("mode.routing.plan", 1), ("mode._checks", 2)],
+            "mode.cli": [("mode.experiments.compare", 1)],
+        }
+    )
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]

@@ -16,15 +16,33 @@ def test_bench_performance_quick_writes_every_case(tmp_path, device):
     out = tmp_path / "performance.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # a subprocess: the benchmark tunes malloc for its whole process (--malloc retain, the default)
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_performance.py"), "--quick", "--no-compile",
-                    "--threads", "1", "--device", str(device), "--out", str(out)], cwd=tmp_path, env=env,
-                   capture_output=True, text=True, timeout=300, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_performance.py"),
+            "--quick",
+            "--no-compile",
+            "--threads",
+            "1",
+            "--device",
+            str(device),
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     payload = json.loads(out.read_text())
     assert payload["malloc"]["malloc"] == "retain"
     machine = payload["machine"]
     assert payload["device"] == machine["device"] == str(device) and machine["torch"] == torch.__version__
-    assert machine["device_name"] == (torch.cuda.get_device_name(device) if device.type == "cuda" else
-                                      machine["processor"])
+    assert machine["device_name"] == (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else machine["processor"]
+    )
     cases = [r["case"] for r in payload["results"]]
     assert sum(c.startswith("MoE top-") for c in cases) == 8  # top-1/2 x E=8/64 x reference/grouped
     assert any(c.startswith("MoE expert-choice E=64") for c in cases)
@@ -45,9 +63,30 @@ def test_bench_layers_bf16_quick_times_under_autocast_and_records_the_dtype(tmp_
     GEMM is bfloat16 only); the JSON says so."""
     out = tmp_path / "layers.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_layers.py"), "--quick", "--bf16", "--repeats", "1",
-                    "--warmup", "0", "--threads", "1", "--device", str(device), "--out", str(out)], cwd=tmp_path,
-                   env=env, capture_output=True, text=True, timeout=300, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_layers.py"),
+            "--quick",
+            "--bf16",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--device",
+            str(device),
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     payload = json.loads(out.read_text())
     assert payload["dtype"] == "bfloat16" and payload["device"] == str(device)
     assert payload["autocast"] == f"torch.autocast({device.type!r}, torch.bfloat16); weights float32"
@@ -61,9 +100,29 @@ def test_bench_peers_quick_runs_what_imports_and_says_why_not(tmp_path, device):
     out = tmp_path / "peers.json"
     # keep a PYTHONPATH that points at separately installed peers
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--quick", "--threads", "1",
-                    "--repeats", "2", "--warmup", "1", "--device", str(device), "--out", str(out)],
-                   cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_peers.py"),
+            "--quick",
+            "--threads",
+            "1",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--device",
+            str(device),
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     payload = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     rows = payload["results"]
@@ -84,8 +143,9 @@ def test_bench_peers_quick_runs_what_imports_and_says_why_not(tmp_path, device):
             assert r["agrees"] is None and r["family"] == "mode", r
         elif r["computes_in"] == "float32":  # same weights, same routing: the same numbers
             assert r["agrees"] is True, (r["implementation"], r["max_abs_diff_y"], r["max_abs_diff_dx"])
-    assert {"mode, auto, + bias balancing, sequence loss", "mode, auto, + bias, sequence loss, 4 groups keep 2"} \
-        <= {r["implementation"] for r in rows}
+    assert {"mode, auto, + bias balancing, sequence loss", "mode, auto, + bias, sequence loss, 4 groups keep 2"} <= {
+        r["implementation"] for r in rows
+    }
 
 
 def test_bench_peers_bf16_quick_measures_autocast_beside_float32(tmp_path):
@@ -93,9 +153,31 @@ def test_bench_peers_bf16_quick_measures_autocast_beside_float32(tmp_path):
     stays float32), and every row gets its time relative to mode's float32 layer from the same rounds."""
     out = tmp_path / "peers_bf16.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--quick", "--threads", "1",
-                    "--repeats", "2", "--warmup", "1", "--precision", "bf16", "--experts", "4", "--out", str(out)],
-                   cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_peers.py"),
+            "--quick",
+            "--threads",
+            "1",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--precision",
+            "bf16",
+            "--experts",
+            "4",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     payload = json.loads(out.read_text())
     assert payload["dtype"] == "bf16"
     rows = {r["implementation"]: r for r in payload["results"]}
@@ -113,9 +195,25 @@ def test_bench_peers_bf16_quick_measures_autocast_beside_float32(tmp_path):
 
 def test_bf16_training_smoke_compares_paired_runs(tmp_path):
     out = tmp_path / "bf16.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bf16_training.py"), "--quick-test", "--no-progress",
-                    "--threads", "1", "--work", str(tmp_path / "work"), "--out", str(out)],
-                   cwd=tmp_path, capture_output=True, text=True, timeout=300, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bf16_training.py"),
+            "--quick-test",
+            "--no-progress",
+            "--threads",
+            "1",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     payload = json.loads(out.read_text())
     assert [r["variant"] for r in payload["results"]] == ["dense", "moe"]
     for r in payload["results"]:
@@ -130,9 +228,23 @@ def test_bf16_training_smoke_compares_paired_runs(tmp_path):
 
 def test_bench_balance_smoke_trains_each_recipe_and_reports_the_load(tmp_path):
     out = tmp_path / "balance.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_balance.py"), "--quick-test", "--no-progress",
-                    "--threads", "1", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                   check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_balance.py"),
+            "--quick-test",
+            "--no-progress",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     payload = json.loads(out.read_text())
     assert [r["recipe"] for r in payload["results"]] == ["switch", "bias"]
     for r in payload["results"]:
@@ -146,20 +258,58 @@ def test_bench_peers_families_compares_each_transformers_block(tmp_path):
 
     pytest.importorskip("transformers", reason="transformers is not installed: no blocks to compare with")
     out = tmp_path / "families.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--quick", "--families",
-                    "--threads", "1", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                   check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_peers.py"),
+            "--quick",
+            "--families",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     rows = json.loads(out.read_text())["results"]
-    assert [r["family"] for r in rows] == ["Qwen3-MoE", "Qwen2-MoE", "DeepSeek-V3", "DeepSeek-V2", "ERNIE-4.5",
-                                           "LFM2-MoE", "Granite-MoE", "gpt-oss", "Llama-4", "LongCat-Flash"]
+    assert [r["family"] for r in rows] == [
+        "Qwen3-MoE",
+        "Qwen2-MoE",
+        "DeepSeek-V3",
+        "DeepSeek-V2",
+        "ERNIE-4.5",
+        "LFM2-MoE",
+        "Granite-MoE",
+        "gpt-oss",
+        "Llama-4",
+        "LongCat-Flash",
+    ]
     assert all(r["agrees"] and r["mode_over_transformers"] > 0 for r in rows), rows
     assert all(r["max_abs_diff_y"] < 1e-4 and r["precision"] == "float32" for r in rows), rows
 
 
 def test_longcat_budget_holds_the_zero_expert_share_and_writes_its_plot(tmp_path):
     out = tmp_path / "longcat.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "longcat_budget.py"), "--quick", "--threads", "1",
-                    "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "longcat_budget.py"),
+            "--quick",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     (row,) = json.loads(out.read_text())["results"]
     assert row["target"] == 0.2 and len(row["shares"]) == 20 and 0.0 <= row["share_mean_2nd_half"] <= 1.0
     assert out.with_suffix(".png").stat().st_size > 0

@@ -1,5 +1,6 @@
 """The ``mode`` command line's conventions (docs/commands.md, 'Conventions'): no command replaces a file or
-folder it did not write in this run unless told to (``--force``, or resuming its own run), refusing with one line and status 2;
+folder it did not write in this run unless told to (``--force``, or resuming its own run), refusing with one line and
+status 2;
 messages that name what was wrong and what to pass instead; ``--version``; every option's help with its default;
 ``--help`` answered without importing torch."""
 
@@ -24,8 +25,14 @@ COMMANDS = ("compare", "isoflop", "train", "export", "sample", "tokenize", "repo
 
 def run_python(code: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, *args, "-c", code] if code else [sys.executable, *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, *args, "-c", code] if code else [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def one_error_line(err: str, command: str) -> str:
@@ -65,15 +72,19 @@ def sharded(tmp_path_factory) -> Path:
 
     from mode.model import LMConfig
     from mode.parallel.checkpoint import save_sharded
-    from mode.train import Trainer, TrainConfig
+    from mode.train import TrainConfig, Trainer
     from mode.train.data import Corpus
 
     arr = np.frombuffer(b"def f(x):\n    return x + 1\n" * 200, dtype=np.uint8)
     corpus = Corpus(train=arr[:4000], val=arr[4000:], source="synthetic")
     root = tmp_path_factory.mktemp("sharded")
-    t = Trainer(LMConfig(seq_len=16, d_model=16, n_heads=2, d_hidden=32, layers=("dense", "mod")),
-                TrainConfig(steps=1, batch_size=2, warmup_steps=1, eval_every=1, eval_batches=1, log_every=1),
-                corpus, root / "run", progress=False)
+    t = Trainer(
+        LMConfig(seq_len=16, d_model=16, n_heads=2, d_hidden=32, layers=("dense", "mod")),
+        TrainConfig(steps=1, batch_size=2, warmup_steps=1, eval_every=1, eval_batches=1, log_every=1),
+        corpus,
+        root / "run",
+        progress=False,
+    )
     t.run()
     save_sharded(root / "ckpt", t.model, t.optimizer, {**t._progress_state(), "routing_acc": t.routing.state_dict()})
     return root / "ckpt"
@@ -128,8 +139,9 @@ def test_tokenize_refuses_another_tokenizer_json_unless_forced(tmp_path, capsys)
     tokenizers = pytest.importorskip("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, show_progress=False,
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, show_progress=False, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(["def f(x): return x + 1\n" * 50], trainer)
     tok.save(str(tmp_path / "tokenizer.json"))
     src = tmp_path / "a.txt"
@@ -166,8 +178,21 @@ def test_compare_force_replaces_and_a_rerun_resumes(text, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "compare.md").write_text("my own table\n")
-    args = ["compare", "--quick", "--data", str(text), "--out", str(out), "--only", "dense", "--dense-steps", "1",
-            "--no-progress", "--ckpt-every-s", "0"]
+    args = [
+        "compare",
+        "--quick",
+        "--data",
+        str(text),
+        "--out",
+        str(out),
+        "--only",
+        "dense",
+        "--dense-steps",
+        "1",
+        "--no-progress",
+        "--ckpt-every-s",
+        "0",
+    ]
     assert main([*args, "--force"]) == 0
     assert (out / "compare.md").read_text() != "my own table\n"
     capsys.readouterr()
@@ -293,8 +318,10 @@ def test_the_defaults_the_help_states_are_the_real_ones():
     assert cli.RECIPE_DEFAULTS == dataclasses.asdict(DEFAULT_RECIPE)
     assert {k: getattr(LMConfig(), k) for k in command.MODEL_DEFAULTS} == command.MODEL_DEFAULTS
     assert (command.DEFAULT_GRACE_S, command.EXIT_PREEMPTED) == (preempt.DEFAULT_GRACE_S, preempt.EXIT_PREEMPTED)
-    assert (command.TIMEOUT_ENV, command.DEFAULT_TIMEOUT_S) == (process_group.TIMEOUT_ENV,
-                                                              process_group.DEFAULT_TIMEOUT_S)
+    assert (command.TIMEOUT_ENV, command.DEFAULT_TIMEOUT_S) == (
+        process_group.TIMEOUT_ENV,
+        process_group.DEFAULT_TIMEOUT_S,
+    )
     assert (preset(True).dense_steps, preset(False).dense_steps) == (150, 1200)  # compare --dense-steps' help
     train_help = " ".join(_subparsers(cli.build_parser())["train"].format_help().split())
     for option, field in (("steps", "steps"), ("lr", "lr"), ("batch-size", "batch_size"), ("top-k", "top_k")):
@@ -334,7 +361,8 @@ def test_the_package_loads_its_names_on_first_use():
         "assert _folder_readers == [mode.parallel._read_sharded] and _mesh_runtimes == [mode.parallel._mesh_runtime]\n"
         "try:\n    mode.nope\nexcept AttributeError as e:\n    assert 'nope' in str(e)\n"
         "else:\n    raise SystemExit(1)\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     assert res.returncode == 0 and res.stdout == "ok\n", res.stderr[-3000:]
 
 

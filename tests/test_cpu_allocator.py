@@ -51,12 +51,15 @@ def test_other_c_libraries_are_left_alone(monkeypatch):
     assert not tuning.applied and "glibc" in tuning.reason
 
 
-@pytest.mark.parametrize("kwargs, err, match", [
-    (dict(top_pad=-1), ValueError, r"top_pad=-1: must be >= 0"),
-    (dict(mmap_threshold=INT_MAX + 1), ValueError, r"mmap_threshold=2147483648: must be <= 2147483647"),
-    (dict(trim_threshold=1.5), TypeError, r"trim_threshold=1.5: must be an int"),
-    (dict(mmap_threshold=True), TypeError, r"mmap_threshold=True: must be an int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, err, match",
+    [
+        (dict(top_pad=-1), ValueError, r"top_pad=-1: must be >= 0"),
+        (dict(mmap_threshold=INT_MAX + 1), ValueError, r"mmap_threshold=2147483648: must be <= 2147483647"),
+        (dict(trim_threshold=1.5), TypeError, r"trim_threshold=1.5: must be an int"),
+        (dict(mmap_threshold=True), TypeError, r"mmap_threshold=True: must be an int"),
+    ],
+)
 def test_bad_values_name_the_field(kwargs, err, match):
     with pytest.raises(err, match=match):
         retain_freed_memory(**kwargs)

@@ -69,9 +69,12 @@ FINITE_OK = "finite input ran cleanly"
 
 
 def _child_script(case: str, device: torch.device) -> str:
-    return (PRELUDE.format(device=str(device)) + textwrap.dedent(CASES[case]) +
-            f"run(False)\ntorch.cuda.synchronize()\nprint({FINITE_OK!r}, flush=True)\n"
-            "run(True)\ntorch.cuda.synchronize()\nprint('bad input was not caught', flush=True)\n")
+    return (
+        PRELUDE.format(device=str(device))
+        + textwrap.dedent(CASES[case])
+        + f"run(False)\ntorch.cuda.synchronize()\nprint({FINITE_OK!r}, flush=True)\n"
+        "run(True)\ntorch.cuda.synchronize()\nprint('bad input was not caught', flush=True)\n"
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -79,8 +82,14 @@ def test_device_side_checks_fire_in_a_subprocess(case, device):
     if device.type != "cuda":
         pytest.skip("needs a CUDA device")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _child_script(case, device)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-c", _child_script(case, device)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     out = proc.stdout + proc.stderr
     assert FINITE_OK in proc.stdout, out[-4000:]  # the finite input passed: the failure below is the check's
     assert proc.returncode != 0 and "device-side assert" in out, out[-4000:]

@@ -12,7 +12,7 @@ import torch
 
 CONFTEST = Path(__file__).with_name("conftest.py")
 
-PROBE = '''
+PROBE = """
 import pytest
 import torch
 
@@ -30,7 +30,7 @@ def test_bitwise():
 def test_default_device(device):
     assert torch.empty(1).device == device
     assert torch.nn.Linear(2, 2).weight.device == device
-'''
+"""
 
 
 def run_probe(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -38,8 +38,14 @@ def run_probe(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedPro
     (tmp_path / "test_probe.py").write_text(PROBE)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # keeps the repository's configuration out
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MODE_TEST_")}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", *args],
-                          cwd=tmp_path, env={**environ, **env}, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", *args],
+        cwd=tmp_path,
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cpu_runs_everything(tmp_path):

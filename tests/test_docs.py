@@ -30,11 +30,17 @@ def count_claims(text: str) -> list[str]:
 
 
 def test_the_docs_state_no_test_counts():
-    found = [f"{path.relative_to(ROOT)}:{i}: {claim!r}"
-             for path in DOCS if path.name not in RUN_RECORDS
-             for i, line in enumerate(path.read_text().splitlines(), 1) for claim in count_claims(line)]
-    assert not found, ("test counts in the docs go stale; drop them (or record a run in docs/gpu.md with its "
-                       "command):\n" + "\n".join(found))
+    found = [
+        f"{path.relative_to(ROOT)}:{i}: {claim!r}"
+        for path in DOCS
+        if path.name not in RUN_RECORDS
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        for claim in count_claims(line)
+    ]
+    assert not found, (
+        "test counts in the docs go stale; drop them (or record a run in docs/gpu.md with its "
+        "command):\n" + "\n".join(found)
+    )
 
 
 def test_the_count_pattern_finds_what_went_stale():
@@ -57,8 +63,11 @@ def test_family_counts_match_the_family_table():
                     n = int(m.group(1))
                     claims.append((f"{path.relative_to(ROOT)}:{i}", table, n))
     assert {table for _, table, _ in claims} == {"FAMILIES", "NOT_YET", "REFUSED"}, claims  # the patterns match
-    wrong = [f"{where}: {n} (len({table}) is {len(getattr(families, table))})" for where, table, n in claims
-             if n != len(getattr(families, table))]
+    wrong = [
+        f"{where}: {n} (len({table}) is {len(getattr(families, table))})"
+        for where, table, n in claims
+        if n != len(getattr(families, table))
+    ]
     assert not wrong, "family counts that differ from mode.hf.moe.families:\n" + "\n".join(wrong)
 
 
@@ -83,13 +92,27 @@ def test_what_left_the_readme_is_in_the_docs():
     """The README keeps a summary; the command table, the conventions and the results with their commands live
     in docs/ (moved there, not dropped)."""
     commands = (ROOT / "docs" / "commands.md").read_text()
-    for command in ("mode compare", "mode isoflop", "mode sample", "mode report", "mode train", "mode tokenize",
-                    "mode export", "python benchmarks/bench_performance.py"):
+    for command in (
+        "mode compare",
+        "mode isoflop",
+        "mode sample",
+        "mode report",
+        "mode train",
+        "mode tokenize",
+        "mode export",
+        "python benchmarks/bench_performance.py",
+    ):
         assert f"| `{command}" in commands, command
     assert "## Conventions" in commands and "status 2" in commands and "--force" in commands
     results = (ROOT / "docs" / "results.md").read_text()
-    for heading in ("Against the isoFLOP-optimal dense model", "Speed", "MoE recipes", "transformers MoE models",
-                    "MoD on a real pretrained model", "Correctness"):
+    for heading in (
+        "Against the isoFLOP-optimal dense model",
+        "Speed",
+        "MoE recipes",
+        "transformers MoE models",
+        "MoD on a real pretrained model",
+        "Correctness",
+    ):
         assert f"## {heading}" in results, heading
     assert "benchmarks/count_ops.py" in results and "mode isoflop" in results  # numbers beside their commands
     assert "| piece | module |" in (ROOT / "docs" / "architecture.md").read_text()

@@ -8,8 +8,21 @@ import pytest
 import torch
 
 from mode import (
-    MLP, ExpertBank, ExpertChoiceConfig, ExpertChoiceRouter, ExpertConfig, IntegratedMoDE, MoD, MoDRouter,
-    MoDRouterConfig, MoEConfig, MoELayer, StagedMoDE, TokenChoiceConfig, TokenChoiceRouter, TransformerBlock,
+    MLP,
+    ExpertBank,
+    ExpertChoiceConfig,
+    ExpertChoiceRouter,
+    ExpertConfig,
+    IntegratedMoDE,
+    MoD,
+    MoDRouter,
+    MoDRouterConfig,
+    MoEConfig,
+    MoELayer,
+    StagedMoDE,
+    TokenChoiceConfig,
+    TokenChoiceRouter,
+    TransformerBlock,
 )
 
 D = 8
@@ -52,12 +65,15 @@ def test_top_k_zero():
         TokenChoiceConfig(d_model=D, num_experts=2, top_k=0)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: TokenChoiceConfig(d_model=D, num_experts=0),
-    lambda: ExpertChoiceConfig(d_model=D, num_experts=0),
-    lambda: ExpertConfig(d_model=D, d_hidden=D, num_experts=0),
-    lambda: MoEConfig(d_model=D, d_hidden=D, num_experts=0),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: TokenChoiceConfig(d_model=D, num_experts=0),
+        lambda: ExpertChoiceConfig(d_model=D, num_experts=0),
+        lambda: ExpertConfig(d_model=D, d_hidden=D, num_experts=0),
+        lambda: MoEConfig(d_model=D, d_hidden=D, num_experts=0),
+    ],
+)
 def test_zero_experts(make):
     with pytest.raises(ValueError, match=lit("num_experts=0: must be >= 1")):
         make()
@@ -73,8 +89,9 @@ def test_negative_noop():
         TokenChoiceConfig(d_model=D, num_experts=2, num_noop=-1)
 
 
-@pytest.mark.parametrize("field,value", [("capacity_factor", 0.0), ("capacity_factor", -1.0),
-                                         ("capacity_factor", float("inf"))])
+@pytest.mark.parametrize(
+    "field,value", [("capacity_factor", 0.0), ("capacity_factor", -1.0), ("capacity_factor", float("inf"))]
+)
 def test_bad_capacity_factor(field, value):
     with pytest.raises(ValueError, match=lit(f"{field}={value}: must be finite and > 0")):
         TokenChoiceConfig(d_model=D, num_experts=2, **{field: value})
@@ -89,16 +106,19 @@ def test_negative_loss_coefficients():
         ExpertChoiceConfig(d_model=D, num_experts=2, z_coef=float("nan"))
 
 
-@pytest.mark.parametrize("make,field,value", [
-    (lambda: ExpertConfig(d_model=D, d_hidden=D, num_experts=2, backend="cuda"), "backend", "cuda"),
-    (lambda: MoEConfig(d_model=D, d_hidden=D, backend="triton"), "backend", "triton"),
-    (lambda: ExpertConfig(d_model=D, d_hidden=D, num_experts=2, activation="relu"), "activation", "relu"),
-    (lambda: MLP(D, D, activation="tanh"), "activation", "tanh"),
-    (lambda: MoDRouterConfig(d_model=D, gate="softmax"), "gate", "softmax"),
-    (lambda: TokenChoiceConfig(d_model=D, num_experts=2, gate="raw"), "gate", "raw"),
-    (lambda: MoEConfig(d_model=D, d_hidden=D, gate="tanh"), "gate", "tanh"),
-    (lambda: MoEConfig(d_model=D, d_hidden=D, router="hash"), "router", "hash"),
-])
+@pytest.mark.parametrize(
+    "make,field,value",
+    [
+        (lambda: ExpertConfig(d_model=D, d_hidden=D, num_experts=2, backend="cuda"), "backend", "cuda"),
+        (lambda: MoEConfig(d_model=D, d_hidden=D, backend="triton"), "backend", "triton"),
+        (lambda: ExpertConfig(d_model=D, d_hidden=D, num_experts=2, activation="relu"), "activation", "relu"),
+        (lambda: MLP(D, D, activation="tanh"), "activation", "tanh"),
+        (lambda: MoDRouterConfig(d_model=D, gate="softmax"), "gate", "softmax"),
+        (lambda: TokenChoiceConfig(d_model=D, num_experts=2, gate="raw"), "gate", "raw"),
+        (lambda: MoEConfig(d_model=D, d_hidden=D, gate="tanh"), "gate", "tanh"),
+        (lambda: MoEConfig(d_model=D, d_hidden=D, router="hash"), "router", "hash"),
+    ],
+)
 def test_unknown_names(make, field, value):
     with pytest.raises(ValueError, match=lit(f"{field}={value!r}: must be one of")):
         make()
@@ -129,8 +149,13 @@ ROUTERS = {
     "moe_layer": lambda: MoELayer.from_config(MoEConfig(d_model=D, d_hidden=D, num_experts=2)),
     "mod_layer": lambda: MoD(TransformerBlock(D, 2, MLP(D, D)), MoDRouter(MoDRouterConfig(d_model=D))),
 }
-ROUTER_NAMES = {"mod": "MoDRouter", "token_choice": "TokenChoiceRouter", "expert_choice": "ExpertChoiceRouter",
-                "moe_layer": "TokenChoiceRouter", "mod_layer": "MoDRouter"}
+ROUTER_NAMES = {
+    "mod": "MoDRouter",
+    "token_choice": "TokenChoiceRouter",
+    "expert_choice": "ExpertChoiceRouter",
+    "moe_layer": "TokenChoiceRouter",
+    "mod_layer": "MoDRouter",
+}
 
 
 @pytest.mark.parametrize("name", list(ROUTERS))
@@ -196,16 +221,22 @@ def test_bad_mask_shape(name, shape):
 def test_expert_choice_capacity_factor_too_large_for_sequence():
     # 2 slots, S = 4: each slot would pick ceil(3 * 4 / 2) = 6 > 4 tokens.
     router = ExpertChoiceRouter(ExpertChoiceConfig(d_model=D, num_experts=2, capacity_factor=3.0))
-    with pytest.raises(ValueError, match=lit("capacity_factor=3.0: each of the 2 expert slots would pick 6 tokens "
-                                             "but a sequence has only 4; must be <= num_slots = 2")):
+    with pytest.raises(
+        ValueError,
+        match=lit(
+            "capacity_factor=3.0: each of the 2 expert slots would pick 6 tokens "
+            "but a sequence has only 4; must be <= num_slots = 2"
+        ),
+    ):
         router(torch.randn(1, 4, D))
     # The boundary is allowed: capacity_factor = num_slots makes every slot pick the whole sequence.
     ExpertChoiceRouter(ExpertChoiceConfig(d_model=D, num_experts=2, capacity_factor=2.0))(torch.randn(1, 4, D))
 
 
 def test_expert_choice_capacity_factor_too_large_through_moe_layer():
-    layer = MoELayer.from_config(MoEConfig(d_model=D, d_hidden=D, num_experts=2, num_noop=1,
-                                           router="expert_choice", capacity_factor=4.0))
+    layer = MoELayer.from_config(
+        MoEConfig(d_model=D, d_hidden=D, num_experts=2, num_noop=1, router="expert_choice", capacity_factor=4.0)
+    )
     with pytest.raises(ValueError, match=lit("capacity_factor=4.0: each of the 3 expert slots")):
         layer(torch.randn(1, 4, D))
 
@@ -221,8 +252,9 @@ def test_integrated_mode_needs_a_noop_expert(router):
 
 def test_staged_mode_needs_an_moe_block():
     block = TransformerBlock(D, 2, MLP(D, D))
-    with pytest.raises(TypeError, match=lit("block.mlp=MLP: staged MoDE needs a TransformerBlock whose mlp is a "
-                                            "MoELayer")):
+    with pytest.raises(
+        TypeError, match=lit("block.mlp=MLP: staged MoDE needs a TransformerBlock whose mlp is a MoELayer")
+    ):
         StagedMoDE(block, MoDRouter(MoDRouterConfig(d_model=D)))
     with pytest.raises(TypeError, match=lit("block.mlp=NoneType")):
         StagedMoDE(torch.nn.Linear(D, D), MoDRouter(MoDRouterConfig(d_model=D)))

@@ -53,7 +53,7 @@ def test_each_snippet_runs(page, index):
 
 def test_the_readme_quick_start_is_the_quick_run_and_keeps_the_test_command():
     text = (ROOT / "README.md").read_text()
-    quick = text[text.index("## Quick start"):text.index("**Tests**")]
+    quick = text[text.index("## Quick start") : text.index("**Tests**")]
     block = re.search(r"```bash\n(.*?)```", quick, re.S).group(1)
     lines = [line.split("#")[0].strip() for line in block.strip().splitlines()]
     assert lines[0].startswith("git clone ") and lines[0].endswith("&& cd mode")
@@ -62,8 +62,9 @@ def test_the_readme_quick_start_is_the_quick_run_and_keeps_the_test_command():
 
 
 def test_custom_transformer_example_trains_and_prints_a_line_every_n_steps(capsys):
-    spec = importlib.util.spec_from_file_location("custom_transformer_example",
-                                                  ROOT / "examples" / "custom_transformer.py")
+    spec = importlib.util.spec_from_file_location(
+        "custom_transformer_example", ROOT / "examples" / "custom_transformer.py"
+    )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     n = torch.get_num_threads()

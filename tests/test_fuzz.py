@@ -15,8 +15,21 @@ import pytest
 import torch
 
 from mode import (
-    MLP, CausalSelfAttention, ExpertBank, ExpertChoiceConfig, ExpertChoiceRouter, ExpertConfig, IntegratedMoDE, MoD,
-    MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, StagedMoDE, TokenChoiceConfig, TokenChoiceRouter,
+    MLP,
+    CausalSelfAttention,
+    ExpertBank,
+    ExpertChoiceConfig,
+    ExpertChoiceRouter,
+    ExpertConfig,
+    IntegratedMoDE,
+    MoD,
+    MoDRouter,
+    MoDRouterConfig,
+    MoEConfig,
+    MoELayer,
+    StagedMoDE,
+    TokenChoiceConfig,
+    TokenChoiceRouter,
     TransformerBlock,
 )
 from mode.model import LM, LMConfig
@@ -46,12 +59,12 @@ BASE_CONFIGS = {
     ExpertConfig: dict(d_model=D, d_hidden=16, num_experts=4),
     LMConfig: dict(vocab_size=32, seq_len=16, d_model=D, n_heads=2, d_hidden=16),
 }
-CONFIG_CASES = [(cls, f.name, v) for cls in BASE_CONFIGS for f in dataclasses.fields(cls)
-                for v in BAD_VALUES]
+CONFIG_CASES = [(cls, f.name, v) for cls in BASE_CONFIGS for f in dataclasses.fields(cls) for v in BAD_VALUES]
 
 
-@pytest.mark.parametrize("cls,field,value", CONFIG_CASES,
-                         ids=[f"{c.__name__}.{f}={v!r}"[:60] for c, f, v in CONFIG_CASES])
+@pytest.mark.parametrize(
+    "cls,field,value", CONFIG_CASES, ids=[f"{c.__name__}.{f}={v!r}"[:60] for c, f, v in CONFIG_CASES]
+)
 def test_config_fields(cls, field, value):
     kwargs = {**BASE_CONFIGS[cls], field: value}
     # Huge sizes are fine for a config (nothing is allocated); building modules from them is not fuzzed here.
@@ -78,7 +91,7 @@ def test_module_constructor_arguments(ctor, base, value):
             continue
         kwargs = {**base, arg: value}
         with torch.device("meta"):  # huge sizes must not allocate
-            _ok_or_named_error(lambda: ctor(**kwargs), arg)
+            _ok_or_named_error(lambda: ctor(**kwargs), arg)  # noqa: B023 - called in this iteration
 
 
 def test_layer_constructors_reject_wrong_parts():
@@ -86,10 +99,12 @@ def test_layer_constructors_reject_wrong_parts():
     block = TransformerBlock(D, 2, MLP(D, 16))
     moe = MoELayer.from_config(MoEConfig(d_model=D, d_hidden=16, num_experts=4))
     cases = [
-        (lambda: MoD(block, "router"), "router"), (lambda: MoD("block", router), "block"),
+        (lambda: MoD(block, "router"), "router"),
+        (lambda: MoD("block", router), "block"),
         (lambda: MoD(block, router, skip_empty="no"), "skip_empty"),
         (lambda: StagedMoDE(block, router), "block.mlp"),
-        (lambda: MoELayer("router", moe.experts), "router"), (lambda: MoELayer(moe.router, "experts"), "experts"),
+        (lambda: MoELayer("router", moe.experts), "router"),
+        (lambda: MoELayer(moe.router, "experts"), "experts"),
         (lambda: IntegratedMoDE(moe.router, moe.experts), "num_noop"),
         (lambda: MoELayer(moe.router, ExpertBank(ExpertConfig(D, 16, 3))), "num_experts"),
         (lambda: MoEConfig(d_model=D, d_hidden=16, router="nope"), "router"),
@@ -154,9 +169,15 @@ def _bad_inputs():
 FORWARD_CASES = [(layer, inp) for layer in _layers() for inp in _bad_inputs()]
 # A router's finite check is a torch._assert_async on CUDA: NaN/inf into a layer with a router is a device-side assert.
 _DEVICE_ASSERT = pytest.mark.device_assert("NaN/inf logits trip the router's torch._assert_async on CUDA")
-FORWARD_PARAMS = [pytest.param(layer, inp, id=f"{layer}-{inp}",
-                               marks=_DEVICE_ASSERT if inp in ("nan", "inf") and layer not in ("block", "mlp") else ())
-                  for layer, inp in FORWARD_CASES]
+FORWARD_PARAMS = [
+    pytest.param(
+        layer,
+        inp,
+        id=f"{layer}-{inp}",
+        marks=_DEVICE_ASSERT if inp in ("nan", "inf") and layer not in ("block", "mlp") else (),
+    )
+    for layer, inp in FORWARD_CASES
+]
 
 
 @pytest.mark.parametrize("layer,inp", FORWARD_PARAMS)
@@ -191,8 +212,11 @@ GEN_CASES = {
 }
 
 
-@pytest.mark.parametrize("arg,value", [(a, v) for a, vs in GEN_CASES.items() for v in vs],
-                         ids=[f"{a}={v!r}" for a, vs in GEN_CASES.items() for v in vs])
+@pytest.mark.parametrize(
+    "arg,value",
+    [(a, v) for a, vs in GEN_CASES.items() for v in vs],
+    ids=[f"{a}={v!r}" for a, vs in GEN_CASES.items() for v in vs],
+)
 def test_generate_arguments(arg, value):
     lm = LM(LMConfig(vocab_size=32, seq_len=16, d_model=D, n_heads=2, d_hidden=16))
     kwargs = dict(prompts=[[1, 2, 3]], max_new_tokens=2, temperature=1.0, top_k=None)
@@ -203,9 +227,13 @@ def test_generate_arguments(arg, value):
 def test_lm_forward_inputs():
     lm = LM(LMConfig(vocab_size=32, seq_len=16, d_model=D, n_heads=2, d_hidden=16, layers=("dense", "mod")))
     for value in [torch.zeros(2, 17, dtype=torch.long), torch.zeros(2, 4), [[1, 2]]]:
-        assert _ok_or_named_error(lambda: lm(value), "idx") == "error", value
-    assert _ok_or_named_error(lambda: lm(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)),
-                              "targets") == "error"
+        assert _ok_or_named_error(lambda: lm(value), "idx") == "error", value  # noqa: B023 - called in this iteration
+    assert (
+        _ok_or_named_error(
+            lambda: lm(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)), "targets"
+        )
+        == "error"
+    )
 
 
 @pytest.mark.device_assert("LM's token-id range check is a torch._assert_async on CUDA")
@@ -216,8 +244,12 @@ def test_lm_forward_token_ids_out_of_range(fill):
 
 
 def test_case_count():
-    n = (len(CONFIG_CASES) + len(CTOR_CASES) * len(BAD_VALUES) + len(FORWARD_CASES)
-         + sum(len(v) for v in GEN_CASES.values()))
+    n = (
+        len(CONFIG_CASES)
+        + len(CTOR_CASES) * len(BAD_VALUES)
+        + len(FORWARD_CASES)
+        + sum(len(v) for v in GEN_CASES.values())
+    )
     print(f"fuzz cases: {n}")
     assert n > 500
     assert math.isfinite(n)

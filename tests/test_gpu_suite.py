@@ -23,9 +23,22 @@ pytestmark = pytest.mark.cpu_only("runs the suite's --smoke rehearsal as subproc
 def _run(tmp_path: Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict, float]:
     out = tmp_path / "out"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--smoke", "--out", str(out),
-                           "--work", str(tmp_path / "work"), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_suite.py"),
+            "--smoke",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     seconds = time.monotonic() - t0
     return proc, json.loads((out / gpu_suite.RESULT_NAME).read_text()), seconds
 
@@ -37,8 +50,11 @@ def _run(tmp_path: Path, *args: str, timeout: float) -> tuple[subprocess.Complet
 # (docs/results-gpu.md). Measured, --no-compile, load average 6 to 12 on 2 cores: env 5 s, tests 45, moe 62,
 # mod 13, decode 25, train 30, nccl 68, profile 19 (83 CPU-seconds in all). The CUDA-graph stages rehearse their
 # CPU part in a third call.
-SMOKE_HALVES = (("env", "tests", "moe", "mod"), ("env", "decode", "train", "nccl", "profile"),
-                ("env", "gtests", "graphs", "gdecode", "gpumfu"))
+SMOKE_HALVES = (
+    ("env", "tests", "moe", "mod"),
+    ("env", "decode", "train", "nccl", "profile"),
+    ("env", "gtests", "graphs", "gdecode", "gpumfu"),
+)
 
 
 def test_the_smoke_halves_cover_every_default_stage():
@@ -138,9 +154,25 @@ def test_compiled_ratio_times_the_compiled_pair():
 
 def _isoflop(tmp: Path, cache: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp / "out"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--smoke", "--only", "isoflop",
-                           "--out", str(out), "--work", str(tmp / "work"), *args], capture_output=True, text=True,
-                          timeout=240, cwd=ROOT, env={**os.environ, "MODE_CACHE_DIR": str(cache)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_suite.py"),
+            "--smoke",
+            "--only",
+            "isoflop",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp / "work"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env={**os.environ, "MODE_CACHE_DIR": str(cache)},
+    )
     return proc, json.loads((out / gpu_suite.RESULT_NAME).read_text())
 
 
@@ -227,8 +259,9 @@ def test_a_call_cut_off_by_its_limit_reports_the_complete_seeds_and_keeps_the_re
     cut = tmp_path / "cut.tar.gz"
     with tarfile.open(archive) as src, tarfile.open(cut, "w:gz") as dst:
         members = src.getmembers()
-        drop = set(sorted(m.name.rsplit("/", 1)[0] for m in members
-                          if m.name.endswith("/seed1/result.json"))[-3:])  # 3 runs of seed 1
+        drop = set(
+            sorted(m.name.rsplit("/", 1)[0] for m in members if m.name.endswith("/seed1/result.json"))[-3:]
+        )  # 3 runs of seed 1
         for m in members:
             if m.name.rsplit("/", 1)[0] not in drop:
                 dst.addfile(m, src.extractfile(m))
@@ -264,8 +297,11 @@ def test_unpack_takes_only_what_pack_writes(tmp_path):
     archive = tmp_path / "a.tar.gz"
     assert gpu_suite.pack_isoflop(sweep, archive) == 1
     with tarfile.open(archive) as tar:
-        assert sorted(tar.getnames()) == ["isoflop_run.json", "runs/1e14/mod/L2_d128/seed0/log.jsonl",
-                                          "runs/1e14/mod/L2_d128/seed0/result.json"]
+        assert sorted(tar.getnames()) == [
+            "isoflop_run.json",
+            "runs/1e14/mod/L2_d128/seed0/log.jsonl",
+            "runs/1e14/mod/L2_d128/seed0/result.json",
+        ]
     assert gpu_suite.unpack_isoflop(archive, tmp_path / "new") == 1
     assert (tmp_path / "new" / "runs" / "1e14" / "mod" / "L2_d128" / "seed0" / "result.json").read_text() == "{}"
     evil = tmp_path / "evil.tar.gz"
@@ -281,6 +317,7 @@ def test_unpack_takes_only_what_pack_writes(tmp_path):
 
 class _TimedProc:
     """A stage process that takes ``sleep_s``, records the limit it was given, and succeeds."""
+
     sleep_s = 0.0
     limits: dict = {}
     returncode = 0
@@ -321,8 +358,20 @@ def test_a_rehearsal_stage_over_its_budget_is_slow_not_failed(monkeypatch, tmp_p
 
 
 def test_a_stage_that_raises_or_hangs_is_recorded_and_the_next_stage_runs(tmp_path):
-    proc, payload, seconds = _run(tmp_path, "--only", "env", "moe", "mod", "decode", "--inject", "moe=raise",
-                                  "mod=hang", "--stage-budget", "mod=8", timeout=300)
+    proc, payload, seconds = _run(
+        tmp_path,
+        "--only",
+        "env",
+        "moe",
+        "mod",
+        "decode",
+        "--inject",
+        "moe=raise",
+        "mod=hang",
+        "--stage-budget",
+        "mod=8",
+        timeout=300,
+    )
     assert proc.returncode == 1  # not every stage passed
     st = payload["stages"]
     assert st["env"]["status"] == "ok"
@@ -336,8 +385,9 @@ def test_a_stage_that_raises_or_hangs_is_recorded_and_the_next_stage_runs(tmp_pa
 
 
 def test_the_overall_deadline_stops_later_stages(tmp_path):
-    proc, payload, seconds = _run(tmp_path, "--only", "env", "mod", "decode", "--inject", "mod=hang",
-                                  "--budget-s", "25", timeout=300)
+    proc, payload, seconds = _run(
+        tmp_path, "--only", "env", "mod", "decode", "--inject", "mod=hang", "--budget-s", "25", timeout=300
+    )
     st = payload["stages"]
     assert st["env"]["status"] == "ok"
     assert st["mod"]["status"] == "timeout"
@@ -345,16 +395,21 @@ def test_the_overall_deadline_stops_later_stages(tmp_path):
     assert seconds < 25 + 2 * gpu_suite.KILL_GRACE_S + 20  # the deadline, the kill and two interpreter starts
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--smoke", "--out", "x", "--only", "gpu"], "--only 'gpu'"),
-    (["--smoke", "--out", "x", "--inject", "moe=explode"], "--inject 'moe=explode'"),
-    (["--smoke", "--out", "x", "--stage-budget", "moe=-1"], "--stage-budget 'moe=-1'"),
-    (["--smoke", "--out", "x", "--budget-s", "0"], "--budget-s=0.0"),
-    (["--smoke", "--out", "x", "--only", "isoflop", "--isoflop-seeds", "0"], "--isoflop-seeds=0"),
-    (["--smoke", "--out", "x", "--only", "isoflop", "--isoflop-from", "/nonexistent/a.tar.gz"],
-     "--isoflop-from '/nonexistent/a.tar.gz'"),
-    (["--smoke"], "--out DIR"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--smoke", "--out", "x", "--only", "gpu"], "--only 'gpu'"),
+        (["--smoke", "--out", "x", "--inject", "moe=explode"], "--inject 'moe=explode'"),
+        (["--smoke", "--out", "x", "--stage-budget", "moe=-1"], "--stage-budget 'moe=-1'"),
+        (["--smoke", "--out", "x", "--budget-s", "0"], "--budget-s=0.0"),
+        (["--smoke", "--out", "x", "--only", "isoflop", "--isoflop-seeds", "0"], "--isoflop-seeds=0"),
+        (
+            ["--smoke", "--out", "x", "--only", "isoflop", "--isoflop-from", "/nonexistent/a.tar.gz"],
+            "--isoflop-from '/nonexistent/a.tar.gz'",
+        ),
+        (["--smoke"], "--out DIR"),
+    ],
+)
 def test_bad_arguments_are_refused_by_name(argv, message):
     with pytest.raises(SystemExit, match=message):
         gpu_suite.main(argv)
@@ -385,8 +440,12 @@ def test_parse_pytest_counts_failures_and_skip_reasons():
 
 def test_steady_speed_leaves_out_the_first_steps():
     # 10 steps of 1 s each, then 10 of 0.5 s: the steady state from step 10 on is 2x the first steps' rate
-    recs = [dict(step=s, loss=1.0, tokens=100 * s, flops=1e9 * s, wall=s * 1.0 if s <= 10 else 10 + 0.5 * (s - 10),
-                 tok_s=0.0) for s in (5, 10, 15, 20)]
+    recs = [
+        dict(
+            step=s, loss=1.0, tokens=100 * s, flops=1e9 * s, wall=s * 1.0 if s <= 10 else 10 + 0.5 * (s - 10), tok_s=0.0
+        )
+        for s in (5, 10, 15, 20)
+    ]
     recs.insert(2, dict(step=10, val_loss=2.0, tokens=1000, flops=1e10, wall=10.0, tok_s=0.0))
     speed = gpu_suite.steady_speed(recs, skip_steps=10)
     assert speed["from_step"] == 10 and speed["to_step"] == 20
@@ -397,8 +456,10 @@ def test_steady_speed_leaves_out_the_first_steps():
 
 
 def test_goals_are_judged_against_their_thresholds():
-    stages = {"moe": {"numbers": {"moe_ratio_E8": 1.10, "moe_ratio_E64": 1.30, "ahead_of_peers_E8": True}},
-              "decode": {"numbers": {"speedup_b1": 1.69}}}
+    stages = {
+        "moe": {"numbers": {"moe_ratio_E8": 1.10, "moe_ratio_E64": 1.30, "ahead_of_peers_E8": True}},
+        "decode": {"numbers": {"speedup_b1": 1.69}},
+    }
     verdicts = {g["key"]: g["verdict"] for g in gpu_suite.evaluate_goals(stages)}
     assert verdicts["moe_ratio_E8"] == "met" and verdicts["moe_ratio_E64"] == "missed"
     assert verdicts["ahead_of_peers_E8"] == "met" and verdicts["ahead_of_peers_E64"] == "not measured"
@@ -407,8 +468,10 @@ def test_goals_are_judged_against_their_thresholds():
 
 
 def test_parse_pytest_reads_xdist_lines():
-    text = ("[gw0] [ 50%] PASSED tests/core/test_a.py::test_one \n"
-            "[gw1] [100%] FAILED tests/core/test_a.py::test_two[cuda] \n")
+    text = (
+        "[gw0] [ 50%] PASSED tests/core/test_a.py::test_one \n"
+        "[gw1] [100%] FAILED tests/core/test_a.py::test_two[cuda] \n"
+    )
     parsed = gpu_suite.parse_pytest(text)
     assert parsed["counts"] == {"passed": 1, "failed": 1}
     assert parsed["failed"] == ["tests/core/test_a.py::test_two[cuda]"]
@@ -423,12 +486,27 @@ def test_failures_plugin_writes_each_failure_with_its_reason_and_groups_them(tmp
         "def test_ok():\n"
         "    pass\n"
         "def test_assert():\n"
-        "    assert 1 == 2\n")
+        "    assert 1 == 2\n"
+    )
     jsonl = tmp_path / "failures.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "benchmarks.pytest_failures", "-p",
-                           "no:cacheprovider", str(tmp_path / "test_sample.py")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**__import__("os").environ, "MODE_FAILURES_JSONL": str(jsonl),
-                                                       "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "benchmarks.pytest_failures",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "test_sample.py"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "MODE_FAILURES_JSONL": str(jsonl), "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 1, proc.stdout
     failures = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert len(failures) == 3 and all(f["when"] == "call" for f in failures)
@@ -439,9 +517,11 @@ def test_failures_plugin_writes_each_failure_with_its_reason_and_groups_them(tmp
 
 
 def test_last_error_names_the_exception_line():
-    text = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
-            "torch._inductor.exc.InductorError: ImportError: main.so: file too short\n\n"
-            "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n")
+    text = (
+        'Traceback (most recent call last):\n  File "x.py", line 1\n'
+        "torch._inductor.exc.InductorError: ImportError: main.so: file too short\n\n"
+        "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n"
+    )
     assert gpu_suite._last_error(text).startswith("torch._inductor.exc.InductorError: ImportError")
     assert gpu_suite._last_error("RuntimeError: boom\nother\n") == "RuntimeError: boom"
     assert gpu_suite._last_error("") == "(no output)"

@@ -14,7 +14,7 @@ import contextlib
 import json
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -26,8 +26,19 @@ from mode.model.deferred_init import build_on_meta, replay
 from mode.parallel.meta_init import materialize
 from mode.train.data import BatchSampler, eval_batches
 
-CFG = LMConfig(seq_len=16, d_model=32, n_heads=2, d_hidden=64, layers=("dense", "mod", "moe", "staged", "integrated"),
-               num_experts=4, num_noop=1, top_k=2, capacity=0.5, capacity_factor=None, causal="predictor")
+CFG = LMConfig(
+    seq_len=16,
+    d_model=32,
+    n_heads=2,
+    d_hidden=64,
+    layers=("dense", "mod", "moe", "staged", "integrated"),
+    num_experts=4,
+    num_noop=1,
+    top_k=2,
+    capacity=0.5,
+    capacity_factor=None,
+    causal="predictor",
+)
 
 
 @contextlib.contextmanager
@@ -64,7 +75,10 @@ def test_eval_batches_and_batch_sampler_give_host_windows():
 
 @pytest.mark.parametrize("buckets", [None, 3])
 def test_rate_by_position_on_host_buckets(buckets):
-    selected_S, tokens_S = torch.tensor([1.0, 0.0, 2.0, 3.0, 0.0, 1.0, 4.0]), torch.tensor([2.0, 0.0, 2.0, 4.0, 1.0, 2.0, 4.0])
+    selected_S, tokens_S = (
+        torch.tensor([1.0, 0.0, 2.0, 3.0, 0.0, 1.0, 4.0]),
+        torch.tensor([2.0, 0.0, 2.0, 4.0, 1.0, 2.0, 4.0]),
+    )
     ref = rate_by_position(selected_S, tokens_S, buckets)
     with default_device("meta"):
         got = rate_by_position(selected_S, tokens_S, buckets)
@@ -86,7 +100,9 @@ def test_build_on_meta_then_materialize_replays_on_the_cpu_whatever_the_default_
     got = dict([*model.named_parameters(), *model.named_buffers()])
     assert got.keys() == ref.keys() and seen.keys() >= ref.keys()
     for name, r in ref.items():
-        same = torch.equal(got[name].nan_to_num(), r.nan_to_num()) and torch.equal(seen[name].nan_to_num(), r.nan_to_num())
+        same = torch.equal(got[name].nan_to_num(), r.nan_to_num()) and torch.equal(
+            seen[name].nan_to_num(), r.nan_to_num()
+        )
         assert got[name].device.type == "cpu" and same, name
 
 
@@ -94,16 +110,25 @@ def test_a_sharded_checkpoints_rng_states_and_optimizer_steps_load_on_the_host(t
     """meta.json's RNG states become CPU byte tensors (``torch.set_rng_state`` takes nothing else), and the
     optimizer skeleton DCP loads into keeps AdamW's ``step`` on the CPU, as non-capturable AdamW does."""
     from mode.parallel.checkpoint import load_sharded, save_sharded
-    from mode.train import Trainer, TrainConfig
+    from mode.train import TrainConfig, Trainer
     from mode.train.data import Corpus
 
     cfg = replace(CFG, layers=("dense", "moe"))
     text = np.frombuffer(bytes(range(256)) * 12, dtype=np.uint8)
     with torch.device("cpu"):
-        t = Trainer(cfg, TrainConfig(steps=2, batch_size=2, eval_every=2, eval_batches=1, seed=0),
-                    Corpus(train=text[:2800], val=text[2800:], source="bytes"), tmp_path / "run", progress=False)
+        t = Trainer(
+            cfg,
+            TrainConfig(steps=2, batch_size=2, eval_every=2, eval_batches=1, seed=0),
+            Corpus(train=text[:2800], val=text[2800:], source="bytes"),
+            tmp_path / "run",
+            progress=False,
+        )
         t.run(stop_step=1)
-        meta = {**t._progress_state(), "routing_acc": t.routing.state_dict(), "cuda_rng": [torch.arange(16, dtype=torch.uint8)]}
+        meta = {
+            **t._progress_state(),
+            "routing_acc": t.routing.state_dict(),
+            "cuda_rng": [torch.arange(16, dtype=torch.uint8)],
+        }
         save_sharded(tmp_path / "ckpt", t.model, t.optimizer, meta)
         model = LM(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -170,18 +195,24 @@ def test_checkpoints_load_on_the_host_whatever_the_default_device(tmp_path):
     read with ``map_location="cpu"``) build their LM and optimizer on the CPU: under a CUDA default device they
     gave CUDA tensors, which ``torch.equal`` against the trainer's CPU model refused."""
     from mode.parallel.checkpoint import save_sharded
-    from mode.train import Trainer, TrainConfig
+    from mode.train import TrainConfig, Trainer
     from mode.train.checkpoint import load_checkpoint, load_model
     from mode.train.data import Corpus
 
     cfg = replace(CFG, layers=("dense", "moe"))
     text = np.frombuffer(bytes(range(256)) * 12, dtype=np.uint8)
     with torch.device("cpu"):
-        t = Trainer(cfg, TrainConfig(steps=1, batch_size=2, eval_every=1, eval_batches=1, seed=0),
-                    Corpus(train=text[:2800], val=text[2800:], source="bytes"), tmp_path / "run", progress=False)
+        t = Trainer(
+            cfg,
+            TrainConfig(steps=1, batch_size=2, eval_every=1, eval_batches=1, seed=0),
+            Corpus(train=text[:2800], val=text[2800:], source="bytes"),
+            tmp_path / "run",
+            progress=False,
+        )
         t.run()
-        folder = save_sharded(tmp_path / "ckpt", t.model, t.optimizer,
-                              {**t._progress_state(), "routing_acc": t.routing.state_dict()}).parent
+        folder = save_sharded(
+            tmp_path / "ckpt", t.model, t.optimizer, {**t._progress_state(), "routing_acc": t.routing.state_dict()}
+        ).parent
     with default_device("meta"):
         model, _ = load_model(t.ckpt_path)
         from_folder = load_checkpoint(folder, training=True)
@@ -223,7 +254,7 @@ def test_a_cpu_trainer_trains_the_same_whatever_the_default_device(tmp_path, lay
     seed, which the resume and parallel-job tests of the H200 run saw as a different first loss), ``Aux.total``
     with no losses is a CPU zero, and AdamW's step counters stay on the host (torch 2.11 creates them on the
     default device and reads each with ``.item()``: a sync per parameter on a GPU)."""
-    from mode.train import Trainer, TrainConfig
+    from mode.train import TrainConfig, Trainer
     from mode.train.data import Corpus
 
     volatile = {"wall", "tok_s", "mfu", "elapsed"}
@@ -233,8 +264,13 @@ def test_a_cpu_trainer_trains_the_same_whatever_the_default_device(tmp_path, lay
     runs = []
     for device in (None, "meta"):
         with contextlib.nullcontext() if device is None else default_device(device):
-            t = Trainer(cfg, tcfg, Corpus(train=text[:2800], val=text[2800:], source="bytes"), tmp_path / str(device),
-                        progress=False)
+            t = Trainer(
+                cfg,
+                tcfg,
+                Corpus(train=text[:2800], val=text[2800:], source="bytes"),
+                tmp_path / str(device),
+                progress=False,
+            )
             runs.append([{k: v for k, v in r.items() if k not in volatile} for r in t.run()])
             assert all(s["step"].device.type == "cpu" for s in t.optimizer.state.values())
     assert runs[1] == runs[0]

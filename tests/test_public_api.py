@@ -48,8 +48,9 @@ def test_every_exported_name_has_a_real_docstring(name):
         assert "Shape legend" in doc, f"mode.{name}: a module's docstring needs a shape legend"
         assert "Args:" in doc, f"mode.{name}: a module's docstring lists its arguments under 'Args:'"
         forward = inspect.cleandoc(obj.forward.__doc__ or "")
-        assert "Returns" in forward and len(forward.split()) >= 15, \
+        assert "Returns" in forward and len(forward.split()) >= 15, (
             f"mode.{name}.forward: its docstring must say what it returns: {forward!r}"
+        )
         params = [p for p in inspect.signature(obj.forward).parameters if p != "self"]
         assert all(p in forward for p in params), f"mode.{name}.forward: name every argument ({params})"
 
@@ -62,7 +63,7 @@ def test_the_version_is_written_once_and_is_the_installed_metadata():
     from pathlib import Path
 
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    project = pyproject[pyproject.index("[project]"):pyproject.index("\n[", pyproject.index("[project]"))]
+    project = pyproject[pyproject.index("[project]") : pyproject.index("\n[", pyproject.index("[project]"))]
     assert not re.search(r"^version\s*=", project, re.M), "pyproject.toml: the version lives in mode.__version__"
     assert re.search(r'^dynamic = \[[^]]*"version"', project, re.M)
     assert re.search(r'^version = \{ attr = "mode\.__version__" \}', pyproject, re.M)

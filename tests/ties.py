@@ -8,7 +8,8 @@ closer than that rounding may pick differently in the two runs, and from then on
 than rounding: a test of their equality then fails on a correct implementation, on some CPUs only.
 
 ``TopkGaps`` records, while it is active, the smallest relative gap ``|s_k - s_(k+1)| / max(|s_k|, |s_(k+1)|)``
-(rounding is relative to the values' size) at every top-k boundary of a floating tensor (``torch.topk`` and ``Tensor.topk``, the routers' only selection), one minimum per call. A
+(rounding is relative to the values' size) at every top-k boundary of a floating tensor (``torch.topk`` and
+``Tensor.topk``, the routers' only selection), one minimum per call. A
 test runs its reference inside it and asserts ``smallest() > floor``, the floor far above the arithmetic's
 error: then, by construction, the other run takes the same decisions, and the equality it asserts is a
 property of the implementation, not of the machine. The tests that use it choose their data so that it holds
@@ -53,7 +54,8 @@ class TopkGaps:
         assert self.smallest() > floor, (
             f"{what}: a routing decision is a near-tie (gap {self.smallest():.3g} <= {floor:g}): the compared run "
             f"may flip it, so its equality cannot be asserted; change the data (closest calls: shape, dim, k, "
-            f"gap = {closest})")
+            f"gap = {closest})"
+        )
 
 
 @contextlib.contextmanager

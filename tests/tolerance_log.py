@@ -44,10 +44,13 @@ def install(path: str) -> None:
         ratio = _ratio(actual, expected, kwargs.get("rtol"), kwargs.get("atol"))
         if ratio is not None:
             frame = sys._getframe(1)
-            line = {"test": os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0],
-                    "at": f"{os.path.relpath(frame.f_code.co_filename)}:{frame.f_lineno}",
-                    "ratio": ratio, "threads": torch.get_num_threads(),
-                    "cpu": torch.backends.cpu.get_cpu_capability()}
+            line = {
+                "test": os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0],
+                "at": f"{os.path.relpath(frame.f_code.co_filename)}:{frame.f_lineno}",
+                "ratio": ratio,
+                "threads": torch.get_num_threads(),
+                "cpu": torch.backends.cpu.get_cpu_capability(),
+            }
             with open(path, "a") as f:  # one short line per call: appends from several processes do not interleave
                 f.write(json.dumps(line) + "\n")
         return original(actual, expected, *args, **kwargs)

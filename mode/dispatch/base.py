@@ -67,5 +67,6 @@ class Dispatcher(ABC):
     def combine_gated(self, y_RD: Tensor, plan: RoutingPlan, state) -> Tensor:
         """Like ``combine``, for rows the expert bank already multiplied by their gates. Only called when
         ``gates_in_experts`` is True."""
-        raise NotImplementedError(f"{type(self).__name__}.combine_gated: gates_in_experts is False, so the "
-                                  "layer never calls it")
+        raise NotImplementedError(
+            f"{type(self).__name__}.combine_gated: gates_in_experts is False, so the layer never calls it"
+        )

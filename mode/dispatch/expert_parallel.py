@@ -117,8 +117,12 @@ def all_to_all_rows(x_ND: Tensor, out_splits: list[int], in_splits: list[int], g
 
 
 def _exchange_stats(send: list[int], recv: list[int], rank: int, row_bytes: int) -> ExchangeStats:
-    return ExchangeStats(sent_rows=sum(send) - send[rank], local_rows=send[rank],
-                         received_rows=sum(recv) - recv[rank], row_bytes=row_bytes)
+    return ExchangeStats(
+        sent_rows=sum(send) - send[rank],
+        local_rows=send[rank],
+        received_rows=sum(recv) - recv[rank],
+        row_bytes=row_bytes,
+    )
 
 
 class ExpertParallelDispatcher(Dispatcher):
@@ -130,8 +134,10 @@ class ExpertParallelDispatcher(Dispatcher):
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, dedup: bool = False):
         if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("group: torch.distributed must be initialised (init_process_group) before "
-                             "building an ExpertParallelDispatcher")
+            raise ValueError(
+                "group: torch.distributed must be initialised (init_process_group) before "
+                "building an ExpertParallelDispatcher"
+            )
         self.group = group if group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -142,7 +148,8 @@ class ExpertParallelDispatcher(Dispatcher):
         if num_experts % self.world_size:
             raise ValueError(
                 f"num_experts={num_experts}: must be divisible by the expert-parallel group size "
-                f"{self.world_size} (each rank holds num_experts / group size experts)")
+                f"{self.world_size} (each rank holds num_experts / group size experts)"
+            )
         self.num_experts = num_experts
         self.local_experts = num_experts // self.world_size
         self.first_expert = self.rank * self.local_experts
@@ -159,14 +166,17 @@ class ExpertParallelDispatcher(Dispatcher):
     def num_local_experts(self, num_experts: int) -> int:
         """Experts this rank's ExpertBank must hold for a router over ``num_experts`` experts."""
         if num_experts != self.num_experts:
-            raise ValueError(f"router.num_experts={num_experts}: must equal the expert-parallel dispatcher's "
-                             f"num_experts={self.num_experts}")
+            raise ValueError(
+                f"router.num_experts={num_experts}: must equal the expert-parallel dispatcher's "
+                f"num_experts={self.num_experts}"
+            )
         return self.local_experts
 
     def dispatch(self, x_TD: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor, _EPState]:
         if plan.num_experts != self.num_experts:
-            raise ValueError(f"plan.num_experts={plan.num_experts}: must equal the dispatcher's "
-                             f"num_experts={self.num_experts}")
+            raise ValueError(
+                f"plan.num_experts={plan.num_experts}: must equal the dispatcher's num_experts={self.num_experts}"
+            )
         if self.dedup:
             return self._dispatch_unique(x_TD, plan)
         P, L = self.world_size, self.local_experts
@@ -179,7 +189,7 @@ class ExpertParallelDispatcher(Dispatcher):
         splits = torch.cat([send_counts_PL.sum(1), recv_counts_PL.sum(1)]).tolist()
         send_splits, recv_splits = splits[:P], splits[P:]
         # The computed assignments come first in the plan, grouped by expert, hence by destination rank.
-        x_AD = x_TD.index_select(0, plan.token_idx_A[:sum(send_splits)])
+        x_AD = x_TD.index_select(0, plan.token_idx_A[: sum(send_splits)])
 
         x_recv_RD = all_to_all_rows(x_AD, recv_splits, send_splits, self.group)
 
@@ -198,8 +208,9 @@ class ExpertParallelDispatcher(Dispatcher):
         if not self._needs_permute:
             return None
         P, L = recv_counts_PL.shape
-        expert_of_row_R = torch.repeat_interleave(torch.arange(L, device=recv_counts_PL.device).repeat(P),
-                                                  recv_counts_PL.reshape(-1), output_size=received)
+        expert_of_row_R = torch.repeat_interleave(
+            torch.arange(L, device=recv_counts_PL.device).repeat(P), recv_counts_PL.reshape(-1), output_size=received
+        )
         return torch.argsort(expert_of_row_R, stable=True)
 
     def combine(self, y_RD: Tensor, plan: RoutingPlan, state: _EPState) -> Tensor:
@@ -211,8 +222,9 @@ class ExpertParallelDispatcher(Dispatcher):
             inverse_R[state.order_R] = torch.arange(state.order_R.numel(), device=state.order_R.device)
             y_recv_RD = y_RD.index_select(0, inverse_R)  # back to source-major order
         y_AD = all_to_all_rows(y_recv_RD, state.send_splits, state.recv_splits, self.group)
-        self.last_combine = _exchange_stats(state.recv_splits, state.send_splits, self.rank,
-                                            y_RD.shape[-1] * y_RD.element_size())
+        self.last_combine = _exchange_stats(
+            state.recv_splits, state.send_splits, self.rank, y_RD.shape[-1] * y_RD.element_size()
+        )
         return scatter_weighted(y_AD, plan)  # gates applied on the token's own rank; padding got no rows
 
     # -- one row per (token, destination rank) ------------------------------------------------------------
@@ -243,12 +255,13 @@ class ExpertParallelDispatcher(Dispatcher):
         recv_counts_PL = recv_PL1[:, :L]
         # The one host sync of the layer: every split size below, read at once.
         sizes = torch.cat([send_counts_PL.sum(1), recv_counts_PL.sum(1), rows_P, recv_PL1[:, L]]).tolist()
-        send_splits, recv_splits = sizes[:P], sizes[P:2 * P]
-        send_rows, recv_rows = sizes[2 * P:3 * P], sizes[3 * P:]
+        send_splits, recv_splits = sizes[:P], sizes[P : 2 * P]
+        send_rows, recv_rows = sizes[2 * P : 3 * P], sizes[3 * P :]
         n_sent, n_unique = sum(send_splits), sum(send_rows)
 
-        token_U = torch.zeros(A, dtype=plan.token_idx_A.dtype, device=dev).index_put_(
-            (unique_A,), plan.token_idx_A)[:n_unique]  # duplicates write the same token
+        token_U = torch.zeros(A, dtype=plan.token_idx_A.dtype, device=dev).index_put_((unique_A,), plan.token_idx_A)[
+            :n_unique
+        ]  # duplicates write the same token
         x_recv_VD = all_to_all_rows(x_TD.index_select(0, token_U), recv_rows, send_rows, self.group)
         # per computed assignment (plan order: destination-major): its row among those sent to its rank
         within_A = (unique_A - start_P[dest_A.clamp_max(P - 1)])[:n_sent]
@@ -257,8 +270,9 @@ class ExpertParallelDispatcher(Dispatcher):
         gate_recv_R = all_to_all_rows(plan.weight_A[:n_sent], recv_splits, send_splits, self.group)
         # the received assignments, source-major: offset each source's indices by where its rows start
         recv_rows_P = recv_PL1[:, L]
-        source_R = torch.repeat_interleave(torch.arange(P, device=dev), recv_counts_PL.sum(1),
-                                           output_size=sum(recv_splits))
+        source_R = torch.repeat_interleave(
+            torch.arange(P, device=dev), recv_counts_PL.sum(1), output_size=sum(recv_splits)
+        )
         row_R = within_recv_R + (torch.cumsum(recv_rows_P, 0) - recv_rows_P)[source_R]
         order_R = self._expert_major_order(recv_counts_PL, sum(recv_splits))
         if order_R is not None:
@@ -273,11 +287,11 @@ class ExpertParallelDispatcher(Dispatcher):
     def _combine_unique(self, y_RD: Tensor, plan: RoutingPlan, state: _EPState) -> Tensor:
         """Gates applied here, each token's outputs summed per received row, one row per (token, rank) back."""
         weighted_RD = y_RD * state.gate_R.to(y_RD.dtype)[:, None]
-        y_recv_VD = weighted_RD.new_zeros(sum(state.recv_splits), y_RD.shape[-1]).index_add(0, state.row_R,
-                                                                                             weighted_RD)
+        y_recv_VD = weighted_RD.new_zeros(sum(state.recv_splits), y_RD.shape[-1]).index_add(0, state.row_R, weighted_RD)
         y_UD = all_to_all_rows(y_recv_VD, state.send_splits, state.recv_splits, self.group)
-        self.last_combine = _exchange_stats(state.recv_splits, state.send_splits, self.rank,
-                                            y_RD.shape[-1] * y_RD.element_size())
+        self.last_combine = _exchange_stats(
+            state.recv_splits, state.send_splits, self.rank, y_RD.shape[-1] * y_RD.element_size()
+        )
         return y_UD.new_zeros(plan.num_tokens, y_UD.shape[-1]).index_add_(0, state.token_U, y_UD)
 
     @property

@@ -60,8 +60,12 @@ def scatter_weighted(y_AD: Tensor, plan: RoutingPlan) -> Tensor:
     n = y_AD.shape[0]
     if plan.inv_TK is not None:  # the fused op: the same multiply and index_add_ on the CPU
         all_rows = n == plan.weight_A.shape[0]  # no slice then: its backward would be an operator more
-        return combine_rows(y_AD, plan.weight_A if all_rows else plan.weight_A[:n],
-                            plan.token_idx_A if all_rows else plan.token_idx_A[:n], plan.inv_TK)
+        return combine_rows(
+            y_AD,
+            plan.weight_A if all_rows else plan.weight_A[:n],
+            plan.token_idx_A if all_rows else plan.token_idx_A[:n],
+            plan.inv_TK,
+        )
     weighted_AD = y_AD * plan.weight_A[:n].to(y_AD.dtype)[:, None]
     out_TD = y_AD.new_zeros(plan.num_tokens, y_AD.shape[-1])
     return out_TD.index_add_(0, plan.token_idx_A[:n], weighted_AD)  # in place: index_add would copy the zeros
@@ -70,6 +74,6 @@ def scatter_weighted(y_AD: Tensor, plan: RoutingPlan) -> Tensor:
 def scatter_rows(y_AD: Tensor, plan: RoutingPlan) -> Tensor:
     """``out[t] = sum_a [token(a) == t] * y[a]``: the combine of rows already multiplied by their gates."""
     if plan.inv_TK is not None:
-        return combine_rows(y_AD, None, plan.token_idx_A[:y_AD.shape[0]], plan.inv_TK)
+        return combine_rows(y_AD, None, plan.token_idx_A[: y_AD.shape[0]], plan.inv_TK)
     out_TD = y_AD.new_zeros(plan.num_tokens, y_AD.shape[-1])
-    return out_TD.index_add_(0, plan.token_idx_A[:y_AD.shape[0]], y_AD)  # in place: no copy of the zeros
+    return out_TD.index_add_(0, plan.token_idx_A[: y_AD.shape[0]], y_AD)  # in place: no copy of the zeros

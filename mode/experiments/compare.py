@@ -34,13 +34,12 @@ import torch
 
 from mode import _checks
 from mode.experiments import run_record, stats_ci, sweep
-from mode.train import checkpoint
-from mode.train.data import PACKAGES, Corpus
 from mode.measure.flops import forward_flops_per_token, train_flops_per_token
 from mode.model import LMConfig, alternate
 from mode.model.causal_eval import causal_eval
 from mode.routing.mod_topk import GATES
-from mode.train import TrainConfig
+from mode.train import TrainConfig, checkpoint
+from mode.train.data import PACKAGES, Corpus
 from mode.train.progress import format_duration, log_line
 
 # The differences the comparison claims, as (variant a, variant b): a - b < 0 means a is better. "dense"
@@ -81,8 +80,9 @@ def preset(quick: bool | str) -> ComparePreset:
         # the evaluations every 50 steps; about 3 minutes for --seeds 2.
         model = LMConfig(seq_len=512, d_model=256, n_heads=4, d_hidden=1024, layers=("dense",) * 4, num_experts=8)
         train = TrainConfig(batch_size=256, lr=2e-3, warmup_steps=50, eval_every=50, eval_batches=4, log_every=25)
-        return ComparePreset(model, train, dense_steps=200, max_corpus_bytes=None, eval_windows=1024,
-                             eval_batch_size=128, data=PACKAGES)
+        return ComparePreset(
+            model, train, dense_steps=200, max_corpus_bytes=None, eval_windows=1024, eval_batch_size=128, data=PACKAGES
+        )
     if name == "quick":  # a few minutes on 2 CPU cores
         model = LMConfig(seq_len=128, d_model=64, n_heads=2, d_hidden=256, layers=("dense",) * 4, num_experts=4)
         train = TrainConfig(batch_size=8, lr=3e-3, warmup_steps=20, eval_every=50, eval_batches=4, log_every=10)
@@ -103,6 +103,7 @@ class MoDRecipe:
     every block after the first. ``capacity``: the share of each sequence a routed block processes.
     ``gate``: what multiplies a routed block's delta (``MoDRouterConfig.gate``; "raw" is the paper's ``r``).
     docs/isoflop.md has the ablations behind the default."""
+
     routed: str = "every_other"
     capacity: float = 0.125
     gate: str = "raw"
@@ -154,8 +155,7 @@ def extra_variants(base: LMConfig, causal: str = "predictor", names=EXTRA_VARIAN
     n = base.n_layers
     build = {
         "integrated_mode_matched": lambda: replace(base, layers=("integrated",) * n, num_noop=7 * base.num_experts),
-        "staged_mode_matched": lambda: replace(base, layers=alternate(n, "moe", "staged"), capacity=0.5,
-                                               causal=causal),
+        "staged_mode_matched": lambda: replace(base, layers=alternate(n, "moe", "staged"), capacity=0.5, causal=causal),
         "integrated_budget": lambda: budget_held_integrated(base, variants(base, causal)["mod"]),
     }
     return {name: build[name]() for name in EXTRA_VARIANTS if name in names}  # only those asked for
@@ -173,16 +173,28 @@ def budget_held_integrated(base: LMConfig, match: LMConfig) -> LMConfig:
     on no-op slots at the target that gives ``match``'s nominal forward FLOPs per token (MoD at 12.5% on
     every other block: 0.85 to 0.89 of the choices skip the MLP at the presets, attention runs for all).
     Each token decides alone, so sampling needs no predictor."""
+
     def at(target: float) -> LMConfig:
-        return replace(base, layers=("integrated",) * base.n_layers, num_noop=base.num_experts, balance_coef=0.0,
-                       router_options={**base.router_options, "bias_balance": True, "noop_target": target,
-                                       "bias_rate": BUDGET_BIAS_RATE})
+        return replace(
+            base,
+            layers=("integrated",) * base.n_layers,
+            num_noop=base.num_experts,
+            balance_coef=0.0,
+            router_options={
+                **base.router_options,
+                "bias_balance": True,
+                "noop_target": target,
+                "bias_rate": BUDGET_BIAS_RATE,
+            },
+        )
 
     lo, hi = forward_flops_per_token(at(0.25)), forward_flops_per_token(at(0.75))  # linear in the target
     target = 0.25 + 0.5 * (lo - forward_flops_per_token(match)) / (lo - hi)
     if not 0 < target < 1:
-        raise ValueError(f"integrated_budget: matching {forward_flops_per_token(match):.4g} FLOPs per token needs "
-                         f"noop_target={target:.3f}, outside (0, 1): attention alone costs more or the MLPs too little")
+        raise ValueError(
+            f"integrated_budget: matching {forward_flops_per_token(match):.4g} FLOPs per token needs "
+            f"noop_target={target:.3f}, outside (0, 1): attention alone costs more or the MLPs too little"
+        )
     return at(round(target, 6))
 
 
@@ -194,8 +206,9 @@ def dense_depths(n_layers: int) -> list[int]:
 def dense_sweep(base: LMConfig) -> dict[str, LMConfig]:
     """Dense models of ``base``'s width at the depths ``dense_depths`` other than its own (``dense_<n>l``),
     trained to the same budget; with ``dense`` they form the sweep whose best is the headline baseline."""
-    return {f"dense_{n}l": replace(base, layers=("dense",) * n) for n in dense_depths(base.n_layers)
-            if n != base.n_layers}
+    return {
+        f"dense_{n}l": replace(base, layers=("dense",) * n) for n in dense_depths(base.n_layers) if n != base.n_layers
+    }
 
 
 def _routing_summary(history: list[dict]) -> dict:
@@ -214,15 +227,27 @@ def run_dir(out: Path, name: str, seed: int, n_seeds: int) -> Path:
     return out / name if n_seeds == 1 else out / name / f"seed{seed}"
 
 
-def run_compare(out_dir: str | Path, quick: bool | str = False, data: str | None = None, seed: int = 0,
-                dense_steps: int | None = None, only: list[str] | None = None, progress: bool = True,
-                causal: str = "predictor", ckpt_every_s: float = DEFAULT_CKPT_EVERY_S, fresh: bool = False,
-                seeds: int = 1, recipe: MoDRecipe = DEFAULT_RECIPE, device: str | None = None,
-                bf16: bool = False) -> dict:
+def run_compare(
+    out_dir: str | Path,
+    quick: bool | str = False,
+    data: str | None = None,
+    seed: int = 0,
+    dense_steps: int | None = None,
+    only: list[str] | None = None,
+    progress: bool = True,
+    causal: str = "predictor",
+    ckpt_every_s: float = DEFAULT_CKPT_EVERY_S,
+    fresh: bool = False,
+    seeds: int = 1,
+    recipe: MoDRecipe = DEFAULT_RECIPE,
+    device: str | None = None,
+    bf16: bool = False,
+) -> dict:
     """Train the variants at equal training FLOPs into ``out_dir`` and return the report (also written as
     ``compare.json``). ``quick``: True/False for the quick/default preset, or a preset name (``PRESETS``).
     ``data``: None for the preset's corpus (the built-in one; the gpu preset's is ``"packages"``),
-    ``"packages"``, or a UTF-8 text file. ``seeds``: train each variant on seeds ``seed .. seed + seeds - 1``. Checkpoints
+    ``"packages"``, or a UTF-8 text file. ``seeds``: train each variant on seeds ``seed .. seed + seeds - 1``.
+    Checkpoints
     every ``ckpt_every_s`` seconds (0: only when a variant ends); resumes a killed run of the same
     arguments found in ``out_dir``, or starts over when ``fresh``. ``device``: where to train (default the
     CPU). ``bf16``: train under bfloat16 autocast (weights, gradients and AdamW stay float32; routers run in
@@ -251,12 +276,20 @@ def run_compare(out_dir: str | Path, quick: bool | str = False, data: str | None
     out = checkpoint.prepare_dir(out_dir, "out")  # bad output folders fail before any training
     corpus: Corpus = sweep.load_corpus(data, base.seq_len, p.max_corpus_bytes)
     val = sweep.validation_windows(corpus, base.seq_len, p.eval_windows, p.eval_batch_size)
-    identity = {"quick": quick, "data": sweep.data_identity(data), "seed": seed,
-                "seeds": seeds, "dense_steps": steps_dense, "only": sorted(only) if only else None,
-                "causal": causal, "mod_recipe": asdict(recipe), "corpus": run_record.fingerprint(corpus),
-                "model": asdict(base),
-                "train": p.train.identity(),
-                "eval_windows": p.eval_windows}
+    identity = {
+        "quick": quick,
+        "data": sweep.data_identity(data),
+        "seed": seed,
+        "seeds": seeds,
+        "dense_steps": steps_dense,
+        "only": sorted(only) if only else None,
+        "causal": causal,
+        "mod_recipe": asdict(recipe),
+        "corpus": run_record.fingerprint(corpus),
+        "model": asdict(base),
+        "train": p.train.identity(),
+        "eval_windows": p.eval_windows,
+    }
     if bf16:  # only when set: run records written before the option existed stay resumable
         identity["bf16"] = True
     if device is not None:
@@ -286,27 +319,37 @@ def run_compare(out_dir: str | Path, quick: bool | str = False, data: str | None
                 continue
             steps = sweep.steps_for_budget(cfg, budget, p.train.batch_size, name)
             layers = f"{cfg.n_layers} layer{'s' * (cfg.n_layers != 1)}"
-            log_line(f"[{k}/{n_runs}] {label}: {layers}, {steps} steps of {tokens_per_step:,} tokens (budget "
-                     f"{budget:.3g} training FLOPs)")
+            log_line(
+                f"[{k}/{n_runs}] {label}: {layers}, {steps} steps of {tokens_per_step:,} tokens (budget "
+                f"{budget:.3g} training FLOPs)"
+            )
             tcfg = sweep.run_train_config(p.train, steps, s, ckpt_every_s or None)
-            trainer = sweep.train(cfg, tcfg, corpus, d, label, progress, resume, log=log_line,
-                                  device=device, bf16=bf16)
+            trainer = sweep.train(cfg, tcfg, corpus, d, label, progress, resume, log=log_line, device=device, bf16=bf16)
             history = trainer.history
             vals = [r for r in history if "val_loss" in r]
             losses = sweep.window_losses(trainer.model, val)
             result = {
-                "layers": list(cfg.layers), "seed": s, "steps": steps, "params": trainer.model.num_params(),
-                "val_loss": stats_ci.mean(losses), "train_flops": trainer.flops, "tokens": trainer.tokens,
-                "fwd_flops_per_token": forward_flops_per_token(cfg), "wall_s": trainer.elapsed,
-                "tok_s": trainer.tokens / trainer.wall, "curve": [(r["flops"], r["val_loss"]) for r in vals],
+                "layers": list(cfg.layers),
+                "seed": s,
+                "steps": steps,
+                "params": trainer.model.num_params(),
+                "val_loss": stats_ci.mean(losses),
+                "train_flops": trainer.flops,
+                "tokens": trainer.tokens,
+                "fwd_flops_per_token": forward_flops_per_token(cfg),
+                "wall_s": trainer.elapsed,
+                "tok_s": trainer.tokens / trainer.wall,
+                "curve": [(r["flops"], r["val_loss"]) for r in vals],
                 "routing": _routing_summary(history),
                 "causal": causal_eval(trainer.model, trainer.val_batches) if cfg.causal != "none" else None,
                 "window_losses": losses,
             }
             checkpoint.atomic_write_text(result_path, json.dumps(result, indent=2))
             runs.setdefault(name, {})[s] = result
-            log_line(f"[{k}/{n_runs}] {label}: val loss {result['val_loss']:.4f} (final evaluation, "
-                     f"{p.eval_windows} held-out windows); {format_duration(trainer.elapsed)} in training")
+            log_line(
+                f"[{k}/{n_runs}] {label}: val loss {result['val_loss']:.4f} (final evaluation, "
+                f"{p.eval_windows} held-out windows); {format_duration(trainer.elapsed)} in training"
+            )
     results = {name: _combine(runs[name], seed_list) for name in selected}
     baseline = _baseline(results, base.n_layers)
     for r in results.values():
@@ -316,25 +359,45 @@ def run_compare(out_dir: str | Path, quick: bool | str = False, data: str | None
             r["loss_ratio_same_size"] = r["val_loss"] / results["dense"]["val_loss"]
         r["flop_ratio"] = r["fwd_flops_per_token"] / dense_fwd
     claims, diff_se = _claims(runs, baseline, seed_list)
-    validation = {"windows": p.eval_windows, "seq_len": base.seq_len,
-                  "loss_se_max": max(r["eval_se"] for r in results.values()),
-                  "difference_se_max": max(diff_se, default=None)}
-    report = {"config": {"quick": quick, "seed": seed, "seeds": seed_list, "dense_steps": steps_dense,
-                         "mod_recipe": asdict(recipe), "bf16": bf16, "device": str(device or "cpu"),
-                         "budget_flops": budget, "corpus": corpus.source, "model": asdict(base),
-                         "train": asdict(p.train), "eval_windows": p.eval_windows},
-              "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                          "platform": platform.platform()},
-              "baseline": baseline, "claims": claims, "validation": validation, "results": results}
+    validation = {
+        "windows": p.eval_windows,
+        "seq_len": base.seq_len,
+        "loss_se_max": max(r["eval_se"] for r in results.values()),
+        "difference_se_max": max(diff_se, default=None),
+    }
+    report = {
+        "config": {
+            "quick": quick,
+            "seed": seed,
+            "seeds": seed_list,
+            "dense_steps": steps_dense,
+            "mod_recipe": asdict(recipe),
+            "bf16": bf16,
+            "device": str(device or "cpu"),
+            "budget_flops": budget,
+            "corpus": corpus.source,
+            "model": asdict(base),
+            "train": asdict(p.train),
+            "eval_windows": p.eval_windows,
+        },
+        "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(), "platform": platform.platform()},
+        "baseline": baseline,
+        "claims": claims,
+        "validation": validation,
+        "results": results,
+    }
     train_bytes = run_record.fingerprint(corpus)["train_bytes"]
     epochs = {name: r["tokens"] / train_bytes for name, r in results.items()}  # byte-level: a token is a byte
     report["data"] = {**sweep.data_record(corpus), "epochs": epochs}
-    print(f"data: {corpus.source}; the most epochs of its {train_bytes:,} training bytes a run read: "
-          f"{max(epochs.values()):.3f} ({max(epochs, key=epochs.get)})")
+    print(
+        f"data: {corpus.source}; the most epochs of its {train_bytes:,} training bytes a run read: "
+        f"{max(epochs.values()):.3f} ({max(epochs, key=epochs.get)})"
+    )
     # each file appears whole or not at all: a crash here never leaves a half report that looks complete
     checkpoint.atomic_write_text(out / "compare.json", json.dumps(report, indent=2))
-    checkpoint.atomic_write_text(out / "compare.md", "\n\n".join([markdown_table(results), legend(report, "md"),
-                                                                   notes(report, "md")]) + "\n")
+    checkpoint.atomic_write_text(
+        out / "compare.md", "\n\n".join([markdown_table(results), legend(report, "md"), notes(report, "md")]) + "\n"
+    )
     print(format_table(results))
     print(legend(report, "text"))
     print(notes(report, "text"))
@@ -348,9 +411,12 @@ def _combine(by_seed: dict[int, dict], seeds: list[int]) -> dict:
     first = by_seed[seeds[0]]
     losses = [by_seed[s]["val_loss"] for s in seeds]
     row = {k: v for k, v in first.items() if k not in ("window_losses", "seed")}
-    row.update(val_loss=stats_ci.mean(losses), val_loss_std=stats_ci.std(losses),
-               val_loss_seeds={str(s): v for s, v in zip(seeds, losses)},
-               eval_se=stats_ci.window_noise(first["window_losses"]))
+    row.update(
+        val_loss=stats_ci.mean(losses),
+        val_loss_std=stats_ci.std(losses),
+        val_loss_seeds={str(s): v for s, v in zip(seeds, losses)},
+        eval_se=stats_ci.window_noise(first["window_losses"]),
+    )
     return row
 
 
@@ -364,12 +430,19 @@ def _baseline(results: dict, n_layers: int) -> dict | None:
         return None
     best = min(dense, key=dense.get)
     depths = sorted(len(results[n]["layers"]) for n in dense)
-    rule = (f"best of {len(dense)} dense depths ({', '.join(map(str, depths))} layers) of the same width at the "
-            "same training FLOPs")
+    rule = (
+        f"best of {len(dense)} dense depths ({', '.join(map(str, depths))} layers) of the same width at the "
+        "same training FLOPs"
+    )
     if len(dense) < 3:
         rule += " (fewer than 3: not a sweep; run without --only for the full one)"
-    return {"variant": best, "layers": len(results[best]["layers"]), "val_loss": dense[best], "rule": rule,
-            "candidates": dense}
+    return {
+        "variant": best,
+        "layers": len(results[best]["layers"]),
+        "val_loss": dense[best],
+        "rule": rule,
+        "candidates": dense,
+    }
 
 
 def _claims(runs: dict, baseline: dict | None, seeds: list[int]) -> tuple[dict, list[float]]:
@@ -396,15 +469,20 @@ def notes(report: dict, style: str) -> str:
         lines.append(f"best dense model: {b['variant']} ({b['rule']}; val loss {b['val_loss']:.4f})")
     n = len(report["config"]["seeds"])
     if report["claims"]:
-        lines.append(f"differences, paired over {n} seed(s): mean ± std [95% t interval], * = significant "
-                     "(the interval excludes 0); eval SE = the validation set's own noise in that difference")
+        lines.append(
+            f"differences, paired over {n} seed(s): mean ± std [95% t interval], * = significant "
+            "(the interval excludes 0); eval SE = the validation set's own noise in that difference"
+        )
         for label, c in report["claims"].items():
-            text = (f"{label} ({c['a']} - {c['b']}): {stats_ci.format_difference(c)} ({c['rel']:+.2%}), "
-                    f"eval SE {c['eval_se']:.4f}")
+            text = (
+                f"{label} ({c['a']} - {c['b']}): {stats_ci.format_difference(c)} ({c['rel']:+.2%}), "
+                f"eval SE {c['eval_se']:.4f}"
+            )
             lines.append(f"- {text}" if style == "md" else f"  {text}")
     v = report["validation"]
-    noise = (f"validation: {v['windows']} fixed windows of {v['seq_len']} bytes; noise of one loss <= "
-             f"{v['loss_se_max']:.4f}")
+    noise = (
+        f"validation: {v['windows']} fixed windows of {v['seq_len']} bytes; noise of one loss <= {v['loss_se_max']:.4f}"
+    )
     if v["difference_se_max"] is not None:
         noise += f", of a paired difference <= {v['difference_se_max']:.4f}"
     if style == "text":
@@ -419,6 +497,7 @@ class _Column:
     report, "routing": the ``overall`` numbers of its last routing record), its terminal header and width
     (no width: not in the terminal table), format, Markdown header (None: not in compare.md) and what it
     means (the legend printed under the table; None: self-explaining)."""
+
     key: str
     where: str
     text: str | None
@@ -430,38 +509,116 @@ class _Column:
 
 # {windows}, {seq_len}, {val_windows}, {dense}, {best}, {capacity}: filled in by ``legend`` from the report
 _COLUMNS = (
-    _Column("val_loss", "result", "val loss", 9, ".4f", "val loss",
-            "held-out loss in nats/byte (lower is better): mean over {windows} fixed windows of {seq_len} bytes"),
+    _Column(
+        "val_loss",
+        "result",
+        "val loss",
+        9,
+        ".4f",
+        "val loss",
+        "held-out loss in nats/byte (lower is better): mean over {windows} fixed windows of {seq_len} bytes",
+    ),
     _Column("val_loss_std", "result", "± std", 8, ".4f", "± std (seeds)", "std of val loss over the seeds"),
-    _Column("loss_ratio", "result", "loss/best dense", 16, ".4f", "loss / best dense",
-            "val loss / the best dense model's ({best}); below 1 beats it"),
-    _Column("loss_ratio_same_size", "result", "loss/same-size dense", 21, ".4f", "loss / same-size dense",
-            "val loss / dense's (the same depth: {dense})"),
-    _Column("fwd_flops_per_token", "result", "fwd FLOP/tok", 14, ".3e", "fwd FLOP/token",
-            "nominal forward FLOPs per token (balanced routing; a training step costs 3x)"),
-    _Column("flop_ratio", "result", "FLOP/tok / dense", 17, ".3f", "fwd FLOP/token / same-size dense",
-            "forward FLOPs per token / dense's ({dense})"),
+    _Column(
+        "loss_ratio",
+        "result",
+        "loss/best dense",
+        16,
+        ".4f",
+        "loss / best dense",
+        "val loss / the best dense model's ({best}); below 1 beats it",
+    ),
+    _Column(
+        "loss_ratio_same_size",
+        "result",
+        "loss/same-size dense",
+        21,
+        ".4f",
+        "loss / same-size dense",
+        "val loss / dense's (the same depth: {dense})",
+    ),
+    _Column(
+        "fwd_flops_per_token",
+        "result",
+        "fwd FLOP/tok",
+        14,
+        ".3e",
+        "fwd FLOP/token",
+        "nominal forward FLOPs per token (balanced routing; a training step costs 3x)",
+    ),
+    _Column(
+        "flop_ratio",
+        "result",
+        "FLOP/tok / dense",
+        17,
+        ".3f",
+        "fwd FLOP/token / same-size dense",
+        "forward FLOPs per token / dense's ({dense})",
+    ),
     _Column("params", "result", "params", 10, ",", "params"),
     _Column("steps", "result", "steps", 7, "", "steps", "training steps the FLOP budget buys (cheaper steps: more)"),
     _Column("tokens", "result", None, None, ",", "tokens"),
     _Column("wall_s", "result", "wall s", 8, ".1f", None, "seconds of training, periodic evaluation included"),
     _Column("tok_s", "result", "tok/s", 8, ",.0f", None, "training bytes per second of training steps"),
-    _Column("causal_accuracy", "causal", "causal acc", 11, ".1%", "causal acc",
-            "learned MoD: how often the causal decision (what sampling uses) agrees with top-k routing"),
-    _Column("routed_fraction", "causal", "routed", 8, ".1%", "routed",
-            "share of tokens the causal decision routes through a routed block; top-k routes exactly "
-            "{capacity:.1%}: lower when the decision misses more top-k tokens than it adds"),
-    _Column("ar_gap", "causal", "AR gap", 8, "+.2%", "AR gap",
-            "loss with causal routing / loss with top-k - 1: what routing as in sampling costs"),
+    _Column(
+        "causal_accuracy",
+        "causal",
+        "causal acc",
+        11,
+        ".1%",
+        "causal acc",
+        "learned MoD: how often the causal decision (what sampling uses) agrees with top-k routing",
+    ),
+    _Column(
+        "routed_fraction",
+        "causal",
+        "routed",
+        8,
+        ".1%",
+        "routed",
+        "share of tokens the causal decision routes through a routed block; top-k routes exactly "
+        "{capacity:.1%}: lower when the decision misses more top-k tokens than it adds",
+    ),
+    _Column(
+        "ar_gap",
+        "causal",
+        "AR gap",
+        8,
+        "+.2%",
+        "AR gap",
+        "loss with causal routing / loss with top-k - 1: what routing as in sampling costs",
+    ),
     # load balance and compute from the last logged "routing" record (training batches; docs/reports.md)
-    _Column("max_mean", "routing", "max/mean", 9, ".2f", "max/mean load",
-            "MoE routers: the busiest expert's load / the mean load (1 = balanced), mean over the routers"),
-    _Column("dropped_frac", "routing", "dropped", 8, ".1%", "dropped",
-            "share of expert assignments dropped by capacity"),
-    _Column("noop_share", "routing", "no-op", 7, ".1%", "no-op",
-            "share of router choices that went to a no-op expert (the MLP skipped)"),
-    _Column("blocks_per_token", "routing", "blocks/tok", 11, ".2f", "blocks/token",
-            "blocks a token passes through on average (a skipped MoD block does not count)"),
+    _Column(
+        "max_mean",
+        "routing",
+        "max/mean",
+        9,
+        ".2f",
+        "max/mean load",
+        "MoE routers: the busiest expert's load / the mean load (1 = balanced), mean over the routers",
+    ),
+    _Column(
+        "dropped_frac", "routing", "dropped", 8, ".1%", "dropped", "share of expert assignments dropped by capacity"
+    ),
+    _Column(
+        "noop_share",
+        "routing",
+        "no-op",
+        7,
+        ".1%",
+        "no-op",
+        "share of router choices that went to a no-op expert (the MLP skipped)",
+    ),
+    _Column(
+        "blocks_per_token",
+        "routing",
+        "blocks/tok",
+        11,
+        ".2f",
+        "blocks/token",
+        "blocks a token passes through on average (a skipped MoD block does not count)",
+    ),
 )
 # said once under the legend instead of in every line it concerns
 _LEGEND_NOTES = (
@@ -474,8 +631,9 @@ _LEGEND_NOTES = (
 
 
 def _cell(r: dict, col: _Column, missing: str) -> str:
-    source = {"result": r, "causal": r.get("causal") or {},
-              "routing": (r.get("routing") or {}).get("overall", {})}[col.where]
+    source = {"result": r, "causal": r.get("causal") or {}, "routing": (r.get("routing") or {}).get("overall", {})}[
+        col.where
+    ]
     v = source.get(col.key)
     return missing if v is None else format(v, col.fmt)
 
@@ -506,17 +664,24 @@ def legend(report: dict, style: str) -> str:
     """What each column of the table means (``style`` "text": under the printed table, "md": a list under
     compare.md's), with the run's numbers filled in: windows, the dense models, the MoD capacity."""
     cfg, b = report["config"], report["baseline"]
-    values = {"windows": cfg["eval_windows"], "seq_len": cfg["model"]["seq_len"],
-              "val_windows": cfg["train"]["eval_batches"] * cfg["train"]["batch_size"],
-              "dense": f"{len(cfg['model']['layers'])} layers", "best": "none trained" if b is None else b["variant"],
-              "capacity": cfg["mod_recipe"]["capacity"]}
+    values = {
+        "windows": cfg["eval_windows"],
+        "seq_len": cfg["model"]["seq_len"],
+        "val_windows": cfg["train"]["eval_batches"] * cfg["train"]["batch_size"],
+        "dense": f"{len(cfg['model']['layers'])} layers",
+        "best": "none trained" if b is None else b["variant"],
+        "capacity": cfg["mod_recipe"]["capacity"],
+    }
     shown = [c for c in _COLUMNS if c.meaning and (c.width if style == "text" else c.md) is not None]
     said_once = [n.format(**values) for n in _LEGEND_NOTES]
     if style == "md":
         return "\n".join([f"- *{c.md}*: {c.meaning.format(**values)}" for c in shown] + [f"- {n}" for n in said_once])
     width = max(len(c.text) for c in shown)
-    return "\n".join(["columns:"] + [f"  {c.text:<{width}}  {c.meaning.format(**values)}" for c in shown]
-                     + [f"  {n}" for n in said_once])
+    return "\n".join(
+        ["columns:"]
+        + [f"  {c.text:<{width}}  {c.meaning.format(**values)}" for c in shown]
+        + [f"  {n}" for n in said_once]
+    )
 
 
 def _plot_label(name: str, r: dict) -> str:
@@ -540,23 +705,51 @@ def plot_curves(report: dict, path: Path) -> None:
     for name, r in results.items():
         xs, ys = zip(*r["curve"])
         (line,) = ax.plot(xs, ys, marker="o", ms=3, lw=1.2, label=f"{_plot_label(name, r)}: {r['val_loss']:.4f}")
-        ax.plot([r["train_flops"]], [r["val_loss"]], marker="*", ms=11, color=line.get_color(),
-                markeredgecolor="black", markeredgewidth=0.6, ls="none", zorder=3)
+        ax.plot(
+            [r["train_flops"]],
+            [r["val_loss"]],
+            marker="*",
+            ms=11,
+            color=line.get_color(),
+            markeredgecolor="black",
+            markeredgewidth=0.6,
+            ls="none",
+            zorder=3,
+        )
     ax.set_xlabel("training FLOPs")
     ax.set_ylabel("validation loss (nats/byte)")
     ax.set_title("Validation loss at equal training FLOPs")
     ax.grid(alpha=0.3)
     seeds = cfg["seeds"]
     periodic_label = f"periodic evaluation,\n{periodic} windows" + (f" (seed {seeds[0]})" if len(seeds) > 1 else "")
-    final_label = (f"final evaluation,\n{cfg['eval_windows']} windows = table"
-                   + (f"\n(mean of {len(seeds)} seeds)" if len(seeds) > 1 else ""))
-    marks = [Line2D([], [], color="black", marker="o", ms=3, lw=1.2, label=periodic_label),
-             Line2D([], [], color="white", marker="*", ms=11, markeredgecolor="black", markeredgewidth=0.6, ls="none",
-                    label=final_label)]
+    final_label = f"final evaluation,\n{cfg['eval_windows']} windows = table" + (
+        f"\n(mean of {len(seeds)} seeds)" if len(seeds) > 1 else ""
+    )
+    marks = [
+        Line2D([], [], color="black", marker="o", ms=3, lw=1.2, label=periodic_label),
+        Line2D(
+            [],
+            [],
+            color="white",
+            marker="*",
+            ms=11,
+            markeredgecolor="black",
+            markeredgewidth=0.6,
+            ls="none",
+            label=final_label,
+        ),
+    ]
     gap = Line2D([], [], ls="none", label=" ")
     handles, _ = ax.get_legend_handles_labels()
-    ax.legend(handles=[*handles, gap, *marks], loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8,
-              borderaxespad=0, title="variant: val loss (table)", title_fontsize=8)
+    ax.legend(
+        handles=[*handles, gap, *marks],
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        fontsize=8,
+        borderaxespad=0,
+        title="variant: val loss (table)",
+        title_fontsize=8,
+    )
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
     plt.close(fig)

@@ -29,6 +29,7 @@ class Size:
 @dataclass
 class IsoflopPreset:
     """A sweep: the sizes (one aspect ratio), the budgets, and what every run shares."""
+
     base: LMConfig  # vocabulary, sequence, experts, the MoD recipe; width and depth come from each size
     train: TrainConfig  # batch, learning rate and schedule; steps and seed are set per run
     budgets: tuple[float, ...]  # training FLOPs per run
@@ -74,28 +75,50 @@ def preset(quick: bool | str) -> IsoflopPreset:
         # the grid, estimate_s(preset("gpu"), seeds=2): 396 s (59 + 140 s a seed). Eager: --compile costs
         # ~35 s per distinct model (gpu_suite run 4), and the grid has 36. `--budgets` adds budgets later.
         base = LMConfig(seq_len=512, d_model=128, n_heads=2, d_hidden=512, num_experts=8)
-        train = TrainConfig(batch_size=256, lr=2e-3, warmup_steps=50, eval_every=10**9, eval_batches=1,
-                            log_every=25)
-        return IsoflopPreset(base, train, budgets=(1e14, 3e14), aspect=64, n_layers=(2, 3, 4), head_dim=64,
-                             eval_windows=1024, eval_batch_size=128, data=PACKAGES)
+        train = TrainConfig(batch_size=256, lr=2e-3, warmup_steps=50, eval_every=10**9, eval_batches=1, log_every=25)
+        return IsoflopPreset(
+            base,
+            train,
+            budgets=(1e14, 3e14),
+            aspect=64,
+            n_layers=(2, 3, 4),
+            head_dim=64,
+            eval_windows=1024,
+            eval_batch_size=128,
+            data=PACKAGES,
+        )
     if name == "quick":  # 10k to 180k parameters
         base = LMConfig(seq_len=128, d_model=64, n_heads=2, d_hidden=256, num_experts=4)
-        train = TrainConfig(batch_size=8, lr=3e-3, warmup_steps=20, eval_every=10**9, eval_batches=1,
-                            log_every=10)
-        return IsoflopPreset(base, train, budgets=(2e10, 6e10, 2e11), aspect=8, n_layers=(2, 3, 4, 6),
-                             head_dim=16, eval_windows=512, max_corpus_bytes=3_000_000)
+        train = TrainConfig(batch_size=8, lr=3e-3, warmup_steps=20, eval_every=10**9, eval_batches=1, log_every=10)
+        return IsoflopPreset(
+            base,
+            train,
+            budgets=(2e10, 6e10, 2e11),
+            aspect=8,
+            n_layers=(2, 3, 4, 6),
+            head_dim=16,
+            eval_windows=512,
+            max_corpus_bytes=3_000_000,
+        )
     # default: 10k to 410k parameters, 5x the quick budgets
     base = LMConfig(seq_len=256, d_model=128, n_heads=4, d_hidden=512, num_experts=8)
     train = TrainConfig(batch_size=8, lr=3e-3, warmup_steps=50, eval_every=10**9, eval_batches=1, log_every=10)
-    return IsoflopPreset(base, train, budgets=(1e11, 3e11, 1e12), aspect=8, n_layers=(2, 3, 4, 6, 8),
-                         head_dim=16, eval_windows=1024)
+    return IsoflopPreset(
+        base, train, budgets=(1e11, 3e11, 1e12), aspect=8, n_layers=(2, 3, 4, 6, 8), head_dim=16, eval_windows=1024
+    )
 
 
 def size_config(p: IsoflopPreset, size: Size) -> LMConfig:
     """The dense model of ``size``: ``p.base`` at that width and depth."""
     d = size.d_model
-    return replace(p.base, d_model=d, n_heads=max(1, d // p.head_dim), d_hidden=p.mlp_ratio * d,
-                   layers=("dense",) * size.n_layers, predictor_hidden=max(16, d // 2))
+    return replace(
+        p.base,
+        d_model=d,
+        n_heads=max(1, d // p.head_dim),
+        d_hidden=p.mlp_ratio * d,
+        layers=("dense",) * size.n_layers,
+        predictor_hidden=max(16, d // 2),
+    )
 
 
 def budget_name(budget: float) -> str:
@@ -117,8 +140,9 @@ class RunSpec:
         return f"{budget_name(self.budget)} {self.variant} {self.size.name} seed {self.seed}"
 
 
-def sweep_variants(base: LMConfig, causal: str = "predictor", recipe: MoDRecipe = DEFAULT_RECIPE,
-                   only: list[str] | None = None) -> dict[str, LMConfig]:
+def sweep_variants(
+    base: LMConfig, causal: str = "predictor", recipe: MoDRecipe = DEFAULT_RECIPE, only: list[str] | None = None
+) -> dict[str, LMConfig]:
     """The six variants of ``mode compare`` at ``base``'s size, then the extra ones (``extra_variants``:
     e.g. ``integrated_mode_matched``, integrated MoDE at staged MoDE's FLOPs per token) named in ``only``."""
     return {**variants(base, causal, recipe), **extra_variants(base, causal, only or ())}
@@ -129,8 +153,14 @@ def variant_names(causal: str = "predictor") -> list[str]:
     return list(variants(LMConfig(), causal)) + list(EXTRA_VARIANTS)
 
 
-def plan(p: IsoflopPreset, out: Path, seeds: list[int], causal: str = "predictor",
-         only: list[str] | None = None, recipe: MoDRecipe = DEFAULT_RECIPE) -> list[RunSpec]:
+def plan(
+    p: IsoflopPreset,
+    out: Path,
+    seeds: list[int],
+    causal: str = "predictor",
+    only: list[str] | None = None,
+    recipe: MoDRecipe = DEFAULT_RECIPE,
+) -> list[RunSpec]:
     """Every run of the sweep, seed by seed (a sweep stopped early has whole seeds done)."""
     specs = []
     for seed in seeds:
@@ -140,11 +170,21 @@ def plan(p: IsoflopPreset, out: Path, seeds: list[int], causal: str = "predictor
                     if only and name not in only:
                         continue
                     steps = sweep.steps_for_budget(cfg, budget, p.train.batch_size, f"{name} {size.name}")
-                    specs.append(RunSpec(budget, name, size, seed, cfg, steps,
-                                         out / "runs" / budget_name(budget) / name / size.name / f"seed{seed}"))
+                    specs.append(
+                        RunSpec(
+                            budget,
+                            name,
+                            size,
+                            seed,
+                            cfg,
+                            steps,
+                            out / "runs" / budget_name(budget) / name / size.name / f"seed{seed}",
+                        )
+                    )
     order = {name: i for i, name in enumerate(variant_names(causal))}
-    return sorted(specs, key=lambda s: (seeds.index(s.seed), p.budgets.index(s.budget), order[s.variant],
-                                        p.sizes.index(s.size)))
+    return sorted(
+        specs, key=lambda s: (seeds.index(s.seed), p.budgets.index(s.budget), order[s.variant], p.sizes.index(s.size))
+    )
 
 
 # -- what a run costs on a GPU: the planning arithmetic of the gpu preset ---------------------------------
@@ -175,8 +215,9 @@ def step_ops(cfg: LMConfig) -> int:
     """Estimated aten operations of one training step of ``cfg`` (``OPS_PER_STEP`` + ``OPS_PER_LAYER``)."""
     unknown = [k for k in cfg.layers if k not in OPS_PER_LAYER]
     if unknown:
-        raise ValueError(f"layers={cfg.layers}: no operation count for layer kind {unknown[0]!r}; known: "
-                         f"{', '.join(OPS_PER_LAYER)}")
+        raise ValueError(
+            f"layers={cfg.layers}: no operation count for layer kind {unknown[0]!r}; known: {', '.join(OPS_PER_LAYER)}"
+        )
     return OPS_PER_STEP + sum(OPS_PER_LAYER[k] for k in cfg.layers)
 
 
@@ -192,13 +233,22 @@ def run_cost(spec: RunSpec, p: IsoflopPreset, train_bytes: int | None = None) ->
     expected seconds on a GPU (``estimate_step_s``; ``RUN_OVERHEAD_S`` per run)."""
     tokens = spec.steps * p.train.batch_size * p.base.seq_len
     step_s = estimate_step_s(spec.cfg, p.train.batch_size)
-    return {"tokens": tokens, "flops": spec.steps * sweep.step_flops(spec.cfg, p.train.batch_size),
-            "epochs": None if not train_bytes else tokens / train_bytes,
-            "est_step_s": step_s, "est_s": spec.steps * step_s + RUN_OVERHEAD_S}
+    return {
+        "tokens": tokens,
+        "flops": spec.steps * sweep.step_flops(spec.cfg, p.train.batch_size),
+        "epochs": None if not train_bytes else tokens / train_bytes,
+        "est_step_s": step_s,
+        "est_s": spec.steps * step_s + RUN_OVERHEAD_S,
+    }
 
 
-def estimate_s(p: IsoflopPreset, seeds: int = 1, causal: str = "predictor", only: list[str] | None = None,
-               recipe: MoDRecipe = DEFAULT_RECIPE) -> float:
+def estimate_s(
+    p: IsoflopPreset,
+    seeds: int = 1,
+    causal: str = "predictor",
+    only: list[str] | None = None,
+    recipe: MoDRecipe = DEFAULT_RECIPE,
+) -> float:
     """Expected seconds of the whole sweep of ``p`` on one H100/H200 (``run_cost``), ``seeds`` seeds."""
     specs = plan(p, Path("."), list(range(seeds)), causal, only, recipe)
     return sum(run_cost(s, p)["est_s"] for s in specs)

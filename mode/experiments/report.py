@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mode.measure.stats import RoutingAccumulator
 from mode.model.lm import LM
 from mode.routing.keys import PARTS, router_key
-from mode.measure.stats import RoutingAccumulator
 
 WORD_BYTES = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") | frozenset(range(128, 256))
 
@@ -83,15 +83,24 @@ def top_bytes(t: TokenTable, top: int = 10, min_count: int = 5) -> dict:
     """Bytes ranked by mean FLOPs per occurrence (bytes seen fewer than ``min_count`` times are left out)."""
     ids = t.ids_NS.reshape(-1)
     count = torch.bincount(ids, minlength=256).double()
-    sums = {name: torch.bincount(ids, weights=v.reshape(-1).double(), minlength=256)
-            for name, v in (("flops", t.flops_NS), ("blocks", t.blocks_NS), ("mlp", t.mlp_NS))}
+    sums = {
+        name: torch.bincount(ids, weights=v.reshape(-1).double(), minlength=256)
+        for name, v in (("flops", t.flops_NS), ("blocks", t.blocks_NS), ("mlp", t.mlp_NS))
+    }
     rows = []
     for b in range(256):
         n = float(count[b])
         if n >= min_count:
-            rows.append({"byte": b, "text": byte_label(b), "count": int(n),
-                         "mean_flops": float(sums["flops"][b]) / n, "mean_blocks": float(sums["blocks"][b]) / n,
-                         "mean_mlp": float(sums["mlp"][b]) / n})
+            rows.append(
+                {
+                    "byte": b,
+                    "text": byte_label(b),
+                    "count": int(n),
+                    "mean_flops": float(sums["flops"][b]) / n,
+                    "mean_blocks": float(sums["blocks"][b]) / n,
+                    "mean_mlp": float(sums["mlp"][b]) / n,
+                }
+            )
     return _most_least(rows, top, min_count)
 
 
@@ -100,13 +109,23 @@ def top_tokens(t: TokenTable, vocab_size: int, label, top: int = 10, min_count: 
     ranked by mean FLOPs per occurrence (ids seen fewer than ``min_count`` times are left out)."""
     ids = t.ids_NS.reshape(-1)
     count = torch.bincount(ids, minlength=vocab_size).double()
-    sums = {name: torch.bincount(ids, weights=v.reshape(-1).double(), minlength=vocab_size).tolist()
-            for name, v in (("flops", t.flops_NS), ("blocks", t.blocks_NS), ("mlp", t.mlp_NS))}
+    sums = {
+        name: torch.bincount(ids, weights=v.reshape(-1).double(), minlength=vocab_size).tolist()
+        for name, v in (("flops", t.flops_NS), ("blocks", t.blocks_NS), ("mlp", t.mlp_NS))
+    }
     rows = []
     for i in (count >= min_count).nonzero().flatten().tolist():  # only the ids seen often enough
         n = float(count[i])
-        rows.append({"token": i, "text": label(i), "count": int(n), "mean_flops": sums["flops"][i] / n,
-                     "mean_blocks": sums["blocks"][i] / n, "mean_mlp": sums["mlp"][i] / n})
+        rows.append(
+            {
+                "token": i,
+                "text": label(i),
+                "count": int(n),
+                "mean_flops": sums["flops"][i] / n,
+                "mean_blocks": sums["blocks"][i] / n,
+                "mean_mlp": sums["mlp"][i] / n,
+            }
+        )
     return _most_least(rows, top, min_count)
 
 
@@ -130,8 +149,11 @@ def top_words(t: TokenTable, top: int = 10, min_count: int = 3) -> dict:
                 a[1] += sum(flops[s:e]) / n
                 a[2] += sum(blocks[s:e]) / n
             s = e
-    rows = [{"word": w.decode("utf-8", errors="replace"), "count": int(n), "mean_flops": f / n, "mean_blocks": b / n}
-            for w, (n, f, b) in agg.items() if n >= min_count]
+    rows = [
+        {"word": w.decode("utf-8", errors="replace"), "count": int(n), "mean_flops": f / n, "mean_blocks": b / n}
+        for w, (n, f, b) in agg.items()
+        if n >= min_count
+    ]
     return _most_least(rows, top, min_count)
 
 
@@ -148,12 +170,24 @@ def flops_histogram(t: TokenTable, bins: int = 40) -> dict:
         lo, hi = lo - 0.5, hi + 0.5
     counts, edges = np.histogram(f, bins=bins, range=(lo, hi))
     q = np.percentile(f, [0, 10, 50, 90, 100])
-    return {"edges": edges.tolist(), "frac": (counts / f.size).tolist(),
-            "percentiles": dict(zip(("p0", "p10", "p50", "p90", "p100"), q.tolist()))}
+    return {
+        "edges": edges.tolist(),
+        "frac": (counts / f.size).tolist(),
+        "percentiles": dict(zip(("p0", "p10", "p50", "p90", "p100"), q.tolist())),
+    }
 
 
-def build_report(model: LM, batches, *, causal_routing: bool = False, buckets: int = 32, top: int = 10,
-                 min_byte_count: int = 5, min_word_count: int = 3, token_label=None) -> tuple[dict, TokenTable]:
+def build_report(
+    model: LM,
+    batches,
+    *,
+    causal_routing: bool = False,
+    buckets: int = 32,
+    top: int = 10,
+    min_byte_count: int = 5,
+    min_word_count: int = 3,
+    token_label=None,
+) -> tuple[dict, TokenTable]:
     """Everything ``mode report`` writes, as a JSON-ready dict (plus the per-token table). ``token_label``:
     the ids are tokens of a tokenizer (``label(id)`` names one): ``top_tokens`` replaces the byte and word
     tables."""
@@ -163,7 +197,7 @@ def build_report(model: LM, batches, *, causal_routing: bool = False, buckets: i
     nb = min(buckets, S)
     edges = [(b * S // nb, (b + 1) * S // nb) for b in range(nb)]  # [start, end) of each position bucket
     layers = []
-    for i, kind in enumerate(cfg.layers):
+    for i in range(len(cfg.layers)):
         ls = acc.layer_summary(i, buckets=nb, positions=True)
         routers = {}
         for part in PARTS:
@@ -175,16 +209,31 @@ def build_report(model: LM, batches, *, causal_routing: bool = False, buckets: i
     tokens["flops_hist"] = flops_histogram(table)
     tokens["dense_flops_per_token"] = table.dense_flops_per_token
     report = {
-        "model": {"layers": list(cfg.layers), "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len,
-                  "d_model": cfg.d_model,
-                  "capacity": cfg.capacity, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
-                  "num_noop": cfg.num_noop, "router": cfg.router, "capacity_factor": cfg.capacity_factor},
-        "data": {"sequences": int(table.ids_NS.shape[0]), "seq_len": int(S), "tokens": int(table.ids_NS.numel()),
-                 "causal_routing": causal_routing},
+        "model": {
+            "layers": list(cfg.layers),
+            "vocab_size": cfg.vocab_size,
+            "seq_len": cfg.seq_len,
+            "d_model": cfg.d_model,
+            "capacity": cfg.capacity,
+            "num_experts": cfg.num_experts,
+            "top_k": cfg.top_k,
+            "num_noop": cfg.num_noop,
+            "router": cfg.router,
+            "capacity_factor": cfg.capacity_factor,
+        },
+        "data": {
+            "sequences": int(table.ids_NS.shape[0]),
+            "seq_len": int(S),
+            "tokens": int(table.ids_NS.numel()),
+            "causal_routing": causal_routing,
+        },
         "overall": acc.summary()["overall"],
         "layers": layers,
-        "heatmap": {"position_buckets": edges, "layers": [f"{i}: {k}" for i, k in enumerate(cfg.layers)],
-                    "routed_frac": [layer["routed_by_position"] for layer in layers]},
+        "heatmap": {
+            "position_buckets": edges,
+            "layers": [f"{i}: {k}" for i, k in enumerate(cfg.layers)],
+            "routed_frac": [layer["routed_by_position"] for layer in layers],
+        },
         "token_compute": tokens,
     }
     if token_label is None:
@@ -218,8 +267,10 @@ def _num(v, fmt=".2f") -> str:
 
 
 def format_report(report: dict) -> str:
-    head = (f"{'layer':<6}{'kind':<12}{'routed':>8}{'MLP/tok':>8}{'experts':>8}{'max/mean':>9}{'CV':>7}"
-            f"{'dropped':>8}{'no-op':>7}{'entropy':>11}{'causal':>8}")
+    head = (
+        f"{'layer':<6}{'kind':<12}{'routed':>8}{'MLP/tok':>8}{'experts':>8}{'max/mean':>9}{'CV':>7}"
+        f"{'dropped':>8}{'no-op':>7}{'entropy':>11}{'causal':>8}"
+    )
     lines = ["Load balance per layer (evaluation batches)", head, "-" * len(head)]
     for layer in report["layers"]:
         moe = layer["routers"].get("moe", {})
@@ -231,27 +282,40 @@ def format_report(report: dict) -> str:
             f"{_num(moe.get('cv')):>7}{_pct(moe.get('dropped_frac') if moe else None):>8}"
             f"{_pct(moe.get('noop_share') if moe else None):>7}"
             f"{ent_cell:>11}"
-            f"{_pct(layer.get('causal_accuracy')):>8}")
+            f"{_pct(layer.get('causal_accuracy')):>8}"
+        )
     t = report["token_compute"]
     p = t["flops_hist"]["percentiles"]
-    lines += ["", "Per-token compute",
-              f"  blocks traversed per token {t['blocks_per_token']:.3f}   MLP assignments per token "
-              f"{t['mlp_per_token']:.3f}",
-              f"  forward FLOPs per token {t['flops_per_token']:.4g} ({t['flops_vs_dense']:.1%} of dense "
-              f"{t['dense_flops_per_token']:.4g}); p10 {p['p10']:.4g}  median {p['p50']:.4g}  p90 {p['p90']:.4g}",
-              "  share of tokens by blocks traversed: "
-              + "  ".join(f"{k}: {v:.1%}" for k, v in enumerate(t["blocks_hist"]) if v > 0)]
+    lines += [
+        "",
+        "Per-token compute",
+        f"  blocks traversed per token {t['blocks_per_token']:.3f}   MLP assignments per token "
+        f"{t['mlp_per_token']:.3f}",
+        f"  forward FLOPs per token {t['flops_per_token']:.4g} ({t['flops_vs_dense']:.1%} of dense "
+        f"{t['dense_flops_per_token']:.4g}); p10 {p['p10']:.4g}  median {p['p50']:.4g}  p90 {p['p90']:.4g}",
+        "  share of tokens by blocks traversed: "
+        + "  ".join(f"{k}: {v:.1%}" for k, v in enumerate(t["blocks_hist"]) if v > 0),
+    ]
     dense = t["dense_flops_per_token"]
-    for what, key, label in (("Bytes", "top_bytes", "text"), ("Words", "top_words", "word"),
-                             ("Tokens", "top_tokens", "text")):
+    for what, key, label in (
+        ("Bytes", "top_bytes", "text"),
+        ("Words", "top_words", "word"),
+        ("Tokens", "top_tokens", "text"),
+    ):
         if key not in report:  # bytes and words, or tokens
             continue
         block = report[key]
         for side in ("most", "least"):
-            lines += ["", f"{what} with the {side} compute (mean per occurrence, seen >= {block['min_count']} times)",
-                      f"  {what[:-1].lower():<16}{'FLOPs/token':>12}{'vs dense':>9}{'blocks':>8}{'n':>7}"]
-            lines += [f"  {str(r[label])[:16]:<16}{r['mean_flops']:>12.4g}{r['mean_flops'] / dense:>9.1%}"
-                      f"{r['mean_blocks']:>8.2f}{r['count']:>7}" for r in block[side]] or ["  none"]
+            lines += [
+                "",
+                f"{what} with the {side} compute (mean per occurrence, seen >= {block['min_count']} times)",
+                f"  {what[:-1].lower():<16}{'FLOPs/token':>12}{'vs dense':>9}{'blocks':>8}{'n':>7}",
+            ]
+            lines += [
+                f"  {str(r[label])[:16]:<16}{r['mean_flops']:>12.4g}{r['mean_flops'] / dense:>9.1%}"
+                f"{r['mean_blocks']:>8.2f}{r['count']:>7}"
+                for r in block[side]
+            ] or ["  none"]
     return "\n".join(lines)
 
 
@@ -271,8 +335,10 @@ def plot_compute_hist(report: dict, path: Path) -> None:
     plt = _plt()
     t = report["token_compute"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for ax, key, label in ((axes[0], "blocks_hist", "blocks traversed (attention)"),
-                           (axes[1], "mlp_hist", "MLP / expert assignments")):
+    for ax, key, label in (
+        (axes[0], "blocks_hist", "blocks traversed (attention)"),
+        (axes[1], "mlp_hist", "MLP / expert assignments"),
+    ):
         frac = t[key]
         ax.bar(range(len(frac)), frac, color="tab:blue")
         ax.set_xlabel(label)
@@ -319,7 +385,7 @@ def plot_expert_load(report: dict, path: Path) -> None:
     cols = min(3, n)
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.axis("off")
     if not panels:
         axes[0][0].text(0.5, 0.5, "no routed layers", ha="center", va="center")
@@ -334,8 +400,10 @@ def plot_expert_load(report: dict, path: Path) -> None:
             ax.bar([0, 1], req, color=["tab:blue", "tab:gray"])
             ax.set_xticks([0, 1], ["block", "skip"])
         else:
-            drawn = [ax.bar(range(E), kept, color="tab:blue", label="computed"),
-                     ax.bar(range(E), req[:E] - kept, bottom=kept, color="tab:red", label="dropped")]
+            drawn = [
+                ax.bar(range(E), kept, color="tab:blue", label="computed"),
+                ax.bar(range(E), req[:E] - kept, bottom=kept, color="tab:red", label="dropped"),
+            ]
             if X > E:
                 drawn.append(ax.bar(range(E, X), req[E:], color="tab:gray", label="no-op"))
             uniform = req.sum() / X
@@ -350,8 +418,15 @@ def plot_expert_load(report: dict, path: Path) -> None:
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     if legend:
-        fig.legend(legend.values(), legend.keys(), loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(legend),
-                   fontsize=8, frameon=False)
+        fig.legend(
+            legend.values(),
+            legend.keys(),
+            loc="lower center",
+            bbox_to_anchor=(0.5, 1.0),
+            ncol=len(legend),
+            fontsize=8,
+            frameon=False,
+        )
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
@@ -359,9 +434,17 @@ def plot_expert_load(report: dict, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- command
 
 
-def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path | None = None, batches: int = 8,
-               batch_size: int | None = None, causal_routing: bool = False, top: int = 10,
-               quiet: bool = False, force: bool = False) -> dict:
+def run_report(
+    checkpoint: str | Path,
+    data: str | None = None,
+    out: str | Path | None = None,
+    batches: int = 8,
+    batch_size: int | None = None,
+    causal_routing: bool = False,
+    top: int = 10,
+    quiet: bool = False,
+    force: bool = False,
+) -> dict:
     """Load ``checkpoint`` (written by ``mode.train.Trainer``: a file or a sharded folder; read without running
     code from it, see ``mode.train.checkpoint``), evaluate it on the validation split of ``data`` (a text file or
     a folder of token shards; default: the token folder the checkpoint was trained on, else the built-in corpus)
@@ -379,34 +462,44 @@ def run_report(checkpoint: str | Path, data: str | None = None, out: str | Path 
     if not ckpt.exists():
         raise ValueError(f"checkpoint={str(checkpoint)!r}: no such file or folder")
     out_dir = Path(out) if out is not None else ckpt.parent / "report"
-    files = {"json": out_dir / "report.json", "compute_hist": out_dir / "compute_hist.png",
-             "heatmap": out_dir / "routing_heatmap.png", "expert_load": out_dir / "expert_load.png"}
+    files = {
+        "json": out_dir / "report.json",
+        "compute_hist": out_dir / "compute_hist.png",
+        "heatmap": out_dir / "routing_heatmap.png",
+        "expert_load": out_dir / "expert_load.png",
+    }
     if os.path.lexists(out_dir) and not out_dir.is_dir():
         raise ValueError(f"out={str(out_dir)!r}: is a file, not a folder")
     if not force:
         refuse_existing(files.values())
     model, state = load_model(ckpt)
     cfg = model.cfg
-    bs = batch_size or _checks.check_int(f"checkpoint {str(ckpt)!r}: train_cfg.batch_size",
-                                         state.get("train_cfg", {}).get("batch_size", 8))
+    bs = batch_size or _checks.check_int(
+        f"checkpoint {str(ckpt)!r}: train_cfg.batch_size", state.get("train_cfg", {}).get("batch_size", 8)
+    )
     record = state.get("data") or {}
     if not data and record.get("kind") == "tokens":  # a model of token ids is evaluated on its own shards
         data = record["path"]
         if not Path(data).is_dir():
-            raise ValueError(f"checkpoint {str(ckpt)!r}: trained on the token shards in {data!r}, which are "
-                             "missing; pass --data FOLDER (shards of the same tokenizer)")
+            raise ValueError(
+                f"checkpoint {str(ckpt)!r}: trained on the token shards in {data!r}, which are "
+                "missing; pass --data FOLDER (shards of the same tokenizer)"
+            )
     corpus = load_corpus(data or None, cfg.seq_len)
     if corpus.vocab_size > cfg.vocab_size:
-        raise ValueError(f"data={str(data)!r}: ids up to {corpus.vocab_size - 1} ({corpus.source}), the checkpoint's "
-                         f"model has vocab_size={cfg.vocab_size}; evaluate it on the data it was trained on")
+        raise ValueError(
+            f"data={str(data)!r}: ids up to {corpus.vocab_size - 1} ({corpus.source}), the checkpoint's "
+            f"model has vocab_size={cfg.vocab_size}; evaluate it on the data it was trained on"
+        )
     windows = eval_batches(corpus.val, bs, cfg.seq_len, batches)
     label = None
     if corpus.path is not None:  # token ids: named by the shards' tokenizer (by number when they have none)
         from mode.train.tokens import load_tokenizer
 
         tok = None if corpus.tokenizer is None else load_tokenizer(corpus.tokenizer.path)
-        label = ((lambda i: f"#{i}") if tok is None else
-                 (lambda i: repr(tok.decode([i], skip_special_tokens=False))))  # quoted: spaces and \n show
+        label = (
+            (lambda i: f"#{i}") if tok is None else (lambda i: repr(tok.decode([i], skip_special_tokens=False)))
+        )  # quoted: spaces and \n show
     report, _ = build_report(model, windows, causal_routing=causal_routing, top=top, token_label=label)
     report["checkpoint"] = {"path": str(ckpt), "step": state.get("step")}
     report["data"]["source"] = corpus.source

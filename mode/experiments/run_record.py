@@ -28,7 +28,7 @@ def _crc32(split, crc: int) -> int:
     for part in split_parts(split):
         ids = part.ids_N if hasattr(part, "ids_N") else part
         for i in range(0, len(ids), _CHUNK):
-            crc = zlib.crc32(np.ascontiguousarray(ids[i:i + _CHUNK]), crc)
+            crc = zlib.crc32(np.ascontiguousarray(ids[i : i + _CHUNK]), crc)
     return crc
 
 
@@ -37,8 +37,12 @@ def fingerprint(corpus: Corpus) -> dict:
     packages corpus (``--data packages``) adds its file count and list hash (mode.train.packages)."""
     out = {"train_bytes": split_tokens(corpus.train), "val_bytes": split_tokens(corpus.val)}
     if corpus.packages is not None:  # its CRC was computed as it was built, the same way
-        return {**out, "crc32": corpus.packages.crc32, "files": corpus.packages.files,
-                "list_sha256": corpus.packages.list_sha256}
+        return {
+            **out,
+            "crc32": corpus.packages.crc32,
+            "files": corpus.packages.files,
+            "list_sha256": corpus.packages.list_sha256,
+        }
     return {**out, "crc32": _crc32(corpus.val, _crc32(corpus.train, 0))}
 
 
@@ -52,8 +56,7 @@ def differences(saved, now, prefix: str = "") -> list[tuple[str, object, object]
     return [] if saved == now else [(prefix[:-1], saved, now)]
 
 
-def start_or_resume(out: Path, identity: dict, fresh: bool, *, run_file: str, kind: str,
-                    stale: Iterable[Path]) -> bool:
+def start_or_resume(out: Path, identity: dict, fresh: bool, *, run_file: str, kind: str, stale: Iterable[Path]) -> bool:
     """True: resume the run recorded in ``out / run_file`` (same identity). False: start over, after
     removing the files in ``stale`` (what an earlier run left), so that nothing stale is resumed or shown as
     this run's result. ``kind`` names the command in messages and in the record's format. Without a record, any
@@ -66,27 +69,33 @@ def start_or_resume(out: Path, identity: dict, fresh: bool, *, run_file: str, ki
             saved = json.loads(record.read_text())
             saved_args = saved["args"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{record}: not a readable record of a {kind} run ({type(e).__name__}: {e}); "
-                             "pass --fresh to start over") from None
+            raise ValueError(
+                f"{record}: not a readable record of a {kind} run ({type(e).__name__}: {e}); pass --fresh to start over"
+            ) from None
         diffs = differences(saved_args, identity)
         if diffs:
             key, was, now = diffs[0]
             more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
-            raise ValueError(f"out={str(out)!r} holds a run with other arguments: {key}={was!r} there, "
-                             f"{key}={now!r} now{more} (recorded in {record}). Rerun with the same arguments "
-                             "to resume it, pass --fresh to discard it and start over (--force is the same), or choose "
-                             "another --out")
+            raise ValueError(
+                f"out={str(out)!r} holds a run with other arguments: {key}={was!r} there, "
+                f"{key}={now!r} now{more} (recorded in {record}). Rerun with the same arguments "
+                "to resume it, pass --fresh to discard it and start over (--force is the same), or choose "
+                "another --out"
+            )
         return True
     if not fresh:  # no record: files no run of this kind recorded are not this command's to replace
-        checkpoint.refuse_existing([record, *stale], hint=f"no {kind} run is recorded in out={str(out)!r} "
-                                   f"({run_file}) to resume: choose another --out, or ")
+        checkpoint.refuse_existing(
+            [record, *stale],
+            hint=f"no {kind} run is recorded in out={str(out)!r} ({run_file}) to resume: choose another --out, or ",
+        )
     for path in [record, *stale]:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
-    checkpoint.atomic_write_text(record, json.dumps({"format": f"mode-{kind}-run", "version": 1,
-                                                     "args": identity}, indent=2))
+    checkpoint.atomic_write_text(
+        record, json.dumps({"format": f"mode-{kind}-run", "version": 1, "args": identity}, indent=2)
+    )
     return False
 
 
@@ -95,8 +104,7 @@ def read_result(path: Path, required: tuple[str, ...]) -> dict:
     try:
         result = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: unreadable result of a finished run ({e}); pass --fresh to start over") \
-            from None
+        raise ValueError(f"{path}: unreadable result of a finished run ({e}); pass --fresh to start over") from None
     if not isinstance(result, dict) or any(k not in result for k in required):
         raise ValueError(f"{path}: not the result of a finished run; pass --fresh to start over")
     return result

@@ -117,8 +117,18 @@ def paired_difference(a: Sequence[float], b: Sequence[float], level: float = 0.9
         raise ValueError(f"level={level}: must be in (0, 1)")
     diffs = [x - y for x, y in zip(a, b)]
     m, s = mean(diffs), std(diffs)
-    out = {"n": len(diffs), "mean": m, "std": s, "rel": m / mean(b), "level": level, "diffs": diffs,
-           "t": None, "low": None, "high": None, "significant": None}
+    out = {
+        "n": len(diffs),
+        "mean": m,
+        "std": s,
+        "rel": m / mean(b),
+        "level": level,
+        "diffs": diffs,
+        "t": None,
+        "low": None,
+        "high": None,
+        "significant": None,
+    }
     if s is not None:
         t = t_quantile(0.5 + level / 2.0, len(diffs) - 1)
         half = t * s / math.sqrt(len(diffs))
@@ -132,8 +142,9 @@ def window_noise(losses_a: Sequence[float], losses_b: Sequence[float] | None = N
     if losses_b is None:
         return standard_error(losses_a)
     if len(losses_a) != len(losses_b):
-        raise ValueError(f"{len(losses_a)} and {len(losses_b)} windows: both models must be evaluated on the "
-                         "same validation windows")
+        raise ValueError(
+            f"{len(losses_a)} and {len(losses_b)} windows: both models must be evaluated on the same validation windows"
+        )
     return standard_error([x - y for x, y in zip(losses_a, losses_b)])
 
 

@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from mode.experiments import run_record
-from mode.train import sources
-from mode.train.data import PACKAGES, Corpus, eval_batches
 from mode.measure.flops import train_flops_per_token
 from mode.model import LM, LMConfig
-from mode.train import Trainer, TrainConfig
+from mode.train import TrainConfig, Trainer, sources
+from mode.train.data import PACKAGES, Corpus, eval_batches
 from mode.train.progress import log_line
 
 
@@ -53,16 +52,19 @@ def steps_for_budget(cfg: LMConfig, budget: float, batch_size: int, what: str = 
     cost = step_flops(cfg, batch_size)
     steps = round(budget / cost)
     if steps < 1:
-        raise ValueError(f"budget={budget:.3g} FLOPs: less than one training step of {what} ({cost:.3g} FLOPs per "
-                         "step); raise the budget or drop the size")
+        raise ValueError(
+            f"budget={budget:.3g} FLOPs: less than one training step of {what} ({cost:.3g} FLOPs per "
+            "step); raise the budget or drop the size"
+        )
     return steps
 
 
 def run_train_config(base: TrainConfig, steps: int, seed: int, ckpt_every_s: float | None) -> TrainConfig:
     """``base`` for a run of ``steps`` steps on seed ``seed``: warm-up at most a fifth of the run. The seed
     fixes the data order (``BatchSampler``), so runs with the same seed see the same batches."""
-    return replace(base, steps=steps, seed=seed, warmup_steps=min(base.warmup_steps, steps // 5),
-                   ckpt_every_s=ckpt_every_s)
+    return replace(
+        base, steps=steps, seed=seed, warmup_steps=min(base.warmup_steps, steps // 5), ckpt_every_s=ckpt_every_s
+    )
 
 
 def validation_windows(corpus: Corpus, seq_len: int, windows: int, batch_size: int) -> list:
@@ -88,8 +90,18 @@ def window_losses(model: LM, batches) -> list[float]:
     return out
 
 
-def train(cfg: LMConfig, tcfg: TrainConfig, corpus: Corpus, run_dir: Path, name: str, progress: bool,
-          resume: bool, log=log_line, device: str | None = None, bf16: bool = False) -> Trainer:
+def train(
+    cfg: LMConfig,
+    tcfg: TrainConfig,
+    corpus: Corpus,
+    run_dir: Path,
+    name: str,
+    progress: bool,
+    resume: bool,
+    log=log_line,
+    device: str | None = None,
+    bf16: bool = False,
+) -> Trainer:
     """Train one run into ``run_dir``; when ``resume``, continue from its checkpoint if there is one.
     ``device``/``bf16`` go to the trainer only when set (a GPU sweep); the CPU default needs neither."""
     extra = {} if device is None else {"device": device}

@@ -87,8 +87,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
-from mode.experts import grouped_mm as gmm_mod
-from mode.experts import megablocks_backend, row_buckets
+from mode.experts import grouped_mm as gmm_mod, megablocks_backend, row_buckets
 from mode.experts.grouped_mm import autocast_dtype, grouped_mm
 from mode.experts.swiglu import swiglu
 from mode.experts.swiglu_options import FUSED, GLU_ACTS, SwiGLUOptions
@@ -161,8 +160,9 @@ class ExpertConfig:
             _checks.check_positive("swiglu_alpha", self.swiglu_alpha)
         _checks.check_choice("glu_act", self.glu_act, tuple(GLU_ACTS))
         if self.glu_act != "silu" and self.swiglu_alpha is not None:
-            raise ValueError(f"swiglu_alpha={self.swiglu_alpha}: only applies to glu_act='silu' (got "
-                             f"glu_act={self.glu_act!r})")
+            raise ValueError(
+                f"swiglu_alpha={self.swiglu_alpha}: only applies to glu_act='silu' (got glu_act={self.glu_act!r})"
+            )
         for name in ("swiglu_gate_softcap", "swiglu_up_softcap"):
             if getattr(self, name) is not None:
                 _checks.check_positive(name, getattr(self, name))
@@ -172,24 +172,36 @@ class ExpertConfig:
             raise ValueError(f"swiglu_up_offset={self.swiglu_up_offset}: must be finite")
         _checks.check_choice("fused", self.fused, FUSED)
         if self.activation != "swiglu":
-            for name, value, default in (("swiglu_limit", self.swiglu_limit, None),
-                                         ("swiglu_alpha", self.swiglu_alpha, None),
-                                         ("swiglu_up_offset", self.swiglu_up_offset, 0.0),
-                                         ("swiglu_gate_softcap", self.swiglu_gate_softcap, None),
-                                         ("swiglu_up_softcap", self.swiglu_up_softcap, None),
-                                         ("glu_act", self.glu_act, "silu"),
-                                         ("fused", self.fused, "concat")):
+            for name, value, default in (
+                ("swiglu_limit", self.swiglu_limit, None),
+                ("swiglu_alpha", self.swiglu_alpha, None),
+                ("swiglu_up_offset", self.swiglu_up_offset, 0.0),
+                ("swiglu_gate_softcap", self.swiglu_gate_softcap, None),
+                ("swiglu_up_softcap", self.swiglu_up_softcap, None),
+                ("glu_act", self.glu_act, "silu"),
+                ("fused", self.fused, "concat"),
+            ):
                 if value != default:
-                    raise ValueError(f"{name}={value!r}: only applies to activation='swiglu' "
-                                     f"(activation={self.activation!r}); leave it at {default!r}")
+                    raise ValueError(
+                        f"{name}={value!r}: only applies to activation='swiglu' "
+                        f"(activation={self.activation!r}); leave it at {default!r}"
+                    )
         if self.bias and self.backend == "megablocks":
-            raise ValueError("bias=True: backend='megablocks' adds no biases; use backend='grouped', "
-                             "'reference' or 'auto'")
+            raise ValueError(
+                "bias=True: backend='megablocks' adds no biases; use backend='grouped', 'reference' or 'auto'"
+            )
 
     @property
     def swiglu_options(self) -> SwiGLUOptions:
-        return SwiGLUOptions(self.swiglu_limit, self.swiglu_alpha, float(self.swiglu_up_offset), self.fused,
-                             self.swiglu_gate_softcap, self.swiglu_up_softcap, self.glu_act)
+        return SwiGLUOptions(
+            self.swiglu_limit,
+            self.swiglu_alpha,
+            float(self.swiglu_up_offset),
+            self.fused,
+            self.swiglu_gate_softcap,
+            self.swiglu_up_softcap,
+            self.glu_act,
+        )
 
 
 def check_backend_environment(name: str, sizes: dict[str, int]) -> None:
@@ -203,8 +215,14 @@ def check_backend_environment(name: str, sizes: dict[str, int]) -> None:
         megablocks_backend.require()
 
 
-def resolve_backend(name: str, device_type: str, dtype: torch.dtype, sizes: dict[str, int],
-                    num_experts: int | None = None, bias: bool = False) -> str:
+def resolve_backend(
+    name: str,
+    device_type: str,
+    dtype: torch.dtype,
+    sizes: dict[str, int],
+    num_experts: int | None = None,
+    bias: bool = False,
+) -> str:
     """The concrete backend for ``name`` on (device_type, dtype), or ValueError with the reason it cannot run.
 
     ``sizes`` are the row lengths the GEMMs see (``{"d_model": D, "d_hidden": H}``); ``num_experts`` the
@@ -265,8 +283,9 @@ class ExpertBank(nn.Module):
         self.sizes = {"d_model": cfg.d_model, "d_hidden": cfg.d_hidden}  # F = H or 2H: aligned with H
         check_backend_environment(cfg.backend, self.sizes)
         if cfg.backend == "megablocks" and cfg.layout != "EDF":
-            raise ValueError(f"layout={cfg.layout!r}: backend='megablocks' needs contiguous (E, D, F) weights, "
-                             "layout='EDF'")
+            raise ValueError(
+                f"layout={cfg.layout!r}: backend='megablocks' needs contiguous (E, D, F) weights, layout='EDF'"
+            )
         width = 2 * cfg.d_hidden if cfg.activation == "swiglu" else cfg.d_hidden
         E, D, H = cfg.num_experts, cfg.d_model, cfg.d_hidden
         if cfg.layout == "EDF":
@@ -310,8 +329,9 @@ class ExpertBank(nn.Module):
         cfg = dataclasses.replace(self.cfg, backend=backend)  # validated by ExpertConfig
         check_backend_environment(backend, self.sizes)
         if backend == "megablocks" and cfg.layout != "EDF":
-            raise ValueError(f"layout={cfg.layout!r}: backend='megablocks' needs contiguous (E, D, F) weights, "
-                             "layout='EDF'")
+            raise ValueError(
+                f"layout={cfg.layout!r}: backend='megablocks' needs contiguous (E, D, F) weights, layout='EDF'"
+            )
         self.cfg = cfg
         self._resolved.clear()
 
@@ -368,12 +388,12 @@ class ExpertBank(nn.Module):
         key = (device, dtype)
         name = self._resolved.get(key)
         if name is None:
-            name = self._resolved[key] = resolve_backend(self.cfg.backend, device.type, dtype, self.sizes,
-                                                         self.num_experts, self.cfg.bias)
+            name = self._resolved[key] = resolve_backend(
+                self.cfg.backend, device.type, dtype, self.sizes, self.num_experts, self.cfg.bias
+            )
         return name
 
-    def forward(self, x_AD: Tensor, counts_E: Tensor, *, padded: bool = True,
-                gate_A: Tensor | None = None) -> Tensor:
+    def forward(self, x_AD: Tensor, counts_E: Tensor, *, padded: bool = True, gate_A: Tensor | None = None) -> Tensor:
         """Compute every expert on its rows.
 
         Returns ``y_AD``: row a's expert output (times ``gate_A[a]`` when given); padding rows are exactly zero.
@@ -395,9 +415,15 @@ class ExpertBank(nn.Module):
         (Llama 4: ``expert(g * x)``, a different function since the expert is not linear)."""
         self._check_inputs(x_AD, counts_E)
         if gate_A is not None:
-            if not isinstance(gate_A, Tensor) or not gate_A.is_floating_point() or tuple(gate_A.shape) != (x_AD.shape[0],):
-                raise ValueError(f"gate_A: must be a floating tensor of shape (A,)=({x_AD.shape[0]},), got "
-                                 f"{getattr(gate_A, 'dtype', type(gate_A))} {tuple(getattr(gate_A, 'shape', ()))}")
+            if (
+                not isinstance(gate_A, Tensor)
+                or not gate_A.is_floating_point()
+                or tuple(gate_A.shape) != (x_AD.shape[0],)
+            ):
+                raise ValueError(
+                    f"gate_A: must be a floating tensor of shape (A,)=({x_AD.shape[0]},), got "
+                    f"{getattr(gate_A, 'dtype', type(gate_A))} {tuple(getattr(gate_A, 'shape', ()))}"
+                )
             if padded:  # padding rows ignore their gate (where: NaN-safe, and their gate gets zero gradient)
                 real_A = torch.arange(x_AD.shape[0], device=x_AD.device) < counts_E.sum()
                 gate_A = torch.where(real_A, gate_A, 0)
@@ -418,8 +444,12 @@ class ExpertBank(nn.Module):
             raise TypeError(f"x_AD: must be a floating torch.Tensor, got {getattr(x_AD, 'dtype', type(x_AD))}")
         if x_AD.dim() != 2 or x_AD.shape[1] != self.cfg.d_model:
             raise ValueError(f"x_AD.shape={tuple(x_AD.shape)}: must be (A, d_model={self.cfg.d_model})")
-        if not isinstance(counts_E, Tensor) or counts_E.is_floating_point() or counts_E.is_complex() \
-                or counts_E.dtype == torch.bool:
+        if (
+            not isinstance(counts_E, Tensor)
+            or counts_E.is_floating_point()
+            or counts_E.is_complex()
+            or counts_E.dtype == torch.bool
+        ):
             raise TypeError(f"counts_E: must be an integer torch.Tensor, got {getattr(counts_E, 'dtype', counts_E)}")
         if tuple(counts_E.shape) != (self.num_experts,):
             raise ValueError(f"counts_E.shape={tuple(counts_E.shape)}: must be (num_experts,)=({self.num_experts},)")
@@ -449,8 +479,9 @@ class ExpertBank(nn.Module):
         outs.append(outs[0].new_zeros(num_padding, self.cfg.d_model))
         return torch.cat(outs)
 
-    def _forward_grouped(self, x_AD: Tensor, counts_E: Tensor, dtype: torch.dtype, padded: bool = True,
-                         gate_A: Tensor | None = None) -> Tensor:
+    def _forward_grouped(
+        self, x_AD: Tensor, counts_E: Tensor, dtype: torch.dtype, padded: bool = True, gate_A: Tensor | None = None
+    ) -> Tensor:
         offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         x_AD = x_AD.to(dtype)
         if padded:
@@ -462,8 +493,9 @@ class ExpertBank(nn.Module):
             # kernels compiled per shape (oneDNN, CPU bf16/fp16): group sizes from a small set (row_buckets.py)
             bucket_offsets_E, dest_A, R = row_buckets.bucketed_layout(counts_E, x_AD.shape[0])
             x_RD = x_AD.new_zeros(R, x_AD.shape[1]).index_copy(0, dest_A, x_AD)
-            gate_hidden_R = (None if gate_hidden_A is None
-                             else gate_hidden_A.new_zeros(R).index_copy(0, dest_A, gate_hidden_A))
+            gate_hidden_R = (
+                None if gate_hidden_A is None else gate_hidden_A.new_zeros(R).index_copy(0, dest_A, gate_hidden_A)
+            )
             y_AD = self._grouped_mlp(x_RD, bucket_offsets_E, dtype, gate_hidden_R).index_select(0, dest_A)
         else:
             y_AD = self._grouped_mlp(x_AD, offsets_E, dtype, gate_hidden_A)
@@ -483,8 +515,9 @@ class ExpertBank(nn.Module):
             # each row's expert, found on the device (no sync); rows past offsets_E[-1] get E, a zero bias row
             # appended here: the kernels leave those rows' gradients unwritten (any bits), so they must sum
             # into a row that is thrown away, not into expert E - 1's bias gradient
-            expert_A = torch.searchsorted(offsets_E, torch.arange(x_AD.shape[0], device=x_AD.device,
-                                                                  dtype=offsets_E.dtype), right=True)
+            expert_A = torch.searchsorted(
+                offsets_E, torch.arange(x_AD.shape[0], device=x_AD.device, dtype=offsets_E.dtype), right=True
+            )
             b_in_EF, b_out_ED = (torch.cat([b, b.new_zeros(1, b.shape[1])]) for b in biases)
             h_AF = h_AF + b_in_EF.index_select(0, expert_A)
         if self._fast_swiglu:  # the same values as activate(); one gradient buffer (swiglu.py)
@@ -507,6 +540,7 @@ def _check_host_counts(counts: list[int], num_rows: int) -> int:
     if any(c < 0 for c in counts):
         raise ValueError(f"counts_E={counts}: must be >= 0")
     if sum(counts) > num_rows:
-        raise ValueError(f"counts_E.sum()={sum(counts)}: must be <= x_AD.shape[0]={num_rows} "
-                         "(rows past counts_E.sum() are padding)")
+        raise ValueError(
+            f"counts_E.sum()={sum(counts)}: must be <= x_AD.shape[0]={num_rows} (rows past counts_E.sum() are padding)"
+        )
     return num_rows - sum(counts)

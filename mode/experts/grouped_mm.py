@@ -92,7 +92,9 @@ def warn_if_slow(device_type: str, dtype: torch.dtype) -> None:
         "GEMM: 2 per MoE layer forward, 6 per training step) and runs one matmul per expert. Compute in bfloat16: "
         "torch.autocast('cuda', dtype=torch.bfloat16) (Trainer(bf16=True), mode train --bf16, "
         "generate(..., bf16=True), the benchmarks' --bf16) or a bfloat16 model. (Said once per process.)",
-        SlowPathWarning, stacklevel=2)
+        SlowPathWarning,
+        stacklevel=2,
+    )
 
 
 def row_alignment(dtype: torch.dtype) -> int:
@@ -100,8 +102,9 @@ def row_alignment(dtype: torch.dtype) -> int:
     return 16 // dtype.itemsize
 
 
-def unsupported_reason(device_type: str, dtype: torch.dtype, sizes: dict[str, int],
-                       num_experts: int | None = None) -> str | None:
+def unsupported_reason(
+    device_type: str, dtype: torch.dtype, sizes: dict[str, int], num_experts: int | None = None
+) -> str | None:
     """Why ``torch._grouped_mm`` cannot run a grouped GEMM here, or None when it can.
 
     ``sizes`` names every row length (in features and out features) the GEMMs will see, e.g.
@@ -112,46 +115,74 @@ def unsupported_reason(device_type: str, dtype: torch.dtype, sizes: dict[str, in
 
 
 @functools.lru_cache(maxsize=1024)
-def _unsupported_reason(available: bool, device_type: str, dtype: torch.dtype, sizes: tuple[tuple[str, int], ...],
-                        num_experts: int | None) -> str | None:
+def _unsupported_reason(
+    available: bool, device_type: str, dtype: torch.dtype, sizes: tuple[tuple[str, int], ...], num_experts: int | None
+) -> str | None:
     if not available:
-        return (f"torch {torch.__version__} has no torch._grouped_mm that runs on CPU and in float32 "
-                f"(it needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]})")
+        return (
+            f"torch {torch.__version__} has no torch._grouped_mm that runs on CPU and in float32 "
+            f"(it needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]})"
+        )
     if device_type not in DEVICE_TYPES:
         return f"device={device_type!r} is not supported by torch._grouped_mm (cpu and cuda only)"
     if dtype not in SUPPORTED_DTYPES:
-        return (f"dtype={dtype} is not supported by torch._grouped_mm ({_DTYPE_NAMES} on CPU and CUDA; "
-                "the fast CUDA kernel is bfloat16 only)")
+        return (
+            f"dtype={dtype} is not supported by torch._grouped_mm ({_DTYPE_NAMES} on CPU and CUDA; "
+            "the fast CUDA kernel is bfloat16 only)"
+        )
     align = row_alignment(dtype)
     for name, size in sizes:
         if size % align:
-            return (f"{name}={size} is not a multiple of {align}: torch._grouped_mm needs 16-byte aligned rows, "
-                    f"so in {dtype} every row length must be a multiple of {align} (8 for bfloat16/float16, "
-                    "4 for float32)")
+            return (
+                f"{name}={size} is not a multiple of {align}: torch._grouped_mm needs 16-byte aligned rows, "
+                f"so in {dtype} every row length must be a multiple of {align} (8 for bfloat16/float16, "
+                "4 for float32)"
+            )
     if device_type == "cuda" and num_experts is not None and num_experts > MAX_CUDA_GROUPS:
-        return (f"num_experts={num_experts} experts on one process: torch._grouped_mm on CUDA runs at most "
-                f"{MAX_CUDA_GROUPS} groups (its kernels refuse 1024 or more); shard the experts over more "
-                "expert-parallel processes")
+        return (
+            f"num_experts={num_experts} experts on one process: torch._grouped_mm on CUDA runs at most "
+            f"{MAX_CUDA_GROUPS} groups (its kernels refuse 1024 or more); shard the experts over more "
+            "expert-parallel processes"
+        )
     return None
 
 
 def check_grouped_mm_args(x_AK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> None:
     """Metadata checks only (no host sync); raises ValueError/TypeError naming the argument. Cached per
     combination of the metadata they read (module doc); traced uncached (sizes may be symbolic there)."""
-    key = (tuple(x_AK.shape[1:]), x_AK.dim(), tuple(w_EKN.shape), tuple(offsets_E.shape), x_AK.dtype, w_EKN.dtype,
-           offsets_E.dtype, x_AK.device.type, autocast_dtype(x_AK))
+    key = (
+        tuple(x_AK.shape[1:]),
+        x_AK.dim(),
+        tuple(w_EKN.shape),
+        tuple(offsets_E.shape),
+        x_AK.dtype,
+        w_EKN.dtype,
+        offsets_E.dtype,
+        x_AK.device.type,
+        autocast_dtype(x_AK),
+    )
     if torch.compiler.is_compiling():
         _check_metadata(*key)
     else:
         _check_metadata_cached(*key)
 
 
-def _check_metadata(x_rest: tuple, x_dim: int, w_shape: tuple, off_shape: tuple, x_dtype: torch.dtype,
-                    w_dtype: torch.dtype, off_dtype: torch.dtype, device_type: str,
-                    cast_to: torch.dtype | None) -> None:
+def _check_metadata(
+    x_rest: tuple,
+    x_dim: int,
+    w_shape: tuple,
+    off_shape: tuple,
+    x_dtype: torch.dtype,
+    w_dtype: torch.dtype,
+    off_dtype: torch.dtype,
+    device_type: str,
+    cast_to: torch.dtype | None,
+) -> None:
     if x_dim != 2 or len(w_shape) != 3:
-        raise ValueError(f"x_AK.shape=(A, {', '.join(map(str, x_rest))}), w_EKN.shape={w_shape}: "
-                         "grouped_mm multiplies a 2-D x by a 3-D stack of expert weights")
+        raise ValueError(
+            f"x_AK.shape=(A, {', '.join(map(str, x_rest))}), w_EKN.shape={w_shape}: "
+            "grouped_mm multiplies a 2-D x by a 3-D stack of expert weights"
+        )
     if x_rest[0] != w_shape[1]:
         raise ValueError(f"x_AK.shape[1]={x_rest[0]}: must equal w_EKN.shape[1]={w_shape[1]}")
     if off_dtype != torch.int32:
@@ -160,8 +191,12 @@ def _check_metadata(x_rest: tuple, x_dim: int, w_shape: tuple, off_shape: tuple,
         raise ValueError(f"offsets_E.shape={off_shape}: must be ({w_shape[0]},), one end offset per expert")
     if cast_to is None and w_dtype != x_dtype:  # under autocast both are cast to one dtype
         raise TypeError(f"w_EKN.dtype={w_dtype}: must equal x_AK.dtype={x_dtype}")
-    reason = unsupported_reason(device_type, cast_to or x_dtype,
-                                {"x_AK.shape[1]": w_shape[1], "w_EKN.shape[2]": w_shape[2]}, num_experts=w_shape[0])
+    reason = unsupported_reason(
+        device_type,
+        cast_to or x_dtype,
+        {"x_AK.shape[1]": w_shape[1], "w_EKN.shape[2]": w_shape[2]},
+        num_experts=w_shape[0],
+    )
     if reason is not None:
         raise ValueError(f"grouped_mm: {reason}")
 

@@ -18,18 +18,17 @@ stack this is the only fast expert path (see docs/backends.md for the environmen
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-INSTALL = ('pip install "mode-torch[megablocks]" on a CUDA machine with torch 2.7.0 '
-           "(see docs/backends.md)")
+INSTALL = 'pip install "mode-torch[megablocks]" on a CUDA machine with torch 2.7.0 (see docs/backends.md)'
 
 
 def _import_gmm():
     try:
-        from grouped_gemm.ops import gmm  # megablocks[gg] installs grouped_gemm
+        from grouped_gemm.ops import gmm  # pyright: ignore[reportMissingImports] - megablocks[gg] has it
     except (ImportError, OSError) as e:  # OSError: the CUDA extension was built against another torch
         raise ValueError(
             f"backend='megablocks': grouped_gemm (MegaBlocks' grouped GEMM kernel) is not importable ({e}); "
@@ -38,7 +37,7 @@ def _import_gmm():
     return gmm
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def megablocks_available() -> bool:
     """grouped_gemm imports here (cached: the import is tried once per process)."""
     try:
@@ -51,8 +50,9 @@ def megablocks_available() -> bool:
 def require() -> None:
     """Construction-time check: a CUDA GPU and an importable kernel."""
     if not torch.cuda.is_available():
-        raise ValueError("backend='megablocks': needs a CUDA GPU; none is available here. "
-                         "Use backend='grouped' or 'reference'.")
+        raise ValueError(
+            "backend='megablocks': needs a CUDA GPU; none is available here. Use backend='grouped' or 'reference'."
+        )
     _import_gmm()
 
 
@@ -67,8 +67,14 @@ def unsupported_reason(device_type: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def expert_mlp(x_AD: Tensor, counts_E: Tensor, w_in_EDF: Tensor, w_out_EHD: Tensor, dtype: torch.dtype,
-               act: Callable[[Tensor], Tensor]) -> Tensor:
+def expert_mlp(
+    x_AD: Tensor,
+    counts_E: Tensor,
+    w_in_EDF: Tensor,
+    w_out_EHD: Tensor,
+    dtype: torch.dtype,
+    act: Callable[[Tensor], Tensor],
+) -> Tensor:
     """``act(x @ W_in[e]) @ W_out[e]`` per row, computed in ``dtype``; padding rows give zeros."""
     gmm = _import_gmm()
     reason = unsupported_reason(x_AD.device.type, dtype)
@@ -81,13 +87,16 @@ def expert_mlp(x_AD: Tensor, counts_E: Tensor, w_in_EDF: Tensor, w_out_EHD: Tens
         raise ValueError(f"counts_E={counts}: must be >= 0")
     num_real = sum(counts)
     if num_real > num_rows:
-        raise ValueError(f"counts_E.sum()={num_real}: must be <= x_AD.shape[0]={num_rows} "
-                         "(rows past counts_E.sum() are padding)")
+        raise ValueError(
+            f"counts_E.sum()={num_real}: must be <= x_AD.shape[0]={num_rows} (rows past counts_E.sum() are padding)"
+        )
     w_in, w_out = w_in_EDF.to(dtype), w_out_EHD.to(dtype)
     for name, w in (("w_in_EDF", w_in), ("w_out_EHD", w_out)):
         if not w.is_contiguous():  # a copy per call would hide a layout mistake; the kernel needs contiguous
-            raise ValueError(f"{name}.stride()={w.stride()}: grouped_gemm needs contiguous expert weights "
-                             f"(shape {tuple(w.shape)}); call .contiguous() on the parameter once")
+            raise ValueError(
+                f"{name}.stride()={w.stride()}: grouped_gemm needs contiguous expert weights "
+                f"(shape {tuple(w.shape)}); call .contiguous() on the parameter once"
+            )
     x_ND = x_AD[:num_real].to(dtype).contiguous()  # padding rows are never read: no NaN gets in
     h_NF = gmm(x_ND, w_in, sizes_E)
     y_ND = gmm(act(h_NF).contiguous(), w_out, sizes_E)

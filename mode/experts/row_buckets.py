@@ -70,5 +70,4 @@ def needed(device_type: str, dtype: torch.dtype, num_rows: int, num_experts: int
     that the kernel cache holds after a warm-up, and the layout's extra copies cost more than they save
     (measured, D=512, 4096 tokens, top-2, fresh routing every step: 64 experts (128 rows each) 204 ms
     exact vs 232 ms bucketed once warm; 8 experts (1024 rows each) 1.44 vs 1.27 of the dense MLP)."""
-    return (device_type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-            and num_rows >= MIN_MEAN_ROWS * num_experts)
+    return device_type == "cpu" and dtype in (torch.bfloat16, torch.float16) and num_rows >= MIN_MEAN_ROWS * num_experts

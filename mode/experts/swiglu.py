@@ -76,6 +76,7 @@ _swiglu_op.register_autograd(_backward, setup_context=_setup)
 
 # -- the same, each row multiplied by its routing gate (the expert bank's gated path, see bank.py) --------
 
+
 @torch.library.custom_op("mode::gated_swiglu", mutates_args=())
 def _gated_swiglu_op(h_AF: Tensor, gate_A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     gate_AH, up_AH = h_AF.chunk(2, dim=-1)
@@ -92,8 +93,9 @@ def _(h_AF: Tensor, gate_A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 @torch.library.custom_op("mode::gated_swiglu_backward", mutates_args=())
-def _gated_swiglu_backward_op(dout_AH: Tensor, h_AF: Tensor, silu_AH: Tensor, act_AH: Tensor,
-                              gate_A: Tensor) -> tuple[Tensor, Tensor]:
+def _gated_swiglu_backward_op(
+    dout_AH: Tensor, h_AF: Tensor, silu_AH: Tensor, act_AH: Tensor, gate_A: Tensor
+) -> tuple[Tensor, Tensor]:
     # the gradients of out = act * gate[:, None], as autograd's mul computes them
     dgate_A = (dout_AH * act_AH).sum(-1).to(gate_A.dtype)
     dact_AH = dout_AH * gate_A.to(dout_AH.dtype)[:, None]

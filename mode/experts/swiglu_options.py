@@ -42,8 +42,17 @@ def _gelu_tanh(x: Tensor) -> Tensor:
 
 # The gate's activation (``act``): silu is SwiGLU, the gelus GeGLU (Gemma-4: gelu_tanh), the rest the gated
 # experts transformers builds for any other ``hidden_act`` (``ACT2FN[hidden_act](gate) * up``)
-GLU_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "quick_gelu": _quick_gelu, "relu": F.relu,
-            "relu2": _relu2, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "mish": F.mish}
+GLU_ACTS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": _gelu_tanh,
+    "quick_gelu": _quick_gelu,
+    "relu": F.relu,
+    "relu2": _relu2,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "mish": F.mish,
+}
 
 
 @dataclass(frozen=True)

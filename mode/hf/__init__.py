@@ -32,19 +32,44 @@ See docs/hf.md for what is supported, what is refused and why.
 
 from mode.hf._compat import ATTENTIONS, MODEL_TYPES, TESTED_VERSION  # noqa: F401  (checks transformers first)
 from mode.hf.dense.cache import MoDCacheLayer
+from mode.hf.dense.conversion_io import load_conversion, save_conversion
 from mode.hf.dense.convert import mod_layers, to_mod
 from mode.hf.dense.mod_layer import MoDLayerMixin
-from mode.hf.dense.routing import collect_aux, routing
-from mode.hf.dense.upcycle import UpcycledMLP, upcycle, upcycled_mlps
-from mode.hf.dense.tune import calibrate, freeze_base, router_parameters, router_tune
 from mode.hf.dense.router_fit import router_fit
-from mode.hf.dense.conversion_io import load_conversion, save_conversion
+from mode.hf.dense.routing import collect_aux, routing
 from mode.hf.dense.skip_cost import cheapest, skip_costs
+from mode.hf.dense.tune import calibrate, freeze_base, router_parameters, router_tune
+from mode.hf.dense.upcycle import UpcycledMLP, upcycle, upcycled_mlps
 from mode.hf.moe.convert import ConvertedMoE, converted_moe, moe_report, save_transformers, to_mode_moe
 from mode.hf.pretrained import SMOLLM2, FetchError, fetch_smollm2, load_gguf, smollm2_path
 
-__all__ = ["calibrate", "cheapest", "collect_aux", "converted_moe", "ConvertedMoE", "freeze_base", "load_conversion",
-           "mod_layers", "MoDCacheLayer", "MoDLayerMixin", "moe_report", "router_fit", "router_parameters",
-           "router_tune",
-           "routing", "save_conversion", "save_transformers", "skip_costs", "to_mod", "to_mode_moe", "upcycle",
-           "upcycled_mlps", "UpcycledMLP", "SMOLLM2", "FetchError", "fetch_smollm2", "load_gguf", "smollm2_path"]
+__all__ = [
+    "calibrate",
+    "cheapest",
+    "collect_aux",
+    "converted_moe",
+    "ConvertedMoE",
+    "freeze_base",
+    "load_conversion",
+    "mod_layers",
+    "MoDCacheLayer",
+    "MoDLayerMixin",
+    "moe_report",
+    "router_fit",
+    "router_parameters",
+    "router_tune",
+    "routing",
+    "save_conversion",
+    "save_transformers",
+    "skip_costs",
+    "to_mod",
+    "to_mode_moe",
+    "upcycle",
+    "upcycled_mlps",
+    "UpcycledMLP",
+    "SMOLLM2",
+    "FetchError",
+    "fetch_smollm2",
+    "load_gguf",
+    "smollm2_path",
+]

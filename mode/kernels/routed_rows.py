@@ -56,6 +56,7 @@ def _weight(r_BC: Tensor, gate: str) -> Tensor:
 
 # -- the torch references (the CPU kernels, and the default) --------------------------------------------------
 
+
 def gather_reference(x_BSD: Tensor, pos_BC: Tensor) -> Tensor:
     return x_BSD.gather(1, _index(pos_BC, x_BSD.shape[-1]))
 
@@ -65,8 +66,9 @@ def gather_backward_reference(dkeep_BSD: Tensor, dx_BCD: Tensor, pos_BC: Tensor)
     return dkeep_BSD.scatter_add(1, _index(pos_BC, dkeep_BSD.shape[-1]), dx_BCD.to(dkeep_BSD.dtype))
 
 
-def combine_reference(x_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor, pos_BC: Tensor,
-                      valid_BC: Optional[Tensor], gate: str) -> tuple[Tensor, Tensor]:
+def combine_reference(
+    x_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor, pos_BC: Tensor, valid_BC: Optional[Tensor], gate: str
+) -> tuple[Tensor, Tensor]:
     index_BCD = _index(pos_BC, x_BSD.shape[-1])
     if gate != "one":
         w_BC = _weight(r_BS.gather(1, pos_BC), gate)
@@ -76,8 +78,9 @@ def combine_reference(x_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor,
     return x_BSD.scatter(1, index_BCD, y_BCD.to(x_BSD.dtype)), torch.isfinite(r_BS).all()
 
 
-def combine_backward_reference(dout_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor, pos_BC: Tensor,
-                               valid_BC: Optional[Tensor], gate: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def combine_backward_reference(
+    dout_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor, pos_BC: Tensor, valid_BC: Optional[Tensor], gate: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx_BSD, dx_BCD, dy_BCD, dr_BS): autograd's backward of ``combine_reference``, op for op and summed in
     autograd's order (the where's gradient of x_BCD first, then the add's, then the sub's)."""
     index_BCD = _index(pos_BC, dout_BSD.shape[-1])
@@ -109,6 +112,7 @@ def combine_backward_reference(dout_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r
 
 # -- the Triton kernels, launched directly (the CUDA ops call these; tests call them on CPU tensors) -----------
 
+
 def gather_triton(x_BSD: Tensor, pos_BC: Tensor) -> Tensor:
     _triton.check_launchable("routed_rows.gather_triton", x_BSD, pos_BC)
     from mode.kernels import routed_rows_triton as kernels
@@ -123,16 +127,18 @@ def gather_backward_triton(dkeep_BSD: Tensor, dx_BCD: Tensor, pos_BC: Tensor) ->
     return kernels.gather_backward(dkeep_BSD, dx_BCD, pos_BC)
 
 
-def combine_triton(x_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor, pos_BC: Tensor,
-                   valid_BC: Optional[Tensor], gate: str) -> tuple[Tensor, Tensor]:
+def combine_triton(
+    x_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor, pos_BC: Tensor, valid_BC: Optional[Tensor], gate: str
+) -> tuple[Tensor, Tensor]:
     _triton.check_launchable("routed_rows.combine_triton", x_BSD, x_BCD, y_BCD, r_BS, pos_BC, valid_BC)
     from mode.kernels import routed_rows_triton as kernels
 
     return kernels.combine(x_BSD, x_BCD, y_BCD, r_BS, pos_BC, valid_BC, gate)
 
 
-def combine_backward_triton(dout_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor, pos_BC: Tensor,
-                            valid_BC: Optional[Tensor], gate: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def combine_backward_triton(
+    dout_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor, pos_BC: Tensor, valid_BC: Optional[Tensor], gate: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _triton.check_launchable("routed_rows.combine_backward_triton", dout_BSD, x_BCD, y_BCD, r_BS, pos_BC, valid_BC)
     from mode.kernels import routed_rows_triton as kernels
 
@@ -140,6 +146,7 @@ def combine_backward_triton(dout_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS
 
 
 # -- the ops ----------------------------------------------------------------------------------------------
+
 
 @torch.library.custom_op("mode_kernels::routed_gather", mutates_args=())
 def _gather_op(x_BSD: Tensor, pos_BC: Tensor) -> Tensor:
@@ -162,29 +169,32 @@ def _(dkeep_BSD, dx_BCD, pos_BC):
 
 
 @torch.library.custom_op("mode_kernels::routed_combine", mutates_args=())
-def _combine_op(x_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor, pos_BC: Tensor,
-                valid_BC: Optional[Tensor], gate: str) -> tuple[Tensor, Tensor]:
+def _combine_op(
+    x_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor, pos_BC: Tensor, valid_BC: Optional[Tensor], gate: str
+) -> tuple[Tensor, Tensor]:
     return combine_reference(x_BSD, x_BCD, y_BCD, r_BS, pos_BC, valid_BC, gate)
 
 
 @_combine_op.register_fake
 def _(x_BSD, x_BCD, y_BCD, r_BS, pos_BC, valid_BC, gate):
-    return (torch.empty_like(x_BSD, memory_format=torch.contiguous_format),
-            r_BS.new_empty((), dtype=torch.bool))
+    return (torch.empty_like(x_BSD, memory_format=torch.contiguous_format), r_BS.new_empty((), dtype=torch.bool))
 
 
 @torch.library.custom_op("mode_kernels::routed_combine_backward", mutates_args=())
-def _combine_backward_op(dout_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor, pos_BC: Tensor,
-                         valid_BC: Optional[Tensor], gate: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _combine_backward_op(
+    dout_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor, pos_BC: Tensor, valid_BC: Optional[Tensor], gate: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return combine_backward_reference(dout_BSD, x_BCD, y_BCD, r_BS, pos_BC, valid_BC, gate)
 
 
 @_combine_backward_op.register_fake
 def _(dout_BSD, x_BCD, y_BCD, r_BS, pos_BC, valid_BC, gate):
-    return (torch.empty_like(dout_BSD, memory_format=torch.contiguous_format),
-            torch.empty_like(x_BCD, memory_format=torch.contiguous_format),
-            torch.empty_like(y_BCD, memory_format=torch.contiguous_format),
-            torch.empty_like(r_BS, memory_format=torch.contiguous_format))
+    return (
+        torch.empty_like(dout_BSD, memory_format=torch.contiguous_format),
+        torch.empty_like(x_BCD, memory_format=torch.contiguous_format),
+        torch.empty_like(y_BCD, memory_format=torch.contiguous_format),
+        torch.empty_like(r_BS, memory_format=torch.contiguous_format),
+    )
 
 
 def _combine_setup(ctx, inputs, output) -> None:
@@ -199,8 +209,9 @@ def _combine_backward(ctx, dout_BSD, _dfinite):
     x_BCD, y_BCD, r_BS, pos_BC, valid_BC = ctx.saved_tensors
     if dout_BSD is None:
         return None, None, None, None, None, None, None
-    dx_BSD, dx_BCD, dy_BCD, dr_BS = _combine_backward_op(dout_BSD.contiguous(), x_BCD, y_BCD, r_BS, pos_BC,
-                                                         valid_BC, ctx.gate)
+    dx_BSD, dx_BCD, dy_BCD, dr_BS = _combine_backward_op(
+        dout_BSD.contiguous(), x_BCD, y_BCD, r_BS, pos_BC, valid_BC, ctx.gate
+    )
     return dx_BSD, dx_BCD, dy_BCD, (None if ctx.gate == "one" else dr_BS), None, None, None
 
 
@@ -223,6 +234,7 @@ class _GatherRouted(torch.autograd.Function):
 
 
 if _triton.available():  # the CUDA kernels (triton itself is imported on the first launch)
+
     @_gather_op.register_kernel("cuda")
     def _(x_BSD, pos_BC):
         if x_BSD.dtype not in TRITON_DTYPES:
@@ -249,10 +261,16 @@ if _triton.available():  # the CUDA kernels (triton itself is imported on the fi
 
 
 def _check_pos(pos_BC: Tensor, x_BSD: Tensor) -> None:
-    if (not isinstance(pos_BC, Tensor) or pos_BC.dtype not in (torch.int32, torch.int64) or pos_BC.dim() != 2
-            or pos_BC.shape[0] != x_BSD.shape[0]):
-        raise ValueError(f"pos_BC: must be a 2-D int32 or int64 tensor with B={x_BSD.shape[0]} rows, got "
-                         f"{getattr(pos_BC, 'dtype', type(pos_BC))} {tuple(getattr(pos_BC, 'shape', ()))}")
+    if (
+        not isinstance(pos_BC, Tensor)
+        or pos_BC.dtype not in (torch.int32, torch.int64)
+        or pos_BC.dim() != 2
+        or pos_BC.shape[0] != x_BSD.shape[0]
+    ):
+        raise ValueError(
+            f"pos_BC: must be a 2-D int32 or int64 tensor with B={x_BSD.shape[0]} rows, got "
+            f"{getattr(pos_BC, 'dtype', type(pos_BC))} {tuple(getattr(pos_BC, 'shape', ()))}"
+        )
 
 
 def gather_routed(x_BSD: Tensor, pos_BC: Tensor) -> tuple[Tensor, Tensor]:
@@ -265,8 +283,15 @@ def gather_routed(x_BSD: Tensor, pos_BC: Tensor) -> tuple[Tensor, Tensor]:
     return _GatherRouted.apply(x_BSD, pos_BC)
 
 
-def combine_routed(x_keep_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tensor, pos_BC: Tensor,
-                   valid_BC: Tensor | None = None, gate: str = "raw") -> tuple[Tensor, Tensor]:
+def combine_routed(
+    x_keep_BSD: Tensor,
+    x_BCD: Tensor,
+    y_BCD: Tensor,
+    r_BS: Tensor,
+    pos_BC: Tensor,
+    valid_BC: Tensor | None = None,
+    gate: str = "raw",
+) -> tuple[Tensor, Tensor]:
     """``(out_BSD, finite)`` (``mode_kernels::routed_combine``; the module docstring has the formula): x with each
     routed row ``x + g(r) (y - x)`` (valid slots only), and whether every score of ``r_BS`` is finite. ``x_keep_BSD``
     and ``x_BCD`` come from ``gather_routed``; ``r_BS`` the float32 router scores."""
@@ -279,12 +304,17 @@ def combine_routed(x_keep_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, r_BS: Tenso
         if not isinstance(t, Tensor) or tuple(t.shape) != (B, C, D):
             raise ValueError(f"{name}: must have shape (B, C, D)=({B}, {C}, {D}), got {tuple(getattr(t, 'shape', ()))}")
     if not isinstance(r_BS, Tensor) or tuple(r_BS.shape) != (B, S) or not r_BS.is_floating_point():
-        raise ValueError(f"r_BS: must be a floating tensor of shape (B, S)=({B}, {S}), got "
-                         f"{getattr(r_BS, 'dtype', type(r_BS))} {tuple(getattr(r_BS, 'shape', ()))}")
-    if valid_BC is not None and (not isinstance(valid_BC, Tensor) or valid_BC.dtype != torch.bool
-                                 or tuple(valid_BC.shape) != (B, C)):
-        raise ValueError(f"valid_BC: must be a bool tensor of shape (B, C)=({B}, {C}), got "
-                         f"{getattr(valid_BC, 'dtype', type(valid_BC))} {tuple(getattr(valid_BC, 'shape', ()))}")
+        raise ValueError(
+            f"r_BS: must be a floating tensor of shape (B, S)=({B}, {S}), got "
+            f"{getattr(r_BS, 'dtype', type(r_BS))} {tuple(getattr(r_BS, 'shape', ()))}"
+        )
+    if valid_BC is not None and (
+        not isinstance(valid_BC, Tensor) or valid_BC.dtype != torch.bool or tuple(valid_BC.shape) != (B, C)
+    ):
+        raise ValueError(
+            f"valid_BC: must be a bool tensor of shape (B, C)=({B}, {C}), got "
+            f"{getattr(valid_BC, 'dtype', type(valid_BC))} {tuple(getattr(valid_BC, 'shape', ()))}"
+        )
     if gate not in GATES:
         raise ValueError(f"gate={gate!r}: must be one of {GATES}")
     return _combine_op(x_keep_BSD, x_BCD, y_BCD, r_BS, pos_BC, valid_BC, gate)

@@ -11,7 +11,8 @@ Shape legend: B batch, S sequence, D hidden, C routed slots per sequence; a "row
                           the programs' finite flags into one                           (combine forward, 2/2)
     combine_bwd_kernel    dx[row(slot)] = 0, dx_BCD, dy, dr[row(slot)] (dx a copy of dout, dr zeros elsewhere)
 Every value is computed in float32 and rounded once, at the store (the kernels call no helper functions: a
-``triton.jit`` kernel may only call other ``triton.jit`` functions, and these are decorated lazily). The positions of a row are distinct, so no
+``triton.jit`` kernel may only call other ``triton.jit`` functions, and these are decorated lazily). The positions of a
+row are distinct, so no
 two programs write the same row. Only long-stable triton.language (masked load/store, sum/min, where, exp).
 Block sizes are first guesses, not tuned on a GPU.
 """
@@ -38,8 +39,7 @@ def gather_kernel(x_ptr, pos_ptr, out_ptr, n_slots, S, C, D, BLOCK_R: tl.constex
         tl.store(out_ptr + slots[:, None] * D + cols[None, :], v, mask=m)
 
 
-def add_rows_kernel(keep_ptr, dx_ptr, pos_ptr, out_ptr, n_slots, S, C, D,
-                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def add_rows_kernel(keep_ptr, dx_ptr, pos_ptr, out_ptr, n_slots, S, C, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     slots = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot_ok = slots < n_slots
     rows = (slots // C) * S + tl.load(pos_ptr + slots, mask=slot_ok, other=0).to(tl.int64)  # b * S + pos
@@ -66,10 +66,26 @@ def copy_check_kernel(x_ptr, r_ptr, out_ptr, flag_ptr, n_rows, D, BLOCK_R: tl.co
         tl.store(out_ptr + off, tl.load(x_ptr + off, mask=m, other=0.0), mask=m)
 
 
-def combine_kernel(xs_ptr, y_ptr, r_ptr, pos_ptr, valid_ptr, out_ptr, flag_ptr, finite_ptr,
-                   n_slots, S, C, D, n_flags,
-                   GATE: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_F: tl.constexpr):
+def combine_kernel(
+    xs_ptr,
+    y_ptr,
+    r_ptr,
+    pos_ptr,
+    valid_ptr,
+    out_ptr,
+    flag_ptr,
+    finite_ptr,
+    n_slots,
+    S,
+    C,
+    D,
+    n_flags,
+    GATE: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
     pid = tl.program_id(0)
     slots = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot_ok = slots < n_slots
@@ -116,9 +132,26 @@ def copy_zero_kernel(dout_ptr, dx_ptr, dr_ptr, n_rows, D, BLOCK_R: tl.constexpr,
         tl.store(dx_ptr + off, tl.load(dout_ptr + off, mask=m, other=0.0), mask=m)
 
 
-def combine_bwd_kernel(dout_ptr, xs_ptr, y_ptr, r_ptr, pos_ptr, valid_ptr, dx_ptr, dxs_ptr, dy_ptr, dr_ptr,
-                       n_slots, S, C, D,
-                       GATE: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def combine_bwd_kernel(
+    dout_ptr,
+    xs_ptr,
+    y_ptr,
+    r_ptr,
+    pos_ptr,
+    valid_ptr,
+    dx_ptr,
+    dxs_ptr,
+    dy_ptr,
+    dr_ptr,
+    n_slots,
+    S,
+    C,
+    D,
+    GATE: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     slots = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot_ok = slots < n_slots
     rows = (slots // C) * S + tl.load(pos_ptr + slots, mask=slot_ok, other=0).to(tl.int64)  # b * S + pos
@@ -152,8 +185,7 @@ def combine_bwd_kernel(dout_ptr, xs_ptr, y_ptr, r_ptr, pos_ptr, valid_ptr, dx_pt
             dxs = g - dy  # invalid slots: g (where's), valid: g - g w (the add's and the sub's)
         tl.store(dy_ptr + slot_off, dy.to(dy_ptr.dtype.element_ty), mask=m)
         tl.store(dxs_ptr + slot_off, dxs.to(dxs_ptr.dtype.element_ty), mask=m)
-        tl.store(dx_ptr + row_off, tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32).to(dx_ptr.dtype.element_ty),
-                 mask=m)
+        tl.store(dx_ptr + row_off, tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32).to(dx_ptr.dtype.element_ty), mask=m)
     if GATE != 3:
         if GATE == 1:
             dw = dw * w * (1.0 - w)
@@ -171,7 +203,8 @@ def gather(x_BSD, pos_BC):
     n = B * C
     if n and D:
         _triton.jit(gather_kernel)[(triton.cdiv(n, BLOCK_ROWS),)](
-            x_BSD, pos_BC, out, n, S, C, D, BLOCK_R=BLOCK_ROWS, BLOCK_D=_block_d(D))
+            x_BSD, pos_BC, out, n, S, C, D, BLOCK_R=BLOCK_ROWS, BLOCK_D=_block_d(D)
+        )
     return out
 
 
@@ -182,7 +215,8 @@ def gather_backward(dkeep_BSD, dx_BCD, pos_BC):
     n = B * C
     if n and D:
         _triton.jit(add_rows_kernel)[(triton.cdiv(n, BLOCK_ROWS),)](
-            dkeep_BSD, dx_BCD, pos_BC, out, n, S, C, D, BLOCK_R=BLOCK_ROWS, BLOCK_D=_block_d(D))
+            dkeep_BSD, dx_BCD, pos_BC, out, n, S, C, D, BLOCK_R=BLOCK_ROWS, BLOCK_D=_block_d(D)
+        )
     return out
 
 
@@ -204,8 +238,25 @@ def combine(x_BSD, x_BCD, y_BCD, r_BS, pos_BC, valid_BC, gate: str):
     has_valid = valid_BC is not None
     valid = valid_BC.contiguous().view(torch.uint8) if has_valid else pos_BC
     _triton.jit(combine_kernel)[(triton.cdiv(slots, BLOCK_ROWS),)](
-        x_BCD, y_BCD, r_BS, pos_BC, valid, out, flags, finite, slots, S, C, D, programs,
-        GATE=GATE_CODES[gate], HAS_VALID=has_valid, BLOCK_R=BLOCK_ROWS, BLOCK_D=block_d, BLOCK_F=256)
+        x_BCD,
+        y_BCD,
+        r_BS,
+        pos_BC,
+        valid,
+        out,
+        flags,
+        finite,
+        slots,
+        S,
+        C,
+        D,
+        programs,
+        GATE=GATE_CODES[gate],
+        HAS_VALID=has_valid,
+        BLOCK_R=BLOCK_ROWS,
+        BLOCK_D=block_d,
+        BLOCK_F=256,
+    )
     return out, finite.view(torch.bool)
 
 
@@ -222,11 +273,29 @@ def combine_backward(dout_BSD, x_BCD, y_BCD, r_BS, pos_BC, valid_BC, gate: str):
         return dx_BSD, dx_BCD, dy_BCD, dr_BS
     block_d = _block_d(D)
     _triton.jit(copy_zero_kernel)[(triton.cdiv(rows, BLOCK_ROWS),)](
-        dout_BSD, dx_BSD, dr_BS, rows, D, BLOCK_R=BLOCK_ROWS, BLOCK_D=block_d)
+        dout_BSD, dx_BSD, dr_BS, rows, D, BLOCK_R=BLOCK_ROWS, BLOCK_D=block_d
+    )
     if slots:
         has_valid = valid_BC is not None
         valid = valid_BC.contiguous().view(torch.uint8) if has_valid else pos_BC
         _triton.jit(combine_bwd_kernel)[(triton.cdiv(slots, BLOCK_ROWS),)](
-            dout_BSD, x_BCD, y_BCD, r_BS, pos_BC, valid, dx_BSD, dx_BCD, dy_BCD, dr_BS, slots, S, C, D,
-            GATE=GATE_CODES[gate], HAS_VALID=has_valid, BLOCK_R=BLOCK_ROWS, BLOCK_D=block_d)
+            dout_BSD,
+            x_BCD,
+            y_BCD,
+            r_BS,
+            pos_BC,
+            valid,
+            dx_BSD,
+            dx_BCD,
+            dy_BCD,
+            dr_BS,
+            slots,
+            S,
+            C,
+            D,
+            GATE=GATE_CODES[gate],
+            HAS_VALID=has_valid,
+            BLOCK_R=BLOCK_ROWS,
+            BLOCK_D=block_d,
+        )
     return dx_BSD, dx_BCD, dy_BCD, dr_BS

@@ -66,8 +66,10 @@ class RouterOut(NamedTuple):
 
 # -- the torch reference (the CPU kernel, and the default) ---------------------------------------------------
 
-def router_reference(logits_TX: Tensor, valid_T: Optional[Tensor], k: int, gate: str, renormalize: bool,
-                     scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+
+def router_reference(
+    logits_TX: Tensor, valid_T: Optional[Tensor], k: int, gate: str, renormalize: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(gate_TK, chosen_TK, sums_S, count_X): the ops of TokenChoiceRouter.forward on these paths."""
     T, X = logits_TX.shape
     if gate == "softmax":
@@ -91,17 +93,26 @@ def router_reference(logits_TX: Tensor, valid_T: Optional[Tensor], k: int, gate:
         prob_sum_X = (share_TX * valid_T[:, None]).sum(0)
         z_sum, ent_sum = (lse_sq_T * valid_T).sum(), (ent_T * valid_T).sum()
     count_X = torch.zeros(X, dtype=torch.int64, device=logits_TX.device).index_add_(
-        0, chosen_TK.reshape(-1), picks_TK.reshape(-1))
+        0, chosen_TK.reshape(-1), picks_TK.reshape(-1)
+    )
     sums_S = torch.cat([prob_sum_X, z_sum[None], ent_sum[None]])
     return gate_TK, chosen_TK, sums_S, count_X
 
 
-def router_backward_reference(dgate_TK: Tensor, dsums_S: Tensor, logits_TX: Tensor, valid_T: Optional[Tensor],
-                              chosen_TK: Tensor, k: int, gate: str, renormalize: bool, scale: float) -> Tensor:
+def router_backward_reference(
+    dgate_TK: Tensor,
+    dsums_S: Tensor,
+    logits_TX: Tensor,
+    valid_T: Optional[Tensor],
+    chosen_TK: Tensor,
+    k: int,
+    gate: str,
+    renormalize: bool,
+    scale: float,
+) -> Tensor:
     """d logits_TX, by the formula in the module docstring (torch ops, no autograd)."""
     X = logits_TX.shape[1]
-    v_T1 = (logits_TX.new_ones(logits_TX.shape[0], 1) if valid_T is None
-            else valid_T[:, None].to(logits_TX.dtype))
+    v_T1 = logits_TX.new_ones(logits_TX.shape[0], 1) if valid_T is None else valid_T[:, None].to(logits_TX.dtype)
     prob_TX = logits_TX.softmax(-1)
     score_TX = prob_TX if gate == "softmax" else logits_TX.sigmoid()
     dw_TK = dgate_TK * scale
@@ -128,16 +139,27 @@ def router_backward_reference(dgate_TK: Tensor, dsums_S: Tensor, logits_TX: Tens
 
 # -- the Triton kernels, launched directly (the CUDA ops call these; tests call them on CPU tensors) -----------
 
-def router_triton(logits_TX: Tensor, valid_T: Optional[Tensor], k: int, gate: str, renormalize: bool,
-                  scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+
+def router_triton(
+    logits_TX: Tensor, valid_T: Optional[Tensor], k: int, gate: str, renormalize: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _triton.check_launchable("router_triton", logits_TX, valid_T)
     from mode.kernels import router_triton as kernels
 
     return kernels.forward(logits_TX, valid_T, k, gate, renormalize, scale)
 
 
-def router_backward_triton(dgate_TK: Tensor, dsums_S: Tensor, logits_TX: Tensor, valid_T: Optional[Tensor],
-                           chosen_TK: Tensor, k: int, gate: str, renormalize: bool, scale: float) -> Tensor:
+def router_backward_triton(
+    dgate_TK: Tensor,
+    dsums_S: Tensor,
+    logits_TX: Tensor,
+    valid_T: Optional[Tensor],
+    chosen_TK: Tensor,
+    k: int,
+    gate: str,
+    renormalize: bool,
+    scale: float,
+) -> Tensor:
     _triton.check_launchable("router_backward_triton", dgate_TK, dsums_S, logits_TX, valid_T, chosen_TK)
     from mode.kernels import router_triton as kernels
 
@@ -146,22 +168,37 @@ def router_backward_triton(dgate_TK: Tensor, dsums_S: Tensor, logits_TX: Tensor,
 
 # -- the ops ----------------------------------------------------------------------------------------------
 
+
 @torch.library.custom_op("mode_kernels::router", mutates_args=())
-def _router_op(logits_TX: Tensor, valid_T: Optional[Tensor], k: int, gate: str, renormalize: bool,
-               scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _router_op(
+    logits_TX: Tensor, valid_T: Optional[Tensor], k: int, gate: str, renormalize: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return router_reference(logits_TX, valid_T, k, gate, renormalize, scale)
 
 
 @_router_op.register_fake
 def _(logits_TX, valid_T, k, gate, renormalize, scale):
     T, X = logits_TX.shape
-    return (logits_TX.new_empty(T, k), logits_TX.new_empty(T, k, dtype=torch.int64),
-            logits_TX.new_empty(X + 2), logits_TX.new_empty(X, dtype=torch.int64))
+    return (
+        logits_TX.new_empty(T, k),
+        logits_TX.new_empty(T, k, dtype=torch.int64),
+        logits_TX.new_empty(X + 2),
+        logits_TX.new_empty(X, dtype=torch.int64),
+    )
 
 
 @torch.library.custom_op("mode_kernels::router_backward", mutates_args=())
-def _router_backward_op(dgate_TK: Tensor, dsums_S: Tensor, logits_TX: Tensor, valid_T: Optional[Tensor],
-                        chosen_TK: Tensor, k: int, gate: str, renormalize: bool, scale: float) -> Tensor:
+def _router_backward_op(
+    dgate_TK: Tensor,
+    dsums_S: Tensor,
+    logits_TX: Tensor,
+    valid_T: Optional[Tensor],
+    chosen_TK: Tensor,
+    k: int,
+    gate: str,
+    renormalize: bool,
+    scale: float,
+) -> Tensor:
     return router_backward_reference(dgate_TK, dsums_S, logits_TX, valid_T, chosen_TK, k, gate, renormalize, scale)
 
 
@@ -195,6 +232,7 @@ def _backward(ctx, dgate_TK, _dchosen, dsums_S, _dcount):
 _router_op.register_autograd(_backward, setup_context=_setup)
 
 if _triton.available():  # the CUDA kernels (triton itself is imported on the first launch)
+
     @_router_op.register_kernel("cuda")
     def _(logits_TX, valid_T, k, gate, renormalize, scale):
         if logits_TX.dtype != torch.float32 or logits_TX.shape[1] > 256:
@@ -204,19 +242,32 @@ if _triton.available():  # the CUDA kernels (triton itself is imported on the fi
     @_router_backward_op.register_kernel("cuda")
     def _(dgate_TK, dsums_S, logits_TX, valid_T, chosen_TK, k, gate, renormalize, scale):
         if logits_TX.dtype != torch.float32 or logits_TX.shape[1] > 256:
-            return router_backward_reference(dgate_TK, dsums_S, logits_TX, valid_T, chosen_TK, k, gate,
-                                             renormalize, scale)
+            return router_backward_reference(
+                dgate_TK, dsums_S, logits_TX, valid_T, chosen_TK, k, gate, renormalize, scale
+            )
         return router_backward_triton(dgate_TK, dsums_S, logits_TX, valid_T, chosen_TK, k, gate, renormalize, scale)
 
 
-def router_topk(logits_TX: Tensor, k: int, *, gate: str = "softmax", renormalize: bool = False,
-                scale: float = 1.0, valid_T: Tensor | None = None) -> RouterOut:
+def router_topk(
+    logits_TX: Tensor,
+    k: int,
+    *,
+    gate: str = "softmax",
+    renormalize: bool = False,
+    scale: float = 1.0,
+    valid_T: Tensor | None = None,
+) -> RouterOut:
     """The fused router math on float32 logits (``mode_kernels::router``); see the module docstring. float64
     logits (a float64 model's exactness runs) take the torch reference on every device."""
-    if (not isinstance(logits_TX, Tensor) or logits_TX.dtype not in (torch.float32, torch.float64)
-            or logits_TX.dim() != 2):
-        raise TypeError(f"logits_TX: must be a 2-D float32 (or float64) tensor, got "
-                        f"{getattr(logits_TX, 'dtype', type(logits_TX))} {tuple(getattr(logits_TX, 'shape', ()))}")
+    if (
+        not isinstance(logits_TX, Tensor)
+        or logits_TX.dtype not in (torch.float32, torch.float64)
+        or logits_TX.dim() != 2
+    ):
+        raise TypeError(
+            f"logits_TX: must be a 2-D float32 (or float64) tensor, got "
+            f"{getattr(logits_TX, 'dtype', type(logits_TX))} {tuple(getattr(logits_TX, 'shape', ()))}"
+        )
     X = logits_TX.shape[1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= X:
         raise ValueError(f"k={k!r}: must be an int in [1, X={X}]")
@@ -227,9 +278,14 @@ def router_topk(logits_TX: Tensor, k: int, *, gate: str = "softmax", renormalize
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale={scale!r}: must be a float > 0")
     if valid_T is not None:
-        if (not isinstance(valid_T, Tensor) or valid_T.dtype != torch.bool
-                or tuple(valid_T.shape) != (logits_TX.shape[0],)):
-            raise ValueError(f"valid_T: must be a bool tensor of shape (T,)=({logits_TX.shape[0]},), got "
-                             f"{getattr(valid_T, 'dtype', type(valid_T))} {tuple(getattr(valid_T, 'shape', ()))}")
+        if (
+            not isinstance(valid_T, Tensor)
+            or valid_T.dtype != torch.bool
+            or tuple(valid_T.shape) != (logits_TX.shape[0],)
+        ):
+            raise ValueError(
+                f"valid_T: must be a bool tensor of shape (T,)=({logits_TX.shape[0]},), got "
+                f"{getattr(valid_T, 'dtype', type(valid_T))} {tuple(getattr(valid_T, 'shape', ()))}"
+            )
     gate_TK, chosen_TK, sums_S, count_X = _router_op(logits_TX, valid_T, k, gate, renormalize, float(scale))
     return RouterOut(gate_TK, chosen_TK, sums_S[:X], sums_S[X], sums_S[X + 1], count_X, sums_S)

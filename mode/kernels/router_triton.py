@@ -21,9 +21,24 @@ TILE = 4096  # BT * BX
 MAX_ROWS = 64  # BT at most
 
 
-def router_fwd_kernel(logits_ptr, valid_ptr, gate_ptr, chosen_ptr, sums_ptr, counts_ptr, T, X, scale,
-                      K: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr, HAS_VALID: tl.constexpr,
-                      BT: tl.constexpr, BX: tl.constexpr, BK: tl.constexpr):
+def router_fwd_kernel(
+    logits_ptr,
+    valid_ptr,
+    gate_ptr,
+    chosen_ptr,
+    sums_ptr,
+    counts_ptr,
+    T,
+    X,
+    scale,
+    K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    BT: tl.constexpr,
+    BX: tl.constexpr,
+    BK: tl.constexpr,
+):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     cols = tl.arange(0, BX)
@@ -86,9 +101,24 @@ def router_fwd_kernel(logits_ptr, valid_ptr, gate_ptr, chosen_ptr, sums_ptr, cou
     tl.store(counts_ptr + pid.to(tl.int64) * X + cols, count.to(tl.int32), mask=col_ok)
 
 
-def router_bwd_kernel(dgate_ptr, dsums_ptr, logits_ptr, valid_ptr, chosen_ptr, dlogits_ptr, T, X, scale,
-                      K: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr, HAS_VALID: tl.constexpr,
-                      BT: tl.constexpr, BX: tl.constexpr, BK: tl.constexpr):
+def router_bwd_kernel(
+    dgate_ptr,
+    dsums_ptr,
+    logits_ptr,
+    valid_ptr,
+    chosen_ptr,
+    dlogits_ptr,
+    T,
+    X,
+    scale,
+    K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    BT: tl.constexpr,
+    BX: tl.constexpr,
+    BK: tl.constexpr,
+):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     cols = tl.arange(0, BX)
@@ -169,8 +199,23 @@ def forward(logits_TX, valid_T, k: int, gate: str, renormalize: bool, scale: flo
     if T:
         valid, has_valid = _valid_arg(valid_T, logits_TX)
         _triton.jit(router_fwd_kernel)[(programs,)](
-            logits_TX, valid, gate_TK, chosen_TK, sums_PS, counts_PX, T, X, float(scale),
-            K=k, SIGMOID=gate == "sigmoid", RENORM=renormalize, HAS_VALID=has_valid, BT=bt, BX=bx, BK=bk)
+            logits_TX,
+            valid,
+            gate_TK,
+            chosen_TK,
+            sums_PS,
+            counts_PX,
+            T,
+            X,
+            float(scale),
+            K=k,
+            SIGMOID=gate == "sigmoid",
+            RENORM=renormalize,
+            HAS_VALID=has_valid,
+            BT=bt,
+            BX=bx,
+            BK=bk,
+        )
     return gate_TK, chosen_TK, sums_PS.sum(0), counts_PX.sum(0)
 
 
@@ -182,7 +227,21 @@ def backward(dgate_TK, dsums_S, logits_TX, valid_T, chosen_TK, k: int, gate: str
         bt, bx, bk = _blocks(X, k)
         valid, has_valid = _valid_arg(valid_T, logits_TX)
         _triton.jit(router_bwd_kernel)[(triton.cdiv(T, bt),)](
-            dgate_TK.contiguous(), dsums_S.contiguous(), logits_TX, valid, chosen_TK.contiguous(), dlogits_TX,
-            T, X, float(scale),
-            K=k, SIGMOID=gate == "sigmoid", RENORM=renormalize, HAS_VALID=has_valid, BT=bt, BX=bx, BK=bk)
+            dgate_TK.contiguous(),
+            dsums_S.contiguous(),
+            logits_TX,
+            valid,
+            chosen_TK.contiguous(),
+            dlogits_TX,
+            T,
+            X,
+            float(scale),
+            K=k,
+            SIGMOID=gate == "sigmoid",
+            RENORM=renormalize,
+            HAS_VALID=has_valid,
+            BT=bt,
+            BX=bx,
+            BK=bk,
+        )
     return dlogits_TX

@@ -39,6 +39,7 @@ TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # -- the torch reference (the CPU kernel, and the default) ---------------------------------------------------
 
+
 def swiglu_reference(h_AF: Tensor, gate_A: Optional[Tensor]) -> Tensor:
     gate_AH, up_AH = h_AF.chunk(2, dim=-1)
     act_AH = F.silu(gate_AH) * up_AH
@@ -65,6 +66,7 @@ def swiglu_backward_reference(dout_AH: Tensor, h_AF: Tensor, gate_A: Optional[Te
 
 # -- the Triton kernels, launched directly (the CUDA ops call these; tests call them on CPU tensors) -----------
 
+
 def swiglu_triton(h_AF: Tensor, gate_A: Optional[Tensor]) -> Tensor:
     _triton.check_launchable("swiglu_triton", h_AF, gate_A)
     from mode.kernels import swiglu_triton as kernels
@@ -80,6 +82,7 @@ def swiglu_backward_triton(dout_AH: Tensor, h_AF: Tensor, gate_A: Optional[Tenso
 
 
 # -- the ops ----------------------------------------------------------------------------------------------
+
 
 @torch.library.custom_op("mode_kernels::swiglu", mutates_args=())
 def _swiglu_op(h_AF: Tensor, gate_A: Optional[Tensor]) -> Tensor:
@@ -117,6 +120,7 @@ def _backward(ctx, dout_AH: Tensor):
 _swiglu_op.register_autograd(_backward, setup_context=_setup)
 
 if _triton.available():  # the CUDA kernels (triton itself is imported on the first launch)
+
     @_swiglu_op.register_kernel("cuda")
     def _(h_AF: Tensor, gate_A: Optional[Tensor]) -> Tensor:
         if h_AF.dtype not in TRITON_DTYPES:

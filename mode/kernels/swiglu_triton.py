@@ -19,8 +19,9 @@ BLOCK_A = 8
 MAX_BLOCK_H = 256
 
 
-def swiglu_fwd_kernel(h_ptr, gate_ptr, out_ptr, A, H,
-                      HAS_GATE: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr):
+def swiglu_fwd_kernel(
+    h_ptr, gate_ptr, out_ptr, A, H, HAS_GATE: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr
+):
     """out[a, j] = silu(h[a, j]) * h[a, H + j] (* gate[a]); a 2-D grid of (rows, columns) tiles."""
     rows = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -37,8 +38,18 @@ def swiglu_fwd_kernel(h_ptr, gate_ptr, out_ptr, A, H,
     tl.store(out_ptr + rows64[:, None] * H + cols[None, :], act.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_bwd_kernel(dout_ptr, h_ptr, gate_ptr, dh_ptr, dgate_ptr, A, H,
-                      HAS_GATE: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr):
+def swiglu_bwd_kernel(
+    dout_ptr,
+    h_ptr,
+    gate_ptr,
+    dh_ptr,
+    dgate_ptr,
+    A,
+    H,
+    HAS_GATE: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """dh = [d gate half | d up half] and dgate[a] = sum_j dout[a, j] * silu(g) * u; one program per
     BLOCK_A rows, walking the columns (the row sum for dgate stays in the program: no atomics)."""
     rows = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
@@ -81,13 +92,21 @@ def forward(h_AF: torch.Tensor, gate_A: torch.Tensor | None) -> torch.Tensor:
     block_h = _block_h(H)
     grid = (triton.cdiv(A, BLOCK_A), triton.cdiv(H, block_h))
     _triton.jit(swiglu_fwd_kernel)[grid](
-        h_AF, h_AF if gate_A is None else gate_A.contiguous(), out_AH, A, H,
-        HAS_GATE=gate_A is not None, BLOCK_A=BLOCK_A, BLOCK_H=block_h)
+        h_AF,
+        h_AF if gate_A is None else gate_A.contiguous(),
+        out_AH,
+        A,
+        H,
+        HAS_GATE=gate_A is not None,
+        BLOCK_A=BLOCK_A,
+        BLOCK_H=block_h,
+    )
     return out_AH
 
 
-def backward(dout_AH: torch.Tensor, h_AF: torch.Tensor,
-             gate_A: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def backward(
+    dout_AH: torch.Tensor, h_AF: torch.Tensor, gate_A: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     A, H = h_AF.shape[0], h_AF.shape[1] // 2
     h_AF, dout_AH = h_AF.contiguous(), dout_AH.contiguous()
     dh_AF = torch.empty_like(h_AF)
@@ -98,6 +117,15 @@ def backward(dout_AH: torch.Tensor, h_AF: torch.Tensor,
         return dh_AF, dgate_A.zero_()
     gate = None if gate_A is None else gate_A.contiguous()
     _triton.jit(swiglu_bwd_kernel)[(triton.cdiv(A, BLOCK_A),)](
-        dout_AH, h_AF, h_AF if gate is None else gate, dh_AF, dh_AF if gate is None else dgate_A, A, H,
-        HAS_GATE=gate is not None, BLOCK_A=BLOCK_A, BLOCK_H=_block_h(H))
+        dout_AH,
+        h_AF,
+        h_AF if gate is None else gate,
+        dh_AF,
+        dh_AF if gate is None else dgate_A,
+        A,
+        H,
+        HAS_GATE=gate is not None,
+        BLOCK_A=BLOCK_A,
+        BLOCK_H=_block_h(H),
+    )
     return dh_AF, dgate_A

@@ -4,5 +4,13 @@ from mode.layers.mlp import MLP
 from mode.layers.mod import MoD, StagedMoDE
 from mode.layers.moe import IntegratedMoDE, MoEConfig, MoELayer
 
-__all__ = ["CausalSelfAttention", "IntegratedMoDE", "MLP", "MoD", "MoEConfig", "MoELayer", "StagedMoDE",
-           "TransformerBlock"]
+__all__ = [
+    "CausalSelfAttention",
+    "IntegratedMoDE",
+    "MLP",
+    "MoD",
+    "MoEConfig",
+    "MoELayer",
+    "StagedMoDE",
+    "TransformerBlock",
+]

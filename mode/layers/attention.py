@@ -46,8 +46,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
 
-    def forward(self, x_BSD: Tensor, positions_BS: Tensor, mask_BS: Tensor | None = None,
-                cache: RowView | None = None) -> Tensor:
+    def forward(
+        self, x_BSD: Tensor, positions_BS: Tensor, mask_BS: Tensor | None = None, cache: RowView | None = None
+    ) -> Tensor:
         """Attend causally among the tokens of each row (and, with a cache, to the cached ones first).
 
         Args:

@@ -38,8 +38,7 @@ class TransformerBlock(nn.Module):
         norm_eps: the RMSNorms' epsilon.
     """
 
-    def __init__(self, d_model: int, n_heads: int, mlp: nn.Module, rope_base: float = 10000.0,
-                 norm_eps: float = 1e-6):
+    def __init__(self, d_model: int, n_heads: int, mlp: nn.Module, rope_base: float = 10000.0, norm_eps: float = 1e-6):
         super().__init__()
         _checks.check_int("d_model", d_model)
         _checks.check_int("n_heads", n_heads)
@@ -51,8 +50,14 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = nn.RMSNorm(d_model, eps=norm_eps)
         self.mlp = mlp  # (x_BSD, mask_BS) -> (y_BSD, Aux)
 
-    def forward(self, x_BSD: Tensor, positions_BS: Tensor | None = None, mask_BS: Tensor | None = None,
-                cache: KVCache | RowView | None = None, causal: bool = False) -> tuple[Tensor, Aux]:
+    def forward(
+        self,
+        x_BSD: Tensor,
+        positions_BS: Tensor | None = None,
+        mask_BS: Tensor | None = None,
+        cache: KVCache | RowView | None = None,
+        causal: bool = False,
+    ) -> tuple[Tensor, Aux]:
         """Run attention and the MLP on every token.
 
         Args:

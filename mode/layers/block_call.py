@@ -59,8 +59,9 @@ class BlockCall:
         """The roles the block receives."""
         return frozenset(self.positional) | {role for _, role in self.keyword} | ({"cache"} if self.cache else set())
 
-    def __call__(self, block: nn.Module, x_BCD: Tensor, positions_BC: Tensor, mask_BC: Tensor | None,
-                 cache=None) -> tuple[Tensor, Aux]:
+    def __call__(
+        self, block: nn.Module, x_BCD: Tensor, positions_BC: Tensor, mask_BC: Tensor | None, cache=None
+    ) -> tuple[Tensor, Aux]:
         values = {"positions": positions_BC, "mask": mask_BC}
         kwargs = {name: values[role] for name, role in self.keyword}
         if cache is not None:  # decoding; MoD refuses a cache for a block without a cache parameter
@@ -77,11 +78,15 @@ def block_output(block: nn.Module, out, x_BCD: Tensor) -> tuple[Tensor, Aux]:
                 aux.merge(extra)
         out = out[0]
     if not isinstance(out, Tensor):
-        raise TypeError(f"block={type(block).__name__} returned {type(out).__name__}: MoD needs the output "
-                        "y_BCD (a tensor), or a tuple whose first element is y_BCD")
+        raise TypeError(
+            f"block={type(block).__name__} returned {type(out).__name__}: MoD needs the output "
+            "y_BCD (a tensor), or a tuple whose first element is y_BCD"
+        )
     if out.shape != x_BCD.shape:
-        raise ValueError(f"block={type(block).__name__} returned shape {tuple(out.shape)}: must equal its input's "
-                         f"shape {tuple(x_BCD.shape)} (MoD puts the output back in the routed tokens' places)")
+        raise ValueError(
+            f"block={type(block).__name__} returned shape {tuple(out.shape)}: must equal its input's "
+            f"shape {tuple(x_BCD.shape)} (MoD puts the output back in the routed tokens' places)"
+        )
     return out, aux
 
 
@@ -123,18 +128,25 @@ def block_call(block: nn.Module) -> BlockCall:
             break
         role = left.pop(0)
         if any(word in p.name.lower() for word in _WRONG_PLACE[role]):
-            raise TypeError(f"block={name}: {text}: MoD would pass the {role} as '{p.name}' (its order: x, positions, "
-                            "mask); name the parameters positions_BS / mask_BS / cache, or reorder them")
+            raise TypeError(
+                f"block={name}: {text}: MoD would pass the {role} as '{p.name}' (its order: x, positions, "
+                "mask); name the parameters positions_BS / mask_BS / cache, or reorder them"
+            )
         role_of[p.name] = role
     var_args = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in rest)
     through_args = tuple(left) if var_args and not any(p.kind in _POSITIONAL for p in rest) else ()
     left = [r for r in left if r not in through_args]
     var_kw = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in rest)
     for p in rest:  # what nothing fills must have a default
-        if p.name not in role_of and p.default is inspect.Parameter.empty and p.kind in (*_POSITIONAL,
-                                                                                       inspect.Parameter.KEYWORD_ONLY):
-            raise TypeError(f"block={name}: {text}: MoD cannot fill the parameter '{p.name}' (it passes x, then the "
-                            "positions, the mask and, when decoding, cache=); give it a default")
+        if (
+            p.name not in role_of
+            and p.default is inspect.Parameter.empty
+            and p.kind in (*_POSITIONAL, inspect.Parameter.KEYWORD_ONLY)
+        ):
+            raise TypeError(
+                f"block={name}: {text}: MoD cannot fill the parameter '{p.name}' (it passes x, then the "
+                "positions, the mask and, when decoding, cache=); give it a default"
+            )
     positional: list[str] = []
     keyword: list[tuple[str, str]] = []
     gap = None  # a positional-only parameter left at its default: none after it can be filled
@@ -144,8 +156,10 @@ def block_call(block: nn.Module) -> BlockCall:
             if role is None:
                 gap = gap or p.name
             elif gap is not None:
-                raise TypeError(f"block={name}: {text}: MoD would pass the {role} as '{p.name}', after '{gap}', "
-                                "which it does not fill; reorder the parameters")
+                raise TypeError(
+                    f"block={name}: {text}: MoD would pass the {role} as '{p.name}', after '{gap}', "
+                    "which it does not fill; reorder the parameters"
+                )
             else:
                 positional.append(role)
         elif role is not None and role != "cache":

@@ -44,8 +44,17 @@ class KVCache:
     layer's routing decision on the host.
     """
 
-    def __init__(self, batch: int, n_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str | None = None, static: bool = False, width_bucket: int = 64):
+    def __init__(
+        self,
+        batch: int,
+        n_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+        static: bool = False,
+        width_bucket: int = 64,
+    ):
         # device None: torch's default device (the CPU unless torch.set_default_device named another), as for
         # torch.zeros; a cache left on the CPU under a CUDA default device would fail in its first decode step
         # one slot past the capacity: the scratch slot that static-path rows which store nothing write to
@@ -65,10 +74,10 @@ class KVCache:
     def capacity(self) -> int:
         return self.k_BHLK.shape[2]
 
-    def rows(self, rows_n: Tensor | list[int]) -> "RowView":
+    def rows(self, rows_n: Tensor | list[int]) -> RowView:
         return RowView(self, rows_n)
 
-    def all_rows(self) -> "RowView":
+    def all_rows(self) -> RowView:
         return RowView(self, None)
 
     def attend(self, q_BHCK: Tensor, k_BHCK: Tensor, v_BHCK: Tensor, valid_BC: Tensor | None) -> Tensor:
@@ -79,8 +88,10 @@ class KVCache:
 
     def _check_room(self, need: int) -> None:
         if need > self.capacity:
-            raise ValueError(f"KV cache capacity={self.capacity}: cannot hold {need} tokens; raise max_new_tokens' "
-                             "budget (capacity = prompt length + max_new_tokens)")
+            raise ValueError(
+                f"KV cache capacity={self.capacity}: cannot hold {need} tokens; raise max_new_tokens' "
+                "budget (capacity = prompt length + max_new_tokens)"
+            )
 
     def _width(self, bound: int) -> int:
         """Attended width for a row-length bound: the bound itself, or rounded up to the bucket (static)."""
@@ -106,11 +117,11 @@ class KVCache:
         lens = self.host_len
         if store_B is None and lens is not None and min(lens) == max(lens):
             L = lens[0]  # every row holds L tokens: plain slices, no index, no mask
-            self._k_BHLK[:, :, L:L + 1].copy_(k_BH1K)
-            self._v_BHLK[:, :, L:L + 1].copy_(v_BH1K)
+            self._k_BHLK[:, :, L : L + 1].copy_(k_BH1K)
+            self._v_BHLK[:, :, L : L + 1].copy_(v_BH1K)
             self.len_B.add_(1)
             self.host_len, self.bound = [L + 1] * len(lens), L + 1
-            return F.scaled_dot_product_attention(q_BH1K, self._k_BHLK[:, :, :L + 1], self._v_BHLK[:, :, :L + 1])
+            return F.scaled_dot_product_attention(q_BH1K, self._k_BHLK[:, :, : L + 1], self._v_BHLK[:, :, : L + 1])
         if store_B is None and lens is not None:  # every row stores: the lengths stay known on the host
             self.host_len, self.bound = [n + 1 for n in lens], max(lens) + 1
         else:  # which rows stored is known on the device only
@@ -127,15 +138,15 @@ class KVCache:
         ``bound`` (the lengths are then known on the device only) and return the width to attend. A replayed
         CUDA graph of a decode step runs kernels only, so its caller runs this for every cache first."""
         if not self.static:
-            raise ValueError("advance_static: this cache is dynamic (static=False); only static caches decode "
-                             "without the host")
+            raise ValueError(
+                "advance_static: this cache is dynamic (static=False); only static caches decode without the host"
+            )
         need = self.bound + 1
         self._check_room(need)
         self.host_len, self.bound = None, need
         return self._width(need)
 
-    def _scatter_attend(self, q_BH1K: Tensor, k_BH1K: Tensor, v_BH1K: Tensor, store_B: Tensor | None,
-                        W: int) -> Tensor:
+    def _scatter_attend(self, q_BH1K: Tensor, k_BH1K: Tensor, v_BH1K: Tensor, store_B: Tensor | None, W: int) -> Tensor:
         """The device half of a decode step over every row: no host state is read or written, every shape is
         fixed by ``W`` (capture-safe). Rows that store nothing (``store_B`` False) write to the scratch slot
         (index capacity), which is never attended; the mask lets each query see its row's tokens and itself."""
@@ -148,8 +159,9 @@ class KVCache:
         self._v_BHLK[self._rows_B, :, dest_B] = v_BH1K[:, :, 0].to(self._v_BHLK.dtype)
         self.len_B.add_(1 if store_B is None else store_B)
         allowed_B11W = (self._slot_L[:W] < limit_B1)[:, None, None]
-        return F.scaled_dot_product_attention(q_BH1K, self._k_BHLK[:, :, :W], self._v_BHLK[:, :, :W],
-                                              attn_mask=allowed_B11W)
+        return F.scaled_dot_product_attention(
+            q_BH1K, self._k_BHLK[:, :, :W], self._v_BHLK[:, :, :W], attn_mask=allowed_B11W
+        )
 
     def decode_rows(self, rows: list[int], rows_n: Tensor, q_nH1K: Tensor, k_nH1K: Tensor, v_nH1K: Tensor) -> Tensor:
         """``decode_all`` for the rows ``rows`` (a host list; ``rows_n`` the same on the device), each through
@@ -159,13 +171,16 @@ class KVCache:
         for i, r in enumerate(rows):
             L = lens[r]
             self._check_room(L + 1)
-            self._k_BHLK[r:r + 1, :, L:L + 1].copy_(k_nH1K[i:i + 1])
-            self._v_BHLK[r:r + 1, :, L:L + 1].copy_(v_nH1K[i:i + 1])
-            out.append(F.scaled_dot_product_attention(q_nH1K[i:i + 1], self._k_BHLK[r:r + 1, :, :L + 1],
-                                                      self._v_BHLK[r:r + 1, :, :L + 1]))
+            self._k_BHLK[r : r + 1, :, L : L + 1].copy_(k_nH1K[i : i + 1])
+            self._v_BHLK[r : r + 1, :, L : L + 1].copy_(v_nH1K[i : i + 1])
+            out.append(
+                F.scaled_dot_product_attention(
+                    q_nH1K[i : i + 1], self._k_BHLK[r : r + 1, :, : L + 1], self._v_BHLK[r : r + 1, :, : L + 1]
+                )
+            )
             lens[r] = L + 1
             self.bound = max(self.bound, L + 1)
-        self.len_B.index_add_(0, rows_n, self._ones_B[:len(rows)])
+        self.len_B.index_add_(0, rows_n, self._ones_B[: len(rows)])
         return out[0] if len(out) == 1 else torch.cat(out)
 
 

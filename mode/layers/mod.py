@@ -41,11 +41,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
+from mode.kernels.routed_rows import combine_routed, gather_routed
 from mode.layers.block import TransformerBlock
 from mode.layers.block_call import block_call
 from mode.layers.kv_cache import KVCache
 from mode.layers.moe import MoELayer
-from mode.kernels.routed_rows import combine_routed, gather_routed
 from mode.routing.mod_topk import MoDRouter
 from mode.routing.plan import Aux, RoutingStats, scalar
 
@@ -92,13 +92,18 @@ class MoD(nn.Module):
         self.router = router
         self.block_call = block_call(block)  # what the block takes (positions, mask, cache): decided here, once
         takes = self.block_call.takes
-        self._decode_problem = None if {"cache", "mask"} <= takes else (
-            f"cache: KV-cached decoding passes the block its rows of the cache (cache=) and the mask of the slots "
-            f"that hold routed tokens (skipped ones must store nothing), and {self.block_call.signature} takes no "
-            f"{' and no '.join(n for n in ('mask', 'cache') if n not in takes)} parameter. A block that attends "
-            "across tokens must read and extend the cache, as TransformerBlock does (forward(x, positions_BS=None, "
-            "mask_BS=None, cache=None)); a block that works on each token alone can take cache=None and mask_BS=None "
-            "and ignore them. Without a cache (training, a full forward, causal=True) any block works")
+        self._decode_problem = (
+            None
+            if {"cache", "mask"} <= takes
+            else (
+                f"cache: KV-cached decoding passes the block its rows of the cache (cache=) and the mask of the slots "
+                f"that hold routed tokens (skipped ones must store nothing), and {self.block_call.signature} takes no "
+                f"{' and no '.join(n for n in ('mask', 'cache') if n not in takes)} parameter. A block that attends "
+                "across tokens must read and extend the cache, as TransformerBlock does (forward(x, positions_BS=None, "
+                "mask_BS=None, cache=None)); a block that works on each token alone can take cache=None and "
+                "mask_BS=None and ignore them. Without a cache (training, a full forward, causal=True) any block works"
+            )
+        )
         self.scale_delta = router.cfg.gate != "one"  # gate "one": routed tokens take the block output as is
         # Skip the block when no token is routed (decoding: most steps), unless the block holds collectives;
         # mode.parallel turns this off for blocks it makes expert-parallel.
@@ -106,15 +111,29 @@ class MoD(nn.Module):
         # Decoding fuses the router and the predictor's matmuls when the predictor has its built shape (kept
         # in a tuple, so its linears are not registered twice).
         pred = router.predictor
-        bare = pred is not None and len(pred) == 3 and type(pred[0]) is nn.Linear and type(pred[1]) is nn.SiLU \
-            and type(pred[2]) is nn.Linear and pred[0].bias is not None and pred[2].bias is not None \
+        bare = (
+            pred is not None
+            and len(pred) == 3
+            and type(pred[0]) is nn.Linear
+            and type(pred[1]) is nn.SiLU
+            and type(pred[2]) is nn.Linear
+            and pred[0].bias is not None
+            and pred[2].bias is not None
             and pred[2].out_features == 1
+        )
         self._bare_predictor = (pred[0], pred[2]) if bare else None
         self._fused_key: tuple | None = None
         self._fused: tuple[Tensor, ...] | None = None
 
-    def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, *, positions_BS: Tensor | None = None,
-                cache: KVCache | None = None, causal: bool = False) -> tuple[Tensor, Aux]:
+    def forward(
+        self,
+        x_BSD: Tensor,
+        mask_BS: Tensor | None = None,
+        *,
+        positions_BS: Tensor | None = None,
+        cache: KVCache | None = None,
+        causal: bool = False,
+    ) -> tuple[Tensor, Aux]:
         """Route ``x_BSD``, run the block on the routed tokens, and put its outputs back in their places.
 
         Args:
@@ -180,8 +199,10 @@ class MoD(nn.Module):
         router = self.router
         _checks.check_hidden("x", x_B1D, router.cfg.d_model, device=router.weight.device)
         if router.cfg.causal == "none":
-            raise ValueError("causal=True: this MoD router was built with causal='none'; build it with "
-                             "causal='predictor' or 'aux_bce' to route causally")
+            raise ValueError(
+                "causal=True: this MoD router was built with causal='none'; build it with "
+                "causal='predictor' or 'aux_bce' to route causally"
+            )
         if positions_B1 is None:
             positions_B1 = torch.zeros(x_B1D.shape[0], 1, dtype=torch.long, device=x_B1D.device)
         r_BX, logits_BK = self._decide(x_B1D)
@@ -202,8 +223,11 @@ class MoD(nn.Module):
         passes ``silu(r)`` through: 3 kernels instead of 6. In a decode step each kernel runs cold (the
         dense layer before it evicted the caches), so kernels, not FLOPs, are a skipped layer's cost.
         """
-        fused = (self._fused_router_weights() if self._bare_predictor and self.router.plain_decision
-                 and not torch.is_grad_enabled() else None)
+        fused = (
+            self._fused_router_weights()
+            if self._bare_predictor and self.router.plain_decision and not torch.is_grad_enabled()
+            else None
+        )
         if fused is None or torch.is_autocast_enabled(x_B1D.device.type) or x_B1D.dtype != torch.float32:
             r_B1 = self.router.scores(x_B1D)
             decide_B1 = self.router.decision_logits(x_B1D, r_B1)
@@ -238,8 +262,9 @@ class MoD(nn.Module):
         r_B11 = r_BX[:, :1, None]
         return (r_B11 if self.router.cfg.gate == "raw" else r_B11.sigmoid()).to(dtype)
 
-    def _decode_static(self, x_B1D: Tensor, pos_B1: Tensor, cache: KVCache, r_BX: Tensor,
-                       logits_BK: Tensor, aux: Aux | None = None) -> tuple[Tensor, Aux]:
+    def _decode_static(
+        self, x_B1D: Tensor, pos_B1: Tensor, cache: KVCache, r_BX: Tensor, logits_BK: Tensor, aux: Aux | None = None
+    ) -> tuple[Tensor, Aux]:
         """No host sync, static shapes: the block runs on every row (compute is not saved), with the routing
         decision as its mask, so skipped rows store nothing in the cache; ``torch.where`` keeps their input."""
         if aux is None:
@@ -253,15 +278,18 @@ class MoD(nn.Module):
         y_B1D = torch.where(routed_B1[..., None], y_B1D, x_B1D)
         return y_B1D, aux.merge(block_aux)
 
-    def _decode_dynamic(self, x_B1D: Tensor, pos_B1: Tensor, cache: KVCache, r_BX: Tensor,
-                        logits_BK: Tensor) -> tuple[Tensor, Aux]:
+    def _decode_dynamic(
+        self, x_B1D: Tensor, pos_B1: Tensor, cache: KVCache, r_BX: Tensor, logits_BK: Tensor
+    ) -> tuple[Tensor, Aux]:
         """One host read of the decisions (and the router logits, checked for NaN/inf on the host); then the
         block runs only on the routed rows, or not at all. Skipped rows do no work and store nothing."""
         host = logits_BK.tolist()  # the one host sync of this layer's step
         if self.router.cfg.check_finite and not all(math.isfinite(row[0]) for row in host):
             bad = sum(not math.isfinite(row[0]) for row in host)
-            raise ValueError(f"MoDRouter: {bad} router logits are NaN or inf; router logits must be finite "
-                             "(check the input hidden states x and the learning rate)")
+            raise ValueError(
+                f"MoDRouter: {bad} router logits are NaN or inf; router logits must be finite "
+                "(check the input hidden states x and the learning rate)"
+            )
         rows = [b for b, row in enumerate(host) if row[-1] > 0]
         B = len(host)
         aux = self._decode_aux(logits_BK)
@@ -342,6 +370,8 @@ class StagedMoDE(MoD):
 
     def __init__(self, block: TransformerBlock, router: MoDRouter, skip_empty: bool = True):
         if not isinstance(getattr(block, "mlp", None), MoELayer):
-            raise TypeError(f"block.mlp={type(getattr(block, 'mlp', None)).__name__}: staged MoDE needs a "
-                            "TransformerBlock whose mlp is a MoELayer")
+            raise TypeError(
+                f"block.mlp={type(getattr(block, 'mlp', None)).__name__}: staged MoDE needs a "
+                "TransformerBlock whose mlp is a MoELayer"
+            )
         super().__init__(block, router, skip_empty)

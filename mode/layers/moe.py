@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from mode import _checks
 from mode.dispatch.base import Dispatcher
 from mode.dispatch.local import LocalDispatcher
-from mode import _checks
 from mode.experts.bank import LAYOUTS, ExpertBank, ExpertConfig
 from mode.layers.mlp import MLP
 from mode.layers.noop import NOOP_KINDS, NoopExperts, noop_kinds
@@ -35,8 +35,17 @@ from mode.routing.plan import Aux
 from mode.routing.registry import get_router
 
 # The fields an MoE config hands to its router's config (each router takes those it declares).
-ROUTER_FIELDS = ("d_model", "num_experts", "top_k", "num_noop", "capacity_factor", "gate", "renormalize",
-                 "balance_coef", "z_coef")
+ROUTER_FIELDS = (
+    "d_model",
+    "num_experts",
+    "top_k",
+    "num_noop",
+    "capacity_factor",
+    "gate",
+    "renormalize",
+    "balance_coef",
+    "z_coef",
+)
 
 
 @dataclass
@@ -100,8 +109,9 @@ class MoEConfig:
         if self.shared_hidden is not None:
             _checks.check_int("shared_hidden", self.shared_hidden)
         if self.num_shared == 0 and (self.shared_hidden is not None or self.shared_gate):
-            raise ValueError(f"shared_hidden={self.shared_hidden}, shared_gate={self.shared_gate}: need "
-                             "num_shared >= 1")
+            raise ValueError(
+                f"shared_hidden={self.shared_hidden}, shared_gate={self.shared_gate}: need num_shared >= 1"
+            )
         get_router(self.router)  # a registered name
         if isinstance(self.noop_kinds, str):  # one kind for every slot: kept as the name (num_noop may be huge)
             _checks.check_int("num_noop", self.num_noop, min_value=0)
@@ -109,8 +119,10 @@ class MoEConfig:
         else:
             self.noop_kinds = noop_kinds(self.noop_kinds, self.num_noop)
         if self.num_noop and self._adds_noop and self.router != "token_choice":
-            raise ValueError(f"noop_kinds={self.noop_kinds}: copy and constant no-op experts need "
-                             f"router='token_choice' (got router={self.router!r})")
+            raise ValueError(
+                f"noop_kinds={self.noop_kinds}: copy and constant no-op experts need "
+                f"router='token_choice' (got router={self.router!r})"
+            )
         self.router_config()  # validates the router fields now, not at first forward
         self.expert_config()
 
@@ -120,9 +132,15 @@ class MoEConfig:
         return get_router(self.router).config(fields, self.router_options)
 
     def expert_config(self) -> ExpertConfig:
-        return ExpertConfig(d_model=self.d_model, d_hidden=self.d_hidden, num_experts=self.num_experts,
-                            activation=self.activation, backend=self.backend,
-                            layout=self.expert_layout, **self.expert_options)
+        return ExpertConfig(
+            d_model=self.d_model,
+            d_hidden=self.d_hidden,
+            num_experts=self.num_experts,
+            activation=self.activation,
+            backend=self.backend,
+            layout=self.expert_layout,
+            **self.expert_options,
+        )
 
     @property
     def shared_hidden_size(self) -> int:
@@ -174,8 +192,15 @@ class MoELayer(nn.Module):
         noop: what the router's no-op slots add (``mode.layers.noop.NoopExperts``; None: they add nothing).
     """
 
-    def __init__(self, router: nn.Module, experts: ExpertBank, dispatcher=None, shared: nn.Module | None = None,
-                 shared_gate: nn.Module | None = None, noop: NoopExperts | None = None):
+    def __init__(
+        self,
+        router: nn.Module,
+        experts: ExpertBank,
+        dispatcher=None,
+        shared: nn.Module | None = None,
+        shared_gate: nn.Module | None = None,
+        noop: NoopExperts | None = None,
+    ):
         super().__init__()
         if not isinstance(router, nn.Module) or not hasattr(router, "num_experts"):
             raise TypeError(f"router={type(router).__name__}: must be a router module (nn.Module with num_experts)")
@@ -194,11 +219,14 @@ class MoELayer(nn.Module):
                 raise TypeError(f"noop={type(noop).__name__}: must be a mode.layers.noop.NoopExperts")
             num_noop = router.num_slots - router.num_experts
             if len(noop.kinds) != num_noop:
-                raise ValueError(f"noop.kinds={noop.kinds}: must name one kind per no-op slot of the router "
-                                 f"(num_noop={num_noop})")
+                raise ValueError(
+                    f"noop.kinds={noop.kinds}: must name one kind per no-op slot of the router (num_noop={num_noop})"
+                )
             if noop.needs_gates and not hasattr(router, "emit_noop_gates"):
-                raise ValueError(f"noop.kinds={noop.kinds}: copy and constant no-op experts need a router that "
-                                 f"gives each token's no-op gates (token choice), not {type(router).__name__}")
+                raise ValueError(
+                    f"noop.kinds={noop.kinds}: copy and constant no-op experts need a router that "
+                    f"gives each token's no-op gates (token choice), not {type(router).__name__}"
+                )
             router.emit_noop_gates = noop.needs_gates
         self.noop = noop
         self._noop_adds = noop is not None and noop.needs_gates  # the no-op path, chosen once
@@ -210,25 +238,32 @@ class MoELayer(nn.Module):
             raise TypeError(f"experts={type(experts).__name__}: must be an ExpertBank")
         dispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
         if not isinstance(dispatcher, Dispatcher):
-            raise TypeError(f"dispatcher={type(dispatcher).__name__}: must be a mode.dispatch.Dispatcher (subclass "
-                            "it: num_local_experts, dispatch, combine)")
+            raise TypeError(
+                f"dispatcher={type(dispatcher).__name__}: must be a mode.dispatch.Dispatcher (subclass "
+                "it: num_local_experts, dispatch, combine)"
+            )
         router = self.router
         local = dispatcher.num_local_experts(router.num_experts)  # E, or E / P when expert-parallel
         if experts.num_experts != local:
             if local == router.num_experts:
-                raise ValueError(f"router.num_experts={router.num_experts}: must equal "
-                                 f"experts.num_experts={experts.num_experts}")
-            raise ValueError(f"experts.num_experts={experts.num_experts}: must equal this rank's share of "
-                             f"router.num_experts={router.num_experts}, which is {local} "
-                             "(num_experts / expert-parallel group size)")
+                raise ValueError(
+                    f"router.num_experts={router.num_experts}: must equal experts.num_experts={experts.num_experts}"
+                )
+            raise ValueError(
+                f"experts.num_experts={experts.num_experts}: must equal this rank's share of "
+                f"router.num_experts={router.num_experts}, which is {local} "
+                "(num_experts / expert-parallel group size)"
+            )
         # Llama-4 scales each row's input by its gate. Where the dispatcher applies gates at the combine
         # (expert-parallel), a top-1 router's gate is per token: the tokens are scaled before dispatch instead
         self._scale_before_dispatch = getattr(experts.cfg, "gate_on_input", False) and not dispatcher.gates_in_experts
         if self._scale_before_dispatch and getattr(getattr(router, "cfg", None), "top_k", None) != 1:
-            raise ValueError(f"experts.cfg.gate_on_input=True (Llama-4's router-scaled inputs) with "
-                             f"{type(dispatcher).__name__}, which applies the gates at the combine "
-                             "(gates_in_experts=False), needs top_k=1 (the gate is then per token, applied "
-                             f"before dispatch); got top_k={getattr(getattr(router, 'cfg', None), 'top_k', None)}")
+            raise ValueError(
+                f"experts.cfg.gate_on_input=True (Llama-4's router-scaled inputs) with "
+                f"{type(dispatcher).__name__}, which applies the gates at the combine "
+                "(gates_in_experts=False), needs top_k=1 (the gate is then per token, applied "
+                f"before dispatch); got top_k={getattr(getattr(router, 'cfg', None), 'top_k', None)}"
+            )
         self.experts = experts  # the same slot in _modules: parameter names and order are unchanged
         self.dispatcher = dispatcher
         # The combine path, chosen once: the bank applies the gates where it does so inside its computation (on
@@ -237,7 +272,7 @@ class MoELayer(nn.Module):
         self._gates_in_experts = dispatcher.gates_in_experts and experts.gates_inside
 
     @classmethod
-    def from_config(cls, cfg: MoEConfig, dispatcher=None) -> "MoELayer":
+    def from_config(cls, cfg: MoEConfig, dispatcher=None) -> MoELayer:
         router, experts = build_router(cfg), ExpertBank(cfg.expert_config())
         shared, gate = cfg.build_shared()  # built after the routed layer: its random draws stay the same
         return cls(router, experts, dispatcher, shared, gate, cfg.build_noop())
@@ -303,8 +338,15 @@ class IntegratedMoDE(MoELayer):
         noop: what the no-op slots add (None: nothing, the token skips the MLP).
     """
 
-    def __init__(self, router: nn.Module, experts: ExpertBank, dispatcher=None, shared: nn.Module | None = None,
-                 shared_gate: nn.Module | None = None, noop: NoopExperts | None = None):
+    def __init__(
+        self,
+        router: nn.Module,
+        experts: ExpertBank,
+        dispatcher=None,
+        shared: nn.Module | None = None,
+        shared_gate: nn.Module | None = None,
+        noop: NoopExperts | None = None,
+    ):
         if router.num_slots == router.num_experts:
             raise ValueError("num_noop=0: integrated MoDE needs at least one no-op expert (num_noop >= 1)")
         super().__init__(router, experts, dispatcher, shared, shared_gate, noop)

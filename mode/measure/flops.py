@@ -77,8 +77,9 @@ def layer_flops(cfg: LMConfig, kind: str, seq_len: int, assignments: float | Non
     if k.experts:
         rcfg = cfg.router_config(k)
         a = rcfg.assignments(n) if assignments is None else assignments
-        mlp = a * mlp_flops_per_token(d, cfg.expert_hidden or cfg.d_hidden, cfg.activation) \
-            + n * shared_flops_per_token(cfg)
+        mlp = a * mlp_flops_per_token(
+            d, cfg.expert_hidden or cfg.d_hidden, cfg.activation
+        ) + n * shared_flops_per_token(cfg)
         router += rcfg.router_flops(n)
     else:
         mlp = n * mlp_flops_per_token(d, cfg.d_hidden, cfg.activation)
@@ -101,27 +102,29 @@ def realized_assignments_per_layer(aux: Aux, n_layers: int, read: bool = True) -
     return [values.get(i) for i in range(n_layers)]
 
 
-def forward_flops(cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None,
-                  read: bool = True) -> list[LayerFlops]:
+def forward_flops(
+    cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None, read: bool = True
+) -> list[LayerFlops]:
     """Per-layer forward FLOPs of one sequence (nominal, or realized when ``aux`` is given), plus the head.
     ``read=False``: a realized layer's ``mlp`` and ``total`` are float64 0-dim tensors on the device."""
     s = seq_len or cfg.seq_len
-    realized = (realized_assignments_per_layer(aux, cfg.n_layers, read) if aux is not None
-                else [None] * cfg.n_layers)
+    realized = realized_assignments_per_layer(aux, cfg.n_layers, read) if aux is not None else [None] * cfg.n_layers
     out = [layer_flops(cfg, kind, s, a) for kind, a in zip(cfg.layers, realized)]
     out.append(LayerFlops("head", 0.0, 2 * s * cfg.d_model * cfg.vocab_size, 0.0))
     return out
 
 
-def forward_flops_per_token(cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None,
-                            read: bool = True) -> float | Tensor:
+def forward_flops_per_token(
+    cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None, read: bool = True
+) -> float | Tensor:
     """``read=False`` with realized routing: a float64 0-dim tensor on the device (no host sync)."""
     s = seq_len or cfg.seq_len
     return sum(f.total for f in forward_flops(cfg, s, aux, read)) / s
 
 
-def train_flops_per_token(cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None,
-                          read: bool = True) -> float | Tensor:
+def train_flops_per_token(
+    cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None, read: bool = True
+) -> float | Tensor:
     """Training FLOPs per token (3x forward). With ``aux``, the realized routing: read to the host once, or with
     ``read=False`` kept on the device as a float64 0-dim tensor (the same value; the trainer reads it with
     the step's other scalars). A model without experts gives a float either way."""

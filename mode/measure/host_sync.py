@@ -152,10 +152,12 @@ class CudaSyncCounter:
     def count(self) -> int:
         return len(self.events)
 
-    def __enter__(self) -> "CudaSyncCounter":
+    def __enter__(self) -> CudaSyncCounter:
         if not torch.cuda.is_available():
-            raise ValueError("CudaSyncCounter: torch.cuda.is_available() is False here; it counts the syncs CUDA "
-                             "reports, so it needs a CUDA device (on the CPU, HostSyncCounter counts would-be syncs)")
+            raise ValueError(
+                "CudaSyncCounter: torch.cuda.is_available() is False here; it counts the syncs CUDA "
+                "reports, so it needs a CUDA device (on the CPU, HostSyncCounter counts would-be syncs)"
+            )
         self.events = []
         self._catch = warnings.catch_warnings(record=True)
         self._records = self._catch.__enter__()

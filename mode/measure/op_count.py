@@ -36,10 +36,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 
-NOT_LAUNCHES = frozenset({
-    aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.new_empty.default,
-    aten.new_empty_strided.default, aten._unsafe_view.default,
-})
+NOT_LAUNCHES = frozenset(
+    {
+        aten.empty.memory_format,
+        aten.empty_like.default,
+        aten.empty_strided.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+        aten._unsafe_view.default,
+    }
+)
 
 
 def launches(func) -> bool:

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mode.measure.token_compute import TokenCompute, max_mlp_per_layer, slots_to_positions, token_compute
 from mode.model.config import LMConfig
 from mode.routing.keys import MOD, MOE, parse_router_key, router_key
 from mode.routing.plan import Aux, RoutingStats
-from mode.measure.token_compute import TokenCompute, max_mlp_per_layer, slots_to_positions, token_compute
 
 TOKENS = "tokens"  # scope of the LM-level per-token compute sums
 
@@ -200,7 +200,7 @@ class RoutingAccumulator:
         return tc
 
     # -- combining ---------------------------------------------------------------------------------------
-    def merge(self, other: "RoutingAccumulator") -> "RoutingAccumulator":
+    def merge(self, other: RoutingAccumulator) -> RoutingAccumulator:
         """Add ``other``'s sums into this one (in place); returns self."""
         if other.layer_kinds is not None:
             if self.layer_kinds is not None and self.layer_kinds != other.layer_kinds:
@@ -249,8 +249,9 @@ class RoutingAccumulator:
         requested_X = self.sums[k + "requested_X"].cpu()
         E = kept_E.numel()
         ent_w, causal_w = self._scalar(k + "entropy_w"), self._scalar(k + "causal_w")
-        pos_tok, pos_sel, pos_cmp = (self.sums[k + f].cpu() for f in ("pos_tokens_S", "pos_selected_S",
-                                                                       "pos_compute_S"))
+        pos_tok, pos_sel, pos_cmp = (
+            self.sums[k + f].cpu() for f in ("pos_tokens_S", "pos_selected_S", "pos_compute_S")
+        )
         n_pos = float(pos_tok.sum())
         out = {
             "mod": self.is_mod(name),
@@ -331,8 +332,9 @@ class RoutingAccumulator:
 
     def summary(self) -> dict:
         """Small per-layer and overall record (what training logs): ``{"layers": {i: ...}, "overall": ...}``."""
-        layers = {str(i): {f: _round(v) for f, v in self.layer_summary(i).items() if v is not None}
-                  for i in self._layer_ids()}
+        layers = {
+            str(i): {f: _round(v) for f, v in self.layer_summary(i).items() if v is not None} for i in self._layer_ids()
+        }
         moe = [self.router_summary(n, positions=False) for n in self.router_names() if not self.is_mod(n)]
         mod = [self.router_summary(n, positions=False) for n in self.router_names() if self.is_mod(n)]
         overall: dict = {}
@@ -344,14 +346,17 @@ class RoutingAccumulator:
             mm = [r["max_mean"] for r in moe if not math.isnan(r["max_mean"])]
             cv = [r["cv"] for r in moe if not math.isnan(r["cv"])]
             overall.update(
-                max_mean=sum(mm) / len(mm) if mm else None, max_mean_worst=max(mm) if mm else None,
+                max_mean=sum(mm) / len(mm) if mm else None,
+                max_mean_worst=max(mm) if mm else None,
                 cv=sum(cv) / len(cv) if cv else None,
                 dropped_frac=dropped_fraction(sum(r["dropped"] for r in moe), requested_real),
                 noop_share=noop_share(sum(r["noop"] for r in moe), requested_all),
-                entropy=sum(e * w for e, w in ent) / ent_w if ent_w > 0 else None)
+                entropy=sum(e * w for e, w in ent) / ent_w if ent_w > 0 else None,
+            )
         if mod:
-            overall["routed_frac"] = (sum(r["selected_frac"] * r["tokens"] for r in mod)
-                                      / max(1.0, sum(r["tokens"] for r in mod)))
+            overall["routed_frac"] = sum(r["selected_frac"] * r["tokens"] for r in mod) / max(
+                1.0, sum(r["tokens"] for r in mod)
+            )
             causal = [(r["causal_accuracy"], r["tokens"]) for r in mod if r["causal_accuracy"] is not None]
             if causal:
                 overall["causal_accuracy"] = sum(a * w for a, w in causal) / sum(w for _, w in causal)
@@ -373,7 +378,8 @@ def _round(v):
 def _hist(values: Tensor, bins: int, device) -> Tensor:
     idx = values.round().long().clamp(0, bins - 1)
     return torch.zeros(bins, dtype=torch.float64, device=device).scatter_add_(
-        0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.float64, device=device))
+        0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.float64, device=device)
+    )
 
 
 def _natural_key(name: str):

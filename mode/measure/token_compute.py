@@ -136,15 +136,18 @@ def token_compute(cfg: LMConfig, aux: Aux, batch_shape: tuple[int, int]) -> Toke
         attn_rows.append(attn_BS)
         mlp_rows.append(mlp_BS)
     dense = replace(cfg, layers=("dense",) * cfg.n_layers)
-    return TokenCompute(tuple(cfg.layers), torch.stack(attn_rows), torch.stack(mlp_rows), flops_BS,
-                        forward_flops_per_token(dense, S))
+    return TokenCompute(
+        tuple(cfg.layers), torch.stack(attn_rows), torch.stack(mlp_rows), flops_BS, forward_flops_per_token(dense, S)
+    )
 
 
 def _compute_BS(stats: dict, name: str, batch_shape: tuple[int, int]) -> Tensor:
     st = stats.get(name)
     if st is None:
-        raise ValueError(f"aux.stats has no {name!r}: token_compute needs the aux of a full LM forward "
-                         f"(stats named {router_key(0, MOD)!r}, {router_key(0, MOE)!r}, ...)")
+        raise ValueError(
+            f"aux.stats has no {name!r}: token_compute needs the aux of a full LM forward "
+            f"(stats named {router_key(0, MOD)!r}, {router_key(0, MOE)!r}, ...)"
+        )
     if tuple(st.batch_shape) != tuple(batch_shape):
         raise ValueError(f"{name}: batch_shape={tuple(st.batch_shape)}: must equal the input's {tuple(batch_shape)}")
     return st.compute_T.view(batch_shape)

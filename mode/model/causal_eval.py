@@ -42,8 +42,10 @@ def causal_eval(model: LM, batches) -> dict:
                 routed[name] = routed.get(name, 0.0) + float(st.kept_E.sum())
     model.train(was_training)
     n = len(batches)
-    per_layer = {name: {"causal_accuracy": agree.get(name, 0.0) / tokens, "routed_fraction": routed[name] / tokens}
-                 for name in sorted(routed, key=lambda k: parse_router_key(k).layer)}
+    per_layer = {
+        name: {"causal_accuracy": agree.get(name, 0.0) / tokens, "routed_fraction": routed[name] / tokens}
+        for name in sorted(routed, key=lambda k: parse_router_key(k).layer)
+    }
     return {
         "loss_topk": loss_topk / n,
         "loss_causal": loss_causal / n,

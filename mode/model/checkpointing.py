@@ -73,8 +73,9 @@ class CheckpointedForward:
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled() or kwargs.get("cache") is not None:
             return self.inner(*args, **kwargs)  # evaluation and generation keep nothing for backward anyway
-        return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=self._contexts, **kwargs)
+        return checkpoint(
+            self.inner, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._contexts, **kwargs
+        )
 
     def _contexts(self):
         # (around the first pass, around the recompute): the recompute leaves the block's buffers as it found them
@@ -90,8 +91,10 @@ def checkpoint_blocks(model: nn.Module, blocks: Iterable[nn.Module] | None = Non
     layers), in place; returns the blocks. Calling it again changes nothing."""
     blocks = resolve_blocks(model, blocks)
     if not blocks:
-        raise ValueError(f"model={type(model).__name__}: has no blocks to checkpoint (no nn.ModuleList or "
-                         "nn.ModuleDict of modules with parameters); pass blocks=")
+        raise ValueError(
+            f"model={type(model).__name__}: has no blocks to checkpoint (no nn.ModuleList or "
+            "nn.ModuleDict of modules with parameters); pass blocks="
+        )
     for block in blocks:
         if not is_checkpointed(block):
             block.forward = CheckpointedForward(block, block.forward)

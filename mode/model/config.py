@@ -97,21 +97,38 @@ class LMConfig:
         return any(k.experts for k in self.kinds)
 
     def mod_config(self, selection: str) -> MoDRouterConfig:
-        return MoDRouterConfig(d_model=self.d_model, capacity=self.capacity, gate=self.mod_gate, selection=selection,
-                               causal=self.causal, causal_coef=self.causal_coef,
-                               predictor_hidden=self.predictor_hidden)
+        return MoDRouterConfig(
+            d_model=self.d_model,
+            capacity=self.capacity,
+            gate=self.mod_gate,
+            selection=selection,
+            causal=self.causal,
+            causal_coef=self.causal_coef,
+            predictor_hidden=self.predictor_hidden,
+        )
 
     def moe_config(self, with_noop: bool) -> MoEConfig:
         """The MoE config of a layer (``with_noop``: an integrated layer, with the no-op slots). A
         ``noop_target`` in ``router_options`` applies to the layers that have no-op slots only."""
         options = {k: v for k, v in self.router_options.items() if with_noop or k != "noop_target"}
         return MoEConfig(
-            d_model=self.d_model, d_hidden=self.expert_hidden or self.d_hidden, num_experts=self.num_experts,
-            router=self.router, top_k=self.top_k, num_noop=self.num_noop if with_noop else 0,
-            capacity_factor=self.capacity_factor, balance_coef=self.balance_coef, z_coef=self.z_coef,
-            activation=self.activation, backend=self.backend, router_options=options,
-            num_shared=self.num_shared, shared_hidden=self.shared_hidden, shared_gate=self.shared_gate,
-            noop_kinds=self.noop_kinds if with_noop else "zero")
+            d_model=self.d_model,
+            d_hidden=self.expert_hidden or self.d_hidden,
+            num_experts=self.num_experts,
+            router=self.router,
+            top_k=self.top_k,
+            num_noop=self.num_noop if with_noop else 0,
+            capacity_factor=self.capacity_factor,
+            balance_coef=self.balance_coef,
+            z_coef=self.z_coef,
+            activation=self.activation,
+            backend=self.backend,
+            router_options=options,
+            num_shared=self.num_shared,
+            shared_hidden=self.shared_hidden,
+            shared_gate=self.shared_gate,
+            noop_kinds=self.noop_kinds if with_noop else "zero",
+        )
 
     def router_config(self, kind: LayerKind):
         """The MoE router config of a layer of ``kind`` (which has experts)."""

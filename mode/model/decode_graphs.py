@@ -36,8 +36,10 @@ from mode.layers.kv_cache import KVCache
 def check_cuda_graphs(device: torch.device, what: str) -> None:
     """CUDA graphs need a CUDA device: a ValueError that says so everywhere else."""
     if device.type != "cuda":
-        raise ValueError(f"{what}=True needs CUDA: the model is on {device}, and CUDA graphs capture CUDA kernels "
-                         f"(torch.cuda.CUDAGraph); leave {what} False on this device")
+        raise ValueError(
+            f"{what}=True needs CUDA: the model is on {device}, and CUDA graphs capture CUDA kernels "
+            f"(torch.cuda.CUDAGraph); leave {what} False on this device"
+        )
 
 
 class GraphedDecode:
@@ -46,11 +48,12 @@ class GraphedDecode:
     ``step``: the eager step, ``step(tokens_B, positions_B) -> logits_BV`` (``generate`` passes its
     ``decode_step`` under its autocast). Call it like the step; the caches must be static and on CUDA."""
 
-    def __init__(self, step: Callable[[Tensor, Tensor], Tensor], caches: list[KVCache],
-                 warmup: int = 1):
+    def __init__(self, step: Callable[[Tensor, Tensor], Tensor], caches: list[KVCache], warmup: int = 1):
         if not caches or not all(isinstance(c, KVCache) and c.static for c in caches):
-            raise ValueError("GraphedDecode: needs static KV caches (generate(static_cache=True)): a dynamic "
-                             "cache reads routing decisions on the host, which a CUDA graph cannot replay")
+            raise ValueError(
+                "GraphedDecode: needs static KV caches (generate(static_cache=True)): a dynamic "
+                "cache reads routing decisions on the host, which a CUDA graph cannot replay"
+            )
         check_cuda_graphs(caches[0].len_B.device, "cuda_graphs")
         self.step, self.caches, self.warmup = step, caches, warmup
         self.key: tuple[int, ...] | None = None  # the widths the current graph was captured at
@@ -92,8 +95,9 @@ class GraphedDecode:
         self.captures += 1
 
 
-def autocast_step(model, caches: list[KVCache], autocast: Callable[[], contextlib.AbstractContextManager],
-                  decode_step: Callable) -> Callable[[Tensor, Tensor], Tensor]:
+def autocast_step(
+    model, caches: list[KVCache], autocast: Callable[[], contextlib.AbstractContextManager], decode_step: Callable
+) -> Callable[[Tensor, Tensor], Tensor]:
     """The eager decode step ``GraphedDecode`` captures: ``decode_step`` under ``autocast``."""
 
     def step(tokens_B: Tensor, positions_B: Tensor) -> Tensor:

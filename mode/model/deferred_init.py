@@ -46,8 +46,19 @@ from mode.cpu_allocator import release_free_memory
 
 _META = torch.device("meta")
 # in-place ops that overwrite every element of ``self`` without reading it (when ``self`` spans its storage)
-_OVERWRITES = {"normal_", "uniform_", "fill_", "zero_", "copy_", "random_", "exponential_", "bernoulli_",
-               "log_normal_", "cauchy_", "geometric_"}
+_OVERWRITES = {
+    "normal_",
+    "uniform_",
+    "fill_",
+    "zero_",
+    "copy_",
+    "random_",
+    "exponential_",
+    "bernoulli_",
+    "log_normal_",
+    "cauchy_",
+    "geometric_",
+}
 _DATA_CONSTRUCTORS = (torch.tensor, torch.as_tensor, torch.asarray)
 _RECORD_ATTR = "_mode_meta_record"
 _TRIM_BYTES = 1 << 20  # dropping a storage this large hands the heap's free pages back to the OS
@@ -157,8 +168,10 @@ class _Recorder(TorchDispatchMode):
             if "generator" in names and names.index("generator") < len(args):
                 gen = args[names.index("generator")]
         if gen is not None and gen.device.type != "cpu":
-            raise MetaInitError(f"a draw on a {gen.device.type} generator while building on meta: the replay draws "
-                                "on the CPU; use the default generator or a CPU torch.Generator")
+            raise MetaInitError(
+                f"a draw on a {gen.device.type} generator while building on meta: the replay draws "
+                "on the CPU; use the default generator or a CPU torch.Generator"
+            )
         state = torch.get_rng_state() if gen is None else gen.get_state()
         last = self.last_state.get(gen)
         if last is None or not torch.equal(last, state):
@@ -173,9 +186,11 @@ class _Recorder(TorchDispatchMode):
         rng = _is_rng(func)
         if not any(t.is_meta for t in flat_in + flat_out):
             if rng:
-                raise MetaInitError(f"{func}: a random draw on {flat_out[0].device if flat_out else 'a real device'} "
-                                    "while building on meta; build every tensor on meta (no device=...) so that the "
-                                    "replay can draw it in order")
+                raise MetaInitError(
+                    f"{func}: a random draw on {flat_out[0].device if flat_out else 'a real device'} "
+                    "while building on meta; build every tensor on meta (no device=...) so that the "
+                    "replay can draw it in order"
+                )
             return out  # real tensors only (a constant being made): its result enters as a constant
         reads, partial, overwrites = set(), set(), set()
         for i, a in enumerate(func._schema.arguments):
@@ -186,18 +201,23 @@ class _Recorder(TorchDispatchMode):
                     continue
                 key = t.untyped_storage()._cdata
                 if key not in self.nbytes:
-                    raise MetaInitError(f"{func}: uses a meta tensor made outside the function given to "
-                                        "build_on_meta; build every tensor of the model inside it")
-                if (is_write and i == 0 and func.overloadpacket.__name__ in _OVERWRITES
-                        and t.is_contiguous()  # (a dense permutation counts as a partial write: conservative)
-                        and t.numel() * t.element_size() == t.untyped_storage().nbytes()):
+                    raise MetaInitError(
+                        f"{func}: uses a meta tensor made outside the function given to "
+                        "build_on_meta; build every tensor of the model inside it"
+                    )
+                if (
+                    is_write
+                    and i == 0
+                    and func.overloadpacket.__name__ in _OVERWRITES
+                    and t.is_contiguous()  # (a dense permutation counts as a partial write: conservative)
+                    and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+                ):
                     overwrites.add(key)
                 else:
                     reads.add(key)
                     if is_write:
                         partial.add(key)
-        new = [(j, t) for j, t in enumerate(flat_out)
-               if t.is_meta and t.untyped_storage()._cdata not in self.nbytes]
+        new = [(j, t) for j, t in enumerate(flat_out) if t.is_meta and t.untyped_storage()._cdata not in self.nbytes]
         if not (rng or partial or overwrites or new):
             return out  # a view or a metadata query: the replay rebuilds views from their storage
         if rng:
@@ -209,8 +229,11 @@ class _Recorder(TorchDispatchMode):
                 self.nbytes[key] = t.untyped_storage().nbytes()
                 created.append((key, self._ref(t), j))
         r_args, r_kwargs = pytree.tree_map(self._convert, (args, kwargs))
-        self.ops.append(_Op(func, r_args, r_kwargs, frozenset(reads), frozenset(partial), frozenset(overwrites),
-                            tuple(created), rng))
+        self.ops.append(
+            _Op(
+                func, r_args, r_kwargs, frozenset(reads), frozenset(partial), frozenset(overwrites), tuple(created), rng
+            )
+        )
         return out
 
 
@@ -253,12 +276,16 @@ def _record(fn: Callable[[], nn.Module]) -> tuple[nn.Module, MetaRecord]:
     if not torch.equal(torch.get_rng_state(), recorder.last_state[None]):
         recorder.ops.append(_Op(None, generator=None, state=torch.get_rng_state()))  # re-seeded after its draws
     names = {}
-    for kind, items in (("parameter", model.named_parameters(remove_duplicate=False)),
-                        ("buffer", model.named_buffers(remove_duplicate=False))):
+    for kind, items in (
+        ("parameter", model.named_parameters(remove_duplicate=False)),
+        ("buffer", model.named_buffers(remove_duplicate=False)),
+    ):
         for name, t in items:
             if not t.is_meta:
-                raise MetaInitError(f"{kind} {name!r}: is on {t.device}, not meta; build_on_meta records tensors "
-                                    "built on the default device (no explicit device=...) inside fn")
+                raise MetaInitError(
+                    f"{kind} {name!r}: is on {t.device}, not meta; build_on_meta records tensors "
+                    "built on the default device (no explicit device=...) inside fn"
+                )
             key = t.untyped_storage()._cdata
             if key not in recorder.nbytes:
                 raise MetaInitError(f"{kind} {name!r}: was made outside fn; build every tensor of the model inside it")
@@ -277,8 +304,10 @@ def guard_forward(model: nn.Module) -> None:
 
 
 def _refuse_meta_forward(module: nn.Module, args) -> None:
-    raise MetaInitError(f"{type(module).__name__}: is still on the meta device (built by build_on_meta); call "
-                        "mode.parallel.materialize(model, device) first (after parallelize, if you shard it)")
+    raise MetaInitError(
+        f"{type(module).__name__}: is still on the meta device (built by build_on_meta); call "
+        "mode.parallel.materialize(model, device) first (after parallelize, if you shard it)"
+    )
 
 
 def meta_record(model: nn.Module) -> MetaRecord | None:
@@ -344,8 +373,9 @@ def _view(storage, ref: _Ref) -> Tensor:
     return torch.empty(0, dtype=ref.dtype, device=storage.device).set_(storage, ref.offset, ref.shape, ref.stride)
 
 
-def replay(model: nn.Module, emit: Callable[[str, Tensor], None] | None, *, restore_rng: bool = True,
-           names=None) -> None:
+def replay(
+    model: nn.Module, emit: Callable[[str, Tensor], None] | None, *, restore_rng: bool = True, names=None
+) -> None:
     """Run ``model``'s recording again on the CPU and call ``emit(name, value)`` for every parameter and buffer
     name (tied names each get the same value), as soon as the value is final; ``value`` is a CPU tensor valid
     during the call only (copy what you keep). ``emit=None``: the draws only. ``restore_rng``: leave the
@@ -374,8 +404,9 @@ def _replay(record: MetaRecord, emit, restore_rng: bool, names=None) -> None:
             return _view(bound[x.key], x)
         if isinstance(x, _Const):
             if x.tensor._version != x.version:
-                raise MetaInitError("a CPU tensor read while building on meta changed before the replay; build "
-                                    "constants inside fn")
+                raise MetaInitError(
+                    "a CPU tensor read while building on meta changed before the replay; build constants inside fn"
+                )
             return x.tensor
         if isinstance(x, torch.device) and x.type == "meta":
             return torch.device("cpu")
@@ -417,8 +448,12 @@ def _replay(record: MetaRecord, emit, restore_rng: bool, names=None) -> None:
 
 def _bind(bound: dict, key: int, ref: _Ref, out: Tensor, nbytes: int) -> None:
     storage = out.untyped_storage()
-    if (storage.nbytes() == nbytes and out.storage_offset() == ref.offset and tuple(out.stride()) == ref.stride
-            and out.dtype == ref.dtype):
+    if (
+        storage.nbytes() == nbytes
+        and out.storage_offset() == ref.offset
+        and tuple(out.stride()) == ref.stride
+        and out.dtype == ref.dtype
+    ):
         bound[key] = storage
         return
     bound[key] = torch.empty(nbytes, dtype=torch.uint8, device="cpu").untyped_storage()  # the meta layout, as recorded

@@ -77,8 +77,13 @@ def sample_next(logits_BV: Tensor, temperature: float, top_k: int | None, genera
 
 
 @torch.no_grad()
-def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int,
-            static: bool = False, cache_dtype: torch.dtype | None = None) -> tuple[Tensor, list, Tensor]:
+def prefill(
+    model: LM,
+    prompts: Sequence[Sequence[int]],
+    capacity: int,
+    static: bool = False,
+    cache_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, list, Tensor]:
     """Run the prompts; returns (last-token logits_BV, caches, next positions_B). ``static`` picks the decode
     path of the returned caches (see the module doc); ``cache_dtype`` their dtype (default: the weights')."""
     causal = _check_generatable(model)
@@ -93,8 +98,12 @@ def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int,
     mask_BP = torch.arange(P, device="cpu")[None, :] < lens_B[:, None]
     device = model.embed.weight.device
     caches = model.new_caches(B, capacity, static=_checks.check_bool("static", static), dtype=cache_dtype)
-    out = model(idx_BP.to(device), mask_BS=mask_BP.to(device) if int(lens_B.min()) < P else None,
-                caches=caches, causal_routing=causal)
+    out = model(
+        idx_BP.to(device),
+        mask_BS=mask_BP.to(device) if int(lens_B.min()) < P else None,
+        caches=caches,
+        causal_routing=causal,
+    )
     logits_BV = out.logits_BSV[torch.arange(B, device=device), (lens_B - 1).to(device)]
     return logits_BV, caches, lens_B.to(device)
 
@@ -103,15 +112,23 @@ def prefill(model: LM, prompts: Sequence[Sequence[int]], capacity: int,
 def decode_step(model: LM, tokens_B: Tensor, positions_B: Tensor, caches: list) -> Tensor:
     """Feed one token per sequence at ``positions_B``; returns next-token logits_BV. With static caches this
     never makes the host wait for the device; with dynamic ones, once per MoD layer."""
-    out = model(tokens_B[:, None], positions_BS=positions_B[:, None], caches=caches,
-                causal_routing=model.cfg.uses_mod)
+    out = model(tokens_B[:, None], positions_BS=positions_B[:, None], caches=caches, causal_routing=model.cfg.uses_mod)
     return out.logits_BSV[:, -1]
 
 
 @torch.no_grad()
-def generate(model: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, eos_id: int | None = None, seed: int | None = None,
-             static_cache: bool | None = None, bf16: bool = False, cuda_graphs: bool = False) -> list[list[int]]:
+def generate(
+    model: LM,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    eos_id: int | None = None,
+    seed: int | None = None,
+    static_cache: bool | None = None,
+    bf16: bool = False,
+    cuda_graphs: bool = False,
+) -> list[list[int]]:
     """Sample continuations (token ids, prompt excluded) for a batch of prompts.
 
     ``static_cache``: the decode path (module doc); None picks static on CUDA, dynamic elsewhere. Each step
@@ -132,9 +149,11 @@ def generate(model: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
     if cuda_graphs:
         check_cuda_graphs(device, "cuda_graphs")
         if not static:
-            raise ValueError("cuda_graphs=True with static_cache=False: CUDA graphs replay the static decode path "
-                             "only (the dynamic one reads each MoD layer's decision on the host); pass "
-                             "static_cache=True or leave it None")
+            raise ValueError(
+                "cuda_graphs=True with static_cache=False: CUDA graphs replay the static decode path "
+                "only (the dynamic one reads each MoD layer's decision on the host); pass "
+                "static_cache=True or leave it None"
+            )
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
@@ -142,8 +161,9 @@ def generate(model: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
     check_prompts(prompts, model.cfg.vocab_size)
     capacity = max(len(p) for p in prompts) + max_new_tokens
     with autocast():
-        logits_BV, caches, pos_B = prefill(model, prompts, capacity, static=static,
-                                           cache_dtype=torch.bfloat16 if bf16 else None)
+        logits_BV, caches, pos_B = prefill(
+            model, prompts, capacity, static=static, cache_dtype=torch.bfloat16 if bf16 else None
+        )
     decode = autocast_step(model, caches, autocast, decode_step)
     if cuda_graphs:
         decode = GraphedDecode(decode, caches)

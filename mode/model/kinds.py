@@ -16,8 +16,8 @@ assignments and router cost come from its router config.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import nn
 
@@ -56,8 +56,10 @@ def register_layer_kind(kind: LayerKind, *, replace: bool = False) -> LayerKind:
 
 def get_layer_kind(name: str, field: str = "layers") -> LayerKind:
     if not isinstance(name, str) or name not in LAYER_KINDS:
-        raise ValueError(f"{field}={name!r}: must be one of {', '.join(map(repr, LAYER_KINDS))} "
-                         "(or a kind registered with mode.model.kinds.register_layer_kind)")
+        raise ValueError(
+            f"{field}={name!r}: must be one of {', '.join(map(repr, LAYER_KINDS))} "
+            "(or a kind registered with mode.model.kinds.register_layer_kind)"
+        )
     return LAYER_KINDS[name]
 
 
@@ -78,16 +80,38 @@ def _moe(cfg, noop: bool) -> nn.Module:
 
 
 register_layer_kind(LayerKind("dense", _dense, doc="attention + dense MLP"))
-register_layer_kind(LayerKind(
-    "mod", lambda cfg: MoD(_dense(cfg), MoDRouter(cfg.mod_config("learned"))), mod="learned",
-    doc="MoD-routed dense block (top-C of each sequence, raw router weight)"))
-register_layer_kind(LayerKind(
-    "mod_random", lambda cfg: MoD(_dense(cfg), MoDRouter(cfg.mod_config("random"))), mod="random",
-    doc="MoD block whose top-C is drawn at random (the paper's stochastic-routing control)"))
+register_layer_kind(
+    LayerKind(
+        "mod",
+        lambda cfg: MoD(_dense(cfg), MoDRouter(cfg.mod_config("learned"))),
+        mod="learned",
+        doc="MoD-routed dense block (top-C of each sequence, raw router weight)",
+    )
+)
+register_layer_kind(
+    LayerKind(
+        "mod_random",
+        lambda cfg: MoD(_dense(cfg), MoDRouter(cfg.mod_config("random"))),
+        mod="random",
+        doc="MoD block whose top-C is drawn at random (the paper's stochastic-routing control)",
+    )
+)
 register_layer_kind(LayerKind("moe", lambda cfg: _moe(cfg, noop=False), experts=True, doc="attention + MoE MLP"))
-register_layer_kind(LayerKind(
-    "staged", lambda cfg: StagedMoDE(_moe(cfg, noop=False), MoDRouter(cfg.mod_config("learned"))),
-    mod="learned", experts=True, doc="staged MoDE: MoD routing in front of an attention + MoE block"))
-register_layer_kind(LayerKind(
-    "integrated", lambda cfg: _moe(cfg, noop=True), experts=True, noop=True,
-    doc="integrated MoDE: attention + MoE MLP whose router also has num_noop no-op experts"))
+register_layer_kind(
+    LayerKind(
+        "staged",
+        lambda cfg: StagedMoDE(_moe(cfg, noop=False), MoDRouter(cfg.mod_config("learned"))),
+        mod="learned",
+        experts=True,
+        doc="staged MoDE: MoD routing in front of an attention + MoE block",
+    )
+)
+register_layer_kind(
+    LayerKind(
+        "integrated",
+        lambda cfg: _moe(cfg, noop=True),
+        experts=True,
+        noop=True,
+        doc="integrated MoDE: attention + MoE MLP whose router also has num_noop no-op experts",
+    )
+)

@@ -23,11 +23,18 @@ and both extension points load ``torch.distributed`` on first use.
 
 from __future__ import annotations
 
-_LAZY = {"ParallelDims": "mode.parallel.mesh", "build_mesh": "mode.parallel.mesh",
-         "parallelize": "mode.parallel.apply", "MeshRuntime": "mode.parallel.runtime",
-         "clip_grad_norm_": "mode.parallel.runtime", "init_distributed": "mode.parallel.process_group",
-         "collective_guard": "mode.parallel.process_group", "CollectiveError": "mode.parallel.process_group",
-         "build_on_meta": "mode.parallel.meta_init", "materialize": "mode.parallel.meta_init"}
+_LAZY = {
+    "ParallelDims": "mode.parallel.mesh",
+    "build_mesh": "mode.parallel.mesh",
+    "parallelize": "mode.parallel.apply",
+    "MeshRuntime": "mode.parallel.runtime",
+    "clip_grad_norm_": "mode.parallel.runtime",
+    "init_distributed": "mode.parallel.process_group",
+    "collective_guard": "mode.parallel.process_group",
+    "CollectiveError": "mode.parallel.process_group",
+    "build_on_meta": "mode.parallel.meta_init",
+    "materialize": "mode.parallel.meta_init",
+}
 
 __all__ = sorted(_LAZY)
 
@@ -59,4 +66,3 @@ def register() -> None:
 
     register_mesh_runtime(_mesh_runtime)
     register_folder_reader(_read_sharded)
-

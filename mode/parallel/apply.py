@@ -41,7 +41,6 @@ mesh, combined, then applied per mesh); ``torch.nn.utils.clip_grad_norm_`` refus
 from __future__ import annotations
 
 import dataclasses
-
 import inspect
 import re
 from collections.abc import Iterable
@@ -63,11 +62,9 @@ from mode.parallel.ep_model import shard_experts
 from mode.parallel.mesh import flat_mesh, mesh_dims
 from mode.parallel.stats_reduce import SumOverGroup
 
-
 # Chosen once, by what the installed torch offers: fully_shard(..., dp_mesh_dims=) on the whole (dp, ep) mesh
 # (torch >= 2.13), or the older EP path (the bank on mesh["ep"], fully_shard on mesh["dp"]; tested on torch 2.11).
-SPMD_MESH_DIMS = (hasattr(_fsdp, "DataParallelMeshDims")
-                  and "dp_mesh_dims" in inspect.signature(fully_shard).parameters)
+SPMD_MESH_DIMS = hasattr(_fsdp, "DataParallelMeshDims") and "dp_mesh_dims" in inspect.signature(fully_shard).parameters
 # The oldest torch the mesh path is tested on (2.11 with the older EP path, 2.13 with dp_mesh_dims). Older ones
 # (the MegaBlocks stack's 2.7.0, docs/backends.md) run the one-process library only; parallelize refuses them.
 MIN_TORCH = (2, 11)
@@ -109,8 +106,15 @@ def _shard_bank(bank: ExpertBank, mesh: DeviceMesh, kw: dict) -> None:
         fully_shard(bank, mesh=mesh["dp"], **kw)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Module] | None = None,
-                compile: bool = False, reshard_after_forward: bool | None = None, dedup: bool = False) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    blocks: Iterable[nn.Module] | None = None,
+    compile: bool = False,
+    reshard_after_forward: bool | None = None,
+    dedup: bool = False,
+) -> nn.Module:
     """Make ``model`` expert-parallel over ``mesh["ep"]`` and fully sharded over the whole mesh, in place;
     returns it. ``blocks``: the FSDP (and compile) units below the root (default: the children of the
     model's outermost ``ModuleList``/``ModuleDict``, ``mode.model.blocks``). ``reshard_after_forward``
@@ -118,9 +122,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Modul
     dispatchers send one row per (token, destination rank) instead of one per assignment
     (``ExpertParallelDispatcher``; worth it with top-k > 1, above all with device-limited routing)."""
     if TORCH_VERSION < MIN_TORCH:
-        raise ValueError(f"torch {torch.__version__}: parallelize needs torch>={'.'.join(map(str, MIN_TORCH))} "
-                         "(the oldest it is tested on; 2.11 and 2.13 are); "
-                         "install a newer torch, or train in one process")
+        raise ValueError(
+            f"torch {torch.__version__}: parallelize needs torch>={'.'.join(map(str, MIN_TORCH))} "
+            "(the oldest it is tested on; 2.11 and 2.13 are); "
+            "install a newer torch, or train in one process"
+        )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={type(model).__name__}: must be an nn.Module")
     dims = mesh_dims(mesh)
@@ -129,8 +135,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Modul
     layers = moe_layers(model)
     for name, layer in layers.items():
         if isinstance(layer.dispatcher, ExpertParallelDispatcher):
-            raise ValueError(f"{name or 'model'}: is already expert-parallel (mode.parallel.ep_model.shard_model); "
-                             "parallelize a model built for one process")
+            raise ValueError(
+                f"{name or 'model'}: is already expert-parallel (mode.parallel.ep_model.shard_model); "
+                "parallelize a model built for one process"
+            )
         dims.check_experts(layer.router.num_experts, f"{name or 'model'}.router.num_experts")
     blocks = resolve_blocks(model, blocks)
 
@@ -140,8 +148,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, blocks: Iterable[nn.Modul
     for layer in layers.values():
         E = layer.router.num_experts
         if dims.ep > 1:
-            layer.set_experts(shard_experts(layer.experts, ep_rank, dims.ep),
-                              ExpertParallelDispatcher(ep_mesh.get_group(), E, dedup=dedup))  # one per layer
+            layer.set_experts(
+                shard_experts(layer.experts, ep_rank, dims.ep),
+                ExpertParallelDispatcher(ep_mesh.get_group(), E, dedup=dedup),
+            )  # one per layer
         _distribute_bank(layer.experts, mesh)
         banks.append(layer.experts)
     for m in model.modules():

@@ -80,6 +80,7 @@ def is_sharded(path: str | Path) -> bool:
 def _checkpoints_inside(folder: Path, limit: int = 4) -> str:
     """'; it holds the checkpoint(s) ...: pass one of them' for the checkpoint files and sharded folders in
     ``folder`` (else in its subfolders, e.g. runs/compare/<variant>/ckpt.pt), '' when there are none."""
+
     def found_in(d: Path) -> list[Path]:
         try:
             entries = sorted(d.iterdir())
@@ -100,8 +101,9 @@ def _checkpoints_inside(folder: Path, limit: int = 4) -> str:
         return ""
     more = f" (and {len(found) - limit} more)" if len(found) > limit else ""
     names = ", ".join(str(p) for p in found[:limit])
-    return f"; it holds the checkpoint{'s' if len(found) > 1 else ''} {names}{more}: pass " + \
-        ("that" if len(found) == 1 else "one of them")
+    return f"; it holds the checkpoint{'s' if len(found) > 1 else ''} {names}{more}: pass " + (
+        "that" if len(found) == 1 else "one of them"
+    )
 
 
 def save_folder(path: str | Path) -> Path:
@@ -115,8 +117,10 @@ def save_folder(path: str | Path) -> Path:
     if (path / ".metadata").is_file():
         return path
     if not (path / LATEST).is_file():
-        raise checkpoint.CheckpointError(f"{where}: a folder, but not a sharded checkpoint folder (no {LATEST!r} "
-                                         f"file and no DCP .metadata in it){_checkpoints_inside(path)}")
+        raise checkpoint.CheckpointError(
+            f"{where}: a folder, but not a sharded checkpoint folder (no {LATEST!r} "
+            f"file and no DCP .metadata in it){_checkpoints_inside(path)}"
+        )
     name = (path / LATEST).read_text().strip()
     if not name.startswith(STEP_PREFIX) or "/" in name or "\\" in name or not (path / name).is_dir():
         raise checkpoint.CheckpointError(f"{where}: {LATEST} names {name!r}, which is not a save folder in it")
@@ -147,9 +151,10 @@ def read_meta(folder: Path, where: str, training: bool, reader: SafeReader | Non
             state["cuda_rng"] = [torch.tensor(r, dtype=torch.uint8, device="cpu") for r in state["cuda_rng"]]
         if "routing_acc" in state:
             acc = state["routing_acc"]
-            state["routing_acc"] = {"sums": {k: torch.tensor(v, dtype=torch.float64, device="cpu")
-                                             for k, v in acc.get("sums", {}).items()},
-                                    "layer_kinds": acc.get("layer_kinds")}
+            state["routing_acc"] = {
+                "sums": {k: torch.tensor(v, dtype=torch.float64, device="cpu") for k, v in acc.get("sums", {}).items()},
+                "layer_kinds": acc.get("layer_kinds"),
+            }
     except (TypeError, ValueError, RuntimeError, AttributeError, OverflowError) as e:
         raise checkpoint.CheckpointError(f"{where}: {META}: a malformed RNG state or routing sum ({e})") from None
     checkpoint.check_state(state, where, training, tensors=False)
@@ -159,8 +164,11 @@ def read_meta(folder: Path, where: str, training: bool, reader: SafeReader | Non
 def _stored_dtype(md: dcp_metadata.Metadata) -> torch.dtype:
     """float64 when every floating model tensor was saved in float64 (a ``Trainer(dtype=torch.float64)`` run),
     else float32, the dtype ``LM`` is built in."""
-    dtypes = {item.properties.dtype for k, item in md.state_dict_metadata.items()
-              if k.startswith("model.") and hasattr(item, "properties") and item.properties.dtype.is_floating_point}
+    dtypes = {
+        item.properties.dtype
+        for k, item in md.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(item, "properties") and item.properties.dtype.is_floating_point
+    }
     return torch.float64 if dtypes == {torch.float64} else torch.float32
 
 
@@ -175,7 +183,8 @@ def _check_shapes(expected: dict[str, Tensor], md: dcp_metadata.Metadata, prefix
         if tuple(item.size) != tuple(t.shape) or item.properties.dtype != t.dtype:
             raise checkpoint.CheckpointError(
                 f"{where}: {prefix}{name} is {item.properties.dtype} {tuple(item.size)}, this model needs "
-                f"{t.dtype} {tuple(t.shape)}")
+                f"{t.dtype} {tuple(t.shape)}"
+            )
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
@@ -197,21 +206,26 @@ def _optimizer_skeleton(model: nn.Module, optimizer: torch.optim.Optimizer, md: 
         name = names[id(p)]
         if f"optimizer.{name}.exp_avg" not in items:
             continue  # never stepped (no gradient yet): no state, as in the saving run
-        out[name] = {"step": torch.zeros((), dtype=torch.float32, device="cpu"),  # non-capturable AdamW's
-                     "exp_avg": torch.zeros_like(p.detach()), "exp_avg_sq": torch.zeros_like(p.detach())}
+        out[name] = {
+            "step": torch.zeros((), dtype=torch.float32, device="cpu"),  # non-capturable AdamW's
+            "exp_avg": torch.zeros_like(p.detach()),
+            "exp_avg_sq": torch.zeros_like(p.detach()),
+        }
     return out
 
 
 def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, by_name: dict) -> None:
     names = _param_names(model)
     sd = optimizer.state_dict()
-    sd["state"] = {i: by_name[names[id(p)]] for i, p in enumerate(_optimizer_params(optimizer))
-                   if names[id(p)] in by_name}
+    sd["state"] = {
+        i: by_name[names[id(p)]] for i, p in enumerate(_optimizer_params(optimizer)) if names[id(p)] in by_name
+    }
     optimizer.load_state_dict(sd)
 
 
-def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 check=None, local: bool = False) -> dict:
+def load_sharded(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, check=None, local: bool = False
+) -> dict:
     """Load a sharded checkpoint into ``model`` (and ``optimizer``), each rank reading only the chunks of its
     own shards (and verifying the files it reads against ``SHA256SUMS``); returns the rest of the state
     (``read_meta``), which ``check(state)`` sees first (it may raise). Every rank of the model's mesh calls
@@ -227,8 +241,9 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     return meta
 
 
-def _load_tensors(reader: SafeReader, where: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                  local: bool) -> None:
+def _load_tensors(
+    reader: SafeReader, where: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, local: bool
+) -> None:
     md = reader.read_metadata()
     model_sd = model.state_dict()
     _check_shapes(model_sd, md, "model.", where)
@@ -278,11 +293,13 @@ def export(path: str | Path, out_file: str | Path, overwrite: bool = False) -> P
         raise checkpoint.CheckpointError(
             f"checkpoint {str(path)!r}: a file; export reads a sharded checkpoint folder (what mode train on "
             "several processes writes, e.g. runs/train/ckpt) and writes it as one file. A .pt file is a "
-            "single-file checkpoint already: mode sample, mode report and Trainer.load read it as it is")
+            "single-file checkpoint already: mode sample, mode report and Trainer.load read it as it is"
+        )
     out = Path(out_file)
     if out.is_dir():
-        raise ValueError(f"out={str(out_file)!r}: a folder; give the name of the file to write, e.g. "
-                         f"{str(out / 'ckpt.pt')!r}")
+        raise ValueError(
+            f"out={str(out_file)!r}: a folder; give the name of the file to write, e.g. {str(out / 'ckpt.pt')!r}"
+        )
     if not overwrite:
         checkpoint.refuse_existing([out])
     checkpoint.prepare_dir(out.parent, "out's folder")  # created if needed; a bad one fails before reading
@@ -321,8 +338,10 @@ def load_full(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: 
     try:
         saved_groups = [len(g["params"]) for g in saved["param_groups"]]
         if saved_groups != [len(g["params"]) for g in optimizer.param_groups]:
-            raise ValueError(f"parameter groups of sizes {saved_groups}, this model has "
-                             f"{[len(g['params']) for g in optimizer.param_groups]}")
+            raise ValueError(
+                f"parameter groups of sizes {saved_groups}, this model has "
+                f"{[len(g['params']) for g in optimizer.param_groups]}"
+            )
         by_name, names = {}, _param_names(model)
         for i, entry in saved["state"].items():
             p = params[int(i)]
@@ -332,8 +351,10 @@ def load_full(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: 
             new = {"step": entry["step"].detach().clone().float().cpu()}
             for k in ("exp_avg", "exp_avg_sq"):
                 if tuple(entry[k].shape) != tuple(p.shape):
-                    raise ValueError(f"state[{i}][{k!r}] has shape {tuple(entry[k].shape)}, the parameter "
-                                     f"{names[id(p)]} {tuple(p.shape)}")
+                    raise ValueError(
+                        f"state[{i}][{k!r}] has shape {tuple(entry[k].shape)}, the parameter "
+                        f"{names[id(p)]} {tuple(p.shape)}"
+                    )
                 new[k] = torch.zeros_like(p.detach())
                 _copy_full(new[k], entry[k])
             by_name[names[id(p)]] = new
@@ -354,8 +375,10 @@ def _meta_json(meta: dict) -> str:
         elif key == "cuda_rng":
             value = [r.tolist() for r in value]
         elif key == "routing_acc":
-            value = {"sums": {k: v.double().tolist() for k, v in value.get("sums", {}).items()},
-                     "layer_kinds": list(value["layer_kinds"]) if value.get("layer_kinds") else None}
+            value = {
+                "sums": {k: v.double().tolist() for k, v in value.get("sums", {}).items()},
+                "layer_kinds": list(value["layer_kinds"]) if value.get("layer_kinds") else None,
+            }
         out[key] = value
     return json.dumps(out)
 
@@ -363,8 +386,11 @@ def _meta_json(meta: dict) -> str:
 def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """name -> AdamW state of that parameter (the live tensors: shards of DTensors)."""
     names = _param_names(model)
-    return {names[id(p)]: {k: optimizer.state[p][k] for k in ADAM_KEYS}
-            for p in _optimizer_params(optimizer) if p in optimizer.state and optimizer.state[p]}
+    return {
+        names[id(p)]: {k: optimizer.state[p][k] for k in ADAM_KEYS}
+        for p in _optimizer_params(optimizer)
+        if p in optimizer.state and optimizer.state[p]
+    }
 
 
 def _save_folder_name(path: Path, meta: dict, group, distributed: bool, rank: int) -> Path:
@@ -381,8 +407,9 @@ def _save_folder_name(path: Path, meta: dict, group, distributed: bool, rank: in
         src = 0 if group is None else dist.get_global_rank(group, 0)
         dist.broadcast_object_list(token, src=src, group=group)  # the folder name, or None: rank 0 failed
     if token[0] is None:
-        raise error or checkpoint.WriteError(f"rank 0 could not create the checkpoint folder {str(path)!r} "
-                                             "(see its error)")
+        raise error or checkpoint.WriteError(
+            f"rank 0 could not create the checkpoint folder {str(path)!r} (see its error)"
+        )
     return path / token[0]
 
 
@@ -391,12 +418,15 @@ def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
 
 def _write_error(folder: Path, path: Path, e: BaseException) -> checkpoint.WriteError:
-    return checkpoint.WriteError(f"could not write the sharded checkpoint {str(folder)!r}: {e} (the previous "
-                                 f"save, named by {str(path / LATEST)!r}, is unchanged)")
+    return checkpoint.WriteError(
+        f"could not write the sharded checkpoint {str(folder)!r}: {e} (the previous "
+        f"save, named by {str(path / LATEST)!r}, is unchanged)"
+    )
 
 
-def _finish(path: Path, folder: Path, sums: dict[str, str], meta_text: str, group, distributed: bool,
-            rank: int, keep: int = 1) -> Path:
+def _finish(
+    path: Path, folder: Path, sums: dict[str, str], meta_text: str, group, distributed: bool, rank: int, keep: int = 1
+) -> Path:
     """After every rank's shards are written: gather the sums, rank 0 writes ``meta.json``, ``SHA256SUMS``,
     then ``latest`` (the switch), and removes older saves but the ``keep`` newest complete ones (``retain``).
     A failure anywhere raises on every rank."""
@@ -427,7 +457,7 @@ def _finish(path: Path, folder: Path, sums: dict[str, str], meta_text: str, grou
 
 def step_of(folder: Path) -> int:
     """The step in a save folder's name (``step-00000060-3fa2c1`` -> 60); -1 for another name."""
-    digits = folder.name[len(STEP_PREFIX):].split("-", 1)[0]
+    digits = folder.name[len(STEP_PREFIX) :].split("-", 1)[0]
     return int(digits) if folder.name.startswith(STEP_PREFIX) and digits.isdigit() else -1
 
 
@@ -461,8 +491,9 @@ def retain(path: Path, keep: int, current: Path) -> list[Path]:
     return removed
 
 
-def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
-                 group=None, keep: int = 1) -> Path:
+def save_sharded(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict, group=None, keep: int = 1
+) -> Path:
     """Save every rank's shards of ``model`` and ``optimizer`` and rank 0's ``meta`` (the non-tensor state)
     as a new save folder in ``path``, with ``SHA256SUMS``; every rank of ``group`` (default: the world) calls
     it. Without a process group, this process saves alone. Returns the save folder once ``latest`` names it;
@@ -477,8 +508,9 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     try:  # DCP gathers every rank's outcome: one rank's failure raises on all of them
         with warnings.catch_warnings():  # without a group DCP warns that it saves in one process: intended
             warnings.simplefilter("ignore" if not distributed else "default")
-            dcp.save(_tensor_state(model, optimizer), storage_writer=writer, process_group=group,
-                     no_dist=not distributed)
+            dcp.save(
+                _tensor_state(model, optimizer), storage_writer=writer, process_group=group, no_dist=not distributed
+            )
     except CheckpointException as e:
         raise _write_error(folder, path, e) from None
     return _finish(path, folder, writer.sums, meta_text, group, distributed, rank, keep)
@@ -498,8 +530,9 @@ class PendingSave:
         return self._future.result(timeout_s)
 
 
-def save_sharded_async(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
-                       group, save_group, keep: int = 1) -> PendingSave:
+def save_sharded_async(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict, group, save_group, keep: int = 1
+) -> PendingSave:
     """``save_sharded`` in the background: returns once this rank's shards are copied to CPU memory; the
     files, the sums, ``meta.json`` and ``latest`` are written by ``dcp.async_save`` and a thread of this
     process, whose collectives all run on ``save_group``: a gloo group of the same ranks as ``group``, used

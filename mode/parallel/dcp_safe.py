@@ -32,13 +32,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from mode.train import checkpoint
-
 
 MANIFEST = "SHA256SUMS"  # "<sha256 hex>  <file name>" per line, as coreutils' sha256sum writes and checks
 METADATA = ".metadata"
@@ -95,8 +93,11 @@ def read_manifest(folder: Path, where: str) -> dict[str, str] | None:
     """``SHA256SUMS`` of a save folder as ``{file: sha256}``; None (with a warning) when there is none."""
     path = folder / MANIFEST
     if not path.exists():
-        warnings.warn(f"{where}: no {MANIFEST} in it (saved before mode wrote checksums): its files are not "
-                      "verified", UnverifiedCheckpointWarning, stacklevel=3)
+        warnings.warn(
+            f"{where}: no {MANIFEST} in it (saved before mode wrote checksums): its files are not verified",
+            UnverifiedCheckpointWarning,
+            stacklevel=3,
+        )
         return None
     try:
         text = path.read_text()
@@ -117,17 +118,20 @@ def verify_file(folder: Path, name: str, sums: dict[str, str] | None, where: str
         return
     expected = sums.get(name)
     if expected is None:
-        raise checkpoint.ChecksumError(f"{where}: {name} is not listed in its {MANIFEST}: the folder was changed "
-                                       "after it was saved")
+        raise checkpoint.ChecksumError(
+            f"{where}: {name} is not listed in its {MANIFEST}: the folder was changed after it was saved"
+        )
     try:
         actual = checkpoint.sha256_file(folder / name)
     except OSError as e:
-        raise checkpoint.ChecksumError(f"{where}: {name} is listed in {MANIFEST} but cannot be read "
-                                       f"({e.strerror or e})") from None
+        raise checkpoint.ChecksumError(
+            f"{where}: {name} is listed in {MANIFEST} but cannot be read ({e.strerror or e})"
+        ) from None
     if actual != expected:
         raise checkpoint.ChecksumError(
             f"{where}: {name} is corrupt: its SHA-256 is {actual}, {MANIFEST} says {expected} (changed since it "
-            "was saved: a bad copy or disk? copy it again from the machine that saved it)")
+            "was saved: a bad copy or disk? copy it again from the machine that saved it)"
+        )
 
 
 def verify_folder(folder: str | Path) -> list[str]:
@@ -174,8 +178,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         elif module == "torch.serialization" and name == "_get_layout":
             return torch.serialization._get_layout
-        elif module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath",
-                                              "PureWindowsPath"):
+        elif module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
             import pathlib
 
             return getattr(pathlib, name)
@@ -193,20 +196,23 @@ def read_metadata(folder: Path, where: str) -> dcp_metadata.Metadata:
     try:
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as e:
-        raise checkpoint.CheckpointError(f"{where}: refused: its .metadata holds objects other than DCP "
-                                         f"metadata, and loading them could run code ({e})") from None
+        raise checkpoint.CheckpointError(
+            f"{where}: refused: its .metadata holds objects other than DCP "
+            f"metadata, and loading them could run code ({e})"
+        ) from None
     except Exception as e:  # noqa: BLE001 - a damaged file: one clear error
         raise checkpoint.CheckpointError(f"{where}: its .metadata is not readable ({type(e).__name__}: {e})") from None
     if not isinstance(md, dcp_metadata.Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise checkpoint.CheckpointError(f"{where}: its .metadata is not DCP metadata")
     for key, item in md.state_dict_metadata.items():
         if not isinstance(item, dcp_metadata.TensorStorageMetadata):
-            raise checkpoint.CheckpointError(f"{where}: item {key!r} is a {type(item).__name__}: a mode checkpoint "
-                                             "holds tensors only (other items would be unpickled with code)")
+            raise checkpoint.CheckpointError(
+                f"{where}: item {key!r} is a {type(item).__name__}: a mode checkpoint "
+                "holds tensors only (other items would be unpickled with code)"
+            )
     for info in (md.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)
-        if not isinstance(rel, str) or "/" in rel or "\\" in rel or rel.startswith(".") \
-                or not (folder / rel).is_file():
+        if not isinstance(rel, str) or "/" in rel or "\\" in rel or rel.startswith(".") or not (folder / rel).is_file():
             raise checkpoint.CheckpointError(f"{where}: shard file {rel!r}: must be a file inside the folder")
     return md
 

@@ -50,7 +50,12 @@ def attempt_store(timeout_s: float) -> dist.Store | None:
     ``init_process_group(store=...)``; None when the agent does not share its store (nothing to isolate)."""
     if os.environ.get(AGENT_STORE_ENV) != str(True):
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     return dist.PrefixStore(f"mode/{run_id}/attempt-{attempt()}", store)

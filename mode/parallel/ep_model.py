@@ -42,8 +42,10 @@ def shard_experts(full: ExpertBank, rank: int, world_size: int) -> ExpertBank:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
     if E % world_size:
-        raise ValueError(f"num_experts={E}: must be divisible by the expert-parallel group size {world_size} "
-                         "(each rank holds num_experts / group size experts)")
+        raise ValueError(
+            f"num_experts={E}: must be divisible by the expert-parallel group size {world_size} "
+            "(each rank holds num_experts / group size experts)"
+        )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank}: must be in [0, world_size={world_size})")
     L = E // world_size
@@ -56,7 +58,7 @@ def shard_experts(full: ExpertBank, rank: int, world_size: int) -> ExpertBank:
         shard.to(device=full.w_in.device, dtype=full.w_in.dtype)
     with torch.no_grad():
         for name, p in full.named_parameters(recurse=False):  # each weight's experts are its rows
-            getattr(shard, name).copy_(p[lo:lo + L])
+            getattr(shard, name).copy_(p[lo : lo + L])
     return shard
 
 
@@ -65,32 +67,48 @@ def shard_layer(full: MoELayer, dispatcher: ExpertParallelDispatcher) -> MoELaye
     replicated (deep-copied), the experts are this rank's shard, dispatch goes through ``dispatcher``; shared
     experts and copy/constant no-op experts, which every token runs on its own rank, are replicated too."""
     if full.experts.num_experts != dispatcher.num_experts:
-        raise ValueError(f"experts.num_experts={full.experts.num_experts}: must equal the dispatcher's "
-                         f"num_experts={dispatcher.num_experts}")
+        raise ValueError(
+            f"experts.num_experts={full.experts.num_experts}: must equal the dispatcher's "
+            f"num_experts={dispatcher.num_experts}"
+        )
     shard = shard_experts(full.experts, dispatcher.rank, dispatcher.world_size)
-    return type(full)(copy.deepcopy(full.router), shard, dispatcher, copy.deepcopy(full.shared_experts),
-                      copy.deepcopy(full.shared_gate), copy.deepcopy(full.noop))
+    return type(full)(
+        copy.deepcopy(full.router),
+        shard,
+        dispatcher,
+        copy.deepcopy(full.shared_experts),
+        copy.deepcopy(full.shared_gate),
+        copy.deepcopy(full.noop),
+    )
 
 
 def shard_model(model: nn.Module, group=None) -> nn.Module:
     """Shard every MoE layer of ``model`` over ``group`` (default: the world), in place; returns ``model``."""
     if isinstance(model, MoELayer):
         raise ValueError("model: is itself a MoELayer; use shard_layer(layer, ExpertParallelDispatcher(group, E))")
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, MoELayer)]
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, MoELayer)
+    ]
     for parent, name, layer in targets:
         if isinstance(layer.dispatcher, ExpertParallelDispatcher):
             raise ValueError(f"{type(parent).__name__}.{name}: is already expert-parallel")
         dispatcher = ExpertParallelDispatcher(group, layer.router.num_experts)  # one per layer: its own stats
         setattr(parent, name, shard_layer(layer, dispatcher))  # same slot in _modules: same parameter order
     for m in model.modules():  # a MoD around an expert-parallel layer must call its block even when empty
-        if isinstance(m, MoD) and any(isinstance(c, MoELayer) and isinstance(c.dispatcher, ExpertParallelDispatcher)
-                                      for c in m.block.modules()):
+        if isinstance(m, MoD) and any(
+            isinstance(c, MoELayer) and isinstance(c.dispatcher, ExpertParallelDispatcher) for c in m.block.modules()
+        ):
             m.skip_empty = False
     return model
 
 
 def expert_parallel_layers(model: nn.Module) -> dict[str, MoELayer]:
     """Module name -> MoE layer whose experts are sharded (expert-parallel dispatcher)."""
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, MoELayer) and isinstance(m.dispatcher, ExpertParallelDispatcher)}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, MoELayer) and isinstance(m.dispatcher, ExpertParallelDispatcher)
+    }

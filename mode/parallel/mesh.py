@@ -56,7 +56,7 @@ class ParallelDims:
         return self.dp * self.ep
 
     @classmethod
-    def for_world(cls, world_size: int, dp: int | None = None, ep: int | None = None) -> "ParallelDims":
+    def for_world(cls, world_size: int, dp: int | None = None, ep: int | None = None) -> ParallelDims:
         """The dims of a run on ``world_size`` processes: give ``dp``, ``ep``, both or neither (neither:
         ``ep = world_size``, all experts spread as far as possible). The product must be the world size."""
         _checks.check_int("world_size", world_size)
@@ -74,14 +74,17 @@ class ParallelDims:
             dp = world_size // ep
         dims = cls(dp, ep)
         if dims.world_size != world_size:
-            raise ValueError(f"dp={dp}, ep={ep}: dp * ep = {dims.world_size} must equal the number of "
-                             f"processes {world_size}")
+            raise ValueError(
+                f"dp={dp}, ep={ep}: dp * ep = {dims.world_size} must equal the number of processes {world_size}"
+            )
         return dims
 
     def check_experts(self, num_experts: int, where: str = "num_experts") -> None:
         if num_experts % self.ep:
-            raise ValueError(f"{where}={num_experts}: must be divisible by ep={self.ep} (each expert-parallel "
-                             "rank holds num_experts / ep experts)")
+            raise ValueError(
+                f"{where}={num_experts}: must be divisible by ep={self.ep} (each expert-parallel "
+                "rank holds num_experts / ep experts)"
+            )
 
 
 def _group_options(timeout_s: float):
@@ -103,18 +106,28 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu", timeout_s: float | 
     if not isinstance(dims, ParallelDims):
         raise TypeError(f"dims={dims!r}: must be a ParallelDims")
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("build_mesh: torch.distributed is not initialised; call "
-                         "mode.parallel.process_group.init_distributed (or init_process_group with a timeout) first")
+        raise ValueError(
+            "build_mesh: torch.distributed is not initialised; call "
+            "mode.parallel.process_group.init_distributed (or init_process_group with a timeout) first"
+        )
     world = dist.get_world_size()
     if dims.world_size != world:
-        alone = (f"; this process is a group of one: start the script with torchrun --nproc-per-node "
-                 f"{dims.world_size} (init_distributed(world_size={dims.world_size}) refuses to start otherwise)"
-                 if world == 1 else "")
-        raise ValueError(f"dp={dims.dp}, ep={dims.ep}: dp * ep = {dims.world_size} must equal the number of "
-                         f"processes {world}{alone}")
+        alone = (
+            f"; this process is a group of one: start the script with torchrun --nproc-per-node "
+            f"{dims.world_size} (init_distributed(world_size={dims.world_size}) refuses to start otherwise)"
+            if world == 1
+            else ""
+        )
+        raise ValueError(
+            f"dp={dims.dp}, ep={dims.ep}: dp * ep = {dims.world_size} must equal the number of processes {world}{alone}"
+        )
     override = _group_options(mdist.resolve_timeout(timeout_s))
-    mesh = init_device_mesh(device_type, (dims.dp, dims.ep), mesh_dim_names=MESH_DIMS,
-                            backend_override=None if override is None else {name: override for name in MESH_DIMS})
+    mesh = init_device_mesh(
+        device_type,
+        (dims.dp, dims.ep),
+        mesh_dim_names=MESH_DIMS,
+        backend_override=None if override is None else {name: override for name in MESH_DIMS},
+    )
     mesh._flatten(FLAT_DIM, backend_override=override)
     return mesh
 
@@ -129,6 +142,8 @@ def mesh_dims(mesh: DeviceMesh) -> ParallelDims:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh={type(mesh).__name__}: must be a torch DeviceMesh (mode.parallel.build_mesh)")
     if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
-        raise ValueError(f"mesh.mesh_dim_names={mesh.mesh_dim_names!r}: must be {MESH_DIMS!r} "
-                         "(build it with mode.parallel.build_mesh)")
+        raise ValueError(
+            f"mesh.mesh_dim_names={mesh.mesh_dim_names!r}: must be {MESH_DIMS!r} "
+            "(build it with mode.parallel.build_mesh)"
+        )
     return ParallelDims(mesh.size(0), mesh.size(1))

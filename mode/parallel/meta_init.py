@@ -85,17 +85,25 @@ def _local_piece(full: Tensor, target: Tensor, name: str) -> Tensor:
     if all(isinstance(pl, Replicate) or (isinstance(pl, (Shard, _StridedShard)) and pl.dim == 0) for pl in placements):
         # host indices: distribute_tensor moves them to the mesh's device (CUDA under NCCL), ``full`` is the CPU
         # replay's value; whatever the default device is
-        rows = distribute_tensor(torch.arange(full.shape[0], device="cpu"), mesh, placements,
-                                 src_data_rank=None).to_local().cpu()
+        rows = (
+            distribute_tensor(torch.arange(full.shape[0], device="cpu"), mesh, placements, src_data_rank=None)
+            .to_local()
+            .cpu()
+        )
         contiguous = rows.numel() == 0 or torch.equal(
-            rows, torch.arange(int(rows[0]), int(rows[0]) + rows.numel(), device="cpu"))
-        piece = full.narrow(0, int(rows[0]), rows.numel()) if contiguous and rows.numel() else full.index_select(0, rows)
+            rows, torch.arange(int(rows[0]), int(rows[0]) + rows.numel(), device="cpu")
+        )
+        piece = (
+            full.narrow(0, int(rows[0]), rows.numel()) if contiguous and rows.numel() else full.index_select(0, rows)
+        )
     else:
         piece = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
     local = target.to_local()
     if piece.shape != local.shape:
-        raise MetaInitError(f"{name}: this rank holds {tuple(local.shape)} of {tuple(target.shape)}, but "
-                            f"{list(placements)} cut {tuple(piece.shape)}")
+        raise MetaInitError(
+            f"{name}: this rank holds {tuple(local.shape)} of {tuple(target.shape)}, but "
+            f"{list(placements)} cut {tuple(piece.shape)}"
+        )
     return piece
 
 
@@ -107,40 +115,51 @@ def _transformers_model(model: nn.Module) -> str | None:
     return None
 
 
-def materialize(model: nn.Module, device: str | torch.device = "cpu", *,
-                init: str | Callable[[nn.Module], None] = "replay") -> nn.Module:
+def materialize(
+    model: nn.Module, device: str | torch.device = "cpu", *, init: str | Callable[[nn.Module], None] = "replay"
+) -> nn.Module:
     """Give a model built by ``build_on_meta`` (then ``parallelize``d, or not) real tensors on ``device``, in
     place; returns it. ``init="replay"``: the values eager construction gives (only this rank's shards are
     ever written); a callable: ``init(model)`` under ``torch.no_grad()`` instead (your own init, or a
     checkpoint). Every rank of the mesh calls it; no collective runs (``init`` may run some)."""
     record = meta_record(model)
     if record is None:
-        raise MetaInitError(f"{type(model).__name__}: was not built by build_on_meta; materialize is for models "
-                            "built on the meta device (mode.parallel.build_on_meta)")
+        raise MetaInitError(
+            f"{type(model).__name__}: was not built by build_on_meta; materialize is for models "
+            "built on the meta device (mode.parallel.build_on_meta)"
+        )
     if record.materialized:
         raise MetaInitError(f"{type(model).__name__}: is already materialized (materialize runs once per build)")
     if init != "replay" and not callable(init):
         raise ValueError(f"init={init!r}: must be 'replay' or a callable init(model)")
     hf = _transformers_model(model) if init == "replay" else None
     if hf is not None:
-        raise MetaInitError(f"{hf}: a transformers model skips its own weight init when built on meta "
-                            "(PreTrainedModel.init_weights), so a replay would not give the eager values; "
-                            "materialize it from a checkpoint: init=lambda m: mode.parallel.model_state."
-                            "load_state(folder, m) (docs/distributed.md)")
+        raise MetaInitError(
+            f"{hf}: a transformers model skips its own weight init when built on meta "
+            "(PreTrainedModel.init_weights), so a replay would not give the eager values; "
+            "materialize it from a checkpoint: init=lambda m: mode.parallel.model_state."
+            "load_state(folder, m) (docs/distributed.md)"
+        )
     device = _resolve_device(device)
     targets = {}
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         ref = record.names.get(name)
         if ref is None:
-            raise MetaInitError(f"{name!r}: is not a tensor the model was built with (was a module added after "
-                                "build_on_meta? build it inside fn)")
+            raise MetaInitError(
+                f"{name!r}: is not a tensor the model was built with (was a module added after "
+                "build_on_meta? build it inside fn)"
+            )
         if tuple(t.shape) != ref.shape:
-            raise MetaInitError(f"{name!r}: has global shape {tuple(t.shape)}, built as {ref.shape}; materialize "
-                                "supports models sharded by mode.parallel.parallelize (DTensors of the full shape), "
-                                "not plain-tensor shards (mode.parallel.ep_model.shard_model)")
+            raise MetaInitError(
+                f"{name!r}: has global shape {tuple(t.shape)}, built as {ref.shape}; materialize "
+                "supports models sharded by mode.parallel.parallelize (DTensors of the full shape), "
+                "not plain-tensor shards (mode.parallel.ep_model.shard_model)"
+            )
         if not t.is_meta and not (isinstance(t, DTensor) and t.to_local().is_meta):
-            raise MetaInitError(f"{name!r}: is on {t.device}, no longer on meta (was the model moved with "
-                                "to_empty or .to?); materialize a model straight from build_on_meta / parallelize")
+            raise MetaInitError(
+                f"{name!r}: is on {t.device}, no longer on meta (was the model moved with "
+                "to_empty or .to?); materialize a model straight from build_on_meta / parallelize"
+            )
     groups = [g for g in _owners(model).values() if len(g) > 1]
     model.to_empty(device=device)
     _retie(groups)

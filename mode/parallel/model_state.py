@@ -34,8 +34,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from mode.parallel import dcp_safe
 from mode.parallel.dcp_safe import ChecksumWriter, SafeReader
@@ -56,8 +60,9 @@ def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     return {"model": model_sd, "optimizer": optim_sd["state"]}, optim_sd["param_groups"]
 
 
-def save_state(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-               extra: dict | None = None) -> Path:
+def save_state(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None
+) -> Path:
     """Write ``model`` (and ``optimizer``) to the folder ``path``; every rank of the model's process group calls
     it (in one process without a group, this process writes alone). ``extra``: JSON-serialisable."""
     path = Path(path)
@@ -97,14 +102,19 @@ def load_state(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     try:
         extra = json.loads((path / EXTRA).read_text())
     except (OSError, ValueError) as e:
-        raise checkpoint.CheckpointError(f"{where}: {EXTRA} is not readable JSON ({e}); not a save_state "
-                                         "folder") from None
+        raise checkpoint.CheckpointError(
+            f"{where}: {EXTRA} is not readable JSON ({e}); not a save_state folder"
+        ) from None
     reader.read_metadata()  # checked and unpickled safely on every rank, before any collective
     state, param_groups = _tensor_state(model, optimizer)
     dcp_safe.load(state, reader, no_dist=not _distributed())
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict={"state": state["optimizer"], "param_groups": param_groups})
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict={"state": state["optimizer"], "param_groups": param_groups},
+        )
     return extra

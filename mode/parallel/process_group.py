@@ -8,7 +8,8 @@ Set-up (``init_distributed``)
     * rank, world size and local rank come from the environment ``torchrun`` sets (``RANK``,
       ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); without any of them the process
       runs as a group of one (handy for smoke runs), unless ``world_size`` > 1 was asked for: then, and when
-      ``RANK``/``WORLD_SIZE`` are set without the rest, it refuses with a ``ValueError`` saying how to start the processes (several
+      ``RANK``/``WORLD_SIZE`` are set without the rest, it refuses with a ``ValueError`` saying how to start the
+      processes (several
       copies of a script started by hand would otherwise each train alone, silently);
     * backend ``"auto"``: NCCL when CUDA is available (one GPU per process, ``cuda:LOCAL_RANK``), else gloo
       on CPU;
@@ -57,8 +58,19 @@ _NCCL_ENV_ALIASES = {"TORCH_NCCL_TRACE_BUFFER_SIZE": ("TORCH_FR_BUFFER_SIZE",)}
 _TRUE = ("1", "true", "yes", "on")
 
 # Substrings of the errors gloo / NCCL raise when a peer is gone or a collective timed out.
-_FAILURE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout",
-                    "broken pipe", "socket", "watchdog", "remote worker", "peer")
+_FAILURE_MARKERS = (
+    "gloo",
+    "nccl",
+    "connection closed",
+    "connection reset",
+    "timed out",
+    "timeout",
+    "broken pipe",
+    "socket",
+    "watchdog",
+    "remote worker",
+    "peer",
+)
 
 
 class CollectiveError(RuntimeError):
@@ -131,38 +143,48 @@ def _check_launch_env(world_size: int | None) -> bool:
     """Whether this process was started as one of a group (``RANK`` and ``WORLD_SIZE`` set); a ``ValueError``
     when only part of ``LAUNCH_ENV`` is, or when neither is and ``world_size`` > 1 was asked for."""
     present = [n for n in ("RANK", "WORLD_SIZE") if n in os.environ]  # MASTER_* alone may be a shell default
-    how = ("start every process with torchrun (one machine: torchrun --nproc-per-node {n} SCRIPT; several: "
-           "docs/distributed.md), or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each yourself")
+    how = (
+        "start every process with torchrun (one machine: torchrun --nproc-per-node {n} SCRIPT; several: "
+        "docs/distributed.md), or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each yourself"
+    )
     n = world_size if world_size is not None else "N"
     if not present:
         if world_size is not None and world_size > 1:
-            raise ValueError(f"init_distributed(world_size={world_size}): this process was not started by "
-                             f"torchrun (RANK and WORLD_SIZE are not set), so it would be a process group of "
-                             f"one and train alone; " + how.format(n=n))
+            raise ValueError(
+                f"init_distributed(world_size={world_size}): this process was not started by "
+                f"torchrun (RANK and WORLD_SIZE are not set), so it would be a process group of "
+                f"one and train alone; " + how.format(n=n)
+            )
         return False
     if len(present) == 1:
         missing = [x for x in LAUNCH_ENV if x not in os.environ]
-        raise ValueError(f"init_distributed: {present[0]} is set but {', '.join(missing)} not: a process of a "
-                         "group needs all four; " + how.format(n=n))
+        raise ValueError(
+            f"init_distributed: {present[0]} is set but {', '.join(missing)} not: a process of a "
+            "group needs all four; " + how.format(n=n)
+        )
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         missing = [x for x in LAUNCH_ENV if x not in os.environ]
-        raise ValueError(f"init_distributed: RANK and WORLD_SIZE set but {', '.join(missing)} not: the "
-                         "processes need the address and port of rank 0 to meet; " + how.format(n=n))
+        raise ValueError(
+            f"init_distributed: RANK and WORLD_SIZE set but {', '.join(missing)} not: the "
+            "processes need the address and port of rank 0 to meet; " + how.format(n=n)
+        )
     if world_size is not None and int(os.environ["WORLD_SIZE"]) != world_size:
-        raise ValueError(f"init_distributed(world_size={world_size}): WORLD_SIZE={os.environ['WORLD_SIZE']} "
-                         f"processes were started; start {world_size} (torchrun --nproc-per-node ...)")
+        raise ValueError(
+            f"init_distributed(world_size={world_size}): WORLD_SIZE={os.environ['WORLD_SIZE']} "
+            f"processes were started; start {world_size} (torchrun --nproc-per-node ...)"
+        )
     return True
 
 
-def init_distributed(backend: str = "auto", timeout_s: float | None = None,
-                     world_size: int | None = None) -> DistContext:
+def init_distributed(
+    backend: str = "auto", timeout_s: float | None = None, world_size: int | None = None
+) -> DistContext:
     """Initialise the default process group from torchrun's environment, or, with none of it set and
     ``world_size`` None or 1, as a group of one. ``world_size``: the number of processes this run needs (e.g.
     ``ParallelDims(dp, ep).world_size``); anything else is a ``ValueError`` before any group exists."""
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
-    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
-                                   or world_size < 1):
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
     timeout_s = resolve_timeout(timeout_s)
     backend = resolve_backend(backend)
@@ -174,8 +196,10 @@ def init_distributed(backend: str = "auto", timeout_s: float | None = None,
     kwargs = {}
     if backend == "nccl":
         if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK={local_rank}: this machine has {torch.cuda.device_count()} GPU(s); "
-                             "start at most one process per GPU (torchrun --nproc-per-node <= GPUs)")
+            raise ValueError(
+                f"LOCAL_RANK={local_rank}: this machine has {torch.cuda.device_count()} GPU(s); "
+                "start at most one process per GPU (torchrun --nproc-per-node <= GPUs)"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         kwargs["device_id"] = device  # one GPU per process: NCCL builds its communicator now, not lazily
@@ -189,8 +213,15 @@ def init_distributed(backend: str = "auto", timeout_s: float | None = None,
         if store is not None:
             kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                       device=device, backend=backend, timeout_s=timeout_s, group=dist.group.WORLD)
+    return DistContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=backend,
+        timeout_s=timeout_s,
+        group=dist.group.WORLD,
+    )
 
 
 def destroy() -> None:
@@ -206,8 +237,9 @@ def looks_like_collective_failure(e: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def collective_guard(what: str, timeout_s: float | None = None, *, rank: int | None = None,
-                     world_size: int | None = None):
+def collective_guard(
+    what: str, timeout_s: float | None = None, *, rank: int | None = None, world_size: int | None = None
+):
     """Re-raise a failed collective inside the block as a ``CollectiveError`` naming this rank and ``what``
     (e.g. ``"training step 12"``); any other exception passes unchanged. ``timeout_s``: the process group's
     timeout, quoted in the message; ``rank``, ``world_size``: default the default group's.
@@ -231,4 +263,5 @@ def collective_guard(what: str, timeout_s: float | None = None, *, rank: int | N
         raise CollectiveError(
             f"rank {rank}/{world_size}: a collective failed during {what}: another rank died, is stuck "
             f"(no answer within {limit}; set --timeout or ${TIMEOUT_ENV}) or the network broke. Check the "
-            f"other ranks' logs for the first error. Backend error: {e}") from e
+            f"other ranks' logs for the first error. Backend error: {e}"
+        ) from e

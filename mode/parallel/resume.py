@@ -63,17 +63,24 @@ def load_newest(trainer, path: str | Path, rank: int = 0, fresh_if_none: bool = 
             continue
         if rank == 0 and skipped:
             _set_aside(Path(path), ckpt, [s for s, _ in skipped])
-            say(f"mode train: warning: resumed from the previous verified checkpoint {str(ckpt)!r} (step "
+            say(
+                f"mode train: warning: resumed from the previous verified checkpoint {str(ckpt)!r} (step "
                 f"{trainer.step}); the {len(skipped)} newer one(s) that failed were moved aside",
-                file=sys.stderr, flush=True)
+                file=sys.stderr,
+                flush=True,
+            )
         return ckpt
     reasons = "; ".join(f"{str(c)!r}: {why}" for c, why in skipped)
     if not fresh_if_none:
         raise checkpoint.CheckpointError(f"no checkpoint in {str(path)!r} loads ({len(skipped)} tried: {reasons})")
     if rank == 0:
         _set_aside(Path(path), None, [s for s, _ in skipped])
-        say(f"mode train: warning: no checkpoint in {str(path)!r} loads ({len(skipped)} tried; moved aside as "
-            f"{BAD_PREFIX}*): starting a new run", file=sys.stderr, flush=True)
+        say(
+            f"mode train: warning: no checkpoint in {str(path)!r} loads ({len(skipped)} tried; moved aside as "
+            f"{BAD_PREFIX}*): starting a new run",
+            file=sys.stderr,
+            flush=True,
+        )
     return None
 
 

@@ -27,8 +27,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from mode import _checks
 from mode.measure.stats import RoutingAccumulator
-from mode.parallel import checkpoint as sharded
-from mode.parallel import process_group as mdist
+from mode.parallel import checkpoint as sharded, process_group as mdist
 from mode.parallel.apply import parallelize
 from mode.parallel.mesh import flat_mesh, mesh_dims
 from mode.parallel.meta_init import is_meta_built, materialize
@@ -52,8 +51,11 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> Tensor:
     for ps in by_mesh.values():
         n = get_total_norm([p.grad for p in ps], norm_type=2.0)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    total = (norms[0] if len(norms) == 1
-             else torch.linalg.vector_norm(torch.stack([_checks.at_least_float32(n) for n in norms])))
+    total = (
+        norms[0]
+        if len(norms) == 1
+        else torch.linalg.vector_norm(torch.stack([_checks.at_least_float32(n) for n in norms]))
+    )
     for ps in by_mesh.values():
         clip_grads_with_norm_(ps, max_norm, total)
     return total
@@ -64,8 +66,15 @@ class MeshRuntime:
 
     checkpoint_name = "ckpt"  # a folder of DCP shards
 
-    def __init__(self, mesh, timeout_s: float | None = None, dedup: bool = False, async_save: bool = False,
-                 meta_init: bool = True, keep: int = 1):
+    def __init__(
+        self,
+        mesh,
+        timeout_s: float | None = None,
+        dedup: bool = False,
+        async_save: bool = False,
+        meta_init: bool = True,
+        keep: int = 1,
+    ):
         self.mesh = mesh
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r}: must be an int >= 1 (how many complete checkpoints to keep)")
@@ -83,8 +92,11 @@ class MeshRuntime:
         self.timeout_s = timeout_s
         self.world_size = self.dims.world_size
         self.rank = dist.get_rank()
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
-                       else torch.device(mesh.device_type))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if mesh.device_type == "cuda"
+            else torch.device(mesh.device_type)
+        )
         self._flat = None  # the flat dp x ep mesh; created by parallelize, in prepare()
         self.row_rank = None
 
@@ -112,12 +124,18 @@ class MeshRuntime:
     def rows(self, t_BS: Tensor) -> Tensor:
         b = t_BS.shape[0] // self.world_size
         lo = self.row_rank * b
-        return t_BS[lo:lo + b].to(self.device)
+        return t_BS[lo : lo + b].to(self.device)
 
     def sum_scalars(self, values: list) -> list[float]:
         """Each value (a float or a one-element tensor) summed over all ranks, in one all-reduce."""
-        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=v.device if isinstance(v, Tensor) else "cpu")
-                          .to(self.device).reshape(()) for v in values])
+        t = torch.stack(
+            [
+                torch.as_tensor(v, dtype=torch.float64, device=v.device if isinstance(v, Tensor) else "cpu")
+                .to(self.device)
+                .reshape(())
+                for v in values
+            ]
+        )
         dist.all_reduce(t, group=self.group)
         return t.tolist()
 
@@ -151,10 +169,14 @@ class MeshRuntime:
             if not self.async_save:
                 return sharded.save_sharded(path, model, optimizer, meta, group=self.group, keep=self.keep)
             if self._save_group is None:
-                self._save_group = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo",
-                                                  timeout=timedelta(seconds=mdist.resolve_timeout(self.timeout_s)))
-            self._pending = sharded.save_sharded_async(path, model, optimizer, meta, self.group, self._save_group,
-                                                       keep=self.keep)
+                self._save_group = dist.new_group(
+                    dist.get_process_group_ranks(self.group),
+                    backend="gloo",
+                    timeout=timedelta(seconds=mdist.resolve_timeout(self.timeout_s)),
+                )
+            self._pending = sharded.save_sharded_async(
+                path, model, optimizer, meta, self.group, self._save_group, keep=self.keep
+            )
             return self._pending.folder
 
     def wait_saves(self) -> Path | None:

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from mode.measure.stats import RoutingAccumulator
 
 
-def all_reduce_accumulator(acc: RoutingAccumulator, group=None, device: torch.device | None = None
-                           ) -> RoutingAccumulator:
+def all_reduce_accumulator(
+    acc: RoutingAccumulator, group=None, device: torch.device | None = None
+) -> RoutingAccumulator:
     """Replace ``acc``'s sums by their sum over ``group`` (None: the default group); returns ``acc``.
 
     ``device``: where the flat vector travels; default CUDA's current device for NCCL, else CPU.
@@ -29,8 +30,10 @@ def all_reduce_accumulator(acc: RoutingAccumulator, group=None, device: torch.de
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("all_reduce_accumulator: torch.distributed is not initialised; call "
-                           "init_process_group first (or use RoutingAccumulator.merge in one process)")
+        raise RuntimeError(
+            "all_reduce_accumulator: torch.distributed is not initialised; call "
+            "init_process_group first (or use RoutingAccumulator.merge in one process)"
+        )
     if device is None:
         backend = dist.get_backend(group)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -51,8 +54,11 @@ def all_reduce_accumulator(acc: RoutingAccumulator, group=None, device: torch.de
     parts = []
     for key in keys:
         v = acc.sums.get(key)
-        v = (torch.zeros(union[key], dtype=torch.float64, device=device) if v is None
-             else v.detach().to(device=device, dtype=torch.float64))
+        v = (
+            torch.zeros(union[key], dtype=torch.float64, device=device)
+            if v is None
+            else v.detach().to(device=device, dtype=torch.float64)
+        )
         parts.append(F.pad(v, (0, union[key] - v.numel())))
     flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)

@@ -7,7 +7,20 @@ from mode.routing.registry import ROUTERS, get_router, register_router
 from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
 
 __all__ = [
-    "Aux", "ExpertChoiceConfig", "ExpertChoiceRouter", "MoDRouter", "MoDRouterConfig", "ROUTERS", "RoutingPlan",
-    "RoutingStats", "TokenChoiceConfig", "TokenChoiceRouter", "get_router", "load_balancing_loss",
-    "bias_routers", "register_router", "router_z_loss", "update_expert_bias",
+    "Aux",
+    "ExpertChoiceConfig",
+    "ExpertChoiceRouter",
+    "MoDRouter",
+    "MoDRouterConfig",
+    "ROUTERS",
+    "RoutingPlan",
+    "RoutingStats",
+    "TokenChoiceConfig",
+    "TokenChoiceRouter",
+    "get_router",
+    "load_balancing_loss",
+    "bias_routers",
+    "register_router",
+    "router_z_loss",
+    "update_expert_bias",
 ]

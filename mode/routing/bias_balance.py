@@ -27,8 +27,11 @@ from torch import nn
 
 def bias_routers(model: nn.Module) -> list[nn.Module]:
     """The routers of ``model`` that balance with a bias (those with a ``bias_X`` buffer), in module order."""
-    return [m for m in model.modules() if isinstance(getattr(m, "bias_X", None), torch.Tensor)
-            and isinstance(getattr(m, "load_X", None), torch.Tensor)]
+    return [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "bias_X", None), torch.Tensor) and isinstance(getattr(m, "load_X", None), torch.Tensor)
+    ]
 
 
 @torch.no_grad()

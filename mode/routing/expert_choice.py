@@ -7,7 +7,8 @@ Shape legend
 Affinities are the per-token softmax over the X slots; every slot (no-op slots too) picks the ``c``
 highest-affinity tokens of each sequence, ``c = ceil(capacity_factor * S / X)`` (the factor read as the
 decimal written), and a real expert's gate is the affinity. The plan has the static size ``B * c * E``;
-picks of padded positions stay in it as padding after the computed ones (no host sync). Picks by a no-op slot are never computed; no-op slots still take probability mass
+picks of padded positions stay in it as padding after the computed ones (no host sync). Picks by a no-op slot are never
+computed; no-op slots still take probability mass
 from the real experts. Routing within a sequence keeps sequences independent (no leakage across the
 batch), like MoD, which is expert choice with one expert.
 """
@@ -22,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
-from mode.routing.losses import router_z_loss
 from mode.routing.capacity import ceil_of
+from mode.routing.losses import router_z_loss
 from mode.routing.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 
 
@@ -70,8 +71,10 @@ class ExpertChoiceConfig:
     def causal_problem(self) -> str | None:
         """Why token-by-token decoding would not match the full forward: an expert picks among the whole
         sequence, future tokens included."""
-        return ("router='expert_choice': expert-choice routing picks tokens across the sequence and is not "
-                "causal; generate() needs token-choice MoE layers")
+        return (
+            "router='expert_choice': expert-choice routing picks tokens across the sequence and is not "
+            "causal; generate() needs token-choice MoE layers"
+        )
 
     def tokens_per_slot(self, seq_len: int) -> int:
         """``c = ceil(capacity_factor * S / X)`` tokens each slot picks per sequence."""
@@ -157,11 +160,13 @@ class ExpertChoiceRouter(nn.Module):
         else:
             expert_key_BcE = torch.where(gate_BcE >= 0, slot_BcE, E)
         token_A, expert_A, gate_A, counts_E = group_by_expert(
-            token_BcE.reshape(-1), expert_key_BcE.reshape(-1), gate_BcE.reshape(-1), E, T)
+            token_BcE.reshape(-1), expert_key_BcE.reshape(-1), gate_BcE.reshape(-1), E, T
+        )
 
         aux.stats["router"] = ExpertChoiceStats(counts_E, gate_BcX, token_A, expert_A, probs_BSX, valid_T, (B, S))
-        return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
-                           num_tokens=T, aux=aux)
+        return RoutingPlan(
+            token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E, num_tokens=T, aux=aux
+        )
 
 
 class ExpertChoiceStats(RoutingStats):
@@ -169,8 +174,16 @@ class ExpertChoiceStats(RoutingStats):
     sync) from tensors the router kept: a training step that does not read them launches none of their
     operators. The values are those the fields always had."""
 
-    def __init__(self, counts_E: Tensor, gate_BcX: Tensor, token_A: Tensor, expert_A: Tensor, probs_BSX: Tensor,
-                 valid_T: Tensor | None, batch_shape: tuple[int, int]):
+    def __init__(
+        self,
+        counts_E: Tensor,
+        gate_BcX: Tensor,
+        token_A: Tensor,
+        expert_A: Tensor,
+        probs_BSX: Tensor,
+        valid_T: Tensor | None,
+        batch_shape: tuple[int, int],
+    ):
         self._counts_E, self._gate_BcX = counts_E.detach(), gate_BcX.detach()
         self._token_A, self._expert_A, self._probs_BSX, self._valid_T = token_A, expert_A, probs_BSX.detach(), valid_T
         self.batch_shape = batch_shape
@@ -189,7 +202,7 @@ class ExpertChoiceStats(RoutingStats):
 
     @functools.cached_property
     def noop(self) -> Tensor:
-        return self.requested_X[self._counts_E.numel():].sum()
+        return self.requested_X[self._counts_E.numel() :].sum()
 
     @functools.cached_property
     def tokens(self) -> Tensor:

@@ -34,15 +34,18 @@ class GivenChoices(nn.Module):
         self.cfg = SimpleNamespace(top_k=top_k, num_experts=num_experts, num_noop=0)
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> RoutingPlan:
-        raise TypeError("GivenChoices: the choices are made elsewhere; build the plan with "
-                        "router.plan(index_TK, weight_TK)")
+        raise TypeError(
+            "GivenChoices: the choices are made elsewhere; build the plan with router.plan(index_TK, weight_TK)"
+        )
 
     def plan(self, index_TK: Tensor, weight_TK: Tensor, batch_shape: tuple[int, int] | None = None) -> RoutingPlan:
         """The plan of ``index_TK`` (T, K) experts with gates ``weight_TK`` (T, K), differentiable in the gates;
         ``batch_shape``: (B, S) with B * S = T, for the per-position stats (default (1, T))."""
         if index_TK.dim() != 2 or index_TK.shape[1] != self.cfg.top_k or index_TK.shape != weight_TK.shape:
-            raise ValueError(f"index_TK {tuple(index_TK.shape)}, weight_TK {tuple(weight_TK.shape)}: must both be "
-                             f"(T, top_k={self.cfg.top_k})")
+            raise ValueError(
+                f"index_TK {tuple(index_TK.shape)}, weight_TK {tuple(weight_TK.shape)}: must both be "
+                f"(T, top_k={self.cfg.top_k})"
+            )
         T, K, E = index_TK.shape[0], self.cfg.top_k, self.num_experts
         dev = index_TK.device
         expert_A = index_TK.t().reshape(-1).long()  # choice-major, as TokenChoiceRouter flattens
@@ -51,8 +54,21 @@ class GivenChoices(nn.Module):
         token_A, expert_A, gate_A, counts_E = group_by_expert(token_A, expert_A, gate_A, E, T)
         aux = Aux()
         aux.stats["router"] = RoutingStats(
-            kept_E=counts_E.detach().float(), requested_X=counts_E.detach().float(), dropped=scalar(0, dev),
-            noop=scalar(0, dev), tokens=scalar(T, dev), compute_T=count_per(token_A, T).float(), entropy=None,
-            batch_shape=batch_shape or (1, T))
-        return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
-                           num_tokens=T, aux=aux, padded=False)
+            kept_E=counts_E.detach().float(),
+            requested_X=counts_E.detach().float(),
+            dropped=scalar(0, dev),
+            noop=scalar(0, dev),
+            tokens=scalar(T, dev),
+            compute_T=count_per(token_A, T).float(),
+            entropy=None,
+            batch_shape=batch_shape or (1, T),
+        )
+        return RoutingPlan(
+            token_idx_A=token_A,
+            expert_idx_A=expert_A,
+            weight_A=gate_A,
+            counts_E=counts_E,
+            num_tokens=T,
+            aux=aux,
+            padded=False,
+        )

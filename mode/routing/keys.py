@@ -61,7 +61,7 @@ def parse_router_key(name: str) -> RouterKey | None:
             break
     layer = None
     if head.startswith(f"{LAYERS}."):
-        index = head[len(LAYERS) + 1:].split(".", 1)[0]
+        index = head[len(LAYERS) + 1 :].split(".", 1)[0]
         if index.isdigit():
             layer = int(index)
     return RouterKey(prefix=head, layer=layer, part=part)

@@ -102,8 +102,10 @@ class MoDRouterConfig:
             raise ValueError(f"threshold_momentum={self.threshold_momentum}: must be in (0, 1] (0 never moves it)")
         _checks.check_bool("steer_decision", self.steer_decision)
         if self.steer_decision and self.causal not in ("predictor", "aux_bce"):
-            raise ValueError(f"steer_decision=True with causal={self.causal!r}: only 'predictor' and 'aux_bce' have a "
-                             "learned decision to steer ('threshold' always steers; 'none' has no decision)")
+            raise ValueError(
+                f"steer_decision=True with causal={self.causal!r}: only 'predictor' and 'aux_bce' have a "
+                "learned decision to steer ('threshold' always steers; 'none' has no decision)"
+            )
         _checks.check_int("predictor_hidden", self.predictor_hidden)
         _checks.check_bool("check_finite", self.check_finite)
 
@@ -128,8 +130,10 @@ class MoDRouterConfig:
         """Why this router cannot route token by token (sampling), or None: it needs a causal method."""
         if self.causal != "none":
             return None
-        return ("causal='none': this model's MoD layers use non-causal top-k routing and cannot sample; "
-                "train it with causal='predictor' or 'aux_bce'")
+        return (
+            "causal='none': this model's MoD layers use non-causal top-k routing and cannot sample; "
+            "train it with causal='predictor' or 'aux_bce'"
+        )
 
 
 class MoDRouter(nn.Module):
@@ -152,8 +156,9 @@ class MoDRouter(nn.Module):
         nn.init.normal_(self.weight, std=cfg.d_model**-0.5)
         self.predictor = None
         if cfg.causal == "predictor":
-            self.predictor = nn.Sequential(nn.Linear(cfg.d_model, cfg.predictor_hidden), nn.SiLU(),
-                                           nn.Linear(cfg.predictor_hidden, 1))
+            self.predictor = nn.Sequential(
+                nn.Linear(cfg.d_model, cfg.predictor_hidden), nn.SiLU(), nn.Linear(cfg.predictor_hidden, 1)
+            )
         if self.steers:  # NaN until the first training forward: saved and resumed with the model
             self.register_buffer("threshold", torch.tensor(float("nan")))
 
@@ -195,13 +200,16 @@ class MoDRouter(nn.Module):
         if not self.steers:
             return logit_BS
         if torch.isnan(self.threshold):  # one host read, on the causal path only
-            raise ValueError(f"causal={self.cfg.causal!r}: the routing threshold is not calibrated yet; run forwards "
-                             "in train mode first (training, mode.hf.router_tune, or mode.hf.calibrate(model, "
-                             "batches)): each moves it to the capacity's quantile of the decision logits")
+            raise ValueError(
+                f"causal={self.cfg.causal!r}: the routing threshold is not calibrated yet; run forwards "
+                "in train mode first (training, mode.hf.router_tune, or mode.hf.calibrate(model, "
+                "batches)): each moves it to the capacity's quantile of the decision logits"
+            )
         return logit_BS - self.threshold
 
-    def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, causal: bool = False, *,
-                defer_check: bool = False) -> RoutingPlan:
+    def forward(
+        self, x_BSD: Tensor, mask_BS: Tensor | None = None, causal: bool = False, *, defer_check: bool = False
+    ) -> RoutingPlan:
         """Choose the tokens that go through the block.
 
         Args:
@@ -222,8 +230,10 @@ class MoDRouter(nn.Module):
         _checks.check_hidden("x", x_BSD, self.cfg.d_model, device=self.weight.device)
         _checks.check_mask("mask", mask_BS, x_BSD.shape[:2], device=self.weight.device)
         if causal and self.cfg.causal == "none":
-            raise ValueError("causal=True: this MoD router was built with causal='none'; build it with "
-                             "causal='predictor' or 'aux_bce' to route causally")
+            raise ValueError(
+                "causal=True: this MoD router was built with causal='none'; build it with "
+                "causal='predictor' or 'aux_bce' to route causally"
+            )
         r_BS = self.scores(x_BSD)
         if self.cfg.check_finite and (causal or not defer_check):
             _checks.check_finite_via("MoDRouter", r_BS)  # on the sum of the scores: 4 operators on the device
@@ -286,8 +296,9 @@ class MoDRouter(nn.Module):
             agree_BS = agree_BS * weight_BS
         plan.aux.stats["router"].causal_accuracy = agree_BS.sum() / n_real.clamp_min(1)
 
-    def plan_from_positions(self, r_BS: Tensor, pos_BC: Tensor, valid_BC: Tensor | None,
-                            mask_BS: Tensor | None) -> RoutingPlan:
+    def plan_from_positions(
+        self, r_BS: Tensor, pos_BC: Tensor, valid_BC: Tensor | None, mask_BS: Tensor | None
+    ) -> RoutingPlan:
         """The plan for routed slots ``pos_BC`` (real slots first in each row, in position order)."""
         B, S = r_BS.shape
         C = pos_BC.shape[1]
@@ -312,9 +323,18 @@ class MoDRouter(nn.Module):
         T = B * S
         aux = Aux()
         aux.stats["router"] = MoDStats(token_A, valid_A, mask_BS, (B, S))
-        return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=weight_A,
-                           counts_E=torch.full((1,), B * C, dtype=torch.long, device=dev), num_tokens=T, aux=aux,
-                           seq_capacity=C, valid_A=valid_A, seq_pos_BC=pos_BC, scores_BS=r_BS)
+        return RoutingPlan(
+            token_idx_A=token_A,
+            expert_idx_A=expert_A,
+            weight_A=weight_A,
+            counts_E=torch.full((1,), B * C, dtype=torch.long, device=dev),
+            num_tokens=T,
+            aux=aux,
+            seq_capacity=C,
+            valid_A=valid_A,
+            seq_pos_BC=pos_BC,
+            scores_BS=r_BS,
+        )
 
     def _empty_plan(self, r_BS: Tensor, mask_BS: Tensor | None) -> RoutingPlan:
         """What ``plan_from_positions`` returns when no token is routed (C = 0), in a handful of ops: decoding
@@ -334,9 +354,16 @@ class MoDRouter(nn.Module):
             batch_shape=(B, S),
         )
         no_A = torch.zeros(0, dtype=torch.long, device=dev)
-        return RoutingPlan(token_idx_A=no_A, expert_idx_A=no_A.clone(), weight_A=r_BS.new_zeros(0),
-                           counts_E=torch.zeros(1, dtype=torch.long, device=dev), num_tokens=B * S, aux=aux,
-                           seq_capacity=0, valid_A=torch.zeros(0, dtype=torch.bool, device=dev))
+        return RoutingPlan(
+            token_idx_A=no_A,
+            expert_idx_A=no_A.clone(),
+            weight_A=r_BS.new_zeros(0),
+            counts_E=torch.zeros(1, dtype=torch.long, device=dev),
+            num_tokens=B * S,
+            aux=aux,
+            seq_capacity=0,
+            valid_A=torch.zeros(0, dtype=torch.bool, device=dev),
+        )
 
 
 class MoDStats(RoutingStats):
@@ -379,8 +406,11 @@ class MoDStats(RoutingStats):
     @functools.cached_property
     def compute_T(self) -> Tensor:
         B, S = self.batch_shape
-        routed_A = (torch.ones(self._token_A.shape, device=self._token_A.device) if self._valid_A is None
-                    else self._valid_A.float())
+        routed_A = (
+            torch.ones(self._token_A.shape, device=self._token_A.device)
+            if self._valid_A is None
+            else self._valid_A.float()
+        )
         return torch.zeros(B * S, device=self._token_A.device).index_put_((self._token_A,), routed_A)  # distinct
 
 

@@ -188,8 +188,9 @@ class Aux:
     def total(self) -> Tensor:
         """The sum of ``coef * loss`` (pre-weighted terms as they are); a zero scalar when there are none. One
         term is returned as it is (no operator); several are summed in one ``stack`` and ``sum``."""
-        terms = [self.coefs[k] * self.losses[k] for k in self.losses
-                 if k not in self._covered and self.coefs[k] != 0.0] + self.weighted
+        terms = [
+            self.coefs[k] * self.losses[k] for k in self.losses if k not in self._covered and self.coefs[k] != 0.0
+        ] + self.weighted
         if not terms:
             return torch.zeros((), device="cpu")  # a CPU scalar adds to a loss on any device, without a copy
         dtype = torch.float64 if any(t.dtype == torch.float64 for t in terms) else torch.float32  # float64 stays
@@ -197,7 +198,7 @@ class Aux:
             return terms[0].to(dtype)
         return torch.stack([t.to(dtype) for t in terms]).sum()
 
-    def merge(self, other: "Aux", prefix: str = "") -> "Aux":
+    def merge(self, other: Aux, prefix: str = "") -> Aux:
         """Add ``other``'s entries under ``prefix`` (in place); returns self for chaining. Lazy losses stay lazy."""
         for k in other.losses:
             name = prefix + k
@@ -266,15 +267,23 @@ class RoutingPlan:
         """Static size ``A`` of the plan (computed assignments and padding)."""
         return self.token_idx_A.numel()
 
-    def compact(self) -> "RoutingPlan":
+    def compact(self) -> RoutingPlan:
         """The same plan without its padding: only the computed assignments. Reads their number on the
         host, so it is for tests, debugging and reference code, never the hot path."""
         n = int(self.counts_E.sum())
         if self.seq_capacity is not None or n == self.num_assignments:
             return self  # per-sequence (MoD) plans keep their slots; nothing to drop
-        return RoutingPlan(token_idx_A=self.token_idx_A[:n], expert_idx_A=self.expert_idx_A[:n],
-                           weight_A=self.weight_A[:n], counts_E=self.counts_E, num_tokens=self.num_tokens,
-                           aux=self.aux, seq_capacity=None, valid_A=None, padded=False)
+        return RoutingPlan(
+            token_idx_A=self.token_idx_A[:n],
+            expert_idx_A=self.expert_idx_A[:n],
+            weight_A=self.weight_A[:n],
+            counts_E=self.counts_E,
+            num_tokens=self.num_tokens,
+            aux=self.aux,
+            seq_capacity=None,
+            valid_A=None,
+            padded=False,
+        )
 
     def computed_A(self) -> Tensor:
         """True for the assignments that are computed (the first ``counts_E.sum()``), on the device."""
@@ -282,7 +291,11 @@ class RoutingPlan:
 
 
 def group_by_expert(
-    token_idx_A: Tensor, expert_idx_A: Tensor, weight_A: Tensor, num_experts: int, num_tokens: int,
+    token_idx_A: Tensor,
+    expert_idx_A: Tensor,
+    weight_A: Tensor,
+    num_experts: int,
+    num_tokens: int,
     return_order: bool = False,
 ) -> tuple[Tensor, ...]:
     """Sort assignments by (expert, token) and count them per expert; the size stays ``A``.

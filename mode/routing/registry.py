@@ -44,8 +44,10 @@ class RouterSpec:
         options = dict(options or {})
         unknown = sorted(set(options) - declared)
         if unknown:
-            raise ValueError(f"router_options={options!r}: {unknown} are not fields of "
-                             f"{self.config_cls.__name__} (fields: {sorted(declared)})")
+            raise ValueError(
+                f"router_options={options!r}: {unknown} are not fields of "
+                f"{self.config_cls.__name__} (fields: {sorted(declared)})"
+            )
         return self.config_cls(**{**{k: v for k, v in fields.items() if k in declared}, **options})
 
 
@@ -66,8 +68,10 @@ def register_router(name: str, config_cls: type, router_cls: type, *, replace: b
 
 def get_router(name: str) -> RouterSpec:
     if not isinstance(name, str) or name not in ROUTERS:
-        raise ValueError(f"router={name!r}: must be one of {', '.join(map(repr, ROUTERS))} "
-                         "(or a name registered with mode.routing.register_router)")
+        raise ValueError(
+            f"router={name!r}: must be one of {', '.join(map(repr, ROUTERS))} "
+            "(or a name registered with mode.routing.register_router)"
+        )
     return ROUTERS[name]
 
 

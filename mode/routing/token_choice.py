@@ -7,7 +7,8 @@ Shape legend
 Each token scores the X slots, keeps its top-k, and its gates are the softmax (or sigmoid, or
 ``sqrtsoftplus``: DeepSeek-V4's sqrt(softplus(logit))) scores of those slots, optionally renormalised over the
 k chosen. Choosing by the scores or by the raw logits is the same choice (each is monotone in the logit); a
-softmax over the k chosen logits (gpt-oss, Granite) is the renormalised softmax. Choices of a no-op slot are never computed:
+softmax over the k chosen logits (gpt-oss, Granite) is the renormalised softmax. Choices of a no-op slot are never
+computed:
 the token simply gets less (or no) expert output. With ``capacity_factor`` set, each real expert takes at
 most ``ceil(capacity_factor * T * K / E)`` assignments (the factor read as the decimal written) and the
 rest are dropped, first choices before second choices and earlier tokens first; ``capacity_factor=None``
@@ -68,11 +69,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
-from mode.routing.losses import _masked_mean, router_z_loss
-from mode.routing.capacity import ceil_of
 from mode.kernels.router import RouterOut, router_topk
-from mode.routing.plan import (Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, inverse_of,
-                               permute, scalar)
+from mode.routing.capacity import ceil_of
+from mode.routing.losses import _masked_mean, router_z_loss
+from mode.routing.plan import (
+    Aux,
+    RoutingPlan,
+    RoutingStats,
+    count_per,
+    entropy_of,
+    group_by_expert,
+    inverse_of,
+    permute,
+    scalar,
+)
 
 GATES = ("softmax", "sigmoid", "sqrtsoftplus", "sparsemixer")  # sqrtsoftplus: DeepSeek-V4; sparsemixer: PhiMoE
 GROUP_SCORES = ("top2", "max")  # a group scores the sum of its two best experts (DeepSeek-V3) or its best (V2)
@@ -175,8 +185,10 @@ class TokenChoiceConfig:
         _checks.check_non_negative("renorm_min", self.renorm_min)
         _checks.check_positive("renorm_p", self.renorm_p)
         if (self.renorm_eps or self.renorm_min or self.renorm_p != 1.0) and not self.renormalize:
-            raise ValueError(f"renorm_eps={self.renorm_eps}, renorm_min={self.renorm_min}, "
-                             f"renorm_p={self.renorm_p}: need renormalize=True")
+            raise ValueError(
+                f"renorm_eps={self.renorm_eps}, renorm_min={self.renorm_min}, "
+                f"renorm_p={self.renorm_p}: need renormalize=True"
+            )
         _checks.check_bool("logit_bias", self.logit_bias)
         _checks.check_non_negative("mixer_eps", self.mixer_eps)
         _checks.check_int("hash_vocab", self.hash_vocab, min_value=0)
@@ -184,13 +196,17 @@ class TokenChoiceConfig:
         _checks.check_choice("bias_on", self.bias_on, ("scores", "logits"))
         _checks.check_choice("dropped_groups", self.dropped_groups, ("ninf", "zero"))
         if self.hash_vocab and (self.bias_balance or self.n_group > 1 or self.num_noop or self.gate == "sparsemixer"):
-            raise ValueError(f"hash_vocab={self.hash_vocab}: hash routing takes its experts from the table (got "
-                             f"bias_balance={self.bias_balance}, n_group={self.n_group}, num_noop={self.num_noop}, "
-                             f"gate={self.gate!r}: none of them applies)")
+            raise ValueError(
+                f"hash_vocab={self.hash_vocab}: hash routing takes its experts from the table (got "
+                f"bias_balance={self.bias_balance}, n_group={self.n_group}, num_noop={self.num_noop}, "
+                f"gate={self.gate!r}: none of them applies)"
+            )
         if self.gate == "sparsemixer" and (self.renormalize or self.bias_balance or self.n_group > 1):
-            raise ValueError(f"gate='sparsemixer': gives each slot its own gate, chosen by the logits alone (got "
-                             f"renormalize={self.renormalize}, bias_balance={self.bias_balance}, "
-                             f"n_group={self.n_group}: none of them applies)")
+            raise ValueError(
+                f"gate='sparsemixer': gives each slot its own gate, chosen by the logits alone (got "
+                f"renormalize={self.renormalize}, bias_balance={self.bias_balance}, "
+                f"n_group={self.n_group}: none of them applies)"
+            )
         _checks.check_choice("group_score", self.group_score, GROUP_SCORES)
         _checks.check_bool("check_finite", self.check_finite)
         _checks.check_positive("scale", self.scale)
@@ -207,14 +223,18 @@ class TokenChoiceConfig:
         if self.surplus_from_dropped:
             eligible = self.num_experts + self.num_noop
         if self.top_k > eligible:
-            raise ValueError(f"top_k={self.top_k}: must be <= the slots a token can choose from, topk_group * "
-                             f"num_experts / n_group + num_noop = {eligible}")
+            raise ValueError(
+                f"top_k={self.top_k}: must be <= the slots a token can choose from, topk_group * "
+                f"num_experts / n_group + num_noop = {eligible}"
+            )
         _checks.check_bool("bias_balance", self.bias_balance)
         _checks.check_positive("bias_rate", self.bias_rate)
         if self.noop_target is not None:
             if not self.bias_balance or self.num_noop < 1:
-                raise ValueError(f"noop_target={self.noop_target}: needs bias_balance=True and num_noop >= 1 "
-                                 f"(got bias_balance={self.bias_balance}, num_noop={self.num_noop})")
+                raise ValueError(
+                    f"noop_target={self.noop_target}: needs bias_balance=True and num_noop >= 1 "
+                    f"(got bias_balance={self.bias_balance}, num_noop={self.num_noop})"
+                )
             if _checks.check_fraction("noop_target", self.noop_target) == 1.0:
                 raise ValueError(f"noop_target={self.noop_target}: must be in (0, 1) (1 would compute nothing)")
         _checks.check_choice("balance_scope", self.balance_scope, BALANCE_SCOPES)
@@ -234,9 +254,11 @@ class TokenChoiceConfig:
         each token alone; capacity drops depend on the other tokens."""
         if self.capacity_factor is None:
             return None
-        return (f"capacity_factor={self.capacity_factor}: token-choice capacity drops depend on the other tokens "
-                "of the batch, so decoding would not match the full forward; generate() needs dropless MoE layers "
-                "(rebuild the LMConfig with capacity_factor=None and load the same weights)")
+        return (
+            f"capacity_factor={self.capacity_factor}: token-choice capacity drops depend on the other tokens "
+            "of the batch, so decoding would not match the full forward; generate() needs dropless MoE layers "
+            "(rebuild the LMConfig with capacity_factor=None and load the same weights)"
+        )
 
     def capacity(self, num_tokens: int) -> int | None:
         """Per-expert assignment limit for ``num_tokens`` tokens (None when dropless)."""
@@ -253,9 +275,16 @@ class TokenChoiceConfig:
         """Whether ``mode.kernels.router_topk`` computes this router's math: a softmax or sigmoid gate chosen by
         its own scores (no bias balancing, no group limit, no hash table), renormalised by the plain sum, and the
         balance loss over the batch (or the global batch: its counts are reduced as before)."""
-        return (self.gate in ("softmax", "sigmoid") and not self.bias_balance and not self.group_limited
-                and not self.hash_vocab and self.renorm_p == 1.0 and not self.renorm_eps and not self.renorm_min
-                and self.balance_scope in ("batch", "global"))
+        return (
+            self.gate in ("softmax", "sigmoid")
+            and not self.bias_balance
+            and not self.group_limited
+            and not self.hash_vocab
+            and self.renorm_p == 1.0
+            and not self.renorm_eps
+            and not self.renorm_min
+            and self.balance_scope in ("batch", "global")
+        )
 
     def target_shares(self) -> list[float]:
         """The share of the choices each slot should get under balanced routing: even over all slots, or
@@ -267,7 +296,7 @@ class TokenChoiceConfig:
 
     def assignments(self, seq_len: int) -> float:
         """Computed assignments per sequence under balanced routing (no-op slots take their share)."""
-        wanted = seq_len * self.top_k * sum(self.target_shares()[:self.num_experts])
+        wanted = seq_len * self.top_k * sum(self.target_shares()[: self.num_experts])
         cap = self.capacity(seq_len)
         return wanted if cap is None else min(wanted, self.num_experts * cap)
 
@@ -331,9 +360,11 @@ class TokenChoiceRouter(nn.Module):
         _checks.check_hidden("x", x_BSD, self.cfg.d_model, device=self.weight.device)
         _checks.check_mask("mask", mask_BS, x_BSD.shape[:2], device=self.weight.device)
         if self.cfg.hash_vocab and (ids_BS is None or tuple(ids_BS.shape) != tuple(x_BSD.shape[:2])):
-            raise ValueError(f"ids_BS={None if ids_BS is None else tuple(ids_BS.shape)}: hash routing "
-                             f"(hash_vocab={self.cfg.hash_vocab}) chooses by the token ids; pass them, shaped "
-                             f"like x's (B, S) = {tuple(x_BSD.shape[:2])}")
+            raise ValueError(
+                f"ids_BS={None if ids_BS is None else tuple(ids_BS.shape)}: hash routing "
+                f"(hash_vocab={self.cfg.hash_vocab}) chooses by the token ids; pass them, shaped "
+                f"like x's (B, S) = {tuple(x_BSD.shape[:2])}"
+            )
         B, S, _ = x_BSD.shape
         T, K, E = B * S, self.cfg.top_k, self.num_experts
         valid_T = None if mask_BS is None else mask_BS.reshape(T)
@@ -348,8 +379,14 @@ class TokenChoiceRouter(nn.Module):
                 logits_TX = torch.tanh(logits_TX / self.cfg.logit_softcap) * self.cfg.logit_softcap
             fused = None
             if self._fused:  # scores, top-k, renormalisation, scale, loss sums and counts: one op
-                fused = router_topk(logits_TX, K, gate=self.cfg.gate, renormalize=self.cfg.renormalize,
-                                    scale=self.cfg.scale, valid_T=valid_T)
+                fused = router_topk(
+                    logits_TX,
+                    K,
+                    gate=self.cfg.gate,
+                    renormalize=self.cfg.renormalize,
+                    scale=self.cfg.scale,
+                    valid_T=valid_T,
+                )
                 gate_TK, chosen_TK, probs_TX, balance_probs_TX = fused.gate_TK, fused.chosen_TK, None, None
             elif self.cfg.gate in ("softmax", "sparsemixer"):
                 probs_TX = logits_TX.softmax(-1)
@@ -408,8 +445,9 @@ class TokenChoiceRouter(nn.Module):
             if fused is not None:
                 z_total = self._add_fused_losses(aux, fused, requested_X, valid_T)
             else:
-                z_total = self._add_losses(aux, logits_TX, probs_TX, balance_probs_TX, requested_X, chosen_TK,
-                                           valid_T, B)
+                z_total = self._add_losses(
+                    aux, logits_TX, probs_TX, balance_probs_TX, requested_X, chosen_TK, valid_T, B
+                )
             if self.cfg.check_finite:  # on a reduction over every logit the step makes anyway (the z-loss)
                 _checks.check_finite_via("TokenChoiceRouter", logits_TX, z_total)
 
@@ -419,8 +457,9 @@ class TokenChoiceRouter(nn.Module):
             if cap is not None:
                 computed_A = computed_A & _within_capacity(slot_A, computed_A, E, cap)
             expert_key_A = torch.where(computed_A, slot_A, E)  # E: not computed, sorts after every expert
-            token_A, expert_A, gate_A, counts_E, order_A = group_by_expert(token_A, expert_key_A, gate_A, E, T,
-                                                                           return_order=True)
+            token_A, expert_A, gate_A, counts_E, order_A = group_by_expert(
+                token_A, expert_key_A, gate_A, E, T, return_order=True
+            )
             inv_TK = inverse_of(order_A, T, K, choice_major=True)
         else:
             # One stable sort of the token-major choices (a = t * K + k) by expert: inside an expert the choices
@@ -432,11 +471,21 @@ class TokenChoiceRouter(nn.Module):
             counts_E = requested_X
 
         entropy = None if fused is None else functools.partial(_token_mean, fused.entropy_sum.detach(), T, valid_T)
-        aux.stats["router"] = TokenChoiceStats(counts_E, requested_X, token_A, expert_A, balance_probs_TX, valid_T,
-                                               padded, (B, S), entropy=entropy)
-        return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
-                           num_tokens=T, aux=aux, padded=padded, logits_TX=logits_TX, noop_gate_TN=noop_gate_TN,
-                           inv_TK=inv_TK)
+        aux.stats["router"] = TokenChoiceStats(
+            counts_E, requested_X, token_A, expert_A, balance_probs_TX, valid_T, padded, (B, S), entropy=entropy
+        )
+        return RoutingPlan(
+            token_idx_A=token_A,
+            expert_idx_A=expert_A,
+            weight_A=gate_A,
+            counts_E=counts_E,
+            num_tokens=T,
+            aux=aux,
+            padded=padded,
+            logits_TX=logits_TX,
+            noop_gate_TN=noop_gate_TN,
+            inv_TK=inv_TK,
+        )
 
     def _add_fused_losses(self, aux: Aux, out: RouterOut, requested_X: Tensor, valid_T: Tensor | None) -> Tensor:
         """The balance and z losses from the fused op's sums (``RouterOut``), bit for bit the values of
@@ -461,30 +510,45 @@ class TokenChoiceRouter(nn.Module):
         if c_b or c_z:
             w_X = requested_X.to(out.sums_S.dtype) * (c_b * X / (n * n * K))  # the router's dtype, no gradient
             w_S = F.pad(w_X, (0, 1), value=c_z / n)  # [w_X | z_coef / T]
-            total = torch.dot(out.sums_S[:X + 1], w_S)
-        aux.add_weighted(total, {  # module functions: torch.compile rebuilds their partials
-            "balance": (functools.partial(_fused_balance, out.prob_sum_X, requested_X, K, n), c_b),
-            "z_loss": (functools.partial(_token_mean, out.z_sum, T, None), c_z),
-        })
+            total = torch.dot(out.sums_S[: X + 1], w_S)
+        aux.add_weighted(
+            total,
+            {  # module functions: torch.compile rebuilds their partials
+                "balance": (functools.partial(_fused_balance, out.prob_sum_X, requested_X, K, n), c_b),
+                "z_loss": (functools.partial(_token_mean, out.z_sum, T, None), c_z),
+            },
+        )
         return out.z_sum
 
-    def _add_losses(self, aux: Aux, logits_TX: Tensor, probs_TX: Tensor, balance_probs_TX: Tensor,
-                    requested_X: Tensor, chosen_TK: Tensor, valid_T: Tensor | None, batch: int) -> Tensor | None:
+    def _add_losses(
+        self,
+        aux: Aux,
+        logits_TX: Tensor,
+        probs_TX: Tensor,
+        balance_probs_TX: Tensor,
+        requested_X: Tensor,
+        chosen_TK: Tensor,
+        valid_T: Tensor | None,
+        batch: int,
+    ) -> Tensor | None:
         """Put the balance and z losses into ``aux``. Returns a scalar that is NaN or inf whenever a logit is (the
         z-loss, or the objective that holds it), for the finite check; None where none was formed."""
-        fast = valid_T is None and (self.cfg.balance_scope == "batch" or (
-            self.cfg.balance_scope == "global" and self.reduce_counts is None))
+        fast = valid_T is None and (
+            self.cfg.balance_scope == "batch" or (self.cfg.balance_scope == "global" and self.reduce_counts is None)
+        )
         if fast and logits_TX.numel() and (self.cfg.balance_coef or self.cfg.z_coef):
             total = self._add_weighted(aux, logits_TX, probs_TX, balance_probs_TX, requested_X)
             return total if self.cfg.z_coef else None
-        aux.add_loss("balance", self._balance(balance_probs_TX, requested_X, chosen_TK, valid_T, batch),
-                     self.cfg.balance_coef)
+        aux.add_loss(
+            "balance", self._balance(balance_probs_TX, requested_X, chosen_TK, valid_T, batch), self.cfg.balance_coef
+        )
         z_loss = router_z_loss(logits_TX, valid_T)  # a masked token's NaN survives the mask (NaN * 0 is NaN)
         aux.add_loss("z_loss", z_loss, self.cfg.z_coef)
         return z_loss
 
-    def _add_weighted(self, aux: Aux, logits_TX: Tensor, probs_TX: Tensor, balance_probs_TX: Tensor,
-                      requested_X: Tensor) -> Tensor | None:
+    def _add_weighted(
+        self, aux: Aux, logits_TX: Tensor, probs_TX: Tensor, balance_probs_TX: Tensor, requested_X: Tensor
+    ) -> Tensor | None:
         """The router's objective ``balance_coef * balance + z_coef * z_loss`` as one scalar, in a handful of
         operators (no mask, the balance over this forward's tokens). With ``p_X`` the column sums of the
         probabilities and ``n_X`` the choice counts, ``balance = X * sum_x (n_x / (T K)) (p_x / T)`` is one dot
@@ -504,15 +568,21 @@ class TokenChoiceRouter(nn.Module):
             total = torch.dot(balance_probs_TX.sum(0), w_X)
         lse_T = None
         if c_z:
-            lse_T = (_logsumexp_from_softmax(logits_TX, probs_TX) if self.cfg.gate in ("softmax", "sparsemixer")
-                     else torch.logsumexp(logits_TX, dim=-1))
+            lse_T = (
+                _logsumexp_from_softmax(logits_TX, probs_TX)
+                if self.cfg.gate in ("softmax", "sparsemixer")
+                else torch.logsumexp(logits_TX, dim=-1)
+            )
             z = torch.dot(lse_T, lse_T)
             total = z * (c_z / T) if total is None else torch.add(total, z, alpha=c_z / T)
         requested = requested_X.detach()
-        aux.add_weighted(total, {
-            "balance": (functools.partial(_balance_loss, balance_probs_TX, requested, K, None), c_b),
-            "z_loss": (functools.partial(_z_loss, logits_TX, lse_T), c_z),
-        })
+        aux.add_weighted(
+            total,
+            {
+                "balance": (functools.partial(_balance_loss, balance_probs_TX, requested, K, None), c_b),
+                "z_loss": (functools.partial(_z_loss, logits_TX, lse_T), c_z),
+            },
+        )
         return total
 
     def _choice_scores(self, probs_TX: Tensor, logits_TX: Tensor) -> Tensor:
@@ -530,12 +600,14 @@ class TokenChoiceRouter(nn.Module):
         else:  # a group scores its two best experts
             group_TG = real_TGE.topk(min(2, E // G), dim=-1).values.sum(-1)
         keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(
-            1, group_TG.topk(self.cfg.topk_group, dim=-1).indices, True)
+            1, group_TG.topk(self.cfg.topk_group, dim=-1).indices, True
+        )
         real_TE = real_TGE.masked_fill(~keep_TG[:, :, None], self._dropped_fill).reshape(T, E)
         return torch.cat([real_TE, choice_TX[:, E:]], dim=1)
 
-    def _balance(self, probs_TX: Tensor, requested_X: Tensor, chosen_TK: Tensor, valid_T: Tensor | None,
-                 batch: int) -> Tensor:
+    def _balance(
+        self, probs_TX: Tensor, requested_X: Tensor, chosen_TK: Tensor, valid_T: Tensor | None, batch: int
+    ) -> Tensor:
         """The Switch balance loss at the configured scope."""
         K = self.cfg.top_k
         if self.cfg.balance_scope == "sequence":
@@ -565,9 +637,18 @@ class TokenChoiceStats(RoutingStats):
     sync) from tensors the router kept: a training step that does not read them launches none of their
     operators. The values are those the fields always had."""
 
-    def __init__(self, counts_E: Tensor, requested_X: Tensor, token_A: Tensor, expert_A: Tensor,
-                 probs_TX: Tensor | None, valid_T: Tensor | None, padded: bool, batch_shape: tuple[int, int],
-                 entropy: Callable[[], Tensor] | None = None):
+    def __init__(
+        self,
+        counts_E: Tensor,
+        requested_X: Tensor,
+        token_A: Tensor,
+        expert_A: Tensor,
+        probs_TX: Tensor | None,
+        valid_T: Tensor | None,
+        padded: bool,
+        batch_shape: tuple[int, int],
+        entropy: Callable[[], Tensor] | None = None,
+    ):
         self._counts_E, self._requested_X = counts_E.detach(), requested_X.detach()
         self._token_A, self._expert_A = token_A, expert_A
         self._probs_TX = None if probs_TX is None else probs_TX.detach()
@@ -585,11 +666,11 @@ class TokenChoiceStats(RoutingStats):
 
     @functools.cached_property
     def dropped(self) -> Tensor:
-        return (self._requested_X[:self.num_experts].sum() - self._counts_E.sum()).float()
+        return (self._requested_X[: self.num_experts].sum() - self._counts_E.sum()).float()
 
     @functools.cached_property
     def noop(self) -> Tensor:
-        return self._requested_X[self.num_experts:].sum().float()
+        return self._requested_X[self.num_experts :].sum().float()
 
     @functools.cached_property
     def tokens(self) -> Tensor:
@@ -638,8 +719,9 @@ def _z_loss(logits_TX: Tensor, lse_T: Tensor | None) -> Tensor:
     return _masked_mean(lse_T.square(), None)
 
 
-def _balance_loss(probs_TX: Tensor, requested_X: Tensor, top_k: int, valid_T: Tensor | None,
-                  global_counts: Tensor | None = None) -> Tensor:
+def _balance_loss(
+    probs_TX: Tensor, requested_X: Tensor, top_k: int, valid_T: Tensor | None, global_counts: Tensor | None = None
+) -> Tensor:
     """``losses.load_balancing_loss`` from the choice counts the router has anyway (``requested_X``, valid
     choices per slot) instead of a (T, X) one-hot: the same value bit for bit (a float32 sum of ones is the
     exact count), three passes over (T, X) fewer. ``tests/core/test_routers.py`` checks the two agree.
@@ -671,8 +753,9 @@ def _fused_balance(prob_sum_X: Tensor, count_X: Tensor, top_k: int, n: int) -> T
     return prob_sum_X.shape[0] * (f_X * (prob_sum_X / n)).sum()
 
 
-def _balance_from_sums(prob_sum_X: Tensor, requested_X: Tensor, top_k: int, n: Tensor | int,
-                       global_counts: Tensor) -> Tensor:
+def _balance_from_sums(
+    prob_sum_X: Tensor, requested_X: Tensor, top_k: int, n: Tensor | int, global_counts: Tensor
+) -> Tensor:
     """``_balance_loss`` with global counts, from the fused op's (masked) column sums of the shares: the same
     value bit for bit (``(probs * valid).sum(0)`` is what the op sums)."""
     num_slots = prob_sum_X.shape[-1]
@@ -688,8 +771,11 @@ def _sequence_balance_loss(probs_TX: Tensor, chosen_TK: Tensor, valid_T: Tensor 
     S = T // max(1, batch)
     w_T = probs_TX.new_ones(T) if valid_T is None else valid_T.to(probs_TX.dtype)
     seq_TK = torch.arange(T, device=probs_TX.device).div(S, rounding_mode="floor")[:, None].expand(T, K)
-    counts_BX = probs_TX.new_zeros(batch * X).index_add_(
-        0, (seq_TK * X + chosen_TK).reshape(-1), w_T[:, None].expand(T, K).reshape(-1)).view(batch, X)
+    counts_BX = (
+        probs_TX.new_zeros(batch * X)
+        .index_add_(0, (seq_TK * X + chosen_TK).reshape(-1), w_T[:, None].expand(T, K).reshape(-1))
+        .view(batch, X)
+    )
     n_B = w_T.view(batch, S).sum(1)
     p_BX = (probs_TX * w_T[:, None]).view(batch, S, X).sum(1)
     per_seq_B = X * (counts_BX * p_BX).sum(1) / (n_B.square().clamp_min(1) * K)

@@ -16,11 +16,20 @@
 This package imports the library core and ``mode.measure``, never ``mode.parallel`` (docs/architecture.md).
 """
 
+from mode.train.checkpoint import load_model
 from mode.train.config import TrainConfig
 from mode.train.optim import build_optimizer, lr_at
 from mode.train.runtime import OneProcess, Runtime, resolve_device
-from mode.train.checkpoint import load_model
 from mode.train.trainer import Trainer, evaluate
 
-__all__ = ["OneProcess", "Runtime", "TrainConfig", "Trainer", "build_optimizer", "evaluate", "load_model",
-           "lr_at", "resolve_device"]
+__all__ = [
+    "OneProcess",
+    "Runtime",
+    "TrainConfig",
+    "Trainer",
+    "build_optimizer",
+    "evaluate",
+    "load_model",
+    "lr_at",
+    "resolve_device",
+]

@@ -48,8 +48,11 @@ def global_balance_routers(model: nn.Module) -> list[nn.Module]:
     found = []
     for m in model.modules():
         cfg = getattr(m, "cfg", None)
-        if (hasattr(m, "reduce_counts") and getattr(cfg, "balance_scope", None) == "global"
-                and getattr(cfg, "balance_coef", 0) > 0):
+        if (
+            hasattr(m, "reduce_counts")
+            and getattr(cfg, "balance_scope", None) == "global"
+            and getattr(cfg, "balance_coef", 0) > 0
+        ):
             found.append(m)
     return found
 
@@ -123,15 +126,17 @@ class GradAccumulation:
         micro-batch and every rank (``reduce_counts``' own layout: X counts, then the tokens)."""
         recorders = [_Recorder() for _ in self.routers]
         devices = [self.device] if self.device.type == "cuda" else []
-        with _reduce_counts_set(self.routers, recorders), torch.random.fork_rng(devices=devices), \
-                preserved_buffers(self.model):
+        with (
+            _reduce_counts_set(self.routers, recorders),
+            torch.random.fork_rng(devices=devices),
+            preserved_buffers(self.model),
+        ):
             for x_mS, _ in micro:
                 with self.autocast():
                     self.model(x_mS)
         totals = []
         for r, rec in zip(self.routers, recorders):  # a router no forward reached counted nothing
-            totals.append(rec.total if rec.total is not None else
-                          torch.zeros(r.num_slots + 1, device=self.device))
+            totals.append(rec.total if rec.total is not None else torch.zeros(r.num_slots + 1, device=self.device))
         by_reducer: dict[int, list[int]] = {}
         for i, r in enumerate(self.routers):  # parallelize gives every router the same: one collective
             if r.reduce_counts is not None:

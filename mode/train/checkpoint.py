@@ -40,9 +40,9 @@ import hashlib
 import io
 import numbers
 import os
-import shutil
 import pickle
 import secrets
+import shutil
 import time
 import warnings
 import zipfile
@@ -63,10 +63,26 @@ STALL_ENV = "MODE_TEST_STALL_WRITE"  # test hook: "<path suffix>@<n>", see atomi
 
 # key -> accepted types, checked on load (bool is excluded from the numbers separately)
 _MODEL_KEYS = {"model_cfg": dict, "model": dict}
-_TRAIN_KEYS = {"train_cfg": dict, "optimizer": dict, "step": int, "flops": (int, float), "tokens": int,
-               "wall": (int, float), "history": list, "sampler_rng": Tensor, "torch_rng": Tensor}
-_OPTIONAL_KEYS = {"step": int, "cuda_rng": list, "routing_acc": dict, "elapsed_s": (int, float),
-                  "expert_parallel": dict, "parallel": dict, "data": dict}
+_TRAIN_KEYS = {
+    "train_cfg": dict,
+    "optimizer": dict,
+    "step": int,
+    "flops": (int, float),
+    "tokens": int,
+    "wall": (int, float),
+    "history": list,
+    "sampler_rng": Tensor,
+    "torch_rng": Tensor,
+}
+_OPTIONAL_KEYS = {
+    "step": int,
+    "cuda_rng": list,
+    "routing_acc": dict,
+    "elapsed_s": (int, float),
+    "expert_parallel": dict,
+    "parallel": dict,
+    "data": dict,
+}
 _PLAIN = (str, int, float, bool, type(None))
 
 
@@ -94,8 +110,10 @@ def refuse_existing(paths, hint: str = "") -> None:
     found = [Path(p) for p in paths if os.path.lexists(p)]
     if found:
         more = f" (and {len(found) - 1} more of this command's outputs)" if len(found) > 1 else ""
-        raise OutputExistsError(f"{str(found[0])!r} already exists{more}; {hint}pass --force to replace "
-                                f"{'them' if len(found) > 1 else 'it'}")
+        raise OutputExistsError(
+            f"{str(found[0])!r} already exists{more}; {hint}pass --force to replace "
+            f"{'them' if len(found) > 1 else 'it'}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -160,8 +178,9 @@ def atomic_write(path: str | Path, data: bytes) -> Path:
             tmp.unlink()
         except OSError:
             pass
-        raise WriteError(f"could not write {str(path)!r}: {e.strerror or e} (the previous file, if any, is "
-                         "unchanged)") from e
+        raise WriteError(
+            f"could not write {str(path)!r}: {e.strerror or e} (the previous file, if any, is unchanged)"
+        ) from e
     _fsync_dir(folder)  # the rename itself survives a power cut
     return path
 
@@ -304,8 +323,11 @@ def set_rng_state(state: dict, device: torch.device | int | None = None) -> None
     elif index < len(cuda):  # the older format: one state per GPU of the saving machine
         saved = cuda[index]
     else:
-        warnings.warn(f"cuda_rng: the checkpoint holds the RNG states of {len(cuda)} GPUs, none for this "
-                      f"process's GPU cuda:{index}: its generator is left as it is", stacklevel=2)
+        warnings.warn(
+            f"cuda_rng: the checkpoint holds the RNG states of {len(cuda)} GPUs, none for this "
+            f"process's GPU cuda:{index}: its generator is left as it is",
+            stacklevel=2,
+        )
         return
     torch.cuda.set_rng_state(saved, index)
 
@@ -331,8 +353,9 @@ def read_checkpoint(path: str | Path) -> dict:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()  # reads every member and checks its CRC32
     except zipfile.BadZipFile as e:
-        raise CheckpointError(f"{where}: truncated or not a checkpoint (not a complete torch zip file: "
-                              f"{_first_line(e)})") from None
+        raise CheckpointError(
+            f"{where}: truncated or not a checkpoint (not a complete torch zip file: {_first_line(e)})"
+        ) from None
     except OSError as e:
         raise CheckpointError(f"{where}: cannot be read: {e.strerror or e}") from e
     if bad is not None:
@@ -340,11 +363,14 @@ def read_checkpoint(path: str | Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{where}: refused: it holds objects other than tensors and plain data, and "
-                              f"loading them could run code from the file ({_first_line(e)})") from None
+        raise CheckpointError(
+            f"{where}: refused: it holds objects other than tensors and plain data, and "
+            f"loading them could run code from the file ({_first_line(e)})"
+        ) from None
     except Exception as e:  # noqa: BLE001 - whatever torch raises on a damaged archive becomes one clear error
-        raise CheckpointError(f"{where}: not a readable torch checkpoint ({type(e).__name__}: "
-                              f"{_first_line(e)})") from None
+        raise CheckpointError(
+            f"{where}: not a readable torch checkpoint ({type(e).__name__}: {_first_line(e)})"
+        ) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{where}: holds a {type(state).__name__}, not a checkpoint dict")
     fmt = state.get("format")
@@ -357,8 +383,9 @@ def read_checkpoint(path: str | Path) -> dict:
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise CheckpointError(f"{where}: version={version!r}: must be an int >= 1")
         if version > VERSION:
-            raise CheckpointError(f"{where}: version={version}: written by a newer mode; this one reads "
-                                  f"versions up to {VERSION}")
+            raise CheckpointError(
+                f"{where}: version={version}: written by a newer mode; this one reads versions up to {VERSION}"
+            )
     return state
 
 
@@ -388,8 +415,10 @@ def register_folder_reader(reader: FolderReader) -> None:
 
 def _read_folder(path: str | Path, training: bool) -> dict:
     if not _folder_readers:
-        raise CheckpointError(f"checkpoint {str(path)!r}: a folder, and no reader of checkpoint folders is "
-                              "registered; sharded checkpoints are read by mode.parallel: import it first")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: a folder, and no reader of checkpoint folders is "
+            "registered; sharded checkpoints are read by mode.parallel: import it first"
+        )
     return _folder_readers[-1](path, training=training)
 
 
@@ -407,8 +436,12 @@ def check_state(state: dict, where: str, training: bool, tensors: bool = True) -
     """The structure of a checkpoint dict (see the module docstring); ``tensors=False`` checks everything
     but the model and optimizer tensors (a sharded checkpoint's ``meta.json``, before its tensors load)."""
     _check_keys(state, _MODEL_KEYS if tensors else {"model_cfg": dict}, where, required=True)
-    _check_keys(state, _TRAIN_KEYS if tensors else {k: v for k, v in _TRAIN_KEYS.items() if k != "optimizer"},
-                where, required=training)
+    _check_keys(
+        state,
+        _TRAIN_KEYS if tensors else {k: v for k, v in _TRAIN_KEYS.items() if k != "optimizer"},
+        where,
+        required=training,
+    )
     _check_keys(state, _OPTIONAL_KEYS, where, required=False)
     if tensors:
         bad = [k for k, v in state["model"].items() if not isinstance(k, str) or not isinstance(v, Tensor)]
@@ -419,8 +452,10 @@ def check_state(state: dict, where: str, training: bool, tensors: bool = True) -
         size = torch.get_rng_state().numel()  # both are CPU generators' states
         for key in ("sampler_rng", "torch_rng"):
             if state[key].dtype != torch.uint8 or tuple(state[key].shape) != (size,):
-                raise CheckpointError(f"{where}: {key}: must be a CPU RNG state (uint8, shape ({size},)), got "
-                                      f"{state[key].dtype} of shape {tuple(state[key].shape)}")
+                raise CheckpointError(
+                    f"{where}: {key}: must be a CPU RNG state (uint8, shape ({size},)), got "
+                    f"{state[key].dtype} of shape {tuple(state[key].shape)}"
+                )
         bad = [i for i, r in enumerate(state.get("cuda_rng", [])) if not isinstance(r, Tensor)]
         if bad:
             raise CheckpointError(f"{where}: cuda_rng[{bad[0]}]: must be a tensor (a GPU's RNG state)")
@@ -438,8 +473,9 @@ def model_config_from_dict(d: dict, where: str = "checkpoint") -> LMConfig:
     known = {f.name for f in dataclasses.fields(LMConfig)}
     unknown = sorted(str(k) for k in d if k not in known)
     if unknown:
-        raise CheckpointError(f"{where}: model_cfg has unknown field(s) {', '.join(unknown)} (written by "
-                              "another version of mode?)")
+        raise CheckpointError(
+            f"{where}: model_cfg has unknown field(s) {', '.join(unknown)} (written by another version of mode?)"
+        )
     try:
         return LMConfig(**d)
     except (ValueError, TypeError) as e:
@@ -452,13 +488,18 @@ def check_model_state(model_sd: dict, file_sd: dict, where: str) -> None:
     missing = [k for k in model_sd if k not in file_sd]
     unexpected = [k for k in file_sd if k not in model_sd]
     if missing or unexpected:
-        what = (f"missing {missing[:3]}" if missing else "") + ("; " if missing and unexpected else "") + \
-               (f"unexpected {unexpected[:3]}" if unexpected else "")
+        what = (
+            (f"missing {missing[:3]}" if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"unexpected {unexpected[:3]}" if unexpected else "")
+        )
         raise CheckpointError(f"{where}: its model state does not fit its model_cfg: {what}")
     for k, v in model_sd.items():
         if file_sd[k].shape != v.shape or file_sd[k].dtype != v.dtype:
-            raise CheckpointError(f"{where}: model[{k!r}] is {file_sd[k].dtype} {tuple(file_sd[k].shape)}, the "
-                                  f"model_cfg needs {v.dtype} {tuple(v.shape)}")
+            raise CheckpointError(
+                f"{where}: model[{k!r}] is {file_sd[k].dtype} {tuple(file_sd[k].shape)}, the "
+                f"model_cfg needs {v.dtype} {tuple(v.shape)}"
+            )
 
 
 def load_model(path: str | Path) -> tuple[LM, dict]:

@@ -56,8 +56,10 @@ class TrainConfig:
         _checks.check_positive("grad_clip", self.grad_clip)
         _checks.check_int("grad_accum", self.grad_accum)
         if self.batch_size % self.grad_accum:
-            raise ValueError(f"grad_accum={self.grad_accum}: must divide batch_size={self.batch_size} (each step "
-                             "splits the batch into grad_accum micro-batches of equal size)")
+            raise ValueError(
+                f"grad_accum={self.grad_accum}: must divide batch_size={self.batch_size} (each step "
+                "splits the batch into grad_accum micro-batches of equal size)"
+            )
         _checks.check_bool("activation_checkpointing", self.activation_checkpointing)
         _checks.check_bool("tensorboard", self.tensorboard)
         if self.peak_tflops is not None:

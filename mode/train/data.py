@@ -64,9 +64,13 @@ class Corpus:
 
     def record(self) -> dict:
         """What a checkpoint keeps of its data: enough to decode its ids (``text_codec``) and say what it was."""
-        return {"kind": "bytes" if self.path is None else "tokens", "source": self.source,
-                "vocab_size": self.vocab_size, "path": self.path,
-                "tokenizer": None if self.tokenizer is None else self.tokenizer.to_dict()}
+        return {
+            "kind": "bytes" if self.path is None else "tokens",
+            "source": self.source,
+            "vocab_size": self.vocab_size,
+            "path": self.path,
+            "tokenizer": None if self.tokenizer is None else self.tokenizer.to_dict(),
+        }
 
 
 def stdlib_sources() -> list[Path]:
@@ -114,23 +118,28 @@ def file_corpus(path: str | os.PathLike, min_bytes: int, val_fraction: float = 0
     """Any UTF-8 text file; the last ``val_fraction`` of it is validation."""
     p = Path(path)
     if p.is_dir():
-        raise ValueError(f"data={str(path)!r}: a folder, no such file: here data is a text file (folders of "
-                         "token shards are read by load_corpus: mode train, mode report; docs/data.md)")
+        raise ValueError(
+            f"data={str(path)!r}: a folder, no such file: here data is a text file (folders of "
+            "token shards are read by load_corpus: mode train, mode report; docs/data.md)"
+        )
     if not p.is_file():
         raise ValueError(f"data={str(path)!r}: no such file")
     raw = p.read_bytes()
     if not raw:
         raise ValueError(f"data={str(path)!r}: the file is empty")
-    if b"\x00" in raw[:1 << 20]:
+    if b"\x00" in raw[: 1 << 20]:
         raise ValueError(f"data={str(path)!r}: looks binary (contains NUL bytes); must be UTF-8 text")
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"data={str(path)!r}: not valid UTF-8 ({e.reason} at byte {e.start}); "
-                         "must be UTF-8 text") from None
+        raise ValueError(
+            f"data={str(path)!r}: not valid UTF-8 ({e.reason} at byte {e.start}); must be UTF-8 text"
+        ) from None
     if len(raw) < min_bytes:
-        raise ValueError(f"data={str(path)!r}: {len(raw)} bytes is too short; needs at least {min_bytes} "
-                         "(enough for training and validation windows)")
+        raise ValueError(
+            f"data={str(path)!r}: {len(raw)} bytes is too short; needs at least {min_bytes} "
+            "(enough for training and validation windows)"
+        )
     cut = int(len(raw) * (1 - val_fraction))
     arr = np.frombuffer(raw, dtype=np.uint8)
     return Corpus(train=arr[:cut], val=arr[cut:], source=str(p))
@@ -139,8 +148,14 @@ def file_corpus(path: str | os.PathLike, min_bytes: int, val_fraction: float = 0
 def token_corpus(path: str | os.PathLike, seq_len: int | None = None) -> Corpus:
     """A folder of token shards (rules: ``mode.train.tokens``); ``seq_len`` checks both splits hold a window."""
     folder = open_token_folder(path, seq_len)
-    return Corpus(train=folder.train, val=folder.val, source=folder.source, vocab_size=folder.vocab_size,
-                  tokenizer=folder.tokenizer, path=str(folder.path))
+    return Corpus(
+        train=folder.train,
+        val=folder.val,
+        source=folder.source,
+        vocab_size=folder.vocab_size,
+        tokenizer=folder.tokenizer,
+        path=str(folder.path),
+    )
 
 
 def min_file_bytes(seq_len: int, val_fraction: float = 0.1) -> int:
@@ -159,8 +174,10 @@ class Windows:
         if self.count < 1:
             n = split_tokens(split)
             many = "" if len(self.parts) == 1 else f" in {len(self.parts)} shards, none longer than {seq_len + 1}"
-            raise ValueError(f"{what} has {n} tokens{many}: needs more than seq_len + 1 = {seq_len + 1}"
-                             + (" in one shard (windows never cross a shard's end)" if many else ""))
+            raise ValueError(
+                f"{what} has {n} tokens{many}: needs more than seq_len + 1 = {seq_len + 1}"
+                + (" in one shard (windows never cross a shard's end)" if many else "")
+            )
 
     def read(self, starts_W: Tensor) -> Tensor:
         """The windows ``starts_W`` (global start indices) as int64 ids, shape (W, S + 1)."""
@@ -168,7 +185,7 @@ class Windows:
         rows = []
         for g, p in zip(starts_W.tolist(), part_W.tolist()):
             at = g - (int(self.ends_P[p - 1]) if p else 0)
-            rows.append(np.asarray(self.parts[p][at:at + self.seq_len + 1], dtype=np.int64))
+            rows.append(np.asarray(self.parts[p][at : at + self.seq_len + 1], dtype=np.int64))
         return torch.from_numpy(np.stack(rows))
 
 
@@ -183,8 +200,9 @@ class BatchSampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[Tensor, Tensor]:
-        starts_B = torch.randint(0, self.windows.count, (self.batch_size,), generator=self.generator,
-                                 device="cpu")  # the generator is a CPU one, whatever the default device
+        starts_B = torch.randint(
+            0, self.windows.count, (self.batch_size,), generator=self.generator, device="cpu"
+        )  # the generator is a CPU one, whatever the default device
         window_BS = self.windows.read(starts_B)
         return window_BS[:, :-1], window_BS[:, 1:]
 
@@ -215,15 +233,21 @@ def text_codec(record: dict | None, where: str, tokenizer: str | os.PathLike | N
     Token data decodes with its tokenizer: the recorded file, or ``tokenizer`` (a copy of it; same sha256)."""
     if record is None or record.get("kind", "bytes") == "bytes":
         if tokenizer is not None:
-            raise ValueError(f"{where}: tokenizer={str(tokenizer)!r}: the checkpoint was trained on bytes, which "
-                             "need no tokenizer")
+            raise ValueError(
+                f"{where}: tokenizer={str(tokenizer)!r}: the checkpoint was trained on bytes, which need no tokenizer"
+            )
         return Codec(lambda text: encode(text).tolist(), decode, "bytes")
     if record.get("tokenizer") is None:
         if tokenizer is None:
-            raise ValueError(f"{where}: trained on token ids ({record.get('source')}) with no tokenizer recorded; "
-                             "pass --tokenizer PATH (the tokenizer.json the shards were written with)")
+            raise ValueError(
+                f"{where}: trained on token ids ({record.get('source')}) with no tokenizer recorded; "
+                "pass --tokenizer PATH (the tokenizer.json the shards were written with)"
+            )
         tok = load_tokenizer(tokenizer)
     else:
         tok = TokenizerRef.from_dict(record["tokenizer"], where).load(where, tokenizer)
-    return Codec(lambda text: tok.encode(text, add_special_tokens=False).ids,
-                 lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False), "tokens")
+    return Codec(
+        lambda text: tok.encode(text, add_special_tokens=False).ids,
+        lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False),
+        "tokens",
+    )

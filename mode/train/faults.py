@@ -38,8 +38,10 @@ def parse(spec: str) -> list[Fault]:
         kind, _, where = part.partition("@")
         rank, _, step = where.partition(":")
         if kind not in KINDS or not rank.isdigit() or not step.isdigit():
-            raise ValueError(f"{FAULT_ENV}={spec!r}: {part!r} must be KIND@RANK:STEP with KIND one of "
-                             f"{', '.join(KINDS)} (e.g. kill@1:7)")
+            raise ValueError(
+                f"{FAULT_ENV}={spec!r}: {part!r} must be KIND@RANK:STEP with KIND one of "
+                f"{', '.join(KINDS)} (e.g. kill@1:7)"
+            )
         faults.append(Fault(kind, int(rank), int(step)))
     return faults
 

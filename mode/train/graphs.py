@@ -51,7 +51,7 @@ class StepSums(RoutingAccumulator):
     accumulator's (``like``); a statistic outside it is an error, not a silent new tensor."""
 
     @classmethod
-    def like(cls, acc: RoutingAccumulator, device: torch.device) -> "StepSums":
+    def like(cls, acc: RoutingAccumulator, device: torch.device) -> StepSums:
         sums = cls()
         sums.sums = {k: torch.zeros(v.shape, dtype=torch.float64, device=device) for k, v in acc.sums.items()}
         sums.layer_kinds = acc.layer_kinds
@@ -60,15 +60,19 @@ class StepSums(RoutingAccumulator):
     def _acc(self, key: str, value: Tensor | float) -> None:
         cur = self.sums.get(key)
         if cur is None:
-            raise RuntimeError(f"routing statistic {key!r} appeared after the warm-up: a captured step's statistics "
-                               f"must keep one layout (known: {len(self.sums)} sums)")
+            raise RuntimeError(
+                f"routing statistic {key!r} appeared after the warm-up: a captured step's statistics "
+                f"must keep one layout (known: {len(self.sums)} sums)"
+            )
         if not isinstance(value, Tensor):
             cur.add_(float(value))  # a kernel argument: no host data reaches the device
             return
         v = value.detach().reshape(-1)
         if v.numel() != cur.numel():
-            raise RuntimeError(f"routing statistic {key!r}: {v.numel()} values, the warm-up had {cur.numel()}; a "
-                               "captured step needs static shapes")
+            raise RuntimeError(
+                f"routing statistic {key!r}: {v.numel()} values, the warm-up had {cur.numel()}; a "
+                "captured step needs static shapes"
+            )
         cur.add_(v)
 
     def zero_(self) -> None:
@@ -79,10 +83,14 @@ class StepSums(RoutingAccumulator):
 def _plain_state_dict(optimizer, state_dict: dict) -> dict:
     """``state_dict`` post-hook: the format a non-capturable AdamW saves (float lr, CPU float32 step counters,
     ``capturable`` False), so that any run can resume from it. The live state is not touched."""
-    groups = [{**g, "lr": float(g["lr"]) if isinstance(g["lr"], Tensor) else g["lr"], "capturable": False}
-              for g in state_dict["param_groups"]]
-    state = {k: ({**v, "step": v["step"].detach().to("cpu", torch.float32)} if isinstance(v.get("step"), Tensor)
-                 else v) for k, v in state_dict["state"].items()}
+    groups = [
+        {**g, "lr": float(g["lr"]) if isinstance(g["lr"], Tensor) else g["lr"], "capturable": False}
+        for g in state_dict["param_groups"]
+    ]
+    state = {
+        k: ({**v, "step": v["step"].detach().to("cpu", torch.float32)} if isinstance(v.get("step"), Tensor) else v)
+        for k, v in state_dict["state"].items()
+    }
     return {**state_dict, "state": state, "param_groups": groups}
 
 
@@ -100,18 +108,26 @@ class GraphedTrainStep:
         from mode.train.runtime import OneProcess
 
         if capture and trainer.device.type != "cuda":
-            raise ValueError(f"cuda_graphs=True needs CUDA: this run is on {trainer.device}, and CUDA graphs capture "
-                             "CUDA kernels (torch.cuda.graph); leave it off on this device")
+            raise ValueError(
+                f"cuda_graphs=True needs CUDA: this run is on {trainer.device}, and CUDA graphs capture "
+                "CUDA kernels (torch.cuda.graph); leave it off on this device"
+            )
         if not isinstance(trainer.runtime, OneProcess):
-            raise ValueError(f"cuda_graphs=True: one process only for now (this run's runtime is "
-                             f"{type(trainer.runtime).__name__}); collectives inside a captured step are not supported")
+            raise ValueError(
+                f"cuda_graphs=True: one process only for now (this run's runtime is "
+                f"{type(trainer.runtime).__name__}); collectives inside a captured step are not supported"
+            )
         if trainer.cfg.activation_checkpointing:
-            raise ValueError("cuda_graphs=True with activation_checkpointing=True: not supported together (the "
-                             "recompute saves and restores RNG state on the host); choose one")
+            raise ValueError(
+                "cuda_graphs=True with activation_checkpointing=True: not supported together (the "
+                "recompute saves and restores RNG state on the host); choose one"
+            )
         if trainer.accumulation.routers:
-            raise ValueError(f"cuda_graphs=True with grad_accum={trainer.cfg.grad_accum} and a 'global' balance loss: "
-                             "its counting pass (mode.train.accumulate) is not capturable; use balance_scope "
-                             "'batch' or 'sequence', or grad_accum=1")
+            raise ValueError(
+                f"cuda_graphs=True with grad_accum={trainer.cfg.grad_accum} and a 'global' balance loss: "
+                "its counting pass (mode.train.accumulate) is not capturable; use balance_scope "
+                "'batch' or 'sequence', or grad_accum=1"
+            )
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup={warmup!r}: must be an int >= 1 (eager steps before the capture)")
         self.trainer, self.capture, self.warmup = trainer, capture, warmup
@@ -172,8 +188,9 @@ class GraphedTrainStep:
     def _load_inputs(self, x_BS: Tensor, y_BS: Tensor) -> None:
         if self.x_bS is None or self.x_bS.shape != x_BS.shape:
             if self.graph is not None:
-                raise ValueError(f"batch shape {tuple(x_BS.shape)}: the captured step was recorded for "
-                                 f"{tuple(self.x_bS.shape)}")
+                raise ValueError(
+                    f"batch shape {tuple(x_BS.shape)}: the captured step was recorded for {tuple(self.x_bS.shape)}"
+                )
             self.x_bS = torch.empty(x_BS.shape, dtype=x_BS.dtype, device=self.device)
             self.y_bS = torch.empty(y_BS.shape, dtype=y_BS.dtype, device=self.device)
         cuda = self.device.type == "cuda" and x_BS.device.type == "cpu"

@@ -87,8 +87,15 @@ def mfu(flops: float, seconds: float, peak_total: float | None) -> float | None:
 
 
 # A training record's number -> its TensorBoard tag (validation: "val/loss"; routing: "routing/<overall key>").
-SCALAR_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tok_s": "train/tok_s",
-               "mfu": "train/mfu", "mfu_measured": "train/mfu_measured", "flops": "train/flops"}
+SCALAR_TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tok_s": "train/tok_s",
+    "mfu": "train/mfu",
+    "mfu_measured": "train/mfu_measured",
+    "flops": "train/flops",
+}
 
 
 def summary_writer_class():
@@ -97,8 +104,10 @@ def summary_writer_class():
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:  # torch's module imports the tensorboard package itself
-        raise ValueError(f"tensorboard=True: needs the tensorboard package, which does not import here ({e}); "
-                         "install the extra: pip install 'mode-torch[tb]'") from None
+        raise ValueError(
+            f"tensorboard=True: needs the tensorboard package, which does not import here ({e}); "
+            "install the extra: pip install 'mode-torch[tb]'"
+        ) from None
     return SummaryWriter
 
 

@@ -49,7 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mode.train.data import PACKAGES, Corpus  # noqa: F401 - PACKAGES: the name ``--data`` takes for this corpus
+from mode.train.data import PACKAGES, Corpus
+
 SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt")
 MAX_FILE_BYTES = 2_000_000  # larger files are generated tables (torch's _VariableFunctions.pyi is 1.1 MB)
 VAL_EVERY = 20  # a file is validation when int(sha256[:8], 16) % VAL_EVERY == 0
@@ -126,6 +127,7 @@ def is_val(digest_hex: str) -> bool:
 @dataclass(frozen=True)
 class PackagesInfo:
     """What was built: counts, byte counts per split, and the hashes that identify the corpus."""
+
     files: int  # files in the corpus (both splits)
     val_files: int
     train_bytes: int
@@ -158,14 +160,22 @@ class MappedBytes:
     def __reduce__(self):
         return MappedBytes, (self.path, self.size)
 
-
     def __repr__(self) -> str:
         return f"MappedBytes({str(self.path)!r}, {self.size} bytes)"
 
 
 def _list_key(files: list[SourceFile], roots: list[tuple[str, Path]]) -> str:
-    h = hashlib.sha256(json.dumps({"format": FORMAT_VERSION, "suffixes": SUFFIXES, "max_file_bytes": MAX_FILE_BYTES,
-                                   "val_every": VAL_EVERY, "roots": [[lb, str(r)] for lb, r in roots]}).encode())
+    h = hashlib.sha256(
+        json.dumps(
+            {
+                "format": FORMAT_VERSION,
+                "suffixes": SUFFIXES,
+                "max_file_bytes": MAX_FILE_BYTES,
+                "val_every": VAL_EVERY,
+                "roots": [[lb, str(r)] for lb, r in roots],
+            }
+        ).encode()
+    )
     for f in files:
         h.update(f"{f.name}\0{f.size}\0{f.mtime_ns}\n".encode())
     return h.hexdigest()[:20]
@@ -229,14 +239,22 @@ def build(files: list[SourceFile], folder: Path, roots: list[tuple[str, Path]], 
         with open(tmp["val"], "rb") as fh:
             while block := fh.read(CHUNK):
                 crc = zlib.crc32(block, crc)
-        info = PackagesInfo(files=n_files, val_files=n_val, train_bytes=sizes["train"], val_bytes=sizes["val"],
-                            list_sha256=listing.hexdigest(), crc32=crc, skipped=skipped,
-                            roots=[[lb, str(r)] for lb, r in roots])
+        info = PackagesInfo(
+            files=n_files,
+            val_files=n_val,
+            train_bytes=sizes["train"],
+            val_bytes=sizes["val"],
+            list_sha256=listing.hexdigest(),
+            crc32=crc,
+            skipped=skipped,
+            roots=[[lb, str(r)] for lb, r in roots],
+        )
         for s in SPLIT_FILES:
             os.replace(tmp[s], folder / SPLIT_FILES[s])
         meta_tmp = folder / (META + tag)
-        meta_tmp.write_text(json.dumps({"format": "mode-packages-corpus", "version": FORMAT_VERSION,
-                                        "info": info.to_dict()}, indent=2))
+        meta_tmp.write_text(
+            json.dumps({"format": "mode-packages-corpus", "version": FORMAT_VERSION, "info": info.to_dict()}, indent=2)
+        )
         os.replace(meta_tmp, folder / META)  # last: a folder with meta.json is complete
     finally:
         for p in tmp.values():
@@ -251,8 +269,9 @@ def packages_corpus(roots: list[tuple[str, Path]] | None = None, cache: Path | N
     roots = default_roots() if roots is None else [(lb, Path(r)) for lb, r in roots]
     files, too_big = list_files(roots)
     if not files:
-        raise ValueError(f"data={PACKAGES!r}: no {'/'.join(SUFFIXES)} files under "
-                         f"{', '.join(str(r) for _, r in roots)}")
+        raise ValueError(
+            f"data={PACKAGES!r}: no {'/'.join(SUFFIXES)} files under {', '.join(str(r) for _, r in roots)}"
+        )
     folder = Path(cache or cache_dir()) / f"packages-{_list_key(files, roots)}"
     info = _read_meta(folder)
     if info is None:
@@ -261,6 +280,8 @@ def packages_corpus(roots: list[tuple[str, Path]] | None = None, cache: Path | N
         info = build(files, folder, roots, too_big)
     train = MappedBytes(folder / SPLIT_FILES["train"], info.train_bytes)
     val = MappedBytes(folder / SPLIT_FILES["val"], info.val_bytes)
-    source = (f"packages ({info.files} files, {info.train_bytes + info.val_bytes:,} bytes, list sha256 "
-              f"{info.list_sha256[:12]})")
+    source = (
+        f"packages ({info.files} files, {info.train_bytes + info.val_bytes:,} bytes, list sha256 "
+        f"{info.list_sha256[:12]})"
+    )
     return Corpus(train=(train,), val=(val,), source=source, packages=info)

@@ -38,7 +38,7 @@ class Preemption:
         self._timer: threading.Timer | None = None
         self._previous = None
 
-    def install(self) -> "Preemption":
+    def install(self) -> Preemption:
         """Handle SIGTERM in this process (the main thread must call it); ``uninstall`` restores the handler."""
         self._previous = signal.signal(signal.SIGTERM, self._on_signal)
         return self
@@ -52,14 +52,25 @@ class Preemption:
 
     def _on_signal(self, signum, frame) -> None:
         if self.requested:
-            self._exit("a second SIGTERM: exiting now; a save in progress is abandoned (the newest complete "
-                       "checkpoint is the one before it)")
+            self._exit(
+                "a second SIGTERM: exiting now; a save in progress is abandoned (the newest complete "
+                "checkpoint is the one before it)"
+            )
         self.requested = True
-        print(f"{self.who}: SIGTERM: finishing this step, then saving a checkpoint and exiting with status "
-              f"{EXIT_PREEMPTED} (grace {self.grace_s:g} s)", file=sys.stderr, flush=True)
-        self._timer = threading.Timer(self.grace_s, self._exit, args=(
-            f"the grace period of {self.grace_s:g} s after SIGTERM ran out before the checkpoint was saved: "
-            "exiting; the newest complete checkpoint is the one before",))
+        print(
+            f"{self.who}: SIGTERM: finishing this step, then saving a checkpoint and exiting with status "
+            f"{EXIT_PREEMPTED} (grace {self.grace_s:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._timer = threading.Timer(
+            self.grace_s,
+            self._exit,
+            args=(
+                f"the grace period of {self.grace_s:g} s after SIGTERM ran out before the checkpoint was saved: "
+                "exiting; the newest complete checkpoint is the one before",
+            ),
+        )
         self._timer.daemon = True
         self._timer.start()
 

@@ -62,6 +62,7 @@ class Progress:
     """How a run shows its progress. ``bar``: draw a tqdm bar when stderr is a terminal. ``every_s``: seconds
     between plain lines (0: one a step). ``lines``: write plain lines at all. ``out``/``err``: the streams
     for lines and bar (default: ``sys.stdout``/``sys.stderr`` as they are when the run starts)."""
+
     bar: bool = True
     every_s: float = DEFAULT_EVERY_S
     lines: bool = True
@@ -74,7 +75,7 @@ class Progress:
         _checks.check_non_negative("every_s", self.every_s)
 
     @classmethod
-    def of(cls, progress: "bool | Progress") -> "Progress":
+    def of(cls, progress: bool | Progress) -> Progress:
         """``True``/``False`` (bar or no bar, lines either way), or a ``Progress`` as it is."""
         if isinstance(progress, Progress):
             return progress
@@ -82,7 +83,7 @@ class Progress:
             return cls(bar=progress)
         raise TypeError(f"progress={progress!r}: must be a bool or a mode.train.progress.Progress")
 
-    def start(self, name: str, total: int, initial: int = 0, clock=time.monotonic) -> "RunProgress":
+    def start(self, name: str, total: int, initial: int = 0, clock=time.monotonic) -> RunProgress:
         """The progress of one run from step ``initial`` to ``total`` (``clock``: seconds, for the tests)."""
         return RunProgress(self, name, total, initial, clock)
 
@@ -118,8 +119,10 @@ class RunProgress:
         if self.periodic and step < self.total and now - self.last >= self.every_s:
             self.last = now
             pace = (now - self.t0) / max(step - self.initial, 1)  # seconds per step, this run so far
-            self._write(f"{self.name}: step {step}/{self.total} ({step / self.total:.0%})  loss {loss:.4f}  "
-                        f"{tok_s:,.0f} tok/s  ETA {format_duration(pace * (self.total - step))}")
+            self._write(
+                f"{self.name}: step {step}/{self.total} ({step / self.total:.0%})  loss {loss:.4f}  "
+                f"{tok_s:,.0f} tok/s  ETA {format_duration(pace * (self.total - step))}"
+            )
 
     def close(self) -> None:
         """Remove the bar and write the end line (``done in`` at ``total``, else ``stopped after``)."""
@@ -131,8 +134,9 @@ class RunProgress:
             self._write(f"{self.name}: step {self.step}/{self.total}: nothing to train")
             return
         what = "done in" if self.step >= self.total else "stopped after"
-        self._write(f"{self.name}: step {self.step}/{self.total} {what} {took}  loss {self.loss:.4f}  "
-                    f"{self.tok_s:,.0f} tok/s")
+        self._write(
+            f"{self.name}: step {self.step}/{self.total} {what} {took}  loss {self.loss:.4f}  {self.tok_s:,.0f} tok/s"
+        )
 
     def _write(self, line: str) -> None:
         if self.lines:

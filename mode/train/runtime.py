@@ -49,34 +49,44 @@ class Runtime(Protocol):
 
     def describe(self) -> str:
         """One line for the command's banner."""
+        ...
 
-    def guard(self, what: str):
+    def guard(self, what: str) -> contextlib.AbstractContextManager:
         """A context manager around collectives (turns a failed one into a clear error naming ``what``)."""
+        ...
 
     def prepare(self, model: nn.Module, compile: bool = False) -> nn.Module:
         """The model ready to train here (compiled, parallelized)."""
+        ...
 
     def rows(self, t_BS: Tensor) -> Tensor:
         """This process's rows of a global batch, on its device: ``t_bS``."""
+        ...
 
     def sum_scalars(self, values: list) -> list[float]:
         """Each value summed over the processes (one collective for all of them)."""
+        ...
 
     def mean_over_ranks(self, t: Tensor) -> Tensor:
         """``t`` (float64) averaged over the processes."""
+        ...
 
     def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
         """Clip by the global gradient norm; returns it."""
+        ...
 
     def reduce_routing(self, acc: RoutingAccumulator) -> RoutingAccumulator:
         """Routing sums over every process (``acc`` itself in one process)."""
+        ...
 
     def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> Path:
         """Write a checkpoint of ``model``, ``optimizer`` and the non-tensor state ``meta``, atomically."""
+        ...
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, check: Callable) -> dict:
         """Resume from ``path``; ``check(state)`` sees the non-tensor state before any tensor changes.
         Returns the non-tensor state."""
+        ...
 
 
 MeshRuntimeFactory = Callable[..., Runtime]  # (mesh, timeout_s) -> Runtime
@@ -93,8 +103,10 @@ def register_mesh_runtime(factory: MeshRuntimeFactory) -> None:
 def mesh_runtime(mesh, timeout_s: float | None) -> Runtime:
     """The runtime of a device mesh, from the registered factory."""
     if not _mesh_runtimes:
-        raise ValueError("mesh: no mesh runtime is registered; build the mesh with mode.parallel.build_mesh "
-                         "(importing mode.parallel registers it), or pass runtime=mode.parallel.MeshRuntime(mesh)")
+        raise ValueError(
+            "mesh: no mesh runtime is registered; build the mesh with mode.parallel.build_mesh "
+            "(importing mode.parallel registers it), or pass runtime=mode.parallel.MeshRuntime(mesh)"
+        )
     return _mesh_runtimes[-1](mesh, timeout_s)
 
 
@@ -132,7 +144,7 @@ def kept_checkpoints(path: Path) -> list[Path]:
     (highest step) first."""
     found = []
     for f in path.parent.glob(f"{path.stem}-step-*{path.suffix}"):
-        digits = f.name[len(path.stem) + len("-step-"):-len(path.suffix) or None]
+        digits = f.name[len(path.stem) + len("-step-") : -len(path.suffix) or None]
         if digits.isdigit():
             found.append((int(digits), f))
     return [f for _, f in sorted(found, reverse=True)]
@@ -190,7 +202,7 @@ class OneProcess:
             read = torch.stack([values[i].detach().reshape(()).to(self.device, torch.float64) for i in at]).tolist()
             for i, value in zip(at, read):
                 out[i] = value
-        return out
+        return out  # pyright: ignore[reportReturnType] - the loop above replaced every None
 
     def mean_over_ranks(self, t: Tensor) -> Tensor:
         return t.detach().double()
@@ -202,11 +214,12 @@ class OneProcess:
         return acc
 
     def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> Path:
-        path = checkpoint.save_checkpoint(path, {**meta, "model": model.state_dict(),
-                                                 "optimizer": optimizer.state_dict()})
+        path = checkpoint.save_checkpoint(
+            path, {**meta, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        )
         if self.keep > 1:
             link_or_copy(path, path.with_name(f"{path.stem}-step-{meta['step']:08d}{path.suffix}"))
-            for old in kept_checkpoints(path)[self.keep:]:
+            for old in kept_checkpoints(path)[self.keep :]:
                 old.unlink(missing_ok=True)
         return path
 

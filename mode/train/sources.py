@@ -12,8 +12,9 @@ from mode.train.data import PACKAGES, Corpus, file_corpus, min_file_bytes, stdli
 from mode.train.packages import packages_corpus
 
 
-def load_corpus(data: str | os.PathLike | None, seq_len: int, max_bytes: int | None = None, log=print,
-                token_folders: bool = True) -> Corpus:
+def load_corpus(
+    data: str | os.PathLike | None, seq_len: int, max_bytes: int | None = None, log=print, token_folders: bool = True
+) -> Corpus:
     """What ``--data`` names: ``packages`` (the installed packages' sources: ``mode.train.packages``; a file
     of that name is ``./packages``), a folder of token shards, a UTF-8 text file, or (None) the built-in
     corpus (its first ``max_bytes`` bytes, whole files). ``token_folders=False`` (the byte-level sweeps) reads

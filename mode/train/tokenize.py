@@ -9,7 +9,8 @@ downloaded. Every document (a file) is encoded on its own, with ``eot``'s id aft
 
 The split (the same rules as the byte corpora, ``mode.train.data``)
     the built-in corpus, or a folder of 20 or more files: every ``VAL_EVERY_NTH_FILE``-th file (in sorted
-    order) is validation, or the last one when a byte budget keeps fewer (``mode.train.data.val_files``); one file, or a folder of fewer: the last ``VAL_FRACTION`` of the tokens.
+    order) is validation, or the last one when a byte budget keeps fewer (``mode.train.data.val_files``); one file, or a
+    folder of fewer: the last ``VAL_FRACTION`` of the tokens.
 
 The output (format: ``mode.train.tokens``)
     OUT/train_000.bin ...   ids as raw little-endian uint16 (vocabularies up to 65536) or uint32, at most
@@ -34,7 +35,14 @@ from mode import _checks
 from mode.train import checkpoint
 from mode.train.data import VAL_EVERY_NTH_FILE, stdlib_sources, val_files
 from mode.train.tokens import (
-    META, SUFFIXES, VAL_FRACTION, ShardSpec, TokenizerRef, TokenMeta, dtype_for_vocab, load_tokenizer,
+    META,
+    SUFFIXES,
+    VAL_FRACTION,
+    ShardSpec,
+    TokenizerRef,
+    TokenMeta,
+    dtype_for_vocab,
+    load_tokenizer,
 )
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # ids a shard (200 MB as uint16)
@@ -53,8 +61,9 @@ def _decode(raw: bytes, path: Path) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"text={str(path)!r}: not valid UTF-8 ({e.reason} at byte {e.start}); must be UTF-8 "
-                         "text") from None
+        raise ValueError(
+            f"text={str(path)!r}: not valid UTF-8 ({e.reason} at byte {e.start}); must be UTF-8 text"
+        ) from None
 
 
 def documents(text: str | os.PathLike | None, max_bytes: int | None = None) -> tuple[list[Document], str]:
@@ -72,9 +81,14 @@ def documents(text: str | os.PathLike | None, max_bytes: int | None = None) -> t
         if root.is_file():
             files, by_file, what = [root], False, str(root)
         elif root.is_dir():
-            files = sorted((p for p in root.rglob("*") if p.is_file()
-                            and not any(part.startswith(".") for part in p.relative_to(root).parts)),
-                           key=lambda p: p.relative_to(root).as_posix())
+            files = sorted(
+                (
+                    p
+                    for p in root.rglob("*")
+                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+                ),
+                key=lambda p: p.relative_to(root).as_posix(),
+            )
             if not files:
                 raise ValueError(f"text={str(text)!r}: the folder holds no files")
             by_file, what = len(files) >= VAL_EVERY_NTH_FILE, str(root)
@@ -122,15 +136,23 @@ class ShardWriter:
 
 def _encoded(tok, docs: list[Document], eot_id: int | None) -> Iterator[tuple[Document, np.ndarray]]:
     for i in range(0, len(docs), ENCODE_BATCH):
-        batch = docs[i:i + ENCODE_BATCH]
+        batch = docs[i : i + ENCODE_BATCH]
         for doc, enc in zip(batch, tok.encode_batch([d.text for d in batch], add_special_tokens=False)):
             ids = enc.ids if eot_id is None else [*enc.ids, eot_id]
             yield doc, np.asarray(ids, dtype=np.int64)
 
 
-def tokenize(tokenizer: str | os.PathLike, out: str | os.PathLike, text: str | os.PathLike | None = None, *,
-             max_bytes: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS, eot: str | None = None,
-             progress=None, force: bool = False) -> TokenMeta:
+def tokenize(
+    tokenizer: str | os.PathLike,
+    out: str | os.PathLike,
+    text: str | os.PathLike | None = None,
+    *,
+    max_bytes: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    eot: str | None = None,
+    progress=None,
+    force: bool = False,
+) -> TokenMeta:
     """Encode ``text`` (a file, a folder of files, or None: the built-in corpus) with ``tokenizer`` into shards
     in ``out``; returns what meta.json says. ``progress``: called with a line of text per shard written.
     ``out`` must hold no shards, ``meta.json`` or other ``tokenizer.json`` (``ValueError``) unless ``force``,
@@ -147,20 +169,30 @@ def tokenize(tokenizer: str | os.PathLike, out: str | os.PathLike, text: str | o
     if eot is not None:
         eot_id = tok.token_to_id(eot)
         if eot_id is None:
-            raise ValueError(f"eot={eot!r}: not a token of {str(tok_path)!r}; give a token in its vocabulary "
-                             "(e.g. a special token such as <|endoftext|>) or leave it out")
+            raise ValueError(
+                f"eot={eot!r}: not a token of {str(tok_path)!r}; give a token in its vocabulary "
+                "(e.g. a special token such as <|endoftext|>) or leave it out"
+            )
     docs, source = documents(text, max_bytes)
     out_dir = checkpoint.prepare_dir(out, "out")
     tok_copy = out_dir / TOKENIZER_FILE
-    other_tokenizer = (tok_copy.exists() and tok_path.resolve() != tok_copy.resolve()
-                       and tok_copy.read_bytes() != tok_path.read_bytes())
-    taken = sorted(p for p in out_dir.iterdir()
-                   if p.suffix in SUFFIXES or p.name == META or (p.name == TOKENIZER_FILE and other_tokenizer))
+    other_tokenizer = (
+        tok_copy.exists()
+        and tok_path.resolve() != tok_copy.resolve()
+        and tok_copy.read_bytes() != tok_path.read_bytes()
+    )
+    taken = sorted(
+        p
+        for p in out_dir.iterdir()
+        if p.suffix in SUFFIXES or p.name == META or (p.name == TOKENIZER_FILE and other_tokenizer)
+    )
     if taken and not force:
         more = f" (and {len(taken) - 1} more)" if len(taken) > 1 else ""
-        raise ValueError(f"out={str(out)!r}: already holds {taken[0].name!r}{more}; write the shards into a new or "
-                         "empty folder (an old shard there would be read with the new ones), or pass --force to "
-                         "delete them and write the new ones")
+        raise ValueError(
+            f"out={str(out)!r}: already holds {taken[0].name!r}{more}; write the shards into a new or "
+            "empty folder (an old shard there would be read with the new ones), or pass --force to "
+            "delete them and write the new ones"
+        )
     for path in taken:
         path.unlink()
     dtype = dtype_for_vocab(vocab)
@@ -181,8 +213,9 @@ def tokenize(tokenizer: str | os.PathLike, out: str | os.PathLike, text: str | o
     for w in writers.values():
         w.flush()
     if not writers["train"].shards:
-        raise ValueError(f"text={str(text) if text is not None else 'the built-in corpus'!r}: no training tokens "
-                         "(the text is empty)")
+        raise ValueError(
+            f"text={str(text) if text is not None else 'the built-in corpus'!r}: no training tokens (the text is empty)"
+        )
     if tok_path.resolve() != tok_copy.resolve():
         checkpoint.atomic_write(tok_copy, tok_path.read_bytes())
     ref = TokenizerRef(TOKENIZER_FILE, checkpoint.sha256_file(tok_copy))  # relative: the folder moves as one

@@ -74,8 +74,7 @@ class TokenizerRef:
 
     @classmethod
     def from_dict(cls, d, where: str) -> TokenizerRef:
-        if (not isinstance(d, dict) or not isinstance(d.get("path"), str)
-                or not isinstance(d.get("sha256"), str)):
+        if not isinstance(d, dict) or not isinstance(d.get("path"), str) or not isinstance(d.get("sha256"), str):
             raise ValueError(f"{where}: tokenizer={d!r}: must be a dict with the str fields 'path' and 'sha256'")
         return cls(d["path"], d["sha256"])
 
@@ -84,12 +83,16 @@ class TokenizerRef:
         file = Path(path if path is not None else self.path)
         if not file.is_file():
             hint = "" if path is not None else "; pass --tokenizer PATH to a copy of it"
-            raise ValueError(f"{where}: trained on token ids of the tokenizer {str(file)!r} (sha256 "
-                             f"{self.sha256[:12]}...), which is missing{hint}")
+            raise ValueError(
+                f"{where}: trained on token ids of the tokenizer {str(file)!r} (sha256 "
+                f"{self.sha256[:12]}...), which is missing{hint}"
+            )
         digest = sha256_file(file)
         if digest != self.sha256:
-            raise ValueError(f"{where}: tokenizer {str(file)!r} has sha256 {digest[:12]}..., the run was trained "
-                             f"with {self.sha256[:12]}...: not the same tokenizer, its ids would decode wrong")
+            raise ValueError(
+                f"{where}: tokenizer {str(file)!r} has sha256 {digest[:12]}..., the run was trained "
+                f"with {self.sha256[:12]}...: not the same tokenizer, its ids would decode wrong"
+            )
         return load_tokenizer(file)
 
 
@@ -98,14 +101,16 @@ def load_tokenizer(path: str | Path):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ValueError("token data needs the tokenizers package: pip install 'mode-torch[tokens]' "
-                         "(or pip install tokenizers)") from None
+        raise ValueError(
+            "token data needs the tokenizers package: pip install 'mode-torch[tokens]' (or pip install tokenizers)"
+        ) from None
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - the Rust side raises a bare Exception on a malformed file
-        raise ValueError(f"tokenizer={str(path)!r}: not a readable Hugging Face tokenizer.json "
-                         f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e})") \
-            from None
+        raise ValueError(
+            f"tokenizer={str(path)!r}: not a readable Hugging Face tokenizer.json "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e})"
+        ) from None
 
 
 # -------------------------------------------------------------------------------------------------- shards
@@ -129,9 +134,11 @@ class TokenShard:
         if window_N.size and int(window_N.max()) >= self.vocab_size:
             at = int(np.argmax(window_N >= self.vocab_size))
             start = key.indices(len(self))[0]
-            raise ValueError(f"{self.path}: token id {int(window_N[at])} at position {self.offset + start + at} is "
-                             f">= vocab_size={self.vocab_size}; every id must be < vocab_size (meta.json's "
-                             "vocab_size, or the tokenizer the shards were written with)")
+            raise ValueError(
+                f"{self.path}: token id {int(window_N[at])} at position {self.offset + start + at} is "
+                f">= vocab_size={self.vocab_size}; every id must be < vocab_size (meta.json's "
+                "vocab_size, or the tokenizer the shards were written with)"
+            )
         return window_N
 
     def part(self, start: int, stop: int) -> TokenShard:
@@ -140,7 +147,7 @@ class TokenShard:
 
     def max_id(self) -> int:
         """The largest id, read chunk by chunk (``MAX_CHUNK`` ids at a time)."""
-        return max(int(self.ids_N[i:i + MAX_CHUNK].max()) for i in range(0, len(self), MAX_CHUNK))
+        return max(int(self.ids_N[i : i + MAX_CHUNK].max()) for i in range(0, len(self), MAX_CHUNK))
 
     def __repr__(self) -> str:
         return f"TokenShard({str(self.path)!r}, offset={self.offset}, tokens={len(self)})"
@@ -174,23 +181,30 @@ def map_shard(path: Path, dtype: str | None, tokens: int | None = None) -> np.nd
             raise ValueError(f"{path}: shape {shape}: a shard is a 1-D array of token ids")
         n = shape[0]
         if size < offset + n * np_dtype.itemsize:
-            raise ValueError(f"{path}: truncated: its header says {n} ids of {np_dtype.itemsize} bytes "
-                             f"({offset + n * np_dtype.itemsize} bytes with the header), the file has {size} bytes")
+            raise ValueError(
+                f"{path}: truncated: its header says {n} ids of {np_dtype.itemsize} bytes "
+                f"({offset + n * np_dtype.itemsize} bytes with the header), the file has {size} bytes"
+            )
     else:
         if dtype is None:
-            raise ValueError(f"{path}: a .bin shard has no dtype of its own: write {path.parent / META} with "
-                             '{"dtype": "uint16" or "uint32", "vocab_size": V} (docs/data.md)')
+            raise ValueError(
+                f"{path}: a .bin shard has no dtype of its own: write {path.parent / META} with "
+                '{"dtype": "uint16" or "uint32", "vocab_size": V} (docs/data.md)'
+            )
         itemsize = np.dtype(dtype).itemsize
         if size % itemsize:
-            raise ValueError(f"{path}: truncated: {size} bytes is not a multiple of {itemsize} ({dtype}, "
-                             f"meta.json's dtype)")
+            raise ValueError(
+                f"{path}: truncated: {size} bytes is not a multiple of {itemsize} ({dtype}, meta.json's dtype)"
+            )
         n = size // itemsize
     if n == 0:
         raise ValueError(f"{path}: an empty shard (0 tokens); remove it or write ids into it")
     if tokens is not None and n != tokens:
         what = "truncated: " if n < tokens else ""
-        raise ValueError(f"{path}: {what}holds {n} tokens, meta.json says tokens={tokens}; the file and "
-                         "meta.json must come from the same run")
+        raise ValueError(
+            f"{path}: {what}holds {n} tokens, meta.json says tokens={tokens}; the file and "
+            "meta.json must come from the same run"
+        )
     if path.suffix == ".npy":
         return np.load(path, mmap_mode="r", allow_pickle=False)
     return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")  # nanoGPT: little-endian
@@ -267,8 +281,10 @@ def read_meta(folder: Path) -> TokenMeta | None:
     if not _is_int(vocab) or vocab < 1:
         raise ValueError(f"{path}: vocab_size={vocab!r}: must be an int >= 1 (the number of token ids)")
     if dtype is not None and vocab > 1 << (8 * np.dtype(dtype).itemsize):
-        raise ValueError(f"{path}: vocab_size={vocab} does not fit dtype {dtype} (at most "
-                         f"{1 << (8 * np.dtype(dtype).itemsize)} ids); use uint32")
+        raise ValueError(
+            f"{path}: vocab_size={vocab} does not fit dtype {dtype} (at most "
+            f"{1 << (8 * np.dtype(dtype).itemsize)} ids); use uint32"
+        )
     tokenizer = None
     if d.get("tokenizer") is not None:
         t = d["tokenizer"]
@@ -279,8 +295,10 @@ def read_meta(folder: Path) -> TokenMeta | None:
             raise ValueError(f"{path}: tokenizer path {t['path']!r}: no such file ({file})")
         digest = sha256_file(file)
         if t.get("sha256") and t["sha256"] != digest:
-            raise ValueError(f"{path}: tokenizer {str(file)!r} has sha256 {digest}, meta.json says {t['sha256']}: "
-                             "not the tokenizer these shards were written with")
+            raise ValueError(
+                f"{path}: tokenizer {str(file)!r} has sha256 {digest}, meta.json says {t['sha256']}: "
+                "not the tokenizer these shards were written with"
+            )
         tokenizer = TokenizerRef(str(file), digest)
     shards = None
     if d.get("shards") is not None:
@@ -305,8 +323,9 @@ def _shard_spec(s, i: int, path: Path) -> ShardSpec:
         raise ValueError(f"{where}: file={file!r}: a shard is a .bin or .npy file")
     split = s.get("split", split_of(file))
     if split not in ("train", "val"):
-        raise ValueError(f"{where}: split={split!r} for {file!r}: must be 'train' or 'val' (or a name holding "
-                         "the word train or val)")
+        raise ValueError(
+            f"{where}: split={split!r} for {file!r}: must be 'train' or 'val' (or a name holding the word train or val)"
+        )
     tokens = s.get("tokens")
     if tokens is not None and (not _is_int(tokens) or tokens < 0):
         raise ValueError(f"{where}: tokens={tokens!r}: must be an int >= 0")
@@ -327,10 +346,15 @@ class TokenFolder:
     @property
     def source(self) -> str:
         n_train, n_val = sum(len(p) for p in self.train), sum(len(p) for p in self.val)
-        val = (f"val the last {VAL_FRACTION:.0%} of {self.train[-1].path.name} ({n_val:,} tokens)" if self.held_out
-               else f"val {n_val:,} tokens in {len(self.val)} shard(s)")
-        return (f"token shards {self.path} (vocab {self.vocab_size}; train {n_train:,} tokens in {len(self.train)} "
-                f"shard(s), {val})")
+        val = (
+            f"val the last {VAL_FRACTION:.0%} of {self.train[-1].path.name} ({n_val:,} tokens)"
+            if self.held_out
+            else f"val {n_val:,} tokens in {len(self.val)} shard(s)"
+        )
+        return (
+            f"token shards {self.path} (vocab {self.vocab_size}; train {n_train:,} tokens in {len(self.train)} "
+            f"shard(s), {val})"
+        )
 
 
 def open_token_folder(path: str | Path, seq_len: int | None = None) -> TokenFolder:
@@ -351,12 +375,13 @@ def open_token_folder(path: str | Path, seq_len: int | None = None) -> TokenFold
         for f in sorted(p for p in folder.iterdir() if p.suffix in SUFFIXES and p.is_file()):
             split = split_of(f.name)
             if split is None:
-                raise ValueError(f"{where}: {f.name!r}: a shard's name must hold the word 'train' or 'val' "
-                                 "(e.g. train_000.bin, val.bin) to say its split")
+                raise ValueError(
+                    f"{where}: {f.name!r}: a shard's name must hold the word 'train' or 'val' "
+                    "(e.g. train_000.bin, val.bin) to say its split"
+                )
             specs.append(ShardSpec(f.name, split, None))
     if not specs:
-        raise ValueError(f"{where}: no .bin or .npy shards in the folder (make some with mode tokenize, "
-                         "docs/data.md)")
+        raise ValueError(f"{where}: no .bin or .npy shards in the folder (make some with mode tokenize, docs/data.md)")
     dtype = meta.dtype if meta is not None else None
     arrays = {s.file: map_shard(folder / s.file, dtype, s.tokens) for s in specs}
     vocab = meta.vocab_size if meta is not None else None
@@ -365,22 +390,31 @@ def open_token_folder(path: str | Path, seq_len: int | None = None) -> TokenFold
     train = [TokenShard(folder / s.file, arrays[s.file], vocab) for s in specs if s.split == "train"]
     val = [TokenShard(folder / s.file, arrays[s.file], vocab) for s in specs if s.split == "val"]
     if not train:
-        raise ValueError(f"{where}: no training shard: {', '.join(s.file for s in specs)} are all validation; "
-                         "a training shard's name holds the word 'train' (e.g. train_000.bin)")
+        raise ValueError(
+            f"{where}: no training shard: {', '.join(s.file for s in specs)} are all validation; "
+            "a training shard's name holds the word 'train' (e.g. train_000.bin)"
+        )
     held_out = not val
     if held_out:  # the tail of the last training shard becomes validation
         last = train.pop()
         cut = int(len(last) * (1 - VAL_FRACTION))
         train.append(last.part(0, cut))
         val = [last.part(cut, len(last))]
-    corpus = TokenFolder(folder.resolve(), tuple(train), tuple(val), vocab,
-                         meta.tokenizer if meta is not None else None, held_out)
+    corpus = TokenFolder(
+        folder.resolve(), tuple(train), tuple(val), vocab, meta.tokenizer if meta is not None else None, held_out
+    )
     if seq_len is not None:
         for split, parts in (("training", corpus.train), ("validation", corpus.val)):
             if not any(len(p) >= seq_len + 2 for p in parts):
                 longest = max(len(p) for p in parts)
-                raise ValueError(f"{where}: no {split} shard holds more than seq_len + 1 = {seq_len + 1} tokens "
-                                 f"(the longest holds {longest}; windows never cross a shard's end"
-                                 + (f", and the last {VAL_FRACTION:.0%} of the last training shard is validation"
-                                    if held_out else "") + ")")
+                raise ValueError(
+                    f"{where}: no {split} shard holds more than seq_len + 1 = {seq_len + 1} tokens "
+                    f"(the longest holds {longest}; windows never cross a shard's end"
+                    + (
+                        f", and the last {VAL_FRACTION:.0%} of the last training shard is validation"
+                        if held_out
+                        else ""
+                    )
+                    + ")"
+                )
     return corpus

@@ -26,11 +26,13 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
 from mode import _checks
 from mode.measure.flops import train_flops_per_token
 from mode.measure.stats import RoutingAccumulator
@@ -41,15 +43,20 @@ from mode.routing.bias_balance import bias_routers, update_expert_bias
 from mode.train import checkpoint, faults, log_sinks
 from mode.train.accumulate import GradAccumulation
 from mode.train.config import TrainConfig
-from mode.train.graphs import GraphedTrainStep
 from mode.train.data import BatchSampler, Corpus, eval_batches
+from mode.train.graphs import GraphedTrainStep
 from mode.train.optim import build_optimizer, lr_at
 from mode.train.progress import Progress
 from mode.train.runtime import OneProcess, Runtime, mesh_runtime, resolve_device, to_device
 
 
 @torch.no_grad()
-def evaluate(model: LM, batches, device: torch.device | None = None, autocast=contextlib.nullcontext) -> float:
+def evaluate(
+    model: LM,
+    batches,
+    device: torch.device | None = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> float:
     """Mean loss over ``batches`` (moved to ``device``, by default the model's: ``eval_batches``' windows stay
     on the CPU, the model may be on a GPU; under the ``autocast`` context)."""
     if device is None:
@@ -105,11 +112,24 @@ class Trainer:
     it (``mode.train.graphs``; one process on CUDA, ValueError elsewhere); AdamW is then ``capturable``.
     """
 
-    def __init__(self, model_cfg: LMConfig, train_cfg: TrainConfig, corpus: Corpus, out_dir: str | Path,
-                 name: str = "model", progress: bool | Progress = True, *, mesh=None,
-                 runtime: Runtime | None = None,
-                 device: str | torch.device | None = None, bf16: bool = False, compile: bool = False,
-                 timeout_s: float | None = None, cuda_graphs: bool = False, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model_cfg: LMConfig,
+        train_cfg: TrainConfig,
+        corpus: Corpus,
+        out_dir: str | Path,
+        name: str = "model",
+        progress: bool | Progress = True,
+        *,
+        mesh=None,
+        runtime: Runtime | None = None,
+        device: str | torch.device | None = None,
+        bf16: bool = False,
+        compile: bool = False,
+        timeout_s: float | None = None,
+        cuda_graphs: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ):
         _checks.check_bool("bf16", bf16)
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype={dtype!r}: must be torch.float32 or torch.float64 (bfloat16 training: bf16=True)")
@@ -122,34 +142,45 @@ class Trainer:
         if runtime is not None and not isinstance(runtime, Runtime):
             raise TypeError(f"runtime={type(runtime).__name__}: must implement mode.train.runtime.Runtime")
         if runtime is None:
-            runtime = (OneProcess(resolve_device("cpu" if device is None else device)) if mesh is None
-                       else mesh_runtime(mesh, timeout_s))
+            runtime = (
+                OneProcess(resolve_device("cpu" if device is None else device))
+                if mesh is None
+                else mesh_runtime(mesh, timeout_s)
+            )
         if device not in ("auto", None) and resolve_device(device).type != runtime.device.type:
-            raise ValueError(f"device={device!r}: the mesh is on {runtime.device.type!r}; pass device='auto' "
-                             f"or {runtime.device.type!r}")
+            raise ValueError(
+                f"device={device!r}: the mesh is on {runtime.device.type!r}; pass device='auto' "
+                f"or {runtime.device.type!r}"
+            )
         self.runtime = runtime
         self.device = self.runtime.device
         self.rank, self.world_size = self.runtime.rank, self.runtime.world_size
         if train_cfg.batch_size % self.world_size:
-            raise ValueError(f"batch_size={train_cfg.batch_size}: must be divisible by the number of processes "
-                             f"{self.world_size} (each trains on batch_size / processes rows of every batch)")
+            raise ValueError(
+                f"batch_size={train_cfg.batch_size}: must be divisible by the number of processes "
+                f"{self.world_size} (each trains on batch_size / processes rows of every batch)"
+            )
         if (train_cfg.batch_size // self.world_size) % train_cfg.grad_accum:
-            raise ValueError(f"grad_accum={train_cfg.grad_accum}: must divide the rows each process trains on, "
-                             f"batch_size / processes = {train_cfg.batch_size} / {self.world_size} = "
-                             f"{train_cfg.batch_size // self.world_size} (micro-batches of equal size)")
+            raise ValueError(
+                f"grad_accum={train_cfg.grad_accum}: must divide the rows each process trains on, "
+                f"batch_size / processes = {train_cfg.batch_size} / {self.world_size} = "
+                f"{train_cfg.batch_size // self.world_size} (micro-batches of equal size)"
+            )
         if train_cfg.activation_checkpointing and compile:
-            raise ValueError("activation_checkpointing=True with compile=True: not supported together yet; "
-                             "choose one")
+            raise ValueError("activation_checkpointing=True with compile=True: not supported together yet; choose one")
         if model_cfg.vocab_size < corpus.vocab_size:  # an id past the embedding would fail mid-run
-            raise ValueError(f"model_cfg.vocab_size={model_cfg.vocab_size}: the data's ids go up to "
-                             f"{corpus.vocab_size - 1} ({corpus.source}); must be >= {corpus.vocab_size}")
+            raise ValueError(
+                f"model_cfg.vocab_size={model_cfg.vocab_size}: the data's ids go up to "
+                f"{corpus.vocab_size - 1} ({corpus.source}); must be >= {corpus.vocab_size}"
+            )
         self.model_cfg, self.cfg, self.name = model_cfg, train_cfg, name
         self.data = corpus.record()  # kept in the checkpoint: mode sample decodes with it
         progress = Progress.of(progress)
         self.progress = progress if self.rank == 0 else Progress(bar=False, lines=False)  # rank 0 reports
         self.bf16, self.compile = bf16, compile
-        self._autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16
-                          else contextlib.nullcontext)  # chosen once
+        self._autocast = (
+            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+        )  # chosen once
         self.out_dir = Path(out_dir)
         if self.rank == 0:
             checkpoint.prepare_dir(self.out_dir, "out_dir")  # a bad folder fails before any training
@@ -202,8 +233,9 @@ class Trainer:
         self.measured_peak_flops: float | None = None
         if train_cfg.tensorboard:
             log_sinks.summary_writer_class()  # fails on every rank alike when tensorboard is missing
-        self.tensorboard = (log_sinks.TensorBoardLog(self.out_dir / "tb")
-                            if train_cfg.tensorboard and self.rank == 0 else None)  # rank 0 writes the logs
+        self.tensorboard = (
+            log_sinks.TensorBoardLog(self.out_dir / "tb") if train_cfg.tensorboard and self.rank == 0 else None
+        )  # rank 0 writes the logs
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, stop_step: int | None = None) -> list[dict]:
@@ -224,16 +256,34 @@ class Trainer:
             bar_extra = {"flops": f"{self.flops:.2e}", **({} if step_mfu is None else {"mfu": f"{step_mfu:.1%}"})}
             progress.update(self.step, loss, self.tokens / self.wall, bar_extra)
             if self.step % self.cfg.log_every == 0 or self.step == stop:
-                self._log({"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(self.grad_norm),
-                           "tokens": self.tokens, "flops": self.flops, "wall": self.wall, **self._speed()})
+                self._log(
+                    {
+                        "step": self.step,
+                        "loss": loss,
+                        "lr": lr,
+                        "grad_norm": float(self.grad_norm),  # pyright: ignore[reportArgumentType] - set by this step
+                        "tokens": self.tokens,
+                        "flops": self.flops,
+                        "wall": self.wall,
+                        **self._speed(),
+                    }
+                )
             if self.step % stats_every == 0 or self.step == self.cfg.steps:
                 record = self.routing_record()
                 if record is not None:
                     self._log({"step": self.step, "routing": record})  # see docs/reports.md
                 self.routing.reset()
             if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps:
-                self._log({"step": self.step, "val_loss": self.evaluate(), "tokens": self.tokens,
-                           "flops": self.flops, "wall": self.wall, **self._speed()})
+                self._log(
+                    {
+                        "step": self.step,
+                        "val_loss": self.evaluate(),
+                        "tokens": self.tokens,
+                        "flops": self.flops,
+                        "wall": self.wall,
+                        **self._speed(),
+                    }
+                )
             self.elapsed += time.perf_counter() - t0  # before saving: the checkpoint counts this step
             faults.inject("step", self.rank, self.step)  # tests: this rank killed or preempted here (if planned)
             if (self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0) or self._save_due:
@@ -259,8 +309,11 @@ class Trainer:
         mfu = log_sinks.mfu(self.flops, self.wall, self.peak_flops)
         if mfu is not None:
             speed["mfu"] = mfu
-        measured = (None if self.measured_peak_flops is None else
-                    log_sinks.mfu(self.flops, self.wall, self.measured_peak_flops * self.world_size))
+        measured = (
+            None
+            if self.measured_peak_flops is None
+            else log_sinks.mfu(self.flops, self.wall, self.measured_peak_flops * self.world_size)
+        )
         if measured is not None:
             speed["mfu_measured"] = measured
         return speed
@@ -292,7 +345,7 @@ class Trainer:
         self.step += 1
         return loss_sum / self.world_size, lr  # mean cross-entropy over the global batch
 
-    def _eager_step(self, x_bS: Tensor, y_bS: Tensor, lr: float) -> tuple[Tensor, Tensor | float]:
+    def _eager_step(self, x_bS: Tensor, y_bS: Tensor, lr: float) -> tuple[Tensor | float, Tensor | float]:
         """Forward and backward of this rank's rows, clipping, AdamW, the bias update; returns (this rank's mean
         cross-entropy, its realized training FLOPs), unread."""
         rt = self.runtime
@@ -307,7 +360,7 @@ class Trainer:
                     self._gradient_sync(self.model, i == n - 1)  # FSDP reduces once, after the last one
                 with self._autocast():
                     out = self.model(x_mS, y_mS)
-                self.routing.add_lm(self.model_cfg, out.aux, tuple(x_mS.shape))  # detached sums, no host sync
+                self.routing.add_lm(self.model_cfg, out.aux, tuple(x_mS.shape))  # pyright: ignore[reportArgumentType] - (b, S)
                 # loss / (W n): FSDP sums the gradients over the ranks, the micro-batches add up in .grad:
                 # the gradient of the global mean
                 ((out.loss + out.aux.total()) / (self.world_size * n)).backward()
@@ -328,7 +381,8 @@ class Trainer:
         """Mean validation cross-entropy over the fixed validation batches (each split over the ranks):
         the number ``evaluate(model, batches)`` gives for the single-process model."""
         if self.world_size == 1 and isinstance(self.runtime, OneProcess):
-            return evaluate(self.model, self.val_batches, self.device, self._autocast)
+            # the prepared model is the LM itself in one process (OneProcess.prepare returns it)
+            return evaluate(self.model, self.val_batches, self.device, self._autocast)  # pyright: ignore[reportArgumentType]
         with self.runtime.guard("evaluation"):
             was_training = self.model.training
             self.model.eval()
@@ -356,11 +410,19 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _progress_state(self) -> dict:
-        return {"model_cfg": asdict(self.model_cfg), "train_cfg": asdict(self.cfg), "data": self.data,
-                "step": self.step,
-                "flops": self.flops, "tokens": self.tokens, "wall": self.wall, "elapsed_s": self.elapsed,
-                "history": self.history, "sampler_rng": self.sampler.generator.get_state(),
-                **checkpoint.rng_state()}
+        return {
+            "model_cfg": asdict(self.model_cfg),
+            "train_cfg": asdict(self.cfg),
+            "data": self.data,
+            "step": self.step,
+            "flops": self.flops,
+            "tokens": self.tokens,
+            "wall": self.wall,
+            "elapsed_s": self.elapsed,
+            "history": self.history,
+            "sampler_rng": self.sampler.generator.get_state(),
+            **checkpoint.rng_state(),
+        }
 
     def save(self, path: Path | None = None) -> Path:
         """Write the checkpoint atomically (the previous one stays whole until the new one is complete).
@@ -374,8 +436,9 @@ class Trainer:
     def _default_ckpt(self) -> Path:
         """This trainer's checkpoint, else the other kind in ``out_dir`` (resuming a sharded run in one
         process, or a single-process run on a mesh)."""
-        other = self.out_dir / ("ckpt" if self.ckpt_path.name == OneProcess.checkpoint_name else
-                                OneProcess.checkpoint_name)
+        other = self.out_dir / (
+            "ckpt" if self.ckpt_path.name == OneProcess.checkpoint_name else OneProcess.checkpoint_name
+        )
         return self.ckpt_path if self.ckpt_path.exists() or not other.exists() else other
 
     def load(self, path: Path | str | None = None) -> None:
@@ -409,8 +472,10 @@ def check_same_model(saved_cfg: dict, model_cfg: LMConfig, where: str) -> None:
     saved = asdict(checkpoint.model_config_from_dict(saved_cfg, where))  # fields added since: their defaults
     for key in now:
         if saved[key] != now[key]:
-            raise ValueError(f"{where}: its model has {key}={saved[key]!r}, this run's has {key}={now[key]!r}; "
-                             "resume with the same model, or start a fresh run")
+            raise ValueError(
+                f"{where}: its model has {key}={saved[key]!r}, this run's has {key}={now[key]!r}; "
+                "resume with the same model, or start a fresh run"
+            )
 
 
 def rewrite_log(log_path: Path, history: list[dict]) -> None:

@@ -25,8 +25,11 @@ needs_grouped_mm = pytest.mark.skipif(not gmm_mod.grouped_mm_available(), reason
 
 def make_bank(backend, activation="swiglu", d_model=D, d_hidden=H):
     torch.manual_seed(0)
-    return ExpertBank(ExpertConfig(d_model=d_model, d_hidden=d_hidden, num_experts=len(COUNTS),
-                                   activation=activation, backend=backend))
+    return ExpertBank(
+        ExpertConfig(
+            d_model=d_model, d_hidden=d_hidden, num_experts=len(COUNTS), activation=activation, backend=backend
+        )
+    )
 
 
 class GemmDtypes(TorchDispatchMode):
@@ -79,8 +82,10 @@ def test_resolution_is_cached_per_device_and_dtype():
     x = torch.randn(N_REAL, D)
     bank(x, torch.tensor(COUNTS))
     bank(x.double(), torch.tensor(COUNTS))
-    assert bank._resolved == {(x.device, torch.float32): resolve_backend("auto", x.device.type, torch.float32, SIZES),
-                              (x.device, torch.float64): "reference"}
+    assert bank._resolved == {
+        (x.device, torch.float32): resolve_backend("auto", x.device.type, torch.float32, SIZES),
+        (x.device, torch.float64): "reference",
+    }
 
 
 # --- explicit backends that cannot run raise, naming the reason ---------------------------------------
@@ -89,9 +94,12 @@ def test_resolution_is_cached_per_device_and_dtype():
 @needs_grouped_mm
 def test_grouped_rejects_float64_with_a_clear_error():
     bank = make_bank("grouped").double()
-    with pytest.raises(ValueError, match=r"backend='grouped': dtype=torch.float64 is not supported by "
-                                         r"torch._grouped_mm \(float32, bfloat16, float16 .*"
-                                         r"use backend='reference' or 'auto'"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend='grouped': dtype=torch.float64 is not supported by "
+        r"torch._grouped_mm \(float32, bfloat16, float16 .*"
+        r"use backend='reference' or 'auto'",
+    ):
         bank(torch.randn(N_REAL, D, dtype=torch.float64), torch.tensor(COUNTS))
 
 
@@ -100,8 +108,11 @@ def test_grouped_rejects_unaligned_sizes():
     with pytest.raises(ValueError, match=r"backend='grouped': d_model=6 is not a multiple of 4"):
         make_bank("grouped", d_model=6)  # fails every dtype: refused at construction
     bank = make_bank("grouped", d_model=16, d_hidden=12).bfloat16()  # float32 fine, bfloat16 not
-    with pytest.raises(ValueError, match=r"backend='grouped': d_hidden=12 is not a multiple of 8: "
-                                         r"torch._grouped_mm needs 16-byte aligned rows"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend='grouped': d_hidden=12 is not a multiple of 8: "
+        r"torch._grouped_mm needs 16-byte aligned rows",
+    ):
         bank(torch.randn(N_REAL, D, dtype=torch.bfloat16), torch.tensor(COUNTS))
 
 
@@ -144,8 +155,9 @@ def test_size_rule_matches_what_the_kernel_accepts_on_cpu():
                 ran = False
             assert ran == allowed, (dtype, n)
     with pytest.raises(RuntimeError):  # and float64 is refused by the kernel itself
-        torch._grouped_mm(torch.randn(5, 16, dtype=torch.float64), torch.randn(2, 16, 8, dtype=torch.float64),
-                          offs=offs)
+        torch._grouped_mm(
+            torch.randn(5, 16, dtype=torch.float64), torch.randn(2, 16, 8, dtype=torch.float64), offs=offs
+        )
 
 
 def test_more_than_1023_experts_per_process_are_refused_on_cuda_only():
@@ -163,8 +175,11 @@ def test_more_than_1023_experts_per_process_are_refused_on_cuda_only():
     assert bank.backend_for(torch.device("cuda"), torch.bfloat16) != "grouped"
     if torch.cuda.is_available():  # the op's own check, before any kernel runs
         with pytest.raises(ValueError, match=r"grouped_mm: num_experts=1024 "):
-            grouped_mm(torch.randn(4, 8, device="cuda"), torch.randn(1024, 8, 8, device="cuda"),
-                       torch.zeros(1024, dtype=torch.int32, device="cuda"))
+            grouped_mm(
+                torch.randn(4, 8, device="cuda"),
+                torch.randn(1024, 8, 8, device="cuda"),
+                torch.zeros(1024, dtype=torch.int32, device="cuda"),
+            )
 
 
 @needs_grouped_mm
@@ -247,8 +262,11 @@ def test_without_grouped_mm_auto_falls_back_to_reference(monkeypatch):
     x = torch.randn(N_REAL + N_PAD, D, requires_grad=True)
     bank(x, torch.tensor(COUNTS)).sum().backward()
     assert torch.equal(x.grad[N_REAL:], torch.zeros(N_PAD, D))
-    with pytest.raises(ValueError, match=r"backend='grouped': torch .* has no torch._grouped_mm that runs on CPU "
-                                         r".*\(it needs torch>=2.9\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend='grouped': torch .* has no torch._grouped_mm that runs on CPU "
+        r".*\(it needs torch>=2.9\)",
+    ):
         make_bank("grouped")
 
 
@@ -268,14 +286,20 @@ def test_grouped_wins_over_megablocks_where_both_run(monkeypatch):
 
 def test_megablocks_explicit_errors(monkeypatch):
     monkeypatch.setattr(megablocks_backend, "megablocks_available", lambda: True)
-    with pytest.raises(ValueError, match=r"backend='megablocks': dtype=torch.float32 is not supported by "
-                                         r"grouped_gemm \(bfloat16 only\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend='megablocks': dtype=torch.float32 is not supported by "
+        r"grouped_gemm \(bfloat16 only\)",
+    ):
         resolve_backend("megablocks", "cuda", torch.float32, SIZES)
     with pytest.raises(ValueError, match=r"backend='megablocks': device='cpu' is not supported by grouped_gemm"):
         resolve_backend("megablocks", "cpu", torch.bfloat16, SIZES)
     monkeypatch.setattr(megablocks_backend, "megablocks_available", lambda: False)
-    with pytest.raises(ValueError, match=r"backend='megablocks': grouped_gemm is not importable; "
-                                         r"pip install \"mode-torch\[megablocks\]\""):
+    with pytest.raises(
+        ValueError,
+        match=r"backend='megablocks': grouped_gemm is not importable; "
+        r"pip install \"mode-torch\[megablocks\]\"",
+    ):
         resolve_backend("megablocks", "cuda", torch.bfloat16, SIZES)
 
 
@@ -286,8 +310,11 @@ def test_megablocks_require_names_cuda_then_the_import(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # get past the GPU check to the import
     if megablocks_backend.megablocks_available():
         pytest.skip("grouped_gemm imports here")
-    with pytest.raises(ValueError, match=r"backend='megablocks': grouped_gemm \(MegaBlocks' grouped GEMM kernel\) "
-                                         r"is not importable"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend='megablocks': grouped_gemm \(MegaBlocks' grouped GEMM kernel\) "
+        r"is not importable",
+    ):
         megablocks_backend.require()
 
 
@@ -358,8 +385,11 @@ def test_grouped_mm_op_computes_in_the_autocast_dtype(autocast_dtype, device):
 def test_grouped_mm_op_leaves_float64_alone_under_autocast(device):
     x = torch.randn(9, 16, dtype=torch.float64, device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16), pytest.raises(ValueError, match="float64"):
-        grouped_mm(x, torch.randn(4, 16, 24, dtype=torch.float64, device=device),
-                   torch.tensor([3, 3, 8, 9], dtype=torch.int32, device=device))
+        grouped_mm(
+            x,
+            torch.randn(4, 16, 24, dtype=torch.float64, device=device),
+            torch.tensor([3, 3, 8, 9], dtype=torch.int32, device=device),
+        )
 
 
 @needs_grouped_mm

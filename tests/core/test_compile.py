@@ -29,8 +29,9 @@ def _layers():
         "moe_top2_dropping": MoELayer.from_config(moe(top_k=2, capacity_factor=1.0, backend="grouped")),
         "moe_dropless": MoELayer.from_config(moe(top_k=1, backend="grouped")),
         "moe_expert_choice": MoELayer.from_config(moe(router="expert_choice", backend="grouped")),
-        "staged": StagedMoDE(TransformerBlock(D, 2, MoELayer.from_config(moe(top_k=2))),
-                             MoDRouter(MoDRouterConfig(D, capacity=0.5))),
+        "staged": StagedMoDE(
+            TransformerBlock(D, 2, MoELayer.from_config(moe(top_k=2))), MoDRouter(MoDRouterConfig(D, capacity=0.5))
+        ),
         "integrated": IntegratedMoDE.from_config(moe(top_k=1, num_noop=2, backend="grouped")),
     }
 
@@ -80,8 +81,11 @@ def _grouped_ops(layer: torch.nn.Module, x: torch.Tensor) -> set[str]:
     seen: set[str] = set()
 
     def backend(gm, example_inputs):
-        seen.update("torch._grouped_mm" if n.target is torch._grouped_mm else str(n.target)
-                    for n in gm.graph.nodes if n.op == "call_function" and "grouped_mm" in str(n.target))
+        seen.update(
+            "torch._grouped_mm" if n.target is torch._grouped_mm else str(n.target)
+            for n in gm.graph.nodes
+            if n.op == "call_function" and "grouped_mm" in str(n.target)
+        )
         return gm.forward
 
     torch._dynamo.reset()
@@ -99,8 +103,11 @@ def test_compiled_bf16_moe_calls_torch_grouped_mm_natively_and_matches_eager(top
     to bfloat16 rounding. Eager and a float32 compile keep the custom op."""
     from mode.experts import grouped_mm as gm
 
-    layer = _no_sync(MoELayer.from_config(MoEConfig(d_model=D, d_hidden=64, num_experts=4, top_k=top_k,
-                                                    activation="swiglu", backend="grouped")))
+    layer = _no_sync(
+        MoELayer.from_config(
+            MoEConfig(d_model=D, d_hidden=64, num_experts=4, top_k=top_k, activation="swiglu", backend="grouped")
+        )
+    )
     torch.manual_seed(0)
     x = torch.randn(2, 16, D)
     assert _grouped_ops(layer, x) == {"mode.grouped_mm.default"}  # CUDA only by default

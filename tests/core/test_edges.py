@@ -12,12 +12,23 @@ import pytest
 import torch
 
 from mode import (
-    MLP, ExpertChoiceConfig, ExpertChoiceRouter, IntegratedMoDE, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer,
-    StagedMoDE, TokenChoiceConfig, TokenChoiceRouter, TransformerBlock,
+    MLP,
+    ExpertChoiceConfig,
+    ExpertChoiceRouter,
+    IntegratedMoDE,
+    MoD,
+    MoDRouter,
+    MoDRouterConfig,
+    MoEConfig,
+    MoELayer,
+    StagedMoDE,
+    TokenChoiceConfig,
+    TokenChoiceRouter,
+    TransformerBlock,
 )
+from mode.measure.stats import RoutingAccumulator
 from mode.model import LM, LMConfig
 from mode.routing.capacity import ceil_of, floor_of
-from mode.measure.stats import RoutingAccumulator
 
 D, H = 16, 32
 
@@ -29,18 +40,21 @@ def moe(**kw) -> MoELayer:
 def layers() -> dict:
     return {
         "mod": lambda: MoD(TransformerBlock(D, 2, MLP(D, H)), MoDRouter(MoDRouterConfig(d_model=D))),
-        "mod_no_skip": lambda: MoD(TransformerBlock(D, 2, MLP(D, H)), MoDRouter(MoDRouterConfig(d_model=D)),
-                                   skip_empty=False),
-        "mod_causal": lambda: MoD(TransformerBlock(D, 2, MLP(D, H)),
-                                  MoDRouter(MoDRouterConfig(d_model=D, causal="predictor"))),
+        "mod_no_skip": lambda: MoD(
+            TransformerBlock(D, 2, MLP(D, H)), MoDRouter(MoDRouterConfig(d_model=D)), skip_empty=False
+        ),
+        "mod_causal": lambda: MoD(
+            TransformerBlock(D, 2, MLP(D, H)), MoDRouter(MoDRouterConfig(d_model=D, causal="predictor"))
+        ),
         "moe_tc": lambda: moe(top_k=2),
         "moe_tc_capacity": lambda: moe(top_k=2, capacity_factor=1.0),
         "moe_tc_reference": lambda: moe(backend="reference"),
         "moe_ec": lambda: moe(router="expert_choice"),
         "integrated": lambda: IntegratedMoDE.from_config(MoEConfig(d_model=D, d_hidden=H, num_experts=4, num_noop=2)),
         "staged": lambda: StagedMoDE(TransformerBlock(D, 2, moe()), MoDRouter(MoDRouterConfig(d_model=D))),
-        "staged_no_skip": lambda: StagedMoDE(TransformerBlock(D, 2, moe()), MoDRouter(MoDRouterConfig(d_model=D)),
-                                             skip_empty=False),
+        "staged_no_skip": lambda: StagedMoDE(
+            TransformerBlock(D, 2, moe()), MoDRouter(MoDRouterConfig(d_model=D)), skip_empty=False
+        ),
         "block_moe": lambda: TransformerBlock(D, 2, moe()),
     }
 
@@ -76,8 +90,18 @@ def test_empty_input_with_a_mask(name):
 
 
 def test_lm_on_empty_batch():
-    lm = LM(LMConfig(vocab_size=32, seq_len=16, d_model=D, n_heads=2, d_hidden=H,
-                     layers=("dense", "mod", "moe", "staged", "integrated"), num_noop=1, num_experts=4))
+    lm = LM(
+        LMConfig(
+            vocab_size=32,
+            seq_len=16,
+            d_model=D,
+            n_heads=2,
+            d_hidden=H,
+            layers=("dense", "mod", "moe", "staged", "integrated"),
+            num_noop=1,
+            num_experts=4,
+        )
+    )
     out = lm(torch.zeros(0, 16, dtype=torch.long))
     assert out.logits_BSV.shape == (0, 16, 32)
 
@@ -182,9 +206,14 @@ def test_token_choice_capacity_1_1_keeps_10_per_expert():
 # ----------------------------------------------------------------------------------------- static plans
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(num_experts=4, top_k=2, num_noop=2), dict(num_experts=4, top_k=1, capacity_factor=0.5),
-], ids=["noop", "capacity"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(num_experts=4, top_k=2, num_noop=2),
+        dict(num_experts=4, top_k=1, capacity_factor=0.5),
+    ],
+    ids=["noop", "capacity"],
+)
 def test_token_choice_plan_is_static_with_padding_last(cfg):
     router = TokenChoiceRouter(TokenChoiceConfig(d_model=D, **cfg))
     mask = torch.ones(2, 16, dtype=torch.bool)

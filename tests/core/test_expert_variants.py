@@ -11,11 +11,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-from mode.experts import ExpertBank, ExpertConfig
-from mode.experts import bank as bank_mod
-from mode.experts.grouped_mm import grouped_mm_available
 from scaled_close import assert_close_scaled
+
+from mode.experts import ExpertBank, ExpertConfig, bank as bank_mod
+from mode.experts.grouped_mm import grouped_mm_available
 
 # float32 results summed in another order: max |d| <= REL * max |expected| (tests/scaled_close.py)
 REL = 1e-5
@@ -24,8 +23,9 @@ pytestmark = pytest.mark.skipif(not grouped_mm_available(), reason="compares aga
 
 D, H = 16, 24
 COUNTS, N_PAD = [3, 0, 5, 2], 3
-GPT_OSS = dict(activation="swiglu", bias=True, fused="interleaved", swiglu_alpha=1.702, swiglu_limit=1.0,
-               swiglu_up_offset=1.0)  # limit 1 (gpt-oss has 7) so that the clamps bite on unit-scale rows
+GPT_OSS = dict(
+    activation="swiglu", bias=True, fused="interleaved", swiglu_alpha=1.702, swiglu_limit=1.0, swiglu_up_offset=1.0
+)  # limit 1 (gpt-oss has 7) so that the clamps bite on unit-scale rows
 VARIANTS = {
     "gelu_bias": dict(activation="gelu", bias=True),
     "swiglu_bias": dict(activation="swiglu", bias=True),  # the fused swiglu op plus biases
@@ -43,8 +43,9 @@ def make_bank(backend, variant, *, layout="EDF", hidden=H, dtype=torch.float32):
     """The same weights and (non-zero) biases for every backend and layout: drawn as EDF, transposed for EFD."""
     opts = VARIANTS[variant]
     torch.manual_seed(0)
-    bank = ExpertBank(ExpertConfig(d_model=D, d_hidden=hidden, num_experts=len(COUNTS), backend=backend,
-                                   layout=layout, **opts))
+    bank = ExpertBank(
+        ExpertConfig(d_model=D, d_hidden=hidden, num_experts=len(COUNTS), backend=backend, layout=layout, **opts)
+    )
     torch.manual_seed(1)
     width = 2 * hidden if opts["activation"] == "swiglu" else hidden
     w_in = torch.randn(len(COUNTS), D, width) / math.sqrt(D)
@@ -72,7 +73,7 @@ def hand_expert(x_D, e, bank, gate=None):
     if cfg.activation == "gelu":
         act = F.gelu(h)
     else:
-        g, u = (h[0::2], h[1::2]) if cfg.fused == "interleaved" else (h[:cfg.d_hidden], h[cfg.d_hidden:])
+        g, u = (h[0::2], h[1::2]) if cfg.fused == "interleaved" else (h[: cfg.d_hidden], h[cfg.d_hidden :])
         if cfg.swiglu_limit is not None:
             g, u = g.clamp(max=cfg.swiglu_limit), u.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
         act = g * torch.sigmoid((cfg.swiglu_alpha or 1.0) * g) * (u + cfg.swiglu_up_offset)
@@ -89,7 +90,7 @@ def inputs(dtype=torch.float32, poison=None):
     A = sum(COUNTS) + N_PAD
     x, gate, grad_out = torch.randn(A, D), torch.rand(A), torch.randn(A, D)
     if poison is not None:
-        x[sum(COUNTS):], gate[sum(COUNTS):] = poison, poison
+        x[sum(COUNTS) :], gate[sum(COUNTS) :] = poison, poison
     return x.to(dtype), gate, grad_out.to(dtype)
 
 
@@ -97,8 +98,10 @@ def run(bank, x, gate, grad_out, with_gate=True):
     xr, gr = x.clone().requires_grad_(), gate.clone().requires_grad_()
     y = bank(xr, torch.tensor(COUNTS, device=x.device), gate_A=gr if with_gate else None)
     y.backward(grad_out)
-    grads = {n: p.grad.transpose(1, 2) if p.dim() == 3 and bank.cfg.layout == "EFD" else p.grad
-             for n, p in zip(["w_in", "w_out", "b_in", "b_out"], bank.parameters())}
+    grads = {
+        n: p.grad.transpose(1, 2) if p.dim() == 3 and bank.cfg.layout == "EFD" else p.grad
+        for n, p in zip(["w_in", "w_out", "b_in", "b_out"], bank.parameters())
+    }
     return {"y": y.detach(), "x.grad": xr.grad, **({"gate.grad": gr.grad} if with_gate else {}), **grads}
 
 
@@ -109,8 +112,8 @@ def test_reference_matches_hand_formula(variant):
     y = bank(x, torch.tensor(COUNTS), gate_A=gate)
     expert_of_row = [e for e, c in enumerate(COUNTS) for _ in range(c)]
     want = torch.stack([hand_expert(x[a], e, bank, gate[a]) for a, e in enumerate(expert_of_row)])
-    torch.testing.assert_close(y[:len(expert_of_row)].double(), want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(y[len(expert_of_row):], torch.zeros(N_PAD, D))
+    torch.testing.assert_close(y[: len(expert_of_row)].double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[len(expert_of_row) :], torch.zeros(N_PAD, D))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -127,8 +130,9 @@ def test_every_backend_matches_reference_outputs_and_all_gradients(variant, layo
         assert bank.backend == backend
         got = run(bank, x, gate, grad_out, with_gate)
         for name in want:
-            torch.testing.assert_close(got[name].float(), want[name].float(), rtol=tol, atol=tol,
-                                       msg=f"{backend} {layout} {name}")
+            torch.testing.assert_close(
+                got[name].float(), want[name].float(), rtol=tol, atol=tol, msg=f"{backend} {layout} {name}"
+            )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -147,9 +151,13 @@ def test_padding_rows_with_nan_give_zero_output_and_zero_gradient(variant, backe
         assert torch.isfinite(g).all(), name
     clean = run(make_bank(backend, variant), *inputs()[:2], grad_out)  # the real rows do not see the padding
     for name in got:
-        torch.testing.assert_close(got[name][:N] if name in ("y", "x.grad", "gate.grad") else got[name],
-                                   clean[name][:N] if name in ("y", "x.grad", "gate.grad") else clean[name],
-                                   rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            got[name][:N] if name in ("y", "x.grad", "gate.grad") else got[name],
+            clean[name][:N] if name in ("y", "x.grad", "gate.grad") else clean[name],
+            rtol=1e-6,
+            atol=1e-6,
+            msg=name,
+        )
 
 
 def test_bucketed_rows_with_biases_match_reference():
@@ -159,7 +167,7 @@ def test_bucketed_rows_with_biases_match_reference():
     A = sum(counts) + 5
     torch.manual_seed(3)
     x, gate, grad_out = torch.randn(A, D, dtype=torch.bfloat16), torch.rand(A), torch.randn(A, D, dtype=torch.bfloat16)
-    x[sum(counts):] = float("nan")
+    x[sum(counts) :] = float("nan")
     got = {}
     for backend in ("reference", "grouped"):
         torch.manual_seed(0)
@@ -174,7 +182,7 @@ def test_bucketed_rows_with_biases_match_reference():
     assert bank_mod.row_buckets.needed("cpu", torch.bfloat16, A, 4)
     for g, w in zip(got["grouped"], got["reference"]):
         torch.testing.assert_close(g.float(), w.float(), rtol=3e-2, atol=6e-2)
-    assert torch.equal(got["grouped"][0][sum(counts):].float(), torch.zeros(5, D))
+    assert torch.equal(got["grouped"][0][sum(counts) :].float(), torch.zeros(5, D))
 
 
 @pytest.mark.parametrize("variant", ["gpt_oss", "everything"])
@@ -256,6 +264,7 @@ def test_gate_on_input_is_the_expert_of_the_scaled_input(variant, backend):
 
 # -- defaults, parameters, paths chosen once ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 @pytest.mark.parametrize("layout", ["EDF", "EFD"])
 def test_biases_come_after_the_weights_start_at_zero_and_keep_the_weights_init(activation, layout):
@@ -313,6 +322,7 @@ def test_sharding_a_biased_bank_keeps_each_experts_rows():
 
 # -- against transformers' own expert classes --------------------------------------------------------------
 
+
 def _grouped_rows(top_k_index_TK, top_k_weights_TK, E):
     """The (token, expert) pairs of a top-k routing grouped by expert: token_A, gate_A, counts_E."""
     T, K = top_k_index_TK.shape
@@ -349,8 +359,16 @@ def test_swiglu_options_are_bitwise_transformers_apply_gate(dtype):
 
     from mode.experts.swiglu_options import SwiGLUOptions
 
-    config = GptOssConfig(hidden_size=D, intermediate_size=H, num_local_experts=2, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=32)
+    config = GptOssConfig(
+        hidden_size=D,
+        intermediate_size=H,
+        num_local_experts=2,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=32,
+    )
     h = (torch.randn(50, 2 * H) * 6).to(dtype)  # well past the limits
     gpt_oss = SwiGLUOptions(limit=config.swiglu_limit, alpha=config.swiglu_alpha, up_offset=1.0, fused="interleaved")
     assert torch.equal(gpt_oss(h), GptOssExperts(config)._apply_gate(h))
@@ -359,8 +377,9 @@ def test_swiglu_options_are_bitwise_transformers_apply_gate(dtype):
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
     except ImportError:
         return
-    config = DeepseekV4Config(hidden_size=D, moe_intermediate_size=H, n_routed_experts=2, num_hidden_layers=1,
-                              vocab_size=32)
+    config = DeepseekV4Config(
+        hidden_size=D, moe_intermediate_size=H, n_routed_experts=2, num_hidden_layers=1, vocab_size=32
+    )
     assert torch.equal(SwiGLUOptions(limit=config.swiglu_limit)(h), DeepseekV4Experts(config)._apply_gate(h))
 
 
@@ -378,14 +397,34 @@ def test_gpt_oss_experts_match_transformers(backend):
     from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    E, I, T, K = 4, 24, 11, 2
-    config = GptOssConfig(hidden_size=D, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K,
-                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=32)
+    E, I, T, K = 4, 24, 11, 2  # noqa: E741 - I: the intermediate size, as transformers names it
+    config = GptOssConfig(
+        hidden_size=D,
+        intermediate_size=I,
+        num_local_experts=E,
+        num_experts_per_tok=K,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=32,
+    )
     hf = GptOssExperts(config)
     _draw(hf)
-    bank = ExpertBank(ExpertConfig(d_model=D, d_hidden=I, num_experts=E, activation="swiglu", backend=backend,
-                                   bias=True, fused="interleaved", swiglu_alpha=config.swiglu_alpha,
-                                   swiglu_limit=config.swiglu_limit, swiglu_up_offset=1.0))
+    bank = ExpertBank(
+        ExpertConfig(
+            d_model=D,
+            d_hidden=I,
+            num_experts=E,
+            activation="swiglu",
+            backend=backend,
+            bias=True,
+            fused="interleaved",
+            swiglu_alpha=config.swiglu_alpha,
+            swiglu_limit=config.swiglu_limit,
+            swiglu_up_offset=1.0,
+        )
+    )
     with torch.no_grad():  # the same layout: gate_up_proj (E, D, 2I) is "EDF", down_proj (E, I, D)
         bank.w_in_EDF.copy_(hf.gate_up_proj), bank.w_out_EHD.copy_(hf.down_proj)
         bank.b_in_EF.copy_(hf.gate_up_proj_bias), bank.b_out_ED.copy_(hf.down_proj_bias)
@@ -408,13 +447,29 @@ def test_deepseek_v4_experts_match_transformers(backend):
     except ImportError:
         pytest.skip("this transformers has no DeepSeek-V4")
 
-    E, I, T, K = 4, 24, 11, 2
-    config = DeepseekV4Config(hidden_size=D, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K,
-                              num_hidden_layers=1, vocab_size=32, swiglu_limit=1.5)
+    E, I, T, K = 4, 24, 11, 2  # noqa: E741 - I: the intermediate size, as transformers names it
+    config = DeepseekV4Config(
+        hidden_size=D,
+        moe_intermediate_size=I,
+        n_routed_experts=E,
+        num_experts_per_tok=K,
+        num_hidden_layers=1,
+        vocab_size=32,
+        swiglu_limit=1.5,
+    )
     hf = DeepseekV4Experts(config)
     _draw(hf)
-    bank = ExpertBank(ExpertConfig(d_model=D, d_hidden=I, num_experts=E, activation="swiglu", backend=backend,
-                                   layout="EFD", swiglu_limit=config.swiglu_limit))
+    bank = ExpertBank(
+        ExpertConfig(
+            d_model=D,
+            d_hidden=I,
+            num_experts=E,
+            activation="swiglu",
+            backend=backend,
+            layout="EFD",
+            swiglu_limit=config.swiglu_limit,
+        )
+    )
     with torch.no_grad():  # nn.Linear's order: gate_up_proj (E, 2I, D) [gate; up], down_proj (E, D, I)
         bank.w_in_EFD.copy_(hf.gate_up_proj), bank.w_out_EDH.copy_(hf.down_proj)
     x = torch.randn(T, D)
@@ -433,13 +488,20 @@ def test_llama4_experts_match_transformers(backend):
     from transformers.models.llama4.configuration_llama4 import Llama4TextConfig
     from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
 
-    E, I, T, K = 4, 24, 11, 2
-    config = Llama4TextConfig(hidden_size=D, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K,
-                              num_hidden_layers=1, vocab_size=32)
+    E, I, T, K = 4, 24, 11, 2  # noqa: E741 - I: the intermediate size, as transformers names it
+    config = Llama4TextConfig(
+        hidden_size=D,
+        intermediate_size=I,
+        num_local_experts=E,
+        num_experts_per_tok=K,
+        num_hidden_layers=1,
+        vocab_size=32,
+    )
     hf = Llama4TextExperts(config)
     _draw(hf)
-    bank = ExpertBank(ExpertConfig(d_model=D, d_hidden=I, num_experts=E, activation="swiglu", backend=backend,
-                                   gate_on_input=True))
+    bank = ExpertBank(
+        ExpertConfig(d_model=D, d_hidden=I, num_experts=E, activation="swiglu", backend=backend, gate_on_input=True)
+    )
     with torch.no_grad():  # gate_up_proj (E, D, 2I) [gate; up] is "EDF", down_proj (E, I, D)
         bank.w_in_EDF.copy_(hf.gate_up_proj), bank.w_out_EHD.copy_(hf.down_proj)
     x = torch.randn(T, D)
@@ -459,31 +521,39 @@ def test_llama4_experts_match_transformers(backend):
 BASE = dict(d_model=D, d_hidden=H, num_experts=4, activation="swiglu")
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("swiglu_limit", 0.0, r"swiglu_limit=0.0: must be finite and > 0"),
-    ("swiglu_limit", -7.0, r"swiglu_limit=-7.0: must be finite and > 0"),
-    ("swiglu_limit", float("inf"), r"swiglu_limit=inf: must be finite and > 0"),
-    ("swiglu_limit", float("nan"), r"swiglu_limit=nan: must be finite and > 0"),
-    ("swiglu_alpha", 0.0, r"swiglu_alpha=0.0: must be finite and > 0"),
-    ("swiglu_alpha", -1.702, r"swiglu_alpha=-1.702: must be finite and > 0"),
-    ("swiglu_up_offset", float("nan"), r"swiglu_up_offset=nan: must be finite"),
-    ("fused", "halves", r"fused='halves': must be one of 'concat', 'interleaved'"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("swiglu_limit", 0.0, r"swiglu_limit=0.0: must be finite and > 0"),
+        ("swiglu_limit", -7.0, r"swiglu_limit=-7.0: must be finite and > 0"),
+        ("swiglu_limit", float("inf"), r"swiglu_limit=inf: must be finite and > 0"),
+        ("swiglu_limit", float("nan"), r"swiglu_limit=nan: must be finite and > 0"),
+        ("swiglu_alpha", 0.0, r"swiglu_alpha=0.0: must be finite and > 0"),
+        ("swiglu_alpha", -1.702, r"swiglu_alpha=-1.702: must be finite and > 0"),
+        ("swiglu_up_offset", float("nan"), r"swiglu_up_offset=nan: must be finite"),
+        ("fused", "halves", r"fused='halves': must be one of 'concat', 'interleaved'"),
+    ],
+)
 def test_bad_swiglu_options_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         ExpertConfig(**BASE, **{field: value})
 
 
-@pytest.mark.parametrize("field,value", [("swiglu_limit", 7.0), ("swiglu_alpha", 1.702),
-                                         ("swiglu_up_offset", 1.0), ("fused", "interleaved")])
+@pytest.mark.parametrize(
+    "field,value", [("swiglu_limit", 7.0), ("swiglu_alpha", 1.702), ("swiglu_up_offset", 1.0), ("fused", "interleaved")]
+)
 def test_swiglu_options_need_swiglu(field, value):
-    with pytest.raises(ValueError, match=rf"{field}={value!r}: only applies to activation='swiglu' "
-                                         r"\(activation='gelu'\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{field}={value!r}: only applies to activation='swiglu' "
+        r"\(activation='gelu'\)",
+    ):
         ExpertConfig(**{**BASE, "activation": "gelu"}, **{field: value})
 
 
-@pytest.mark.parametrize("field,value", [("bias", 1), ("gate_on_input", "yes"), ("swiglu_limit", "7"),
-                                         ("swiglu_up_offset", True)])
+@pytest.mark.parametrize(
+    "field,value", [("bias", 1), ("gate_on_input", "yes"), ("swiglu_limit", "7"), ("swiglu_up_offset", True)]
+)
 def test_wrong_types_name_the_field(field, value):
     with pytest.raises(TypeError, match=rf"{field}={value!r}: must be a"):
         ExpertConfig(**BASE, **{field: value})
@@ -494,8 +564,9 @@ def test_megablocks_refuses_biases():
         ExpertConfig(**BASE, bias=True, backend="megablocks")
     with pytest.raises(ValueError, match=r"backend='megablocks': it adds no biases \(bias=True\)"):
         bank_mod.resolve_backend("megablocks", "cuda", torch.bfloat16, {"d_model": D, "d_hidden": H}, bias=True)
-    assert bank_mod.resolve_backend("auto", "cuda", torch.float64, {"d_model": D, "d_hidden": H},
-                                    bias=True) == "reference"
+    assert (
+        bank_mod.resolve_backend("auto", "cuda", torch.float64, {"d_model": D, "d_hidden": H}, bias=True) == "reference"
+    )
 
 
 def test_input_gated_experts_behind_a_combine_side_dispatcher():
@@ -509,8 +580,15 @@ def test_input_gated_experts_behind_a_combine_side_dispatcher():
         gates_in_experts = False
 
     def config(k):
-        return MoEConfig(d_model=16, d_hidden=32, num_experts=4, top_k=k, gate="sigmoid", activation="swiglu",
-                         expert_options=dict(gate_on_input=True))
+        return MoEConfig(
+            d_model=16,
+            d_hidden=32,
+            num_experts=4,
+            top_k=k,
+            gate="sigmoid",
+            activation="swiglu",
+            expert_options=dict(gate_on_input=True),
+        )
 
     local = MoELayer.from_config(config(2))
     with pytest.raises(ValueError, match="needs top_k=1"):
@@ -539,8 +617,13 @@ def test_relu2_experts_agree_across_backends_and_with_the_formula(layout):
     x = torch.randn(9, 16)
     x[7:] = float("nan")  # padding rows
     w_in, w_out = ref.weights(torch.float32)
-    expected = torch.cat([torch.relu(x[:3] @ w_in[0]).square() @ w_out[0],
-                          torch.relu(x[3:7] @ w_in[2]).square() @ w_out[2], torch.zeros(2, 16)])
+    expected = torch.cat(
+        [
+            torch.relu(x[:3] @ w_in[0]).square() @ w_out[0],
+            torch.relu(x[3:7] @ w_in[2]).square() @ w_out[2],
+            torch.zeros(2, 16),
+        ]
+    )
     for bank in (ref, fast):
         torch.testing.assert_close(bank(x, counts), expected, rtol=1e-5, atol=1e-6)
 
@@ -562,8 +645,9 @@ def test_softcapped_swiglu_is_inkling2s_bit_for_bit():
     from transformers.models.inkling2.modeling_inkling2 import Inkling2SoftcappedSwiGLU
 
     theirs = Inkling2SoftcappedSwiGLU(SimpleNamespace(mlp_gate_softcap=4.0, mlp_up_softcap=25.0))
-    cfg = ExpertConfig(d_model=16, d_hidden=32, num_experts=2, activation="swiglu", swiglu_gate_softcap=4.0,
-                       swiglu_up_softcap=25.0)
+    cfg = ExpertConfig(
+        d_model=16, d_hidden=32, num_experts=2, activation="swiglu", swiglu_gate_softcap=4.0, swiglu_up_softcap=25.0
+    )
     h = torch.randn(5, 64) * 10
     assert torch.equal(cfg.swiglu_options(h), theirs(*h.chunk(2, dim=-1)))
     _reference_and_grouped_agree(cfg)

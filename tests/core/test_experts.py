@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from scaled_close import assert_close_scaled
 
 from mode.experts import ExpertBank, ExpertConfig
 from mode.experts.grouped_mm import grouped_mm_available
-from scaled_close import assert_close_scaled
 
 # float32 results summed in another order: max |d| <= REL * max |expected| (tests/scaled_close.py)
 REL = 1e-5
@@ -19,8 +19,9 @@ COUNTS = [3, 0, 5, 1]  # uneven, expert 1 has no rows
 
 def make_bank(backend, activation, dtype=torch.float32, counts=COUNTS):
     torch.manual_seed(0)  # same weights for every backend
-    return ExpertBank(ExpertConfig(d_model=D, d_hidden=H, num_experts=len(counts), activation=activation,
-                                   backend=backend)).to(dtype)
+    return ExpertBank(
+        ExpertConfig(d_model=D, d_hidden=H, num_experts=len(counts), activation=activation, backend=backend)
+    ).to(dtype)
 
 
 def hand_expert_mlp(x_AD, counts, w_in_EDF, w_out_EHD, activation):
@@ -160,7 +161,7 @@ def test_grouped_masks_rows_the_kernel_leaves_unwritten(monkeypatch):
     def nan_past_last_offset(a, b, offs=None, **kw):
         out = real_grouped_mm(a, b, offs=offs, **kw)
         if a.dim() == 2 and b.dim() == 3:  # the (rows x K) @ (E x K x N) form: rows past offs[-1] unwritten
-            out[int(offs[-1]):] = float("nan")
+            out[int(offs[-1]) :] = float("nan")
         return out
 
     monkeypatch.setattr(torch, "_grouped_mm", nan_past_last_offset)
@@ -216,8 +217,9 @@ def test_float64_moe_layer_with_auto_backend_matches_reference():
     layers = {}
     for backend in ("auto", "reference"):
         torch.manual_seed(0)
-        layers[backend] = MoELayer.from_config(MoEConfig(d_model=D, d_hidden=H, num_experts=4, top_k=2,
-                                                         backend=backend)).double()
+        layers[backend] = MoELayer.from_config(
+            MoEConfig(d_model=D, d_hidden=H, num_experts=4, top_k=2, backend=backend)
+        ).double()
     x = torch.randn(2, 5, D, dtype=torch.float64)
     outs = {}
     for backend, layer in layers.items():
@@ -276,6 +278,7 @@ def test_cuda_bf16_backends_match_reference_with_padding(activation, backend):
 
 # -- the fused SwiGLU, routing gates inside the bank, and the unpadded promise ------------------------
 
+
 def test_swiglu_op_is_bitwise_the_autograd_formula():
     from mode.experts.bank import activate
     from mode.experts.swiglu import swiglu
@@ -306,15 +309,16 @@ def test_gates_inside_the_bank_match_gating_the_output_every_backend(activation,
     x = torch.randn(A, D)
     gate = torch.rand(A)
     if poison is not None:
-        x[sum(counts):] = poison
-        gate[sum(counts):] = poison
+        x[sum(counts) :] = poison
+        gate[sum(counts) :] = poison
     grad_out = torch.randn(A, D)
     results = {}
     for backend in CPU_BACKENDS:
         for inside in (True, False):
             torch.manual_seed(0)
-            bank = ExpertBank(ExpertConfig(d_model=D, d_hidden=hidden, num_experts=4, activation=activation,
-                                           backend=backend))
+            bank = ExpertBank(
+                ExpertConfig(d_model=D, d_hidden=hidden, num_experts=4, activation=activation, backend=backend)
+            )
             xr, gr = x.clone().requires_grad_(), gate.clone().requires_grad_()
             c = torch.tensor(counts)
             if inside:
@@ -328,9 +332,9 @@ def test_gates_inside_the_bank_match_gating_the_output_every_backend(activation,
         for name, g, w in zip(["y", "x.grad", "gate.grad", "w_in.grad", "w_out.grad"], got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"{key} {name}")
         y, x_grad, gate_grad = got[:3]
-        assert torch.equal(y[sum(counts):], torch.zeros(n_pad, D)), key
-        assert torch.equal(x_grad[sum(counts):], torch.zeros(n_pad, D)), key
-        assert torch.equal(gate_grad[sum(counts):], torch.zeros(n_pad)), key
+        assert torch.equal(y[sum(counts) :], torch.zeros(n_pad, D)), key
+        assert torch.equal(x_grad[sum(counts) :], torch.zeros(n_pad, D)), key
+        assert torch.equal(gate_grad[sum(counts) :], torch.zeros(n_pad)), key
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])

@@ -16,18 +16,17 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mode.layers.attention as attention_module
-from mode.train.data import eval_batches, file_corpus
-from mode.measure.host_sync import HostSyncCounter
 from mode.layers.kv_cache import KVCache
 from mode.layers.rope import apply_rope, rope_angles
+from mode.measure.host_sync import HostSyncCounter
 from mode.model import LM, LMConfig
 from mode.model.causal_eval import causal_eval
 from mode.model.generate import decode_step, generate, prefill
 from mode.train import TrainConfig, Trainer
+from mode.train.data import eval_batches, file_corpus
 
 V, D, S = 64, 32, 24
 MIXES = [("dense", "mod", "dense", "mod"), ("moe", "staged"), ("integrated", "mod")]
@@ -50,8 +49,19 @@ def lit(text: str) -> str:
 
 
 def cfg_for(layers, causal: str = "predictor", **kw) -> LMConfig:
-    base = dict(vocab_size=V, seq_len=64, d_model=D, n_heads=2, d_hidden=64, layers=tuple(layers), num_experts=4,
-                capacity=0.25, causal=causal, predictor_hidden=16, num_noop=1 if "integrated" in layers else 0)
+    base = dict(
+        vocab_size=V,
+        seq_len=64,
+        d_model=D,
+        n_heads=2,
+        d_hidden=64,
+        layers=tuple(layers),
+        num_experts=4,
+        capacity=0.25,
+        causal=causal,
+        predictor_hidden=16,
+        num_noop=1 if "integrated" in layers else 0,
+    )
     base.update(kw)
     return LMConfig(**base)
 
@@ -69,9 +79,12 @@ def decisions(out, i: int) -> torch.Tensor:
 def layer_inputs(model: LM, fn):
     """Run ``fn()`` and return {layer index: list of hidden-state inputs that layer received}."""
     seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(model.layers))}
-    hooks = [layer.register_forward_pre_hook(lambda mod, args, kwargs, i=i: seen[i].append(args[0].detach()),
-                                             with_kwargs=True)
-             for i, layer in enumerate(model.layers)]
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: seen[i].append(args[0].detach()), with_kwargs=True
+        )
+        for i, layer in enumerate(model.layers)
+    ]
     try:
         fn()
     finally:
@@ -127,12 +140,12 @@ def test_future_tokens_change_nothing_at_or_before_t(method, layers):
     assert_mixed_routing(model, ref)
     for t in (0, 6, 17, 31):
         x2 = x.clone()
-        x2[:, t + 1:] = (x2[:, t + 1:] + torch.randint(1, V, x2[:, t + 1:].shape)) % V  # every later token changes
+        x2[:, t + 1 :] = (x2[:, t + 1 :] + torch.randint(1, V, x2[:, t + 1 :].shape)) % V  # every later token changes
         out = model(x2, causal_routing=True)
         torch.testing.assert_close(out.logits_BSV[:, : t + 1], ref.logits_BSV[:, : t + 1], rtol=1e-5, atol=1e-5)
         for i in mod_ids(model):
             assert torch.equal(decisions(out, i)[:, : t + 1], decisions(ref, i)[:, : t + 1])
-        assert not torch.allclose(out.logits_BSV[:, t + 1:], ref.logits_BSV[:, t + 1:])
+        assert not torch.allclose(out.logits_BSV[:, t + 1 :], ref.logits_BSV[:, t + 1 :])
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -147,7 +160,7 @@ def test_top_k_routing_is_not_causal_but_causal_routing_is(method):
     x[x == best] = (best + 1) % V
     t = 7
     x2 = x.clone()
-    x2[:, t + 1:] = best
+    x2[:, t + 1 :] = best
     top, top2 = model(x), model(x2)
     assert decisions(top, 0)[:, : t + 1].any(), "some early token must be in the original top-C"
     assert not decisions(top2, 0)[:, : t + 1].any()  # C = 4 <= 8 future copies of the best token
@@ -229,8 +242,9 @@ def test_prompts_of_different_lengths_decode_like_the_full_pass(method, layers, 
     x = tokens(3, S, seed=4)
     full = model(x, causal_routing=True)
     plens = [3, 9, 14]
-    logits_BV, caches, pos_B = prefill(model, [x[b, :p].tolist() for b, p in enumerate(plens)], capacity=S,
-                                       static=static)
+    logits_BV, caches, pos_B = prefill(
+        model, [x[b, :p].tolist() for b, p in enumerate(plens)], capacity=S, static=static
+    )
     assert pos_B.tolist() == plens
     rows = torch.arange(3)
     torch.testing.assert_close(logits_BV, full.logits_BSV[rows, pos_B - 1], rtol=1e-5, atol=1e-5)
@@ -301,7 +315,7 @@ def test_batched_generation_equals_each_prompt_alone(method, layers, static):
             torch.testing.assert_close(logits_BV[b], lg[0], rtol=1e-5, atol=1e-5)
         next_B = logits_BV.argmax(-1)
         logits_BV = decode_step(model, next_B, pos_B, caches)
-        solo = [(decode_step(model, next_B[b: b + 1], p, c), c, p + 1) for b, (_, c, p) in enumerate(solo)]
+        solo = [(decode_step(model, next_B[b : b + 1], p, c), c, p + 1) for b, (_, c, p) in enumerate(solo)]
         pos_B = pos_B + 1
     for i in mod_ids(model):
         assert caches[i].len_B.tolist() == [int(c[i].len_B[0]) for _, c, _ in solo]
@@ -362,8 +376,7 @@ def test_rope_sees_true_positions_in_full_pass_and_decode(method, monkeypatch):
     rec.take()
     skipped_steps = 0
     for _ in range(12):
-        out = model(x[torch.arange(2), pos_B][:, None], positions_BS=pos_B[:, None], caches=caches,
-                    causal_routing=True)
+        out = model(x[torch.arange(2), pos_B][:, None], positions_BS=pos_B[:, None], caches=caches, causal_routing=True)
         seen = rec.take()
         for i in range(4):
             if not model.routed[i]:
@@ -383,8 +396,11 @@ def test_rope_sees_true_positions_in_full_pass_and_decode(method, monkeypatch):
 # ---------------------------------------------------------------------------------- skipped tokens do no work
 
 
-@pytest.mark.parametrize("method,layers", [("predictor", ("dense", "mod", "dense", "mod")),
-                                           ("aux_bce", ("moe", "staged"))], ids=["predictor-mod", "aux_bce-staged"])
+@pytest.mark.parametrize(
+    "method,layers",
+    [("predictor", ("dense", "mod", "dense", "mod")), ("aux_bce", ("moe", "staged"))],
+    ids=["predictor-mod", "aux_bce-staged"],
+)
 @torch.no_grad()
 def test_decode_runs_a_block_only_on_rows_that_route(method, layers):
     model = make_lm(layers, method, fraction=0.3)
@@ -397,7 +413,7 @@ def test_decode_runs_a_block_only_on_rows_that_route(method, layers):
         calls[i].clear()
     none_routed = some_routed = 0
     for s in range(4, S):
-        out = model(x[:, s: s + 1], positions_BS=pos_B[:, None], caches=caches, causal_routing=True)
+        out = model(x[:, s : s + 1], positions_BS=pos_B[:, None], caches=caches, causal_routing=True)
         pos_B = pos_B + 1
         for i in mod_ids(model):
             n_routed = int(decisions(out, i).sum())
@@ -451,13 +467,17 @@ def test_generate_refuses_non_causal_models():
     with pytest.raises(ValueError, match=lit("causal=True: this MoD router was built with causal='none'")):
         model(torch.zeros(1, 4, dtype=torch.long), causal_routing=True)
     ec = LM(cfg_for(("dense", "moe"), causal="none", router="expert_choice"))
-    with pytest.raises(ValueError, match=lit("router='expert_choice': expert-choice routing picks tokens across "
-                                             "the sequence and is not causal")):
+    with pytest.raises(
+        ValueError,
+        match=lit("router='expert_choice': expert-choice routing picks tokens across the sequence and is not causal"),
+    ):
         generate(ec, [[1, 2, 3]], max_new_tokens=2)
     # token-choice capacity drops depend on the rest of the batch: decoding would silently differ
     dropping = LM(cfg_for(("dense", "moe"), causal="none", capacity_factor=1.0))
-    with pytest.raises(ValueError, match=lit("capacity_factor=1.0: token-choice capacity drops depend on the other "
-                                             "tokens of the batch")):
+    with pytest.raises(
+        ValueError,
+        match=lit("capacity_factor=1.0: token-choice capacity drops depend on the other tokens of the batch"),
+    ):
         generate(dropping, [[1, 2, 3]], max_new_tokens=2)
     dropless = LM(cfg_for(("dense", "moe"), causal="none"))
     dropless.load_state_dict(dropping.state_dict())  # the documented way out: same weights, dropless routing
@@ -485,9 +505,17 @@ def test_budget_held_integrated_mode_decodes_like_the_full_pass(static):
     choice decides each token alone, so KV-cached decoding equals the full pass with no causal method, and
     generate() gives the same tokens as recomputing the full pass for every new token."""
     torch.manual_seed(0)
-    cfg = cfg_for(("integrated", "moe", "integrated"), causal="none", num_noop=4, top_k=2, num_shared=1,
-                  shared_gate=True, router_options=dict(bias_balance=True, noop_target=0.5, gate="sigmoid",
-                                                        renormalize=True, scale=2.0, n_group=2, topk_group=1))
+    cfg = cfg_for(
+        ("integrated", "moe", "integrated"),
+        causal="none",
+        num_noop=4,
+        top_k=2,
+        num_shared=1,
+        shared_gate=True,
+        router_options=dict(
+            bias_balance=True, noop_target=0.5, gate="sigmoid", renormalize=True, scale=2.0, n_group=2, topk_group=1
+        ),
+    )
     model = LM(cfg).eval()
     with torch.no_grad():
         model.embed.weight.normal_(std=1.0)
@@ -529,13 +557,15 @@ def test_static_and_dynamic_paths_generate_the_same_tokens_and_caches(method, la
     model = make_lm(layers, method)
     x = tokens(3, S, seed=14)
     prompts = [x[0, :5].tolist(), x[1, :12].tolist(), x[2, :8].tolist()]
-    outs = {static: generate(model, prompts, max_new_tokens=14, temperature=0, static_cache=static)
-            for static in (False, True)}
+    outs = {
+        static: generate(model, prompts, max_new_tokens=14, temperature=0, static_cache=static)
+        for static in (False, True)
+    }
     assert outs[False] == outs[True]
     # step by step: the same logits, and every layer's cache holds the same tokens
     runs = {static: list(prefill(model, prompts, capacity=30, static=static)) for static in (False, True)}
     for _ in range(14):
-        (lg_d, caches_d, pos_d), (lg_s, caches_s, _) = runs[False], runs[True]
+        (lg_d, _, _), (lg_s, _, _) = runs[False], runs[True]
         torch.testing.assert_close(lg_s, lg_d, rtol=1e-5, atol=1e-5)
         next_B = lg_d.argmax(-1)
         for run in runs.values():
@@ -566,8 +596,12 @@ def test_static_decode_makes_no_host_sync_and_generate_one_per_step(layers):
     routed_steps = 0
     for _ in range(10):
         with HostSyncCounter() as syncs:
-            out = model(logits_BV.argmax(-1)[:, None], positions_BS=pos_B[:, None], caches=caches,
-                        causal_routing=model.cfg.uses_mod)
+            out = model(
+                logits_BV.argmax(-1)[:, None],
+                positions_BS=pos_B[:, None],
+                caches=caches,
+                causal_routing=model.cfg.uses_mod,
+            )
         assert syncs.count == 0, syncs.events
         logits_BV, pos_B = out.logits_BSV[:, -1], pos_B + 1
         routed_steps += sum(int(decisions(out, i).any()) for i in mod_ids(model))
@@ -640,8 +674,11 @@ class FreshTensors(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 self.sizes.append((str(func), t.numel()))
@@ -721,8 +758,17 @@ def test_decode_stats_equal_the_general_paths(static):
 
 # The dynamic path reads the logits on the host and raises at once on every device; the static path never
 # makes the host wait, so on CUDA its check is a device-side assert.
-@pytest.mark.parametrize("static", [False, pytest.param(True, marks=pytest.mark.device_assert(
-    "the static decode path's finite check is a torch._assert_async on CUDA"))], ids=["dynamic", "static"])
+@pytest.mark.parametrize(
+    "static",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.device_assert("the static decode path's finite check is a torch._assert_async on CUDA"),
+        ),
+    ],
+    ids=["dynamic", "static"],
+)
 @torch.no_grad()
 def test_decode_refuses_nan_router_logits(static):
     model = make_lm(("dense", "mod"))
@@ -833,7 +879,7 @@ def test_causal_eval_reports_sensible_numbers(method):
         routed, agree = [], []
         for xb, yb in batches:
             cau, top = model(xb, yb, causal_routing=True), model(xb, yb)
-            inputs = layer_inputs(model, lambda: model(xb))
+            inputs = layer_inputs(model, lambda: model(xb))  # noqa: B023 - called in this iteration
             for i in (1, 3):
                 router = model.layers[i].router
                 h = inputs[i][0]
@@ -862,11 +908,21 @@ def test_short_training_teaches_the_predictor(tmp_path):
     path.write_text(text)
     seq = 64
     corpus = file_corpus(path, min_bytes=1000)
-    mcfg = LMConfig(vocab_size=256, seq_len=seq, d_model=32, n_heads=2, d_hidden=64,
-                    layers=("dense", "mod", "dense", "mod"), capacity=0.25, causal="predictor",
-                    predictor_hidden=32, causal_coef=1.0)
-    tcfg = TrainConfig(steps=150, batch_size=8, lr=1e-2, warmup_steps=10, eval_every=1000, eval_batches=2,
-                       log_every=1000)
+    mcfg = LMConfig(
+        vocab_size=256,
+        seq_len=seq,
+        d_model=32,
+        n_heads=2,
+        d_hidden=64,
+        layers=("dense", "mod", "dense", "mod"),
+        capacity=0.25,
+        causal="predictor",
+        predictor_hidden=32,
+        causal_coef=1.0,
+    )
+    tcfg = TrainConfig(
+        steps=150, batch_size=8, lr=1e-2, warmup_steps=10, eval_every=1000, eval_batches=2, log_every=1000
+    )
     trainer = Trainer(mcfg, tcfg, corpus, tmp_path / "run", progress=False)
     val = eval_batches(corpus.val, 8, seq, 2)
     before = causal_eval(trainer.model, val)

@@ -6,13 +6,20 @@ import copy
 
 import pytest
 import torch
+from scaled_close import assert_close_scaled
 from torch import nn
 
 from mode import (
-    MLP, IntegratedMoDE, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, StagedMoDE,
+    MLP,
+    IntegratedMoDE,
+    MoD,
+    MoDRouter,
+    MoDRouterConfig,
+    MoEConfig,
+    MoELayer,
+    StagedMoDE,
     TransformerBlock,
 )
-from scaled_close import assert_close_scaled
 
 # float32 results summed in another order: max |d| <= REL * max |expected| (tests/scaled_close.py)
 REL = 1e-5
@@ -25,13 +32,14 @@ def dense_block() -> TransformerBlock:
 
 
 def mod_layer(capacity: float, gate: str = "raw", block: nn.Module | None = None) -> MoD:
-    return MoD(block if block is not None else dense_block(), MoDRouter(MoDRouterConfig(D, capacity=capacity,
-                                                                                         gate=gate)))
+    return MoD(
+        block if block is not None else dense_block(), MoDRouter(MoDRouterConfig(D, capacity=capacity, gate=gate))
+    )
 
 
 def routed_positions(x_BSD, w_D, C):
     """Hand top-C per sequence (float64 scores), increasing position order."""
-    r = (x_BSD.double() @ w_D.double())
+    r = x_BSD.double() @ w_D.double()
     return [sorted(r[b].argsort(descending=True)[:C].tolist()) for b in range(x_BSD.shape[0])]
 
 
@@ -112,7 +120,7 @@ def test_mod_router_weight_gets_gradient():
     mod = mod_layer(0.25)
     x = torch.randn(B, S, D)
     y, _ = mod(x)
-    (y ** 2).sum().backward()
+    (y**2).sum().backward()
     g = mod.router.weight.grad
     assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in mod.block.parameters())
@@ -130,7 +138,7 @@ def test_mod_block_sees_only_routed_tokens_at_original_positions():
     mod = mod_layer(0.25, block=block)
     x = torch.randn(B, S, D)
     mod(x)
-    (x_seen, pos_seen, mask_seen), = block.calls
+    ((x_seen, pos_seen, mask_seen),) = block.calls
     pos = routed_positions(x, mod.router.weight.detach(), 4)
     assert x_seen.shape == (B, 4, D)  # exactly C tokens
     assert pos_seen.tolist() == pos  # original positions, increasing
@@ -169,7 +177,7 @@ def test_mod_padding_mask():
     mask[1, 5:] = False  # 5 real tokens < C
     x[~mask] = 50.0 * mod.router.weight.detach()  # padding would win top-k if it could
     y, aux = mod(x, mask)
-    (_, pos_seen, mask_seen), = block.calls
+    ((_, pos_seen, mask_seen),) = block.calls
     assert all(p < 10 for p in pos_seen[0].tolist()) and mask_seen[0].all()
     assert set(range(5)) <= set(pos_seen[1].tolist())
     assert mask_seen[1].tolist() == [p < 5 for p in pos_seen[1].tolist()]
@@ -186,8 +194,9 @@ def test_mod_padding_mask():
 @pytest.mark.parametrize("backend", ["reference", "grouped"])
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_one_expert_moe_equals_dense_mlp(backend, activation):
-    moe = MoELayer.from_config(MoEConfig(D, H, num_experts=1, top_k=1, gate="softmax", activation=activation,
-                                         backend=backend))
+    moe = MoELayer.from_config(
+        MoEConfig(D, H, num_experts=1, top_k=1, gate="softmax", activation=activation, backend=backend)
+    )
     mlp = MLP(D, H, activation)
     with torch.no_grad():
         mlp.w_in_DF.copy_(moe.experts.w_in_EDF[0])
@@ -272,8 +281,9 @@ def test_moe_reference_and_grouped_agree_with_mask(case):
 
 def test_moe_output_is_gate_weighted_expert_sum():
     """y[t] = sum over the token's computed assignments of gate * expert_e(x[t]), by hand."""
-    moe = MoELayer.from_config(MoEConfig(D, H, num_experts=3, top_k=2, num_noop=1, capacity_factor=0.6,
-                                         backend="reference"))
+    moe = MoELayer.from_config(
+        MoEConfig(D, H, num_experts=3, top_k=2, num_noop=1, capacity_factor=0.6, backend="reference")
+    )
     x = torch.randn(1, 8, D)
     y, _ = moe(x)
     plan = moe.router(x).compact()
@@ -304,7 +314,7 @@ def test_staged_mode_forward_backward_and_aux_keys(router):
     assert set(aux.stats) == {"mod.router", "moe.router"}
     assert aux.stats["moe.router"].tokens.item() == B * 8  # the experts see only the MoD-routed tokens
     assert aux.stats["mod.router"].kept_E.tolist() == [float(B * 8)]
-    ((y ** 2).sum() + aux.total()).backward()
+    ((y**2).sum() + aux.total()).backward()
     for name, p in layer.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     assert layer.router.weight.grad.abs().sum() > 0
@@ -328,8 +338,9 @@ def test_staged_mode_skipped_tokens_skip_attention_and_experts():
 
 
 def integrated_mode(router="token_choice", backend="reference", top_k=1):
-    return IntegratedMoDE.from_config(MoEConfig(D, H, num_experts=4, num_noop=2, top_k=top_k, router=router,
-                                                backend=backend))
+    return IntegratedMoDE.from_config(
+        MoEConfig(D, H, num_experts=4, num_noop=2, top_k=top_k, router=router, backend=backend)
+    )
 
 
 @pytest.mark.parametrize("router", ["token_choice", "expert_choice"])
@@ -345,7 +356,7 @@ def test_integrated_mode_forward_backward_noop_tokens_get_zero(router, backend):
     assert skipped.any() and (~skipped).any()
     assert torch.count_nonzero(y[skipped]) == 0  # exactly zero MLP output for no-op tokens
     assert (y[~skipped].abs().sum(-1) > 0).all()
-    ((y ** 2).sum() + aux.total()).backward()
+    ((y**2).sum() + aux.total()).backward()
     assert layer.router.weight.grad.abs().sum() > 0
 
 
@@ -380,8 +391,9 @@ LAYERS = {
     "staged_tc": lambda: staged_mode(backend="grouped"),
     "staged_ec": lambda: staged_mode(backend="reference", router="expert_choice"),
     "moe_tc_ref": lambda: MoELayer.from_config(MoEConfig(D, H, num_experts=4, top_k=2, backend="reference")),
-    "moe_tc_grp": lambda: MoELayer.from_config(MoEConfig(D, H, num_experts=4, top_k=2, backend="grouped",
-                                                         capacity_factor=1.0)),
+    "moe_tc_grp": lambda: MoELayer.from_config(
+        MoEConfig(D, H, num_experts=4, top_k=2, backend="grouped", capacity_factor=1.0)
+    ),
     "moe_ec": lambda: MoELayer.from_config(MoEConfig(D, H, num_experts=4, router="expert_choice")),
     "integrated_tc": lambda: integrated_mode(),
     "integrated_ec": lambda: integrated_mode(router="expert_choice", backend="grouped"),

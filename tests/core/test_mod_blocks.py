@@ -197,8 +197,10 @@ def test_a_block_mod_cannot_call_is_refused_when_the_mod_is_built():
         def forward(self, *, x):
             return x
 
-    with pytest.raises(TypeError, match=lit("NeedsMore.forward(x, pos, mask, scale)") + ".*"
-                       + lit("MoD cannot fill the parameter 'scale'")):
+    with pytest.raises(
+        TypeError,
+        match=lit("NeedsMore.forward(x, pos, mask, scale)") + ".*" + lit("MoD cannot fill the parameter 'scale'"),
+    ):
         MoD(NeedsMore(), router())
     with pytest.raises(TypeError, match=lit("MoD would pass the positions as 'attn_mask'")):
         MoD(MaskFirst(), router())
@@ -215,8 +217,9 @@ def test_a_block_output_of_the_wrong_kind_or_shape_is_refused():
         def forward(self, x):
             return {"y": x}
 
-    with pytest.raises(ValueError, match=lit("block=Wide returned shape (2, 4, 64): must equal its input's shape "
-                                             "(2, 4, 32)")):
+    with pytest.raises(
+        ValueError, match=lit("block=Wide returned shape (2, 4, 64): must equal its input's shape (2, 4, 32)")
+    ):
         MoD(Wide(), router())(torch.randn(B, S, D))
     with pytest.raises(TypeError, match=lit("block=Named returned dict: MoD needs the output y_BCD")):
         MoD(Named(), router())(torch.randn(B, S, D))
@@ -227,8 +230,17 @@ def test_a_block_output_of_the_wrong_kind_or_shape_is_refused():
 
 def causal_lm() -> LM:
     torch.manual_seed(0)
-    cfg = LMConfig(vocab_size=64, seq_len=64, d_model=D, n_heads=2, d_hidden=64, layers=("dense", "mod"),
-                   capacity=0.25, causal="predictor", predictor_hidden=16)
+    cfg = LMConfig(
+        vocab_size=64,
+        seq_len=64,
+        d_model=D,
+        n_heads=2,
+        d_hidden=64,
+        layers=("dense", "mod"),
+        capacity=0.25,
+        causal="predictor",
+        predictor_hidden=16,
+    )
     model = LM(cfg).eval()
     with torch.no_grad():
         model.embed.weight.normal_(std=1.0)
@@ -278,8 +290,11 @@ def test_a_block_without_a_cache_routes_causally_but_refuses_kv_cached_decoding(
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
     calibrate(model, x)
     assert model(x, causal_routing=True).logits_BSV.shape == (2, 12, 64)
-    need = lit("cache: KV-cached decoding passes the block its rows of the cache (cache=)") + ".*" \
+    need = (
+        lit("cache: KV-cached decoding passes the block its rows of the cache (cache=)")
+        + ".*"
         + lit("XOnly.forward(x) takes no mask and no cache parameter")
+    )
     with pytest.raises(TypeError, match=need):
         generate(model, [[1, 2, 3]], max_new_tokens=2)
     with pytest.raises(TypeError, match=need):

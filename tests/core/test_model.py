@@ -20,8 +20,17 @@ def lit(text: str) -> str:
 
 
 def small_cfg(kind: str, **kw) -> LMConfig:
-    base = dict(vocab_size=V, seq_len=S, d_model=32, n_heads=2, d_hidden=64, layers=("dense", kind), num_experts=4,
-                capacity=0.25, num_noop=2 if kind == "integrated" else 0)
+    base = dict(
+        vocab_size=V,
+        seq_len=S,
+        d_model=32,
+        n_heads=2,
+        d_hidden=64,
+        layers=("dense", kind),
+        num_experts=4,
+        capacity=0.25,
+        num_noop=2 if kind == "integrated" else 0,
+    )
     base.update(kw)
     return LMConfig(**base)
 
@@ -96,12 +105,12 @@ def test_backward_reaches_every_parameter(kind, backend):
         assert torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, f"{name} got an all-zero gradient"
     router_names = [n for n, _ in model.named_parameters() if "router" in n]
-    assert len(router_names) == {"dense": 0, "mod": 1, "mod_random": 1, "moe": 1, "staged": 2,
-                                 "integrated": 1}[kind]
+    assert len(router_names) == {"dense": 0, "mod": 1, "mod_random": 1, "moe": 1, "staged": 2, "integrated": 1}[kind]
 
 
-@pytest.mark.parametrize("kind,causal", [("mod", "predictor"), ("staged", "predictor"), ("mod", "aux_bce"),
-                                         ("staged", "aux_bce")])
+@pytest.mark.parametrize(
+    "kind,causal", [("mod", "predictor"), ("staged", "predictor"), ("mod", "aux_bce"), ("staged", "aux_bce")]
+)
 def test_backward_reaches_every_parameter_with_causal_routing_losses(kind, causal):
     model = LM(small_cfg(kind, causal=causal))
     x, y = batch()

@@ -18,8 +18,16 @@ D, H, E = 16, 32, 4
 
 def _layer(kinds, num_noop=3, top_k=2, seed=0, **kw) -> IntegratedMoDE:
     torch.manual_seed(seed)
-    cfg = MoEConfig(d_model=D, d_hidden=H, num_experts=E, num_noop=num_noop, top_k=top_k, noop_kinds=kinds,
-                    activation="swiglu", **kw)
+    cfg = MoEConfig(
+        d_model=D,
+        d_hidden=H,
+        num_experts=E,
+        num_noop=num_noop,
+        top_k=top_k,
+        noop_kinds=kinds,
+        activation="swiglu",
+        **kw,
+    )
     layer = IntegratedMoDE.from_config(cfg)
     if layer.noop is not None and layer.noop.const_idx:
         with torch.no_grad():  # zero at init: draw it, so a wrong formula shows
@@ -91,8 +99,17 @@ def test_padding_gets_no_noop_output_and_empty_input_gives_empty_output():
 
 
 def test_no_op_kinds_cost_no_expert_flops_and_count_as_the_no_op_share():
-    base = dict(seq_len=32, d_model=32, n_heads=2, d_hidden=64, vocab_size=64, num_experts=4,
-                num_noop=2, top_k=2, layers=("integrated", "integrated"))
+    base = dict(
+        seq_len=32,
+        d_model=32,
+        n_heads=2,
+        d_hidden=64,
+        vocab_size=64,
+        num_experts=4,
+        num_noop=2,
+        top_k=2,
+        layers=("integrated", "integrated"),
+    )
     flops = {k: forward_flops(LMConfig(**base, noop_kinds=k)) for k in NOOP_KINDS}
     assert flops["copy"] == flops["zero"] == flops["constant"]
     layer = _layer("copy", num_noop=3, top_k=2)
@@ -105,8 +122,18 @@ def test_no_op_kinds_cost_no_expert_flops_and_count_as_the_no_op_share():
 def test_lm_config_builds_integrated_layers_with_the_kinds():
     from mode.model.lm import LM
 
-    cfg = LMConfig(seq_len=16, d_model=32, n_heads=2, d_hidden=64, vocab_size=64, num_experts=4,
-                   num_noop=2, top_k=2, layers=("dense", "integrated"), noop_kinds=("copy", "constant"))
+    cfg = LMConfig(
+        seq_len=16,
+        d_model=32,
+        n_heads=2,
+        d_hidden=64,
+        vocab_size=64,
+        num_experts=4,
+        num_noop=2,
+        top_k=2,
+        layers=("dense", "integrated"),
+        noop_kinds=("copy", "constant"),
+    )
     model = LM(cfg)
     noops = [m for m in model.modules() if isinstance(m, NoopExperts)]
     assert len(noops) == 1 and noops[0].kinds == ("copy", "constant")

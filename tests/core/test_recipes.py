@@ -20,8 +20,11 @@ def router(**kw) -> TokenChoiceRouter:
 def chosen_and_gates(r: TokenChoiceRouter, x):
     """(token, expert) -> gate of every computed assignment of the plan."""
     plan = r(x)
-    return {(t, e): w for t, e, w in zip(plan.token_idx_A.tolist(), plan.expert_idx_A.tolist(),
-                                          plan.weight_A.tolist()) if e < r.num_experts}
+    return {
+        (t, e): w
+        for t, e, w in zip(plan.token_idx_A.tolist(), plan.expert_idx_A.tolist(), plan.weight_A.tolist())
+        if e < r.num_experts
+    }
 
 
 # ---------------------------------------------------------------------------------------- bias balancing
@@ -32,8 +35,11 @@ def test_the_bias_changes_the_choice_not_the_gates(gate):
     torch.manual_seed(0)
     r = router(gate=gate, bias_balance=True)
     x = torch.randn(B, S, D)
-    probs_TX = (x.reshape(-1, D) @ r.weight.t()).softmax(-1) if gate == "softmax" else \
-        (x.reshape(-1, D) @ r.weight.t()).sigmoid()
+    probs_TX = (
+        (x.reshape(-1, D) @ r.weight.t()).softmax(-1)
+        if gate == "softmax"
+        else (x.reshape(-1, D) @ r.weight.t()).sigmoid()
+    )
     before = chosen_and_gates(r, x)
     with torch.no_grad():
         r.bias_X.copy_(torch.tensor([5.0, 0.0, 0.0, -5.0]))  # expert 0 always chosen, expert 3 never
@@ -109,9 +115,17 @@ def test_the_noop_budget_holds_its_share_on_training_and_held_out_tokens(target)
     slots at the target (+-2 points), over the training steps (a fresh batch each) and on held-out tokens,
     with the real experts balanced."""
     torch.manual_seed(0)
-    layer = IntegratedMoDE.from_config(MoEConfig(D, H, num_experts=4, num_noop=4, top_k=2, balance_coef=0.0,
-                                                 router_options=dict(bias_balance=True, noop_target=target,
-                                                                     bias_rate=0.005)))
+    layer = IntegratedMoDE.from_config(
+        MoEConfig(
+            D,
+            H,
+            num_experts=4,
+            num_noop=4,
+            top_k=2,
+            balance_coef=0.0,
+            router_options=dict(bias_balance=True, noop_target=target, bias_rate=0.005),
+        )
+    )
     r = layer.router
     shares = []
     for _ in range(300):
@@ -169,18 +183,24 @@ def test_routed_scaling_factor_multiplies_the_renormalised_gates():
         assert b[k] == pytest.approx(2.5 * a[k], rel=1e-6)
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(n_group=3), r"n_group=3: must divide num_experts=4"),
-    (dict(n_group=2, topk_group=3), r"topk_group=3: must be <= n_group=2"),
-    (dict(num_experts=8, n_group=4, topk_group=1, top_k=3), r"top_k=3: must be <= the slots a token can choose "
-                                                            r"from, topk_group \* num_experts / n_group \+ num_noop = 2"),
-    (dict(noop_target=0.5, num_noop=2), r"noop_target=0.5: needs bias_balance=True and num_noop >= 1"),
-    (dict(noop_target=0.5, bias_balance=True), r"noop_target=0.5: needs bias_balance=True and num_noop >= 1"),
-    (dict(noop_target=1.0, bias_balance=True, num_noop=2), r"noop_target=1.0: must be in \(0, 1\)"),
-    (dict(bias_rate=0.0, bias_balance=True), r"bias_rate=0.0: must be finite and > 0"),
-    (dict(scale=-1.0), r"scale=-1.0: must be finite and > 0"),
-    (dict(balance_scope="rank"), r"balance_scope='rank'"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(n_group=3), r"n_group=3: must divide num_experts=4"),
+        (dict(n_group=2, topk_group=3), r"topk_group=3: must be <= n_group=2"),
+        (
+            dict(num_experts=8, n_group=4, topk_group=1, top_k=3),
+            r"top_k=3: must be <= the slots a token can choose "
+            r"from, topk_group \* num_experts / n_group \+ num_noop = 2",
+        ),
+        (dict(noop_target=0.5, num_noop=2), r"noop_target=0.5: needs bias_balance=True and num_noop >= 1"),
+        (dict(noop_target=0.5, bias_balance=True), r"noop_target=0.5: needs bias_balance=True and num_noop >= 1"),
+        (dict(noop_target=1.0, bias_balance=True, num_noop=2), r"noop_target=1.0: must be in \(0, 1\)"),
+        (dict(bias_rate=0.0, bias_balance=True), r"bias_rate=0.0: must be finite and > 0"),
+        (dict(scale=-1.0), r"scale=-1.0: must be finite and > 0"),
+        (dict(balance_scope="rank"), r"balance_scope='rank'"),
+    ],
+)
 def test_recipe_options_are_checked(kw, msg):
     with pytest.raises(ValueError, match=msg):
         TokenChoiceConfig(**{**dict(d_model=D, num_experts=4, top_k=2), **kw})
@@ -215,8 +235,10 @@ def test_global_balance_loss_over_ranks_equals_one_process_on_the_whole_batch():
 
     halves = x.chunk(2)
     with torch.no_grad():  # what each rank would send: its choice counts and its token count
-        sent = [torch.cat([one(h).aux.stats["router"].requested_X.float(), torch.tensor([float(h.shape[0] * S)])])
-                for h in halves]
+        sent = [
+            torch.cat([one(h).aux.stats["router"].requested_X.float(), torch.tensor([float(h.shape[0] * S)])])
+            for h in halves
+        ]
     one.reduce_counts = lambda t: sum(sent)  # the all-reduce of both ranks' counts
     per_rank = [one(h).aux.losses["balance"] for h in halves]
     loss_ranks = torch.stack(per_rank).mean()
@@ -233,8 +255,7 @@ def test_global_balance_loss_over_ranks_equals_one_process_on_the_whole_batch():
 @pytest.mark.parametrize("gated", [False, True])
 def test_shared_experts_add_an_mlp_of_every_token_to_the_routed_output(gated):
     torch.manual_seed(0)
-    cfg = MoEConfig(D, H, num_experts=4, top_k=2, num_noop=2, num_shared=2, shared_gate=gated,
-                    activation="swiglu")
+    cfg = MoEConfig(D, H, num_experts=4, top_k=2, num_noop=2, num_shared=2, shared_gate=gated, activation="swiglu")
     layer = IntegratedMoDE.from_config(cfg)
     assert layer.shared_experts.w_out_HD.shape == (2 * H, D)  # num_shared * d_hidden
     routed = IntegratedMoDE(layer.router, layer.experts)
@@ -255,11 +276,14 @@ def test_shared_experts_keep_the_routed_layers_random_draws():
         assert torch.equal(p, dict(shared.named_parameters())[name]), name
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(num_shared=-1), r"num_shared=-1: must be >= 0"),
-    (dict(shared_gate=True), r"shared_hidden=None, shared_gate=True: need num_shared >= 1"),
-    (dict(shared_hidden=8), r"shared_hidden=8, shared_gate=False: need num_shared >= 1"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(num_shared=-1), r"num_shared=-1: must be >= 0"),
+        (dict(shared_gate=True), r"shared_hidden=None, shared_gate=True: need num_shared >= 1"),
+        (dict(shared_hidden=8), r"shared_hidden=8, shared_gate=False: need num_shared >= 1"),
+    ],
+)
 def test_shared_expert_options_are_checked(kw, msg):
     with pytest.raises(ValueError, match=msg):
         MoEConfig(D, H, **kw)

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from mode import MLP, MoD, MoDRouter, MoEConfig, MoELayer, TransformerBlock
+from mode.experiments.report import build_report
 from mode.measure.flops import forward_flops_per_token, measured_flops
+from mode.measure.stats import RoutingAccumulator
+from mode.measure.token_compute import token_compute
 from mode.model import LM, LMConfig, alternate
 from mode.model.generate import generate
 from mode.model.kinds import LAYER_KINDS, LayerKind, register_layer_kind
-from mode.experiments.report import build_report
 from mode.routing import ROUTERS, get_router, register_router
 from mode.routing.keys import MOD, MOE, layer_prefix, parse_router_key, router_key
-from mode.measure.stats import RoutingAccumulator
-from mode.measure.token_compute import token_compute
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_router.py"
 
@@ -38,8 +38,18 @@ def top_p():
 
 
 def _lm_cfg(**kw) -> LMConfig:
-    base = dict(vocab_size=64, seq_len=32, d_model=32, n_heads=2, d_hidden=64, num_experts=4, top_k=3,
-                layers=alternate(4, "dense", "moe"), router="top_p", router_options={"threshold": 0.6})
+    base = dict(
+        vocab_size=64,
+        seq_len=32,
+        d_model=32,
+        n_heads=2,
+        d_hidden=64,
+        num_experts=4,
+        top_k=3,
+        layers=alternate(4, "dense", "moe"),
+        router="top_p",
+        router_options={"threshold": 0.6},
+    )
     return LMConfig(**{**base, **kw})
 
 
@@ -62,8 +72,9 @@ def test_custom_router_trains_in_an_lm_and_is_counted(top_p):
     measured, out = measured_flops(lm, idx)
     assert measured == pytest.approx(forward_flops_per_token(cfg, 32, aux=out.aux) * idx.numel(), rel=1e-9)
     tc = token_compute(cfg, out.aux, (4, 32))
-    assert float(tc.flops_BS.sum()) == pytest.approx(forward_flops_per_token(cfg, 32, aux=out.aux) * idx.numel(),
-                                                     rel=1e-9)
+    assert float(tc.flops_BS.sum()) == pytest.approx(
+        forward_flops_per_token(cfg, 32, aux=out.aux) * idx.numel(), rel=1e-9
+    )
     # nominal: uniform probabilities need ceil(0.6 * 4) = 3 experts per token
     assert top_p.TopPConfig(d_model=32, num_experts=4, top_k=3, threshold=0.6).assignments(10) == 30
     # mode report's builder reads its stats like any router's
@@ -98,14 +109,22 @@ def test_router_registry_rules():
 
 def test_custom_layer_kind_in_one_call():
     """A MoD block with a sigmoid gate, as a new kind: config, model, FLOPs and per-token compute follow."""
+
     def build(cfg):
         block = TransformerBlock(cfg.d_model, cfg.n_heads, MLP(cfg.d_model, cfg.d_hidden))
         return MoD(block, MoDRouter(replace(cfg.mod_config("learned"), gate="sigmoid")))
 
     register_layer_kind(LayerKind("mod_sigmoid", build, mod="learned"))
     try:
-        cfg = LMConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=2, d_hidden=64, capacity=0.25,
-                       layers=("dense", "mod_sigmoid", "dense", "mod_sigmoid"))
+        cfg = LMConfig(
+            vocab_size=64,
+            seq_len=32,
+            d_model=32,
+            n_heads=2,
+            d_hidden=64,
+            capacity=0.25,
+            layers=("dense", "mod_sigmoid", "dense", "mod_sigmoid"),
+        )
         assert cfg.uses_mod and not cfg.uses_moe
         lm = LM(cfg)
         assert lm.layers[1].router.cfg.gate == "sigmoid" and lm.routed == [False, True, False, True]

@@ -13,8 +13,14 @@ import pytest
 import torch
 
 from mode.routing import (
-    ExpertChoiceConfig, ExpertChoiceRouter, MoDRouter, MoDRouterConfig, TokenChoiceConfig, TokenChoiceRouter,
-    load_balancing_loss, router_z_loss,
+    ExpertChoiceConfig,
+    ExpertChoiceRouter,
+    MoDRouter,
+    MoDRouterConfig,
+    TokenChoiceConfig,
+    TokenChoiceRouter,
+    load_balancing_loss,
+    router_z_loss,
 )
 
 
@@ -114,8 +120,9 @@ def test_mod_padding_never_takes_capacity():
     for b in range(B):
         for p in pos[b]:
             compute[b * S + p] = float(bool(mask[b, p]))
-    assert_stats(plan.aux.stats["router"], kept_E=[6], requested_X=[6, 2], dropped=0, noop=2, tokens=8,
-                 compute_T=compute)
+    assert_stats(
+        plan.aux.stats["router"], kept_E=[6], requested_X=[6, 2], dropped=0, noop=2, tokens=8, compute_T=compute
+    )
 
 
 def test_mod_stats_without_mask():
@@ -127,8 +134,9 @@ def test_mod_stats_without_mask():
     for b, row in enumerate(hand_topk_positions(x, router.weight.detach(), C)):
         for p in row:
             compute[b * S + p] = 1.0
-    assert_stats(plan.aux.stats["router"], kept_E=[4], requested_X=[4, 12], dropped=0, noop=12, tokens=16,
-                 compute_T=compute)
+    assert_stats(
+        plan.aux.stats["router"], kept_E=[4], requested_X=[4, 12], dropped=0, noop=12, tokens=16, compute_T=compute
+    )
     assert plan.aux.losses == {}
 
 
@@ -145,8 +153,9 @@ def test_mod_gates(gate):
         r = float(x.reshape(-1, D)[t].double() @ w)
         expected.append({"raw": r, "sigmoid": sigmoid_py(r), "one": 1.0}[gate])
     assert plan.weight_A.dtype == torch.float32
-    torch.testing.assert_close(plan.weight_A.double(), torch.tensor(expected, dtype=torch.float64),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        plan.weight_A.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-6
+    )
     assert plan.weight_A.requires_grad == (gate != "one")
 
 
@@ -170,13 +179,15 @@ def plan_rows(plan):
     return list(zip(plan.expert_idx_A.tolist(), plan.token_idx_A.tolist()))
 
 
-@pytest.mark.parametrize("gate,renormalize", [("softmax", False), ("softmax", True), ("sigmoid", False),
-                                              ("sigmoid", True)])
+@pytest.mark.parametrize(
+    "gate,renormalize", [("softmax", False), ("softmax", True), ("sigmoid", False), ("sigmoid", True)]
+)
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_token_choice_topk_and_gates(gate, renormalize, top_k):
     T, X = 6, 4
-    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(
-        d_model=X, num_experts=X, top_k=top_k, gate=gate, renormalize=renormalize)))
+    router = identity_router(
+        TokenChoiceRouter(TokenChoiceConfig(d_model=X, num_experts=X, top_k=top_k, gate=gate, renormalize=renormalize))
+    )
     logits = torch.randn(1, T, X)
     plan = router(logits).compact()
     expected = hand_token_choice(logits[0].tolist(), top_k, X, gate, renormalize)
@@ -193,8 +204,15 @@ def test_token_choice_top1_capacity_drops_later_tokens():
     assert plan_rows(plan) == [(0, 0), (0, 1), (1, 4), (1, 5)]  # tokens 2 and 3 dropped from expert 0
     gates = [softmax_py(logits[t])[e] for e, t in plan_rows(plan)]
     torch.testing.assert_close(plan.weight_A, torch.tensor(gates), rtol=1e-6, atol=1e-7)
-    assert_stats(plan.aux.stats["router"], kept_E=[2, 2], requested_X=[4, 2], dropped=2, noop=0, tokens=6,
-                 compute_T=[1, 1, 0, 0, 1, 1])
+    assert_stats(
+        plan.aux.stats["router"],
+        kept_E=[2, 2],
+        requested_X=[4, 2],
+        dropped=2,
+        noop=0,
+        tokens=6,
+        compute_T=[1, 1, 0, 0, 1, 1],
+    )
 
 
 def test_token_choice_top2_capacity_first_choices_before_second():
@@ -208,16 +226,24 @@ def test_token_choice_top2_capacity_first_choices_before_second():
     # Priority: all first choices in token order, then all second choices in token order.
     # e1 keeps the first choices of t1 and t2 and drops t0's *second* choice although t0 comes first
     # (token-major priority would instead drop t2's first choice); e2 keeps t1 and t2 and drops t3.
-    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=3, top_k=2,
-                                                                 capacity_factor=0.75)))
+    router = identity_router(
+        TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=3, top_k=2, capacity_factor=0.75))
+    )
     plan = router(torch.tensor([logits])).compact()
     assert router.capacity(4) == 2
     assert plan_rows(plan) == [(0, 0), (0, 3), (1, 1), (1, 2), (2, 1), (2, 2)]
     assert plan.counts_E.tolist() == [2, 2, 2]
     gates = [softmax_py(logits[t])[e] for e, t in plan_rows(plan)]
     torch.testing.assert_close(plan.weight_A, torch.tensor(gates), rtol=1e-6, atol=1e-7)
-    assert_stats(plan.aux.stats["router"], kept_E=[2, 2, 2], requested_X=[2, 3, 3], dropped=2, noop=0,
-                 tokens=4, compute_T=[1, 2, 2, 1])
+    assert_stats(
+        plan.aux.stats["router"],
+        kept_E=[2, 2, 2],
+        requested_X=[2, 3, 3],
+        dropped=2,
+        noop=0,
+        tokens=4,
+        compute_T=[1, 2, 2, 1],
+    )
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
@@ -245,8 +271,15 @@ def test_token_choice_noop_experts_never_in_plan():
     assert plan_rows(plan) == [(0, 1), (0, 4), (1, 3)]
     assert plan.num_experts == 2 and plan.counts_E.tolist() == [2, 1]
     torch.testing.assert_close(plan.weight_A, torch.tensor([softmax_py(logits[t])[e] for e, t in plan_rows(plan)]))
-    assert_stats(plan.aux.stats["router"], kept_E=[2, 1], requested_X=[2, 1, 3], dropped=0, noop=3, tokens=6,
-                 compute_T=[0, 1, 0, 1, 1, 0])
+    assert_stats(
+        plan.aux.stats["router"],
+        kept_E=[2, 1],
+        requested_X=[2, 1, 3],
+        dropped=0,
+        noop=3,
+        tokens=6,
+        compute_T=[0, 1, 0, 1, 1, 0],
+    )
     stats = plan.aux.stats["router"]
     assert stats.num_experts == 2 and stats.num_noop == 1
 
@@ -265,20 +298,27 @@ def test_token_choice_noop_top2_with_capacity_and_mask():
     ]
     mask = torch.ones(1, 8, dtype=torch.bool)
     mask[0, 4] = False
-    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=4, num_experts=2, num_noop=2, top_k=2,
-                                                                 capacity_factor=0.5)))
+    router = identity_router(
+        TokenChoiceRouter(TokenChoiceConfig(d_model=4, num_experts=2, num_noop=2, top_k=2, capacity_factor=0.5))
+    )
     plan = router(torch.tensor([logits]), mask).compact()
     # Real tokens' first choices for e0: t0 t1 t3 t6 t7 (5 > 4: t7 dropped); e1 first: t5.
     # Second choices for e1: t0 t3 t7 (t5's second choice e0 is over capacity: dropped).
     assert plan_rows(plan) == [(0, 0), (0, 1), (0, 3), (0, 6), (1, 0), (1, 3), (1, 5), (1, 7)]
-    assert_stats(plan.aux.stats["router"], kept_E=[4, 4], requested_X=[6, 4, 2, 2], dropped=2, noop=4, tokens=7,
-                 compute_T=[2, 1, 0, 2, 0, 1, 1, 1])
+    assert_stats(
+        plan.aux.stats["router"],
+        kept_E=[4, 4],
+        requested_X=[6, 4, 2, 2],
+        dropped=2,
+        noop=4,
+        tokens=7,
+        compute_T=[2, 1, 0, 2, 0, 1, 1, 1],
+    )
 
 
 def test_token_choice_plan_grouped_by_expert_and_sorted_by_token():
     B, S, D, E = 3, 16, 8, 5
-    router = TokenChoiceRouter(TokenChoiceConfig(d_model=D, num_experts=E, num_noop=2, top_k=3,
-                                                 capacity_factor=0.8))
+    router = TokenChoiceRouter(TokenChoiceConfig(d_model=D, num_experts=E, num_noop=2, top_k=3, capacity_factor=0.8))
     plan = router(torch.randn(B, S, D)).compact()
     expert, token = plan.expert_idx_A.tolist(), plan.token_idx_A.tolist()
     assert expert == sorted(expert)
@@ -287,7 +327,7 @@ def test_token_choice_plan_grouped_by_expert_and_sorted_by_token():
     assert plan.counts_E.tolist() == counts
     start = 0
     for c in counts:
-        seg = token[start:start + c]
+        seg = token[start : start + c]
         assert seg == sorted(seg) and len(set(seg)) == len(seg)  # sorted, no duplicate token per expert
         start += c
     assert max(counts) <= router.capacity(B * S)
@@ -317,8 +357,9 @@ def hand_expert_choice(logits_BSX, c, E, mask_BS=None):
 def test_expert_choice_each_expert_takes_c_tokens_per_sequence(num_noop):
     B, S, E = 2, 8, 3
     X = E + num_noop
-    router = identity_router(ExpertChoiceRouter(ExpertChoiceConfig(d_model=X, num_experts=E, num_noop=num_noop,
-                                                                   capacity_factor=1.5)))
+    router = identity_router(
+        ExpertChoiceRouter(ExpertChoiceConfig(d_model=X, num_experts=E, num_noop=num_noop, capacity_factor=1.5))
+    )
     c = math.ceil(1.5 * S / X)
     logits = torch.randn(B, S, X)
     plan = router(logits).compact()
@@ -330,9 +371,15 @@ def test_expert_choice_each_expert_takes_c_tokens_per_sequence(num_noop):
         tok = plan.token_idx_A[plan.expert_idx_A == e]
         assert torch.bincount(tok // S, minlength=B).tolist() == [c] * B
     stats = plan.aux.stats["router"]
-    assert_stats(stats, kept_E=[B * c] * E, requested_X=[B * c] * X, dropped=0, noop=B * c * num_noop,
-                 tokens=B * S, compute_T=torch.bincount(torch.tensor([t for _, t, _ in expected]),
-                                                        minlength=B * S).tolist())
+    assert_stats(
+        stats,
+        kept_E=[B * c] * E,
+        requested_X=[B * c] * X,
+        dropped=0,
+        noop=B * c * num_noop,
+        tokens=B * S,
+        compute_T=torch.bincount(torch.tensor([t for _, t, _ in expected]), minlength=B * S).tolist(),
+    )
 
 
 def test_expert_choice_noop_slots_not_computed():
@@ -451,8 +498,9 @@ def test_router_z_loss_hand_computed():
 
 
 def test_aux_total_is_weighted_sum():
-    router = identity_router(TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=3, balance_coef=0.1,
-                                                                 z_coef=0.01)))
+    router = identity_router(
+        TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=3, balance_coef=0.1, z_coef=0.01))
+    )
     logits = torch.tensor(PROBS).log()
     aux = router(logits[None]).aux
     z = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits.tolist()) / 4
@@ -467,6 +515,7 @@ def test_router_gradients_reach_the_router_weight():
 
 
 # -- the token-choice router's fast paths against their readable references ---------------------------
+
 
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("num_noop", [0, 2])
@@ -497,12 +546,15 @@ def test_token_choice_finite_check_catches_nan_and_both_infinities(bad):
         router(x)
 
 
-@pytest.mark.parametrize("kw,masked,padded", [
-    (dict(), False, False),                      # dropless, no no-op experts, no mask: A == counts.sum()
-    (dict(), True, True),                        # a mask: masked tokens' choices are padding
-    (dict(num_noop=2), False, True),             # no-op choices are padding
-    (dict(capacity_factor=1.0), False, True),    # capacity drops are padding
-])
+@pytest.mark.parametrize(
+    "kw,masked,padded",
+    [
+        (dict(), False, False),  # dropless, no no-op experts, no mask: A == counts.sum()
+        (dict(), True, True),  # a mask: masked tokens' choices are padding
+        (dict(num_noop=2), False, True),  # no-op choices are padding
+        (dict(capacity_factor=1.0), False, True),  # capacity drops are padding
+    ],
+)
 def test_token_choice_plan_says_statically_whether_it_has_padding(kw, masked, padded):
     router = TokenChoiceRouter(TokenChoiceConfig(d_model=8, num_experts=4, top_k=2, **kw))
     mask = torch.ones(2, 6, dtype=torch.bool) if masked else None
@@ -564,8 +616,16 @@ def test_hash_routing_takes_the_experts_of_each_token_id_from_the_table():
     are the scores at those experts, renormalised; no ids is an error naming them."""
     from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
 
-    cfg = TokenChoiceConfig(d_model=8, num_experts=6, top_k=2, gate="sqrtsoftplus", renormalize=True,
-                            renorm_eps=1e-20, scale=1.5, hash_vocab=10)
+    cfg = TokenChoiceConfig(
+        d_model=8,
+        num_experts=6,
+        top_k=2,
+        gate="sqrtsoftplus",
+        renormalize=True,
+        renorm_eps=1e-20,
+        scale=1.5,
+        hash_vocab=10,
+    )
     router = TokenChoiceRouter(cfg)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -594,8 +654,9 @@ def test_dropped_groups_zero_and_bias_on_logits_change_the_choice_as_their_famil
     from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
 
     def router(**kw):
-        r = TokenChoiceRouter(TokenChoiceConfig(d_model=4, num_experts=4, top_k=2, gate="sigmoid", bias_balance=True,
-                                                **kw))
+        r = TokenChoiceRouter(
+            TokenChoiceConfig(d_model=4, num_experts=4, top_k=2, gate="sigmoid", bias_balance=True, **kw)
+        )
         with torch.no_grad():
             r.weight.copy_(torch.eye(4))
         return r
@@ -645,8 +706,9 @@ def test_renorm_p_and_logit_softcap_follow_their_formulas():
     """renorm_p (DBRX: the k gates over their p-norm) and logit_softcap (Laguna: c * tanh(logit / c) first)."""
     from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
 
-    router = TokenChoiceRouter(TokenChoiceConfig(d_model=8, num_experts=6, top_k=3, renormalize=True, renorm_p=2.0,
-                                                 logit_softcap=0.7))
+    router = TokenChoiceRouter(
+        TokenChoiceConfig(d_model=8, num_experts=6, top_k=3, renormalize=True, renorm_p=2.0, logit_softcap=0.7)
+    )
     x = torch.randn(2, 4, 8)
     plan = router(x)
     logits = x.reshape(8, 8) @ router.weight.t()

@@ -12,8 +12,22 @@ from mode.experts.row_buckets import bucket_sizes, bucketed_layout, padded_capac
 needs_grouped_mm = pytest.mark.skipif(not gmm_mod.grouped_mm_available(), reason="needs torch._grouped_mm (torch>=2.9)")
 
 
-@pytest.mark.parametrize("count, size", [(0, 0), (1, 8), (8, 8), (9, 16), (37, 40), (255, 256), (256, 256),
-                                         (257, 272), (1000, 1024), (1100, 1152), (8191, 8192)])
+@pytest.mark.parametrize(
+    "count, size",
+    [
+        (0, 0),
+        (1, 8),
+        (8, 8),
+        (9, 16),
+        (37, 40),
+        (255, 256),
+        (256, 256),
+        (257, 272),
+        (1000, 1024),
+        (1100, 1152),
+        (8191, 8192),
+    ],
+)
 def test_bucket_sizes_keep_five_significant_bits_and_multiples_of_eight(count, size):
     assert bucket_sizes(torch.tensor([count])).tolist() == [size]
 
@@ -37,8 +51,10 @@ def test_layout_keeps_rows_in_order_inside_their_bucketed_group(seed):
     N = int(torch.randint(0, A + 1, (), generator=g, device="cpu"))
     counts = torch.zeros(E, dtype=torch.int64)
     if N:  # N rows spread over the experts, some of them empty
-        counts += torch.bincount(torch.randint(0, E, (N,), generator=g, device="cpu")
-                                 * (torch.rand(N, generator=g, device="cpu") < 0.9), minlength=E).to(counts.device)
+        counts += torch.bincount(
+            torch.randint(0, E, (N,), generator=g, device="cpu") * (torch.rand(N, generator=g, device="cpu") < 0.9),
+            minlength=E,
+        ).to(counts.device)
     offsets, dest, R = bucketed_layout(counts, A)
     assert R == padded_capacity(A, E) and offsets.dtype == torch.int32
     sizes = bucket_sizes(counts)
@@ -48,15 +64,16 @@ def test_layout_keeps_rows_in_order_inside_their_bucketed_group(seed):
     starts = torch.cumsum(sizes, 0) - sizes
     row = 0
     for e, c in enumerate(counts.tolist()):
-        assert dest[row:row + c].tolist() == list(range(int(starts[e]), int(starts[e]) + c))
+        assert dest[row : row + c].tolist() == list(range(int(starts[e]), int(starts[e]) + c))
         row += c
     assert bool((dest[row:] >= offsets[-1]).all())  # padding rows past the last group
 
 
 def _bank(activation: str, d_model: int, d_hidden: int, E: int) -> ExpertBank:
     torch.manual_seed(0)
-    return ExpertBank(ExpertConfig(d_model=d_model, d_hidden=d_hidden, num_experts=E, activation=activation,
-                                   backend="grouped"))
+    return ExpertBank(
+        ExpertConfig(d_model=d_model, d_hidden=d_hidden, num_experts=E, activation=activation, backend="grouped")
+    )
 
 
 def _run(bank, x, counts, gate, padded):
@@ -70,10 +87,13 @@ def _run(bank, x, counts, gate, padded):
 
 @needs_grouped_mm
 @pytest.mark.parametrize("activation, d_model, d_hidden", [("swiglu", 32, 16), ("gelu", 16, 32)])
-@pytest.mark.parametrize("counts, n_pad, with_gate", [([37, 0, 5, 19], 7, True), ([37, 0, 5, 19], 0, False),
-                                                       ([0, 0, 0, 0], 3, True), ([0, 0, 0, 0], 0, False)])
-def test_bucketed_grouped_bank_computes_the_same_function(monkeypatch, activation, d_model, d_hidden, counts,
-                                                          n_pad, with_gate):
+@pytest.mark.parametrize(
+    "counts, n_pad, with_gate",
+    [([37, 0, 5, 19], 7, True), ([37, 0, 5, 19], 0, False), ([0, 0, 0, 0], 3, True), ([0, 0, 0, 0], 0, False)],
+)
+def test_bucketed_grouped_bank_computes_the_same_function(
+    monkeypatch, activation, d_model, d_hidden, counts, n_pad, with_gate
+):
     """float32 forced through the bucketed layout against the plain grouped path: the same outputs and
     gradients (gate on the hidden activation when H < D, on the output otherwise), padding rows NaN in,
     zero out and zero gradient."""

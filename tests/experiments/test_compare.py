@@ -17,15 +17,36 @@ import pytest
 
 import mode.train.data
 from mode.cli import main
-from mode.experiments.compare import (CLAIMS, dense_depths, dense_sweep, extra_variants, format_table, legend,
-                                      preset, run_compare, variants)
+from mode.experiments.compare import (
+    CLAIMS,
+    dense_depths,
+    dense_sweep,
+    extra_variants,
+    format_table,
+    legend,
+    preset,
+    run_compare,
+    variants,
+)
 from mode.measure.flops import forward_flops_per_token, train_flops_per_token
 
 SIX = ["dense", "mod", "mod_random", "moe", "staged_mode", "integrated_mode"]
 SWEEP = ["dense_1l", "dense_2l", "dense_3l"]  # the quick preset has 4 layers: the dense sweep adds 1, 2 and 3
 NAMES = [*SWEEP, *SIX]
-TABLE_KEYS = {"val_loss", "val_loss_std", "loss_ratio", "loss_ratio_same_size", "fwd_flops_per_token", "flop_ratio",
-              "params", "steps", "wall_s", "tok_s", "val_loss_seeds", "eval_se"}
+TABLE_KEYS = {
+    "val_loss",
+    "val_loss_std",
+    "loss_ratio",
+    "loss_ratio_same_size",
+    "fwd_flops_per_token",
+    "flop_ratio",
+    "params",
+    "steps",
+    "wall_s",
+    "tok_s",
+    "val_loss_seeds",
+    "eval_se",
+}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DENSE_STEPS = 3
 
@@ -90,7 +111,7 @@ def test_variants_train_to_the_same_flop_budget(quick_run):
         assert results[name]["steps"] > DENSE_STEPS, name  # cheaper steps: more of them in the same budget
     assert results["moe"]["params"] > results["dense"]["params"]
     best = report["baseline"]["variant"]
-    for name, r in results.items():
+    for r in results.values():
         assert r["loss_ratio"] == pytest.approx(r["val_loss"] / results[best]["val_loss"])
         assert r["loss_ratio_same_size"] == pytest.approx(r["val_loss"] / dense["val_loss"])
 
@@ -102,8 +123,9 @@ def test_headline_is_the_best_of_the_dense_depth_sweep(quick_run):
     assert set(baseline["candidates"]) == {"dense", *SWEEP}
     losses = {name: results[name]["val_loss"] for name in baseline["candidates"]}
     assert baseline["variant"] == min(losses, key=losses.get) and baseline["val_loss"] == min(losses.values())
-    assert baseline["rule"].startswith("best of 4 dense depths (1, 2, 3, 4 layers) of the same width at the same "
-                                       "training FLOPs")
+    assert baseline["rule"].startswith(
+        "best of 4 dense depths (1, 2, 3, 4 layers) of the same width at the same training FLOPs"
+    )
     assert results[baseline["variant"]]["loss_ratio"] == 1.0
     assert all(r["loss_ratio"] >= 1.0 for name, r in results.items() if name in baseline["candidates"])
     assert f"best dense model: {baseline['variant']} (best of 4 dense depths" in stdout
@@ -156,8 +178,12 @@ def test_every_variant_logs_its_start_progress_and_end_as_plain_lines(quick_run)
         start = rf"^\[{k}/{len(NAMES)}\] {name}: \d layers?, \d+ steps of 1,024 tokens \(budget "
         assert re.search(start, stdout, re.M)
         assert re.search(rf"^{name}: step (\d+)/\1 done in \S+  loss \d+\.\d{{4}}  [\d,]+ tok/s$", stdout, re.M)
-        assert re.search(rf"^\[{k}/{len(NAMES)}\] {name}: val loss \d\.\d{{4}} \(final evaluation, 512 held-out "
-                         r"windows\)", stdout, re.M)
+        assert re.search(
+            rf"^\[{k}/{len(NAMES)}\] {name}: val loss \d\.\d{{4}} \(final evaluation, 512 held-out "
+            r"windows\)",
+            stdout,
+            re.M,
+        )
 
 
 def test_table_titles_are_distinct_and_a_legend_explains_them(quick_run):
@@ -188,10 +214,11 @@ def test_plot_ends_at_the_tables_loss_and_names_the_dense_depth(quick_run, monke
     plot_curves(json.loads(json.dumps(report)), out / "unused.png")
     ax = figures[0].axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert "dense (4 layers): %.4f" % report["results"]["dense"]["val_loss"] in labels
+    assert f"dense (4 layers): {report['results']['dense']['val_loss']:.4f}" in labels
     stars = [line for line in ax.get_lines() if line.get_marker() == "*"]
-    assert [(float(s.get_xdata()[0]), float(s.get_ydata()[0])) for s in stars] == \
-        [(r["train_flops"], r["val_loss"]) for r in report["results"].values()]
+    assert [(float(s.get_xdata()[0]), float(s.get_ydata()[0])) for s in stars] == [
+        (r["train_flops"], r["val_loss"]) for r in report["results"].values()
+    ]
     legend_box = ax.get_legend().get_window_extent()
     assert legend_box.x0 >= ax.get_window_extent().x1  # outside the axes: it covers no curve
 
@@ -209,8 +236,10 @@ def test_markdown_table_lists_every_variant_with_its_loss(quick_run):
     lines = text.split("\n\n")[0].splitlines()  # the table, then the notes
     assert lines[1].startswith("|---|") and len(lines) == 2 + len(report["results"])
     assert "best dense model: " in text and "MoD - best dense" in text
-    assert legend(report, "md") in text and "- *loss / same-size dense*: val loss / dense's (the same depth: 4 " \
-                                               "layers)" in text
+    assert (
+        legend(report, "md") in text
+        and "- *loss / same-size dense*: val loss / dense's (the same depth: 4 layers)" in text
+    )
     for line, (name, r) in zip(lines[2:], report["results"].items()):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[0] == name and float(cells[1]) == pytest.approx(r["val_loss"], abs=5e-5)
@@ -220,8 +249,9 @@ def test_markdown_table_lists_every_variant_with_its_loss(quick_run):
 
 
 def test_cli_compare_only_two_variants(tmp_path, capsys):
-    rc = main(["compare", "--quick", "--dense-steps", "2", "--out", str(tmp_path), "--no-progress",
-               "--only", "dense", "mod"])
+    rc = main(
+        ["compare", "--quick", "--dense-steps", "2", "--out", str(tmp_path), "--no-progress", "--only", "dense", "mod"]
+    )
     assert rc == 0
     report = json.loads((tmp_path / "compare.json").read_text())
     assert list(report["results"]) == ["dense", "mod"]
@@ -241,9 +271,30 @@ def test_a_run_logged_to_files_has_plain_lines_and_no_carriage_returns(tmp_path)
     line for each variant on stdout as it goes, and no carriage return anywhere."""
     data = write_text_file(tmp_path / "corpus.txt")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.run([sys.executable, "-m", "mode.cli", "compare", "--quick", "--data", str(data),
-                           "--dense-steps", "2", "--only", "dense", "mod", "--threads", "1", "--out",
-                           str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mode.cli",
+            "compare",
+            "--quick",
+            "--data",
+            str(data),
+            "--dense-steps",
+            "2",
+            "--only",
+            "dense",
+            "mod",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "\r" not in proc.stdout and "\r" not in proc.stderr
     for k, name in enumerate(["dense", "mod"], 1):
@@ -256,8 +307,19 @@ def test_a_run_logged_to_files_has_plain_lines_and_no_carriage_returns(tmp_path)
 
 def test_cli_missing_data_file_is_a_clean_error(tmp_path, capsys):
     missing = tmp_path / "missing.txt"
-    rc = main(["compare", "--quick", "--dense-steps", "2", "--out", str(tmp_path / "out"), "--no-progress",
-               "--data", str(missing)])
+    rc = main(
+        [
+            "compare",
+            "--quick",
+            "--dense-steps",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+            "--no-progress",
+            "--data",
+            str(missing),
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert err.startswith("mode compare: error: ")
@@ -273,14 +335,19 @@ def test_cli_binary_data_file_is_a_clean_error(tmp_path, capsys):
     assert "looks binary" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["--only", "dense", "mdo"], "only=['dense', 'mdo']: unknown variant 'mdo'; must be among dense_1l, dense_2l, "
-                                 "dense_3l, dense, mod,"),
-    (["--seeds", "0"], "seeds=0: must be >= 1"),
-    (["--dense-steps", "0"], "dense_steps=0: must be >= 1"),
-    (["--dense-steps", "-3"], "dense_steps=-3: must be >= 1"),
-    (["--threads", "0"], "--threads=0: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (
+            ["--only", "dense", "mdo"],
+            "only=['dense', 'mdo']: unknown variant 'mdo'; must be among dense_1l, dense_2l, dense_3l, dense, mod,",
+        ),
+        (["--seeds", "0"], "seeds=0: must be >= 1"),
+        (["--dense-steps", "0"], "dense_steps=0: must be >= 1"),
+        (["--dense-steps", "-3"], "dense_steps=-3: must be >= 1"),
+        (["--threads", "0"], "--threads=0: must be >= 1"),
+    ],
+)
 def test_cli_bad_arguments_are_clean_errors(tmp_path, capsys, argv, msg):
     rc = main(["compare", "--quick", "--out", str(tmp_path / "out"), "--no-progress", *argv])
     assert rc == 2
@@ -302,8 +369,10 @@ def test_matched_pairs_run_on_request_at_about_equal_flops(tmp_path):
         return forward_flops_per_token(cfg) / dense_fwd
 
     # each matched variant sits closer to its partner's per-token FLOPs than the default variant does
-    for matched, partner, unmatched in (("integrated_mode_matched", "staged_mode", "integrated_mode"),
-                                        ("staged_mode_matched", "integrated_mode", "staged_mode")):
+    for matched, partner, unmatched in (
+        ("integrated_mode_matched", "staged_mode", "integrated_mode"),
+        ("staged_mode_matched", "integrated_mode", "staged_mode"),
+    ):
         got = report["results"][matched]["flop_ratio"]
         assert abs(got - ratio(extra[matched])) < 1e-9
         assert abs(got - ratio(default[partner])) < 0.1
@@ -313,11 +382,21 @@ def test_matched_pairs_run_on_request_at_about_equal_flops(tmp_path):
 def test_seeds_give_paired_runs_with_mean_std_and_intervals(tmp_path, capsys):
     data = write_text_file(tmp_path / "corpus.txt")
     out = tmp_path / "run"
-    report = run_compare(out, quick=True, data=str(data), dense_steps=2, seed=3, seeds=2, progress=False,
-                         only=["dense", "dense_2l", "mod", "mod_random"])
+    report = run_compare(
+        out,
+        quick=True,
+        data=str(data),
+        dense_steps=2,
+        seed=3,
+        seeds=2,
+        progress=False,
+        only=["dense", "dense_2l", "mod", "mod_random"],
+    )
     assert report["config"]["seeds"] == [3, 4]
-    runs = {name: [json.loads((out / name / f"seed{s}" / "result.json").read_text()) for s in (3, 4)]
-            for name in report["results"]}
+    runs = {
+        name: [json.loads((out / name / f"seed{s}" / "result.json").read_text()) for s in (3, 4)]
+        for name in report["results"]
+    }
     for name, r in report["results"].items():
         losses = [x["val_loss"] for x in runs[name]]
         assert [x["seed"] for x in runs[name]] == [3, 4]
@@ -375,15 +454,34 @@ def test_killed_compare_resumes_to_identical_results(tmp_path, capsys):
     from mode.train import checkpoint
 
     data = write_text_file(tmp_path / "corpus.txt")
-    args = ["--quick", "--data", str(data), "--dense-steps", "2", "--only", "dense", "mod", "mod_random",
-            "--threads", "1", "--no-progress"]
+    args = [
+        "--quick",
+        "--data",
+        str(data),
+        "--dense-steps",
+        "2",
+        "--only",
+        "dense",
+        "mod",
+        "mod_random",
+        "--threads",
+        "1",
+        "--no-progress",
+    ]
     assert main(["compare", *args, "--out", str(tmp_path / "ref")]) == 0  # uninterrupted
 
     out = tmp_path / "run"
-    env = {**os.environ, checkpoint.STALL_ENV: "/mod_random/ckpt.pt@1",  # its second checkpoint stops half-way
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.Popen([sys.executable, "-m", "mode.cli", "compare", *args, "--out", str(out),
-                             "--ckpt-every-s", "1e-9"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {
+        **os.environ,
+        checkpoint.STALL_ENV: "/mod_random/ckpt.pt@1",  # its second checkpoint stops half-way
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mode.cli", "compare", *args, "--out", str(out), "--ckpt-every-s", "1e-9"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 120
         # the stall hook marks the stuck write (an ordinary write in progress also has a non-empty temp file)
@@ -417,8 +515,19 @@ def test_killed_compare_resumes_to_identical_results(tmp_path, capsys):
 
 def test_rerun_with_other_arguments_is_refused_unless_fresh(tmp_path, capsys):
     data = write_text_file(tmp_path / "corpus.txt")
-    args = ["compare", "--quick", "--data", str(data), "--dense-steps", "1", "--only", "dense", "--no-progress",
-            "--out", str(tmp_path / "run")]
+    args = [
+        "compare",
+        "--quick",
+        "--data",
+        str(data),
+        "--dense-steps",
+        "1",
+        "--only",
+        "dense",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     assert main(args) == 0
     before = (tmp_path / "run" / "compare.json").read_text()
     capsys.readouterr()
@@ -451,8 +560,20 @@ def test_bf16_trains_under_autocast_and_is_part_of_the_run_identity(tmp_path, ca
 
     monkeypatch.setattr(mode.train.Trainer, "__init__", spy)
     data = write_text_file(tmp_path / "corpus.txt")
-    args = ["compare", "--quick", "--data", str(data), "--dense-steps", "1", "--only", "dense", "moe",
-            "--no-progress", "--out", str(tmp_path / "run")]
+    args = [
+        "compare",
+        "--quick",
+        "--data",
+        str(data),
+        "--dense-steps",
+        "1",
+        "--only",
+        "dense",
+        "moe",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     assert main([*args, "--bf16"]) == 0
     report = json.loads((tmp_path / "run" / "compare.json").read_text())
     assert seen == [True, True] and report["config"]["bf16"] is True and report["config"]["device"] == "cpu"
@@ -472,11 +593,12 @@ def test_negative_ckpt_every_s_is_refused(tmp_path, capsys):
 def test_gpu_preset_is_the_isoflop_gpu_presets_largest_size_on_the_packages_corpus():
     """The numbers of compare.preset's comment and docs/compare.md: budget, steps, tokens, estimated time."""
     from mode.experiments import sweep
-    from mode.experiments.isoflop_plan import RUN_OVERHEAD_S, estimate_step_s
-    from mode.experiments.isoflop_plan import preset as iso_preset
+    from mode.experiments.isoflop_plan import RUN_OVERHEAD_S, estimate_step_s, preset as iso_preset
 
     p, iso = preset("gpu"), iso_preset("gpu")
-    assert p.data == "packages" and p.model.d_model == iso.sizes[-1].d_model and p.model.n_layers == iso.sizes[-1].n_layers
+    assert (
+        p.data == "packages" and p.model.d_model == iso.sizes[-1].d_model and p.model.n_layers == iso.sizes[-1].n_layers
+    )
     assert (p.train.batch_size, p.model.seq_len) == (iso.train.batch_size, iso.base.seq_len)
     models = {**dense_sweep(p.model), **variants(p.model)}
     budget = p.dense_steps * sweep.step_flops(models["dense"], p.train.batch_size)

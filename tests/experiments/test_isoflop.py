@@ -13,20 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_compare import write_text_file
 
 import mode.experiments.isoflop
 import mode.model
-from mode.experiments import stats_ci, sweep
 from mode.cli import main
+from mode.experiments import stats_ci, sweep
 from mode.experiments.compare import CLAIMS, variants
-from mode.train.data import file_corpus
 from mode.experiments.isoflop import run_isoflop
 from mode.experiments.isoflop_plan import IsoflopPreset, plan, preset, size_config
 from mode.experiments.isoflop_report import format_report, parabola_fit
 from mode.model import LMConfig
 from mode.train import TrainConfig, Trainer
-
-from test_compare import write_text_file
+from mode.train.data import file_corpus
 
 NAMES = ["dense", "mod", "mod_random", "moe", "staged_mode", "integrated_mode"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -38,8 +37,9 @@ def tiny_preset(**kw) -> IsoflopPreset:
     smallest. A whole 2-seed sweep of the six variants (144 runs) takes seconds."""
     base = LMConfig(seq_len=32, d_model=16, n_heads=1, d_hidden=64, num_experts=2)
     train = TrainConfig(batch_size=4, lr=3e-3, warmup_steps=2, eval_every=10**9, eval_batches=1, log_every=5)
-    args = dict(budgets=(2e7, 3e7, 4.5e7), aspect=4, n_layers=(2, 3, 4, 5), head_dim=4, eval_windows=32,
-                eval_batch_size=16)
+    args = dict(
+        budgets=(2e7, 3e7, 4.5e7), aspect=4, n_layers=(2, 3, 4, 5), head_dim=4, eval_windows=32, eval_batch_size=16
+    )
     return IsoflopPreset(base, train, **{**args, **kw})
 
 
@@ -56,8 +56,11 @@ def tiny_sweep(tmp_path_factory):
 # ------------------------------------------------------------------------------------- budgets and steps
 
 
-@pytest.mark.parametrize("p, budgets, sizes", [(preset(True), 3, 4), (preset(False), 3, 4), (preset("gpu"), 2, 3),
-                                              (tiny_preset(), 3, 4)], ids=["quick", "default", "gpu", "tiny"])
+@pytest.mark.parametrize(
+    "p, budgets, sizes",
+    [(preset(True), 3, 4), (preset(False), 3, 4), (preset("gpu"), 2, 3), (tiny_preset(), 3, 4)],
+    ids=["quick", "default", "gpu", "tiny"],
+)
 def test_step_counts_hit_the_budget_for_every_size_and_variant(p, budgets, sizes, tmp_path):
     specs = plan(p, tmp_path, seeds=[0])
     assert len(specs) == len(p.budgets) * len(p.sizes) * len(NAMES)
@@ -114,8 +117,11 @@ def test_paired_seeds_give_identical_data_order_across_variants_and_sizes(tmp_pa
     corpus = file_corpus(write_text_file(tmp_path / "c.txt"), 100)
     p = tiny_preset()
     small, large = (variants(size_config(p, s)) for s in (p.sizes[0], p.sizes[-1]))
-    runs = {(name, n): _batches_seen(cfg, 7, corpus, tmp_path / f"{name}{n}")
-            for n, vs in (("small", small), ("large", large)) for name, cfg in vs.items()}
+    runs = {
+        (name, n): _batches_seen(cfg, 7, corpus, tmp_path / f"{name}{n}")
+        for n, vs in (("small", small), ("large", large))
+        for name, cfg in vs.items()
+    }
     ref = runs[("dense", "small")]
     for key, seen in runs.items():
         assert len(seen) == len(ref) and all(torch.equal(a, b) for a, b in zip(seen, ref)), key
@@ -172,8 +178,9 @@ def test_tiny_sweep_writes_valid_json_with_every_size_and_seed(tiny_sweep):
             for r, sa, sb in zip(rows, entry["variants"][a]["sizes"], entry["variants"][b]["sizes"]):
                 assert r["mean"] == pytest.approx(sa["loss_mean"] - sb["loss_mean"]) and r["n"] == 2
                 assert r["low"] <= r["mean"] <= r["high"]
-                assert r["flops_per_token_ratio"] == pytest.approx(sa["nominal_flops"] / sa["steps"]
-                                                                    / (sb["nominal_flops"] / sb["steps"]))
+                assert r["flops_per_token_ratio"] == pytest.approx(
+                    sa["nominal_flops"] / sa["steps"] / (sb["nominal_flops"] / sb["steps"])
+                )
     assert on_disk["validation"]["windows"] == 32 and on_disk["validation"]["loss_se_max"] > 0
 
 
@@ -205,7 +212,7 @@ def test_rerun_reuses_finished_runs_and_resumes_an_interrupted_one(tiny_sweep, t
     capsys.readouterr()
     again = run_isoflop(out, data=str(data), seeds=2, progress=False, preset_override=p)
     stdout = capsys.readouterr().out
-    assert f"143 of 144 runs done in an earlier run" in stdout
+    assert "143 of 144 runs done in an earlier run" in stdout
     assert f"{spec.label}: resuming at step {spec.steps} of {spec.steps}" in stdout
     strip = lambda r: {k: v for k, v in r.items() if k not in VOLATILE}  # noqa: E731
     assert strip(json.loads(json.dumps(again))) == strip(json.loads(json.dumps(report)))
@@ -254,11 +261,28 @@ def test_parallel_jobs_give_the_same_numbers(tmp_path):
 def test_cli_isoflop_runs_and_reports(tmp_path, capsys, monkeypatch):
     import mode.experiments.isoflop
 
-    monkeypatch.setattr(mode.experiments.isoflop, "preset", lambda quick: tiny_preset(budgets=(2e7, 3e7, 4.5e7),
-                                                                          n_layers=(2, 3, 4, 5)))
+    monkeypatch.setattr(
+        mode.experiments.isoflop, "preset", lambda quick: tiny_preset(budgets=(2e7, 3e7, 4.5e7), n_layers=(2, 3, 4, 5))
+    )
     data = write_text_file(tmp_path / "c.txt")
-    rc = main(["isoflop", "--quick", "--data", str(data), "--seeds", "2", "--only", "dense", "mod", "--out",
-               str(tmp_path / "out"), "--no-progress", "--threads", "1"])
+    rc = main(
+        [
+            "isoflop",
+            "--quick",
+            "--data",
+            str(data),
+            "--seeds",
+            "2",
+            "--only",
+            "dense",
+            "mod",
+            "--out",
+            str(tmp_path / "out"),
+            "--no-progress",
+            "--threads",
+            "1",
+        ]
+    )
     assert rc == 0
     report = json.loads((tmp_path / "out" / "isoflop.json").read_text())
     assert list(report["budgets"][0]["variants"]) == ["dense", "mod"]
@@ -271,16 +295,22 @@ def test_cli_isoflop_runs_and_reports(tmp_path, capsys, monkeypatch):
     assert len(re.findall(rf"^\[\d+/{n}\] .*: val loss ", out, re.M)) == n and "\r" not in out
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["--only", "dense", "mdo"], "only=['dense', 'mdo']: unknown variant 'mdo'; must be among dense, mod,"),
-    (["--seeds", "0"], "seeds=0: must be >= 1"),
-    (["--jobs", "0"], "jobs=0: must be >= 1"),
-    (["--budgets", "1e3"], "budget=1e+03 FLOPs: less than one training step of dense L2_d"),
-    (["--budgets", "-1"], "budget=-1.0: must be finite and > 0"),
-    (["--mod-capacity", "0"], "capacity=0.0: must be in (0, 1]"),
-    pytest.param(["--device", "cuda"], "device='cuda': torch.cuda.is_available() is False",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--only", "dense", "mdo"], "only=['dense', 'mdo']: unknown variant 'mdo'; must be among dense, mod,"),
+        (["--seeds", "0"], "seeds=0: must be >= 1"),
+        (["--jobs", "0"], "jobs=0: must be >= 1"),
+        (["--budgets", "1e3"], "budget=1e+03 FLOPs: less than one training step of dense L2_d"),
+        (["--budgets", "-1"], "budget=-1.0: must be finite and > 0"),
+        (["--mod-capacity", "0"], "capacity=0.0: must be in (0, 1]"),
+        pytest.param(
+            ["--device", "cuda"],
+            "device='cuda': torch.cuda.is_available() is False",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible"),
+        ),
+    ],
+)
 def test_cli_bad_arguments_are_clean_errors(tmp_path, capsys, argv, msg):
     rc = main(["isoflop", "--quick", "--out", str(tmp_path / "out"), "--no-progress", *argv])
     assert rc == 2
@@ -292,8 +322,9 @@ def test_cli_bad_arguments_are_clean_errors(tmp_path, capsys, argv, msg):
 # ------------------------------------------------------------------------------------ interval arithmetic
 
 
-@pytest.mark.parametrize("df,expected", [(1, 12.7062), (2, 4.3027), (3, 3.1824), (4, 2.7764), (5, 2.5706),
-                                         (9, 2.2622), (29, 2.0452)])
+@pytest.mark.parametrize(
+    "df,expected", [(1, 12.7062), (2, 4.3027), (3, 3.1824), (4, 2.7764), (5, 2.5706), (9, 2.2622), (29, 2.0452)]
+)
 def test_t_quantile_matches_the_table(df, expected):
     assert stats_ci.t_quantile(0.975, df) == pytest.approx(expected, abs=5e-5)
     assert stats_ci.t_quantile(0.025, df) == pytest.approx(-expected, abs=5e-5)
@@ -352,7 +383,7 @@ def test_parabola_fit_finds_the_minimum():
     xs = [4.0, 4.5, 5.0, 5.5]
     ys = [2 * (x - 4.8) ** 2 + 1.5 for x in xs]
     fit = parabola_fit(xs, ys)
-    assert fit["params_opt"] == pytest.approx(10 ** 4.8) and fit["loss_opt"] == pytest.approx(1.5)
+    assert fit["params_opt"] == pytest.approx(10**4.8) and fit["loss_opt"] == pytest.approx(1.5)
     assert fit["interior"] is True
     assert parabola_fit(xs, [-y for y in ys])["params_opt"] is None  # a maximum, not a minimum
     assert parabola_fit([4.0, 5.0], [1.0, 2.0]) is None  # too few points
@@ -371,8 +402,10 @@ class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("layers", [("dense", "mod"), ("moe", "staged", "moe"), ("integrated",) * 3,
-                                    ("dense", "mod_random", "dense", "mod_random")])
+@pytest.mark.parametrize(
+    "layers",
+    [("dense", "mod"), ("moe", "staged", "moe"), ("integrated",) * 3, ("dense", "mod_random", "dense", "mod_random")],
+)
 def test_operation_counts_of_the_time_estimate_match_a_counted_step(layers, tmp_path):
     """isoflop_plan.OPS_PER_STEP / OPS_PER_LAYER against the aten operations of one real training step
     (bf16 autocast, after two warm-up steps). They were counted so on the code the H200 timed (6ad4109); the
@@ -382,8 +415,17 @@ def test_operation_counts_of_the_time_estimate_match_a_counted_step(layers, tmp_
     from mode.experiments.isoflop_plan import step_ops
     from mode.train.data import stdlib_corpus
 
-    cfg = LMConfig(seq_len=32, d_model=32, n_heads=2, d_hidden=64, num_experts=4, num_noop=4, layers=layers,
-                   predictor_hidden=16, causal="predictor" if "mod" in layers or "staged" in layers else "none")
+    cfg = LMConfig(
+        seq_len=32,
+        d_model=32,
+        n_heads=2,
+        d_hidden=64,
+        num_experts=4,
+        num_noop=4,
+        layers=layers,
+        predictor_hidden=16,
+        causal="predictor" if "mod" in layers or "staged" in layers else "none",
+    )
     tcfg = TrainConfig(steps=10, batch_size=4, warmup_steps=1, eval_every=10**9, eval_batches=1, log_every=10**9)
     trainer = Trainer(cfg, tcfg, stdlib_corpus(max_bytes=200_000), tmp_path, name="ops", progress=False, bf16=True)
     trainer.train_step()

@@ -13,12 +13,24 @@ def tiny(family: str, attn: str = "sdpa", layers: int = 4, **overrides):
     """A tiny random decoder (hidden 64, GQA 4/2), eval mode."""
     import transformers as tf
 
-    cfg_cls, model_cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-                          "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-                          "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[family]
-    kw = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-              attn_implementation=attn, pad_token_id=PAD, bos_token_id=None, eos_token_id=None)
+    cfg_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[family]
+    kw = dict(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation=attn,
+        pad_token_id=PAD,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     kw.update(overrides)
     return model_cls(cfg_cls(**kw)).eval()
 
@@ -51,8 +63,7 @@ def causal_forward(hf, model, seq, mask):
     with torch.no_grad(), hf.routing(model, "causal"):
         logits = model(seq, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
     stats = hf.collect_aux(model).stats
-    return logits, {i: stats[f"layers.{i}.mod.router"].compute_T.view(seq.shape).bool()
-                    for i in hf.mod_layers(model)}
+    return logits, {i: stats[f"layers.{i}.mod.router"].compute_T.view(seq.shape).bool() for i in hf.mod_layers(model)}
 
 
 def generate_matches_recomputation(hf, model, B: int = 2, N: int = 10, atol: float = 1e-5):
@@ -61,8 +72,14 @@ def generate_matches_recomputation(hf, model, B: int = 2, N: int = 10, atol: flo
     tokens are its argmax. Returns ``(cache, fed, fed_mask, routed)`` for the caller's cache checks."""
     ids, mask = batch(B=B, S=8, left_pad=3)
     with torch.no_grad():
-        g = model.generate(ids, attention_mask=mask, max_new_tokens=N, do_sample=False, output_logits=True,
-                           return_dict_in_generate=True)
+        g = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=N,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     fed = g.sequences[:, :-1]  # the last token is sampled, never fed
     fed_mask = torch.cat([mask, torch.ones(B, N - 1, dtype=torch.long)], 1)
     ref, routed = causal_forward(hf, model, fed, fed_mask)
@@ -75,8 +92,7 @@ def layer_io(hf, model, i: int, ids, mask):
     """One top-k forward: MoD layer ``i``'s input and output hidden states and its routed tokens, (B, S) bool."""
     layer = model.model.layers[i]
     seen = {}
-    handle = layer.register_forward_hook(lambda m, args, kwargs, out: seen.update(x=args[0], y=out),
-                                         with_kwargs=True)
+    handle = layer.register_forward_hook(lambda m, args, kwargs, out: seen.update(x=args[0], y=out), with_kwargs=True)
     try:
         with torch.no_grad(), hf.routing(model, "topk"):
             model(ids, attention_mask=mask)

@@ -17,11 +17,20 @@ import torch
 from mode.routing.mod_topk import GATES, MoDRouter, MoDRouterConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mod_models import (ATTENTIONS, FAMILIES, V, batch, causal_forward, converted, layer_io,  # noqa: E402
-                        positions, tiny)
-
+from mod_models import (
+    ATTENTIONS,
+    FAMILIES,
+    V,
+    batch,
+    causal_forward,
+    converted,
+    layer_io,
+    positions,
+    tiny,
+)
 
 # -- the straight-through gate (no transformers needed) --
+
 
 def test_ste_gate_is_one_with_router_gradient():
     assert "ste" in GATES
@@ -41,6 +50,7 @@ def test_ste_gate_is_one_with_router_gradient():
 
 
 # -- to_mod: conversion keeps the model --
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("attn", ATTENTIONS)
@@ -108,7 +118,7 @@ def test_steered_thresholds_route_the_target_share_on_unseen_windows(hf, capacit
     def windows(n, seed):
         g = torch.Generator().manual_seed(seed)
         starts = torch.randint(0, len(data) - 64, (n,), generator=g, device="cpu").tolist()
-        rows = torch.stack([torch.from_numpy(data[i:i + 64].astype("int64")) % (V - 1) + 1 for i in starts])
+        rows = torch.stack([torch.from_numpy(data[i : i + 64].astype("int64")) % (V - 1) + 1 for i in starts])
         return rows.to(torch.get_default_device())  # on the model's device (the CPU, or CUDA's default device)
 
     with pytest.raises(ValueError, match="threshold is not calibrated"):
@@ -193,6 +203,7 @@ def test_frozen_base_only_routers_learn_and_base_is_bitwise_unchanged(hf):
 
 # -- sparse KV caches inside generate() --
 
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("attn", ATTENTIONS)
 @pytest.mark.parametrize("B,left_pad", [(1, 0), (2, 3)])
@@ -201,8 +212,14 @@ def test_greedy_generate_equals_full_forward_and_caches_hold_routed_tokens(hf, f
     ids, mask = batch(B=B, S=8, left_pad=left_pad)
     N = 10
     with torch.no_grad():
-        g = model.generate(ids, attention_mask=mask, max_new_tokens=N, do_sample=False, output_logits=True,
-                           return_dict_in_generate=True)
+        g = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=N,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     seq, cache = g.sequences, g.past_key_values
     fed = seq[:, :-1]  # the last token is sampled, never fed
     fed_mask = torch.cat([mask, torch.ones(B, N - 1, dtype=torch.long)], 1)
@@ -241,8 +258,13 @@ def test_manual_decode_loop_equals_full_forward_and_skipped_token_writes_nothing
         for t in range(6, 14):
             stored_before = layer.len_B.clone()
             keys_before = layer.keys.clone()
-            out = model(full[:, t:t + 1], attention_mask=full_mask[:, :t + 1], position_ids=pos[:, t:t + 1],
-                        past_key_values=cache, use_cache=True)
+            out = model(
+                full[:, t : t + 1],
+                attention_mask=full_mask[:, : t + 1],
+                position_ids=pos[:, t : t + 1],
+                past_key_values=cache,
+                use_cache=True,
+            )
             logits.append(out.logits)
             skipped = ~routed[1][:, t]
             assert torch.equal(layer.len_B, stored_before + routed[1][:, t].long())
@@ -271,6 +293,7 @@ def test_beam_search_and_sampling_with_sparse_caches_match_cache_free_generation
 
 
 # -- unsupported cases raise clear errors --
+
 
 def test_unsupported_cases_raise(hf):
     model = converted(hf, "llama", layers=[0, 2], capacity=0.5)
@@ -329,6 +352,7 @@ def test_unsupported_model_type_raises(hf):
 
 # -- upcycling --
 
+
 @pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("backend", ["reference", "grouped"])
 def test_upcycled_renormalised_dropless_equals_dense(hf, top_k, backend):
@@ -349,8 +373,12 @@ def test_upcycle_documented_inequalities_bf16_and_router_signal(hf):
     ids, _ = batch()
     with torch.no_grad():
         ref = model(ids).logits
-    for kw in (dict(renormalize=False), dict(capacity_factor=1.0), dict(num_noop=1),
-               dict(router="expert_choice", capacity_factor=1.0)):
+    for kw in (
+        dict(renormalize=False),
+        dict(capacity_factor=1.0),
+        dict(num_noop=1),
+        dict(router="expert_choice", capacity_factor=1.0),
+    ):
         up = hf.upcycle(copy.deepcopy(model), num_experts=4, top_k=2, **kw)
         with torch.no_grad():
             assert (up(ids).logits - ref).abs().max() > 1e-3, kw  # equality cannot hold (docs/hf.md)
@@ -373,8 +401,7 @@ def test_staged_mode_mod_and_upcycle_on_the_same_layer(hf):
     ids, _ = batch()
     with torch.no_grad():
         ref = model(ids).logits
-    conv = hf.to_mod(hf.upcycle(copy.deepcopy(model), layers=[1], num_experts=2, top_k=1), layers=[1],
-                     capacity=1.0)
+    conv = hf.to_mod(hf.upcycle(copy.deepcopy(model), layers=[1], num_experts=2, top_k=1), layers=[1], capacity=1.0)
     with torch.no_grad(), hf.routing(conv, "topk"):
         assert (conv(ids).logits - ref).abs().max() <= 1e-6
     aux = hf.collect_aux(conv)
@@ -382,6 +409,7 @@ def test_staged_mode_mod_and_upcycle_on_the_same_layer(hf):
 
 
 # -- router tuning, save / load --
+
 
 def test_router_tune_changes_only_routers_and_save_load_round_trip(hf, tmp_path):
     model = tiny("llama")
@@ -437,8 +465,24 @@ def _example(name: str):
     return example
 
 
-CONVERT_SMALLEST = ["--tune-steps", "2", "--capacities", "0.5", "--new-tokens", "4", "--repeats", "1",
-                    "--eval-batches", "1", "--seq-len", "32", "--batch", "2", "--corpus-bytes", "600000"]
+CONVERT_SMALLEST = [
+    "--tune-steps",
+    "2",
+    "--capacities",
+    "0.5",
+    "--new-tokens",
+    "4",
+    "--repeats",
+    "1",
+    "--eval-batches",
+    "1",
+    "--seq-len",
+    "32",
+    "--batch",
+    "2",
+    "--corpus-bytes",
+    "600000",
+]
 
 
 def test_example_runs_end_to_end(hf, tmp_path):
@@ -458,8 +502,24 @@ def test_pretrain_example_saves_a_checkpoint_that_converts(hf, tmp_path):
 
 def _pretrain_convert_and_bench(tmp_path):
     out = tmp_path / "llama"
-    summary = _example("hf_pretrain").main(["--out", str(out), "--hidden", "32", "--layers", "2", "--steps", "3",
-                                            "--batch", "2", "--seq-len", "32", "--corpus-bytes", "3000000"])
+    summary = _example("hf_pretrain").main(
+        [
+            "--out",
+            str(out),
+            "--hidden",
+            "32",
+            "--layers",
+            "2",
+            "--steps",
+            "3",
+            "--batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--corpus-bytes",
+            "3000000",
+        ]
+    )
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     assert summary["steps"] == 3 and summary["val_loss"] < 5.6  # below uniform over bytes (ln 256 = 5.545)
     rows = _example("hf_convert").main([*CONVERT_SMALLEST, "--model", str(out)])
@@ -467,11 +527,36 @@ def _pretrain_convert_and_bench(tmp_path):
 
     # benchmarks/hf_mod_pretrained.py at its smallest on the same checkpoint: every row measured, then resumed
     bench = _example("../benchmarks/hf_mod_pretrained")
-    args = ["--model", str(out), "--capacities", "0.5", "--parts", "attention", "mlp",
-            "--methods", "threshold", "random",
-            "--steps", "1", "--batch", "2", "--seq-len", "32", "--val-batches", "1", "--new-tokens", "2",
-            "--repeats", "1", "--mode", "--layer-sets", "every_other", "cheapest:1",
-            "--out", str(tmp_path / "bench.json")]
+    args = [
+        "--model",
+        str(out),
+        "--capacities",
+        "0.5",
+        "--parts",
+        "attention",
+        "mlp",
+        "--methods",
+        "threshold",
+        "random",
+        "--steps",
+        "1",
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--val-batches",
+        "1",
+        "--new-tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--mode",
+        "--layer-sets",
+        "every_other",
+        "cheapest:1",
+        "--out",
+        str(tmp_path / "bench.json"),
+    ]
     first = bench.main(args)
     names = [r["name"] for r in first["rows"]]
     kinds = [r["kind"] for r in first["rows"]]  # 2 layer sets x 2 parts x (2 tunings, random); staged x 2; integrated

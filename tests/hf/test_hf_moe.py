@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install "
-                                                          "'mode-torch[hf]'): the models to convert")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install 'mode-torch[hf]'): the models to convert"
+)
 
 import mode.hf as mh  # noqa: E402
 from mode.hf.moe.convert import transformers_names  # noqa: E402
@@ -86,9 +87,13 @@ def test_converted_model_computes_the_original_on_its_own_tensors(family):
     ref = copy.deepcopy(model)
     spec = SPECS[_model_type(family)]
     blocks = {name: m for name, m in model.named_modules() if type(m).__name__ == spec.block}
-    tensors = {name: (get_path(b, f"{spec.router}.{spec.router_weight}"), *(get_path(get_path(b, spec.experts), w)
-                                                                        for w in spec.weights))
-               for name, b in blocks.items()}
+    tensors = {
+        name: (
+            get_path(b, f"{spec.router}.{spec.router_weight}"),
+            *(get_path(get_path(b, spec.experts), w) for w in spec.weights),
+        )
+        for name, b in blocks.items()
+    }
     mh.to_mode_moe(model)
     slots = mh.converted_moe(model)
     assert sorted(slots) == sorted(blocks) and slots
@@ -164,8 +169,12 @@ def test_our_losses_are_off_by_default_and_on_when_asked():
     ids, mask = _batch()
     model(input_ids=ids, attention_mask=mask)
     aux = mh.collect_aux(model)
-    assert sorted(aux.losses) == ["layers.0.moe.balance", "layers.0.moe.z_loss", "layers.1.moe.balance",
-                                  "layers.1.moe.z_loss"]
+    assert sorted(aux.losses) == [
+        "layers.0.moe.balance",
+        "layers.0.moe.z_loss",
+        "layers.1.moe.balance",
+        "layers.1.moe.z_loss",
+    ]
     assert float(aux.total().detach()) > 0
     plain = mh.to_mode_moe(mm.build("mixtral"))
     plain(input_ids=ids, attention_mask=mask)
@@ -200,8 +209,11 @@ def test_round_trip_to_a_plain_transformers_folder(tmp_path):
                 if p.grad is not None:  # LongCat's classifier bias is never read
                     p -= 0.05 * p.grad
         folder = mh.save_transformers(model, tmp_path / family)
-        assert sorted(f.name for f in folder.iterdir()) == ["config.json", "generation_config.json",
-                                                           "model.safetensors"]
+        assert sorted(f.name for f in folder.iterdir()) == [
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+        ]
         model.eval()
         with torch.no_grad():
             expected[family] = model(input_ids=ids, attention_mask=mask).logits
@@ -241,8 +253,9 @@ def test_save_replaces_the_folder_whole(tmp_path):
     mh.save_transformers(model, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary or old folder left
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
-    torch.testing.assert_close(again.model.layers[0].mlp.experts.gate_up_proj,
-                               model.model.layers[0].mlp.moe.experts.w_in_EFD)
+    torch.testing.assert_close(
+        again.model.layers[0].mlp.experts.gate_up_proj, model.model.layers[0].mlp.moe.experts.w_in_EFD
+    )
 
 
 def test_report_counts_every_layer_on_real_tokens_only():
@@ -264,15 +277,23 @@ def test_report_counts_every_layer_on_real_tokens_only():
 
 def test_refusals_name_what_is_missing():
     with pytest.raises(ValueError, match="model_type='llama'.*missing"):
-        mh.to_mode_moe(transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)))
+        mh.to_mode_moe(
+            transformers.LlamaForCausalLM(
+                transformers.LlamaConfig(
+                    vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+                )
+            )
+        )
     assert REFUSES == ()  # no decoder family is refused for good
     assert set(CONVERTS) | set(NOT_CONVERTED) == set(BUILT)  # every family built here is in the table
     for family in NOT_CONVERTED:  # each says what it needs
         with pytest.raises(ValueError, match=f"model_type='{_model_type(family)}'.*does not convert it yet: "):
             mh.to_mode_moe(mm.build(family))
-    switch = transformers.SwitchTransformersForConditionalGeneration(transformers.SwitchTransformersConfig(
-        vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, num_experts=4))
+    switch = transformers.SwitchTransformersForConditionalGeneration(
+        transformers.SwitchTransformersConfig(
+            vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, num_experts=4
+        )
+    )
     with pytest.raises(ValueError, match="model_type='switch_transformers'.*does not convert.*encoder-decoder"):
         mh.to_mode_moe(switch)
     model = mm.build("qwen3_moe")
@@ -290,15 +311,21 @@ def test_refusals_name_what_is_missing():
         mh.save_transformers(mm.build("olmoe"), "unused")
 
 
-@pytest.mark.parametrize("family,field", [("mixtral", "router_jitter_noise"), ("minimax_m2", "router_jitter_noise"),
-                                          ("phimoe", "input_jitter_noise")])
+@pytest.mark.parametrize(
+    "family,field",
+    [("mixtral", "router_jitter_noise"), ("minimax_m2", "router_jitter_noise"), ("phimoe", "input_jitter_noise")],
+)
 def test_router_jitter_converts_exact_in_eval_and_refuses_training(family, field):
     ref, model = _pair(family, **{field: 0.1})
     ids, mask = _batch()
     ref.eval()
     model.eval()
-    assert_matches(model(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits,
-                   family, "logits")
+    assert_matches(
+        model(input_ids=ids, attention_mask=mask).logits,
+        ref(input_ids=ids, attention_mask=mask).logits,
+        family,
+        "logits",
+    )
     model.train()
     with pytest.raises(ValueError, match="jitter 0.1 is on.*set the config's jitter to 0.0"):
         model(input_ids=ids, attention_mask=mask)

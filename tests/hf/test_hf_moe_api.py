@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install "
-                                                          "'mode-torch[hf]'): the models to convert")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install 'mode-torch[hf]'): the models to convert"
+)
 
 import mode.hf as mh  # noqa: E402
 from mode.hf.moe.families import FAMILIES as SPECS, GLU_ACTS  # noqa: E402
@@ -58,6 +59,7 @@ def _logits(model, ids, mask):
 
 # ---- (1) saving never loses data ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("family", CONVERTS)
 def test_save_pretrained_writes_the_family_checkpoint(family, tmp_path):
     """``model.save_pretrained`` of a converted model writes what ``save_transformers`` writes, byte for byte;
@@ -72,8 +74,7 @@ def test_save_pretrained_writes_the_family_checkpoint(family, tmp_path):
     mh.save_transformers(model, tmp_path / "transformers")
     for name in ("model.safetensors", "config.json", "generation_config.json"):
         assert (tmp_path / "pretrained" / name).read_bytes() == (tmp_path / "transformers" / name).read_bytes(), name
-    plain, info = _class(family).from_pretrained(tmp_path / "pretrained", dtype=torch.float32,
-                                                 output_loading_info=True)
+    plain, info = _class(family).from_pretrained(tmp_path / "pretrained", dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info
     theirs = plain.state_dict()
     for k, v in transformers_state_dict(model).items():
@@ -102,6 +103,7 @@ def test_save_pretrained_keeps_the_folder_and_renames_a_given_state_dict(tmp_pat
 
 # ---- (2) transformers' initialisation ---------------------------------------------------------------------
 
+
 def _same_distribution(ours: torch.Tensor, theirs: torch.Tensor, name: str) -> None:
     """A constant tensor (zeros, ones) exactly; a random one with the same spread: within 6 standard errors
     where it has enough values to measure one (128), else within 10 of the family's standard deviations."""
@@ -114,7 +116,7 @@ def _same_distribution(ours: torch.Tensor, theirs: torch.Tensor, name: str) -> N
     if n >= 128:
         ratio = float(ours.float().std()) / std
         assert abs(ratio - 1) < 6 / (2 * n) ** 0.5, (name, ratio)
-        assert abs(float(ours.float().mean() - theirs.float().mean())) < 6 * std / n ** 0.5, name
+        assert abs(float(ours.float().mean() - theirs.float().mean())) < 6 * std / n**0.5, name
 
 
 @pytest.mark.parametrize("family", CONVERTS)
@@ -157,8 +159,11 @@ def test_built_on_meta_and_initialised_trains_like_built_on_the_cpu(family):
             model = mh.to_mode_moe(_meta(family)).to_empty(device="cpu")
             model.init_weights()
         else:
-            model = mh.to_mode_moe(_class(family).from_config(mm.config(family)) if family not in
-                                   mm.MULTIMODAL_FAMILIES else mm.build(family))
+            model = mh.to_mode_moe(
+                _class(family).from_config(mm.config(family))
+                if family not in mm.MULTIMODAL_FAMILIES
+                else mm.build(family)
+            )
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         run = []
@@ -176,9 +181,13 @@ def test_built_on_meta_and_initialised_trains_like_built_on_the_cpu(family):
 
 # ---- (3) every gated activation ---------------------------------------------------------------------------
 
-GATED = tuple(f for f in CONVERTS if SPECS[_model_type(f)].activation == "swiglu"
-              and SPECS[_model_type(f)].activation_field is not None
-              and SPECS[_model_type(f)].activation_name is None)
+GATED = tuple(
+    f
+    for f in CONVERTS
+    if SPECS[_model_type(f)].activation == "swiglu"
+    and SPECS[_model_type(f)].activation_field is not None
+    and SPECS[_model_type(f)].activation_name is None
+)
 
 
 def _act_field(family: str) -> str:
@@ -247,6 +256,7 @@ def test_glm5_next_experts_clamp_as_transformers_when_the_limit_bites(monkeypatc
 
 # ---- (4) group-limited routing at any top_k transformers accepts ----------------------------------------------
 
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "axk2", "mistral_large4"])
 def test_top_k_above_the_kept_groups_slots_computes_what_transformers_computes(family, monkeypatch):
     """top_k 8 with one kept group of 4 experts: transformers' ``torch.topk(..., sorted=False)`` takes the other 4
@@ -262,17 +272,26 @@ def test_top_k_above_the_kept_groups_slots_computes_what_transformers_computes(f
 
 # ---- (5) set_experts_implementation, (6) metadata -------------------------------------------------------------
 
+
 def test_set_experts_implementation_selects_our_backends_or_raises():
     ref, model = _pair("qwen3_moe")
     ids, mask = _batch()
     expected = _logits(ref, ids, mask)
-    for name, backend in (("reference", "reference"), ("eager", "reference"), ("grouped_mm", "grouped"),
-                          ("grouped", "grouped"), ("auto", "auto")):
+    for name, backend in (
+        ("reference", "reference"),
+        ("eager", "reference"),
+        ("grouped_mm", "grouped"),
+        ("grouped", "grouped"),
+        ("auto", "auto"),
+    ):
         model.set_experts_implementation(name)
         assert {s.moe.experts.cfg.backend for s in mh.converted_moe(model).values()} == {backend}
         assert_matches(_logits(model, ids, mask), expected, "qwen3_moe", f"logits with {name}")
-    with pytest.raises(ValueError, match="experts_implementation='batched_mm': a converted model's experts are "
-                                         "mode's; call set_experts_implementation with one of 'auto'"):
+    with pytest.raises(
+        ValueError,
+        match="experts_implementation='batched_mm': a converted model's experts are "
+        "mode's; call set_experts_implementation with one of 'auto'",
+    ):
         model.set_experts_implementation("batched_mm")
     with pytest.raises(TypeError, match="experts_implementation=.*a str"):
         model.set_experts_implementation({"text_config": "eager"})
@@ -287,8 +306,9 @@ def test_metadata_names_our_tensors_and_the_fp32_rule_holds(tmp_path):
     assert model._keep_in_fp32_modules_strict == {"e_score_correction_bias", "moe.router.bias_X"}
     assert "ConvertedMoE" in model._no_split_modules and "DeepseekV3DecoderLayer" in model._no_split_modules
     for plan in (model.tp_plan, model.ep_plan):
-        assert not any("experts.gate_up_proj" in k or "experts.down_proj" in k or k.endswith("mlp.experts")
-                       for k in plan), plan
+        assert not any(
+            "experts.gate_up_proj" in k or "experts.down_proj" in k or k.endswith("mlp.experts") for k in plan
+        ), plan
     assert model.tp_plan["model.layers.*.mlp.moe.shared_experts.mlp.gate_proj"] == "colwise"
     assert model.tp_plan["model.layers.*.mlp.gate_proj"] == "colwise"  # layer 0's dense MLP is still there
     model.save_pretrained(tmp_path / "fp32")
@@ -303,6 +323,7 @@ def test_metadata_names_our_tensors_and_the_fp32_rule_holds(tmp_path):
 
 
 # ---- (7) the transformers features that keep working --------------------------------------------------------
+
 
 def _attentions(model) -> list[str]:
     """The attention backends the family's model accepts, of eager and sdpa."""
@@ -333,15 +354,24 @@ def test_transformers_features_keep_working(family, tmp_path):
     packed = ids[1:, :].reshape(1, -1)
     pos = torch.arange(ids.shape[1]).repeat(2)[None].to(packed.device)
     with torch.no_grad():
-        assert_matches(model(input_ids=packed, position_ids=pos).logits,
-                       ref(input_ids=packed, position_ids=pos).logits, family, "packed logits")
+        assert_matches(
+            model(input_ids=packed, position_ids=pos).logits,
+            ref(input_ids=packed, position_ids=pos).logits,
+            family,
+            "packed logits",
+        )
     model.save_pretrained(tmp_path / "f32")
     impls = _attentions(copy.deepcopy(ref))
-    plain = _class(family).from_pretrained(tmp_path / "f32", dtype=torch.float32, ignore_mismatched_sizes=True,
-                                           attn_implementation=impls[0])
+    plain = _class(family).from_pretrained(
+        tmp_path / "f32", dtype=torch.float32, ignore_mismatched_sizes=True, attn_implementation=impls[0]
+    )
     converted = mh.to_mode_moe(copy.deepcopy(plain))
-    assert_matches(_logits(converted, ids, mask), _logits(plain, ids, mask), family,
-                   f"logits after from_pretrained(ignore_mismatched_sizes, attn_implementation={impls[0]!r})")
+    assert_matches(
+        _logits(converted, ids, mask),
+        _logits(plain, ids, mask),
+        family,
+        f"logits after from_pretrained(ignore_mismatched_sizes, attn_implementation={impls[0]!r})",
+    )
     # dtype=bfloat16: the converted model's own numbers, through its own save_pretrained round trip, bit for bit
     # (against transformers' bfloat16 model the routing may differ: mode's routers take float32 logits)
     half = mh.to_mode_moe(_class(family).from_pretrained(tmp_path / "f32", dtype=torch.bfloat16))
@@ -359,4 +389,3 @@ def test_transformers_features_keep_working(family, tmp_path):
     ids2 = torch.cat([ids, torch.full_like(ids[:, :2], new_id)], 1)
     mask2 = torch.cat([mask, torch.ones_like(mask[:, :2])], 1)
     assert_matches(_logits(model, ids2, mask2), _logits(ref, ids2, mask2), family, "logits after resizing")
-

@@ -11,8 +11,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mod_models import (ATTENTIONS, FAMILIES, batch, converted, generate_matches_recomputation,  # noqa: E402
-                        layer_io, tiny)
+from mod_models import (
+    ATTENTIONS,
+    FAMILIES,
+    batch,
+    converted,
+    generate_matches_recomputation,
+    layer_io,
+    tiny,
+)
 
 PARTS = ("layer", "attention")
 
@@ -58,7 +65,8 @@ def test_skipped_tokens_ask_no_query(hf, part):
     rows: dict[str, list[int]] = {}
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         getattr(layer.self_attn, name).register_forward_hook(
-            lambda m, args, out, name=name: rows.setdefault(name, []).append(args[0].shape[:-1].numel()))
+            lambda m, args, out, name=name: rows.setdefault(name, []).append(args[0].shape[:-1].numel())
+        )
     layer.mlp.register_forward_hook(lambda m, args, out: rows.setdefault("mlp", []).append(args[0].shape[:-1].numel()))
     ids, mask = batch(B=1, S=40)
     with torch.no_grad(), hf.routing(model, "causal"):
@@ -89,8 +97,7 @@ def test_routed_tokens_see_skipped_tokens(hf):
         full_mask |= torch.eye(12, dtype=torch.bool)  # pads attend to themselves (their rows are discarded)
         dense = layer.mlp_sublayer(layer.attention_sublayer(x, attention_mask=full_mask, position_embeddings=cos_sin))
     torch.testing.assert_close(y[routed], dense[routed], rtol=0, atol=1e-5)
-    sparse = hf.to_mod(copy.deepcopy(base), layers=[1], capacity=0.5, causal="threshold", part="attention",
-                       kv="routed")
+    sparse = hf.to_mod(copy.deepcopy(base), layers=[1], capacity=0.5, causal="threshold", part="attention", kv="routed")
     sparse.model.layers[1].mod_router.load_state_dict(layer.mod_router.state_dict())
     _, y_sparse, routed_sparse = layer_io(hf, sparse, 1, ids, mask)
     assert torch.equal(routed, routed_sparse)  # the same router: the same routing, another context

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mod_models import (FAMILIES, V, batch, causal_forward, converted, generate_matches_recomputation,  # noqa: E402
-                        layer_io, tiny)
+from mod_models import FAMILIES, V, batch, converted, generate_matches_recomputation, layer_io, tiny
 
 PARTS = ("layer", "attention", "mlp")
 
@@ -41,7 +40,8 @@ def _count_rows(layer) -> dict[str, list[int]]:
     seen: dict[str, list[int]] = {"self_attn": [], "mlp": []}
     layer.self_attn.register_forward_hook(
         lambda m, args, kwargs, out: seen["self_attn"].append(kwargs["hidden_states"].shape[:2].numel()),
-        with_kwargs=True)
+        with_kwargs=True,
+    )
     layer.mlp.register_forward_hook(lambda m, args, out: seen["mlp"].append(args[0].shape[:2].numel()))
     return seen
 
@@ -72,8 +72,7 @@ def test_the_skipped_sublayer_runs_for_picked_tokens_only(hf, part):
         half.clear()
     ids, mask = batch(B=1, S=10)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                             return_dict_in_generate=True)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
     fed = out.sequences[:, :-1]
     with torch.no_grad(), hf.routing(model, "causal"):
         model(fed, use_cache=False)

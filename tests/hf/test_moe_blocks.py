@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install "
-                                                          "'mode-torch[hf]'): the blocks to compare with")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install 'mode-torch[hf]'): the blocks to compare with"
+)
 
 from mode.hf.moe.blocks import from_block, moe_config  # noqa: E402
 
@@ -18,8 +19,9 @@ def qwen3():
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-                         norm_topk_prob=True)
+    cfg = Qwen3MoeConfig(
+        hidden_size=D, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
+    )
     return Qwen3MoeSparseMoeBlock(cfg), cfg
 
 
@@ -27,8 +29,14 @@ def qwen2():
     from transformers.models.qwen2_moe.configuration_qwen2_moe import Qwen2MoeConfig
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
-    cfg = Qwen2MoeConfig(hidden_size=D, moe_intermediate_size=48, shared_expert_intermediate_size=80,
-                         num_experts=8, num_experts_per_tok=3, norm_topk_prob=False)
+    cfg = Qwen2MoeConfig(
+        hidden_size=D,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+    )
     return Qwen2MoeSparseMoeBlock(cfg), cfg
 
 
@@ -36,9 +44,17 @@ def deepseek_v3():
     from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    cfg = DeepseekV3Config(hidden_size=D, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
-                           n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5,
-                           norm_topk_prob=True)
+    cfg = DeepseekV3Config(
+        hidden_size=D,
+        moe_intermediate_size=16,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
     return DeepseekV3MoE(cfg), cfg
 
 

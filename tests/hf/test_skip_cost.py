@@ -8,11 +8,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mod_models import FAMILIES, V, batch, tiny  # noqa: E402
+from mod_models import FAMILIES, V, batch, tiny
 
 # Zeroing what the part adds to the residual stream, by hand: the model the hooks must reproduce.
-ZEROED = {"attention": ("self_attn.o_proj",), "mlp": ("mlp.down_proj",),
-          "layer": ("self_attn.o_proj", "mlp.down_proj")}
+ZEROED = {"attention": ("self_attn.o_proj",), "mlp": ("mlp.down_proj",), "layer": ("self_attn.o_proj", "mlp.down_proj")}
 
 
 def loss_of(hf, model, batches):

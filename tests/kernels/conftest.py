@@ -40,9 +40,11 @@ def kernel_device(device: torch.device) -> torch.device:
     if _GPU:
         return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
     if os.environ.get("TRITON_INTERPRET") != "1" or not _interpreting_triton():
-        pytest.fail(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} when triton was imported: without a "
-                    "GPU the kernels run in triton's interpreter, which tests/conftest.py selects (TRITON_INTERPRET=1) "
-                    "before triton is imported; run pytest without setting it otherwise")
+        pytest.fail(
+            f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} when triton was imported: without a "
+            "GPU the kernels run in triton's interpreter, which tests/conftest.py selects (TRITON_INTERPRET=1) "
+            "before triton is imported; run pytest without setting it otherwise"
+        )
     return torch.device("cpu")
 
 

@@ -12,8 +12,8 @@ import torch
 import mode.kernels.combine as kc
 from mode.dispatch.local import scatter_rows, scatter_weighted
 from mode.kernels import combine_rows, gather_rows, inverse_index
-from mode.routing import TokenChoiceConfig, TokenChoiceRouter
 from mode.measure.op_count import OpCounter
+from mode.routing import TokenChoiceConfig, TokenChoiceRouter
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CASES = [(13, 3, 40), (5, 1, 300), (4, 2, 8)]  # (T, K, D): D past one 256-column block
@@ -43,7 +43,6 @@ def assert_within(name, got, truth, mag, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,K,D", CASES)
 @pytest.mark.parametrize("weighted", [False, True])
-
 def test_triton_matches_float64_truth(kernel_device, dtype, T, K, D, weighted):
     token_A, inv_TK = plan_like(T, K, kernel_device)
     A = T * K
@@ -163,9 +162,10 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.mode_kernels.gather_rows_backward.default, (y.detach(), token_A, inv_TK))
     for weight in (w, None):
         torch.library.opcheck(torch.ops.mode_kernels.combine_rows.default, (y, weight, token_A, inv_TK))
-        torch.library.opcheck(torch.ops.mode_kernels.combine_rows_backward.default,
-                              (x.detach(), y.detach(), None if weight is None else weight.detach(), token_A))
-
+        torch.library.opcheck(
+            torch.ops.mode_kernels.combine_rows_backward.default,
+            (x.detach(), y.detach(), None if weight is None else weight.detach(), token_A),
+        )
 
 
 def test_one_op_each_way():
@@ -175,8 +175,11 @@ def test_one_op_each_way():
         out = combine_rows(gather_rows(x, token_A, inv_TK), w, token_A, inv_TK)
         out.sum().backward()
     assert [op for op in log.packets if op.startswith("mode_kernels")] == [
-        "mode_kernels.gather_rows", "mode_kernels.combine_rows", "mode_kernels.combine_rows_backward",
-        "mode_kernels.gather_rows_backward"]
+        "mode_kernels.gather_rows",
+        "mode_kernels.combine_rows",
+        "mode_kernels.combine_rows_backward",
+        "mode_kernels.gather_rows_backward",
+    ]
 
 
 def test_inverse_index():
@@ -198,9 +201,17 @@ def test_bad_input_raises():
         gather_rows(torch.randn(3, 4), token_A.float(), inv_TK)
 
 
-@pytest.mark.parametrize("kw,masked", [(dict(), False), (dict(), True), (dict(num_noop=2), False),
-                                       (dict(capacity_factor=0.5), False), (dict(top_k=3), False)],
-                         ids=["dropless", "mask", "noop", "capacity", "top3"])
+@pytest.mark.parametrize(
+    "kw,masked",
+    [
+        (dict(), False),
+        (dict(), True),
+        (dict(num_noop=2), False),
+        (dict(capacity_factor=0.5), False),
+        (dict(top_k=3), False),
+    ],
+    ids=["dropless", "mask", "noop", "capacity", "top3"],
+)
 def test_the_routers_inverse_index_and_the_dispatcher(kernel_device, kw, masked):
     """A token-choice plan carries inv_TK (one scatter of its sort's permutation): token t's K rows, padding rows
     included, each row once. The local dispatcher gathers and combines through the fused ops with it; the Triton
@@ -225,8 +236,10 @@ def test_the_routers_inverse_index_and_the_dispatcher(kernel_device, kw, masked)
     with OpCounter() as log:
         x_AD, _, _ = LocalDispatcher().dispatch(x.reshape(T, 16), plan)
         y_TD = LocalDispatcher().combine(x_AD, plan, None)
-    assert [op for op in log.packets if op.startswith("mode_kernels")] == ["mode_kernels.gather_rows",
-                                                                       "mode_kernels.combine_rows"]
+    assert [op for op in log.packets if op.startswith("mode_kernels")] == [
+        "mode_kernels.gather_rows",
+        "mode_kernels.combine_rows",
+    ]
     assert torch.equal(y_TD, scatter_weighted(x_AD, dataclasses.replace(plan, inv_TK=None)))
     got = kc.combine_triton(x_AD.to(kernel_device), plan.weight_A.detach().to(kernel_device), inv.to(kernel_device))
     if K == 2:

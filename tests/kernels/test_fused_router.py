@@ -8,8 +8,8 @@ import torch
 
 import mode.kernels.router as kr
 from mode.kernels import router_topk
-from mode.routing import TokenChoiceConfig, TokenChoiceRouter
 from mode.measure.op_count import OpCounter
+from mode.routing import TokenChoiceConfig, TokenChoiceRouter
 
 # (T, X, K): X past one power of two, X = 256 (the widest block), K = X, one row
 CASES = [(37, 8, 2), (9, 200, 6), (5, 3, 3), (1, 256, 8), (0, 8, 2)]
@@ -30,7 +30,6 @@ def make(T, X, masked, device, seed=0):
 @pytest.mark.parametrize("gate", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-
 def test_triton_matches_float64_truth(kernel_device, T, X, k, gate, renormalize, masked):
     logits, valid = make(T, X, masked, kernel_device)
     opts = (k, gate, renormalize, 2.5)
@@ -46,8 +45,9 @@ def test_triton_matches_float64_truth(kernel_device, T, X, k, gate, renormalize,
     dgate_TK = torch.randn(T, k).to(kernel_device)
     dsums_S = torch.randn(X + 2).to(kernel_device)
     got = kr.router_backward_triton(dgate_TK, dsums_S, logits, valid, chosen_TK, *opts).cpu().double()
-    want = kr.router_backward_reference(dgate_TK.cpu().double(), dsums_S.cpu().double(), logits.cpu().double(),
-                                        valid_cpu, c64, *opts)
+    want = kr.router_backward_reference(
+        dgate_TK.cpu().double(), dsums_S.cpu().double(), logits.cpu().double(), valid_cpu, c64, *opts
+    )
     ref = kr.router_backward_reference(dgate_TK.cpu(), dsums_S.cpu(), logits.cpu(), valid_cpu, c64, *opts).double()
     assert got.shape == (T, X)
     if T:  # s (1 - s) cancels for a large logit, in any float32 formula: the bound allows twice the float32
@@ -103,8 +103,9 @@ def test_op_reproduces_the_token_choice_router(gate, renormalize, masked):
     assert torch.equal(out.entropy_sum / n, stats.entropy)
     assert torch.equal(out.count_X.float(), stats.requested_X)
     computed = plan.expert_idx_A < E
-    dense_plan = torch.zeros(T, E).index_put_((plan.token_idx_A[computed], plan.expert_idx_A[computed]),
-                                              plan.weight_A[computed].detach())
+    dense_plan = torch.zeros(T, E).index_put_(
+        (plan.token_idx_A[computed], plan.expert_idx_A[computed]), plan.weight_A[computed].detach()
+    )
     dense_op = torch.zeros(T, E).scatter_(1, out.chosen_TK, out.gate_TK.detach())
     keep = torch.ones(T, dtype=torch.bool) if valid is None else valid
     assert torch.equal(dense_op[keep], dense_plan[keep])
@@ -121,12 +122,12 @@ def test_op_reproduces_the_token_choice_router(gate, renormalize, masked):
 @pytest.mark.parametrize("masked", [False, True])
 def test_opcheck(gate, masked):
     logits, valid = make(7, 5, masked, "cpu")
-    torch.library.opcheck(torch.ops.mode_kernels.router.default,
-                          (logits.requires_grad_(), valid, 2, gate, True, 1.0))
+    torch.library.opcheck(torch.ops.mode_kernels.router.default, (logits.requires_grad_(), valid, 2, gate, True, 1.0))
     _, chosen, _, _ = kr.router_reference(logits.detach(), valid, 2, gate, True, 1.0)
-    torch.library.opcheck(torch.ops.mode_kernels.router_backward.default,
-                          (torch.randn(7, 2), torch.randn(7), logits.detach(), valid, chosen, 2, gate, True, 1.0))
-
+    torch.library.opcheck(
+        torch.ops.mode_kernels.router_backward.default,
+        (torch.randn(7, 2), torch.randn(7), logits.detach(), valid, chosen, 2, gate, True, 1.0),
+    )
 
 
 def test_one_op_each_way():
@@ -134,8 +135,10 @@ def test_one_op_each_way():
     with OpCounter() as log:
         out = router_topk(logits, 2, renormalize=True)
         (out.gate_TK.sum() + out.z_sum + out.prob_sum_X.sum()).backward()
-    assert [op for op in log.packets if op.startswith("mode_kernels")] == ["mode_kernels.router",
-                                                                       "mode_kernels.router_backward"]
+    assert [op for op in log.packets if op.startswith("mode_kernels")] == [
+        "mode_kernels.router",
+        "mode_kernels.router_backward",
+    ]
 
 
 def test_gradient_of_the_gates_alone():

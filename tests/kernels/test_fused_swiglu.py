@@ -36,9 +36,11 @@ def truth_and_magnitudes(h_AF, gate_A, dout_AH):
     s = torch.sigmoid(gate)
     silu = gate * s
     w = torch.ones(h_AF.shape[0], 1, dtype=torch.float64) if gate_A is None else gate_A.double()[:, None]
-    mags = ((silu * up * w).abs(),
-            torch.cat([(do * w * up).abs() * s * (1 + gate.abs() * (1 - s)), (do * w * silu).abs()], 1),
-            (do * silu * up).abs().sum(1))
+    mags = (
+        (silu * up * w).abs(),
+        torch.cat([(do * w * up).abs() * s * (1 + gate.abs() * (1 - s)), (do * w * silu).abs()], 1),
+        (do * silu * up).abs().sum(1),
+    )
     return (y.detach(), h.grad, None if g is None else g.grad), mags
 
 
@@ -59,7 +61,6 @@ def inputs(A, H, dtype, device, gated):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("A,H", SHAPES)
 @pytest.mark.parametrize("gated", [False, True])
-
 def test_triton_matches_float64_truth(kernel_device, dtype, A, H, gated):
     h, gate, dout = inputs(A, H, dtype, kernel_device, gated)
     (y64, dh64, dg64), (my, mdh, mdg) = truth_and_magnitudes(h.cpu(), None if gate is None else gate.cpu(), dout.cpu())
@@ -83,7 +84,7 @@ def test_triton_is_no_worse_than_the_reference_in_bfloat16(kernel_device):
     for name, g, r, t in zip(("y", "dh", "dgate"), got, ref, (y64, dh64, dg64)):
         e_got = ((g.cpu().double() - t).abs() / t.abs().clamp_min(1e-3)).max().item()
         e_ref = ((r.cpu().double() - t).abs() / t.abs().clamp_min(1e-3)).max().item()
-        assert e_got <= e_ref + 2 ** -7, (name, e_got, e_ref)
+        assert e_got <= e_ref + 2**-7, (name, e_got, e_ref)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's, in the interpreter
@@ -116,9 +117,9 @@ def test_opcheck(gated):
     torch.library.opcheck(torch.ops.mode_kernels.swiglu.default, (h, gate))
     dout = torch.randn(5, 8, dtype=torch.float64)
     # the backward op has no backward of its own: detached inputs
-    torch.library.opcheck(torch.ops.mode_kernels.swiglu_backward.default,
-                          (dout, h.detach(), None if gate is None else gate.detach()))
-
+    torch.library.opcheck(
+        torch.ops.mode_kernels.swiglu_backward.default, (dout, h.detach(), None if gate is None else gate.detach())
+    )
 
 
 def test_one_op_each_way():
@@ -148,6 +149,7 @@ def test_cpu_tensors_without_the_interpreter_raise(monkeypatch):
 
 # -- the expert bank (ExpertConfig.fused_kernels) ----------------------------------------------------------
 
+
 def run_bank(bank, x, counts, gate, grad):
     x = x.clone().requires_grad_()
     gate = gate.clone().requires_grad_()
@@ -166,8 +168,16 @@ def test_bank_fused_kernels_match_the_unfused_path(device, d_model, d_hidden):
     runs = []
     for fused in (True, False):
         torch.manual_seed(0)
-        bank = ExpertBank(ExpertConfig(d_model=d_model, d_hidden=d_hidden, num_experts=4, activation="swiglu",
-                                       backend="grouped", fused_kernels=fused)).to(device)
+        bank = ExpertBank(
+            ExpertConfig(
+                d_model=d_model,
+                d_hidden=d_hidden,
+                num_experts=4,
+                activation="swiglu",
+                backend="grouped",
+                fused_kernels=fused,
+            )
+        ).to(device)
         runs.append(run_bank(bank, x, counts, gate, grad))
     for a, b in zip(*runs):
         if device.type == "cpu":

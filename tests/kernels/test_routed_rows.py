@@ -53,7 +53,6 @@ def bound(dtype, mag):
 @pytest.mark.parametrize("B,S,C,D", CASES)
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("masked", [False, True])
-
 def test_triton_matches_float64_truth(kernel_device, dtype, B, S, C, D, gate, masked):
     x, y, r, pos, valid = make(B, S, C, D, dtype, masked)
     dout = torch.randn(B, S, D).to(dtype)
@@ -72,7 +71,7 @@ def test_triton_matches_float64_truth(kernel_device, dtype, B, S, C, D, gate, ma
     assert dkeep.dtype == dtype and dy.dtype == dtype and dr.dtype == torch.float32
     assert bool(((dkeep.cpu().double() - dx64).abs() <= bound(dtype, gmag)).all())
     assert bool(((dy.cpu().double() - dy64).abs() <= bound(dtype, gmag)).all())
-    drmag = (dout.double().abs().amax() * (y.double().abs().amax() + x.double().abs().amax()) * D)
+    drmag = dout.double().abs().amax() * (y.double().abs().amax() + x.double().abs().amax()) * D
     assert bool(((dr.cpu().double() - dr64).abs() <= bound(dtype, drmag)).all())
 
 
@@ -82,8 +81,9 @@ def test_triton_finite_flag(kernel_device):
         r_bad = r.clone()
         r_bad[1, 37] = bad  # not necessarily a routed position, and past the first program's rows
         xs = rr.gather_triton(x.to(kernel_device), pos.to(kernel_device))
-        _, finite = rr.combine_triton(x.to(kernel_device), xs, y.to(kernel_device), r_bad.to(kernel_device),
-                                      pos.to(kernel_device), None, "raw")
+        _, finite = rr.combine_triton(
+            x.to(kernel_device), xs, y.to(kernel_device), r_bad.to(kernel_device), pos.to(kernel_device), None, "raw"
+        )
         assert finite.dtype == torch.bool and bool(finite) is False
         _, finite_ref = rr.combine_reference(x, xs.cpu(), y, r_bad, pos, None, "raw")
         assert bool(finite_ref) is False
@@ -137,7 +137,6 @@ def test_ops_reproduce_the_composed_path_bit_for_bit(gate, masked, dtype):
     assert torch.equal(grads1[2], scale.grad)
 
 
-
 def test_one_op_each_way():
     x, y, r, pos, valid = make(2, 9, 3, 8, torch.float32, True)
     x, y, r = x.requires_grad_(), y.requires_grad_(), r.requires_grad_()
@@ -146,8 +145,11 @@ def test_one_op_each_way():
         out, _ = combine_routed(keep, xs, y, r, pos, valid, "sigmoid")
         (out.sum() + xs.sum()).backward()
     assert [op for op in log.packets if op.startswith("mode_kernels")] == [
-        "mode_kernels.routed_gather", "mode_kernels.routed_combine", "mode_kernels.routed_combine_backward",
-        "mode_kernels.routed_gather_backward"]
+        "mode_kernels.routed_gather",
+        "mode_kernels.routed_combine",
+        "mode_kernels.routed_combine_backward",
+        "mode_kernels.routed_gather_backward",
+    ]
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -157,10 +159,14 @@ def test_opcheck(gate, masked):
     xs = rr.gather_reference(x, pos)
     torch.library.opcheck(torch.ops.mode_kernels.routed_gather.default, (x, pos))
     torch.library.opcheck(torch.ops.mode_kernels.routed_gather_backward.default, (x, xs, pos))
-    torch.library.opcheck(torch.ops.mode_kernels.routed_combine.default,
-                          (x, xs.requires_grad_(), y.requires_grad_(), r.requires_grad_(), pos, valid, gate))
-    torch.library.opcheck(torch.ops.mode_kernels.routed_combine_backward.default,
-                          (torch.randn(2, 9, 8), xs.detach(), y.detach(), r.detach(), pos, valid, gate))
+    torch.library.opcheck(
+        torch.ops.mode_kernels.routed_combine.default,
+        (x, xs.requires_grad_(), y.requires_grad_(), r.requires_grad_(), pos, valid, gate),
+    )
+    torch.library.opcheck(
+        torch.ops.mode_kernels.routed_combine_backward.default,
+        (torch.randn(2, 9, 8), xs.detach(), y.detach(), r.detach(), pos, valid, gate),
+    )
 
 
 def test_bad_input_raises():

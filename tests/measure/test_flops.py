@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from mode.measure.flops import (
-    TRAIN_MULTIPLIER, attention_flops, forward_flops, forward_flops_per_token, layer_flops, measured_flops,
-    mlp_flops_per_token, realized_assignments, train_flops_per_token,
+    TRAIN_MULTIPLIER,
+    attention_flops,
+    forward_flops,
+    forward_flops_per_token,
+    layer_flops,
+    measured_flops,
+    mlp_flops_per_token,
+    realized_assignments,
+    train_flops_per_token,
 )
 from mode.model import LAYER_KINDS, LM, LMConfig, alternate
 from mode.model.kinds import get_layer_kind
@@ -18,8 +25,17 @@ B, S, D, H, V, E = 2, 32, 32, 64, 256, 4
 
 
 def cfg_for(kind: str, **kw) -> LMConfig:
-    base = dict(vocab_size=V, seq_len=S, d_model=D, n_heads=2, d_hidden=H, layers=("dense", kind), num_experts=E,
-                capacity=0.25, num_noop=2 if kind == "integrated" else 0)
+    base = dict(
+        vocab_size=V,
+        seq_len=S,
+        d_model=D,
+        n_heads=2,
+        d_hidden=H,
+        layers=("dense", kind),
+        num_experts=E,
+        capacity=0.25,
+        num_noop=2 if kind == "integrated" else 0,
+    )
     base.update(kw)
     return LMConfig(**base)
 
@@ -91,7 +107,8 @@ def test_train_flops_are_three_times_forward(kind):
     assert train_flops_per_token(cfg, S) == pytest.approx(3 * forward_flops_per_token(cfg, S), rel=1e-12)
     out = LM(cfg)(torch.randint(0, V, (B, S)))
     assert train_flops_per_token(cfg, S, aux=out.aux) == pytest.approx(
-        3 * forward_flops_per_token(cfg, S, aux=out.aux), rel=1e-12)
+        3 * forward_flops_per_token(cfg, S, aux=out.aux), rel=1e-12
+    )
 
 
 @pytest.mark.parametrize("kind", LAYER_KINDS)
@@ -134,7 +151,8 @@ def test_nominal_mod_is_cheaper_than_dense():
 # --------------------------------------------------------------------------------- measured vs analytic
 
 CASES = [(kind, {}, backend) for kind in LAYER_KINDS for backend in ("reference", "grouped")] + [
-    (kind, extra, "grouped") for kind, extra in [
+    (kind, extra, "grouped")
+    for kind, extra in [
         ("moe", {"router": "expert_choice"}),
         ("moe", {"top_k": 2, "capacity_factor": 0.5}),  # drops tokens: realized < nominal
         ("integrated", {"router": "expert_choice"}),
@@ -148,14 +166,26 @@ CASES = [(kind, {}, backend) for kind in LAYER_KINDS for backend in ("reference"
         ("moe", {"num_shared": 1, "shared_hidden": 48, "shared_gate": True, "top_k": 2}),  # Qwen2-MoE
         ("staged", {"num_shared": 1, "shared_gate": True}),  # only the MoD-routed tokens reach the shared MLP
         ("integrated", {"num_shared": 1, "router_options": {"bias_balance": True, "noop_target": 0.5}}),
-        ("moe", {"top_k": 2, "router_options": {"gate": "sigmoid", "n_group": 2, "topk_group": 1,
-                                                "bias_balance": True, "scale": 2.5}}),
+        (
+            "moe",
+            {
+                "top_k": 2,
+                "router_options": {
+                    "gate": "sigmoid",
+                    "n_group": 2,
+                    "topk_group": 1,
+                    "bias_balance": True,
+                    "scale": 2.5,
+                },
+            },
+        ),
     ]
 ]
 
 
-@pytest.mark.parametrize("kind,extra,backend", CASES,
-                         ids=["-".join([k, b, *(f"{x}={y}" for x, y in e.items())]) for k, e, b in CASES])
+@pytest.mark.parametrize(
+    "kind,extra,backend", CASES, ids=["-".join([k, b, *(f"{x}={y}" for x, y in e.items())]) for k, e, b in CASES]
+)
 def test_analytic_matches_flop_counter(kind, extra, backend):
     cfg = cfg_for(kind, backend=backend, **extra)
     model = LM(cfg)

@@ -34,27 +34,50 @@ def moe(**kw) -> MoELayer:
 
 LAYERS = {
     "mod": lambda: MoD(TransformerBlock(D, 2, MLP(D, H)), MoDRouter(MoDRouterConfig(d_model=D, capacity=0.25))),
-    "mod_random": lambda: MoD(TransformerBlock(D, 2, MLP(D, H)),
-                              MoDRouter(MoDRouterConfig(d_model=D, selection="random"))),
-    "mod_aux_bce": lambda: MoD(TransformerBlock(D, 2, MLP(D, H)), MoDRouter(MoDRouterConfig(d_model=D, causal="aux_bce"))),
+    "mod_random": lambda: MoD(
+        TransformerBlock(D, 2, MLP(D, H)), MoDRouter(MoDRouterConfig(d_model=D, selection="random"))
+    ),
+    "mod_aux_bce": lambda: MoD(
+        TransformerBlock(D, 2, MLP(D, H)), MoDRouter(MoDRouterConfig(d_model=D, causal="aux_bce"))
+    ),
     "moe_tc_dropless": lambda: moe(top_k=2),
     "moe_tc_capacity": lambda: moe(top_k=2, capacity_factor=1.0),
     "moe_tc_sigmoid_renorm": lambda: moe(top_k=2, gate="sigmoid", renormalize=True),
     "moe_ec": lambda: moe(router="expert_choice", capacity_factor=1.5),
     "integrated": lambda: IntegratedMoDE.from_config(MoEConfig(d_model=D, d_hidden=H, num_experts=4, num_noop=4)),
-    "integrated_ec": lambda: IntegratedMoDE.from_config(MoEConfig(d_model=D, d_hidden=H, num_experts=4, num_noop=2,
-                                                                  router="expert_choice")),
-    "staged": lambda: StagedMoDE(TransformerBlock(D, 2, moe(top_k=2, capacity_factor=1.25)),
-                                 MoDRouter(MoDRouterConfig(d_model=D, capacity=0.5))),
+    "integrated_ec": lambda: IntegratedMoDE.from_config(
+        MoEConfig(d_model=D, d_hidden=H, num_experts=4, num_noop=2, router="expert_choice")
+    ),
+    "staged": lambda: StagedMoDE(
+        TransformerBlock(D, 2, moe(top_k=2, capacity_factor=1.25)), MoDRouter(MoDRouterConfig(d_model=D, capacity=0.5))
+    ),
     # the recipes of DeepSeek-V3 and Qwen-MoE (docs/routing.md)
-    "moe_deepseek_v3": lambda: moe(top_k=2, gate="sigmoid", renormalize=True, num_shared=2, activation="swiglu",
-                                   router_options=dict(n_group=2, topk_group=1, bias_balance=True, scale=2.5,
-                                                       balance_scope="sequence")),
-    "moe_qwen2": lambda: moe(top_k=2, renormalize=True, num_shared=1, shared_hidden=48, shared_gate=True,
-                             router_options=dict(balance_scope="global")),
-    "integrated_budget": lambda: IntegratedMoDE.from_config(MoEConfig(
-        d_model=D, d_hidden=H, num_experts=4, num_noop=4, top_k=2,
-        router_options=dict(bias_balance=True, noop_target=0.5))),
+    "moe_deepseek_v3": lambda: moe(
+        top_k=2,
+        gate="sigmoid",
+        renormalize=True,
+        num_shared=2,
+        activation="swiglu",
+        router_options=dict(n_group=2, topk_group=1, bias_balance=True, scale=2.5, balance_scope="sequence"),
+    ),
+    "moe_qwen2": lambda: moe(
+        top_k=2,
+        renormalize=True,
+        num_shared=1,
+        shared_hidden=48,
+        shared_gate=True,
+        router_options=dict(balance_scope="global"),
+    ),
+    "integrated_budget": lambda: IntegratedMoDE.from_config(
+        MoEConfig(
+            d_model=D,
+            d_hidden=H,
+            num_experts=4,
+            num_noop=4,
+            top_k=2,
+            router_options=dict(bias_balance=True, noop_target=0.5),
+        )
+    ),
 }
 
 
@@ -72,14 +95,23 @@ def test_training_step_has_no_host_sync(name, padded):
     mask = None
     if padded:
         mask = torch.ones(B, S, dtype=torch.bool)
-        mask[0, S // 3:] = False
+        mask[0, S // 3 :] = False
     syncs = step_syncs(layer, torch.randn(B, S, D, requires_grad=True), mask)
     assert syncs.count == 0, syncs.events
 
 
 def test_lm_training_step_has_no_host_sync():
-    cfg = LMConfig(vocab_size=64, seq_len=S, d_model=D, n_heads=2, d_hidden=H, num_experts=4, num_noop=2,
-                   layers=("dense", "mod", "mod_random", "moe", "staged", "integrated"), capacity_factor=1.5)
+    cfg = LMConfig(
+        vocab_size=64,
+        seq_len=S,
+        d_model=D,
+        n_heads=2,
+        d_hidden=H,
+        num_experts=4,
+        num_noop=2,
+        layers=("dense", "mod", "mod_random", "moe", "staged", "integrated"),
+        capacity_factor=1.5,
+    )
     lm = LM(cfg)
     idx = torch.randint(0, 64, (B, S))
     with HostSyncCounter() as syncs:
@@ -91,9 +123,20 @@ def test_lm_training_step_has_no_host_sync():
 def test_lm_training_step_with_the_moe_recipes_and_its_bias_update_have_no_host_sync():
     from mode.routing import update_expert_bias
 
-    cfg = LMConfig(vocab_size=64, seq_len=S, d_model=D, n_heads=2, d_hidden=H, num_experts=4, num_noop=2, top_k=2,
-                   layers=("moe", "staged", "integrated"), num_shared=1, shared_gate=True,
-                   router_options=dict(gate="sigmoid", n_group=2, topk_group=1, bias_balance=True, scale=2.0))
+    cfg = LMConfig(
+        vocab_size=64,
+        seq_len=S,
+        d_model=D,
+        n_heads=2,
+        d_hidden=H,
+        num_experts=4,
+        num_noop=2,
+        top_k=2,
+        layers=("moe", "staged", "integrated"),
+        num_shared=1,
+        shared_gate=True,
+        router_options=dict(gate="sigmoid", n_group=2, topk_group=1, bias_balance=True, scale=2.0),
+    )
     lm = LM(cfg)
     idx = torch.randint(0, 64, (B, S))
     with HostSyncCounter() as syncs:
@@ -119,9 +162,13 @@ def test_counter_sees_the_syncs_it_is_meant_to():
         torch.tensor([1.0, 2.0])
         torch.full((3,), 2.0)  # a fill: no sync
         x.topk(3)
-    assert syncs.by_reason == {"scalar read": 1, "data-dependent shape (boolean-mask indexing)": 1,
-                               "data-dependent shape (nonzero)": 1, "list read": 1,
-                               "host data copied to the device": 1}
+    assert syncs.by_reason == {
+        "scalar read": 1,
+        "data-dependent shape (boolean-mask indexing)": 1,
+        "data-dependent shape (nonzero)": 1,
+        "list read": 1,
+        "host data copied to the device": 1,
+    }
     assert torch.Tensor.tolist is not None and [1.0] == torch.ones(1).tolist()  # patch removed on exit
 
 
@@ -138,12 +185,13 @@ def test_cuda_sync_counter_keeps_the_sync_reports_and_restores_the_mode(monkeypa
     with pytest.warns(UserWarning, match="unrelated") as passed:
         with CudaSyncCounter() as syncs:
             assert modes[-1] == "warn"
-            warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
-                          "synchronizing operations")
+            warnings.warn(  # noqa: B028 - the test checks this line warns
+                "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"
+            )
             for _ in range(2):  # the same line twice: both count
-                warnings.warn("called a synchronizing CUDA operation")
-            warnings.warn("Synchronizing CUDA operation forced by Tensor.item()")  # other torch versions' wording
-            warnings.warn("unrelated")
+                warnings.warn("called a synchronizing CUDA operation")  # noqa: B028 - the test checks this line warns
+            warnings.warn("Synchronizing CUDA operation forced by Tensor.item()")  # noqa: B028 - other torch versions' wording
+            warnings.warn("unrelated")  # noqa: B028 - the test checks this line warns
     assert modes[-1] == 1
     assert syncs.count == 3 and all(where.startswith(__file__) for where, _ in syncs.events), syncs.events
     assert [str(w.message) for w in passed] == ["unrelated"]
@@ -167,6 +215,7 @@ CUDA = "cuda"
 def cuda_step_syncs(layer, x, dtype=torch.bfloat16) -> CudaSyncCounter:
     """Real CUDA syncs of one training step (forward under autocast in ``dtype``, or none for float32;
     backward), counted after a warm-up step (lazy initialisation, backend resolution)."""
+
     def step():
         with contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(CUDA, dtype=dtype):
             y, aux = layer(x)
@@ -211,8 +260,17 @@ def test_bf16_training_step_makes_no_real_cuda_sync(name):
 @pytest.mark.gpu
 @requires_cuda
 def test_bf16_lm_training_step_makes_no_real_cuda_sync():
-    cfg = LMConfig(vocab_size=64, seq_len=S, d_model=D, n_heads=2, d_hidden=H, num_experts=4, num_noop=2,
-                   layers=("dense", "mod", "mod_random", "moe", "staged", "integrated"), capacity_factor=1.5)
+    cfg = LMConfig(
+        vocab_size=64,
+        seq_len=S,
+        d_model=D,
+        n_heads=2,
+        d_hidden=H,
+        num_experts=4,
+        num_noop=2,
+        layers=("dense", "mod", "mod_random", "moe", "staged", "integrated"),
+        capacity_factor=1.5,
+    )
     lm = LM(cfg).to(CUDA)
     idx = torch.randint(0, 64, (B, S), device=CUDA)
 
@@ -257,9 +315,19 @@ def test_static_decode_step_makes_no_real_cuda_sync(layers):
     """The static decode path under bfloat16 autocast with bfloat16 caches (generate(bf16=True) on CUDA): no
     sync that CUDA reports in a decode step, MoE, staged and integrated layers included."""
     uses_mod = any(k in ("mod", "staged") for k in layers)
-    cfg = LMConfig(vocab_size=64, seq_len=64, d_model=D, n_heads=2, d_hidden=H, num_experts=4, layers=layers,
-                   capacity=0.25, causal="predictor" if uses_mod else "none", predictor_hidden=16,
-                   num_noop=1 if "integrated" in layers else 0)
+    cfg = LMConfig(
+        vocab_size=64,
+        seq_len=64,
+        d_model=D,
+        n_heads=2,
+        d_hidden=H,
+        num_experts=4,
+        layers=layers,
+        capacity=0.25,
+        causal="predictor" if uses_mod else "none",
+        predictor_hidden=16,
+        num_noop=1 if "integrated" in layers else 0,
+    )
     torch.manual_seed(0)
     model = LM(cfg).to(CUDA).eval()
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13, 14], [3, 1, 4, 1, 5, 9, 2]]

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_host_sync import LAYERS, B, D, S
 
 from mode.model import LM, LMConfig
-
-from test_host_sync import LAYERS, B, D, S
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
@@ -28,8 +27,16 @@ def test_layer_forward_backward_on_meta(name):
 
 
 def test_lm_forward_backward_on_meta():
-    cfg = LMConfig(vocab_size=64, seq_len=S, d_model=D, n_heads=2, d_hidden=64, num_experts=4, num_noop=2,
-                   layers=("dense", "mod", "mod_random", "moe", "staged", "integrated"))
+    cfg = LMConfig(
+        vocab_size=64,
+        seq_len=S,
+        d_model=D,
+        n_heads=2,
+        d_hidden=64,
+        num_experts=4,
+        num_noop=2,
+        layers=("dense", "mod", "mod_random", "moe", "staged", "integrated"),
+    )
     with torch.device("meta"):
         lm = LM(cfg)
     idx = torch.zeros(B, S, dtype=torch.long, device="meta")

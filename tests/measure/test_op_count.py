@@ -59,8 +59,11 @@ def test_launch_budget_of_every_layer_kind():
     assert set(rows) == set(BOUNDS)
     for name, (fp32, bf16) in BOUNDS.items():
         row = rows[name]
-        assert row["ops_float32"] <= fp32 and row["ops_bfloat16"] <= bf16, (name, row["ops_float32"],
-                                                                             row["ops_bfloat16"])
+        assert row["ops_float32"] <= fp32 and row["ops_bfloat16"] <= bf16, (
+            name,
+            row["ops_float32"],
+            row["ops_bfloat16"],
+        )
         assert row["syncs_float32"] == 0 and row["syncs_bfloat16"] == 0, name
     assert rows["MoE token choice"]["ops_bfloat16"] <= 40  # the goal
     # the MoD block's overhead over the dense block it wraps: the goal
@@ -69,8 +72,9 @@ def test_launch_budget_of_every_layer_kind():
 
 @pytest.mark.parametrize("seq", [16, 64])
 def test_counts_do_not_depend_on_the_token_count(seq):
-    result = count_all(torch.device("cpu"), d=64, experts=4, hidden=64, batch=2, seq=seq, dtypes=("float32",),
-                       peers=False)
+    result = count_all(
+        torch.device("cpu"), d=64, experts=4, hidden=64, batch=2, seq=seq, dtypes=("float32",), peers=False
+    )
     rows = {r["layer"]: r["ops_float32"] for r in result["rows"]}
     assert rows["MoE token choice"] == BOUNDS["MoE token choice"][0]
     assert rows["MoD block"] == BOUNDS["MoD block"][0]

@@ -1,4 +1,5 @@
-"""Load-balance and per-token compute statistics (mode.measure.stats, mode.measure.token_compute), their accumulation over
+"""Load-balance and per-token compute statistics (mode.measure.stats, mode.measure.token_compute), their accumulation
+over
 steps and ranks, the training log's "routing" records, and `mode report`."""
 
 from __future__ import annotations
@@ -16,21 +17,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mode.train.data import Corpus
 from mode.measure.flops import attention_flops, forward_flops, mlp_flops_per_token
+from mode.measure.stats import RoutingAccumulator, coefficient_of_variation, max_over_mean, rate_by_position
+from mode.measure.token_compute import slots_to_positions, token_compute
 from mode.model import LM, LMConfig
 from mode.routing.mod_topk import MoDRouter, MoDRouterConfig
 from mode.routing.plan import RoutingStats
 from mode.routing.token_choice import TokenChoiceConfig, TokenChoiceRouter
-from mode.measure.stats import RoutingAccumulator, coefficient_of_variation, max_over_mean, rate_by_position
-from mode.measure.token_compute import slots_to_positions, token_compute
+from mode.train.data import Corpus
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def tiny_cfg(*layers: str, **kw) -> LMConfig:
-    base = dict(seq_len=16, d_model=16, n_heads=2, d_hidden=32, layers=layers, num_experts=4, capacity=0.25,
-                num_noop=2 if "integrated" in layers else 0)
+    base = dict(
+        seq_len=16,
+        d_model=16,
+        n_heads=2,
+        d_hidden=32,
+        layers=layers,
+        num_experts=4,
+        capacity=0.25,
+        num_noop=2 if "integrated" in layers else 0,
+    )
     base.update(kw)
     return LMConfig(**base)
 
@@ -40,8 +49,9 @@ def tiny_cfg(*layers: str, **kw) -> LMConfig:
 
 def hand_token_choice_stats() -> RoutingStats:
     """8 tokens (B=2, S=4) choose slots [0,0,0,0,0,1,2,2]: slot 2 is a no-op, capacity 2 per expert."""
-    router = TokenChoiceRouter(TokenChoiceConfig(d_model=3, num_experts=2, num_noop=1, top_k=1,
-                                                 capacity_factor=0.5))  # ceil(0.5 * 8 * 1 / 2) = 2
+    router = TokenChoiceRouter(
+        TokenChoiceConfig(d_model=3, num_experts=2, num_noop=1, top_k=1, capacity_factor=0.5)
+    )  # ceil(0.5 * 8 * 1 / 2) = 2
     with torch.no_grad():
         router.weight.copy_(3 * torch.eye(3))
     choice_T = torch.tensor([0, 0, 0, 0, 0, 1, 2, 2])
@@ -128,11 +138,14 @@ def test_per_token_compute_by_hand_for_mod():
     assert torch.allclose(tc.flops_BS, expect)
 
 
-@pytest.mark.parametrize("layers,extra", [
-    (("moe", "staged"), dict(top_k=2, capacity_factor=0.5)),  # drops, inside the staged layer too
-    (("integrated", "mod"), dict(top_k=2)),
-    (("staged", "integrated"), dict(router="expert_choice", capacity_factor=1.5)),
-])
+@pytest.mark.parametrize(
+    "layers,extra",
+    [
+        (("moe", "staged"), dict(top_k=2, capacity_factor=0.5)),  # drops, inside the staged layer too
+        (("integrated", "mod"), dict(top_k=2)),
+        (("staged", "integrated"), dict(router="expert_choice", capacity_factor=1.5)),
+    ],
+)
 def test_per_token_flops_sum_to_the_realized_forward_flops(layers, extra):
     cfg = tiny_cfg(*layers, **extra)
     out = LM(cfg)(x := torch.randint(0, 256, (3, 16)))
@@ -230,8 +243,9 @@ def _rank_worker(rank: int, world: int, store: str, out_dir: str) -> None:
     from mode.parallel.stats_reduce import all_reduce_accumulator
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     try:
         acc = RoutingAccumulator()
         _rank_accumulate(rank, acc)
@@ -247,8 +261,9 @@ def test_all_reduce_over_two_gloo_ranks_equals_one_accumulator():
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_rank_worker, args=(2, str(Path(tmp, "store")), tmp), nprocs=2, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(
+            _rank_worker, args=(2, str(Path(tmp, "store")), tmp), nprocs=2, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + 90
         try:
             while not ctx.join(timeout=0.2):  # raises ProcessRaisedException if a worker failed
@@ -291,11 +306,10 @@ def corpus_of(path: Path) -> Corpus:
 
 def test_training_logs_routing_records_and_compare_reads_them(tmp_path):
     from mode.experiments.compare import _routing_summary, format_table
-    from mode.train import Trainer, TrainConfig
+    from mode.train import TrainConfig, Trainer
 
     cfg = tiny_cfg("dense", "mod", "integrated", top_k=1)
-    tcfg = TrainConfig(steps=6, batch_size=2, warmup_steps=1, eval_every=6, eval_batches=1, log_every=3,
-                       stats_every=2)
+    tcfg = TrainConfig(steps=6, batch_size=2, warmup_steps=1, eval_every=6, eval_batches=1, log_every=3, stats_every=2)
     t = Trainer(cfg, tcfg, corpus_of(write_text(tmp_path / "t.txt")), tmp_path / "run", progress=False)
     hist = t.run()
     recs = [r for r in hist if "routing" in r]
@@ -305,29 +319,46 @@ def test_training_logs_routing_records_and_compare_reads_them(tmp_path):
         layers, overall = r["routing"]["layers"], r["routing"]["overall"]
         assert set(layers) == {"1", "2"}
         assert layers["1"]["routed_frac"] == 0.25  # exactly C = 4 of 16 per sequence
-        assert set(layers["2"]) >= {"expert_frac", "max_mean", "cv", "dropped_frac", "noop_share", "entropy",
-                                    "routed_frac"}
+        assert set(layers["2"]) >= {
+            "expert_frac",
+            "max_mean",
+            "cv",
+            "dropped_frac",
+            "noop_share",
+            "entropy",
+            "routed_frac",
+        }
         assert sum(layers["2"]["expert_frac"]) == pytest.approx(1.0, abs=1e-5)
         assert overall["blocks_per_token"] == 2.25  # dense + integrated always, MoD a quarter of the time
         assert 0 <= overall["noop_share"] <= 1 and overall["dropped_frac"] == 0.0
     assert not t.routing  # emptied after each record: a record covers only the steps since the last one
-    row = {"val_loss": 5.0, "fwd_flops_per_token": 1.0, "flop_ratio": 1.0, "params": 1, "steps": 6, "wall_s": 1.0,
-           "tok_s": 1.0, "routing": _routing_summary(hist)}
+    row = {
+        "val_loss": 5.0,
+        "fwd_flops_per_token": 1.0,
+        "flop_ratio": 1.0,
+        "params": 1,
+        "steps": 6,
+        "wall_s": 1.0,
+        "tok_s": 1.0,
+        "routing": _routing_summary(hist),
+    }
     table = format_table({"integrated": row})
     assert "blocks/tok" in table.splitlines()[0] and table.splitlines()[2].rstrip().endswith("2.25")
 
 
 def test_mode_report_on_a_trained_checkpoint(tmp_path, capsys):
     from mode.cli import main
-    from mode.train import Trainer, TrainConfig
+    from mode.train import TrainConfig, Trainer
 
     data = write_text(tmp_path / "data.txt")
     cfg = tiny_cfg("moe", "staged", "integrated", "mod", top_k=2, capacity_factor=1.0)
     tcfg = TrainConfig(steps=3, batch_size=2, warmup_steps=1, eval_every=3, eval_batches=1, log_every=3)
     Trainer(cfg, tcfg, corpus_of(data), tmp_path / "run", progress=False).run()
     out = tmp_path / "report"
-    assert main(["report", str(tmp_path / "run" / "ckpt.pt"), "--data", str(data), "--out", str(out),
-                 "--batches", "2"]) == 0
+    assert (
+        main(["report", str(tmp_path / "run" / "ckpt.pt"), "--data", str(data), "--out", str(out), "--batches", "2"])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "Load balance per layer" in printed and "Bytes with the most compute" in printed
     report = json.loads((out / "report.json").read_text())
@@ -352,8 +383,12 @@ def test_expert_load_plot_has_headroom_and_one_legend_outside_the_panels(monkeyp
     def router(requested, kept, E, mod=False):
         return {"tokens": 100.0, "num_experts": E, "requested": requested, "kept": kept, "mod": mod}
 
-    report = {"layers": [{"layer": 0, "kind": "integrated", "routers": {"moe": router([40, 10, 30, 20], [35, 10], 2)}},
-                         {"layer": 1, "kind": "mod", "routers": {"mod": router([12.5, 87.5], [12.5], 1, True)}}]}
+    report = {
+        "layers": [
+            {"layer": 0, "kind": "integrated", "routers": {"moe": router([40, 10, 30, 20], [35, 10], 2)}},
+            {"layer": 1, "kind": "mod", "routers": {"mod": router([12.5, 87.5], [12.5], 1, True)}},
+        ]
+    }
     figures = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
     plot_expert_load(report, Path("unused.png"))

@@ -28,13 +28,18 @@ def start(worker, pools: dict[str, int], tmp: Path) -> dict:
     for name, world in pools.items():
         (tmp / name).mkdir()
         ctxs[name] = mp.start_processes(
-            worker, args=(world, str(tmp / f"store_{name}"), str(tmp / name), name, str(tmp / "mesh4")),
-            nprocs=world, join=False, start_method="spawn")
+            worker,
+            args=(world, str(tmp / f"store_{name}"), str(tmp / name), name, str(tmp / "mesh4")),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
     return ctxs
 
 
-def wait(ctxs: dict, pools: dict[str, int], tmp: Path, reporting: dict[str, list[int]], started: float,
-         timeout_s: float) -> dict[str, list[dict | None]]:
+def wait(
+    ctxs: dict, pools: dict[str, int], tmp: Path, reporting: dict[str, list[int]], started: float, timeout_s: float
+) -> dict[str, list[dict | None]]:
     """Wait until each pool's reporting ranks wrote their files (or all its processes ended); fail the test
     after ``timeout_s`` from ``started``. Returns ``name -> [rank r's result or None]``."""
     pending = dict(ctxs)
@@ -46,8 +51,12 @@ def wait(ctxs: dict, pools: dict[str, int], tmp: Path, reporting: dict[str, list
         time.sleep(0.2)
         if time.monotonic() - started > timeout_s:
             pytest.fail(f"pools {sorted(pending)} did not finish in {timeout_s:.0f} s (a hang?)")
-    return {name: [json.loads(p.read_text()) if (p := tmp / name / f"rank{r}.json").exists() else None
-                   for r in range(world)] for name, world in pools.items()}
+    return {
+        name: [
+            json.loads(p.read_text()) if (p := tmp / name / f"rank{r}.json").exists() else None for r in range(world)
+        ]
+        for name, world in pools.items()
+    }
 
 
 def kill(ctxs: dict) -> None:
@@ -86,8 +95,16 @@ def running(worker, pools: dict[str, int]) -> Iterator[Running]:
             kill(ctxs)
 
 
-def run_rank(rank: int, world: int, store: str, out_dir: str, timeout_s: float, work: Callable[[], dict],
-             barrier: bool = False, destroy: bool = False) -> None:
+def run_rank(
+    rank: int,
+    world: int,
+    store: str,
+    out_dir: str,
+    timeout_s: float,
+    work: Callable[[], dict],
+    barrier: bool = False,
+    destroy: bool = False,
+) -> None:
     """In a spawned rank: join the gloo group (``timeout_s``), run ``work()`` (an exception is reported as
     ``{"failure": traceback}``), write the result to ``out_dir/rank<r>.json``, optionally wait for the peers
     (``barrier``) and leave the group (``destroy``), then exit at once: no teardown that could wait on a
@@ -96,8 +113,9 @@ def run_rank(rank: int, world: int, store: str, out_dir: str, timeout_s: float, 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
     try:
         res = work()
     except Exception:  # noqa: BLE001 - reported to the parent

@@ -22,9 +22,9 @@ curve equals the uninterrupted one.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-import functools
 import os
 import shutil
 import subprocess
@@ -40,11 +40,13 @@ import torch
 
 from mode.model import LMConfig
 from mode.train import TrainConfig, Trainer
-from mode.train.checkpoint import ChecksumError, CheckpointError
+from mode.train.checkpoint import CheckpointError, ChecksumError
 from mode.train.data import BatchSampler, Corpus
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.cpu_only("gloo ranks on CPU; the CPU run covers them (NCCL needs one GPU per rank)")]
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.cpu_only("gloo ranks on CPU; the CPU run covers them (NCCL needs one GPU per rank)"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 60.0
@@ -55,14 +57,28 @@ EXPERTS = 6  # divisible by ep = 2 and by ep = 3
 BATCH = 12  # rows of every global batch: divisible by 4 and by 3 processes
 SEQ = 16
 STEPS, SAVE_AT = 4, 2
-LM_CFG = LMConfig(seq_len=16, d_model=32, n_heads=2, d_hidden=64, layers=("moe", "integrated"), num_experts=4,
-                  num_noop=2, top_k=2, capacity_factor=None, balance_coef=0.0, z_coef=1e-3)
-LM_TRAIN = TrainConfig(steps=6, batch_size=8, lr=1e-3, warmup_steps=2, eval_every=100, eval_batches=1,
-                       log_every=1, ckpt_every=2, seed=0)
+LM_CFG = LMConfig(
+    seq_len=16,
+    d_model=32,
+    n_heads=2,
+    d_hidden=64,
+    layers=("moe", "integrated"),
+    num_experts=4,
+    num_noop=2,
+    top_k=2,
+    capacity_factor=None,
+    balance_coef=0.0,
+    z_coef=1e-3,
+)
+LM_TRAIN = TrainConfig(
+    steps=6, batch_size=8, lr=1e-3, warmup_steps=2, eval_every=100, eval_batches=1, log_every=1, ckpt_every=2, seed=0
+)
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("parallel_custom_model", ROOT / "examples" / "parallel_custom_model.py")
+    spec = importlib.util.spec_from_file_location(
+        "parallel_custom_model", ROOT / "examples" / "parallel_custom_model.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -94,7 +110,7 @@ def _steps(model, optimizer, batches, world: int = 1, rank: int = 0) -> list[tup
     curve = []
     for x_BS, y_BS in batches:
         b = x_BS.shape[0] // world
-        loss, aux = model(x_BS[rank * b:(rank + 1) * b], y_BS[rank * b:(rank + 1) * b])
+        loss, aux = model(x_BS[rank * b : (rank + 1) * b], y_BS[rank * b : (rank + 1) * b])
         ((loss + aux.total()) / world).backward()
         norm = clip_grad_norm_(list(model.parameters()), 1.0)
         optimizer.step()
@@ -136,9 +152,14 @@ def _pool4(rank: int, out: Path) -> dict:
         model = parallelize(model, mesh)
         w = model.layers["moe"].mlp.experts.w_in_EDF
         local = w.to_local().detach()
-        seen = {"type": type(w).__name__, "placements": repr(w.placements), "mesh": list(w.device_mesh.mesh_dim_names),
-                "local": list(local.shape), "global": list(w.shape),
-                "rows": [next(i for i in range(EXPERTS) if torch.equal(full_W[i], row)) for row in local]}
+        seen = {
+            "type": type(w).__name__,
+            "placements": repr(w.placements),
+            "mesh": list(w.device_mesh.mesh_dim_names),
+            "local": list(local.shape),
+            "global": list(w.shape),
+            "rows": [next(i for i in range(EXPERTS) if torch.equal(full_W[i], row)) for row in local],
+        }
         optimizer = _optimizer(model)
         curve = _steps(model, optimizer, batches[:SAVE_AT], 4, rank)
         seen["after_steps"] = repr(w.placements)
@@ -150,6 +171,7 @@ def _pool4(rank: int, out: Path) -> dict:
             (out / "ready").write_text("")
         curve += _steps(model, optimizer, batches[SAVE_AT:], 4, rank)
         return {"curve": curve, "seen": seen}
+
     pools.run_case(res, "custom", custom)
 
     def async_trainer():
@@ -157,8 +179,11 @@ def _pool4(rank: int, out: Path) -> dict:
         runtime = MeshRuntime(mesh, TIMEOUT_S, async_save=True)
         t = Trainer(LM_CFG, LM_TRAIN, _corpus(), out / "async", progress=False, runtime=runtime, timeout_s=TIMEOUT_S)
         t.run(stop_step=STEPS)  # saves at 2 and 4 in the background; returns once the last one is complete
-        return {"curve": [(r["loss"], r["grad_norm"]) for r in t.history if "loss" in r],
-                "pending_after_run": runtime._pending is not None}
+        return {
+            "curve": [(r["loss"], r["grad_norm"]) for r in t.history if "loss" in r],
+            "pending_after_run": runtime._pending is not None,
+        }
+
     pools.run_case(res, "async", async_trainer)
     return res
 
@@ -188,12 +213,14 @@ def _pool3(rank: int, out: Path, out4: Path) -> dict:
         dcp.load(state, checkpoint_id=out4 / "raw")  # each rank reads the chunks of its own shards
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return {"curve": _steps(model, optimizer, batches[SAVE_AT:], 3, rank)}
+
     pools.run_case(res, "raw", raw)
 
     def ours():
         model, optimizer = fresh()
         step = load_state(out4 / "ours", model, optimizer)["step"]
         return {"step": step, "curve": _steps(model, optimizer, batches[SAVE_AT:], 3, rank)}
+
     pools.run_case(res, "ours", ours)
 
     def flipped():
@@ -210,6 +237,7 @@ def _pool3(rank: int, out: Path, out4: Path) -> dict:
             error = {"type": type(e).__name__, "message": str(e)}
         unchanged = all(torch.equal(v.to_local(), before[k]) for k, v in model.state_dict().items())
         return {"error": error, "unchanged": unchanged}
+
     pools.run_case(res, "flipped", flipped)
 
     def peer_leaves():
@@ -231,6 +259,7 @@ def _pool3(rank: int, out: Path, out4: Path) -> dict:
         except Exception as e:  # noqa: BLE001 - reported to the parent
             seen["guarded"] = {"type": type(e).__name__, "message": str(e)[:800]}
         return seen
+
     pools.run_case(res, "peer_leaves", peer_leaves)
     return res
 
@@ -299,9 +328,12 @@ def runs():
             parent["async_resumed_at"] = t.step
             t.run()
             parent["async_resumed"] = [(r["loss"], r["grad_norm"]) for r in t.history if "loss" in r]
-        yield {"results": results, "ref_custom": ref_custom,
-               "ref_lm": [(r["loss"], r["grad_norm"]) for r in ref_lm.history if "loss" in r],
-               "parent": parent}
+        yield {
+            "results": results,
+            "ref_custom": ref_custom,
+            "ref_lm": [(r["loss"], r["grad_norm"]) for r in ref_lm.history if "loss" in r],
+            "parent": parent,
+        }
 
 
 _assert_curve = functools.partial(pools.assert_curve, tol=TOL, norm_rtol=NORM_RTOL)
@@ -327,7 +359,7 @@ def test_expert_weights_on_a_2x2_mesh_show_strided_shard_and_their_local_rows(ru
     """What docs/distributed.md shows a user: 6 experts on (dp, ep) = (2, 2). ep rank e holds experts
     [3e, 3e+3); FSDP splits those 3 over dp as 2 + 1 (torch.chunk: uneven sizes, no padding shown)."""
     seen = [x["seen"] for x in pools.case_results(runs["results"], "mesh4", "custom")]
-    for r, s in enumerate(seen):
+    for s in seen:
         assert s["type"] == "DTensor" and s["mesh"] == ["dp", "ep"] and s["global"] == [EXPERTS, 32, 64], s
         assert s["placements"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", s
         assert s["after_steps"] == s["placements"], s
@@ -350,8 +382,10 @@ def test_collective_guard_turns_a_raw_backend_error_of_your_own_loop_into_collec
         assert x["raw"] is not None and x["raw"]["type"] in ("RuntimeError", "DistBackendError", "DistError"), x
         g = x["guarded"]
         assert g is not None and g["type"] == "CollectiveError", x
-        assert g["message"].startswith(f"rank {r}/3: a collective failed during the loss all-reduce of step 3: "
-                                       "another rank died, is stuck (no answer within 60 s"), g
+        assert g["message"].startswith(
+            f"rank {r}/3: a collective failed during the loss all-reduce of step 3: "
+            "another rank died, is stuck (no answer within 60 s"
+        ), g
 
 
 def test_async_checkpoints_of_the_trainer_complete_and_resume_exactly(runs):
@@ -426,8 +460,11 @@ def test_a_flipped_byte_in_any_file_of_save_state_is_a_checksum_error_naming_it(
     folder, _, _ = _saved(tmp_path)
     expected = dict(line.split("  ")[::-1] for line in (folder / "SHA256SUMS").read_text().splitlines())[name]
     _flip(folder / name)
-    with pytest.raises(ChecksumError, match=rf"checkpoint '.*': {name} is corrupt: its SHA-256 is [0-9a-f]{{64}}, "
-                                            rf"SHA256SUMS says {expected} \(changed since it was saved"):
+    with pytest.raises(
+        ChecksumError,
+        match=rf"checkpoint '.*': {name} is corrupt: its SHA-256 is [0-9a-f]{{64}}, "
+        rf"SHA256SUMS says {expected} \(changed since it was saved",
+    ):
         _load(folder)
     assert issubclass(ChecksumError, CheckpointError) and issubclass(ChecksumError, ValueError)
 
@@ -440,13 +477,18 @@ def test_a_flipped_byte_in_a_trainers_sharded_checkpoint_is_a_checksum_error(tmp
 
     t = Trainer(LM_CFG, LM_TRAIN, _corpus(), tmp_path / "run", progress=False)
     t.run(stop_step=1)
-    save_sharded(tmp_path / "ckpt", t.model, t.optimizer, {**t._progress_state(), "routing_acc": t.routing.state_dict()})
+    save_sharded(
+        tmp_path / "ckpt", t.model, t.optimizer, {**t._progress_state(), "routing_acc": t.routing.state_dict()}
+    )
     folder = save_folder(tmp_path / "ckpt")
     assert dcp_safe.verify_folder(folder) == [".metadata", "__0_0.distcp", "meta.json"]
     assert dcp_safe.verify_folder(tmp_path / "ckpt") == [".metadata", "__0_0.distcp", "meta.json"]  # via latest
     _flip(folder / name, 0.3)
-    for read in (load_model, lambda p: Trainer(LM_CFG, LM_TRAIN, _corpus(), tmp_path / "other", progress=False).load(p),
-                 dcp_safe.verify_folder):
+    for read in (
+        load_model,
+        lambda p: Trainer(LM_CFG, LM_TRAIN, _corpus(), tmp_path / "other", progress=False).load(p),
+        dcp_safe.verify_folder,
+    ):
         with pytest.raises(ChecksumError, match=f"{name} is corrupt: its SHA-256 is"):
             read(tmp_path / "ckpt" if read is not dcp_safe.verify_folder else folder)
 
@@ -483,11 +525,15 @@ def test_collective_guard_is_public_and_converts_only_collective_failures():
     from mode.parallel import CollectiveError, collective_guard
 
     assert mp_.collective_guard is collective_guard and "collective_guard" in mp_.__all__
-    raw = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
-                       "[127.0.0.1]:20614")
-    with pytest.raises(CollectiveError, match=r"^rank 0/1: a collective failed during my step 7: another rank died, "
-                                              r"is stuck \(no answer within 30 s.*Backend error: \[.*Connection "
-                                              r"closed by peer") as info:
+    raw = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:20614"
+    )
+    with pytest.raises(
+        CollectiveError,
+        match=r"^rank 0/1: a collective failed during my step 7: another rank died, "
+        r"is stuck \(no answer within 30 s.*Backend error: \[.*Connection "
+        r"closed by peer",
+    ) as info:
         with collective_guard("my step 7", 30):
             raise raw
     assert info.value.__cause__ is raw
@@ -525,16 +571,26 @@ def no_group(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("env,world,msg", [
-    ({}, 4, r"init_distributed\(world_size=4\): this process was not started by torchrun \(RANK and WORLD_SIZE "
+@pytest.mark.parametrize(
+    "env,world,msg",
+    [
+        (
+            {},
+            4,
+            r"init_distributed\(world_size=4\): this process was not started by torchrun \(RANK and WORLD_SIZE "
             r"are not set\), so it would be a process group of one and train alone; start every process with "
-            r"torchrun \(one machine: torchrun --nproc-per-node 4 SCRIPT"),
-    ({"WORLD_SIZE": "4"}, None, "init_distributed: WORLD_SIZE is set but RANK, MASTER_ADDR, MASTER_PORT not"),
-    ({"RANK": "0", "WORLD_SIZE": "2"}, None, "RANK and WORLD_SIZE set but MASTER_ADDR, MASTER_PORT not"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, 4,
-     r"init_distributed\(world_size=4\): WORLD_SIZE=2 processes were started; start 4"),
-    ({}, 0, r"world_size=0: must be an int >= 1"),
-])
+            r"torchrun \(one machine: torchrun --nproc-per-node 4 SCRIPT",
+        ),
+        ({"WORLD_SIZE": "4"}, None, "init_distributed: WORLD_SIZE is set but RANK, MASTER_ADDR, MASTER_PORT not"),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, None, "RANK and WORLD_SIZE set but MASTER_ADDR, MASTER_PORT not"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+            4,
+            r"init_distributed\(world_size=4\): WORLD_SIZE=2 processes were started; start 4",
+        ),
+        ({}, 0, r"world_size=0: must be an int >= 1"),
+    ],
+)
 def test_init_distributed_refuses_to_train_alone_when_more_processes_are_asked_for(environ, no_group, env, world, msg):
     from mode.parallel import init_distributed
 
@@ -556,15 +612,19 @@ def test_init_distributed_without_torchrun_is_still_a_group_of_one_when_one_is_a
 
 def test_build_mesh_on_a_group_of_one_says_how_to_start_the_processes(tmp_path):
     """A real group of one (its own process: this one must stay without a group)."""
-    code = ("import os\n"
-            "for n in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'): os.environ.pop(n, None)\n"
-            "from mode.parallel import ParallelDims, build_mesh, init_distributed\n"
-            "ctx = init_distributed('gloo', timeout_s=20)\n"
-            "try:\n"
-            "    build_mesh(ParallelDims(2, 2), 'cpu', 20)\n"
-            "except ValueError as e:\n"
-            "    print('ERROR', e)\n")
+    code = (
+        "import os\n"
+        "for n in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'): os.environ.pop(n, None)\n"
+        "from mode.parallel import ParallelDims, build_mesh, init_distributed\n"
+        "ctx = init_distributed('gloo', timeout_s=20)\n"
+        "try:\n"
+        "    build_mesh(ParallelDims(2, 2), 'cpu', 20)\n"
+        "except ValueError as e:\n"
+        "    print('ERROR', e)\n"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert ("ERROR dp=2, ep=2: dp * ep = 4 must equal the number of processes 1; this process is a group of one: "
-            "start the script with torchrun --nproc-per-node 4") in done.stdout, done
+    assert (
+        "ERROR dp=2, ep=2: dp * ep = 4 must equal the number of processes 1; this process is a group of one: "
+        "start the script with torchrun --nproc-per-node 4"
+    ) in done.stdout, done

@@ -31,8 +31,8 @@ from mode.experts.bank import ExpertBank, ExpertConfig
 from mode.layers.block import TransformerBlock
 from mode.layers.mod import StagedMoDE
 from mode.layers.moe import IntegratedMoDE, MoEConfig, MoELayer
-from mode.routing.mod_topk import MoDRouter, MoDRouterConfig
 from mode.parallel.ep_model import shard_layer
+from mode.routing.mod_topk import MoDRouter, MoDRouterConfig
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,14 +54,29 @@ CASES = {
     "reference_backend": ("moe", dict(top_k=2, capacity_factor=1.0, backend="reference"), False),
     # dedup=True: one row per (token, destination rank); gates applied on the expert's rank
     "dedup_top2_capacity_drop": ("moe", dict(top_k=2, capacity_factor=0.5, renormalize=True, dedup=True), True),
-    "dedup_top4_groups": ("moe", dict(top_k=4, gate="sigmoid", renormalize=True, dedup=True, router_options=dict(
-        n_group=2, topk_group=1, bias_balance=True, scale=2.5)), False),
-    "dedup_integrated_shared": ("integrated", dict(top_k=3, num_noop=2, num_shared=1, shared_gate=True,
-                                                   dedup=True), True),
+    "dedup_top4_groups": (
+        "moe",
+        dict(
+            top_k=4,
+            gate="sigmoid",
+            renormalize=True,
+            dedup=True,
+            router_options=dict(n_group=2, topk_group=1, bias_balance=True, scale=2.5),
+        ),
+        False,
+    ),
+    "dedup_integrated_shared": (
+        "integrated",
+        dict(top_k=3, num_noop=2, num_shared=1, shared_gate=True, dedup=True),
+        True,
+    ),
     "dedup_staged": ("staged", dict(top_k=2, capacity_factor=1.0, dedup=True), False),
     # copy and constant no-op experts (LongCat-Flash, MoE++): computed on the token's own rank, never sent
-    "integrated_copy_constant": ("integrated", dict(top_k=2, num_noop=3, noop_kinds=("copy", "constant", "zero"),
-                                                    capacity_factor=None), True),
+    "integrated_copy_constant": (
+        "integrated",
+        dict(top_k=2, num_noop=3, noop_kinds=("copy", "constant", "zero"), capacity_factor=None),
+        True,
+    ),
 }
 SHAPES = [(2, 8), (1, 5), (3, 7), (2, 6)]  # per group rank: uneven token counts (16, 5, 21, 12)
 # The spawned ranks are gloo processes on CPU whatever the session's device: a CUDA session skips them.
@@ -194,7 +209,7 @@ def _run_case(case: str, group, dist) -> dict:
     for name, p in ep.named_parameters():
         ref_grad = full_params[name].grad
         if ".experts." in name or name.startswith("experts."):
-            check(f"grad.{name}", p.grad, ref_grad[rank * L:(rank + 1) * L])
+            check(f"grad.{name}", p.grad, ref_grad[rank * L : (rank + 1) * L])
         else:
             g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(g, group=group)  # the training loop's job, not forward's
@@ -202,19 +217,26 @@ def _run_case(case: str, group, dist) -> dict:
 
     # Bytes: only computed assignments travel, and only those whose expert lives elsewhere.
     st = dispatcher.last_dispatch
-    out["bytes"] = {"sent": st.sent_bytes, "local": st.local_bytes, "received": st.received_bytes,
-                    "combine_sent": dispatcher.last_combine.sent_bytes}
+    out["bytes"] = {
+        "sent": st.sent_bytes,
+        "local": st.local_bytes,
+        "received": st.received_bytes,
+        "combine_sent": dispatcher.last_combine.sent_bytes,
+    }
     rstats = aux.stats[[k for k in aux.stats if k.endswith("router") and not k.startswith("mod.")][0]]
     computed = int(rstats.requested_X[:E].sum() - rstats.dropped)  # real choices minus capacity drops
     if dedup and ref_plans[rank] is not None:  # one row per (token, destination rank), fewer than the choices
         plan = ref_plans[rank]
         computed = len(set(zip(plan.token_idx_A.tolist(), (plan.expert_idx_A // L).tolist())))
-        remote = len({(t, e // L) for t, e in zip(plan.token_idx_A.tolist(), plan.expert_idx_A.tolist())
-                      if e // L != rank})
+        remote = len(
+            {(t, e // L) for t, e in zip(plan.token_idx_A.tolist(), plan.expert_idx_A.tolist()) if e // L != rank}
+        )
         out["rows_saved"] = int(rstats.requested_X[:E].sum() - rstats.dropped) - computed
     if st.sent_rows + st.local_rows != computed and not (dedup and ref_plans[rank] is None):
-        out["failures"].append(f"rows sent {st.sent_rows} + local {st.local_rows} != computed assignments "
-                               f"{computed} (no-op {int(rstats.noop)}, dropped {int(rstats.dropped)})")
+        out["failures"].append(
+            f"rows sent {st.sent_rows} + local {st.local_rows} != computed assignments "
+            f"{computed} (no-op {int(rstats.noop)}, dropped {int(rstats.dropped)})"
+        )
     if ref_plans[rank] is not None:
         if not dedup:
             remote = int((ref_plans[rank].expert_idx_A // L != rank).sum())
@@ -228,8 +250,13 @@ def _run_case(case: str, group, dist) -> dict:
     dist.all_reduce(totals, group=group)
     if totals[0] != totals[1]:
         out["failures"].append(f"rows sent over the group {int(totals[0])} != rows received {int(totals[1])}")
-    out["rows"] = {"sent": st.sent_rows, "local": st.local_rows, "received": st.received_rows,
-                   "noop": int(rstats.noop), "dropped": int(rstats.dropped)}
+    out["rows"] = {
+        "sent": st.sent_rows,
+        "local": st.local_rows,
+        "received": st.received_rows,
+        "noop": int(rstats.noop),
+        "dropped": int(rstats.dropped),
+    }
     return out
 
 
@@ -241,11 +268,16 @@ def _errors_case(group, dist) -> dict:
     msgs = {}
     for name, fn in {
         "indivisible": lambda: ExpertParallelDispatcher(group, E + 1),
-        "full_bank": lambda: MoELayer(MoELayer.from_config(_moe_config({})).router,
-                                      ExpertBank(ExpertConfig(D, H, E)), ExpertParallelDispatcher(group, E)),
-        "router_size": lambda: MoELayer(MoELayer.from_config(_moe_config({"num_experts": 2 * E})).router,
-                                        ExpertBank(ExpertConfig(D, H, E // world)),
-                                        ExpertParallelDispatcher(group, E)),
+        "full_bank": lambda: MoELayer(
+            MoELayer.from_config(_moe_config({})).router,
+            ExpertBank(ExpertConfig(D, H, E)),
+            ExpertParallelDispatcher(group, E),
+        ),
+        "router_size": lambda: MoELayer(
+            MoELayer.from_config(_moe_config({"num_experts": 2 * E})).router,
+            ExpertBank(ExpertConfig(D, H, E // world)),
+            ExpertParallelDispatcher(group, E),
+        ),
     }.items():
         try:
             fn()
@@ -259,8 +291,9 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     try:
         groups = {f"world{world}": dist.group.WORLD}
         if world == 4:  # every rank creates every group, in the same order
@@ -292,8 +325,9 @@ def _launch(world: int, tmp: Path):
 
     out_dir = tmp / f"world{world}"
     out_dir.mkdir()
-    ctx = mp.start_processes(_worker, args=(world, str(tmp / f"store{world}"), str(out_dir)), nprocs=world,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _worker, args=(world, str(tmp / f"store{world}"), str(out_dir)), nprocs=world, join=False, start_method="spawn"
+    )
     return ctx, out_dir
 
 
@@ -310,15 +344,18 @@ def results():
                     if ctx.join(timeout=0.2):  # raises ProcessRaisedException if a worker failed
                         del pending[w]
                 if time.monotonic() > deadline:
-                    pytest.fail(f"expert-parallel workers for world sizes {sorted(pending)} did not finish "
-                                f"in {JOIN_TIMEOUT_S:.0f} s (hang in a collective?)")
+                    pytest.fail(
+                        f"expert-parallel workers for world sizes {sorted(pending)} did not finish "
+                        f"in {JOIN_TIMEOUT_S:.0f} s (hang in a collective?)"
+                    )
         finally:
             for ctx, _ in runs.values():
                 for p in ctx.processes:
                     if p.is_alive():
                         p.kill()
-        return {w: [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(w)]
-                for w, (_, out) in runs.items()}
+        return {
+            w: [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(w)] for w, (_, out) in runs.items()
+        }
 
 
 def _groups(world: int) -> list[str]:
@@ -383,9 +420,11 @@ def test_errors(results, world):
         size = 2 if gname == "sub2" else world
         msgs = results[world][0][f"{gname}/errors"]
         assert msgs["indivisible"] and re.search(
-            rf"num_experts={E + 1}: must be divisible by the expert-parallel group size {size}", msgs["indivisible"])
+            rf"num_experts={E + 1}: must be divisible by the expert-parallel group size {size}", msgs["indivisible"]
+        )
         assert msgs["full_bank"] and re.search(
-            rf"experts.num_experts={E}: must equal .* router.num_experts={E}, which is {E // size}", msgs["full_bank"])
+            rf"experts.num_experts={E}: must equal .* router.num_experts={E}, which is {E // size}", msgs["full_bank"]
+        )
         assert msgs["router_size"] and "router.num_experts=16" in msgs["router_size"]
 
 
@@ -403,21 +442,32 @@ def test_model_math_never_imports_torch_distributed():
     """Routers, experts, layers, the model and the local dispatcher never import torch.distributed;
     only the process-group plumbing (expert-parallel dispatch, launch helpers, stats all-reduce) does."""
     root = Path(__file__).resolve().parents[2] / "mode"
-    model_math = [*(root / d for d in ("routing", "experts", "layers", "model")), root / "dispatch" / "local.py",
-                  root / "measure", root / "train" / "data.py"]
+    model_math = [
+        *(root / d for d in ("routing", "experts", "layers", "model")),
+        root / "dispatch" / "local.py",
+        root / "measure",
+        root / "train" / "data.py",
+    ]
     files = [f for m in model_math for f in ([m] if m.suffix == ".py" else m.rglob("*.py"))]
     assert len(files) > 15
-    offenders = [str(p.relative_to(root)) for p in files
-                 if re.search(r"^\s*(import|from)\s+torch\.distributed", p.read_text(), re.M)]
+    offenders = [
+        str(p.relative_to(root))
+        for p in files
+        if re.search(r"^\s*(import|from)\s+torch\.distributed", p.read_text(), re.M)
+    ]
     assert not offenders, f"torch.distributed imported by model math: {offenders}"
 
 
 def test_only_the_parallel_package_and_the_distributed_helpers_import_torch_distributed():
     root = Path(__file__).resolve().parents[2] / "mode"
     allowed = {"dispatch/expert_parallel.py"}
-    offenders = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
-                       if p.relative_to(root).parts[0] != "parallel" and str(p.relative_to(root)) not in allowed
-                       and re.search(r"^\s*(import|from)\s+torch\.distributed", p.read_text(), re.M))
+    offenders = sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.relative_to(root).parts[0] != "parallel"
+        and str(p.relative_to(root)) not in allowed
+        and re.search(r"^\s*(import|from)\s+torch\.distributed", p.read_text(), re.M)
+    )
     assert not offenders, f"torch.distributed imported outside mode.parallel and the helpers: {offenders}"
 
 
@@ -452,8 +502,9 @@ def fake_dist(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: "init" in calls)
-    monkeypatch.setattr(dist, "init_process_group",
-                        lambda *args, **kwargs: calls.setdefault("init", (args, kwargs, dict(os.environ))))
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda *args, **kwargs: calls.setdefault("init", (args, kwargs, dict(os.environ)))
+    )
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     return calls
@@ -478,9 +529,16 @@ def test_init_distributed_nccl_passes_device_id_and_sets_env_defaults(environ, f
 def test_nccl_env_defaults_never_override_the_user(environ, fake_dist):
     from mode.parallel import process_group as mdist
 
-    environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
-                   TORCH_NCCL_ASYNC_ERROR_HANDLING="1",  # what torchrun exports when the user set nothing
-                   TORCH_NCCL_DUMP_ON_TIMEOUT="0", TORCH_FR_BUFFER_SIZE="50")  # the newer name of the buffer size
+    environ.update(
+        RANK="0",
+        WORLD_SIZE="2",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+        TORCH_NCCL_ASYNC_ERROR_HANDLING="1",  # what torchrun exports when the user set nothing
+        TORCH_NCCL_DUMP_ON_TIMEOUT="0",
+        TORCH_FR_BUFFER_SIZE="50",
+    )  # the newer name of the buffer size
     mdist.init_distributed("nccl", timeout_s=10)
     env = fake_dist["init"][2]
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
@@ -512,7 +570,10 @@ def test_init_distributed_nccl_rejects_more_processes_than_gpus(environ, fake_di
     from mode.parallel import process_group as mdist
 
     environ.update(RANK="2", WORLD_SIZE="3", LOCAL_RANK="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    with pytest.raises(ValueError, match=r"LOCAL_RANK=2: this machine has 2 GPU\(s\); start at most one process "
-                                         r"per GPU"):
+    with pytest.raises(
+        ValueError,
+        match=r"LOCAL_RANK=2: this machine has 2 GPU\(s\); start at most one process "
+        r"per GPU",
+    ):
         mdist.init_distributed("nccl", timeout_s=5)
     assert "init" not in fake_dist

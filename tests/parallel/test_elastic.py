@@ -14,9 +14,14 @@ from mode.parallel.elastic import attempt, attempt_store
 
 def test_each_attempt_has_its_own_keys(monkeypatch):
     agent = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port), "WORLD_SIZE": "1",
-                        "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_USE_AGENT_STORE": "True",
-                        "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+    for name, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(agent.port),
+        "WORLD_SIZE": "1",
+        "TORCHELASTIC_RUN_ID": "job",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }.items():
         monkeypatch.setenv(name, value)
     first = attempt_store(10)
     first.set("default_pg/0", "address of the first attempt")
@@ -44,6 +49,9 @@ def test_a_restart_without_resume_auto_says_what_to_add(tmp_path, monkeypatch):
     (tmp_path / "ckpt.pt").write_bytes(b"x")
     args = build_parser().parse_args(["--out", str(tmp_path)])
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    with pytest.raises(ValueError, match=r"already holds a run's checkpoint .* \(torchrun restarted this group, "
-                                         r"attempt 1: start it with --resume auto"):
+    with pytest.raises(
+        ValueError,
+        match=r"already holds a run's checkpoint .* \(torchrun restarted this group, "
+        r"attempt 1: start it with --resume auto",
+    ):
         checkpoint_to_resume(args, None)

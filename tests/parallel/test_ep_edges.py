@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.timeout(180),
-              pytest.mark.cpu_only("gloo ranks on CPU; NCCL needs one GPU per rank")]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.cpu_only("gloo ranks on CPU; NCCL needs one GPU per rank")]
 
 D, H, E, WORLD = 16, 24, 4, 2
 
@@ -45,9 +44,11 @@ def _compare(ep, full, x, causal: bool, out: dict, tag: str) -> None:
     (y.square().sum() + aux.total()).backward()
     y_ref, aux_ref = full(x_ref, **kw)
     (y_ref.square().sum() + aux_ref.total()).backward()
-    out[tag] = {"y": bool(torch.allclose(y, y_ref, atol=1e-5, rtol=1e-5)),
-                "dx": bool(torch.allclose(x_ep.grad, x_ref.grad, atol=1e-5, rtol=1e-5)),
-                "tokens": float(sum(st.tokens for st in aux.stats.values()))}
+    out[tag] = {
+        "y": bool(torch.allclose(y, y_ref, atol=1e-5, rtol=1e-5)),
+        "dx": bool(torch.allclose(x_ep.grad, x_ref.grad, atol=1e-5, rtol=1e-5)),
+        "tokens": float(sum(st.tokens for st in aux.stats.values())),
+    }
 
 
 def _worker(rank: int, store: str, out_dir: str) -> None:
@@ -61,8 +62,9 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     from mode.parallel.ep_model import shard_layer, shard_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30)
+    )
     out: dict = {"failures": []}
     try:
         # 1. causal staged MoDE: rank 0 routes nothing (all router scores negative), rank 1 routes everything
@@ -110,8 +112,9 @@ def results():
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(str(Path(tmp) / "store"), tmp), nprocs=WORLD, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(
+            _worker, args=(str(Path(tmp) / "store"), tmp), nprocs=WORLD, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + 120
         try:
             while not ctx.join(timeout=0.2):

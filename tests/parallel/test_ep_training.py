@@ -42,9 +42,9 @@ ep group's experts (every expert tensor in the checkpoint has all E rows; resume
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-import functools
 import math
 import os
 import signal
@@ -59,13 +59,15 @@ import pytest
 import ties
 import torch
 
-from mode.train.data import BatchSampler, Corpus
 from mode.model import LM, LMConfig
 from mode.parallel.mesh import ParallelDims, mesh_dims
-from mode.train import Trainer, TrainConfig, build_optimizer, lr_at
+from mode.train import TrainConfig, Trainer, build_optimizer, lr_at
+from mode.train.data import BatchSampler, Corpus
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.cpu_only("gloo ranks on CPU; the CPU run covers them (NCCL needs one GPU per rank)")]
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.cpu_only("gloo ranks on CPU; the CPU run covers them (NCCL needs one GPU per rank)"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 JOIN_TIMEOUT_S = 240.0
@@ -76,20 +78,43 @@ NORM_RTOL = 1e-9
 GAP_FLOOR = 1e-9  # every top-k gap of the references exceeds this: no decision can flip (tests/ties.py)
 DTYPE = torch.float64
 
-TOKEN_CHOICE = LMConfig(seq_len=16, d_model=32, n_heads=2, d_hidden=64, layers=("moe", "staged", "integrated"),
-                        num_experts=8, num_noop=2, top_k=2, capacity=0.5, capacity_factor=None, balance_coef=0.0,
-                        z_coef=1e-3)
+TOKEN_CHOICE = LMConfig(
+    seq_len=16,
+    d_model=32,
+    n_heads=2,
+    d_hidden=64,
+    layers=("moe", "staged", "integrated"),
+    num_experts=8,
+    num_noop=2,
+    top_k=2,
+    capacity=0.5,
+    capacity_factor=None,
+    balance_coef=0.0,
+    z_coef=1e-3,
+)
 EXPERT_CHOICE = replace(TOKEN_CHOICE, router="expert_choice", top_k=1)
 # DeepSeek-V3 / Qwen-MoE recipes: a balancing bias updated from the choice counts of every rank, the global-batch
 # balance loss (counts summed over the mesh before the loss), shared experts with Qwen2's gate, 4 groups (one per
 # ep rank at ep = 4) of which each token keeps 2, sigmoid gates scaled by 2.5
-RECIPES = replace(TOKEN_CHOICE, balance_coef=0.01, num_shared=1, shared_gate=True,
-                  router_options=dict(gate="sigmoid", renormalize=True, scale=2.5, n_group=4, topk_group=2,
-                                      bias_balance=True, bias_rate=0.01, balance_scope="global"))
+RECIPES = replace(
+    TOKEN_CHOICE,
+    balance_coef=0.01,
+    num_shared=1,
+    shared_gate=True,
+    router_options=dict(
+        gate="sigmoid",
+        renormalize=True,
+        scale=2.5,
+        n_group=4,
+        topk_group=2,
+        bias_balance=True,
+        bias_rate=0.01,
+        balance_scope="global",
+    ),
+)
 MODELS = {"token_choice": TOKEN_CHOICE, "expert_choice": EXPERT_CHOICE, "recipes": RECIPES}
 MODEL_AUX = replace(TOKEN_CHOICE, balance_coef=0.01, capacity_factor=1.0)  # per-rank balance loss and drops
-TRAIN = TrainConfig(steps=6, batch_size=8, lr=1e-3, warmup_steps=2, eval_every=3, eval_batches=2, log_every=1,
-                    seed=3)
+TRAIN = TrainConfig(steps=6, batch_size=8, lr=1e-3, warmup_steps=2, eval_every=3, eval_batches=2, log_every=1, seed=3)
 LAYOUTS = [(2, 2), (1, 4), (4, 1)]
 SAVE_AT = 3  # the (2, 2) token-choice run saves a sharded checkpoint here: CKPT3
 CKPT3 = "ckpt3"
@@ -128,9 +153,14 @@ def _trained(t: Trainer) -> dict:
 
 
 def _run_summary(t: Trainer) -> dict:
-    return {"curve": _curve(t.history), "val": [r["val_loss"] for r in t.history if "val_loss" in r],
-            "routing": [r for r in t.history if "routing" in r], "flops": t.flops, "step": t.step,
-            "bias": [r.bias_X.tolist() for r in t.bias_routers]}
+    return {
+        "curve": _curve(t.history),
+        "val": [r["val_loss"] for r in t.history if "val_loss" in r],
+        "routing": [r for r in t.history if "routing" in r],
+        "flops": t.flops,
+        "step": t.step,
+        "bias": [r.bias_X.tolist() for r in t.bias_routers],
+    }
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -156,10 +186,19 @@ def _pool4(rank: int, out: Path) -> dict:
     corpus, res = _corpus(), {}
     for name, cfg in MODELS.items():
         for dp, ep in LAYOUTS:
+
             def run(name=name, cfg=cfg, dp=dp, ep=ep):
                 mesh = build_mesh(ParallelDims(dp, ep), timeout_s=TRAIN_TIMEOUT_S)
-                t = Trainer(cfg, TRAIN, corpus, out / f"{name}_{dp}x{ep}", progress=False, mesh=mesh,
-                            timeout_s=TRAIN_TIMEOUT_S, dtype=DTYPE)
+                t = Trainer(
+                    cfg,
+                    TRAIN,
+                    corpus,
+                    out / f"{name}_{dp}x{ep}",
+                    progress=False,
+                    mesh=mesh,
+                    timeout_s=TRAIN_TIMEOUT_S,
+                    dtype=DTYPE,
+                )
                 extra = {}
                 if (name, dp, ep) == ("token_choice", 2, 2):
                     extra["shards"] = _shards(t)
@@ -169,6 +208,7 @@ def _pool4(rank: int, out: Path) -> dict:
                         (out / f"{CKPT3}.ready").write_text("")
                 t.run()
                 return {**_run_summary(t), **extra, "ckpt": str(t.ckpt_path)}
+
             pools.run_case(res, f"{name}_{dp}x{ep}", run)
 
     def custom():
@@ -177,14 +217,15 @@ def _pool4(rank: int, out: Path) -> dict:
         torch.manual_seed(0)
         model = parallelize(ex.TinyMoDE().to(DTYPE), mesh)
         return {"curve": ex.train(model, _custom_batches(), world_size=4, row_rank=rank)}
+
     pools.run_case(res, "custom", custom)
     return res
 
 
 def _pool2(rank: int, out: Path, out4: Path) -> dict:
-    from mode.parallel.process_group import CollectiveError
     from mode.parallel import build_mesh
     from mode.parallel.checkpoint import export
+    from mode.parallel.process_group import CollectiveError
 
     corpus, res = _corpus(), {}
 
@@ -194,23 +235,29 @@ def _pool2(rank: int, out: Path, out4: Path) -> dict:
     def aux():
         t = Trainer(MODEL_AUX, TRAIN, corpus, out / "aux", progress=False, mesh=mesh(1, 2), dtype=DTYPE)
         return _trained(t)
+
     pools.run_case(res, "aux", aux)
 
     def bf16():
-        t = Trainer(TOKEN_CHOICE, replace(TRAIN, steps=2), corpus, out / "bf16", progress=False, mesh=mesh(2, 1),
-                    bf16=True)
+        t = Trainer(
+            TOKEN_CHOICE, replace(TRAIN, steps=2), corpus, out / "bf16", progress=False, mesh=mesh(2, 1), bf16=True
+        )
         return _trained(t)
+
     pools.run_case(res, "bf16", bf16)
 
     ready = out4 / f"{CKPT3}.ready"
     for dp, ep in [(1, 2), (2, 1)]:
+
         def resume(dp=dp, ep=ep):
             pools.wait_for_file(ready, JOIN_TIMEOUT_S / 2)
-            t = Trainer(TOKEN_CHOICE, TRAIN, corpus, out / f"resume_{dp}x{ep}", progress=False, mesh=mesh(dp, ep),
-                        dtype=DTYPE)
+            t = Trainer(
+                TOKEN_CHOICE, TRAIN, corpus, out / f"resume_{dp}x{ep}", progress=False, mesh=mesh(dp, ep), dtype=DTYPE
+            )
             t.load(out4 / CKPT3)
             assert t.step == SAVE_AT, t.step
             return _trained(t)
+
         pools.run_case(res, f"resume_{dp}x{ep}", resume)
 
     def import_file():
@@ -222,11 +269,13 @@ def _pool2(rank: int, out: Path, out4: Path) -> dict:
         t = Trainer(TOKEN_CHOICE, TRAIN, corpus, out / "import", progress=False, mesh=mesh(1, 2), dtype=DTYPE)
         t.load(single)
         return _trained(t)
+
     pools.run_case(res, "import", import_file)
 
     def killed():
-        t = Trainer(TOKEN_CHOICE, TRAIN, corpus, out / "killed", progress=False, mesh=mesh(1, 2),
-                    timeout_s=TRAIN_TIMEOUT_S)
+        t = Trainer(
+            TOKEN_CHOICE, TRAIN, corpus, out / "killed", progress=False, mesh=mesh(1, 2), timeout_s=TRAIN_TIMEOUT_S
+        )
         t.train_step()
         t.train_step()
         if rank == 1:
@@ -238,16 +287,24 @@ def _pool2(rank: int, out: Path, out4: Path) -> dict:
         except CollectiveError as e:
             return {"error": str(e), "seconds": time.monotonic() - t0}
         return {"error": None, "seconds": time.monotonic() - t0}
+
     pools.run_case(res, "killed", killed)
     return res
 
 
 def _pool_stuck(rank: int, out: Path) -> dict:
-    from mode.parallel.process_group import CollectiveError
     from mode.parallel import build_mesh
+    from mode.parallel.process_group import CollectiveError
 
-    t = Trainer(TOKEN_CHOICE, TRAIN, _corpus(), out, progress=False,
-                mesh=build_mesh(ParallelDims(1, 2), timeout_s=STUCK_TIMEOUT_S), timeout_s=STUCK_TIMEOUT_S)
+    t = Trainer(
+        TOKEN_CHOICE,
+        TRAIN,
+        _corpus(),
+        out,
+        progress=False,
+        mesh=build_mesh(ParallelDims(1, 2), timeout_s=STUCK_TIMEOUT_S),
+        timeout_s=STUCK_TIMEOUT_S,
+    )
     t.train_step()
     if rank == 1:
         time.sleep(3 * STUCK_TIMEOUT_S)  # stuck: never reaches step 2's collectives in time
@@ -262,10 +319,21 @@ def _pool_stuck(rank: int, out: Path) -> dict:
 
 def _worker(rank: int, world: int, store: str, out_dir: str, pool: str, out4: str) -> None:
     out = Path(out_dir)
-    work = {"mesh4": lambda: _pool4(rank, out), "mesh2": lambda: _pool2(rank, out, Path(out4)),
-            "stuck": lambda: _pool_stuck(rank, out)}[pool]
-    pools.run_rank(rank, world, store, out_dir, STUCK_TIMEOUT_S if pool == "stuck" else TRAIN_TIMEOUT_S, work,
-                   barrier=pool == "mesh4", destroy=pool == "mesh4")
+    work = {
+        "mesh4": lambda: _pool4(rank, out),
+        "mesh2": lambda: _pool2(rank, out, Path(out4)),
+        "stuck": lambda: _pool_stuck(rank, out),
+    }[pool]
+    pools.run_rank(
+        rank,
+        world,
+        store,
+        out_dir,
+        STUCK_TIMEOUT_S if pool == "stuck" else TRAIN_TIMEOUT_S,
+        work,
+        barrier=pool == "mesh4",
+        destroy=pool == "mesh4",
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -309,10 +377,10 @@ REPORTING = {"mesh4": [0, 1, 2, 3], "mesh2": [0, 1], "stuck": [0]}  # the stuck 
 
 @pytest.fixture(scope="module")
 def runs():
-    from mode.train.checkpoint import load_model
     from mode.parallel.checkpoint import save_folder
     from mode.parallel.dcp_safe import read_metadata
     from mode.train import evaluate
+    from mode.train.checkpoint import load_model
 
     with pools.running(_worker, POOLS) as run:
         tmp = run.tmp
@@ -336,8 +404,11 @@ def runs():
             t.load(ckpt3)  # one process, no process group, from a 4-process (2, 2) checkpoint
             parent["resume_one"] = {"start": t.step, **_trained(t)}
             md = read_metadata(save_folder(ckpt3), "ckpt3")
-            parent["expert_rows"] = {k: list(v.size) for k, v in md.state_dict_metadata.items()
-                                     if ".experts." in k and not k.endswith(".step")}
+            parent["expert_rows"] = {
+                k: list(v.size)
+                for k, v in md.state_dict_metadata.items()
+                if ".experts." in k and not k.endswith(".step")
+            }
         final = tmp / "mesh4" / "token_choice_2x2" / "ckpt"
         if final.exists():
             model, state = load_model(final)
@@ -348,8 +419,16 @@ def runs():
             a, _ = load_model(exported)
             b, _ = load_model(ckpt3)
             parent["export_equal"] = all(torch.equal(a.state_dict()[k], v) for k, v in b.state_dict().items())
-        yield {"gaps": gaps, "results": results, "ref": ref, "ref_aux": ref_aux, "ref_custom": ref_custom, "init": init,
-               "parent": parent, "wall": time.monotonic() - run.started}
+        yield {
+            "gaps": gaps,
+            "results": results,
+            "ref": ref,
+            "ref_aux": ref_aux,
+            "ref_custom": ref_custom,
+            "init": init,
+            "parent": parent,
+            "wall": time.monotonic() - run.started,
+        }
 
 
 _assert_curve = functools.partial(pools.assert_curve, tol=TOL, norm_rtol=NORM_RTOL)
@@ -413,9 +492,13 @@ def test_shards_after_setup(runs):
         for r, s in enumerate(shards):
             local = s["experts"][name]
             assert 0 < len(local) < len(row_sums), (name, r, len(local))
-            starts = [o for o in range(len(row_sums) - len(local) + 1)
-                      if all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5)
-                             for a, b in zip(local, row_sums[o:o + len(local)]))]
+            starts = [
+                o
+                for o in range(len(row_sums) - len(local) + 1)
+                if all(
+                    math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5) for a, b in zip(local, row_sums[o : o + len(local)])
+                )
+            ]
             assert len(starts) == 1, f"{name} rank {r}: its rows are not one part of the full weight"
             covered += range(starts[0], starts[0] + len(local))
         assert sorted(covered) == list(range(full.shape[0])), f"{name}: rows covered {sorted(covered)}"
@@ -489,26 +572,41 @@ def test_stuck_rank_raises_after_the_timeout(runs):
 # errors that need no process group
 
 
-@pytest.mark.parametrize("call,exc,msg", [
-    (lambda: ParallelDims(dp=0), ValueError, "dp=0: must be >= 1"),
-    (lambda: ParallelDims(ep=2.0), TypeError, "ep=2.0: must be an int"),
-    (lambda: ParallelDims.for_world(4, dp=3), ValueError,
-     "dp=3: must divide the number of processes 4"),
-    (lambda: ParallelDims.for_world(4, dp=2, ep=4), ValueError,
-     "dp=2, ep=4: dp * ep = 8 must equal the number of processes 4"),
-    (lambda: ParallelDims(1, 3).check_experts(8), ValueError,
-     "num_experts=8: must be divisible by ep=3"),
-    (lambda: mesh_dims("cpu"), TypeError,
-     "mesh=str: must be a torch DeviceMesh"),
-    (lambda: Trainer(TOKEN_CHOICE, TRAIN, _corpus(), tempfile.mkdtemp(), device="tpu"), ValueError,
-     "device='tpu': must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
-    (lambda: Trainer(TOKEN_CHOICE, TRAIN, _corpus(), tempfile.mkdtemp(), bf16="yes"), TypeError,
-     "bf16='yes': must be a bool"),
-    (lambda: Trainer(TOKEN_CHOICE, TRAIN, _corpus(), tempfile.mkdtemp(), dtype=torch.bfloat16), ValueError,
-     "dtype=torch.bfloat16: must be torch.float32 or torch.float64"),
-    (lambda: Trainer(TOKEN_CHOICE, TRAIN, _corpus(), tempfile.mkdtemp(), bf16=True, dtype=torch.float64), ValueError,
-     "bf16=True with dtype=torch.float64: choose one"),
-])
+@pytest.mark.parametrize(
+    "call,exc,msg",
+    [
+        (lambda: ParallelDims(dp=0), ValueError, "dp=0: must be >= 1"),
+        (lambda: ParallelDims(ep=2.0), TypeError, "ep=2.0: must be an int"),
+        (lambda: ParallelDims.for_world(4, dp=3), ValueError, "dp=3: must divide the number of processes 4"),
+        (
+            lambda: ParallelDims.for_world(4, dp=2, ep=4),
+            ValueError,
+            "dp=2, ep=4: dp * ep = 8 must equal the number of processes 4",
+        ),
+        (lambda: ParallelDims(1, 3).check_experts(8), ValueError, "num_experts=8: must be divisible by ep=3"),
+        (lambda: mesh_dims("cpu"), TypeError, "mesh=str: must be a torch DeviceMesh"),
+        (
+            lambda: Trainer(TOKEN_CHOICE, TRAIN, _corpus(), tempfile.mkdtemp(), device="tpu"),
+            ValueError,
+            "device='tpu': must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
+        ),
+        (
+            lambda: Trainer(TOKEN_CHOICE, TRAIN, _corpus(), tempfile.mkdtemp(), bf16="yes"),
+            TypeError,
+            "bf16='yes': must be a bool",
+        ),
+        (
+            lambda: Trainer(TOKEN_CHOICE, TRAIN, _corpus(), tempfile.mkdtemp(), dtype=torch.bfloat16),
+            ValueError,
+            "dtype=torch.bfloat16: must be torch.float32 or torch.float64",
+        ),
+        (
+            lambda: Trainer(TOKEN_CHOICE, TRAIN, _corpus(), tempfile.mkdtemp(), bf16=True, dtype=torch.float64),
+            ValueError,
+            "bf16=True with dtype=torch.float64: choose one",
+        ),
+    ],
+)
 def test_parallel_config_errors(call, exc, msg):
     with pytest.raises(exc, match=msg.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
         call()

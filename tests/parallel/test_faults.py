@@ -30,12 +30,51 @@ STEPS = 8
 
 
 def torchrun(out: Path, data: Path, fault: str | None = None, restarts: int = 0) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
-           str(restarts), "-m", "mode", "train", "--preset", "quick", "--ep", "2", "--steps", str(STEPS),
-           "--ckpt-every", "2", "--keep", "2", "--eval-every", "4", "--log-every", "1", "--data", str(data),
-           "--device", "cpu", "--threads", "1", "--timeout", "60", "--no-progress", "--resume", "auto", "--out", str(out)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "MODE_TEST_FAULT")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        "-m",
+        "mode",
+        "train",
+        "--preset",
+        "quick",
+        "--ep",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--ckpt-every",
+        "2",
+        "--keep",
+        "2",
+        "--eval-every",
+        "4",
+        "--log-every",
+        "1",
+        "--data",
+        str(data),
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--timeout",
+        "60",
+        "--no-progress",
+        "--resume",
+        "auto",
+        "--out",
+        str(out),
+    ]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MODE_TEST_FAULT")
+    }
     if fault:
         env["MODE_TEST_FAULT"] = fault
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)

@@ -48,8 +48,12 @@ def banks() -> dict:
     """``"<spmd>/<rank>"`` -> the bank's weights as that rank sees them; one child per rank (a process group
     is initialised once per process), all four at once."""
     paths = json.dumps([True, False] if apply.SPMD_MESH_DIMS else [False])
-    children = [subprocess.Popen([sys.executable, "-c", _CHILD, str(rank), paths], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for rank in range(4)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(rank), paths], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for rank in range(4)
+    ]
     out = {}
     try:
         for rank, child in enumerate(children):
@@ -93,7 +97,10 @@ def test_expert_banks_on_a_2x2_mesh_are_sharded_alike_by_both_paths(banks, spmd)
 def test_parallelize_refuses_a_torch_older_than_the_oldest_tested(monkeypatch):
     monkeypatch.setattr(apply, "TORCH_VERSION", (2, 7))
     monkeypatch.setattr(apply.torch, "__version__", "2.7.0+cu126")
-    with pytest.raises(ValueError, match=r"torch 2\.7\.0\+cu126: parallelize needs torch>=2\.11 \(the oldest it is "
-                                         r"tested on; 2\.11 and 2\.13 are\); install a newer torch, or train in "
-                                         r"one process"):
+    with pytest.raises(
+        ValueError,
+        match=r"torch 2\.7\.0\+cu126: parallelize needs torch>=2\.11 \(the oldest it is "
+        r"tested on; 2\.11 and 2\.13 are\); install a newer torch, or train in "
+        r"one process",
+    ):
         apply.parallelize(torch.nn.Linear(2, 2), None)

@@ -22,8 +22,8 @@ transformers builds them.
 
 from __future__ import annotations
 
-import importlib.util
 import functools
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -33,11 +33,14 @@ import pytest
 import ties
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install "
-                                                          "'mode-torch[hf]'): the models to convert")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install 'mode-torch[hf]'): the models to convert"
+)
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.cpu_only("gloo ranks on CPU; the CPU run covers them (NCCL needs one GPU per rank)")]
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.cpu_only("gloo ranks on CPU; the CPU run covers them (NCCL needs one GPU per rank)"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 HF_TESTS = ROOT / "tests" / "hf"
@@ -104,6 +107,7 @@ def _pool4(rank: int, out: Path) -> dict:
     ex, batches, res = _example(), _batches(), {}
     for family in FAMILIES:
         for dp, ep in LAYOUTS:
+
             def run(family=family, dp=dp, ep=ep):
                 mesh = build_mesh(ParallelDims(dp, ep), timeout_s=TIMEOUT_S)
                 model = parallelize(_model(family), mesh)
@@ -120,6 +124,7 @@ def _pool4(rank: int, out: Path) -> dict:
                     return {"curve": curve}
                 folder = mh.save_transformers(model, out / "hf")
                 return {"curve": curve, "folder": None if folder is None else str(folder)}
+
             pools.run_case(res, f"{family}_{dp}x{ep}", run)
     return res
 
@@ -140,8 +145,13 @@ def _pool2(rank: int, out4: Path) -> dict:
         model = parallelize(_model(family), mesh)
         opt = _optimizer(model)
         step = load_state(out4 / f"ckpt3_{family}", model, opt)["step"]
-        return {"start": step, "curve": ex.train(model, _batches()[step:], world_size=2, row_rank=rank,
-                                                 optimizer=opt, first_step=step + 1)}
+        return {
+            "start": step,
+            "curve": ex.train(
+                model, _batches()[step:], world_size=2, row_rank=rank, optimizer=opt, first_step=step + 1
+            ),
+        }
+
     for family in RESUMED:
         pools.run_case(res, f"resume_1x2_{family}", functools.partial(resume, family))
     return res
@@ -179,14 +189,18 @@ def runs():
                 model = _model(family)
                 opt = _optimizer(model)
                 step = load_state(tmp / "mesh4" / f"ckpt3_{family}", model, opt)["step"]
-                parent[f"resume_one_{family}"] = {"start": step, "curve": ex.train(
-                    model, batches[step:], optimizer=opt, first_step=step + 1)}
+                parent[f"resume_one_{family}"] = {
+                    "start": step,
+                    "curve": ex.train(model, batches[step:], optimizer=opt, first_step=step + 1),
+                }
         if (tmp / "mesh4" / "hf" / "config.json").exists():
             plain = transformers.AutoModelForCausalLM.from_pretrained(tmp / "mesh4" / "hf", dtype=torch.float32)
             x = batches[0][0]
             with torch.no_grad():
-                parent["hf_logits"] = (plain.eval()(input_ids=x).logits,
-                                       trained["qwen3_moe"].eval()(input_ids=x).logits)
+                parent["hf_logits"] = (
+                    plain.eval()(input_ids=x).logits,
+                    trained["qwen3_moe"].eval()(input_ids=x).logits,
+                )
                 parent["hf_class"] = type(plain).__name__
         yield {"gaps": gaps, "results": results, "ref": ref, "parent": parent}
 

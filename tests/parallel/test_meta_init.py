@@ -50,11 +50,35 @@ JOIN_TIMEOUT_S = 240.0
 TIMEOUT_S = 60.0
 SEED = 3
 
-BASE = LMConfig(seq_len=16, d_model=32, n_heads=2, d_hidden=64, layers=("moe", "staged", "integrated"),
-                num_experts=8, num_noop=2, top_k=2, capacity=0.5, capacity_factor=None, balance_coef=0.0)
-RECIPES = replace(BASE, balance_coef=0.01, num_shared=1, shared_gate=True,
-                  router_options=dict(gate="sigmoid", renormalize=True, scale=2.5, n_group=4, topk_group=2,
-                                      bias_balance=True, bias_rate=0.01, balance_scope="global"))
+BASE = LMConfig(
+    seq_len=16,
+    d_model=32,
+    n_heads=2,
+    d_hidden=64,
+    layers=("moe", "staged", "integrated"),
+    num_experts=8,
+    num_noop=2,
+    top_k=2,
+    capacity=0.5,
+    capacity_factor=None,
+    balance_coef=0.0,
+)
+RECIPES = replace(
+    BASE,
+    balance_coef=0.01,
+    num_shared=1,
+    shared_gate=True,
+    router_options=dict(
+        gate="sigmoid",
+        renormalize=True,
+        scale=2.5,
+        n_group=4,
+        topk_group=2,
+        bias_balance=True,
+        bias_rate=0.01,
+        balance_scope="global",
+    ),
+)
 KINDS = {
     "dense": replace(BASE, layers=("dense", "dense")),
     "mod": replace(BASE, layers=("dense", "mod", "mod_random"), causal="predictor"),
@@ -66,18 +90,32 @@ KINDS = {
     "recipes_buffers": RECIPES,
     "untied_swiglu": replace(BASE, tie_embeddings=False, activation="swiglu", backend="reference"),
 }
-MESH_MODELS = {"token_choice": BASE, "expert_choice": replace(BASE, router="expert_choice", top_k=1),
-               "recipes": RECIPES}
+MESH_MODELS = {
+    "token_choice": BASE,
+    "expert_choice": replace(BASE, router="expert_choice", top_k=1),
+    "recipes": RECIPES,
+}
 TRAIN_MODEL = replace(BASE, layers=("mod_random", "moe", "staged", "integrated"))
 # mem4: 6 MoE layers of 16 experts (d 512, hidden 1024) = 107M parameters; the largest tensor is 8.4M (32 MiB)
-MEM_MODEL = LMConfig(seq_len=64, d_model=512, n_heads=8, d_hidden=1024, layers=("moe",) * 6, num_experts=16,
-                     top_k=2, capacity_factor=None, balance_coef=0.0)
+MEM_MODEL = LMConfig(
+    seq_len=64,
+    d_model=512,
+    n_heads=8,
+    d_hidden=1024,
+    layers=("moe",) * 6,
+    num_experts=16,
+    top_k=2,
+    capacity_factor=None,
+    balance_coef=0.0,
+)
 MEM_SLACK = 64 * 2**20  # allocator and process-group noise on top of the shards + one full tensor
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: t.detach() for n, t in [*model.named_parameters(remove_duplicate=False),
-                                       *model.named_buffers(remove_duplicate=False)]}
+    return {
+        n: t.detach()
+        for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    }
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -97,7 +135,9 @@ def _differences(a: dict, b: dict) -> list[str]:
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("parallel_custom_model", ROOT / "examples" / "parallel_custom_model.py")
+    spec = importlib.util.spec_from_file_location(
+        "parallel_custom_model", ROOT / "examples" / "parallel_custom_model.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -200,6 +240,7 @@ def test_user_model_and_reseeding_and_own_generator():
 
 def test_constants_and_views_and_partial_writes():
     """torch.tensor data, a parameter that is a view of a larger storage, in-place updates that read."""
+
     def build():
         m = nn.Module()
         m.table = nn.Parameter(torch.tensor([[0.5, 1.5], [2.5, -1.0]]))
@@ -329,8 +370,11 @@ def _pool_mesh(rank: int, out: Path) -> dict:
         full = full_state_dict(model)
         if rank == 0:
             torch.save(full, out / f"full_{name}.pt")
-        return {"differ": _compare_local(eager, model), "rng_equal": torch.equal(torch.get_rng_state(), rng_eager),
-                "dtensors": sum(hasattr(p, "to_local") for p in model.parameters())}
+        return {
+            "differ": _compare_local(eager, model),
+            "rng_equal": torch.equal(torch.get_rng_state(), rng_eager),
+            "dtensors": sum(hasattr(p, "to_local") for p in model.parameters()),
+        }
 
     for name, cfg in MESH_MODELS.items():
         pools.run_case(res, name, lambda name=name, cfg=cfg: compare(name, lambda: LM(cfg), SEED))
@@ -338,23 +382,34 @@ def _pool_mesh(rank: int, out: Path) -> dict:
 
     def trainer():
         from mode.parallel.runtime import MeshRuntime
-        from mode.train import Trainer, TrainConfig
+        from mode.train import TrainConfig, Trainer
         from mode.train.data import Corpus
 
         data = torch.randint(0, 256, (60_000,), generator=torch.Generator().manual_seed(0)).to(torch.uint8).numpy()
         corpus = Corpus(train=data[:50_000], val=data[50_000:], source="uniform-bytes")
-        cfg = TrainConfig(steps=3, batch_size=8, lr=1e-3, warmup_steps=1, eval_every=3, eval_batches=1, log_every=1,
-                          seed=SEED)
+        cfg = TrainConfig(
+            steps=3, batch_size=8, lr=1e-3, warmup_steps=1, eval_every=3, eval_batches=1, log_every=1, seed=SEED
+        )
         curves = []
         meta = Trainer(TRAIN_MODEL, cfg, corpus, out / "meta", progress=False, mesh=mesh(), timeout_s=TIMEOUT_S)
         meta.run()  # each trainer runs before the next is built: the global generator is theirs in turn
-        eager = Trainer(TRAIN_MODEL, cfg, corpus, out / "eager", progress=False,
-                        runtime=MeshRuntime(mesh(), TIMEOUT_S, meta_init=False))
+        eager = Trainer(
+            TRAIN_MODEL,
+            cfg,
+            corpus,
+            out / "eager",
+            progress=False,
+            runtime=MeshRuntime(mesh(), TIMEOUT_S, meta_init=False),
+        )
         eager.run()
         for t in (meta, eager):
             curves.append([(r["loss"], r["grad_norm"]) for r in t.history if "loss" in r])
-        return {"curves": curves, "differ": _compare_local(eager.model, meta.model),
-                "builds_on_meta": [meta.runtime.builds_on_meta, eager.runtime.builds_on_meta]}
+        return {
+            "curves": curves,
+            "differ": _compare_local(eager.model, meta.model),
+            "builds_on_meta": [meta.runtime.builds_on_meta, eager.runtime.builds_on_meta],
+        }
+
     pools.run_case(res, "trainer", trainer)
 
     def converted():
@@ -372,6 +427,7 @@ def _pool_mesh(rank: int, out: Path) -> dict:
         if rank == 0:
             torch.save(full, out / "full_converted.pt")
         return {"dtensors": sum(hasattr(p, "to_local") for p in model.parameters())}
+
     pools.run_case(res, "converted", converted)
     return res
 
@@ -394,11 +450,17 @@ def _pool_mem(rank: int, out: Path) -> dict:
         p.grad = torch.zeros_like(p)
     opt = build_optimizer(model, TrainConfig())
     opt.step()  # AdamW's two moments now exist, sharded like the weights
-    return {"peak_materialized": peak_materialized, "peak_with_adamw": _peak() - before, "rss_before": before,
-            "shard_bytes": sum(_local(p).numel() * _local(p).element_size() for p in params),
-            "full_bytes": sum(p.numel() * p.element_size() for p in params),
-            "largest_bytes": max(p.numel() * p.element_size() for p in params),
-            "params": sum(p.numel() for p in params), "seconds_build": t_built, "seconds_total": t_materialized}
+    return {
+        "peak_materialized": peak_materialized,
+        "peak_with_adamw": _peak() - before,
+        "rss_before": before,
+        "shard_bytes": sum(_local(p).numel() * _local(p).element_size() for p in params),
+        "full_bytes": sum(p.numel() * p.element_size() for p in params),
+        "largest_bytes": max(p.numel() * p.element_size() for p in params),
+        "params": sum(p.numel() for p in params),
+        "seconds_build": t_built,
+        "seconds_total": t_materialized,
+    }
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str, pool: str, out4: str) -> None:
@@ -433,10 +495,10 @@ def runs():
             (tmp / "mesh4" / "hf_ckpt.ready").write_text("")
             refs["converted"] = eager.state_dict()
         results = run.wait(REPORTING, JOIN_TIMEOUT_S)
-        gathered = {name: torch.load(p, weights_only=True) for name in refs
-                    if (p := tmp / "mesh4" / f"full_{name}.pt").exists()}
+        gathered = {
+            name: torch.load(p, weights_only=True) for name in refs if (p := tmp / "mesh4" / f"full_{name}.pt").exists()
+        }
         yield {"results": results, "refs": refs, "gathered": gathered, "wall": time.monotonic() - run.started}
-
 
 
 @_cpu_only

@@ -45,7 +45,7 @@ def test_retain_keeps_the_newest_complete_saves_and_no_partial_one(tmp_path, kee
     current = save(tmp_path, "step-00000008-abcdef")
     removed = retain(tmp_path, keep, current)
     left = saves(tmp_path)
-    assert left == [current, *old[::-1][:keep - 1]]
+    assert left == [current, *old[::-1][: keep - 1]]
     assert partial in removed and not partial.exists()
 
 

@@ -24,21 +24,38 @@ import ties
 import torch
 
 from mode.model import LMConfig
-from mode.train import Trainer, TrainConfig
+from mode.train import TrainConfig, Trainer
 from mode.train.data import Corpus
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.cpu_only("gloo ranks on CPU; the CPU run covers them (NCCL needs one GPU per rank)")]
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.cpu_only("gloo ranks on CPU; the CPU run covers them (NCCL needs one GPU per rank)"),
+]
 
 TIMEOUT_S = 60.0
 JOIN_TIMEOUT_S = 240.0
-MODEL = LMConfig(seq_len=16, d_model=32, n_heads=2, d_hidden=64, layers=("moe", "staged", "integrated"),
-                 num_experts=4, num_noop=2, top_k=2, capacity=0.5, balance_coef=0.05, causal="predictor",
-                 router_options=dict(balance_scope="global", bias_balance=True, bias_rate=0.01))
-TRAIN = TrainConfig(steps=3, batch_size=8, lr=1e-3, warmup_steps=1, eval_every=3, eval_batches=1, log_every=1,
-                    grad_clip=1e9, seed=3)  # grad_clip out of the way: the raw gradients are compared
-CASES = {"accum2": dict(grad_accum=2), "ac": dict(activation_checkpointing=True),
-         "ac_accum2": dict(grad_accum=2, activation_checkpointing=True)}
+MODEL = LMConfig(
+    seq_len=16,
+    d_model=32,
+    n_heads=2,
+    d_hidden=64,
+    layers=("moe", "staged", "integrated"),
+    num_experts=4,
+    num_noop=2,
+    top_k=2,
+    capacity=0.5,
+    balance_coef=0.05,
+    causal="predictor",
+    router_options=dict(balance_scope="global", bias_balance=True, bias_rate=0.01),
+)
+TRAIN = TrainConfig(
+    steps=3, batch_size=8, lr=1e-3, warmup_steps=1, eval_every=3, eval_batches=1, log_every=1, grad_clip=1e9, seed=3
+)  # grad_clip out of the way: the raw gradients are compared
+CASES = {
+    "accum2": dict(grad_accum=2),
+    "ac": dict(activation_checkpointing=True),
+    "ac_accum2": dict(grad_accum=2, activation_checkpointing=True),
+}
 # float64 runs, every top-k gap of the reference above GAP_FLOOR: the mesh takes the same routing decisions by
 # construction (tests/ties.py), and differs by sums in another order, ~1e-15.
 DTYPE = torch.float64
@@ -59,8 +76,9 @@ def _capture_first_grads(t: Trainer, full) -> dict:
 
     def capture(*a, **k):
         if not grads:
-            grads.update({n: full(p.grad).detach().clone() for n, p in t.model.named_parameters()
-                          if p.grad is not None})
+            grads.update(
+                {n: full(p.grad).detach().clone() for n, p in t.model.named_parameters() if p.grad is not None}
+            )
         return step(*a, **k)
 
     t.optimizer.step = capture
@@ -68,9 +86,11 @@ def _capture_first_grads(t: Trainer, full) -> dict:
 
 
 def _summary(t: Trainer) -> dict:
-    return {"curve": [(r["loss"], r["grad_norm"]) for r in t.history if "loss" in r],
-            "val": [r["val_loss"] for r in t.history if "val_loss" in r],
-            "bias": [r.bias_X.tolist() for r in t.bias_routers]}
+    return {
+        "curve": [(r["loss"], r["grad_norm"]) for r in t.history if "loss" in r],
+        "val": [r["val_loss"] for r in t.history if "val_loss" in r],
+        "bias": [r.bias_X.tolist() for r in t.bias_routers],
+    }
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -78,8 +98,9 @@ def _summary(t: Trainer) -> dict:
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str, pool: str, out4: str) -> None:
-    pools.run_rank(rank, world, store, out_dir, TIMEOUT_S, lambda: _cases(rank, Path(out_dir)), barrier=True,
-                   destroy=True)
+    pools.run_rank(
+        rank, world, store, out_dir, TIMEOUT_S, lambda: _cases(rank, Path(out_dir)), barrier=True, destroy=True
+    )
 
 
 def _cases(rank: int, out: Path) -> dict:
@@ -88,8 +109,16 @@ def _cases(rank: int, out: Path) -> dict:
 
     def case(name: str, kw: dict) -> dict:
         mesh = build_mesh(ParallelDims(2, 2), timeout_s=TIMEOUT_S)
-        t = Trainer(MODEL, replace(TRAIN, **kw), _corpus(), out / name, progress=False, mesh=mesh,
-                    timeout_s=TIMEOUT_S, dtype=DTYPE)
+        t = Trainer(
+            MODEL,
+            replace(TRAIN, **kw),
+            _corpus(),
+            out / name,
+            progress=False,
+            mesh=mesh,
+            timeout_s=TIMEOUT_S,
+            dtype=DTYPE,
+        )
         calls = []
         sync = t._gradient_sync
         if sync is not None:
@@ -120,8 +149,7 @@ def runs():
         with ties.active() as gaps:
             ref.run()
         results = run.wait(None, JOIN_TIMEOUT_S)  # every rank reports
-        grads = {name: torch.load(p) if (p := tmp / "mesh4" / f"{name}_grads.pt").exists() else None
-                 for name in CASES}
+        grads = {name: torch.load(p) if (p := tmp / "mesh4" / f"{name}_grads.pt").exists() else None for name in CASES}
         yield {"gaps": gaps, "ref": _summary(ref), "ref_grads": ref_grads, "results": results, "grads": grads}
 
 

@@ -15,11 +15,42 @@ import mode.train.data
 
 
 def torchrun(out: Path, data: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "mode",
-           "train", "--preset", "quick", "--ep", "2", "--steps", str(steps), "--eval-every", "2", "--data", str(data),
-           "--device", "cpu", "--threads", "1", "--timeout", "60", "--no-progress", "--out", str(out), *extra]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "mode",
+        "train",
+        "--preset",
+        "quick",
+        "--ep",
+        "2",
+        "--steps",
+        str(steps),
+        "--eval-every",
+        "2",
+        "--data",
+        str(data),
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--timeout",
+        "60",
+        "--no-progress",
+        "--out",
+        str(out),
+        *extra,
+    ]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
 
 
@@ -47,6 +78,7 @@ def test_torchrun_resume_auto_starts_then_continues(tmp_path):
     refused = torchrun(out, data, 6)
     assert refused.returncode != 0
     for rank in (0, 1):
-        assert (f"mode train: rank {rank}: error: {str(out)!r} already holds a run's checkpoint "
-                f"({str(out / 'ckpt')!r})") in refused.stderr
+        assert (
+            f"mode train: rank {rank}: error: {str(out)!r} already holds a run's checkpoint ({str(out / 'ckpt')!r})"
+        ) in refused.stderr
     assert (out / "ckpt" / "latest").read_text() == latest

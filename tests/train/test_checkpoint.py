@@ -15,12 +15,11 @@ import pytest
 import torch
 from test_train import corpus, model_cfg, stable, train_cfg  # the tiny model and data of the training tests
 
-import mode.train.data
 import mode.train
-from mode.train import checkpoint
-from mode.train.checkpoint import CheckpointError, WriteError, load_checkpoint, read_checkpoint
+import mode.train.data
 from mode.cli import main
-from mode.train import Trainer
+from mode.train import Trainer, checkpoint
+from mode.train.checkpoint import CheckpointError, WriteError, load_checkpoint, read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,14 +61,20 @@ def test_the_malicious_file_is_live(evil):
 REFUSED = "refused: it holds objects other than tensors and plain data"
 
 
-@pytest.mark.parametrize("loader", ["read_checkpoint", "load_checkpoint", "checkpoint.load_model",
-                                    "train.load_model", "Trainer.load"])
+@pytest.mark.parametrize(
+    "loader", ["read_checkpoint", "load_checkpoint", "checkpoint.load_model", "train.load_model", "Trainer.load"]
+)
 def test_python_loaders_refuse_a_malicious_pickle(evil, tmp_path, loader):
     path, marker = evil
-    load = {"read_checkpoint": read_checkpoint, "load_checkpoint": load_checkpoint,
-            "checkpoint.load_model": checkpoint.load_model, "train.load_model": mode.train.load_model,
-            "Trainer.load": lambda p: Trainer(model_cfg("dense", "mod"), train_cfg(), corpus(), tmp_path / "t",
-                                              progress=False).load(p)}[loader]
+    load = {
+        "read_checkpoint": read_checkpoint,
+        "load_checkpoint": load_checkpoint,
+        "checkpoint.load_model": checkpoint.load_model,
+        "train.load_model": mode.train.load_model,
+        "Trainer.load": lambda p: Trainer(
+            model_cfg("dense", "mod"), train_cfg(), corpus(), tmp_path / "t", progress=False
+        ).load(p),
+    }[loader]
     with pytest.raises(CheckpointError, match=REFUSED) as info:
         load(path)
     assert str(path) in str(info.value)
@@ -92,8 +97,19 @@ def test_compare_resume_refuses_a_malicious_pickle(evil, tmp_path, capsys):
     data = tmp_path / "text.txt"
     data.write_text(Path(mode.train.data.__file__).read_text() * 3)
     out = tmp_path / "cmp"
-    args = ["compare", "--quick", "--data", str(data), "--dense-steps", "1", "--only", "dense", "--out", str(out),
-            "--no-progress"]
+    args = [
+        "compare",
+        "--quick",
+        "--data",
+        str(data),
+        "--dense-steps",
+        "1",
+        "--only",
+        "dense",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     run_compare(out, quick=True, data=str(data), dense_steps=1, only=["dense"], progress=False)
     (out / "dense" / "result.json").unlink()  # as if killed before the variant finished
     (out / "dense" / "ckpt.pt").write_bytes(path.read_bytes())
@@ -111,8 +127,23 @@ def test_train_resume_refuses_a_malicious_pickle(tmp_path, capsys):
     torch.save({"format": "mode-checkpoint", "version": 1, "payload": RunsCode(marker)}, out / "ckpt.pt")
     data = tmp_path / "text.txt"
     data.write_text(Path(mode.train.data.__file__).read_text() * 3)
-    rc = main(["train", "--preset", "quick", "--steps", "1", "--data", str(data), "--out", str(out), "--resume",
-               "--device", "cpu", "--no-progress"])
+    rc = main(
+        [
+            "train",
+            "--preset",
+            "quick",
+            "--steps",
+            "1",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--resume",
+            "--device",
+            "cpu",
+            "--no-progress",
+        ]
+    )
     assert rc == 2
     assert f"checkpoint {str(out / 'ckpt.pt')!r}: {REFUSED}" in capsys.readouterr().err
     assert not marker.exists()
@@ -136,8 +167,9 @@ def resum(folder: Path) -> None:
     from mode.parallel import dcp_safe
 
     sums = dcp_safe.read_manifest(folder, "test")
-    (folder / dcp_safe.MANIFEST).write_text(dcp_safe.manifest_text(
-        {name: checkpoint.sha256_file(folder / name) for name in sums}))
+    (folder / dcp_safe.MANIFEST).write_text(
+        dcp_safe.manifest_text({name: checkpoint.sha256_file(folder / name) for name in sums})
+    )
 
 
 def test_sharded_checkpoint_resumes_exactly_in_one_process(tmp_path):
@@ -210,18 +242,22 @@ def test_sharded_checkpoint_with_a_pickled_item_is_refused(tmp_path):
     dcp.save(state, checkpoint_id=evil, no_dist=True)
     (evil / "meta.json").write_text(meta)
     (root / LATEST).write_text(evil.name)
-    with pytest.raises(CheckpointError, match="item 'evil' is a BytesStorageMetadata: a mode checkpoint holds "
-                                              "tensors only"):
+    with pytest.raises(
+        CheckpointError, match="item 'evil' is a BytesStorageMetadata: a mode checkpoint holds tensors only"
+    ):
         checkpoint.load_model(root)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("how,msg", [
-    ("no_latest", "a folder, but not a sharded checkpoint folder"),
-    ("bad_latest", "latest names 'step-nope', which is not a save folder in it"),
-    ("bad_meta", "meta.json is missing or not JSON"),
-    ("wrong_shape", "model.embed.weight is torch.float32 (256, 16), this model needs torch.float32 (256, 8)"),
-])
+@pytest.mark.parametrize(
+    "how,msg",
+    [
+        ("no_latest", "a folder, but not a sharded checkpoint folder"),
+        ("bad_latest", "latest names 'step-nope', which is not a save folder in it"),
+        ("bad_meta", "meta.json is missing or not JSON"),
+        ("wrong_shape", "model.embed.weight is torch.float32 (256, 16), this model needs torch.float32 (256, 8)"),
+    ],
+)
 def test_bad_sharded_checkpoints_get_clear_errors(sharded_ckpt, how, msg):
     import json
 
@@ -251,7 +287,7 @@ def _corrupt(tmp_path: Path, how: str) -> Path:
     data = good.read_bytes()
     path = tmp_path / f"{how}.pt"
     if how == "truncated":
-        path.write_bytes(data[:len(data) // 2])
+        path.write_bytes(data[: len(data) // 2])
     elif how == "flipped":  # one bit of the model weights
         b = bytearray(data)
         b[len(b) // 2] ^= 0x10
@@ -263,12 +299,15 @@ def _corrupt(tmp_path: Path, how: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("how,msg", [
-    ("truncated", "truncated or not a checkpoint"),
-    ("flipped", "fails its CRC32 check"),
-    ("garbage", "truncated or not a checkpoint"),
-    ("empty", "truncated or not a checkpoint"),
-])
+@pytest.mark.parametrize(
+    "how,msg",
+    [
+        ("truncated", "truncated or not a checkpoint"),
+        ("flipped", "fails its CRC32 check"),
+        ("garbage", "truncated or not a checkpoint"),
+        ("empty", "truncated or not a checkpoint"),
+    ],
+)
 def test_damaged_files_get_a_clear_error(tmp_path, capsys, how, msg):
     path = _corrupt(tmp_path, how)
     for load in (load_checkpoint, checkpoint.load_model):
@@ -293,7 +332,7 @@ def test_a_flipped_byte_in_any_member_of_a_file_is_a_checksum_error_naming_it(tm
         members = [m for m in z.infolist() if m.file_size > 0]
     assert len(members) > 5 and any(m.filename.endswith("data.pkl") for m in members)
     for m in members:
-        name_len, extra_len = struct.unpack("<HH", data[m.header_offset + 26:m.header_offset + 30])
+        name_len, extra_len = struct.unpack("<HH", data[m.header_offset + 26 : m.header_offset + 30])
         start = m.header_offset + 30 + name_len + extra_len  # the member's bytes (stored, not compressed)
         bad = bytearray(data)
         bad[start + m.compress_size // 2] ^= 0x01
@@ -317,19 +356,26 @@ def test_invalid_contents_get_a_clear_error(tmp_path):
         "newer": ({**state, "version": checkpoint.VERSION + 1}, "written by a newer mode"),
         "no model": ({k: v for k, v in state.items() if k != "model"}, "the key 'model' is missing"),
         "bad step": ({**state, "step": "3"}, "step is a str, must be a int"),
-        "unknown cfg field": ({**state, "model_cfg": {**state["model_cfg"], "d_modle": 3}},
-                              "model_cfg has unknown field(s) d_modle"),
-        "invalid cfg": ({**state, "model_cfg": {**state["model_cfg"], "capacity": 1.5}},
-                        "model_cfg is invalid: capacity=1.5: must be in (0, 1]"),
-        "wrong shape": ({**state, "model": {**state["model"], "embed.weight": torch.zeros(3, 3)}},
-                        "model['embed.weight'] is torch.float32 (3, 3), the model_cfg needs"),
+        "unknown cfg field": (
+            {**state, "model_cfg": {**state["model_cfg"], "d_modle": 3}},
+            "model_cfg has unknown field(s) d_modle",
+        ),
+        "invalid cfg": (
+            {**state, "model_cfg": {**state["model_cfg"], "capacity": 1.5}},
+            "model_cfg is invalid: capacity=1.5: must be in (0, 1]",
+        ),
+        "wrong shape": (
+            {**state, "model": {**state["model"], "embed.weight": torch.zeros(3, 3)}},
+            "model['embed.weight'] is torch.float32 (3, 3), the model_cfg needs",
+        ),
         "extra weight": ({**state, "model": {**state["model"], "x": torch.zeros(1)}}, "unexpected ['x']"),
         "bad rng": ({**state, "torch_rng": torch.zeros(3)}, "torch_rng: must be a CPU RNG state"),
     }
     for name, (obj, msg) in cases.items():
         path = _save_raw(tmp_path / f"{name}.pt", obj)
-        with pytest.raises(CheckpointError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
-                           .replace("]", r"\]")):
+        with pytest.raises(
+            CheckpointError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
+        ):
             if name in ("wrong shape", "extra weight"):
                 checkpoint.load_model(path)
             else:
@@ -370,8 +416,10 @@ def test_saving_something_unloadable_is_refused(tmp_path):
     import numpy as np
 
     Pair = collections.namedtuple("Pair", "a b")
-    checkpoint.save_checkpoint(tmp_path / "c.pt", {"history": [{"loss": np.float64(1.5), "n": np.int64(3)}],
-                                                   "pair": Pair(1, 2.0), "flag": np.bool_(True)})
+    checkpoint.save_checkpoint(
+        tmp_path / "c.pt",
+        {"history": [{"loss": np.float64(1.5), "n": np.int64(3)}], "pair": Pair(1, 2.0), "flag": np.bool_(True)},
+    )
     state = read_checkpoint(tmp_path / "c.pt")
     assert state["history"] == [{"loss": 1.5, "n": 3}] and type(state["history"][0]["n"]) is int
     assert state["pair"] == (1, 2.0) and type(state["pair"]) is tuple and state["flag"] is True
@@ -413,7 +461,7 @@ class FullDisk:
         self.f.close()
 
     def write(self, data):
-        self.f.write(data[:len(data) // 2])
+        self.f.write(data[: len(data) // 2])
         raise OSError(errno.ENOSPC, "No space left on device")
 
     def __getattr__(self, name):
@@ -428,8 +476,11 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     t = Trainer(model_cfg("dense", "mod"), train_cfg(steps=4, ckpt_every=1), corpus(), tmp_path, progress=False)
     t.run(stop_step=2)
     monkeypatch.setattr(checkpoint, "os", FaultyOs(full=lambda p: ".ckpt.pt." in p))
-    with pytest.raises(WriteError, match=f"could not write {str(t.ckpt_path)!r}: No space left on device "
-                                         r"\(the previous file, if any, is unchanged\)"):
+    with pytest.raises(
+        WriteError,
+        match=f"could not write {str(t.ckpt_path)!r}: No space left on device "
+        r"\(the previous file, if any, is unchanged\)",
+    ):
         t.run()  # the checkpoint at step 3 fails
     assert load_checkpoint(t.ckpt_path, training=True)["step"] == 2
     assert _temps(tmp_path) == []  # the half-written temporary file was removed
@@ -440,8 +491,21 @@ def test_full_disk_during_compare_is_a_clean_error(tmp_path, monkeypatch, capsys
     data.write_text(Path(mode.train.data.__file__).read_text() * 3)
     out = tmp_path / "cmp"
     monkeypatch.setattr(checkpoint, "os", FaultyOs(full=lambda p: ".ckpt.pt." in p))
-    rc = main(["compare", "--quick", "--data", str(data), "--dense-steps", "1", "--only", "dense", "--out",
-               str(out), "--no-progress"])
+    rc = main(
+        [
+            "compare",
+            "--quick",
+            "--data",
+            str(data),
+            "--dense-steps",
+            "1",
+            "--only",
+            "dense",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 1
     err = capsys.readouterr().err
     assert f"mode compare: error: could not write {str(out / 'dense' / 'ckpt.pt')!r}: No space left" in err
@@ -483,8 +547,9 @@ def _wait_for_temp(proc: subprocess.Popen, folder: Path, timeout: float = 60.0) 
         if stalled:
             return Path(str(stalled[0])[: -len(".stalled")])
         if proc.poll() is not None:
-            raise AssertionError(f"the process ended (rc {proc.returncode}) before stalling:\n"
-                                 f"{proc.stderr.read().decode()}")
+            raise AssertionError(
+                f"the process ended (rc {proc.returncode}) before stalling:\n{proc.stderr.read().decode()}"
+            )
         time.sleep(0.05)
     proc.kill()
     raise AssertionError("the write never stalled")
@@ -522,12 +587,10 @@ def test_ckpt_every_s_checkpoints_on_the_clock(tmp_path, monkeypatch):
     saves = []
     real_save = Trainer.save
     monkeypatch.setattr(Trainer, "save", lambda self, path=None: saves.append(self.step) or real_save(self, path))
-    Trainer(model_cfg("dense"), train_cfg(steps=4, ckpt_every_s=1e-9), corpus(), tmp_path / "a",
-            progress=False).run()
+    Trainer(model_cfg("dense"), train_cfg(steps=4, ckpt_every_s=1e-9), corpus(), tmp_path / "a", progress=False).run()
     assert saves == [1, 2, 3, 4]  # due after every step; no second save at the end
     saves.clear()
-    Trainer(model_cfg("dense"), train_cfg(steps=4, ckpt_every_s=3600.0), corpus(), tmp_path / "b",
-            progress=False).run()
+    Trainer(model_cfg("dense"), train_cfg(steps=4, ckpt_every_s=3600.0), corpus(), tmp_path / "b", progress=False).run()
     assert saves == [4]
     with pytest.raises(ValueError, match="ckpt_every_s=0: must be finite and > 0"):
         train_cfg(ckpt_every_s=0)
@@ -608,10 +671,15 @@ class FakeCuda:
 
     def __init__(self, monkeypatch, n: int = 4, current: int = 2, initialized: bool = True):
         self.reads, self.writes = [], []
-        for name, fn in {"is_available": lambda: True, "is_initialized": lambda: initialized,
-                         "device_count": lambda: n, "current_device": lambda: current,
-                         "get_rng_state": self.get, "set_rng_state": self.set,
-                         "get_rng_state_all": self.get_all}.items():
+        for name, fn in {
+            "is_available": lambda: True,
+            "is_initialized": lambda: initialized,
+            "device_count": lambda: n,
+            "current_device": lambda: current,
+            "get_rng_state": self.get,
+            "set_rng_state": self.set,
+            "get_rng_state_all": self.get_all,
+        }.items():
             monkeypatch.setattr(torch.cuda, name, fn)
 
     @staticmethod
@@ -661,13 +729,18 @@ def test_an_older_checkpoint_with_every_gpus_state_restores_this_processs_own(tm
     state = load_checkpoint(t.ckpt_path, training=True)
     old = tmp_path / "old.pt"
     checkpoint.save_checkpoint(old, {**state, "cuda_rng": [FakeCuda.state(i) for i in range(3)]})
-    resumed, far = (Trainer(model_cfg("dense", "mod"), train_cfg(steps=2), corpus(), tmp_path / name, progress=False)
-                    for name in ("r", "f"))  # built before torch.cuda is faked
+    resumed, far = (
+        Trainer(model_cfg("dense", "mod"), train_cfg(steps=2), corpus(), tmp_path / name, progress=False)
+        for name in ("r", "f")
+    )  # built before torch.cuda is faked
     cuda = FakeCuda(monkeypatch, n=4, current=1)
     resumed.load(old)
     assert resumed.step == 2 and cuda.writes == [(11, 1)]
     cuda = FakeCuda(monkeypatch, n=4, current=3)
-    with pytest.warns(UserWarning, match=r"cuda_rng: the checkpoint holds the RNG states of 3 GPUs, none for "
-                                         r"this process's GPU cuda:3: its generator is left as it is"):
+    with pytest.warns(
+        UserWarning,
+        match=r"cuda_rng: the checkpoint holds the RNG states of 3 GPUs, none for "
+        r"this process's GPU cuda:3: its generator is left as it is",
+    ):
         far.load(old)
     assert far.step == 2 and cuda.writes == []

@@ -11,8 +11,16 @@ import pytest
 import torch
 
 from mode.train.data import (
-    VAL_EVERY_NTH_FILE, BatchSampler, Corpus, decode, encode, eval_batches, file_corpus, min_file_bytes,
-    stdlib_corpus, stdlib_sources,
+    VAL_EVERY_NTH_FILE,
+    BatchSampler,
+    Corpus,
+    decode,
+    encode,
+    eval_batches,
+    file_corpus,
+    min_file_bytes,
+    stdlib_corpus,
+    stdlib_sources,
 )
 
 SEQ = 64
@@ -101,7 +109,7 @@ def test_file_corpus_split_last_ten_percent_is_validation(tmp_path):
     assert abs(n_val - n / 10) <= 1
     assert corpus.val.dtype == np.uint8 and corpus.train.dtype == np.uint8
     assert corpus.train.tobytes() == raw[: n - n_val]
-    assert corpus.val.tobytes() == raw[n - n_val:]
+    assert corpus.val.tobytes() == raw[n - n_val :]
     assert corpus.source == str(path)
 
 
@@ -140,8 +148,15 @@ def _fake_stdlib(root: Path, n_top: int) -> None:
     """A miniature standard library with every kind of directory the filter must skip."""
     for i in range(n_top):
         (root / f"m{i:02d}.py").write_text(f"# module {i}\n" + "x = 1\n" * (i + 1))
-    for rel in ("test/test_a.py", "pkg/tests/test_b.py", "idlelib/idle_test/c.py", "site-packages/foo/d.py",
-                "dist-packages/e.py", "pkg/__pycache__/f.py", "pkg/notes.txt"):
+    for rel in (
+        "test/test_a.py",
+        "pkg/tests/test_b.py",
+        "idlelib/idle_test/c.py",
+        "site-packages/foo/d.py",
+        "dist-packages/e.py",
+        "pkg/__pycache__/f.py",
+        "pkg/notes.txt",
+    ):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("SHOULD NOT APPEAR\n")
     for rel in ("pkg/__init__.py", "pkg/sub/mod.py", "idlelib/run.py", "Upper.py", "pkg_a.py"):
@@ -153,8 +168,16 @@ def test_stdlib_sources_filter_and_order_on_a_fake_tree(tmp_path, monkeypatch):
     _fake_stdlib(tmp_path, 3)
     monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": str(tmp_path)})
     rel = [p.relative_to(tmp_path).as_posix() for p in stdlib_sources()]
-    assert rel == ["Upper.py", "idlelib/run.py", "m00.py", "m01.py", "m02.py", "pkg/__init__.py", "pkg/sub/mod.py",
-                   "pkg_a.py"]
+    assert rel == [
+        "Upper.py",
+        "idlelib/run.py",
+        "m00.py",
+        "m01.py",
+        "m02.py",
+        "pkg/__init__.py",
+        "pkg/sub/mod.py",
+        "pkg_a.py",
+    ]
 
 
 def test_stdlib_corpus_split_rule_on_a_fake_tree(tmp_path, monkeypatch):
@@ -187,7 +210,7 @@ def test_stdlib_corpus_cut_to_a_budget_before_the_20th_file_still_has_a_val_file
         corpus = stdlib_corpus(max_bytes=budget)
         assert corpus.source == f"python-stdlib ({n} files)"
         assert corpus.val.tobytes() == files[n - 1].read_bytes()
-        assert corpus.train.tobytes() == b"\n".join(f.read_bytes() for f in files[:n - 1])
+        assert corpus.train.tobytes() == b"\n".join(f.read_bytes() for f in files[: n - 1])
         docs, _ = documents(None, max_bytes=budget)
         assert [d.val for d in docs] == [False] * (n - 1) + [True]
     tiny = stdlib_corpus(max_bytes=1)
@@ -200,7 +223,7 @@ def _expected_stdlib_split(max_bytes: int) -> tuple[bytes, bytes, int]:
     train, val, total, used = [], [], 0, 0
     for i, path in enumerate(stdlib_sources()):
         data = path.read_bytes()
-        ((val if (i + 1) % VAL_EVERY_NTH_FILE == 0 else train)).append(data)
+        (val if (i + 1) % VAL_EVERY_NTH_FILE == 0 else train).append(data)
         total += len(data)
         used = i + 1
         if total >= max_bytes:
@@ -273,7 +296,7 @@ def _data(n: int = 600) -> np.ndarray:
 
 def _find_window(data: np.ndarray, row: torch.Tensor) -> list[int]:
     r = row.numpy()
-    return [s for s in range(len(data) - len(r) + 1) if np.array_equal(data[s:s + len(r)], r)]
+    return [s for s in range(len(data) - len(r) + 1) if np.array_equal(data[s : s + len(r)], r)]
 
 
 def test_batch_sampler_reproducible_and_seed_dependent():
@@ -299,7 +322,7 @@ def test_batch_sampler_targets_are_inputs_shifted_by_one():
     for b in range(6):
         starts = _find_window(data, x[b])
         assert starts, "input row is not a contiguous window of the data"
-        assert any(np.array_equal(data[s + 1:s + 17], y[b].numpy()) for s in starts)
+        assert any(np.array_equal(data[s + 1 : s + 17], y[b].numpy()) for s in starts)
 
 
 def test_batch_sampler_generator_state_resumes():
@@ -337,7 +360,7 @@ def test_eval_batches_deterministic_shifted_and_spanning():
     starts = [min(_find_window(data, x)) for x in xs]
     assert starts == sorted(starts) and len(set(starts)) == len(starts)
     for s, y in zip(starts, ys):
-        assert np.array_equal(data[s + 1:s + 17], y.numpy())
+        assert np.array_equal(data[s + 1 : s + 17], y.numpy())
 
 
 def test_eval_batches_too_short():

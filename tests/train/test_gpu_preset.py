@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_train import corpus, model_cfg, train_cfg
 
 from mode.measure.flops import train_flops_per_token
 from mode.model import LM
 from mode.parallel.command import GPU_PRESET_PARAMS, PRESETS, mfu_line
 from mode.train.log_sinks import measure_matmul_flops
-
-from test_train import corpus, model_cfg, train_cfg
 
 
 def test_the_gpu_preset_builds_on_meta_with_its_stated_size():
@@ -36,15 +35,16 @@ def test_the_measured_ceiling_is_cuda_only():
 def test_mfu_against_a_measured_peak_is_logged_and_stated(tmp_path):
     from mode.train import Trainer
 
-    t = Trainer(model_cfg("moe", "staged"), train_cfg(steps=3, peak_tflops=1e-3), corpus(), tmp_path,
-                progress=False)
+    t = Trainer(model_cfg("moe", "staged"), train_cfg(steps=3, peak_tflops=1e-3), corpus(), tmp_path, progress=False)
     t.measured_peak_flops = 0.5e9  # what mode train measures on a GPU at start-up
     last = [r for r in t.run() if "loss" in r][-1]
     assert last["mfu_measured"] == pytest.approx(last["flops"] / last["wall"] / 0.5e9)
     assert last["mfu_measured"] == pytest.approx(2 * last["mfu"])
     line = mfu_line(last, t)
-    assert line.startswith(f"MFU {last['mfu_measured']:.1%} of measured 0 TFLOP/s peak (bf16 matmul timed at "
-                           f"start-up) ({last['mfu']:.1%} of the nominal 0 TFLOP/s); ")
+    assert line.startswith(
+        f"MFU {last['mfu_measured']:.1%} of measured 0 TFLOP/s peak (bf16 matmul timed at "
+        f"start-up) ({last['mfu']:.1%} of the nominal 0 TFLOP/s); "
+    )
     t.measured_peak_flops, t.peak_flops = None, None
     assert mfu_line({"tok_s": 1.0}, t) is None
 

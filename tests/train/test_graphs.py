@@ -7,12 +7,11 @@ import importlib
 
 import pytest
 import torch
+from test_train import corpus, model_cfg, stable, train_cfg
 
 from mode.measure.host_sync import HostSyncCounter
 from mode.train import Trainer
 from mode.train.graphs import GRAPH_WARMUP_STEPS, GraphedTrainStep, StepSums
-
-from test_train import corpus, model_cfg, stable, train_cfg
 
 LAYERS = ("moe", "staged", "integrated")  # dropless token choice, MoD top-C with an MoE inside, no-op slots
 
@@ -23,8 +22,9 @@ def capturable_on_cpu(monkeypatch):
     allow the CPU for the rehearsal of the captured step, so that its optimizer is the one a GPU captures."""
     adam = importlib.import_module("torch.optim.adam")  # the module (torch.optim.adam may name a function)
     supported = adam._get_capturable_supported_devices
-    monkeypatch.setattr(adam, "_get_capturable_supported_devices",
-                        lambda supports_xla=True: [*supported(supports_xla), "cpu"])
+    monkeypatch.setattr(
+        adam, "_get_capturable_supported_devices", lambda supports_xla=True: [*supported(supports_xla), "cpu"]
+    )
 
 
 def rehearsal(tmp_path, name: str = "graphs", **kw) -> Trainer:
@@ -48,8 +48,22 @@ def test_cuda_graphs_need_cuda(tmp_path):
 def test_mode_train_cuda_graphs_on_a_cpu_is_a_clear_error(tmp_path, data, capsys):
     from mode.parallel.command import main
 
-    rc = main(["--preset", "quick", "--device", "cpu", "--cuda-graphs", "--steps", "2", "--data", str(data),
-               "--out", str(tmp_path / "run"), "--no-progress"])
+    rc = main(
+        [
+            "--preset",
+            "quick",
+            "--device",
+            "cpu",
+            "--cuda-graphs",
+            "--steps",
+            "2",
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "run"),
+            "--no-progress",
+        ]
+    )
     assert rc == 2
     assert "cuda_graphs=True needs CUDA" in capsys.readouterr().err
 
@@ -57,12 +71,15 @@ def test_mode_train_cuda_graphs_on_a_cpu_is_a_clear_error(tmp_path, data, capsys
 def test_unsupported_combinations_are_refused(tmp_path):
     cfg = model_cfg(*LAYERS)
     with pytest.raises(ValueError, match=r"activation_checkpointing=True: not supported together"):
-        GraphedTrainStep(Trainer(cfg, train_cfg(activation_checkpointing=True), corpus(), tmp_path / "a",
-                                 progress=False), capture=False)
+        GraphedTrainStep(
+            Trainer(cfg, train_cfg(activation_checkpointing=True), corpus(), tmp_path / "a", progress=False),
+            capture=False,
+        )
     glob = model_cfg(*LAYERS, router_options={"balance_scope": "global"})
     with pytest.raises(ValueError, match=r"grad_accum=2 and a 'global' balance loss: its counting pass"):
-        GraphedTrainStep(Trainer(glob, train_cfg(grad_accum=2), corpus(), tmp_path / "b", progress=False),
-                         capture=False)
+        GraphedTrainStep(
+            Trainer(glob, train_cfg(grad_accum=2), corpus(), tmp_path / "b", progress=False), capture=False
+        )
     with pytest.raises(ValueError, match=r"warmup=0: must be an int >= 1"):
         GraphedTrainStep(Trainer(cfg, train_cfg(), corpus(), tmp_path / "c", progress=False), capture=False, warmup=0)
 
@@ -72,14 +89,17 @@ def test_the_captured_step_trains_like_the_eager_one(tmp_path, capturable_on_cpu
     """The captured code run eagerly every step (the rehearsal): the same losses, gradient norms and routing
     statistics as the trainer's own step, within float rounding (capturable AdamW forms its bias correction on
     the device, in float32)."""
-    plain = Trainer(model_cfg(*LAYERS), train_cfg(grad_accum=grad_accum), corpus(), tmp_path / "plain",
-                    progress=False)
+    plain = Trainer(model_cfg(*LAYERS), train_cfg(grad_accum=grad_accum), corpus(), tmp_path / "plain", progress=False)
     graphed = rehearsal(tmp_path, grad_accum=grad_accum)
     hist_p, hist_g = plain.run(), graphed.run()
     assert graphed.graphed.eager_steps == GRAPH_WARMUP_STEPS and graphed.graphed.sums is not None
     assert [r["step"] for r in hist_p] == [r["step"] for r in hist_g]
-    torch.testing.assert_close(torch.tensor(losses(hist_g), dtype=torch.float64),
-                               torch.tensor(losses(hist_p), dtype=torch.float64), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(losses(hist_g), dtype=torch.float64),
+        torch.tensor(losses(hist_p), dtype=torch.float64),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     norms = [[r["grad_norm"] for r in h if "grad_norm" in r] for h in (hist_p, hist_g)]
     torch.testing.assert_close(torch.tensor(norms[1]), torch.tensor(norms[0]), rtol=1e-4, atol=1e-6)
     routing = [[r["routing"] for r in h if "routing" in r] for h in (hist_p, hist_g)]
@@ -163,8 +183,16 @@ def test_checkpoints_stay_plain_and_resume_either_way(tmp_path, capturable_on_cp
 
 
 def cuda_trainer(tmp_path, name: str, cuda_graphs: bool, steps: int = 10) -> Trainer:
-    return Trainer(model_cfg(*LAYERS), train_cfg(steps=steps, eval_every=5), corpus(), tmp_path / name,
-                   progress=False, device="cuda", bf16=True, cuda_graphs=cuda_graphs)
+    return Trainer(
+        model_cfg(*LAYERS),
+        train_cfg(steps=steps, eval_every=5),
+        corpus(),
+        tmp_path / name,
+        progress=False,
+        device="cuda",
+        bf16=True,
+        cuda_graphs=cuda_graphs,
+    )
 
 
 @pytest.mark.gpu
@@ -176,8 +204,10 @@ def test_cuda_graph_training_equals_eager_on_a_gpu(tmp_path):
     hist_e, hist_g = eager.run(), graphed.run()
     assert graphed.graphed.captures == 1 and graphed.graphed.graph is not None
     torch.testing.assert_close(torch.tensor(losses(hist_g)), torch.tensor(losses(hist_e)), rtol=2e-3, atol=2e-3)
-    assert stable([r for r in hist_g if "routing" in r])[-1].keys() == stable(
-        [r for r in hist_e if "routing" in r])[-1].keys()
+    assert (
+        stable([r for r in hist_g if "routing" in r])[-1].keys()
+        == stable([r for r in hist_e if "routing" in r])[-1].keys()
+    )
 
 
 @pytest.mark.gpu

@@ -37,7 +37,7 @@ def _tree(root: Path) -> tuple[list[tuple[str, Path]], dict[str, bytes]]:
     put(stdlib, "email/README.txt", b"Notes on the email package.\n", "stdlib")
     put(stdlib, "site-packages/inside.py", b"print('the stdlib root skips its site-packages')\n")
     put(stdlib, "__pycache__/mod00.cpython-312.py", b"cached\n")
-    put(site1, "pkg/__init__.py", "\"\"\"pkg: ünïcode docstring.\"\"\"\n".encode(), "site-packages")
+    put(site1, "pkg/__init__.py", '"""pkg: ünïcode docstring."""\n'.encode(), "site-packages")
     put(site1, "pkg/core.pyi", b"def g() -> int: ...\n", "site-packages")
     put(site1, "pkg/docs/guide.md", b"# Guide\n\nUse it.\n", "site-packages")
     put(site1, "pkg/docs/api.rst", b"API\n===\n", "site-packages")
@@ -84,7 +84,7 @@ def test_files_order_split_and_what_is_left_out(tree):
         expected["val" if int(digest[:8], 16) % packages.VAL_EVERY == 0 else "train"].append(data + b"\n")
     assert info.files == len(seen) == len(want) - 1 and 0 < info.val_files < info.files  # the copy: once
     for split in ("train", "val"):
-        got = np.asarray(getattr(corpus, split)[0][0:len(getattr(corpus, split)[0])]).tobytes()
+        got = np.asarray(getattr(corpus, split)[0][0 : len(getattr(corpus, split)[0])]).tobytes()
         assert got == b"".join(expected[split]), split
     assert (info.train_bytes, info.val_bytes) == (split_tokens(corpus.train), split_tokens(corpus.val))
     assert corpus.vocab_size == 256 and info.list_sha256[:12] in corpus.source
@@ -96,8 +96,13 @@ def test_the_corpus_does_not_depend_on_where_python_is_installed(tree, tmp_path)
     moved = [(label, tmp_path / "elsewhere" / root.relative_to(tmp_path / "a")) for label, root in roots]
     shutil.copytree(tmp_path / "a", tmp_path / "elsewhere")
     b = packages.packages_corpus(moved, tmp_path / "cache2").packages
-    assert (b.list_sha256, b.crc32, b.train_bytes, b.val_bytes, b.files) == \
-           (a.list_sha256, a.crc32, a.train_bytes, a.val_bytes, a.files)
+    assert (b.list_sha256, b.crc32, b.train_bytes, b.val_bytes, b.files) == (
+        a.list_sha256,
+        a.crc32,
+        a.train_bytes,
+        a.val_bytes,
+        a.files,
+    )
     assert b.roots != a.roots  # recorded, but not part of the corpus's identity
 
 
@@ -131,8 +136,8 @@ def test_the_cache_is_reused_and_a_partial_one_is_rebuilt(tree):
 def test_fingerprint_crc_and_pickling(tree):
     roots, _, cache = tree
     corpus = packages.packages_corpus(roots, cache)
-    train = np.asarray(corpus.train[0][0:len(corpus.train[0])])
-    val = np.asarray(corpus.val[0][0:len(corpus.val[0])])
+    train = np.asarray(corpus.train[0][0 : len(corpus.train[0])])
+    val = np.asarray(corpus.val[0][0 : len(corpus.val[0])])
     fp = run_record.fingerprint(corpus)
     assert fp["crc32"] == zlib.crc32(val.tobytes(), zlib.crc32(train.tobytes())) == corpus.packages.crc32
     assert fp["list_sha256"] == corpus.packages.list_sha256 and fp["train_bytes"] == len(train)
@@ -142,7 +147,7 @@ def test_fingerprint_crc_and_pickling(tree):
     blob = pickle.dumps(corpus)
     assert len(blob) < 2000  # the path, not the bytes
     back = pickle.loads(blob)
-    assert np.array_equal(back.train[0][0:len(train)], train) and back.packages == corpus.packages
+    assert np.array_equal(back.train[0][0 : len(train)], train) and back.packages == corpus.packages
     with pytest.raises(TypeError, match="read by windows"):
         corpus.train[0][3]
 

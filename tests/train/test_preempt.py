@@ -20,9 +20,31 @@ from mode.train.preempt import EXIT_PREEMPTED, Preemption
 
 
 def train(data: Path, out: Path, *extra: str) -> int:
-    return main(["train", "--preset", "quick", "--steps", "6", "--eval-every", "3", "--log-every", "1", "--data",
-                 str(data), "--out", str(out), "--device", "cpu", "--threads", "1", "--no-progress", "--resume",
-                 "auto", *extra])
+    return main(
+        [
+            "train",
+            "--preset",
+            "quick",
+            "--steps",
+            "6",
+            "--eval-every",
+            "3",
+            "--log-every",
+            "1",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--resume",
+            "auto",
+            *extra,
+        ]
+    )
 
 
 def state(out: Path) -> tuple[dict, list]:

@@ -12,7 +12,7 @@ import pytest
 
 from mode.cli import main
 from mode.model import LMConfig
-from mode.train import Trainer, TrainConfig
+from mode.train import TrainConfig, Trainer
 from mode.train.data import Corpus
 from mode.train.progress import Progress, format_duration
 
@@ -107,8 +107,9 @@ def test_a_run_stopped_early_and_a_run_with_nothing_left_to_train():
     assert out.getvalue() == "run: step 10/10: nothing to train\n"
 
 
-@pytest.mark.parametrize("seconds, text", [(0.4, "0s"), (45, "45s"), (185, "3m05s"), (3720, "1h02m"),
-                                           (float("inf"), "?")])
+@pytest.mark.parametrize(
+    "seconds, text", [(0.4, "0s"), (45, "45s"), (185, "3m05s"), (3720, "1h02m"), (float("inf"), "?")]
+)
 def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
 
@@ -128,8 +129,14 @@ def train_cfg(steps: int) -> TrainConfig:
 
 def test_trainer_writes_the_lines_and_keeps_its_jsonl_log(tmp_path, capsys):
     out = io.StringIO()
-    t = Trainer(model_cfg("dense", "mod"), train_cfg(steps=6), corpus(), tmp_path / "a",
-                name="run", progress=Progress(every_s=0, out=out))
+    t = Trainer(
+        model_cfg("dense", "mod"),
+        train_cfg(steps=6),
+        corpus(),
+        tmp_path / "a",
+        name="run",
+        progress=Progress(every_s=0, out=out),
+    )
     t.run()
     lines = out.getvalue().splitlines()
     assert [line.split()[2] for line in lines[:-1]] == [f"{s}/6" for s in range(1, 6)]
@@ -144,8 +151,29 @@ def test_trainer_writes_the_lines_and_keeps_its_jsonl_log(tmp_path, capsys):
 
 
 def test_mode_train_no_progress_still_logs_progress_lines(data, tmp_path, capsys):
-    assert main(["train", "--preset", "quick", "--steps", "3", "--eval-every", "3", "--data", str(data),
-                 "--out", str(tmp_path / "run"), "--device", "cpu", "--threads", "1", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "quick",
+                "--steps",
+                "3",
+                "--eval-every",
+                "3",
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / "run"),
+                "--device",
+                "cpu",
+                "--threads",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert re.search(r"^mode train: step 3/3 done in \S+  loss \d+\.\d{4}  [\d,]+ tok/s$", captured.out, re.M)
     assert "\r" not in captured.out + captured.err

@@ -19,13 +19,33 @@ from mode.train.checkpoint import load_checkpoint
 
 
 def train(data: Path, out: Path, *extra: str, steps: int = 4) -> int:
-    return main(["train", "--preset", "quick", "--steps", str(steps), "--eval-every", "2", "--data", str(data),
-                 "--out", str(out), "--device", "cpu", "--threads", "1", "--no-progress", *extra])
+    return main(
+        [
+            "train",
+            "--preset",
+            "quick",
+            "--steps",
+            str(steps),
+            "--eval-every",
+            "2",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
-            if "loss" in r]
+    return [
+        (r["step"], r["loss"]) for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r
+    ]
 
 
 def assert_same_params(a: Path, b: Path) -> None:

@@ -14,8 +14,27 @@ from mode.train.checkpoint import load_checkpoint
 
 
 def train(data: Path, out: Path, *extra: str, steps: int = 3) -> int:
-    return main(["train", "--preset", "quick", "--steps", str(steps), "--eval-every", "3", "--data", str(data),
-                 "--out", str(out), "--device", "cpu", "--threads", "1", "--no-progress", *extra])
+    return main(
+        [
+            "train",
+            "--preset",
+            "quick",
+            "--steps",
+            str(steps),
+            "--eval-every",
+            "3",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def flip(path: Path) -> None:

@@ -15,12 +15,16 @@ import torch
 
 from mode.model import LMConfig
 from mode.train import TrainConfig, Trainer
-from mode.train.checkpoint import load_checkpoint
+from mode.train.checkpoint import load_checkpoint, sha256_file
 from mode.train.data import BatchSampler, Corpus, eval_batches, text_codec, token_corpus
 from mode.train.sources import load_corpus
-from mode.train.checkpoint import sha256_file
 from mode.train.tokens import (
-    META, VAL_FRACTION, TokenShard, dtype_for_vocab, open_token_folder, split_of,
+    META,
+    VAL_FRACTION,
+    TokenShard,
+    dtype_for_vocab,
+    open_token_folder,
+    split_of,
 )
 
 SEQ = 16
@@ -70,8 +74,13 @@ def test_bin_shards_open_as_memory_maps_with_the_vocab_of_meta_json(tmp_path):
     assert corpus.train[0].ids_N.dtype == np.dtype("<u2")
     assert len(corpus.train[0]) == 3000 and len(corpus.val[0]) == 400
     assert "vocab 1000" in corpus.source and corpus.tokenizer is None
-    assert corpus.record() == {"kind": "tokens", "source": corpus.source, "vocab_size": 1000,
-                               "path": corpus.path, "tokenizer": None}
+    assert corpus.record() == {
+        "kind": "tokens",
+        "source": corpus.source,
+        "vocab_size": 1000,
+        "path": corpus.path,
+        "tokenizer": None,
+    }
 
 
 def test_a_byte_corpus_records_bytes():
@@ -122,11 +131,22 @@ def test_dtype_for_vocab():
 # ----------------------------------------------------------------------------------------- the split rule
 
 
-@pytest.mark.parametrize("name, split", [
-    ("train.bin", "train"), ("val.bin", "val"), ("train_000.bin", "train"), ("val_003.bin", "val"),
-    ("edufineweb_train_000001.npy", "train"), ("edufineweb_val_000000.npy", "val"), ("shard-valid.bin", "val"),
-    ("validation.npy", "val"), ("shard_000.bin", None), ("trainer.bin", None), ("interval.bin", None),
-])
+@pytest.mark.parametrize(
+    "name, split",
+    [
+        ("train.bin", "train"),
+        ("val.bin", "val"),
+        ("train_000.bin", "train"),
+        ("val_003.bin", "val"),
+        ("edufineweb_train_000001.npy", "train"),
+        ("edufineweb_val_000000.npy", "val"),
+        ("shard-valid.bin", "val"),
+        ("validation.npy", "val"),
+        ("shard_000.bin", None),
+        ("trainer.bin", None),
+        ("interval.bin", None),
+    ],
+)
 def test_split_of_reads_the_words_of_the_name(name, split):
     assert split_of(name) == split
 
@@ -150,8 +170,8 @@ def test_one_shard_holds_out_its_last_tenth(tmp_path):
     cut = int(1000 * (1 - VAL_FRACTION))
     assert cut == 900
     assert len(corpus.train) == len(corpus.val) == 1
-    assert corpus.train[0][0:len(corpus.train[0])].tolist() == list(range(900))
-    assert corpus.val[0][0:len(corpus.val[0])].tolist() == list(range(900, 1000))
+    assert corpus.train[0][0 : len(corpus.train[0])].tolist() == list(range(900))
+    assert corpus.val[0][0 : len(corpus.val[0])].tolist() == list(range(900, 1000))
     assert "last 10% of train.bin" in corpus.source
     sampler = BatchSampler(corpus.train, 64, SEQ, seed=0)
     for _ in range(20):  # training never reads the held-out tail
@@ -174,8 +194,12 @@ def test_meta_shard_list_is_authoritative_and_its_counts_checked(tmp_path):
     write_bin(d, "a.bin", np.arange(300))
     write_bin(d, "b.bin", np.arange(100))
     write_bin(d, "train_stale.bin", np.arange(50))  # not listed: not read
-    write_meta(d, dtype="uint16", vocab_size=300, shards=[{"file": "a.bin", "split": "train", "tokens": 300},
-                                                         {"file": "b.bin", "split": "val", "tokens": 100}])
+    write_meta(
+        d,
+        dtype="uint16",
+        vocab_size=300,
+        shards=[{"file": "a.bin", "split": "train", "tokens": 300}, {"file": "b.bin", "split": "val", "tokens": 100}],
+    )
     corpus = token_corpus(d, SEQ)
     assert [p.path.name for p in corpus.train] == ["a.bin"] and [p.path.name for p in corpus.val] == ["b.bin"]
 
@@ -252,8 +276,10 @@ def test_truncated_bin_not_a_multiple_of_the_dtype(tmp_path):
     d = nanogpt_folder(tmp_path / "d")
     with open(d / "train.bin", "ab") as f:
         f.write(b"\x01")  # 6001 bytes of uint16
-    with pytest.raises(ValueError, match=lit(f"{d / 'train.bin'}: truncated: 6001 bytes is not a multiple of 2 "
-                                             "(uint16, meta.json's dtype)")):
+    with pytest.raises(
+        ValueError,
+        match=lit(f"{d / 'train.bin'}: truncated: 6001 bytes is not a multiple of 2 (uint16, meta.json's dtype)"),
+    ):
         token_corpus(d, SEQ)
 
 
@@ -261,8 +287,9 @@ def test_bin_shorter_than_meta_json_says(tmp_path):
     d = tmp_path / "d"
     write_bin(d, "train.bin", np.arange(100))
     write_meta(d, dtype="uint16", vocab_size=100, shards=[{"file": "train.bin", "tokens": 120}])
-    with pytest.raises(ValueError, match=lit(f"{d / 'train.bin'}: truncated: holds 100 tokens, meta.json says "
-                                             "tokens=120")):
+    with pytest.raises(
+        ValueError, match=lit(f"{d / 'train.bin'}: truncated: holds 100 tokens, meta.json says tokens=120")
+    ):
         token_corpus(d, SEQ)
 
 
@@ -281,8 +308,10 @@ def test_npy_of_the_wrong_dtype(tmp_path, dtype):
     d = tmp_path / "d"
     d.mkdir()
     np.save(d / "train.npy", np.arange(100).astype(dtype))
-    with pytest.raises(ValueError, match=lit(f"{d / 'train.npy'}: dtype {np.dtype(dtype)}: a shard holds token "
-                                             "ids as uint16 or uint32")):
+    with pytest.raises(
+        ValueError,
+        match=lit(f"{d / 'train.npy'}: dtype {np.dtype(dtype)}: a shard holds token ids as uint16 or uint32"),
+    ):
         token_corpus(d, SEQ)
 
 
@@ -313,22 +342,26 @@ def test_meta_dtype_must_be_uint16_or_uint32(tmp_path, dtype):
 def test_bin_without_meta_json_has_no_dtype(tmp_path):
     d = nanogpt_folder(tmp_path / "d")
     (d / META).unlink()
-    with pytest.raises(ValueError, match=lit(f"{d / 'train.bin'}: a .bin shard has no dtype of its own: write "
-                                             f"{d / META}")):
+    with pytest.raises(
+        ValueError, match=lit(f"{d / 'train.bin'}: a .bin shard has no dtype of its own: write {d / META}")
+    ):
         token_corpus(d, SEQ)
 
 
-@pytest.mark.parametrize("meta, message", [
-    ({"dtype": "uint16"}, "vocab_size=None: must be an int >= 1"),
-    ({"dtype": "uint16", "vocab_size": 0}, "vocab_size=0: must be an int >= 1"),
-    ({"dtype": "uint16", "vocab_size": 70_000}, "vocab_size=70000 does not fit dtype uint16 (at most 65536 ids)"),
-    ({"dtype": "uint16", "vocab_size": 10, "vocab": 10}, "unknown key 'vocab'"),
-    ({"dtype": "uint16", "vocab_size": 10, "format": "other"}, "format='other': must be 'mode-tokens'"),
-    ({"dtype": "uint16", "vocab_size": 10, "version": 2}, "version=2: this mode reads version 1"),
-    ({"dtype": "uint16", "vocab_size": 10, "shards": [{"file": "../x.bin"}]}, "must be a file name inside"),
-    ({"dtype": "uint16", "vocab_size": 10, "shards": [{"file": "nope.bin"}]}, "'nope.bin': must be 'train' or"),
-    ({"dtype": "uint16", "vocab_size": 10, "tokenizer": {"path": "missing.json"}}, "'missing.json': no such file"),
-])
+@pytest.mark.parametrize(
+    "meta, message",
+    [
+        ({"dtype": "uint16"}, "vocab_size=None: must be an int >= 1"),
+        ({"dtype": "uint16", "vocab_size": 0}, "vocab_size=0: must be an int >= 1"),
+        ({"dtype": "uint16", "vocab_size": 70_000}, "vocab_size=70000 does not fit dtype uint16 (at most 65536 ids)"),
+        ({"dtype": "uint16", "vocab_size": 10, "vocab": 10}, "unknown key 'vocab'"),
+        ({"dtype": "uint16", "vocab_size": 10, "format": "other"}, "format='other': must be 'mode-tokens'"),
+        ({"dtype": "uint16", "vocab_size": 10, "version": 2}, "version=2: this mode reads version 1"),
+        ({"dtype": "uint16", "vocab_size": 10, "shards": [{"file": "../x.bin"}]}, "must be a file name inside"),
+        ({"dtype": "uint16", "vocab_size": 10, "shards": [{"file": "nope.bin"}]}, "'nope.bin': must be 'train' or"),
+        ({"dtype": "uint16", "vocab_size": 10, "tokenizer": {"path": "missing.json"}}, "'missing.json': no such file"),
+    ],
+)
 def test_bad_meta_json(tmp_path, meta, message):
     d = nanogpt_folder(tmp_path / "d")
     write_meta(d, **meta)
@@ -389,8 +422,13 @@ def test_shards_too_short_for_a_window(tmp_path):
     write_bin(d, "train_001.bin", np.arange(5))
     write_bin(d, "val.bin", np.arange(100))
     write_meta(d, dtype="uint16", vocab_size=100)
-    with pytest.raises(ValueError, match=lit(f"no training shard holds more than seq_len + 1 = {SEQ + 1} tokens "
-                                             f"(the longest holds {SEQ + 1}; windows never cross a shard's end)")):
+    with pytest.raises(
+        ValueError,
+        match=lit(
+            f"no training shard holds more than seq_len + 1 = {SEQ + 1} tokens "
+            f"(the longest holds {SEQ + 1}; windows never cross a shard's end)"
+        ),
+    ):
         token_corpus(d, SEQ)
     corpus = token_corpus(d)  # without seq_len: the sampler says it
     with pytest.raises(ValueError, match=lit(f"data has {SEQ + 6} tokens in 2 shards, none longer than {SEQ + 1}")):
@@ -406,8 +444,13 @@ def test_token_id_at_or_above_vocab_fails_when_its_window_is_read(tmp_path):
     write_bin(d, "val.bin", np.arange(100))
     write_meta(d, dtype="uint16", vocab_size=512)
     corpus = token_corpus(d, SEQ)  # opening reads no ids
-    with pytest.raises(ValueError, match=lit(f"{d / 'train.bin'}: token id 512 at position {SEQ // 2} is >= "
-                                             "vocab_size=512; every id must be < vocab_size")):
+    with pytest.raises(
+        ValueError,
+        match=lit(
+            f"{d / 'train.bin'}: token id 512 at position {SEQ // 2} is >= "
+            "vocab_size=512; every id must be < vocab_size"
+        ),
+    ):
         BatchSampler(corpus.train, 2, SEQ, seed=0).next()
 
 
@@ -430,8 +473,9 @@ def test_a_model_vocab_below_the_data_vocab_is_refused(tmp_path):
 
 def test_training_on_shards_resumes_to_the_same_batches_and_losses(tmp_path):
     corpus = token_corpus(counting_folder(tmp_path / "d", [400, 300, 500]), SEQ)
-    cfg = LMConfig(vocab_size=corpus.vocab_size, seq_len=SEQ, d_model=16, n_heads=2, d_hidden=32,
-                   layers=("dense", "mod"))
+    cfg = LMConfig(
+        vocab_size=corpus.vocab_size, seq_len=SEQ, d_model=16, n_heads=2, d_hidden=32, layers=("dense", "mod")
+    )
     tcfg = TrainConfig(steps=4, batch_size=4, warmup_steps=1, eval_every=2, eval_batches=1, log_every=1)
     straight = Trainer(cfg, tcfg, corpus, tmp_path / "a", progress=False).run()
     first = Trainer(cfg, tcfg, corpus, tmp_path / "b", progress=False)
@@ -459,17 +503,22 @@ def test_a_byte_checkpoint_decodes_bytes_and_refuses_a_tokenizer(tmp_path):
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory) -> Path:
     """A byte-level BPE of 512 ids trained here on a slice of the built-in corpus, saved as tokenizer.json."""
-    tokenizers = pytest.importorskip("tokenizers", reason="token data needs the tokenizers package "
-                                                          "(pip install 'mode-torch[tokens]')")
+    tokenizers = pytest.importorskip(
+        "tokenizers", reason="token data needs the tokenizers package (pip install 'mode-torch[tokens]')"
+    )
     from mode.train.data import stdlib_corpus
 
     text = bytes(stdlib_corpus(max_bytes=1_000_000).train[:200_000]).decode("utf-8", "replace")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"], show_progress=False,
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([text[i:i + 10_000] for i in range(0, len(text), 10_000)], trainer)
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([text[i : i + 10_000] for i in range(0, len(text), 10_000)], trainer)
     path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
     tok.save(str(path))
     assert tok.get_vocab_size() == 512
@@ -481,8 +530,22 @@ def shards(bpe, tmp_path_factory) -> Path:
     from mode.cli import main
 
     out = tmp_path_factory.mktemp("tok") / "shards"
-    assert main(["tokenize", "--tokenizer", str(bpe), "--out", str(out), "--max-bytes", "1000000",
-                 "--shard-tokens", "100000"]) == 0
+    assert (
+        main(
+            [
+                "tokenize",
+                "--tokenizer",
+                str(bpe),
+                "--out",
+                str(out),
+                "--max-bytes",
+                "1000000",
+                "--shard-tokens",
+                "100000",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -505,7 +568,7 @@ def test_tokenize_builtin_corpus_writes_shards_and_meta(shards, bpe):
     tok = Tokenizer.from_file(str(bpe))
     twentieth = stdlib_sources()[VAL_EVERY_NTH_FILE - 1].read_bytes().decode("utf-8", "replace")
     expected = tok.encode(twentieth, add_special_tokens=False).ids
-    got = np.fromfile(shards / val[0]["file"], dtype="<u2")[:len(expected)]
+    got = np.fromfile(shards / val[0]["file"], dtype="<u2")[: len(expected)]
     assert got.tolist() == expected
     corpus = token_corpus(shards, 64)
     assert corpus.vocab_size == 512 and corpus.tokenizer.sha256 == sha256_file(bpe)
@@ -522,9 +585,10 @@ def test_tokenize_one_file_round_trips_and_splits_by_tokens(bpe, tmp_path):
     src.write_text(text, encoding="utf-8")
     meta = tokenize(bpe, tmp_path / "out", src, shard_tokens=1000, eot="<|endoftext|>")
     tok = Tokenizer.from_file(str(bpe))
-    ids = np.concatenate([np.fromfile(tmp_path / "out" / s.file, dtype="<u2") for s in meta.shards
-                          if s.split == "train"] + [np.fromfile(tmp_path / "out" / s.file, dtype="<u2")
-                                                    for s in meta.shards if s.split == "val"])
+    ids = np.concatenate(
+        [np.fromfile(tmp_path / "out" / s.file, dtype="<u2") for s in meta.shards if s.split == "train"]
+        + [np.fromfile(tmp_path / "out" / s.file, dtype="<u2") for s in meta.shards if s.split == "val"]
+    )
     eot = tok.token_to_id("<|endoftext|>")
     assert ids[-1] == eot and tok.decode(ids[:-1].tolist()) == text  # lossless, eot after the document
     n_val = sum(s.tokens for s in meta.shards if s.split == "val")
@@ -592,15 +656,36 @@ def test_train_sample_and_report_on_token_shards(shards, bpe, tmp_path, capsys):
     from mode.measure.flops import forward_flops
 
     run = tmp_path / "run"
-    assert main(["train", "--preset", "quick", "--data", str(shards), "--steps", "3", "--eval-every", "3",
-                 "--threads", "1", "--out", str(run), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "quick",
+                "--data",
+                str(shards),
+                "--steps",
+                "3",
+                "--eval-every",
+                "3",
+                "--threads",
+                "1",
+                "--out",
+                str(run),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "vocab 512" in out
     state = load_checkpoint(run / "ckpt.pt")
     assert state["model_cfg"]["vocab_size"] == 512
     assert state["data"]["kind"] == "tokens" and state["data"]["vocab_size"] == 512
-    assert state["data"]["tokenizer"] == {"path": str((shards / "tokenizer.json").resolve()),
-                                          "sha256": sha256_file(bpe)}
+    assert state["data"]["tokenizer"] == {
+        "path": str((shards / "tokenizer.json").resolve()),
+        "sha256": sha256_file(bpe),
+    }
     assert state["model"]["embed.weight"].shape[0] == 512
     cfg = LMConfig(**state["model_cfg"])
     assert forward_flops(cfg)[-1].total == 2 * cfg.seq_len * cfg.d_model * 512  # the head follows the vocab
@@ -611,6 +696,7 @@ def test_train_sample_and_report_on_token_shards(shards, bpe, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("--- prompt: 'def '\ndef ")
     from tokenizers import Tokenizer
+
     from mode.model.generate import generate
     from mode.train import load_model
 
@@ -633,8 +719,10 @@ def test_train_sample_and_report_on_token_shards(shards, bpe, tmp_path, capsys):
         assert main(["sample", str(run / "ckpt.pt"), "--max-new-tokens", "2", "--threads", "1"]) == 2
         err = capsys.readouterr().err
         assert "which is missing; pass --tokenizer PATH to a copy of it" in err
-        assert main(["sample", str(run / "ckpt.pt"), "--max-new-tokens", "2", "--threads", "1",
-                     "--tokenizer", str(moved)]) == 0
+        assert (
+            main(["sample", str(run / "ckpt.pt"), "--max-new-tokens", "2", "--threads", "1", "--tokenizer", str(moved)])
+            == 0
+        )
         capsys.readouterr()
         moved.write_text(moved.read_text().replace('"<|endoftext|>"', '"<|eot|>"'))
         assert main(["sample", str(run / "ckpt.pt"), "--max-new-tokens", "2", "--tokenizer", str(moved)]) == 2

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from mode.train.checkpoint import load_checkpoint
-from mode.train.data import Corpus
 from mode.measure.flops import train_flops_per_token
 from mode.model import LMConfig
-from mode.train import Trainer, TrainConfig, evaluate, load_model, lr_at
+from mode.train import TrainConfig, Trainer, evaluate, load_model, lr_at
+from mode.train.checkpoint import load_checkpoint
+from mode.train.data import Corpus
 
 SEQ, BATCH, STEPS = 16, 4, 12
 VOLATILE = ("wall", "tok_s", "mfu", "mfu_measured")  # timing fields differ between runs (mfu: logged on a known GPU)
@@ -31,15 +31,24 @@ def corpus() -> Corpus:
 
 
 def model_cfg(*layers: str, **kw) -> LMConfig:
-    base = dict(seq_len=SEQ, d_model=16, n_heads=2, d_hidden=32, layers=layers, num_experts=4, capacity=0.25,
-                num_noop=1 if "integrated" in layers else 0)
+    base = dict(
+        seq_len=SEQ,
+        d_model=16,
+        n_heads=2,
+        d_hidden=32,
+        layers=layers,
+        num_experts=4,
+        capacity=0.25,
+        num_noop=1 if "integrated" in layers else 0,
+    )
     base.update(kw)
     return LMConfig(**base)
 
 
 def train_cfg(**kw) -> TrainConfig:
-    base = dict(steps=STEPS, batch_size=BATCH, lr=3e-3, warmup_steps=3, eval_every=4, eval_batches=2, log_every=1,
-                seed=0)
+    base = dict(
+        steps=STEPS, batch_size=BATCH, lr=3e-3, warmup_steps=3, eval_every=4, eval_batches=2, log_every=1, seed=0
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -78,8 +87,9 @@ def test_two_seeded_runs_are_identical(tmp_path):
 
 
 def test_loss_goes_down(tmp_path):
-    t = Trainer(model_cfg("dense", "mod"), train_cfg(steps=30, lr=1e-2, eval_every=30), corpus(), tmp_path,
-                progress=False)
+    t = Trainer(
+        model_cfg("dense", "mod"), train_cfg(steps=30, lr=1e-2, eval_every=30), corpus(), tmp_path, progress=False
+    )
     hist = t.run()
     losses = [r["loss"] for r in hist if "loss" in r]
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5
@@ -150,7 +160,7 @@ def test_lr_schedule_hand_computed():
     assert lr_at(10, cfg) == pytest.approx(1e-3)  # cosine starts at the peak
     assert lr_at(55, cfg) == pytest.approx(0.55e-3)  # half-way: min + (peak - min) / 2
     # a quarter of the way: 1e-4 + 9e-4 * (1 + cos(pi / 4)) / 2
-    assert lr_at(32.5, cfg) == pytest.approx(1e-4 + 9e-4 * (1 + 2 ** -0.5) / 2)
+    assert lr_at(32.5, cfg) == pytest.approx(1e-4 + 9e-4 * (1 + 2**-0.5) / 2)
     assert lr_at(100, cfg) == pytest.approx(1e-4)  # the floor at the end ...
     assert lr_at(500, cfg) == pytest.approx(1e-4)  # ... and after it
     lrs = [lr_at(s, cfg) for s in range(10, 101)]
@@ -196,8 +206,9 @@ def test_log_jsonl_records(tmp_path):
 
 
 def test_load_model_gives_the_same_validation_loss(tmp_path):
-    t = Trainer(model_cfg("mod", "staged", "integrated"), train_cfg(steps=6, eval_every=100), corpus(), tmp_path,
-                progress=False)
+    t = Trainer(
+        model_cfg("mod", "staged", "integrated"), train_cfg(steps=6, eval_every=100), corpus(), tmp_path, progress=False
+    )
     hist = t.run()
     model, state = load_model(tmp_path / "ckpt.pt")
     assert state["step"] == 6
@@ -224,13 +235,16 @@ def test_evaluate_restores_training_mode():
 # ----------------------------------------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("field,value,msg", [
-    ("steps", 0, "steps=0: must be >= 1"),
-    ("lr", 0.0, "lr=0.0: must be finite and > 0"),
-    ("min_lr_ratio", 1.5, "min_lr_ratio=1.5: must be in (0, 1]"),
-    ("warmup_steps", -1, "warmup_steps=-1: must be >= 0"),
-    ("grad_clip", -1.0, "grad_clip=-1.0: must be finite and > 0"),
-])
+@pytest.mark.parametrize(
+    "field,value,msg",
+    [
+        ("steps", 0, "steps=0: must be >= 1"),
+        ("lr", 0.0, "lr=0.0: must be finite and > 0"),
+        ("min_lr_ratio", 1.5, "min_lr_ratio=1.5: must be in (0, 1]"),
+        ("warmup_steps", -1, "warmup_steps=-1: must be >= 0"),
+        ("grad_clip", -1.0, "grad_clip=-1.0: must be finite and > 0"),
+    ],
+)
 def test_train_config_errors(field, value, msg):
     with pytest.raises(ValueError, match=re.escape(msg)):
         TrainConfig(**{field: value})
@@ -239,8 +253,18 @@ def test_train_config_errors(field, value, msg):
 # ------------------------------------------------------------------------------------- the runtime seam
 
 
-RUNTIME_METHODS = ("describe", "guard", "prepare", "rows", "sum_scalars", "mean_over_ranks", "clip_grad_norm_",
-                   "reduce_routing", "save", "load")
+RUNTIME_METHODS = (
+    "describe",
+    "guard",
+    "prepare",
+    "rows",
+    "sum_scalars",
+    "mean_over_ranks",
+    "clip_grad_norm_",
+    "reduce_routing",
+    "save",
+    "load",
+)
 
 
 class RecordingRuntime:
@@ -296,8 +320,13 @@ def test_one_process_reads_the_step_scalars_in_one_transfer():
     from mode.train.runtime import OneProcess, to_device
 
     with torch.device("cpu"):  # the CPU runtime with CPU tensors, whatever the test device
-        values = [torch.tensor(1 / 3), torch.tensor(2 / 3, dtype=torch.float64),
-                  torch.tensor(1 / 7, dtype=torch.bfloat16), 5.0, 1]
+        values = [
+            torch.tensor(1 / 3),
+            torch.tensor(2 / 3, dtype=torch.float64),
+            torch.tensor(1 / 7, dtype=torch.bfloat16),
+            5.0,
+            1,
+        ]
         t = torch.arange(6).reshape(2, 3)
     rt = OneProcess(torch.device("cpu"))
     with HostSyncCounter() as syncs:
@@ -317,10 +346,17 @@ def test_realized_flops_reach_the_step_sync_unread(tmp_path):
             return super().sum_scalars(values)
 
     seen: list = []
-    plain = Trainer(model_cfg("moe", "integrated"), train_cfg(steps=2, grad_accum=2), corpus(), tmp_path / "plain",
-                    progress=False)
-    spied = Trainer(model_cfg("moe", "integrated"), train_cfg(steps=2, grad_accum=2), corpus(), tmp_path / "spy",
-                    progress=False, runtime=Spy(torch.device("cpu")))
+    plain = Trainer(
+        model_cfg("moe", "integrated"), train_cfg(steps=2, grad_accum=2), corpus(), tmp_path / "plain", progress=False
+    )
+    spied = Trainer(
+        model_cfg("moe", "integrated"),
+        train_cfg(steps=2, grad_accum=2),
+        corpus(),
+        tmp_path / "spy",
+        progress=False,
+        runtime=Spy(torch.device("cpu")),
+    )
     assert stable(spied.run()) == stable(plain.run())
     assert seen and all(types[:2] == [torch.Tensor, torch.Tensor] for types in seen), seen
 
@@ -339,8 +375,15 @@ def test_bf16_cuda_training_step_syncs_once(tmp_path):
     before = torch.get_default_device()
     torch.set_default_device(None)
     try:
-        t = Trainer(model_cfg("moe", "integrated", "staged"), train_cfg(steps=4), corpus(), tmp_path, progress=False,
-                    device="cuda", bf16=True)
+        t = Trainer(
+            model_cfg("moe", "integrated", "staged"),
+            train_cfg(steps=4),
+            corpus(),
+            tmp_path,
+            progress=False,
+            device="cuda",
+            bf16=True,
+        )
         t.train_step()
         torch.cuda.synchronize()
         with CudaSyncCounter() as syncs:
@@ -354,8 +397,15 @@ def test_runtime_errors(tmp_path):
     with pytest.raises(TypeError, match=r"runtime=str: must implement mode.train.runtime.Runtime"):
         Trainer(model_cfg("dense"), train_cfg(), corpus(), tmp_path, progress=False, runtime="cpu")
     with pytest.raises(ValueError, match=r"mesh and runtime: give one of them"):
-        Trainer(model_cfg("dense"), train_cfg(), corpus(), tmp_path, progress=False, runtime=RecordingRuntime(),
-                mesh=object())
+        Trainer(
+            model_cfg("dense"),
+            train_cfg(),
+            corpus(),
+            tmp_path,
+            progress=False,
+            runtime=RecordingRuntime(),
+            mesh=object(),
+        )
 
 
 def test_without_registered_extensions_train_names_what_is_missing(tmp_path, monkeypatch):
@@ -365,11 +415,17 @@ def test_without_registered_extensions_train_names_what_is_missing(tmp_path, mon
 
     monkeypatch.setattr(runtime, "_mesh_runtimes", [])
     monkeypatch.setattr(checkpoint, "_folder_readers", [])
-    with pytest.raises(ValueError, match=r"mesh: no mesh runtime is registered; build the mesh with "
-                                         r"mode.parallel.build_mesh"):
+    with pytest.raises(
+        ValueError,
+        match=r"mesh: no mesh runtime is registered; build the mesh with "
+        r"mode.parallel.build_mesh",
+    ):
         Trainer(model_cfg("dense"), train_cfg(), corpus(), tmp_path, progress=False, mesh=object())
-    with pytest.raises(checkpoint.CheckpointError, match=r"a folder, and no reader of checkpoint folders is "
-                                                         r"registered"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"a folder, and no reader of checkpoint folders is "
+        r"registered",
+    ):
         load_checkpoint(tmp_path)
 
 

@@ -25,14 +25,13 @@ import pytest
 import ties
 import torch
 
-from mode.model import LM, LMConfig
-from mode.model import checkpointing
+from mode.model import LM, LMConfig, checkpointing
 from mode.model.checkpointing import checkpoint_blocks, is_checkpointed, preserved_buffers
-from mode.train import Trainer, TrainConfig
+from mode.train import TrainConfig, Trainer
 from mode.train.accumulate import GradAccumulation, global_balance_routers
-from mode.train.progress import Progress
 from mode.train.data import Corpus
 from mode.train.log_sinks import known_peak_tflops
+from mode.train.progress import Progress
 from mode.train.runtime import OneProcess
 
 SEQ, BATCH = 16, 8
@@ -47,16 +46,33 @@ def corpus() -> Corpus:
 
 
 def model_cfg(*layers: str, **kw) -> LMConfig:
-    base = dict(seq_len=SEQ, d_model=16, n_heads=2, d_hidden=32, layers=layers, num_experts=4, capacity=0.25,
-                num_noop=1 if "integrated" in layers else 0)
+    base = dict(
+        seq_len=SEQ,
+        d_model=16,
+        n_heads=2,
+        d_hidden=32,
+        layers=layers,
+        num_experts=4,
+        capacity=0.25,
+        num_noop=1 if "integrated" in layers else 0,
+    )
     base.update(kw)
     return LMConfig(**base)
 
 
 def train_cfg(**kw) -> TrainConfig:
     # grad_clip out of the way: the gradients compared are the raw ones
-    base = dict(steps=3, batch_size=BATCH, lr=1e-3, warmup_steps=1, eval_every=3, eval_batches=1, log_every=1,
-                grad_clip=1e9, seed=0)
+    base = dict(
+        steps=3,
+        batch_size=BATCH,
+        lr=1e-3,
+        warmup_steps=1,
+        eval_every=3,
+        eval_batches=1,
+        log_every=1,
+        grad_clip=1e9,
+        seed=0,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -109,8 +125,9 @@ def test_grad_accum_equals_the_whole_batch(tmp_path, name, n):
     assert s1["layers"].keys() == sn["layers"].keys()
     for key in s1["overall"]:
         assert math.isclose(sn["overall"][key], s1["overall"][key], rel_tol=1e-6, abs_tol=1e-6), key
-    assert sum(v.sum().item() for k, v in tn.routing.sums.items() if k.endswith("tokens")) == \
-        sum(v.sum().item() for k, v in t1.routing.sums.items() if k.endswith("tokens"))
+    assert sum(v.sum().item() for k, v in tn.routing.sums.items() if k.endswith("tokens")) == sum(
+        v.sum().item() for k, v in t1.routing.sums.items() if k.endswith("tokens")
+    )
 
 
 def test_grad_accum_curve_equals_the_whole_batch(tmp_path):
@@ -229,8 +246,11 @@ def test_random_mod_needs_its_draws_replayed(monkeypatch):
     ac.load_state_dict(plain.state_dict())
     checkpoint_blocks(ac)
     real = checkpointing.checkpoint
-    monkeypatch.setattr(checkpointing, "checkpoint",
-                        lambda fn, *a, **k: real(fn, *a, **{**k, "preserve_rng_state": False, "determinism_check": "none"}))
+    monkeypatch.setattr(
+        checkpointing,
+        "checkpoint",
+        lambda fn, *a, **k: real(fn, *a, **{**k, "preserve_rng_state": False, "determinism_check": "none"}),
+    )
     x = torch.randint(0, 256, (4, SEQ))
     g1, _, _ = _grads_and_buffers(plain, x, seed=5)
     g2, _, _ = _grads_and_buffers(ac, x, seed=5)
@@ -242,8 +262,11 @@ def test_recompute_without_restored_buffers_would_count_twice(monkeypatch):
     torch.manual_seed(0)
     model = LM(cfg)
     checkpoint_blocks(model)
-    monkeypatch.setattr(checkpointing.CheckpointedForward, "_contexts",
-                        lambda self: (contextlib.nullcontext(), contextlib.nullcontext()))
+    monkeypatch.setattr(
+        checkpointing.CheckpointedForward,
+        "_contexts",
+        lambda self: (contextlib.nullcontext(), contextlib.nullcontext()),
+    )
     _, buffers, _ = _grads_and_buffers(model, torch.randint(0, 256, (4, SEQ)), seed=5)
     assert buffers["layers.0.mlp.router.load_X"].sum().item() == 2 * 4 * SEQ * 2
 
@@ -255,8 +278,9 @@ def test_trainer_with_activation_checkpointing_trains_the_same_run(tmp_path, n):
     drop = ("wall", "tok_s", "mfu", "mfu_measured")
     plain = Trainer(cfg, train_cfg(grad_accum=n), corpus(), tmp_path / "plain", progress=False)
     h1 = [{k: v for k, v in r.items() if k not in drop} for r in plain.run()]  # (the random MoD layer draws
-    ac = Trainer(cfg, train_cfg(grad_accum=n, activation_checkpointing=True), corpus(), tmp_path / "ac",
-                 progress=False)  # from the global RNG, which each trainer seeds: one after the other)
+    ac = Trainer(
+        cfg, train_cfg(grad_accum=n, activation_checkpointing=True), corpus(), tmp_path / "ac", progress=False
+    )  # from the global RNG, which each trainer seeds: one after the other)
     assert all(is_checkpointed(layer) for layer in ac.model.layers)
     h2 = [{k: v for k, v in r.items() if k not in drop} for r in ac.run()]
     assert h1 == h2  # bit for bit on the CPU: the same operations, recomputed
@@ -323,8 +347,13 @@ class _Terminal(io.StringIO):
 
 def test_mfu_against_a_given_peak(tmp_path):
     term = _Terminal()
-    t = Trainer(model_cfg("dense", "moe"), train_cfg(peak_tflops=0.5), corpus(), tmp_path,
-                progress=Progress(err=term, out=io.StringIO()))
+    t = Trainer(
+        model_cfg("dense", "moe"),
+        train_cfg(peak_tflops=0.5),
+        corpus(),
+        tmp_path,
+        progress=Progress(err=term, out=io.StringIO()),
+    )
     hist = t.run()
     last = [r for r in hist if "loss" in r][-1]
     assert last["mfu"] == pytest.approx(last["flops"] / last["wall"] / 0.5e12)
@@ -333,19 +362,22 @@ def test_mfu_against_a_given_peak(tmp_path):
     assert "tok_s=" in bar and re.search(r"mfu=\d+\.\d%", bar), bar[-400:]
 
 
-@pytest.mark.parametrize("device_name,expected", [
-    ("NVIDIA H100 80GB HBM3", ("H100 SXM", 989.0)),
-    ("NVIDIA H100 PCIe", ("H100 PCIe", 756.0)),
-    ("NVIDIA H100 NVL", ("H100 NVL", 835.0)),
-    ("NVIDIA H200", ("H200 SXM", 989.0)),
-    ("NVIDIA A100-SXM4-80GB", ("A100", 312.0)),
-    ("NVIDIA A100 80GB PCIe", ("A100", 312.0)),
-    ("NVIDIA L4", ("L4", 121.0)),
-    ("NVIDIA A10", ("A10", 125.0)),
-    ("NVIDIA A10G", None),
-    ("NVIDIA GeForce RTX 4090", ("GeForce RTX 4090", 165.2)),
-    ("Tesla T4", None),
-])
+@pytest.mark.parametrize(
+    "device_name,expected",
+    [
+        ("NVIDIA H100 80GB HBM3", ("H100 SXM", 989.0)),
+        ("NVIDIA H100 PCIe", ("H100 PCIe", 756.0)),
+        ("NVIDIA H100 NVL", ("H100 NVL", 835.0)),
+        ("NVIDIA H200", ("H200 SXM", 989.0)),
+        ("NVIDIA A100-SXM4-80GB", ("A100", 312.0)),
+        ("NVIDIA A100 80GB PCIe", ("A100", 312.0)),
+        ("NVIDIA L4", ("L4", 121.0)),
+        ("NVIDIA A10", ("A10", 125.0)),
+        ("NVIDIA A10G", None),
+        ("NVIDIA GeForce RTX 4090", ("GeForce RTX 4090", 165.2)),
+        ("Tesla T4", None),
+    ],
+)
 def test_known_peak_rates(device_name, expected):
     assert known_peak_tflops(device_name) == expected
 
@@ -369,8 +401,12 @@ def test_tensorboard_event_files_hold_the_scalars(tmp_path):
 
 def test_tensorboard_missing_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
-    with pytest.raises(ValueError, match=re.escape("tensorboard=True: needs the tensorboard package") + ".*"
-                                         + re.escape("pip install 'mode-torch[tb]'")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("tensorboard=True: needs the tensorboard package")
+        + ".*"
+        + re.escape("pip install 'mode-torch[tb]'"),
+    ):
         Trainer(model_cfg("dense"), train_cfg(tensorboard=True), corpus(), tmp_path, progress=False)
 
 
@@ -380,22 +416,36 @@ def test_tensorboard_missing_names_the_extra(tmp_path, monkeypatch):
 def test_mode_train_flags():
     from mode.parallel.command import build_parser, configs
 
-    args = build_parser().parse_args(["--preset", "small", "--grad-accum", "2", "--ac", "--tensorboard",
-                                      "--peak-tflops", "312"])
+    args = build_parser().parse_args(
+        ["--preset", "small", "--grad-accum", "2", "--ac", "--tensorboard", "--peak-tflops", "312"]
+    )
     _, tcfg, _ = configs(args)
-    assert (tcfg.grad_accum, tcfg.activation_checkpointing, tcfg.tensorboard, tcfg.peak_tflops) == (2, True, True, 312.0)
+    assert (tcfg.grad_accum, tcfg.activation_checkpointing, tcfg.tensorboard, tcfg.peak_tflops) == (
+        2,
+        True,
+        True,
+        312.0,
+    )
     _, tcfg, _ = configs(build_parser().parse_args([]))
-    assert (tcfg.grad_accum, tcfg.activation_checkpointing, tcfg.tensorboard, tcfg.peak_tflops) == (1, False, False, None)
+    assert (tcfg.grad_accum, tcfg.activation_checkpointing, tcfg.tensorboard, tcfg.peak_tflops) == (
+        1,
+        False,
+        False,
+        None,
+    )
 
 
-@pytest.mark.parametrize("kw,exc,msg", [
-    (dict(grad_accum=0), ValueError, "grad_accum=0: must be >= 1"),
-    (dict(grad_accum=2.0), TypeError, "grad_accum=2.0: must be an int"),
-    (dict(grad_accum=3), ValueError, "grad_accum=3: must divide batch_size=8"),
-    (dict(activation_checkpointing=1), TypeError, "activation_checkpointing=1: must be a bool"),
-    (dict(tensorboard="yes"), TypeError, "tensorboard='yes': must be a bool"),
-    (dict(peak_tflops=0.0), ValueError, "peak_tflops=0.0: must be finite and > 0"),
-])
+@pytest.mark.parametrize(
+    "kw,exc,msg",
+    [
+        (dict(grad_accum=0), ValueError, "grad_accum=0: must be >= 1"),
+        (dict(grad_accum=2.0), TypeError, "grad_accum=2.0: must be an int"),
+        (dict(grad_accum=3), ValueError, "grad_accum=3: must divide batch_size=8"),
+        (dict(activation_checkpointing=1), TypeError, "activation_checkpointing=1: must be a bool"),
+        (dict(tensorboard="yes"), TypeError, "tensorboard='yes': must be a bool"),
+        (dict(peak_tflops=0.0), ValueError, "peak_tflops=0.0: must be finite and > 0"),
+    ],
+)
 def test_train_config_errors(kw, exc, msg):
     with pytest.raises(exc, match=re.escape(msg)):
         train_cfg(**kw)
@@ -406,17 +456,34 @@ class TwoProcesses(OneProcess):
 
 
 def test_grad_accum_must_divide_each_process_rows(tmp_path):
-    with pytest.raises(ValueError, match=re.escape("grad_accum=8: must divide the rows each process trains on, "
-                                                   "batch_size / processes = 8 / 2 = 4")):
-        Trainer(model_cfg("dense"), train_cfg(grad_accum=8), corpus(), tmp_path, progress=False,
-                runtime=TwoProcesses(torch.device("cpu")))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "grad_accum=8: must divide the rows each process trains on, batch_size / processes = 8 / 2 = 4"
+        ),
+    ):
+        Trainer(
+            model_cfg("dense"),
+            train_cfg(grad_accum=8),
+            corpus(),
+            tmp_path,
+            progress=False,
+            runtime=TwoProcesses(torch.device("cpu")),
+        )
 
 
 def test_activation_checkpointing_with_compile_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=re.escape("activation_checkpointing=True with compile=True: not "
-                                                   "supported together yet")):
-        Trainer(model_cfg("dense"), train_cfg(activation_checkpointing=True), corpus(), tmp_path, progress=False,
-                compile=True)
+    with pytest.raises(
+        ValueError, match=re.escape("activation_checkpointing=True with compile=True: not supported together yet")
+    ):
+        Trainer(
+            model_cfg("dense"),
+            train_cfg(activation_checkpointing=True),
+            corpus(),
+            tmp_path,
+            progress=False,
+            compile=True,
+        )
 
 
 def test_checkpoint_blocks_needs_blocks():
@@ -434,8 +501,21 @@ def test_mode_train_refuses_a_grad_accum_that_does_not_divide_the_batch(capsys):
 def test_run_identity_keeps_old_records_resumable():
     """mode compare / mode isoflop resume only the same run: the new fields that change nothing computed stay out
     of the recorded identity, and grad_accum only enters it when it is not 1."""
-    old = {"steps", "batch_size", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "eval_every",
-           "eval_batches", "log_every", "ckpt_every", "stats_every", "seed"}
+    old = {
+        "steps",
+        "batch_size",
+        "lr",
+        "min_lr_ratio",
+        "warmup_steps",
+        "weight_decay",
+        "grad_clip",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "ckpt_every",
+        "stats_every",
+        "seed",
+    }
     assert set(TrainConfig().identity()) == old
     assert set(TrainConfig(activation_checkpointing=True, tensorboard=True, peak_tflops=9.0).identity()) == old
     assert TrainConfig(grad_accum=2).identity()["grad_accum"] == 2

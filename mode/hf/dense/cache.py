@@ -81,8 +81,10 @@ class MoDCacheLayer(DynamicLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         if self._staged is None:
-            raise RuntimeError("MoDCacheLayer.update was called without a staged write: only a layer converted "
-                               "by mode.hf.to_mod can write to this cache layer")
+            raise RuntimeError(
+                "MoDCacheLayer.update was called without a staged write: only a layer converted "
+                "by mode.hf.to_mod can write to this cache layer"
+            )
         valid_BC, slot_BC, seq_len = self._staged
         self._staged = None
         if not self.is_initialized:
@@ -128,9 +130,11 @@ class MoDCacheLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove == 0:
             return
-        raise ValueError(f"crop({tokens_to_remove}): a MoD layer's sparse KV cache cannot be cropped (it does not "
-                         "keep which dense tokens it dropped in a way a rollback could undo), so assisted and "
-                         "speculative decoding are not supported with mode.hf MoD layers")
+        raise ValueError(
+            f"crop({tokens_to_remove}): a MoD layer's sparse KV cache cannot be cropped (it does not "
+            "keep which dense tokens it dropped in a way a rollback could undo), so assisted and "
+            "speculative decoding are not supported with mode.hf MoD layers"
+        )
 
     def _rows(self, fn) -> None:
         if not self.is_initialized:
@@ -157,11 +161,13 @@ def mod_cache_layer(cache: object, layer_idx: int) -> MoDCacheLayer:
     """The MoD cache layer at ``layer_idx`` of ``cache``, installed in place of transformers' own the first
     time the converted layer meets this cache. Refuses caches whose layout it cannot keep sparse."""
     if not isinstance(cache, Cache):
-        raise ValueError(f"past_key_values={type(cache).__name__}: MoD layers need a transformers Cache "
-                         "(a DynamicCache)")
+        raise ValueError(
+            f"past_key_values={type(cache).__name__}: MoD layers need a transformers Cache (a DynamicCache)"
+        )
     if getattr(cache, "offloading", False):
-        raise ValueError("past_key_values: an offloading cache is not supported by MoD layers; use a plain "
-                         "DynamicCache")
+        raise ValueError(
+            "past_key_values: an offloading cache is not supported by MoD layers; use a plain DynamicCache"
+        )
     if cache.layer_class_to_replicate is not None:  # a DynamicCache built without a config grows lazily
         while len(cache.layers) <= layer_idx:
             cache.layers.append(cache.layer_class_to_replicate())
@@ -172,12 +178,16 @@ def mod_cache_layer(cache: object, layer_idx: int) -> MoDCacheLayer:
         return layer
     kind = type(layer)
     if kind not in (DynamicLayer, DynamicSlidingWindowLayer):
-        raise ValueError(f"past_key_values.layers[{layer_idx}]={kind.__name__}: MoD layers need a DynamicCache "
-                         "(static, quantized and offloaded caches preallocate or transform every token's keys, "
-                         "which a sparse per-row cache cannot); generate with the default cache_implementation")
+        raise ValueError(
+            f"past_key_values.layers[{layer_idx}]={kind.__name__}: MoD layers need a DynamicCache "
+            "(static, quantized and offloaded caches preallocate or transform every token's keys, "
+            "which a sparse per-row cache cannot); generate with the default cache_implementation"
+        )
     if layer.get_seq_length() > 0:
-        raise ValueError(f"past_key_values.layers[{layer_idx}] already holds {layer.get_seq_length()} tokens "
-                         "written before the layer was converted to MoD; start from an empty cache")
+        raise ValueError(
+            f"past_key_values.layers[{layer_idx}] already holds {layer.get_seq_length()} tokens "
+            "written before the layer was converted to MoD; start from an empty cache"
+        )
     new = MoDCacheLayer(sliding_window=getattr(layer, "sliding_window", None))
     cache.layers[layer_idx] = new
     return new

@@ -31,8 +31,7 @@ FORMAT_VERSION = 1
 
 def conversion_state(model: nn.Module) -> dict:
     """The tensors a conversion added or replaced, by their state-dict names."""
-    return {k: v for k, v in model.state_dict().items() if ".mod_router." in k or ".mod_skip." in k
-            or ".mlp.moe." in k}
+    return {k: v for k, v in model.state_dict().items() if ".mod_router." in k or ".mod_skip." in k or ".mlp.moe." in k}
 
 
 def save_conversion(model: nn.Module, directory: str | Path) -> Path:
@@ -47,8 +46,12 @@ def save_conversion(model: nn.Module, directory: str | Path) -> Path:
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"format": FORMAT_VERSION, "model_type": decoder_config(model).model_type,
-           "transformers": transformers.__version__, **spec}
+    doc = {
+        "format": FORMAT_VERSION,
+        "model_type": decoder_config(model).model_type,
+        "transformers": transformers.__version__,
+        **spec,
+    }
     (out / SPEC_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     save_file({k: v.detach().contiguous() for k, v in conversion_state(model).items()}, str(out / WEIGHTS_FILE))
     return out
@@ -58,8 +61,9 @@ def load_conversion(model: nn.Module, directory: str | Path) -> nn.Module:
     """Convert ``model`` (the original, unconverted checkpoint) as saved in ``directory``; in place."""
     src = Path(directory)
     if not (src / SPEC_FILE).is_file() or not (src / WEIGHTS_FILE).is_file():
-        raise ValueError(f"directory={str(src)!r}: must hold {SPEC_FILE} and {WEIGHTS_FILE} "
-                         "(written by mode.hf.save_conversion)")
+        raise ValueError(
+            f"directory={str(src)!r}: must hold {SPEC_FILE} and {WEIGHTS_FILE} (written by mode.hf.save_conversion)"
+        )
     doc = json.loads((src / SPEC_FILE).read_text())
     if doc.get("format") != FORMAT_VERSION:
         raise ValueError(f"{SPEC_FILE}: format={doc.get('format')!r}: this mode reads format {FORMAT_VERSION}")
@@ -78,12 +82,12 @@ def load_conversion(model: nn.Module, directory: str | Path) -> nn.Module:
     expected = conversion_state(model)
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or extra:
-        raise ValueError(f"{WEIGHTS_FILE} does not match the conversion: missing {missing[:4]}, "
-                         f"unexpected {extra[:4]}")
+        raise ValueError(f"{WEIGHTS_FILE} does not match the conversion: missing {missing[:4]}, unexpected {extra[:4]}")
     for name, t in tensors.items():
         if t.shape != expected[name].shape:
-            raise ValueError(f"{WEIGHTS_FILE}: {name}.shape={tuple(t.shape)}, the conversion has "
-                             f"{tuple(expected[name].shape)}")
+            raise ValueError(
+                f"{WEIGHTS_FILE}: {name}.shape={tuple(t.shape)}, the conversion has {tuple(expected[name].shape)}"
+            )
     model.load_state_dict(tensors, strict=False)
     return model
 

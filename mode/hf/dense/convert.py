@@ -33,10 +33,19 @@ def resolve_layers(layers: str | Sequence[int], n_layers: int) -> list[int]:
     return sorted(out)
 
 
-def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capacity: float = 0.125,
-           gate: str = "ste", causal: str = "aux_bce", causal_coef: float = 0.1,
-           predictor_hidden: int = 64, part: str = "layer", steer_decision: bool = True,
-           kv: str | None = None, skip_rank: int | None = None) -> nn.Module:
+def to_mod(
+    model: nn.Module,
+    layers: str | Sequence[int] = "every_other",
+    capacity: float = 0.125,
+    gate: str = "ste",
+    causal: str = "aux_bce",
+    causal_coef: float = 0.1,
+    predictor_hidden: int = 64,
+    part: str = "layer",
+    steer_decision: bool = True,
+    kv: str | None = None,
+    skip_rank: int | None = None,
+) -> nn.Module:
     """Convert decoder layers of ``model`` (Llama, Qwen2, Mistral; sdpa or eager attention) to MoD, in place.
 
     ``capacity``: fraction of each sequence routed through a converted layer when training (top-C).
@@ -70,8 +79,10 @@ def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capaci
     if skip_rank is not None:
         SkipUpdate(config.hidden_size, skip_rank)  # validates the rank before any layer changes
     if kv == "all" and part == "mlp":
-        raise ValueError("kv='all' with part='mlp': the attention already runs for every token (the model's own "
-                         "cache); kv applies to part='layer' or 'attention'")
+        raise ValueError(
+            "kv='all' with part='mlp': the attention already runs for every token (the model's own "
+            "cache); kv applies to part='layer' or 'attention'"
+        )
     _checks.check_bool("steer_decision", steer_decision)
     steer = steer_decision and causal in ("aux_bce", "predictor")
     all_layers = decoder_layers(model)
@@ -83,28 +94,50 @@ def to_mod(model: nn.Module, layers: str | Sequence[int] = "every_other", capaci
         if isinstance(layer, MoDLayerMixin):
             raise ValueError(f"layers: layer {i} is already a MoD layer")
         assert layer_index(layer) == i, "decoder layer order differs from self_attn.layer_idx"
-        missing = [name for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-                   if not hasattr(layer, name)]
+        missing = [
+            name
+            for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+            if not hasattr(layer, name)
+        ]
         if missing:
-            raise ValueError(f"layers: layer {i} ({type(layer).__name__}) has no {missing}: to_mod needs the "
-                             "Llama-style pre-norm layer (attention, then MLP)")
-        router = MoDRouter(MoDRouterConfig(d_model=d_model, capacity=capacity, gate=gate, causal=causal,
-                                           causal_coef=causal_coef, predictor_hidden=predictor_hidden,
-                                           steer_decision=steer))
+            raise ValueError(
+                f"layers: layer {i} ({type(layer).__name__}) has no {missing}: to_mod needs the "
+                "Llama-style pre-norm layer (attention, then MLP)"
+            )
+        router = MoDRouter(
+            MoDRouterConfig(
+                d_model=d_model,
+                capacity=capacity,
+                gate=gate,
+                causal=causal,
+                causal_coef=causal_coef,
+                predictor_hidden=predictor_hidden,
+                steer_decision=steer,
+            )
+        )
         layer.mod_router = router.to(device=ref.device, dtype=torch.float32)  # routers stay in float32
         layer.mod_part = part
         layer.mod_kv = kv
-        layer.mod_skip = None if skip_rank is None else SkipUpdate(d_model, skip_rank).to(device=ref.device,
-                                                                                        dtype=torch.float32)
+        layer.mod_skip = (
+            None if skip_rank is None else SkipUpdate(d_model, skip_rank).to(device=ref.device, dtype=torch.float32)
+        )
         layer.__class__ = mod_class(type(layer))
     if hasattr(model, "_get_candidate_generator"):  # generate()'s entry to assisted / speculative decoding
         model._get_candidate_generator = _refuse_assisted
     spec = getattr(model, "mode_conversion", None) or {}
     mod = spec.setdefault("mod", {})
     for i in chosen:
-        mod[str(i)] = {"capacity": capacity, "gate": gate, "causal": causal, "causal_coef": causal_coef,
-                       "predictor_hidden": predictor_hidden, "part": part, "steer_decision": steer_decision, "kv": kv,
-                       "skip_rank": skip_rank}
+        mod[str(i)] = {
+            "capacity": capacity,
+            "gate": gate,
+            "causal": causal,
+            "causal_coef": causal_coef,
+            "predictor_hidden": predictor_hidden,
+            "part": part,
+            "steer_decision": steer_decision,
+            "kv": kv,
+            "skip_rank": skip_rank,
+        }
     model.mode_conversion = spec
     return model
 
@@ -115,6 +148,8 @@ def mod_layers(model: nn.Module) -> dict[int, nn.Module]:
 
 
 def _refuse_assisted(*args, **kwargs):
-    raise ValueError("assisted / speculative decoding (assistant_model=, prompt_lookup_num_tokens=, ...): not "
-                     "supported with mode.hf MoD layers: it rolls rejected tokens back with cache.crop, which a "
-                     "sparse per-row MoD cache cannot undo")
+    raise ValueError(
+        "assisted / speculative decoding (assistant_model=, prompt_lookup_num_tokens=, ...): not "
+        "supported with mode.hf MoD layers: it rolls rejected tokens back with cache.crop, which a "
+        "sparse per-row MoD cache cannot undo"
+    )

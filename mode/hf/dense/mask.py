@@ -22,16 +22,22 @@ def check_mask(mask: Tensor | None, B: int, S: int, P: int) -> None:
     if mask is None:
         return
     if not isinstance(mask, Tensor):  # flex attention's BlockMask, or a per-layer-type dict that was not resolved
-        raise ValueError(f"attention_mask={type(mask).__name__}: a MoD layer needs a 4D tensor mask or None "
-                         "(sdpa or eager attention)")
+        raise ValueError(
+            f"attention_mask={type(mask).__name__}: a MoD layer needs a 4D tensor mask or None "
+            "(sdpa or eager attention)"
+        )
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, B) or mask.shape[2] != S:
-        raise ValueError(f"attention_mask.shape={tuple(mask.shape)}: a MoD layer needs (B or 1, 1, S, K) with "
-                         f"B={B}, S={S} (sdpa or eager attention)")
+        raise ValueError(
+            f"attention_mask.shape={tuple(mask.shape)}: a MoD layer needs (B or 1, 1, S, K) with "
+            f"B={B}, S={S} (sdpa or eager attention)"
+        )
     if mask.shape[3] != P + S:
-        raise ValueError(f"attention_mask covers {mask.shape[3]} keys but the layer has seen {P} + {S} tokens: "
-                         "a sliding window shorter than the sequence (the mask's columns then stop being dense "
-                         "positions), which MoD layers do not support with a cache; keep the sequence within "
-                         "the window or convert only full-attention layers")
+        raise ValueError(
+            f"attention_mask covers {mask.shape[3]} keys but the layer has seen {P} + {S} tokens: "
+            "a sliding window shorter than the sequence (the mask's columns then stop being dense "
+            "positions), which MoD layers do not support with a cache; keep the sequence within "
+            "the window or convert only full-attention layers"
+        )
 
 
 def allowed(values: Tensor) -> Tensor:
@@ -48,8 +54,16 @@ def real_tokens(mask: Tensor | None, B: int, S: int, P: int) -> Tensor | None:
     return allowed(diag_BS).expand(B, S)
 
 
-def restrict(mask: Tensor | None, rows_BC: Tensor, query_col_BC: Tensor, cols_BJ: Tensor, col_ok_BJ: Tensor,
-             valid_BC: Tensor, own_col_BC: Tensor, fmt: torch.dtype) -> Tensor:
+def restrict(
+    mask: Tensor | None,
+    rows_BC: Tensor,
+    query_col_BC: Tensor,
+    cols_BJ: Tensor,
+    col_ok_BJ: Tensor,
+    valid_BC: Tensor,
+    own_col_BC: Tensor,
+    fmt: torch.dtype,
+) -> Tensor:
     """The ``(B, 1, C, J)`` mask of the routed queries (rows ``rows_BC`` of the call, dense key column
     ``query_col_BC``) over the keys ``cols_BJ`` (dense columns; ``col_ok_BJ`` False for padding columns).
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mode.hf.dense import mask as hf_mask
 from mode.hf._compat import check_attention
+from mode.hf.dense import mask as hf_mask
 from mode.hf.dense.cache import MoDCacheLayer, mod_cache_layer
 from mode.hf.dense.routed_queries import routed_query_attention
 from mode.routing.mod_topk import MoDRouter
@@ -69,27 +69,48 @@ class MoDLayerMixin:
     def mlp_sublayer(self, h_BSD: Tensor) -> Tensor:
         return h_BSD + self.mlp(self.post_attention_layernorm(h_BSD))
 
-    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
-                position_embeddings: tuple[Tensor, Tensor] | None = None, **kwargs) -> Tensor:
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[Tensor, Tensor] | None = None,
+        **kwargs,
+    ) -> Tensor:
         x_BSD = hidden_states
         attn = self.self_attn
         if self.mod_routing == "dense":
             self.mod_aux = None
-            if past_key_values is not None and isinstance(_cache_layer_at(past_key_values, attn.layer_idx),
-                                                          MoDCacheLayer):
-                raise ValueError("mod routing='dense' with a cache a MoD layer already made sparse; start from "
-                                 "a new cache")
-            return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                   past_key_values=past_key_values, use_cache=use_cache,
-                                   position_embeddings=position_embeddings, **kwargs)
+            if past_key_values is not None and isinstance(
+                _cache_layer_at(past_key_values, attn.layer_idx), MoDCacheLayer
+            ):
+                raise ValueError(
+                    "mod routing='dense' with a cache a MoD layer already made sparse; start from a new cache"
+                )
+            return super().forward(
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
         check_attention(attn.config)
         if self.mod_part == "mlp":  # attention over every token (the model's own cache), then route the MLP
             P = 0 if past_key_values is None else past_key_values.get_seq_length(attn.layer_idx)
             real_BS, causal = self._routing_inputs(x_BSD, attention_mask, P)
-            h_BSD = self.attention_sublayer(x_BSD, attention_mask=attention_mask, position_ids=position_ids,
-                                            past_key_values=past_key_values, use_cache=use_cache,
-                                            position_embeddings=position_embeddings, **kwargs)
+            h_BSD = self.attention_sublayer(
+                x_BSD,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
             plan, slot_BC, valid_BC = self._route(h_BSD, real_BS, causal)
             if plan.seq_capacity == 0:
                 return self._skipped(h_BSD)
@@ -97,10 +118,15 @@ class MoDLayerMixin:
             return self._combine(h_BSD, h_BCD, self.mlp_sublayer(h_BCD), plan, slot_BC, valid_BC)
 
         if position_embeddings is None:
-            raise ValueError("position_embeddings=None: a MoD layer gathers the model's own cos/sin at the routed "
-                             "tokens' positions; call it through the model")
-        cache = (None if past_key_values is None or self.mod_kv == "all"
-                 else mod_cache_layer(past_key_values, attn.layer_idx))
+            raise ValueError(
+                "position_embeddings=None: a MoD layer gathers the model's own cos/sin at the routed "
+                "tokens' positions; call it through the model"
+            )
+        cache = (
+            None
+            if past_key_values is None or self.mod_kv == "all"
+            else mod_cache_layer(past_key_values, attn.layer_idx)
+        )
         P = 0 if cache is None else cache.get_seq_length()
         S = x_BSD.shape[1]
         # Qwen2 keeps the window on the attention (None for its full layers), Mistral only in the config.
@@ -108,8 +134,7 @@ class MoDLayerMixin:
         if cache is not None:
             _check_window(window, P, S)
         if self.mod_kv == "all":
-            return self._forward_every_kv(x_BSD, attention_mask, past_key_values, position_embeddings, window,
-                                          **kwargs)
+            return self._forward_every_kv(x_BSD, attention_mask, past_key_values, position_embeddings, window, **kwargs)
         real_BS, causal = self._routing_inputs(x_BSD, attention_mask, P)
         plan, slot_BC, valid_BC = self._route(x_BSD, real_BS, causal)
         if plan.seq_capacity == 0:  # nothing routed (causal decode, most steps): no attention, nothing stored
@@ -119,27 +144,58 @@ class MoDLayerMixin:
 
         x_BCD = hf_mask.gather_rows(x_BSD, slot_BC)
         sublayer = super().forward if self.mod_part == "layer" else self.attention_sublayer
-        y_BCD = self._sparse_attention_call(sublayer, x_BCD, slot_BC, valid_BC, cache, P, S, attention_mask,
-                                            position_ids, past_key_values, use_cache, position_embeddings, **kwargs)
+        y_BCD = self._sparse_attention_call(
+            sublayer,
+            x_BCD,
+            slot_BC,
+            valid_BC,
+            cache,
+            P,
+            S,
+            attention_mask,
+            position_ids,
+            past_key_values,
+            use_cache,
+            position_embeddings,
+            **kwargs,
+        )
         out_BSD = self._combine(x_BSD, x_BCD, y_BCD, plan, slot_BC, valid_BC)
         return out_BSD if self.mod_part == "layer" else self.mlp_sublayer(out_BSD)
 
-    def _forward_every_kv(self, x_BSD: Tensor, attention_mask: Tensor | None, past_key_values, position_embeddings,
-                          window: int | None, **kwargs) -> Tensor:
+    def _forward_every_kv(
+        self,
+        x_BSD: Tensor,
+        attention_mask: Tensor | None,
+        past_key_values,
+        position_embeddings,
+        window: int | None,
+        **kwargs,
+    ) -> Tensor:
         """``kv="all"``: every token writes its K/V to the model's own dense cache, only routed tokens ask a
         query (``mode.hf.dense.routed_queries``); then the MLP for routed tokens ("layer") or for all ("attention")."""
         attn = self.self_attn
         P = 0
         if past_key_values is not None:
             if isinstance(_cache_layer_at(past_key_values, attn.layer_idx), MoDCacheLayer):
-                raise ValueError("mod kv='all' with a cache a kv='routed' MoD layer already made sparse; start "
-                                 "from a new cache")
+                raise ValueError(
+                    "mod kv='all' with a cache a kv='routed' MoD layer already made sparse; start from a new cache"
+                )
             P = past_key_values.get_seq_length(attn.layer_idx)
             _check_window(window, P, x_BSD.shape[1])
         real_BS, causal = self._routing_inputs(x_BSD, attention_mask, P)
         plan, slot_BC, valid_BC = self._route(x_BSD, real_BS, causal)
-        a_BCD = routed_query_attention(attn, self.input_layernorm(x_BSD), slot_BC, valid_BC, position_embeddings,
-                                       attention_mask, past_key_values, P, window, **kwargs)
+        a_BCD = routed_query_attention(
+            attn,
+            self.input_layernorm(x_BSD),
+            slot_BC,
+            valid_BC,
+            position_embeddings,
+            attention_mask,
+            past_key_values,
+            P,
+            window,
+            **kwargs,
+        )
         if plan.seq_capacity == 0:  # nothing routed: the K/V are written, no query asked
             return self._skipped(x_BSD) if self.mod_part == "layer" else self.mlp_sublayer(self._skipped(x_BSD))
         x_BCD = hf_mask.gather_rows(x_BSD, slot_BC)
@@ -155,9 +211,11 @@ class MoDLayerMixin:
         hf_mask.check_mask(attention_mask, B, S, P)
         causal = self.mod_causal()
         if not causal and P > 0:
-            raise ValueError("mod routing='topk' with a cache that already holds tokens: top-C routing looks at "
-                             "the whole sequence and cannot decode token by token; use causal routing "
-                             "(model.eval(), or mode.hf.routing(model, 'causal'))")
+            raise ValueError(
+                "mod routing='topk' with a cache that already holds tokens: top-C routing looks at "
+                "the whole sequence and cannot decode token by token; use causal routing "
+                "(model.eval(), or mode.hf.routing(model, 'causal'))"
+            )
         return hf_mask.real_tokens(attention_mask, B, S, P), causal
 
     def _route(self, x_BSD: Tensor, real_BS: Tensor | None, causal: bool):
@@ -168,13 +226,25 @@ class MoDLayerMixin:
         C = plan.seq_capacity
         dev = x_BSD.device
         slot_BC = plan.token_idx_A.view(B, C) - torch.arange(B, device=dev)[:, None] * S
-        valid_BC = (torch.ones(B, C, dtype=torch.bool, device=dev) if plan.valid_A is None
-                    else plan.valid_A.view(B, C))
+        valid_BC = torch.ones(B, C, dtype=torch.bool, device=dev) if plan.valid_A is None else plan.valid_A.view(B, C)
         return plan, slot_BC, valid_BC
 
-    def _sparse_attention_call(self, sublayer, x_BCD: Tensor, slot_BC: Tensor, valid_BC: Tensor, cache, P: int,
-                               S: int, attention_mask, position_ids, past_key_values, use_cache, position_embeddings,
-                               **kwargs) -> Tensor:
+    def _sparse_attention_call(
+        self,
+        sublayer,
+        x_BCD: Tensor,
+        slot_BC: Tensor,
+        valid_BC: Tensor,
+        cache,
+        P: int,
+        S: int,
+        attention_mask,
+        position_ids,
+        past_key_values,
+        use_cache,
+        position_embeddings,
+        **kwargs,
+    ) -> Tensor:
         """``sublayer`` (the whole layer, or its attention half) on the routed tokens: the model's cos/sin at
         their true positions, its mask restricted to them, the sparse cache holding only routed keys."""
         B, C = slot_BC.shape
@@ -192,13 +262,21 @@ class MoDLayerMixin:
             col_ok_BJ = torch.cat([torch.arange(L, device=dev) < stored_len_B[:, None], valid_BC], 1)
             own_col_BC = L + torch.arange(C, device=dev).expand(B, C)
         fmt = torch.bool if self.self_attn.config._attn_implementation == "sdpa" else x_BCD.dtype
-        sub_mask = hf_mask.restrict(attention_mask, slot_BC, query_col_BC, cols_BJ, col_ok_BJ, valid_BC,
-                                    own_col_BC, fmt)
+        sub_mask = hf_mask.restrict(
+            attention_mask, slot_BC, query_col_BC, cols_BJ, col_ok_BJ, valid_BC, own_col_BC, fmt
+        )
         if cache is not None:
             cache.stage(valid_BC, query_col_BC, S)
         try:
-            y_BCD = sublayer(x_BCD, attention_mask=sub_mask, position_ids=pos_BC, past_key_values=past_key_values,
-                             use_cache=use_cache, position_embeddings=(cos, sin), **kwargs)
+            y_BCD = sublayer(
+                x_BCD,
+                attention_mask=sub_mask,
+                position_ids=pos_BC,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=(cos, sin),
+                **kwargs,
+            )
         except BaseException:
             if cache is not None:
                 cache.unstage()  # the cache stays as it was before this call
@@ -208,8 +286,7 @@ class MoDLayerMixin:
         assert cache is None or cache.committed(), "the layer's attention did not write to the MoD cache layer"
         return y_BCD
 
-    def _combine(self, x_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, plan, slot_BC: Tensor,
-                 valid_BC: Tensor) -> Tensor:
+    def _combine(self, x_BSD: Tensor, x_BCD: Tensor, y_BCD: Tensor, plan, slot_BC: Tensor, valid_BC: Tensor) -> Tensor:
         """Each routed token gets ``x + g * (y - x)`` and is scattered back; the others pass unchanged."""
         B, C, D = x_BCD.shape
         gate = self.mod_router.cfg.gate
@@ -233,9 +310,11 @@ class MoDLayerMixin:
 
 def _check_window(window: int | None, P: int, S: int) -> None:
     if window is not None and P + S > window:
-        raise ValueError(f"sliding_window={window}: this cached call reaches {P + S} tokens; a MoD layer's "
-                         "cache needs the whole sequence within the window (the mask switches to window "
-                         "coordinates once it fills); raise the window or convert full-attention layers only")
+        raise ValueError(
+            f"sliding_window={window}: this cached call reaches {P + S} tokens; a MoD layer's "
+            "cache needs the whole sequence within the window (the mask switches to window "
+            "coordinates once it fills); raise the window or convert full-attention layers only"
+        )
 
 
 def _cache_layer_at(cache, layer_idx: int):
@@ -256,5 +335,6 @@ def mod_class(cls: type) -> type:
 
 
 def original_class(cls: type) -> type:
-    return next(c for c in cls.__mro__[1:] if not issubclass(c, MoDLayerMixin)) if issubclass(cls, MoDLayerMixin) \
-        else cls
+    return (
+        next(c for c in cls.__mro__[1:] if not issubclass(c, MoDLayerMixin)) if issubclass(cls, MoDLayerMixin) else cls
+    )

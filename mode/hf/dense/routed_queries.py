@@ -33,9 +33,18 @@ def _rope(x_BNLK: Tensor, cos_BLK: Tensor, sin_BLK: Tensor, rotate_half) -> Tens
     return (x_BNLK * cos) + (rotate_half(x_BNLK) * sin)
 
 
-def routed_query_attention(attn, h_BSD: Tensor, slot_BC: Tensor, valid_BC: Tensor,
-                           position_embeddings: tuple[Tensor, Tensor], attention_mask: Tensor | None,
-                           past_key_values, P: int, window: int | None, **kwargs) -> Tensor:
+def routed_query_attention(
+    attn,
+    h_BSD: Tensor,
+    slot_BC: Tensor,
+    valid_BC: Tensor,
+    position_embeddings: tuple[Tensor, Tensor],
+    attention_mask: Tensor | None,
+    past_key_values,
+    P: int,
+    window: int | None,
+    **kwargs,
+) -> Tensor:
     """``attn``'s output ``(B, C, D)`` for the routed slots ``slot_BC`` of the normed input ``h_BSD``, every
     one of the S tokens writing its rotated key and value to ``past_key_values`` (if given) first.
 
@@ -59,19 +68,32 @@ def routed_query_attention(attn, h_BSD: Tensor, slot_BC: Tensor, valid_BC: Tenso
 
     h_BCD = hf_mask.gather_rows(h_BSD, slot_BC)
     cos_BCK, sin_BCK = (hf_mask.gather_rows(t, slot_BC) for t in position_embeddings)
-    query_BNCK = _rope(attn.q_proj(h_BCD).view(B, C, -1, K).transpose(1, 2), cos_BCK, sin_BCK,
-                       family.rotate_half)
+    query_BNCK = _rope(attn.q_proj(h_BCD).view(B, C, -1, K).transpose(1, 2), cos_BCK, sin_BCK, family.rotate_half)
 
     query_col_BC = P + slot_BC
     cols_BT = torch.arange(T, device=h_BSD.device).expand(B, T)
     fmt = torch.bool if attn.config._attn_implementation == "sdpa" else h_BSD.dtype
-    sub_mask = hf_mask.restrict(attention_mask, slot_BC, query_col_BC, cols_BT, torch.ones_like(cols_BT,
-                                dtype=torch.bool), valid_BC, query_col_BC, fmt)
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
-                                                      family.eager_attention_forward)
+    sub_mask = hf_mask.restrict(
+        attention_mask,
+        slot_BC,
+        query_col_BC,
+        cols_BT,
+        torch.ones_like(cols_BT, dtype=torch.bool),
+        valid_BC,
+        query_col_BC,
+        fmt,
+    )
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, family.eager_attention_forward)
     if window is not None:
         kwargs["sliding_window"] = window
-    out_BCNK, _ = interface(attn, query_BNCK, key_BGTK, value_BGTK, sub_mask,
-                            dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
-                            **kwargs)
+    out_BCNK, _ = interface(
+        attn,
+        query_BNCK,
+        key_BGTK,
+        value_BGTK,
+        sub_mask,
+        dropout=0.0 if not attn.training else attn.attention_dropout,
+        scaling=attn.scaling,
+        **kwargs,
+    )
     return attn.o_proj(out_BCNK.reshape(B, C, -1).contiguous())

@@ -70,6 +70,7 @@ def _collect(model: nn.Module, batches: list, layers: dict) -> dict[int, tuple[T
             label_BS = _top_share(u_BSD.norm(dim=-1), real_BS, layer.mod_router.cfg.capacity)
             u_ND = u_BSD[real_BS].float() if layer.mod_skip is not None else u_BSD.new_zeros(0)
             seen[i].append((f_BSD[real_BS].float(), label_BS[real_BS].float(), u_ND))
+
         return pre
 
     handles = [layer.register_forward_pre_hook(hook(i, layer), with_kwargs=True) for i, layer in layers.items()]
@@ -101,8 +102,9 @@ def _logistic(f_ND: Tensor, label_N: Tensor, steps: int, lr: float) -> Tensor:
     return w_D.detach() / std_D
 
 
-def router_fit(model: nn.Module, batches: Iterable, steps: int = 300, lr: float = 1e-2,
-               ridge: float = 0.1) -> dict[int, float]:
+def router_fit(
+    model: nn.Module, batches: Iterable, steps: int = 300, lr: float = 1e-2, ridge: float = 0.1
+) -> dict[int, float]:
     """Fit the router of every MoD layer of ``model`` (see the module doc), then its ``mod_skip`` estimate
     (``to_mod(skip_rank=...)``: ``SkipUpdate.fit`` on the training tokens the fitted router skips, ridge
     ``ridge``), then calibrate the steered thresholds on ``batches``. ``batches``: (B, S) token ids or dicts
@@ -119,8 +121,10 @@ def router_fit(model: nn.Module, batches: Iterable, steps: int = 300, lr: float 
         raise ValueError("router_fit: the model has no MoD layer (convert it with mode.hf.to_mod first)")
     for i, layer in layers.items():
         if layer.mod_router.predictor is not None:
-            raise ValueError(f"layer {i}: causal='predictor' decides by its own MLP, not the router score "
-                             "router_fit sets; convert with causal='threshold' or 'aux_bce'")
+            raise ValueError(
+                f"layer {i}: causal='predictor' decides by its own MLP, not the router score "
+                "router_fit sets; convert with causal='threshold' or 'aux_bce'"
+            )
     batches = list(batches)
     if not batches:
         raise ValueError("batches: empty; router_fit needs at least one batch")

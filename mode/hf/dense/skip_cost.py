@@ -67,8 +67,9 @@ def _mean_loss(model: nn.Module, batches: Sequence) -> float:
     return total / weight
 
 
-def skip_costs(model: nn.Module, batches: Iterable, part: str = "attention",
-               layers: str | Sequence[int] = "all") -> dict[int, float]:
+def skip_costs(
+    model: nn.Module, batches: Iterable, part: str = "attention", layers: str | Sequence[int] = "all"
+) -> dict[int, float]:
     """For each layer in ``layers``: the mean next-token loss (nats/token, over the real target tokens of
     ``batches``) with ``part`` of that layer skipped by every token, minus the model's own loss. Eval mode,
     no cache, the model is left as it was (its train/eval mode too). ``batches``: (B, S) token ids or dicts

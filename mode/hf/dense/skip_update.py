@@ -48,8 +48,9 @@ class SkipUpdate(nn.Module):
         if self.rank > 0:
             gram_DD = xc_ND.T @ xc_ND
             reg = ridge * N * xc_ND.var(0).mean().clamp_min(1e-12)
-            w_DD = torch.linalg.solve(gram_DD + reg * torch.eye(D, dtype=gram_DD.dtype, device=gram_DD.device),
-                                      xc_ND.T @ uc_ND)
+            w_DD = torch.linalg.solve(
+                gram_DD + reg * torch.eye(D, dtype=gram_DD.dtype, device=gram_DD.device), xc_ND.T @ uc_ND
+            )
             u_DD, s_D, vh_DD = torch.linalg.svd(w_DD, full_matrices=False)
             down_DR = u_DD[:, : self.rank] * s_D[: self.rank]
             up_RD = vh_DD[: self.rank]

@@ -28,8 +28,11 @@ OBJECTIVES = ("lm", "distill")
 def router_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The parameters ``mode.hf`` added for routing: ``...mod_router.*``, ``...mod_skip.*`` (the skipped
     tokens' estimated update) and ``...mlp.moe.router.*``."""
-    return {name: p for name, p in model.named_parameters()
-            if ".mod_router." in name or ".mod_skip." in name or ".mlp.moe.router." in name}
+    return {
+        name: p
+        for name, p in model.named_parameters()
+        if ".mod_router." in name or ".mod_skip." in name or ".mlp.moe.router." in name
+    }
 
 
 def freeze_base(model: nn.Module) -> list[str]:
@@ -48,8 +51,10 @@ def _as_batch(batch, device: torch.device) -> tuple[Tensor, Tensor | None]:
     if isinstance(batch, dict) and "input_ids" in batch:
         mask = batch.get("attention_mask")
         return batch["input_ids"].to(device), None if mask is None else mask.to(device)
-    raise TypeError(f"batch={type(batch).__name__}: must be a (B, S) tensor of token ids or a dict with "
-                    "input_ids (and optionally attention_mask)")
+    raise TypeError(
+        f"batch={type(batch).__name__}: must be a (B, S) tensor of token ids or a dict with "
+        "input_ids (and optionally attention_mask)"
+    )
 
 
 def _positions(mask_BS: Tensor | None) -> Tensor | None:
@@ -77,8 +82,15 @@ def distill_loss(logits_BSV: Tensor, teacher_BSV: Tensor, mask_BS: Tensor | None
     return (kl_BS * w_BS).sum() / w_BS.sum().clamp_min(1)
 
 
-def router_tune(model: nn.Module, batches: Iterable, steps: int, lr: float = 1e-3, objective: str = "lm",
-                teacher: nn.Module | None = None, weight_decay: float = 0.0) -> list[dict[str, float]]:
+def router_tune(
+    model: nn.Module,
+    batches: Iterable,
+    steps: int,
+    lr: float = 1e-3,
+    objective: str = "lm",
+    teacher: nn.Module | None = None,
+    weight_decay: float = 0.0,
+) -> list[dict[str, float]]:
     """Train the routers of ``model`` for ``steps`` steps on ``batches`` (cycled), the base frozen.
 
     Top-C routing in train mode, ``use_cache=False``. Returns one record per step: ``loss`` (the objective),
@@ -89,8 +101,10 @@ def router_tune(model: nn.Module, batches: Iterable, steps: int, lr: float = 1e-
     _checks.check_positive("lr", lr)
     _checks.check_choice("objective", objective, OBJECTIVES)
     if objective == "distill" and teacher is None and upcycled_mlps(model):
-        raise ValueError("objective='distill' with upcycled MLPs: pass teacher= (the unconverted model); the "
-                         "dense MLP weights are no longer in the converted model")
+        raise ValueError(
+            "objective='distill' with upcycled MLPs: pass teacher= (the unconverted model); the "
+            "dense MLP weights are no longer in the converted model"
+        )
     names = freeze_base(model)
     params = [p for n, p in model.named_parameters() if n in names]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
@@ -126,8 +140,13 @@ def router_tune(model: nn.Module, batches: Iterable, steps: int, lr: float = 1e-
             (loss + aux_total).backward()
             opt.step()
             routed = [s.kept_E.sum() / s.tokens.clamp_min(1) for k, s in aux.stats.items() if ".mod." in k]
-            history.append({"loss": float(loss.detach()), "aux": float(aux_total.detach()),
-                            "routed": float(torch.stack(routed).mean()) if routed else float("nan")})
+            history.append(
+                {
+                    "loss": float(loss.detach()),
+                    "aux": float(aux_total.detach()),
+                    "routed": float(torch.stack(routed).mean()) if routed else float("nan"),
+                }
+            )
     finally:
         model.train(was_training)
     return history
@@ -141,8 +160,10 @@ def calibrate(model: nn.Module, batches: Iterable) -> dict[int, float]:
     Returns each steered layer's threshold. Thresholds set before are replaced."""
     steered = {i: layer.mod_router for i, layer in mod_layers(model).items() if layer.mod_router.steers}
     if not steered:
-        raise ValueError("calibrate: the model has no MoD layer with a steered threshold (to_mod with "
-                         "causal='threshold', or 'aux_bce' / 'predictor' with steer_decision=True)")
+        raise ValueError(
+            "calibrate: the model has no MoD layer with a steered threshold (to_mod with "
+            "causal='threshold', or 'aux_bce' / 'predictor' with steer_decision=True)"
+        )
     before = {i: router.threshold.clone() for i, router in steered.items()}
     sums = {i: torch.zeros_like(t) for i, t in before.items()}
     device = next(model.parameters()).device

@@ -27,10 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from mode import _checks
+from mode.experts.bank import ExpertBank
 from mode.hf._compat import check_model_type, decoder_config, decoder_layers
 from mode.hf.dense.convert import resolve_layers
 from mode.layers.moe import IntegratedMoDE, MoEConfig, MoELayer, build_router
-from mode.experts.bank import ExpertBank
 from mode.routing.plan import Aux
 
 
@@ -56,10 +56,21 @@ class UpcycledMLP(MoESlot):
         self.spec = dict(spec)
 
 
-def upcycle(model: nn.Module, layers: str | Sequence[int] = "all", num_experts: int = 8, top_k: int = 2,
-            num_noop: int = 0, router: str = "token_choice", renormalize: bool = True, gate: str = "softmax",
-            capacity_factor: float | None = None, noise: float = 0.0, balance_coef: float = 0.01,
-            z_coef: float = 1e-3, backend: str = "auto") -> nn.Module:
+def upcycle(
+    model: nn.Module,
+    layers: str | Sequence[int] = "all",
+    num_experts: int = 8,
+    top_k: int = 2,
+    num_noop: int = 0,
+    router: str = "token_choice",
+    renormalize: bool = True,
+    gate: str = "softmax",
+    capacity_factor: float | None = None,
+    noise: float = 0.0,
+    balance_coef: float = 0.01,
+    z_coef: float = 1e-3,
+    backend: str = "auto",
+) -> nn.Module:
     """Replace the MLP of the chosen decoder layers by an MoE (``num_noop > 0``: integrated MoDE) whose
     ``num_experts`` experts are copies of it, in place. The defaults (renormalised dropless top-2 token
     choice) start equal to the dense model; see the module docstring for the settings that cannot.
@@ -67,14 +78,25 @@ def upcycle(model: nn.Module, layers: str | Sequence[int] = "all", num_experts: 
     check_model_type(model)
     config = decoder_config(model)
     if getattr(config, "hidden_act", None) != "silu":
-        raise ValueError(f"hidden_act={getattr(config, 'hidden_act', None)!r}: upcycling maps SwiGLU MLPs "
-                         "(hidden_act='silu') onto mode's SwiGLU experts")
+        raise ValueError(
+            f"hidden_act={getattr(config, 'hidden_act', None)!r}: upcycling maps SwiGLU MLPs "
+            "(hidden_act='silu') onto mode's SwiGLU experts"
+        )
     _checks.check_non_negative("noise", noise)
     all_layers = decoder_layers(model)
     chosen = resolve_layers(layers, len(all_layers))
-    spec = {"num_experts": num_experts, "top_k": top_k, "num_noop": num_noop, "router": router,
-            "renormalize": renormalize, "gate": gate, "capacity_factor": capacity_factor,
-            "balance_coef": balance_coef, "z_coef": z_coef, "backend": backend}
+    spec = {
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "num_noop": num_noop,
+        "router": router,
+        "renormalize": renormalize,
+        "gate": gate,
+        "capacity_factor": capacity_factor,
+        "balance_coef": balance_coef,
+        "z_coef": z_coef,
+        "backend": backend,
+    }
     for i in chosen:
         mlp = all_layers[i].mlp
         if isinstance(mlp, UpcycledMLP):
@@ -87,18 +109,31 @@ def upcycle(model: nn.Module, layers: str | Sequence[int] = "all", num_experts: 
 
 
 def upcycled_mlp(mlp: nn.Module, spec: dict, noise: float = 0.0) -> UpcycledMLP:
-    gate_w, up_w, down_w = (getattr(getattr(mlp, name, None), "weight", None)
-                            for name in ("gate_proj", "up_proj", "down_proj"))
+    gate_w, up_w, down_w = (
+        getattr(getattr(mlp, name, None), "weight", None) for name in ("gate_proj", "up_proj", "down_proj")
+    )
     if gate_w is None or up_w is None or down_w is None:
         raise ValueError(f"mlp={type(mlp).__name__}: upcycling needs gate_proj, up_proj and down_proj")
     if any(getattr(mlp, name).bias is not None for name in ("gate_proj", "up_proj", "down_proj")):
-        raise ValueError(f"mlp={type(mlp).__name__}: upcycling maps bias-free MLPs (mlp_bias=False); mode's "
-                         "experts have no bias")
+        raise ValueError(
+            f"mlp={type(mlp).__name__}: upcycling maps bias-free MLPs (mlp_bias=False); mode's experts have no bias"
+        )
     H, D = gate_w.shape
-    cfg = MoEConfig(d_model=D, d_hidden=H, num_experts=spec["num_experts"], router=spec["router"],
-                    top_k=spec["top_k"], num_noop=spec["num_noop"], capacity_factor=spec["capacity_factor"],
-                    gate=spec["gate"], renormalize=spec["renormalize"], balance_coef=spec["balance_coef"],
-                    z_coef=spec["z_coef"], activation="swiglu", backend=spec["backend"])
+    cfg = MoEConfig(
+        d_model=D,
+        d_hidden=H,
+        num_experts=spec["num_experts"],
+        router=spec["router"],
+        top_k=spec["top_k"],
+        num_noop=spec["num_noop"],
+        capacity_factor=spec["capacity_factor"],
+        gate=spec["gate"],
+        renormalize=spec["renormalize"],
+        balance_coef=spec["balance_coef"],
+        z_coef=spec["z_coef"],
+        activation="swiglu",
+        backend=spec["backend"],
+    )
     bank = ExpertBank(cfg.expert_config())
     E = cfg.num_experts
     with torch.no_grad():

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -53,8 +53,9 @@ FAMILIES = BLOCKS  # block class name -> family (model type)
 def family_of(block: nn.Module) -> str:
     name = type(block).__name__
     if name not in BLOCKS:
-        raise ValueError(f"block={name}: not a supported transformers MoE block (supported: "
-                         f"{', '.join(sorted(BLOCKS))})")
+        raise ValueError(
+            f"block={name}: not a supported transformers MoE block (supported: {', '.join(sorted(BLOCKS))})"
+        )
     return BLOCKS[name]
 
 
@@ -71,8 +72,10 @@ def glu_act(config, spec: Family) -> str | None:
             raise ValueError(f"{field}={value!r}: mode's experts for this family use {wanted}")
         return None
     if value not in GLU_ACTS:
-        raise ValueError(f"{field}={value!r}: mode's gated experts compute act(gate) * up for act in "
-                         f"{', '.join(sorted(GLU_ACTS))} (mode.hf.moe.families.GLU_ACTS)")
+        raise ValueError(
+            f"{field}={value!r}: mode's gated experts compute act(gate) * up for act in "
+            f"{', '.join(sorted(GLU_ACTS))} (mode.hf.moe.families.GLU_ACTS)"
+        )
     return GLU_ACTS[value]
 
 
@@ -81,14 +84,23 @@ def train_refusal(block: nn.Module, config, spec: Family) -> str | None:
     training-time routing noise, when on, or a training rule mode does not compute."""
     jitter = max([float(read(v, block, config) or 0.0) for v in spec.jitter], default=0.0)
     if jitter > 0:
-        return (f"router jitter {jitter} is on, and mode's routers add no jitter: evaluation is exact, training "
-                "would not be; set the config's jitter to 0.0 (e.g. config.router_jitter_noise = 0.0) before "
-                "converting, or call model.eval()")
+        return (
+            f"router jitter {jitter} is on, and mode's routers add no jitter: evaluation is exact, training "
+            "would not be; set the config's jitter to 0.0 (e.g. config.router_jitter_noise = 0.0) before "
+            "converting, or call model.eval()"
+        )
     return spec.train_refusal
 
 
-def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef: float = 0.0, z_coef: float = 0.0,
-               noop_target: float | None = None) -> MoEConfig:
+def moe_config(
+    block: nn.Module,
+    config,
+    *,
+    backend: str = "auto",
+    balance_coef: float = 0.0,
+    z_coef: float = 0.0,
+    noop_target: float | None = None,
+) -> MoEConfig:
     """The ``MoEConfig`` computing what ``block`` (a sparse block of a family in the table) computes."""
     family = family_of(block)
     spec = SPECS[family]
@@ -113,16 +125,22 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
     scale = float(read(spec.scale, block, config) or 1.0)
     shared = get_path(block, spec.shared) if spec.shared else None
     average = bool(read(spec.shared_average, block, config)) and shared is not None
-    options = dict(scale=scale * (0.5 if average else 1.0), n_group=n_group, topk_group=topk_group,
-                   group_score=spec.group_score, renorm_eps=spec.renorm_eps,
-                   renorm_min=float(read(spec.renorm_min, block, config) or 0.0),
-                   logit_bias=spec.router_bias is not None,
-                   mixer_eps=float(read(spec.mixer_eps, block, config) or 0.0),
-                   renorm_p=float(read(spec.renorm_p, block, config) or 1.0),
-                   hash_vocab=0 if table is None else int(table.shape[0]),
-                   logit_softcap=float(read(spec.logit_softcap, block, config) or 0.0),
-                   bias_on=spec.bias_on, dropped_groups=spec.dropped_groups,
-                   bias_balance=spec.choice_bias is not None and get_path(block, spec.choice_bias) is not None)
+    options = dict(
+        scale=scale * (0.5 if average else 1.0),
+        n_group=n_group,
+        topk_group=topk_group,
+        group_score=spec.group_score,
+        renorm_eps=spec.renorm_eps,
+        renorm_min=float(read(spec.renorm_min, block, config) or 0.0),
+        logit_bias=spec.router_bias is not None,
+        mixer_eps=float(read(spec.mixer_eps, block, config) or 0.0),
+        renorm_p=float(read(spec.renorm_p, block, config) or 1.0),
+        hash_vocab=0 if table is None else int(table.shape[0]),
+        logit_softcap=float(read(spec.logit_softcap, block, config) or 0.0),
+        bias_on=spec.bias_on,
+        dropped_groups=spec.dropped_groups,
+        bias_balance=spec.choice_bias is not None and get_path(block, spec.choice_bias) is not None,
+    )
     if noop_target is not None:
         options["noop_target"] = noop_target
     if topk_group is not None and int(top_k) > topk_group * (num_experts // n_group):
@@ -138,13 +156,26 @@ def moe_config(block: nn.Module, config, *, backend: str = "auto", balance_coef:
     shared_hidden = None
     if shared is not None:
         shared_hidden = next(p for p in shared.parameters()).shape[0]  # its gate (or first) projection's rows
-    return MoEConfig(d_model=d_model, d_hidden=d_hidden, num_experts=num_experts, top_k=int(top_k),
-                     num_noop=num_zero, noop_kinds="copy", gate=read(spec.score, block, config),
-                     renormalize=renormalize, activation=spec.activation, backend=backend, balance_coef=balance_coef,
-                     z_coef=z_coef, expert_layout=spec.layout, router_options=options,
-                     num_shared=1 if shared is not None else 0, shared_hidden=shared_hidden,
-                     shared_gate=bool(spec.shared_gate and get_path(block, spec.shared_gate) is not None),
-                     expert_options=expert_options)
+    return MoEConfig(
+        d_model=d_model,
+        d_hidden=d_hidden,
+        num_experts=num_experts,
+        top_k=int(top_k),
+        num_noop=num_zero,
+        noop_kinds="copy",
+        gate=read(spec.score, block, config),
+        renormalize=renormalize,
+        activation=spec.activation,
+        backend=backend,
+        balance_coef=balance_coef,
+        z_coef=z_coef,
+        expert_layout=spec.layout,
+        router_options=options,
+        num_shared=1 if shared is not None else 0,
+        shared_hidden=shared_hidden,
+        shared_gate=bool(spec.shared_gate and get_path(block, spec.shared_gate) is not None),
+        expert_options=expert_options,
+    )
 
 
 class SharedMLP(nn.Module):
@@ -180,8 +211,10 @@ def _check_experts(block: nn.Module, spec: Family) -> None:
     names = sorted(name for name, _ in experts.named_parameters())
     wanted = sorted([*spec.weights, *spec.other_weights, *(spec.biases or ())])
     if names != wanted:
-        raise ValueError(f"{type(block).__name__}.{spec.experts} holds {names}: the {family_of(block)} entry "
-                         f"of mode.hf.moe.families adopts exactly {wanted}")
+        raise ValueError(
+            f"{type(block).__name__}.{spec.experts} holds {names}: the {family_of(block)} entry "
+            f"of mode.hf.moe.families adopts exactly {wanted}"
+        )
 
 
 @dataclass
@@ -210,7 +243,7 @@ def _cat0(*parts: Tensor) -> Tensor:
 
 
 def _split0(whole: Tensor, first: Tensor, rest: Tensor) -> tuple[Tensor, Tensor]:
-    return whole[: first.shape[0]], whole[first.shape[0]:]
+    return whole[: first.shape[0]], whole[first.shape[0] :]
 
 
 def _adopt_rows(spec: Family, w_in: Tensor, num_experts: int, names: tuple[str, str], extras: Extras) -> Tensor:
@@ -225,14 +258,14 @@ def _adopt_rows(spec: Family, w_in: Tensor, num_experts: int, names: tuple[str, 
 
 def _dbrx_half(index: int, hidden: int, w_in_EDF: Tensor) -> Tensor:
     """DBRX's ``w1`` (index 0) or ``v1`` (1), (E * H, D), from the bank's (E, D, 2H) input weight."""
-    return w_in_EDF[:, :, index * hidden:(index + 1) * hidden].transpose(1, 2).reshape(-1, w_in_EDF.shape[1])
+    return w_in_EDF[:, :, index * hidden : (index + 1) * hidden].transpose(1, 2).reshape(-1, w_in_EDF.shape[1])
 
 
 def _dbrx_half_back(index: int, hidden: int, w_half: Tensor, w_in_EDF: Tensor) -> tuple[Tensor]:
     """The bank's input weight with DBRX's ``w1`` (index 0) or ``v1`` (1), (E * H, D), written into its half."""
     E, D, _ = w_in_EDF.shape
     w = w_in_EDF.detach().clone()
-    w[:, :, index * hidden:(index + 1) * hidden] = w_half.reshape(E, hidden, D).transpose(1, 2)
+    w[:, :, index * hidden : (index + 1) * hidden] = w_half.reshape(E, hidden, D).transpose(1, 2)
     return (w,)
 
 
@@ -244,8 +277,9 @@ def _unflatten_experts(w_flat: Tensor, w_EHD: Tensor) -> tuple[Tensor]:
     return (w_flat.reshape(w_EHD.shape),)
 
 
-def _dbrx_tensors(experts: nn.Module, cfg: MoEConfig, names: tuple[str, str], extras: Extras,
-                  path: str) -> tuple[Tensor, Tensor]:
+def _dbrx_tensors(
+    experts: nn.Module, cfg: MoEConfig, names: tuple[str, str], extras: Extras, path: str
+) -> tuple[Tensor, Tensor]:
     """DBRX's experts: ``w1`` (gate), ``v1`` (up), ``w2`` (down), each (E * H, D), used as x @ w1_e.T and
     h @ w2_e. The bank ("EDF") gets ``[w1_e.T, v1_e.T]`` as one (E, D, 2H) copy and ``w2`` as an (E, H, D)
     view; the way back slices and reshapes them."""
@@ -255,10 +289,17 @@ def _dbrx_tensors(experts: nn.Module, cfg: MoEConfig, names: tuple[str, str], ex
     extras.derived[f"{path}.w1"] = ([f"moe.experts.{names[0]}"], functools.partial(_dbrx_half, 0, H))
     extras.derived[f"{path}.v1"] = ([f"moe.experts.{names[0]}"], functools.partial(_dbrx_half, 1, H))
     extras.derived[f"{path}.w2"] = ([f"moe.experts.{names[1]}"], _flatten_experts)
-    extras.inverse.update({f"{path}.w1": functools.partial(_dbrx_half_back, 0, H),
-                           f"{path}.v1": functools.partial(_dbrx_half_back, 1, H), f"{path}.w2": _unflatten_experts})
-    return (nn.Parameter(w_in, requires_grad=w1.requires_grad),
-            nn.Parameter(w2.detach().view(E, H, D), requires_grad=w2.requires_grad))
+    extras.inverse.update(
+        {
+            f"{path}.w1": functools.partial(_dbrx_half_back, 0, H),
+            f"{path}.v1": functools.partial(_dbrx_half_back, 1, H),
+            f"{path}.w2": _unflatten_experts,
+        }
+    )
+    return (
+        nn.Parameter(w_in, requires_grad=w1.requires_grad),
+        nn.Parameter(w2.detach().view(E, H, D), requires_grad=w2.requires_grad),
+    )
 
 
 TENSOR_RULES = {"dbrx": _dbrx_tensors}  # Family.tensors: a family whose expert tensors need reshaping
@@ -335,8 +376,10 @@ def hf_names(layer: MoELayer, block: nn.Module, extras: Extras | None = None) ->
     if set(ours) != set(theirs):
         only_ours = sorted(ours[i] for i in set(ours) - set(theirs))
         only_theirs = sorted(theirs[i] for i in set(theirs) - set(ours))
-        raise ValueError(f"{type(block).__name__}: the converted layer does not hold exactly the block's tensors "
-                         f"(only in the layer: {only_ours}; only in the block: {only_theirs})")
+        raise ValueError(
+            f"{type(block).__name__}: the converted layer does not hold exactly the block's tensors "
+            f"(only in the layer: {only_ours}; only in the block: {only_theirs})"
+        )
     return {ours[i]: theirs[i] for i in ours}
 
 

@@ -44,18 +44,23 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from mode.hf.moe.blocks import FAMILIES, Extras, SharedMLP, adopt_block, hf_names, kept_name, train_refusal
-from mode.hf.moe.families import FAMILIES as SPECS, NOT_YET, REFUSED, get_path
 from mode.hf.dense.routing import collect_aux
 from mode.hf.dense.upcycle import MoESlot, upcycled_mlps
+from mode.hf.moe.blocks import FAMILIES, Extras, SharedMLP, adopt_block, hf_names, kept_name, train_refusal
+from mode.hf.moe.families import FAMILIES as SPECS, NOT_YET, REFUSED, get_path
+from mode.hf.moe.saving import (  # noqa: F401
+    install_save_pretrained,
+    load_family_names,
+    save_transformers,
+    transformers_names,
+    transformers_state_dict,
+)
+from mode.hf.moe.transformers_api import adopt as adopt_transformers_api
+from mode.hf.moe.weight_init import block_skeletons, install_init, mark_initialised
 from mode.layers.moe import MoELayer
 from mode.measure.flops import mlp_flops_per_token
 from mode.measure.stats import RoutingAccumulator
 from mode.routing.keys import MOE, router_key
-from mode.hf.moe.transformers_api import adopt as adopt_transformers_api
-from mode.hf.moe.weight_init import block_skeletons, install_init, mark_initialised
-from mode.hf.moe.saving import (install_save_pretrained, load_family_names, save_transformers,  # noqa: F401
-                                 transformers_names, transformers_state_dict)
 
 MOE_MODEL_TYPES = tuple(SPECS)  # the model types of mode.hf.moe.families.FAMILIES
 
@@ -70,9 +75,16 @@ class ConvertedMoE(MoESlot):
 
     _mode_converted_slot = True  # saving.CONVERTED_MARK: how saving and transformers_api find slots
 
-    def __init__(self, moe: MoELayer, family: str, names: dict[str, str], router_logits: nn.Module | None,
-                 extras: Extras | None = None, train_refusal: str | None = None,
-                 point_name: str = "router_logits"):
+    def __init__(
+        self,
+        moe: MoELayer,
+        family: str,
+        names: dict[str, str],
+        router_logits: nn.Module | None,
+        extras: Extras | None = None,
+        train_refusal: str | None = None,
+        point_name: str = "router_logits",
+    ):
         super().__init__(moe)
         self.family = family
         self.names = dict(names)
@@ -115,7 +127,6 @@ class ConvertedMoE(MoESlot):
         return (y_BSD, None) if self.returns_tuple else y_BSD
 
 
-
 class ConvertedExperts(MoESlot):
     """transformers' experts module of a family whose decoder layer calls its own router first (Gemma-4):
     ``experts(x_TD, top_k_index, top_k_weights) -> y_TD`` as the layer calls it, computed by a ``MoELayer``
@@ -151,9 +162,16 @@ def _logits_point(router_cls: type, index: int) -> type:
     def forward(self, logits_TE: Tensor) -> tuple:
         return (None,) * index + (logits_TE,)
 
-    return type(f"{router_cls.__name__}Logits", (router_cls,),
-                {"__init__": __init__, "forward": forward, "__module__": __name__,
-                 "__doc__": f"Where {router_cls.__name__}'s logits are recorded (mode.hf.moe.convert)."})
+    return type(
+        f"{router_cls.__name__}Logits",
+        (router_cls,),
+        {
+            "__init__": __init__,
+            "forward": forward,
+            "__module__": __name__,
+            "__doc__": f"Where {router_cls.__name__}'s logits are recorded (mode.hf.moe.convert).",
+        },
+    )
 
 
 def _router_recorder(model: nn.Module, router_cls: type | None = None):
@@ -176,8 +194,10 @@ def _check_model(model: nn.Module) -> tuple[object, str]:
     model_type = getattr(config, "model_type", None)
     quant = getattr(model.config, "quantization_config", None) or getattr(model, "hf_quantizer", None)
     if quant is not None:
-        raise ValueError(f"quantization_config={quant!r}: to_mode_moe needs the expert weights as float tensors "
-                         "(mode's experts are not quantised); load the model unquantised")
+        raise ValueError(
+            f"quantization_config={quant!r}: to_mode_moe needs the expert weights as float tensors "
+            "(mode's experts are not quantised); load the model unquantised"
+        )
     if any(isinstance(m, (ConvertedMoE, ConvertedExperts)) for m in model.modules()):
         raise ValueError("model: is already converted (it holds ConvertedMoE layers)")
     if model_type in REFUSED:
@@ -185,25 +205,38 @@ def _check_model(model: nn.Module) -> tuple[object, str]:
     if model_type in NOT_YET:
         raise ValueError(f"model_type={model_type!r}: to_mode_moe does not convert it yet: {NOT_YET[model_type]}")
     if model_type not in MOE_MODEL_TYPES:
-        raise ValueError(f"model_type={model_type!r}: to_mode_moe converts {', '.join(MOE_MODEL_TYPES)}; "
-                         "missing for this model: its MoE block is not one of these (a new family is one entry "
-                         "of mode.hf.moe.families.FAMILIES)")
+        raise ValueError(
+            f"model_type={model_type!r}: to_mode_moe converts {', '.join(MOE_MODEL_TYPES)}; "
+            "missing for this model: its MoE block is not one of these (a new family is one entry "
+            "of mode.hf.moe.families.FAMILIES)"
+        )
     return config, model_type
 
 
-def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float = 0.0,
-                z_coef: float = 0.0, noop_target: float | None = None) -> nn.Module:
+def to_mode_moe(
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    balance_coef: float = 0.0,
+    z_coef: float = 0.0,
+    noop_target: float | None = None,
+) -> nn.Module:
     """Replace every sparse MoE block of ``model`` (a transformers causal LM or base model of a supported
     family) by a ``ConvertedMoE``, in place; returns the model. ``backend``: the experts' (``ExpertBank``);
     ``balance_coef`` / ``z_coef``: our Switch balance and z losses in ``collect_aux(model).total()``;
     ``noop_target``: for a family with zero-computation experts and a correction bias (LongCat-Flash), the
     share of choices ``update_expert_bias`` holds on them (the activated-parameter budget)."""
     config, model_type = _check_model(model)
-    blocks = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-              if type(child).__name__ in FAMILIES]
+    blocks = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child).__name__ in FAMILIES
+    ]
     if not blocks:
-        raise ValueError(f"model={type(model).__name__}: holds no sparse MoE block (looked for "
-                         f"{', '.join(sorted(FAMILIES))})")
+        raise ValueError(
+            f"model={type(model).__name__}: holds no sparse MoE block (looked for {', '.join(sorted(FAMILIES))})"
+        )
     spec = SPECS[model_type]
     router_classes = {type(get_path(block, spec.router)) for _, _, block in blocks if spec.router}
     recorder = next((r for r in (_router_recorder(model, c) for c in router_classes) if r is not None), None)
@@ -211,8 +244,9 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
     # (the base model inside a *ForCausalLM): after that, a new recording point gets its hook from us
     hooked = any(getattr(m, "_output_capturing_hooks_installed", False) for m in model.modules())
     for parent, name, block in blocks:
-        layer, extras = adopt_block(block, config, backend=backend, balance_coef=balance_coef, z_coef=z_coef,
-                                    noop_target=noop_target)
+        layer, extras = adopt_block(
+            block, config, backend=backend, balance_coef=balance_coef, z_coef=z_coef, noop_target=noop_target
+        )
         if spec.router is None:  # Gemma-4: transformers' router stays; only the experts become mode's
             slot = ConvertedExperts(layer, model_type, hf_names(layer, block, extras))
             _keep_family_init(slot, block)
@@ -229,8 +263,15 @@ def to_mode_moe(model: nn.Module, *, backend: str = "auto", balance_coef: float 
         point_name = "router_logits"
         if recorder is not None and getattr(recorder, "layer_name", None):
             point_name = recorder.layer_name.split(".")[-1]
-        slot = ConvertedMoE(layer, model_type, hf_names(layer, block, extras), point, extras,
-                            train_refusal(block, config, SPECS[model_type]), point_name)
+        slot = ConvertedMoE(
+            layer,
+            model_type,
+            hf_names(layer, block, extras),
+            point,
+            extras,
+            train_refusal(block, config, SPECS[model_type]),
+            point_name,
+        )
         _keep_family_init(slot, block)
         setattr(parent, name, slot)
     install_save_pretrained(model)
@@ -252,8 +293,9 @@ def converted_moe(model: nn.Module) -> dict[str, ConvertedMoE | ConvertedExperts
 
 
 @torch.no_grad()
-def moe_report(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None,
-               acc: RoutingAccumulator | None = None) -> tuple[RoutingAccumulator, dict]:
+def moe_report(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, acc: RoutingAccumulator | None = None
+) -> tuple[RoutingAccumulator, dict]:
     """Load balance and per-token compute of a converted model on one batch of token ids (``mode report``'s
     accumulator): runs the model (eval, no grad; its train/eval mode is restored), adds every converted
     layer's routing to ``acc`` (a fresh one by default; pass one to sum over batches) and returns it with

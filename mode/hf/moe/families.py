@@ -128,9 +128,16 @@ class Family:
 def _dsr(block: str, **kw) -> Family:
     """DeepSeek-V3's router (sigmoid, correction bias, groups scored by their top 2, renormalised + 1e-20,
     times ``routed_scaling_factor``) with an ungated ``shared_experts`` MLP: 17 families start from it."""
-    spec = dict(block=block, score="sigmoid", renormalize=At("gate.norm_topk_prob"), renorm_eps=1e-20,
-                scale=At("gate.routed_scaling_factor", 1.0), groups=(At("gate.num_group"), At("gate.topk_group")),
-                choice_bias="gate.e_score_correction_bias", shared="shared_experts")
+    spec = dict(
+        block=block,
+        score="sigmoid",
+        renormalize=At("gate.norm_topk_prob"),
+        renorm_eps=1e-20,
+        scale=At("gate.routed_scaling_factor", 1.0),
+        groups=(At("gate.num_group"), At("gate.topk_group")),
+        choice_bias="gate.e_score_correction_bias",
+        shared="shared_experts",
+    )
     spec.update(kw)
     return Family(**spec)
 
@@ -138,16 +145,20 @@ def _dsr(block: str, **kw) -> Family:
 def _nemotron_latent(block, config) -> str | None:
     if getattr(config, "moe_latent_size", None) is None:
         return None
-    return (f"moe_latent_size={config.moe_latent_size}: Nemotron-H's experts then run in a latent space between "
-            "two projections, which the converter does not adopt")
+    return (
+        f"moe_latent_size={config.moe_latent_size}: Nemotron-H's experts then run in a latent space between "
+        "two projections, which the converter does not adopt"
+    )
 
 
 def _step3p7_clamp(block, config) -> str | None:
     limit = getattr(getattr(block, "experts", None), "limit", None)
     if limit is None or not math.isfinite(limit):
         return None
-    return (f"experts.limit={limit}: Step-3.7 clamps its experts' activation after the SiLU (act(gate).clamp(max=L)), "
-            "mode's swiglu_limit clamps the gate before it")
+    return (
+        f"experts.limit={limit}: Step-3.7 clamps its experts' activation after the SiLU (act(gate).clamp(max=L)), "
+        "mode's swiglu_limit clamps the gate before it"
+    )
 
 
 def _cohere2_renorm(block, config) -> bool:
@@ -165,68 +176,161 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family("MixtralSparseMoeBlock", jitter=(Cfg("router_jitter_noise", 0.0),)),
     "olmoe": Family("OlmoeSparseMoeBlock", renormalize=At("gate.norm_topk_prob")),
     "flex_olmo": Family("FlexOlmoSparseMoeBlock", renormalize=At("gate.norm_topk_prob")),
-    "qwen2_moe": Family("Qwen2MoeSparseMoeBlock", renormalize=At("gate.norm_topk_prob"), shared="shared_expert",
-                        shared_gate="shared_expert_gate"),
+    "qwen2_moe": Family(
+        "Qwen2MoeSparseMoeBlock",
+        renormalize=At("gate.norm_topk_prob"),
+        shared="shared_expert",
+        shared_gate="shared_expert_gate",
+    ),
     "qwen3_moe": Family("Qwen3MoeSparseMoeBlock", renormalize=At("gate.norm_topk_prob")),
-    "qwen3_next": Family("Qwen3NextSparseMoeBlock", renormalize=At("gate.norm_topk_prob"), shared="shared_expert",
-                         shared_gate="shared_expert_gate"),
+    "qwen3_next": Family(
+        "Qwen3NextSparseMoeBlock",
+        renormalize=At("gate.norm_topk_prob"),
+        shared="shared_expert",
+        shared_gate="shared_expert_gate",
+    ),
     "qwen3_5_moe_text": Family("Qwen3_5MoeSparseMoeBlock", shared="shared_expert", shared_gate="shared_expert_gate"),
     "minimax": Family("MiniMaxSparseMoeBlock", jitter=(At("jitter_noise", 0.0),)),
     "jamba": Family("JambaSparseMoeBlock", router="router", renormalize=False),
     # DBRX: softmax top-k divided by the p-norm of the k; experts as 2D (E * H, D) w1, v1, w2 (copied once)
-    "dbrx": Family("DbrxFFN", router="router", router_weight="layer.weight", top_k=At("top_k"),
-                   renormalize=lambda b, c: b.moe_normalize_expert_weights is not None,
-                   renorm_p=At("moe_normalize_expert_weights", 1.0), experts="experts.mlp", weights=("w1", "w2"),
-                   other_weights=("v1",), tensors="dbrx", layout="EDF", activation_field=None,
-                   jitter=(At("router.moe_jitter_eps", 0.0),)),
+    "dbrx": Family(
+        "DbrxFFN",
+        router="router",
+        router_weight="layer.weight",
+        top_k=At("top_k"),
+        renormalize=lambda b, c: b.moe_normalize_expert_weights is not None,
+        renorm_p=At("moe_normalize_expert_weights", 1.0),
+        experts="experts.mlp",
+        weights=("w1", "w2"),
+        other_weights=("v1",),
+        tensors="dbrx",
+        layout="EDF",
+        activation_field=None,
+        jitter=(At("router.moe_jitter_eps", 0.0),),
+    ),
     # PhiMoE's sparsemixer: each slot's softmax over the logits near it; evaluation exact, training refused
-    "phimoe": Family("PhimoeSparseMoeBlock", router="router", score="sparsemixer", renormalize=False,
-                     mixer_eps=At("router.router_jitter_noise", 0.0), jitter=(At("input_jitter_noise", 0.0),),
-                     train_refusal="PhiMoE trains its router by Gumbel sampling with a Heun-style gradient "
-                                   "estimate (transformers' PhimoeMultiplier), which mode's deterministic "
-                                   "sparsemixer gates do not reproduce"),
+    "phimoe": Family(
+        "PhimoeSparseMoeBlock",
+        router="router",
+        score="sparsemixer",
+        renormalize=False,
+        mixer_eps=At("router.router_jitter_noise", 0.0),
+        jitter=(At("input_jitter_noise", 0.0),),
+        train_refusal="PhiMoE trains its router by Gumbel sampling with a Heun-style gradient "
+        "estimate (transformers' PhimoeMultiplier), which mode's deterministic "
+        "sparsemixer gates do not reproduce",
+    ),
     "hunyuan_v1_moe": Family("HunYuanMoEV1Moe", router_weight="wg.weight", shared="shared_mlp"),
-    "ernie4_5_moe": Family("Ernie4_5_MoeSparseMoeBlock", renorm_min=At("gate.norm_min", 0.0),
-                           choice_bias="gate.moe_statics.e_score_correction_bias", shared="shared_experts"),
-    "longcat_flash": Family("LongcatFlashMoE", router="router", router_weight="classifier.weight",
-                            renormalize=False, scale=At("router.routed_scaling_factor", 1.0),
-                            choice_bias="router.e_score_correction_bias", num_zero=At("experts.zero_expert_num", 0),
-                            unused=("router.classifier.bias",)),
+    "ernie4_5_moe": Family(
+        "Ernie4_5_MoeSparseMoeBlock",
+        renorm_min=At("gate.norm_min", 0.0),
+        choice_bias="gate.moe_statics.e_score_correction_bias",
+        shared="shared_experts",
+    ),
+    "longcat_flash": Family(
+        "LongcatFlashMoE",
+        router="router",
+        router_weight="classifier.weight",
+        renormalize=False,
+        scale=At("router.routed_scaling_factor", 1.0),
+        choice_bias="router.e_score_correction_bias",
+        num_zero=At("experts.zero_expert_num", 0),
+        unused=("router.classifier.bias",),
+    ),
     # top-k of the logits, softmax over the k chosen (= the renormalised softmax)
     "granitemoe": Family("GraniteMoeMoE", router="router"),
     "granitemoeshared": Family("GraniteMoeSharedMoE", router="router"),
     "granitemoehybrid": Family("GraniteMoeHybridMoE", router="router"),
     # JetMoE's MLP (its mixture of attention heads stays transformers' own); a bias after the combine
-    "jetmoe": Family("JetMoeMoE", router="router", router_weight="layer.weight", experts="",
-                     weights=("input_linear.weight", "output_linear.weight"), output_bias="bias",
-                     activation_field="activation_function"),
-    "gpt_oss": Family("GptOssMLP", router="router", router_bias="bias", layout="EDF",
-                      biases=("gate_up_proj_bias", "down_proj_bias"), activation_field=None, returns_tuple=True,
-                      expert_options=dict(bias=True, fused="interleaved", swiglu_alpha=At("experts.alpha"),
-                                          swiglu_limit=At("experts.limit"), swiglu_up_offset=1.0)),
-    "cohere2_moe": Family("Cohere2MoeSparseMoeBlock", score=Cfg("expert_selection_fn"), renormalize=_cohere2_renorm,
-                          shared="shared_experts",
-                          shared_average=lambda b, c: c.shared_expert_combination_strategy == "average"),
+    "jetmoe": Family(
+        "JetMoeMoE",
+        router="router",
+        router_weight="layer.weight",
+        experts="",
+        weights=("input_linear.weight", "output_linear.weight"),
+        output_bias="bias",
+        activation_field="activation_function",
+    ),
+    "gpt_oss": Family(
+        "GptOssMLP",
+        router="router",
+        router_bias="bias",
+        layout="EDF",
+        biases=("gate_up_proj_bias", "down_proj_bias"),
+        activation_field=None,
+        returns_tuple=True,
+        expert_options=dict(
+            bias=True,
+            fused="interleaved",
+            swiglu_alpha=At("experts.alpha"),
+            swiglu_limit=At("experts.limit"),
+            swiglu_up_offset=1.0,
+        ),
+    ),
+    "cohere2_moe": Family(
+        "Cohere2MoeSparseMoeBlock",
+        score=Cfg("expert_selection_fn"),
+        renormalize=_cohere2_renorm,
+        shared="shared_experts",
+        shared_average=lambda b, c: c.shared_expert_combination_strategy == "average",
+    ),
     # top-k of the logits, sigmoid of the k chosen, input scaled by it before the experts
-    "llama4_text": Family("Llama4TextMoe", router="router", score="sigmoid", renormalize=False, layout="EDF",
-                          shared="shared_expert", returns_tuple=True, expert_options=dict(gate_on_input=True)),
+    "llama4_text": Family(
+        "Llama4TextMoe",
+        router="router",
+        score="sigmoid",
+        renormalize=False,
+        layout="EDF",
+        shared="shared_expert",
+        returns_tuple=True,
+        expert_options=dict(gate_on_input=True),
+    ),
     # sigmoid with a selection-only bias
-    "minimax_m2": Family("MiniMaxM2SparseMoeBlock", score="sigmoid", choice_bias="e_score_correction_bias",
-                         jitter=(At("jitter_noise", 0.0),)),
-    "lfm2_moe": Family("Lfm2MoeSparseMoeBlock", score="sigmoid", renormalize=At("gate.norm_topk_prob"),
-                       renorm_eps=1e-6, scale=At("gate.routed_scaling_factor", 1.0), choice_bias="expert_bias",
-                       activation_field=None),
-    "afmoe": Family("AfmoeSparseMoeBlock", router="router", router_weight="gate.weight", score="sigmoid",
-                    renorm_eps=1e-20, scale=At("router.route_scale", 1.0), choice_bias="expert_bias",
-                    shared="shared_experts"),
+    "minimax_m2": Family(
+        "MiniMaxM2SparseMoeBlock",
+        score="sigmoid",
+        choice_bias="e_score_correction_bias",
+        jitter=(At("jitter_noise", 0.0),),
+    ),
+    "lfm2_moe": Family(
+        "Lfm2MoeSparseMoeBlock",
+        score="sigmoid",
+        renormalize=At("gate.norm_topk_prob"),
+        renorm_eps=1e-6,
+        scale=At("gate.routed_scaling_factor", 1.0),
+        choice_bias="expert_bias",
+        activation_field=None,
+    ),
+    "afmoe": Family(
+        "AfmoeSparseMoeBlock",
+        router="router",
+        router_weight="gate.weight",
+        score="sigmoid",
+        renorm_eps=1e-20,
+        scale=At("router.route_scale", 1.0),
+        choice_bias="expert_bias",
+        shared="shared_experts",
+    ),
     # DeepSeek-V4: sqrt(softplus) scores, correction bias or (first layers) hash routing by token id; clamped SwiGLU
-    "deepseek_v4": Family("DeepseekV4SparseMoeBlock", score="sqrtsoftplus", renorm_eps=1e-20,
-                          scale=At("gate.routed_scaling_factor", 1.0), choice_bias="gate.e_score_correction_bias",
-                          hash_table="gate.tid2eid", shared="shared_experts",
-                          expert_options=dict(swiglu_limit=At("experts.limit"))),
+    "deepseek_v4": Family(
+        "DeepseekV4SparseMoeBlock",
+        score="sqrtsoftplus",
+        renorm_eps=1e-20,
+        scale=At("gate.routed_scaling_factor", 1.0),
+        choice_bias="gate.e_score_correction_bias",
+        hash_table="gate.tid2eid",
+        shared="shared_experts",
+        expert_options=dict(swiglu_limit=At("experts.limit")),
+    ),
     # DeepSeek-V2: softmax, groups scored by their best expert, no renormalisation
-    "deepseek_v2": Family("DeepseekV2Moe", renormalize=False, scale=At("gate.routed_scaling_factor", 1.0),
-                          groups=_deepseek_v2_groups, group_score="max", shared="shared_experts"),
+    "deepseek_v2": Family(
+        "DeepseekV2Moe",
+        renormalize=False,
+        scale=At("gate.routed_scaling_factor", 1.0),
+        groups=_deepseek_v2_groups,
+        group_score="max",
+        shared="shared_experts",
+    ),
     # DeepSeek-V3's router
     "deepseek_v3": _dsr("DeepseekV3MoE"),
     "deepseek_v32": _dsr("DeepseekV32MoE"),
@@ -241,86 +345,166 @@ FAMILIES: dict[str, Family] = {
     "axk1": _dsr("AXK1MoE", post_norm="post_mlp_layernorm"),
     "axk2": _dsr("AXK2MoE", dropped_groups="zero"),
     # Nemotron-H: DeepSeek-V3's router, ungated relu^2 experts (up, down), relu^2 shared experts
-    "nemotron_h": _dsr("NemotronHMoE", weights=("up_proj", "down_proj"), activation="relu2",
-                       activation_field="mlp_hidden_act", check=_nemotron_latent),
-    "kolibri1": Family("Kolibri1SparseMoeBlock", score="sigmoid", renormalize=At("gate.norm_topk_prob"),
-                       choice_bias="gate.e_score_correction_bias", bias_on="logits", shared="shared_experts"),
+    "nemotron_h": _dsr(
+        "NemotronHMoE",
+        weights=("up_proj", "down_proj"),
+        activation="relu2",
+        activation_field="mlp_hidden_act",
+        check=_nemotron_latent,
+    ),
+    "kolibri1": Family(
+        "Kolibri1SparseMoeBlock",
+        score="sigmoid",
+        renormalize=At("gate.norm_topk_prob"),
+        choice_bias="gate.e_score_correction_bias",
+        bias_on="logits",
+        shared="shared_experts",
+    ),
     "dots3_note_text": _dsr("Dots3NoteTextMoE"),
     "solar_open": _dsr("SolarOpenMoE"),
-    "hy_v4": _dsr("HYV4MoE", expert_options=dict(swiglu_limit=At("experts.swiglu_limit")),
-                  activation_field=None),  # its experts' clamped SwiGLU is silu whatever hidden_act says
+    "hy_v4": _dsr(
+        "HYV4MoE", expert_options=dict(swiglu_limit=At("experts.swiglu_limit")), activation_field=None
+    ),  # its experts' clamped SwiGLU is silu whatever hidden_act says
     # the scale multiplies the routed output on the block (the same as the gates, up to rounding)
     "beam": _dsr("BeamMoE", scale=At("routed_scaling_factor", 1.0), shared=None),
     # more softmax and top-k-of-logits routers
     "mellum": Family("MellumSparseMoeBlock", renormalize=At("gate.norm_topk_prob")),
-    "qwen4_exp_text": Family("Qwen4ExpTextSparseMoeBlock", renormalize=At("gate.norm_topk_prob"),
-                             shared="shared_expert", shared_gate="shared_expert_gate"),
+    "qwen4_exp_text": Family(
+        "Qwen4ExpTextSparseMoeBlock",
+        renormalize=At("gate.norm_topk_prob"),
+        shared="shared_expert",
+        shared_gate="shared_expert_gate",
+    ),
     # Aria: routed experts always SiLU-gated (its shared experts, transformers' own module, follow hidden_act)
-    "aria_text": Family("AriaTextMoELayer", router="router", layout="EDF", shared="shared_experts",
-                        activation_field=None),
+    "aria_text": Family(
+        "AriaTextMoELayer", router="router", layout="EDF", shared="shared_experts", activation_field=None
+    ),
     "granitemoe_swa": Family("GraniteMoeSWAMoE", router="router"),
     # sigmoid scores: without a bias (Flint), with a bias on the block or the router and no groups
-    "flint": Family("FlintSparseMoeBlock", score="sigmoid", renormalize=At("gate.norm_topk_prob"),
-                    shared="shared_expert"),
-    "hy_v3": Family("HYV3MoE", score="sigmoid", renorm_eps=1e-20, scale=At("gate.router_scaling_factor", 1.0),
-                    choice_bias="e_score_correction_bias", shared="shared_experts"),
-    "laguna": Family("LagunaSparseMoeBlock", score="sigmoid", scale=At("routed_scaling_factor", 1.0),
-                     logit_softcap=At("gate.router_logit_softcapping", 0.0),
-                     choice_bias="gate.e_score_correction_bias", shared="shared_experts"),
-    "inkling2_text": Family("Inkling2SparseMoeBlock", score="sigmoid", renorm_eps=1e-20,
-                            scale=At("gate.routed_scaling_factor", 1.0), choice_bias="gate.e_score_correction_bias",
-                            activation_field=None,
-                            expert_options=dict(swiglu_gate_softcap=At("experts.act_fn.gate_softcap.softcap"),
-                                                swiglu_up_softcap=At("experts.act_fn.up_softcap.softcap"))),
+    "flint": Family(
+        "FlintSparseMoeBlock", score="sigmoid", renormalize=At("gate.norm_topk_prob"), shared="shared_expert"
+    ),
+    "hy_v3": Family(
+        "HYV3MoE",
+        score="sigmoid",
+        renorm_eps=1e-20,
+        scale=At("gate.router_scaling_factor", 1.0),
+        choice_bias="e_score_correction_bias",
+        shared="shared_experts",
+    ),
+    "laguna": Family(
+        "LagunaSparseMoeBlock",
+        score="sigmoid",
+        scale=At("routed_scaling_factor", 1.0),
+        logit_softcap=At("gate.router_logit_softcapping", 0.0),
+        choice_bias="gate.e_score_correction_bias",
+        shared="shared_experts",
+    ),
+    "inkling2_text": Family(
+        "Inkling2SparseMoeBlock",
+        score="sigmoid",
+        renorm_eps=1e-20,
+        scale=At("gate.routed_scaling_factor", 1.0),
+        choice_bias="gate.e_score_correction_bias",
+        activation_field=None,
+        expert_options=dict(
+            swiglu_gate_softcap=At("experts.act_fn.gate_softcap.softcap"),
+            swiglu_up_softcap=At("experts.act_fn.up_softcap.softcap"),
+        ),
+    ),
     # Gemma-4: the decoder layer calls its own router (on the residual) and then the experts (on a normed copy):
     # the experts become mode's (dispatch, expert parallelism), the router stays transformers'
-    "gemma4_text": Family("Gemma4TextExperts", router=None, experts="", top_k=Cfg("top_k_experts"),
-                          activation_field="hidden_activation", activation_name="gelu_pytorch_tanh",
-                          expert_options=dict(glu_act="gelu_tanh")),
+    "gemma4_text": Family(
+        "Gemma4TextExperts",
+        router=None,
+        experts="",
+        top_k=Cfg("top_k_experts"),
+        activation_field="hidden_activation",
+        activation_name="gelu_pytorch_tanh",
+        expert_options=dict(glu_act="gelu_tanh"),
+    ),
     # MoE text decoders that live inside multimodal models (the converter finds their blocks there too)
     "qwen3_vl_moe_text": Family("Qwen3VLMoeTextSparseMoeBlock"),
     "qwen3_omni_moe_text": Family("Qwen3OmniMoeThinkerTextSparseMoeBlock", renormalize=At("gate.norm_topk_prob")),
     "glm4v_moe_text": _dsr("Glm4vMoeTextMoE"),
     # GLM-5-Next's experts: silu whatever hidden_act says, gate and up clamped at swiglu_limit (10)
-    "glm5_next_text": _dsr("Glm5NextTextMoE", activation_field=None,
-                           expert_options=dict(swiglu_limit=At("experts.swiglu_limit"))),
-    "deepseek_ocr2_text": Family("DeepseekOcr2TextMoe", renormalize=False, scale=At("gate.routed_scaling_factor", 1.0),
-                                 groups=_deepseek_v2_groups, group_score="max", shared="shared_experts"),
-    "unlimited_ocr_text": Family("UnlimitedOcrTextMoe", renormalize=False,
-                                 scale=At("gate.routed_scaling_factor", 1.0), groups=_deepseek_v2_groups,
-                                 group_score="max", shared="shared_experts"),
+    "glm5_next_text": _dsr(
+        "Glm5NextTextMoE", activation_field=None, expert_options=dict(swiglu_limit=At("experts.swiglu_limit"))
+    ),
+    "deepseek_ocr2_text": Family(
+        "DeepseekOcr2TextMoe",
+        renormalize=False,
+        scale=At("gate.routed_scaling_factor", 1.0),
+        groups=_deepseek_v2_groups,
+        group_score="max",
+        shared="shared_experts",
+    ),
+    "unlimited_ocr_text": Family(
+        "UnlimitedOcrTextMoe",
+        renormalize=False,
+        scale=At("gate.routed_scaling_factor", 1.0),
+        groups=_deepseek_v2_groups,
+        group_score="max",
+        shared="shared_experts",
+    ),
     # Mistral-Large-4: softmax, groups by their top 2 (dropped ones zero-filled), renorm + 1e-20, scale; shared
-    "mistral_large4_text": Family("MistralLarge4TextMoE", renorm_eps=1e-20, scale=At("gate.routed_scaling_factor", 1.0),
-                                  groups=(At("gate.num_group"), At("gate.topk_group")), dropped_groups="zero",
-                                  shared="shared_experts"),
+    "mistral_large4_text": Family(
+        "MistralLarge4TextMoE",
+        renorm_eps=1e-20,
+        scale=At("gate.routed_scaling_factor", 1.0),
+        groups=(At("gate.num_group"), At("gate.topk_group")),
+        dropped_groups="zero",
+        shared="shared_experts",
+    ),
     # Step-3.7 (text type step3p5): sigmoid + bias, no eps, the scale on the block's routed output; shared
-    "step3p5": Family("Step3p7SparseMoeBlock", score="sigmoid", scale=At("routed_scaling_factor", 1.0),
-                      choice_bias="gate.e_score_correction_bias", shared="shared_experts", check=_step3p7_clamp),
-    "minimax_m3_vl_text": Family("MiniMaxM3VLSparseMoeBlock", score="sigmoid", scale=At("routed_scaling_factor", 1.0),
-                                 choice_bias="gate.e_score_correction_bias", shared="shared_experts",
-                                 activation_field=None,
-                                 expert_options=dict(swiglu_limit=At("experts.swiglu_limit"),
-                                                     swiglu_alpha=At("experts.swiglu_alpha"),
-                                                     swiglu_up_offset=1.0)),
+    "step3p5": Family(
+        "Step3p7SparseMoeBlock",
+        score="sigmoid",
+        scale=At("routed_scaling_factor", 1.0),
+        choice_bias="gate.e_score_correction_bias",
+        shared="shared_experts",
+        check=_step3p7_clamp,
+    ),
+    "minimax_m3_vl_text": Family(
+        "MiniMaxM3VLSparseMoeBlock",
+        score="sigmoid",
+        scale=At("routed_scaling_factor", 1.0),
+        choice_bias="gate.e_score_correction_bias",
+        shared="shared_experts",
+        activation_field=None,
+        expert_options=dict(
+            swiglu_limit=At("experts.swiglu_limit"), swiglu_alpha=At("experts.swiglu_alpha"), swiglu_up_offset=1.0
+        ),
+    ),
 }
 
 # transformers' activation name (``hidden_act``, ``ACT2FN``) -> the gate activation of mode's gated experts
 # (``ExpertConfig.glu_act``): a gated family computes ``ACT2FN[hidden_act](gate) * up`` with whichever it names.
 # gelu_new and gelu_fast are the tanh approximation written out (the same function, rounded differently).
-GLU_ACTS: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-                            "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "quick_gelu": "quick_gelu",
-                            "relu": "relu", "relu2": "relu2", "sigmoid": "sigmoid", "tanh": "tanh", "mish": "mish"}
+GLU_ACTS: dict[str, str] = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "quick_gelu": "quick_gelu",
+    "relu": "relu",
+    "relu2": "relu2",
+    "sigmoid": "sigmoid",
+    "tanh": "tanh",
+    "mish": "mish",
+}
 
 # Decoder MoE families of transformers 5.23 that do not convert yet, and what they need (the refusal says it)
 NOT_YET: dict[str, str] = {
     "ernie4_5_vl_moe_text": "ERNIE-4.5-VL's block holds a text and a vision expert set chosen per token by "
-                            "moe_mm_token_type_ids, with the shared experts on the outer block",
+    "moe_mm_token_type_ids, with the shared experts on the outer block",
     "muse_spark_text": "Muse-Spark's experts run in a latent space (a projection in, RMSNorms around each expert, a "
-                       "projection out) and its logits are scaled by an output multiplier before the sigmoid",
+    "projection out) and its logits are scaled by an output multiplier before the sigmoid",
     "inkling_text": "Inkling normalises the chosen sigmoid scores together with its shared experts' router logits "
-                    "(gated shared experts inside the router)",
-    "zaya": "Zaya's router is an MLP over a down-projection plus the previous layer's router state, with a skip "
-            "class",
+    "(gated shared experts inside the router)",
+    "zaya": "Zaya's router is an MLP over a down-projection plus the previous layer's router state, with a skip class",
     "doge": "Doge's product-key experts are rows of embeddings, and its routing mixes tokens (not causal)",
 }
 
@@ -330,9 +514,9 @@ NOT_YET: dict[str, str] = {
 # model type -> why it does not convert (the refusal names it)
 REFUSED: dict[str, str] = {
     "switch_transformers": "an encoder-decoder model (mode.hf converts decoder-only causal LMs), whose experts are "
-                           "capacity-limited per sequence with dropped tokens",
+    "capacity-limited per sequence with dropped tokens",
     "nllb_moe": "an encoder-decoder model (mode.hf converts decoder-only causal LMs), with batch-prioritised "
-                "capacity routing and biased ReLU experts",
+    "capacity routing and biased ReLU experts",
 }
 
 

@@ -35,7 +35,6 @@ from torch import Tensor, nn
 
 from mode.train.checkpoint import replace_dir
 
-
 CONVERTED_MARK = "_mode_converted_slot"  # a class attribute of convert's ConvertedMoE and ConvertedExperts
 
 
@@ -97,10 +96,12 @@ def transformers_twin(model: nn.Module, state: dict[str, Tensor]) -> nn.Module:
             fresh = AutoModelForCausalLM.from_config(config)
     expected = set(fresh.state_dict())
     if set(state) != expected:
-        raise ValueError(f"the converted model's tensors do not match a fresh {type(fresh).__name__}: missing "
-                         f"{sorted(expected - set(state))[:5]}, unexpected {sorted(set(state) - expected)[:5]}; "
-                         "plain transformers would initialise the missing ones afresh: save with "
-                         "mode.hf.save_transformers(model, path), which writes the full state")
+        raise ValueError(
+            f"the converted model's tensors do not match a fresh {type(fresh).__name__}: missing "
+            f"{sorted(expected - set(state))[:5]}, unexpected {sorted(set(state) - expected)[:5]}; "
+            "plain transformers would initialise the missing ones afresh: save with "
+            "mode.hf.save_transformers(model, path), which writes the full state"
+        )
     fresh.load_state_dict(state, strict=True, assign=True)
     fresh.generation_config = getattr(model, "generation_config", fresh.generation_config)
     return fresh
@@ -115,8 +116,10 @@ def save_transformers(model: nn.Module, path: str | os.PathLike) -> Path | None:
     from mode.parallel.full_state import barrier
 
     if not _slots(model):
-        raise ValueError("model: holds no ConvertedMoE layer (convert it with mode.hf.to_mode_moe first); "
-                         "save a plain transformers model with its own save_pretrained")
+        raise ValueError(
+            "model: holds no ConvertedMoE layer (convert it with mode.hf.to_mode_moe first); "
+            "save a plain transformers model with its own save_pretrained"
+        )
     state = transformers_state_dict(model)
     out = None
     if state is not None:
@@ -151,8 +154,7 @@ def save_pretrained(self, save_directory, *args, state_dict: dict | None = None,
     state = full_state_dict(self) if state_dict is None else dict(state_dict)
     out = None
     if state is not None:
-        out = transformers_twin(self, transformers_names(self, state)).save_pretrained(save_directory, *args,
-                                                                                       **kwargs)
+        out = transformers_twin(self, transformers_names(self, state)).save_pretrained(save_directory, *args, **kwargs)
     barrier(self)
     return out
 
@@ -181,7 +183,9 @@ def load_family_names(slot: nn.Module, state: dict, prefix: str, *args) -> None:
     for theirs, (parts, _) in slot.derived.items():
         if prefix + theirs not in state:
             continue
-        current = [state.get(prefix + p, slot.get_parameter(p) if p in dict(slot.named_parameters())
-                             else slot.get_buffer(p)) for p in parts]
+        current = [
+            state.get(prefix + p, slot.get_parameter(p) if p in dict(slot.named_parameters()) else slot.get_buffer(p))
+            for p in parts
+        ]
         for p, value in zip(parts, slot.inverse[theirs](state.pop(prefix + theirs), *current)):
             state[prefix + p] = value

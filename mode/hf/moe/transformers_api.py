@@ -50,14 +50,18 @@ def set_experts_implementation(self, experts_implementation) -> None:
     from mode.experts.bank import BACKENDS
 
     if not isinstance(experts_implementation, str):
-        raise TypeError(f"experts_implementation={experts_implementation!r}: a converted model takes one name for "
-                        "all its converted layers (a str), not a per-sub-config dict")
+        raise TypeError(
+            f"experts_implementation={experts_implementation!r}: a converted model takes one name for "
+            "all its converted layers (a str), not a per-sub-config dict"
+        )
     backend = EXPERTS_IMPLEMENTATIONS.get(experts_implementation, experts_implementation)
     if backend not in BACKENDS:
-        raise ValueError(f"experts_implementation={experts_implementation!r}: a converted model's experts are "
-                         f"mode's; call set_experts_implementation with one of {', '.join(map(repr, BACKENDS))} "
-                         f"(or transformers' {', '.join(map(repr, EXPERTS_IMPLEMENTATIONS))}), or convert with "
-                         "mode.hf.to_mode_moe(model, backend=...)")
+        raise ValueError(
+            f"experts_implementation={experts_implementation!r}: a converted model's experts are "
+            f"mode's; call set_experts_implementation with one of {', '.join(map(repr, BACKENDS))} "
+            f"(or transformers' {', '.join(map(repr, EXPERTS_IMPLEMENTATIONS))}), or convert with "
+            "mode.hf.to_mode_moe(model, backend=...)"
+        )
     for slot in _slots(self).values():
         slot.moe.experts.set_backend(backend)
 
@@ -85,8 +89,14 @@ def _plan(plan: dict | None, owner: nn.Module, slots: dict) -> dict | None:
         if any(pat.match(n) for n in existing):
             out[key] = style
             continue
-        hit = next(((rel_t, rel_o) for name, rel_t, rel_o in kept
-                    if key.endswith("." + rel_t) and pat.match(f"{name}.{rel_t}")), None)
+        hit = next(
+            (
+                (rel_t, rel_o)
+                for name, rel_t, rel_o in kept
+                if key.endswith("." + rel_t) and pat.match(f"{name}.{rel_t}")
+            ),
+            None,
+        )
         if hit is not None:  # the same key (its layer index still a *) at the module's path in the slot
             out[key[: len(key) - len(hit[0])] + hit[1]] = style
     return out
@@ -100,8 +110,13 @@ def adopt(model: nn.Module) -> None:
         owner.set_experts_implementation = types.MethodType(set_experts_implementation, owner)
         for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
             patterns = set(getattr(owner, attr, None) or ())
-            ours = {f"moe.{o}" for p in patterns for slot in slots.values() for o, t in slot.names.items()
-                    if re.search(rf"(^|\.){re.escape(p)}($|\.)", t)}
+            ours = {
+                f"moe.{o}"
+                for p in patterns
+                for slot in slots.values()
+                for o, t in slot.names.items()
+                if re.search(rf"(^|\.){re.escape(p)}($|\.)", t)
+            }
             if patterns:
                 setattr(owner, attr, patterns | ours)
         no_split = set(getattr(owner, "_no_split_modules", None) or ())

@@ -44,8 +44,7 @@ def skeletons(block: nn.Module, alive: set[int]) -> list[tuple[str, nn.Module]]:
     def visit(module: nn.Module, path: str) -> nn.Module:
         if id(module) in alive:
             return module
-        children = {name: visit(child, f"{path}.{name}" if path else name)
-                    for name, child in module.named_children()}
+        children = {name: visit(child, f"{path}.{name}" if path else name) for name, child in module.named_children()}
         sk = copy.copy(module)
         object.__setattr__(sk, "_parameters", dict.fromkeys(module._parameters))
         object.__setattr__(sk, "_buffers", dict.fromkeys(module._buffers))
@@ -131,8 +130,7 @@ def install_init(model: nn.Module) -> None:
     from transformers import PreTrainedModel
 
     for m in model.modules():
-        if isinstance(m, PreTrainedModel) and any(getattr(s, "hf_skeletons", None) is not None
-                                                  for s in m.modules()):
+        if isinstance(m, PreTrainedModel) and any(getattr(s, "hf_skeletons", None) is not None for s in m.modules()):
             m._init_weights = types.MethodType(_init_weights, m)
 
 
@@ -141,4 +139,3 @@ def block_skeletons(block: nn.Module, slot: nn.Module) -> list[tuple[str, nn.Mod
     gate, are initialised by transformers as they are)."""
     alive = {id(m) for m in slot.modules()} & {id(m) for m in block.modules()}
     return skeletons(block, alive)
-

@@ -7,7 +7,8 @@ Shape legend
 Affinities are the per-token softmax over the X slots; every slot (no-op slots too) picks the ``c``
 highest-affinity tokens of each sequence, ``c = ceil(capacity_factor * S / X)`` (the factor read as the
 decimal written), and a real expert's gate is the affinity. The plan has the static size ``B * c * E``;
-picks of padded positions stay in it as padding after the computed ones (no host sync). Picks by a no-op slot are never computed; no-op slots still take probability mass
+picks of padded positions stay in it as padding after the computed ones (no host sync). Picks by a no-op slot are never
+computed; no-op slots still take probability mass
 from the real experts. Routing within a sequence keeps sequences independent (no leakage across the
 batch), like MoD, which is expert choice with one expert.
 """
@@ -18,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from legacy.losses import router_z_loss
+from legacy.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 from torch import Tensor, nn
 
 from mode import _checks
-from legacy.losses import router_z_loss
 from mode.routing.capacity import ceil_of
-from legacy.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 
 
 @dataclass
@@ -57,8 +58,10 @@ class ExpertChoiceConfig:
     def causal_problem(self) -> str | None:
         """Why token-by-token decoding would not match the full forward: an expert picks among the whole
         sequence, future tokens included."""
-        return ("router='expert_choice': expert-choice routing picks tokens across the sequence and is not "
-                "causal; generate() needs token-choice MoE layers")
+        return (
+            "router='expert_choice': expert-choice routing picks tokens across the sequence and is not "
+            "causal; generate() needs token-choice MoE layers"
+        )
 
     def tokens_per_slot(self, seq_len: int) -> int:
         """``c = ceil(capacity_factor * S / X)`` tokens each slot picks per sequence."""
@@ -119,7 +122,8 @@ class ExpertChoiceRouter(nn.Module):
         else:
             expert_key_BcE = torch.where(gate_BcE >= 0, slot_BcE, E)
         token_A, expert_A, gate_A, counts_E = group_by_expert(
-            token_BcE.reshape(-1), expert_key_BcE.reshape(-1), gate_BcE.reshape(-1), E, T)
+            token_BcE.reshape(-1), expert_key_BcE.reshape(-1), gate_BcE.reshape(-1), E, T
+        )
 
         picked_BcX = gate_BcX >= 0  # False only for padded positions
         requested_X = picked_BcX.sum((0, 1)).float()
@@ -133,5 +137,6 @@ class ExpertChoiceRouter(nn.Module):
             entropy=entropy_of(probs_BSX.detach().reshape(T, X), valid_T),
             batch_shape=(B, S),
         )
-        return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
-                           num_tokens=T, aux=aux)
+        return RoutingPlan(
+            token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E, num_tokens=T, aux=aux
+        )

@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from legacy.plan import Aux, RoutingPlan, RoutingStats, scalar
 from torch import Tensor, nn
 
 from mode import _checks
 from mode.routing.capacity import floor_of
-from legacy.plan import Aux, RoutingPlan, RoutingStats, scalar
 
 GATES = ("raw", "sigmoid", "one", "ste")
 SELECTIONS = ("learned", "random")
@@ -81,8 +81,10 @@ class MoDRouterConfig:
             raise ValueError(f"threshold_momentum={self.threshold_momentum}: must be in (0, 1] (0 never moves it)")
         _checks.check_bool("steer_decision", self.steer_decision)
         if self.steer_decision and self.causal not in ("predictor", "aux_bce"):
-            raise ValueError(f"steer_decision=True with causal={self.causal!r}: only 'predictor' and 'aux_bce' have a "
-                             "learned decision to steer ('threshold' always steers; 'none' has no decision)")
+            raise ValueError(
+                f"steer_decision=True with causal={self.causal!r}: only 'predictor' and 'aux_bce' have a "
+                "learned decision to steer ('threshold' always steers; 'none' has no decision)"
+            )
         _checks.check_int("predictor_hidden", self.predictor_hidden)
         _checks.check_bool("check_finite", self.check_finite)
 
@@ -107,8 +109,10 @@ class MoDRouterConfig:
         """Why this router cannot route token by token (sampling), or None: it needs a causal method."""
         if self.causal != "none":
             return None
-        return ("causal='none': this model's MoD layers use non-causal top-k routing and cannot sample; "
-                "train it with causal='predictor' or 'aux_bce'")
+        return (
+            "causal='none': this model's MoD layers use non-causal top-k routing and cannot sample; "
+            "train it with causal='predictor' or 'aux_bce'"
+        )
 
 
 class MoDRouter(nn.Module):
@@ -119,8 +123,9 @@ class MoDRouter(nn.Module):
         nn.init.normal_(self.weight, std=cfg.d_model**-0.5)
         self.predictor = None
         if cfg.causal == "predictor":
-            self.predictor = nn.Sequential(nn.Linear(cfg.d_model, cfg.predictor_hidden), nn.SiLU(),
-                                           nn.Linear(cfg.predictor_hidden, 1))
+            self.predictor = nn.Sequential(
+                nn.Linear(cfg.d_model, cfg.predictor_hidden), nn.SiLU(), nn.Linear(cfg.predictor_hidden, 1)
+            )
         if self.steers:  # NaN until the first training forward: saved and resumed with the model
             self.register_buffer("threshold", torch.tensor(float("nan")))
 
@@ -161,17 +166,21 @@ class MoDRouter(nn.Module):
         if not self.steers:
             return logit_BS
         if torch.isnan(self.threshold):  # one host read, on the causal path only
-            raise ValueError(f"causal={self.cfg.causal!r}: the routing threshold is not calibrated yet; run forwards "
-                             "in train mode first (training, mode.hf.router_tune, or mode.hf.calibrate(model, "
-                             "batches)): each moves it to the capacity's quantile of the decision logits")
+            raise ValueError(
+                f"causal={self.cfg.causal!r}: the routing threshold is not calibrated yet; run forwards "
+                "in train mode first (training, mode.hf.router_tune, or mode.hf.calibrate(model, "
+                "batches)): each moves it to the capacity's quantile of the decision logits"
+            )
         return logit_BS - self.threshold
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, causal: bool = False) -> RoutingPlan:
         _checks.check_hidden("x", x_BSD, self.cfg.d_model, device=self.weight.device)
         _checks.check_mask("mask", mask_BS, x_BSD.shape[:2], device=self.weight.device)
         if causal and self.cfg.causal == "none":
-            raise ValueError("causal=True: this MoD router was built with causal='none'; build it with "
-                             "causal='predictor' or 'aux_bce' to route causally")
+            raise ValueError(
+                "causal=True: this MoD router was built with causal='none'; build it with "
+                "causal='predictor' or 'aux_bce' to route causally"
+            )
         r_BS = self.scores(x_BSD)
         if self.cfg.check_finite:
             _checks.check_finite_logits("MoDRouter", r_BS)
@@ -234,8 +243,9 @@ class MoDRouter(nn.Module):
             agree_BS = agree_BS * weight_BS
         plan.aux.stats["router"].causal_accuracy = agree_BS.sum() / n_real.clamp_min(1)
 
-    def plan_from_positions(self, r_BS: Tensor, pos_BC: Tensor, valid_BC: Tensor | None,
-                            mask_BS: Tensor | None) -> RoutingPlan:
+    def plan_from_positions(
+        self, r_BS: Tensor, pos_BC: Tensor, valid_BC: Tensor | None, mask_BS: Tensor | None
+    ) -> RoutingPlan:
         """The plan for routed slots ``pos_BC`` (real slots first in each row, in position order)."""
         B, S = r_BS.shape
         C = pos_BC.shape[1]
@@ -270,8 +280,16 @@ class MoDRouter(nn.Module):
             batch_shape=(B, S),
         )
         counts_E = torch.full((1,), B * C, dtype=torch.long, device=dev)
-        return RoutingPlan(token_idx_A=token_A, expert_idx_A=torch.zeros_like(token_A), weight_A=weight_A,
-                           counts_E=counts_E, num_tokens=T, aux=aux, seq_capacity=C, valid_A=valid_A)
+        return RoutingPlan(
+            token_idx_A=token_A,
+            expert_idx_A=torch.zeros_like(token_A),
+            weight_A=weight_A,
+            counts_E=counts_E,
+            num_tokens=T,
+            aux=aux,
+            seq_capacity=C,
+            valid_A=valid_A,
+        )
 
     def _empty_plan(self, r_BS: Tensor, mask_BS: Tensor | None) -> RoutingPlan:
         """What ``plan_from_positions`` returns when no token is routed (C = 0), in a handful of ops: decoding
@@ -291,9 +309,16 @@ class MoDRouter(nn.Module):
             batch_shape=(B, S),
         )
         no_A = torch.zeros(0, dtype=torch.long, device=dev)
-        return RoutingPlan(token_idx_A=no_A, expert_idx_A=no_A.clone(), weight_A=r_BS.new_zeros(0),
-                           counts_E=torch.zeros(1, dtype=torch.long, device=dev), num_tokens=B * S, aux=aux,
-                           seq_capacity=0, valid_A=torch.zeros(0, dtype=torch.bool, device=dev))
+        return RoutingPlan(
+            token_idx_A=no_A,
+            expert_idx_A=no_A.clone(),
+            weight_A=r_BS.new_zeros(0),
+            counts_E=torch.zeros(1, dtype=torch.long, device=dev),
+            num_tokens=B * S,
+            aux=aux,
+            seq_capacity=0,
+            valid_A=torch.zeros(0, dtype=torch.bool, device=dev),
+        )
 
 
 def pack_routed(routed_BS: Tensor, C: int | None = None) -> Tensor:

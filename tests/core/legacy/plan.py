@@ -90,7 +90,7 @@ class Aux:
             return torch.zeros((), device="cpu")  # a CPU scalar adds to a loss on any device, without a copy
         return torch.stack([t.float() for t in terms]).sum()
 
-    def merge(self, other: "Aux", prefix: str = "") -> "Aux":
+    def merge(self, other: Aux, prefix: str = "") -> Aux:
         """Add ``other``'s entries under ``prefix`` (in place); returns self for chaining."""
         for k, v in other.losses.items():
             self.add_loss(prefix + k, v, other.coefs[k])
@@ -124,15 +124,23 @@ class RoutingPlan:
         """Static size ``A`` of the plan (computed assignments and padding)."""
         return self.token_idx_A.numel()
 
-    def compact(self) -> "RoutingPlan":
+    def compact(self) -> RoutingPlan:
         """The same plan without its padding: only the computed assignments. Reads their number on the
         host, so it is for tests, debugging and reference code, never the hot path."""
         n = int(self.counts_E.sum())
         if self.seq_capacity is not None or n == self.num_assignments:
             return self  # per-sequence (MoD) plans keep their slots; nothing to drop
-        return RoutingPlan(token_idx_A=self.token_idx_A[:n], expert_idx_A=self.expert_idx_A[:n],
-                           weight_A=self.weight_A[:n], counts_E=self.counts_E, num_tokens=self.num_tokens,
-                           aux=self.aux, seq_capacity=None, valid_A=None, padded=False)
+        return RoutingPlan(
+            token_idx_A=self.token_idx_A[:n],
+            expert_idx_A=self.expert_idx_A[:n],
+            weight_A=self.weight_A[:n],
+            counts_E=self.counts_E,
+            num_tokens=self.num_tokens,
+            aux=self.aux,
+            seq_capacity=None,
+            valid_A=None,
+            padded=False,
+        )
 
     def computed_A(self) -> Tensor:
         """True for the assignments that are computed (the first ``counts_E.sum()``), on the device."""

@@ -7,7 +7,8 @@ Shape legend
 Each token scores the X slots, keeps its top-k, and its gates are the softmax (or sigmoid, or
 ``sqrtsoftplus``: DeepSeek-V4's sqrt(softplus(logit))) scores of those slots, optionally renormalised over the
 k chosen. Choosing by the scores or by the raw logits is the same choice (each is monotone in the logit); a
-softmax over the k chosen logits (gpt-oss, Granite) is the renormalised softmax. Choices of a no-op slot are never computed:
+softmax over the k chosen logits (gpt-oss, Granite) is the renormalised softmax. Choices of a no-op slot are never
+computed:
 the token simply gets less (or no) expert output. With ``capacity_factor`` set, each real expert takes at
 most ``ceil(capacity_factor * T * K / E)`` assignments (the factor read as the decimal written) and the
 rest are dropped, first choices before second choices and earlier tokens first; ``capacity_factor=None``
@@ -63,12 +64,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from legacy.losses import router_z_loss
+from legacy.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 from torch import Tensor, nn
 
 from mode import _checks
-from legacy.losses import router_z_loss
 from mode.routing.capacity import ceil_of
-from legacy.plan import Aux, RoutingPlan, RoutingStats, count_per, entropy_of, group_by_expert, scalar
 
 GATES = ("softmax", "sigmoid", "sqrtsoftplus", "sparsemixer")  # sqrtsoftplus: DeepSeek-V4; sparsemixer: PhiMoE
 GROUP_SCORES = ("top2", "max")  # a group scores the sum of its two best experts (DeepSeek-V3) or its best (V2)
@@ -126,8 +127,10 @@ class TokenChoiceConfig:
         _checks.check_non_negative("renorm_min", self.renorm_min)
         _checks.check_positive("renorm_p", self.renorm_p)
         if (self.renorm_eps or self.renorm_min or self.renorm_p != 1.0) and not self.renormalize:
-            raise ValueError(f"renorm_eps={self.renorm_eps}, renorm_min={self.renorm_min}, "
-                             f"renorm_p={self.renorm_p}: need renormalize=True")
+            raise ValueError(
+                f"renorm_eps={self.renorm_eps}, renorm_min={self.renorm_min}, "
+                f"renorm_p={self.renorm_p}: need renormalize=True"
+            )
         _checks.check_bool("logit_bias", self.logit_bias)
         _checks.check_non_negative("mixer_eps", self.mixer_eps)
         _checks.check_int("hash_vocab", self.hash_vocab, min_value=0)
@@ -135,13 +138,17 @@ class TokenChoiceConfig:
         _checks.check_choice("bias_on", self.bias_on, ("scores", "logits"))
         _checks.check_choice("dropped_groups", self.dropped_groups, ("ninf", "zero"))
         if self.hash_vocab and (self.bias_balance or self.n_group > 1 or self.num_noop or self.gate == "sparsemixer"):
-            raise ValueError(f"hash_vocab={self.hash_vocab}: hash routing takes its experts from the table (got "
-                             f"bias_balance={self.bias_balance}, n_group={self.n_group}, num_noop={self.num_noop}, "
-                             f"gate={self.gate!r}: none of them applies)")
+            raise ValueError(
+                f"hash_vocab={self.hash_vocab}: hash routing takes its experts from the table (got "
+                f"bias_balance={self.bias_balance}, n_group={self.n_group}, num_noop={self.num_noop}, "
+                f"gate={self.gate!r}: none of them applies)"
+            )
         if self.gate == "sparsemixer" and (self.renormalize or self.bias_balance or self.n_group > 1):
-            raise ValueError(f"gate='sparsemixer': gives each slot its own gate, chosen by the logits alone (got "
-                             f"renormalize={self.renormalize}, bias_balance={self.bias_balance}, "
-                             f"n_group={self.n_group}: none of them applies)")
+            raise ValueError(
+                f"gate='sparsemixer': gives each slot its own gate, chosen by the logits alone (got "
+                f"renormalize={self.renormalize}, bias_balance={self.bias_balance}, "
+                f"n_group={self.n_group}: none of them applies)"
+            )
         _checks.check_choice("group_score", self.group_score, GROUP_SCORES)
         _checks.check_bool("check_finite", self.check_finite)
         _checks.check_positive("scale", self.scale)
@@ -155,14 +162,18 @@ class TokenChoiceConfig:
             raise ValueError(f"topk_group={self.topk_group}: must be <= n_group={self.n_group}")
         eligible = self.topk_group * (self.num_experts // self.n_group) + self.num_noop
         if self.top_k > eligible:
-            raise ValueError(f"top_k={self.top_k}: must be <= the slots a token can choose from, topk_group * "
-                             f"num_experts / n_group + num_noop = {eligible}")
+            raise ValueError(
+                f"top_k={self.top_k}: must be <= the slots a token can choose from, topk_group * "
+                f"num_experts / n_group + num_noop = {eligible}"
+            )
         _checks.check_bool("bias_balance", self.bias_balance)
         _checks.check_positive("bias_rate", self.bias_rate)
         if self.noop_target is not None:
             if not self.bias_balance or self.num_noop < 1:
-                raise ValueError(f"noop_target={self.noop_target}: needs bias_balance=True and num_noop >= 1 "
-                                 f"(got bias_balance={self.bias_balance}, num_noop={self.num_noop})")
+                raise ValueError(
+                    f"noop_target={self.noop_target}: needs bias_balance=True and num_noop >= 1 "
+                    f"(got bias_balance={self.bias_balance}, num_noop={self.num_noop})"
+                )
             if _checks.check_fraction("noop_target", self.noop_target) == 1.0:
                 raise ValueError(f"noop_target={self.noop_target}: must be in (0, 1) (1 would compute nothing)")
         _checks.check_choice("balance_scope", self.balance_scope, BALANCE_SCOPES)
@@ -181,9 +192,11 @@ class TokenChoiceConfig:
         each token alone; capacity drops depend on the other tokens."""
         if self.capacity_factor is None:
             return None
-        return (f"capacity_factor={self.capacity_factor}: token-choice capacity drops depend on the other tokens "
-                "of the batch, so decoding would not match the full forward; generate() needs dropless MoE layers "
-                "(rebuild the LMConfig with capacity_factor=None and load the same weights)")
+        return (
+            f"capacity_factor={self.capacity_factor}: token-choice capacity drops depend on the other tokens "
+            "of the batch, so decoding would not match the full forward; generate() needs dropless MoE layers "
+            "(rebuild the LMConfig with capacity_factor=None and load the same weights)"
+        )
 
     def capacity(self, num_tokens: int) -> int | None:
         """Per-expert assignment limit for ``num_tokens`` tokens (None when dropless)."""
@@ -205,7 +218,7 @@ class TokenChoiceConfig:
 
     def assignments(self, seq_len: int) -> float:
         """Computed assignments per sequence under balanced routing (no-op slots take their share)."""
-        wanted = seq_len * self.top_k * sum(self.target_shares()[:self.num_experts])
+        wanted = seq_len * self.top_k * sum(self.target_shares()[: self.num_experts])
         cap = self.capacity(seq_len)
         return wanted if cap is None else min(wanted, self.num_experts * cap)
 
@@ -243,9 +256,11 @@ class TokenChoiceRouter(nn.Module):
         _checks.check_hidden("x", x_BSD, self.cfg.d_model, device=self.weight.device)
         _checks.check_mask("mask", mask_BS, x_BSD.shape[:2], device=self.weight.device)
         if self.cfg.hash_vocab and (ids_BS is None or tuple(ids_BS.shape) != tuple(x_BSD.shape[:2])):
-            raise ValueError(f"ids_BS={None if ids_BS is None else tuple(ids_BS.shape)}: hash routing "
-                             f"(hash_vocab={self.cfg.hash_vocab}) chooses by the token ids; pass them, shaped "
-                             f"like x's (B, S) = {tuple(x_BSD.shape[:2])}")
+            raise ValueError(
+                f"ids_BS={None if ids_BS is None else tuple(ids_BS.shape)}: hash routing "
+                f"(hash_vocab={self.cfg.hash_vocab}) chooses by the token ids; pass them, shaped "
+                f"like x's (B, S) = {tuple(x_BSD.shape[:2])}"
+            )
         B, S, _ = x_BSD.shape
         T, K, E = B * S, self.cfg.top_k, self.num_experts
         valid_T = None if mask_BS is None else mask_BS.reshape(T)
@@ -302,8 +317,9 @@ class TokenChoiceRouter(nn.Module):
                 self.load_X += requested_X  # eval and no_grad forwards never move the bias
 
             aux = Aux()
-            aux.add_loss("balance", self._balance(balance_probs_TX, requested_X, chosen_TK, valid_T, B),
-                         self.cfg.balance_coef)
+            aux.add_loss(
+                "balance", self._balance(balance_probs_TX, requested_X, chosen_TK, valid_T, B), self.cfg.balance_coef
+            )
             aux.add_loss("z_loss", router_z_loss(logits_TX, valid_T), self.cfg.z_coef)
 
         gate_A = gate_TK.t().reshape(-1)
@@ -330,8 +346,17 @@ class TokenChoiceRouter(nn.Module):
             entropy=entropy_of(balance_probs_TX.detach(), valid_T),
             batch_shape=(B, S),
         )
-        return RoutingPlan(token_idx_A=token_A, expert_idx_A=expert_A, weight_A=gate_A, counts_E=counts_E,
-                           num_tokens=T, aux=aux, padded=padded, logits_TX=logits_TX, noop_gate_TN=noop_gate_TN)
+        return RoutingPlan(
+            token_idx_A=token_A,
+            expert_idx_A=expert_A,
+            weight_A=gate_A,
+            counts_E=counts_E,
+            num_tokens=T,
+            aux=aux,
+            padded=padded,
+            logits_TX=logits_TX,
+            noop_gate_TN=noop_gate_TN,
+        )
 
     def _choice_scores(self, probs_TX: Tensor, logits_TX: Tensor) -> Tensor:
         """The scores the top-k chooses by: the gates (or the logits, ``bias_on="logits"``) plus the balancing
@@ -348,12 +373,14 @@ class TokenChoiceRouter(nn.Module):
         else:  # a group scores its two best experts
             group_TG = real_TGE.topk(min(2, E // G), dim=-1).values.sum(-1)
         keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(
-            1, group_TG.topk(self.cfg.topk_group, dim=-1).indices, True)
+            1, group_TG.topk(self.cfg.topk_group, dim=-1).indices, True
+        )
         real_TE = real_TGE.masked_fill(~keep_TG[:, :, None], self._dropped_fill).reshape(T, E)
         return torch.cat([real_TE, choice_TX[:, E:]], dim=1)
 
-    def _balance(self, probs_TX: Tensor, requested_X: Tensor, chosen_TK: Tensor, valid_T: Tensor | None,
-                 batch: int) -> Tensor:
+    def _balance(
+        self, probs_TX: Tensor, requested_X: Tensor, chosen_TK: Tensor, valid_T: Tensor | None, batch: int
+    ) -> Tensor:
         """The Switch balance loss at the configured scope."""
         K = self.cfg.top_k
         if self.cfg.balance_scope == "sequence":
@@ -391,8 +418,9 @@ def _check_finite(logits_TX: Tensor) -> None:
         raise
 
 
-def _balance_loss(probs_TX: Tensor, requested_X: Tensor, top_k: int, valid_T: Tensor | None,
-                  global_counts: Tensor | None = None) -> Tensor:
+def _balance_loss(
+    probs_TX: Tensor, requested_X: Tensor, top_k: int, valid_T: Tensor | None, global_counts: Tensor | None = None
+) -> Tensor:
     """``losses.load_balancing_loss`` from the choice counts the router has anyway (``requested_X``, valid
     choices per slot) instead of a (T, X) one-hot: the same value bit for bit (a float32 sum of ones is the
     exact count), three passes over (T, X) fewer. ``tests/core/test_routers.py`` checks the two agree.
@@ -421,8 +449,11 @@ def _sequence_balance_loss(probs_TX: Tensor, chosen_TK: Tensor, valid_T: Tensor 
     S = T // max(1, batch)
     w_T = probs_TX.new_ones(T) if valid_T is None else valid_T.to(probs_TX.dtype)
     seq_TK = torch.arange(T, device=probs_TX.device).div(S, rounding_mode="floor")[:, None].expand(T, K)
-    counts_BX = probs_TX.new_zeros(batch * X).index_add_(
-        0, (seq_TK * X + chosen_TK).reshape(-1), w_T[:, None].expand(T, K).reshape(-1)).view(batch, X)
+    counts_BX = (
+        probs_TX.new_zeros(batch * X)
+        .index_add_(0, (seq_TK * X + chosen_TK).reshape(-1), w_T[:, None].expand(T, K).reshape(-1))
+        .view(batch, X)
+    )
     n_B = w_T.view(batch, S).sum(1)
     p_BX = (probs_TX * w_T[:, None]).view(batch, S, X).sum(1)
     per_seq_B = X * (counts_BX * p_BX).sum(1) / (n_B.square().clamp_min(1) * K)
