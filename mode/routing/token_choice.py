@@ -508,7 +508,7 @@ class TokenChoiceRouter(nn.Module):
             return out.z_sum
         total = None
         if c_b or c_z:
-            w_X = requested_X.to(out.sums_S.dtype) * (c_b * X / (n * n * K))  # the router's dtype, no gradient
+            w_X = _counts_times(requested_X, c_b * X / (n * n * K), out.sums_S.dtype)  # no gradient
             w_S = F.pad(w_X, (0, 1), value=c_z / n)  # [w_X | z_coef / T]
             total = torch.dot(out.sums_S[: X + 1], w_S)
         aux.add_weighted(
@@ -563,8 +563,7 @@ class TokenChoiceRouter(nn.Module):
         c_b, c_z = self.cfg.balance_coef, self.cfg.z_coef
         total = None
         if c_b:
-            # in the router's dtype (float32, or a float64 model's float64), no gradient
-            w_X = requested_X.to(balance_probs_TX.dtype) * (c_b * X / (T * T * K))
+            w_X = _counts_times(requested_X, c_b * X / (T * T * K), balance_probs_TX.dtype)  # no gradient
             total = torch.dot(balance_probs_TX.sum(0), w_X)
         lse_T = None
         if c_z:
@@ -630,6 +629,12 @@ def _sparsemixer(logits_TX: Tensor, k: int, eps: float) -> tuple[Tensor, Tensor]
         chosen.append(idx_T1)
         remaining_TX = remaining_TX.scatter(-1, idx_T1, float("-inf"))
     return torch.cat(gates, -1), torch.cat(chosen, -1)
+
+
+def _counts_times(counts_X: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
+    """``counts_X * scale`` in the router's ``dtype``: one operator in float32 (an integer tensor times a Python
+    float is float32), a cast first in float64 (a float64 model's exactness runs: float32 would round it)."""
+    return counts_X * scale if dtype == torch.float32 else counts_X.to(dtype) * scale
 
 
 class TokenChoiceStats(RoutingStats):

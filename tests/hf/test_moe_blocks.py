@@ -109,7 +109,10 @@ def test_unsupported_blocks_and_activations_are_refused():
 
     with pytest.raises(ValueError, match=r"block=Linear: not a supported transformers MoE block"):
         from_block(torch.nn.Linear(2, 2), Qwen3MoeConfig())
-    with pytest.raises(ValueError, match=r"hidden_act='gelu': mode's experts for this family use silu"):
+    with pytest.raises(ValueError, match=r"hidden_act='gelu_10'"):  # a clipped gelu: not in GLU_ACTS
         block, cfg = qwen3()
-        cfg.hidden_act = "gelu"
+        cfg.hidden_act = "gelu_10"
         moe_config(block, cfg)
+    block, cfg = qwen3()
+    cfg.hidden_act = "gelu"  # GeGLU experts, as transformers runs them
+    assert moe_config(block, cfg).expert_options["glu_act"] == "gelu"
