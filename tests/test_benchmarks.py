@@ -19,7 +19,7 @@ def test_bench_performance_quick_writes_every_case(tmp_path, device):
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_performance.py"),
+            str(ROOT / "benchmarks" / "layers" / "bench_performance.py"),
             "--quick",
             "--no-compile",
             "--threads",
@@ -66,7 +66,7 @@ def test_bench_layers_bf16_quick_times_under_autocast_and_records_the_dtype(tmp_
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_layers.py"),
+            str(ROOT / "benchmarks" / "layers" / "bench_layers.py"),
             "--quick",
             "--bf16",
             "--repeats",
@@ -103,7 +103,7 @@ def test_bench_peers_quick_runs_what_imports_and_says_why_not(tmp_path, device):
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_peers.py"),
+            str(ROOT / "benchmarks" / "layers" / "bench_peers.py"),
             "--quick",
             "--threads",
             "1",
@@ -156,7 +156,7 @@ def test_bench_peers_bf16_quick_measures_autocast_beside_float32(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_peers.py"),
+            str(ROOT / "benchmarks" / "layers" / "bench_peers.py"),
             "--quick",
             "--threads",
             "1",
@@ -198,7 +198,7 @@ def test_bf16_training_smoke_compares_paired_runs(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bf16_training.py"),
+            str(ROOT / "benchmarks" / "training" / "bf16_training.py"),
             "--quick-test",
             "--no-progress",
             "--threads",
@@ -231,7 +231,7 @@ def test_bench_balance_smoke_trains_each_recipe_and_reports_the_load(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_balance.py"),
+            str(ROOT / "benchmarks" / "layers" / "bench_balance.py"),
             "--quick-test",
             "--no-progress",
             "--threads",
@@ -261,7 +261,7 @@ def test_bench_peers_families_compares_each_transformers_block(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_peers.py"),
+            str(ROOT / "benchmarks" / "layers" / "bench_peers.py"),
             "--quick",
             "--families",
             "--threads",
@@ -297,7 +297,7 @@ def test_longcat_budget_holds_the_zero_expert_share_and_writes_its_plot(tmp_path
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "longcat_budget.py"),
+            str(ROOT / "benchmarks" / "hf" / "longcat_budget.py"),
             "--quick",
             "--threads",
             "1",

@@ -100,7 +100,7 @@ def test_what_left_the_readme_is_in_the_docs():
         "mode train",
         "mode tokenize",
         "mode export",
-        "python benchmarks/bench_performance.py",
+        "python benchmarks/layers/bench_performance.py",
     ):
         assert f"| `{command}" in commands, command
     assert "## Conventions" in commands and "status 2" in commands and "--force" in commands
@@ -114,7 +114,7 @@ def test_what_left_the_readme_is_in_the_docs():
         "Correctness",
     ):
         assert f"## {heading}" in results, heading
-    assert "benchmarks/count_ops.py" in results and "mode isoflop" in results  # numbers beside their commands
+    assert "benchmarks/layers/count_ops.py" in results and "mode isoflop" in results  # numbers beside their commands
     assert "| piece | module |" in (ROOT / "docs" / "architecture.md").read_text()
     readme = (ROOT / "README.md").read_text()
     for page in ("docs/results.md", "docs/commands.md", "docs/tutorial_first_model.md"):

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_suite.py: the one command of a GPU run. The smoke run on the CPU, stage isolation (a stage
+"""benchmarks/gpu/gpu_suite.py: the one command of a GPU run. The smoke run on the CPU, stage isolation (a stage
 that raises or hangs is recorded and the next one runs, within the deadline), and its parsers."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import gpu_report, gpu_suite  # noqa: E402
+from benchmarks.gpu import gpu_report, gpu_suite  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only("runs the suite's --smoke rehearsal as subprocesses on the CPU")
 
@@ -26,7 +26,7 @@ def _run(tmp_path: Path, *args: str, timeout: float) -> tuple[subprocess.Complet
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "gpu_suite.py"),
+            str(ROOT / "benchmarks" / "gpu" / "gpu_suite.py"),
             "--smoke",
             "--out",
             str(out),
@@ -157,7 +157,7 @@ def _isoflop(tmp: Path, cache: Path, *args: str) -> tuple[subprocess.CompletedPr
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "gpu_suite.py"),
+            str(ROOT / "benchmarks" / "gpu" / "gpu_suite.py"),
             "--smoke",
             "--only",
             "isoflop",
@@ -496,7 +496,7 @@ def test_failures_plugin_writes_each_failure_with_its_reason_and_groups_them(tmp
             "pytest",
             "-q",
             "-p",
-            "benchmarks.pytest_failures",
+            "benchmarks.gpu.pytest_failures",
             "-p",
             "no:cacheprovider",
             str(tmp_path / "test_sample.py"),

@@ -1,4 +1,4 @@
-"""Fault injection for the tests and ``benchmarks/bench_faults.py``: a process kills itself, or sends itself
+"""Fault injection for the tests and ``benchmarks/parallel/bench_faults.py``: a process kills itself, or sends itself
 SIGTERM, at a chosen step, as ``kill -9`` or a scheduler would from outside, but at a step known in advance
 (so that a seeded trial is reproducible).
 

@@ -2,7 +2,7 @@
 
 Uses the ``aot_eager`` backend: it runs dynamo and AOTAutograd (graph capture, fake tensors, the custom
 grouped-mm op's shape function and backward) without inductor's ~30 s C++ compile. The speed of the
-inductor path is measured in benchmarks/bench_performance.py.
+inductor path is measured in benchmarks/layers/bench_performance.py.
 """
 
 import pytest

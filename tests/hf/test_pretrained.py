@@ -411,12 +411,12 @@ def test_real_model_generate_equals_recomputation_at_half_capacity(smollm2, part
 
 
 def test_real_model_benchmark_at_its_smallest_writes_every_row_and_resumes(smollm2, tmp_path, monkeypatch):
-    """benchmarks/hf_mod_smollm2.py at its smallest (attention, 2 layers, 2 seeds, no timing): every row of the
+    """benchmarks/hf/hf_mod_smollm2.py at its smallest (attention, 2 layers, 2 seeds, no timing): every row of the
     table, the estimate rows fitted, paired intervals; a second run finds every row done and changes none."""
     import importlib.util
     import json
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_mod_smollm2.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "hf" / "hf_mod_smollm2.py"
     spec = importlib.util.spec_from_file_location("hf_mod_smollm2_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

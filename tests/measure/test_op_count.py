@@ -1,4 +1,5 @@
-"""The operator counter (mode.measure.op_count) and the launch budget of every layer kind (benchmarks/count_ops.py).
+"""The operator counter (mode.measure.op_count) and the launch budget of every layer kind
+(benchmarks/layers/count_ops.py).
 
 Counts are deterministic (no timing): the bounds below are what the lean hot path reaches (docs/performance.md),
 so a change that adds operators to a layer's training step fails here and must say why.
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.count_ops import count_all  # noqa: E402
+from benchmarks.layers.count_ops import count_all  # noqa: E402
 
 # layer -> (fp32, bf16) at most: one forward + aux.total() + backward, E=8 top-2, d 256 (before: docs/performance.md)
 BOUNDS = {

@@ -3,7 +3,7 @@ Prints a table, writes JSON (one row at a time, atomically: a killed run resumes
 Markdown.
 
     python scripts/fetch_smollm2.py        # once: 98 MB into ~/.cache/mode/smollm2
-    python benchmarks/hf_mod_smollm2.py --threads 2
+    python benchmarks/hf/hf_mod_smollm2.py --threads 2
 
 Text: the English reference documentation that ships with every Python (``pydoc_data.topics``: 79 topics,
 ~110k SmolLM2 tokens), which the model was not tuned on; every 4th topic is held out, the rest is training
@@ -44,12 +44,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
+    sys.path.insert(0, str(ROOT))
 
-import mode.hf as mh
-from mode.hf.dense.skip_cost import skipped
-from mode.hf.dense.skip_update import SkipUpdate
-from mode.train.checkpoint import atomic_write_text
+import mode.hf as mh  # noqa: E402
+from mode.hf.dense.skip_cost import skipped  # noqa: E402
+from mode.hf.dense.skip_update import SkipUpdate  # noqa: E402
+from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 
 # -- data -----------------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Decode benchmark: KV-cached sampling speed of an MoD LM against the dense LM of the same shape, on both
 decode paths (dynamic and static, see ``mode.model.generate``), at two model sizes and two batch sizes.
 
-    PYTHONPATH=. python benchmarks/bench_decode.py            # both sizes (about 15 min on 2 shared CPU cores)
-    PYTHONPATH=. python benchmarks/bench_decode.py --sizes base    # today's size only (about 5 min)
-    PYTHONPATH=. python benchmarks/bench_decode.py --quick    # smoke run, small shapes, seconds
-    PYTHONPATH=. python benchmarks/bench_decode.py --device cuda   # on the GPU (cuda:N, auto also work)
+    PYTHONPATH=. python benchmarks/layers/bench_decode.py            # both sizes (about 15 min on 2 shared CPU cores)
+    PYTHONPATH=. python benchmarks/layers/bench_decode.py --sizes base    # today's size only (about 5 min)
+    PYTHONPATH=. python benchmarks/layers/bench_decode.py --quick    # smoke run, small shapes, seconds
+    PYTHONPATH=. python benchmarks/layers/bench_decode.py --device cuda   # on the GPU (cuda:N, auto also work)
 
 Sizes (decoder-only byte LMs, MLP hidden 4 * d_model, seq_len 1024):
     base  d_model 512, 8 layers, 8 heads: the size this benchmark has always measured
@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 

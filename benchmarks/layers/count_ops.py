@@ -20,7 +20,7 @@ Workloads (``--d-model`` 256, ``--experts`` 8 of hidden ``--hidden`` 512, top-2,
     torchtitan          ``torchtitan.models.common.moe.MoE`` as shipped, where it imports
 The counts do not depend on the token count or the sizes (no operator here is a loop over data).
 
-    PYTHONPATH=. python benchmarks/count_ops.py --out benchmarks/results/count_ops.json
+    PYTHONPATH=. python benchmarks/layers/count_ops.py --out benchmarks/results/count_ops.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
@@ -78,7 +78,7 @@ def mode_layers(d: int, experts: int, hidden: int) -> dict[str, tuple[str, Calla
 
 def peer_layers(d: int, experts: int, hidden: int) -> tuple[dict, dict[str, str]]:
     """The peers that import here (name -> (kind, builder)) and, for the others, why not."""
-    from benchmarks.bench_peers import torchtitan_impls, transformers_impls
+    from benchmarks.layers.bench_peers import torchtitan_impls, transformers_impls
 
     built, missing = {}, {}
     for family, impls_of in (("transformers", transformers_impls), ("torchtitan", torchtitan_impls)):

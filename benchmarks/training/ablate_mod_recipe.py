@@ -13,8 +13,8 @@ Each line of ``--out`` (JSONL) is one run; the summary at the end gives mean ± 
 95% interval of each configuration against ``--ref`` (default: the best dense model) and of each learned
 configuration against its random-routing twin. docs/isoflop.md has the results.
 
-    PYTHONPATH=. python benchmarks/ablate_mod_recipe.py --configs all --seeds 0 1 2 --out /tmp/ablate.jsonl
-    PYTHONPATH=. python benchmarks/ablate_mod_recipe.py --summary /tmp/ablate.jsonl
+    PYTHONPATH=. python benchmarks/training/ablate_mod_recipe.py --configs all --seeds 0 1 2 --out /tmp/ablate.jsonl
+    PYTHONPATH=. python benchmarks/training/ablate_mod_recipe.py --summary /tmp/ablate.jsonl
 
 ``router_lr10`` multiplies the router's learning rate by 10 without touching the trainer: the router weight
 is reparametrised as ``10 * v`` (Adam's step on ``v`` is about ``lr``, so on the weight about ``10 lr``).
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from dataclasses import replace
@@ -33,11 +34,15 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from mode.experiments import stats_ci, sweep
-from mode.layers.mod import MoD
-from mode.model import LMConfig, alternate
-from mode.train import TrainConfig, Trainer, build_optimizer
-from mode.train.data import stdlib_corpus
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
+    sys.path.insert(0, str(ROOT))
+
+from mode.experiments import stats_ci, sweep  # noqa: E402
+from mode.layers.mod import MoD  # noqa: E402
+from mode.model import LMConfig, alternate  # noqa: E402
+from mode.train import TrainConfig, Trainer, build_optimizer  # noqa: E402
+from mode.train.data import stdlib_corpus  # noqa: E402
 
 BASE = LMConfig(seq_len=128, d_model=64, n_heads=2, d_hidden=256, layers=("dense",) * 4, num_experts=4)
 TRAIN = TrainConfig(batch_size=8, lr=3e-3, warmup_steps=20, eval_every=10**9, eval_batches=1, log_every=10**6)

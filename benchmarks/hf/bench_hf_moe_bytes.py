@@ -1,12 +1,12 @@
 """Bytes on the wire per training step: a converted transformers MoE model on mode's expert parallelism
 against transformers' own expert parallelism, the same model and global batch on 4 gloo ranks.
 
-    PYTHONPATH=. python benchmarks/bench_hf_moe_bytes.py                          # global batch 4 x 32
-    PYTHONPATH=. python benchmarks/bench_hf_moe_bytes.py --batch 16 --seq 128     # 2048 tokens per step
+    PYTHONPATH=. python benchmarks/hf/bench_hf_moe_bytes.py                          # global batch 4 x 32
+    PYTHONPATH=. python benchmarks/hf/bench_hf_moe_bytes.py --batch 16 --seq 128     # 2048 tokens per step
 
 The model: a random Qwen3-MoE (hidden 64, 2 layers, 4 query and 4 K/V heads, 8 experts of hidden 32, top-2,
 vocab 256); one training step (forward, backward, AdamW) after one warm-up step. Every collective a rank
-calls is counted (``benchmarks/collective_bytes.py``: eager ``torch.distributed`` calls and the functional
+calls is counted (``benchmarks/parallel/collective_bytes.py``: eager ``torch.distributed`` calls and the functional
 collectives of DTensor), as the bytes that rank sends under the standard algorithms, by phase and kind; the
 table sums the 4 ranks.
 
@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine_info, print_table, write_json  # noqa: E402
@@ -102,7 +102,7 @@ def run_mode(rank: int, dp: int, ep: int, dedup: bool) -> dict:
     import transformers as tf
 
     import mode.hf as mh
-    from benchmarks.collective_bytes import CollectiveBytes
+    from benchmarks.parallel.collective_bytes import CollectiveBytes
     from mode.parallel import ParallelDims, build_mesh, parallelize
 
     torch.manual_seed(0)
@@ -123,7 +123,7 @@ def run_transformers(rank: int, tmp: str) -> dict:
     import transformers as tf
     from transformers.distributed import DistributedConfig
 
-    from benchmarks.collective_bytes import CollectiveBytes
+    from benchmarks.parallel.collective_bytes import CollectiveBytes
 
     folder = Path(tmp, "tf_model")
     if rank == 0:  # save_pretrained writes on the main process only

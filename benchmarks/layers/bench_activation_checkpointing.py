@@ -1,8 +1,8 @@
 """Peak memory of one training step of the `mode train` preset `small`, one process, with and without
 activation checkpointing (``--ac``) and gradient accumulation (``--grad-accum``).
 
-    PYTHONPATH=. python benchmarks/bench_activation_checkpointing.py                 # CPU: peak RSS
-    PYTHONPATH=. python benchmarks/bench_activation_checkpointing.py --device cuda   # GPU: the allocator's peak
+    PYTHONPATH=. python benchmarks/layers/bench_activation_checkpointing.py                 # CPU: peak RSS
+    PYTHONPATH=. python benchmarks/layers/bench_activation_checkpointing.py --device cuda   # GPU: the allocator's peak
 
 Each case runs in a fresh subprocess: the trainer is built (preset small: 6 layers of MoE, staged and integrated
 MoDE, d_model 128, 8 experts, causal predictor; global batch 16 x 256 tokens), one step warms it up (AdamW's
@@ -32,8 +32,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
 CASES = [  # (activation checkpointing, micro-batches)

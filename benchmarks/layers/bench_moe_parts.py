@@ -1,7 +1,7 @@
 """Where the time of one MoE layer goes: each part's forward + backward alone, as a fraction of the dense MLP.
 
-    PYTHONPATH=. python benchmarks/bench_moe_parts.py --threads 1                 # 64 experts of 256 (issue 14)
-    PYTHONPATH=. python benchmarks/bench_moe_parts.py --threads 1 --experts 8 --hidden 1024
+    PYTHONPATH=. python benchmarks/layers/bench_moe_parts.py --threads 1                 # 64 experts of 256 (issue 14)
+    PYTHONPATH=. python benchmarks/layers/bench_moe_parts.py --threads 1 --experts 8 --hidden 1024
 
 The configuration of bench_peers.py (D=512, 4096 tokens, top-2 SwiGLU experts, softmax, renormalised,
 float32). Every row runs once per round next to the dense SwiGLU MLP with the same active FLOPs
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (  # noqa: E402

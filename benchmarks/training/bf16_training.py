@@ -1,8 +1,8 @@
 """Mixed-precision training against float32: does bf16 autocast track float32 on the ``mode compare`` preset?
 
-    PYTHONPATH=. python benchmarks/bf16_training.py --seeds 3                  # quick preset (docs/performance.md)
-    PYTHONPATH=. python benchmarks/bf16_training.py --full --only dense mod    # the default preset, slower
-    PYTHONPATH=. python benchmarks/bf16_training.py --quick-test               # seconds: the smoke test
+    PYTHONPATH=. python benchmarks/training/bf16_training.py --seeds 3              # quick preset (docs/performance.md)
+    PYTHONPATH=. python benchmarks/training/bf16_training.py --full --only dense mod  # the default preset, slower
+    PYTHONPATH=. python benchmarks/training/bf16_training.py --quick-test           # seconds: the smoke test
 
 Runs ``mode compare`` twice into ``--work`` (``fp32/`` and ``bf16/``, resumable like any compare run):
 the same variants, seeds, budget and data, once in float32 and once with ``--bf16`` (forward under
@@ -25,7 +25,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 

@@ -3,23 +3,28 @@
 Counted on any device with ``mode.measure.host_sync.HostSyncCounter`` (ops that would block the host on a GPU).
 Prints a table and writes JSON (``--out``).
 
-    PYTHONPATH=. python benchmarks/count_syncs.py --out benchmarks/results/syncs.json
+    PYTHONPATH=. python benchmarks/layers/count_syncs.py --out benchmarks/results/syncs.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock
-from mode.layers.mod import StagedMoDE
-from mode.layers.moe import IntegratedMoDE
-from mode.measure.host_sync import HostSyncCounter
-from mode.model.config import LMConfig
-from mode.model.lm import LM
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
+    sys.path.insert(0, str(ROOT))
+
+from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
+from mode.layers.mod import StagedMoDE  # noqa: E402
+from mode.layers.moe import IntegratedMoDE  # noqa: E402
+from mode.measure.host_sync import HostSyncCounter  # noqa: E402
+from mode.model.config import LMConfig  # noqa: E402
+from mode.model.lm import LM  # noqa: E402
 
 D, H, B, S = 64, 128, 2, 32
 

@@ -1,8 +1,8 @@
 """Layer benchmarks: routed layers against the dense layer they replace, as time ratios.
 
-    PYTHONPATH=. python benchmarks/bench_layers.py            # default run (a few minutes on 2 CPU cores)
-    PYTHONPATH=. python benchmarks/bench_layers.py --quick    # smoke run, small shapes, seconds
-    PYTHONPATH=. python benchmarks/bench_layers.py --device cuda --bf16   # on the GPU (cuda:N, auto also work)
+    PYTHONPATH=. python benchmarks/layers/bench_layers.py            # default run (a few minutes on 2 CPU cores)
+    PYTHONPATH=. python benchmarks/layers/bench_layers.py --quick    # smoke run, small shapes, seconds
+    PYTHONPATH=. python benchmarks/layers/bench_layers.py --device cuda --bf16   # on the GPU (cuda:N, auto also work)
 
 ``--dtype float32`` (the default) or ``bfloat16`` (``--bf16``): bfloat16 runs every forward, candidate and
 baseline, under ``torch.autocast(bfloat16)`` with float32 weights (as ``mode train --bf16`` trains). On CUDA
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 

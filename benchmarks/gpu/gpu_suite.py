@@ -1,7 +1,7 @@
 """The GPU suite: one command that turns a few minutes of GPU time into every GPU number ``mode`` lacks.
 
-    PYTHONPATH=. python benchmarks/gpu_suite.py --out DIR [--budget-s 480]     # on the GPU (docs/gpu.md)
-    PYTHONPATH=. python benchmarks/gpu_suite.py --smoke --out DIR               # the rehearsal, on a CPU (~2 min)
+    PYTHONPATH=. python benchmarks/gpu/gpu_suite.py --out DIR [--budget-s 480]     # on the GPU (docs/gpu.md)
+    PYTHONPATH=. python benchmarks/gpu/gpu_suite.py --smoke --out DIR               # the rehearsal, on a CPU (~2 min)
 
 Stages, in this order, each in its own subprocess with its own time limit, under one overall deadline:
 
@@ -17,12 +17,12 @@ Stages, in this order, each in its own subprocess with its own time limit, under
              MFU against the datasheet peak and against the matmul ceiling measured at start-up
     tests    the test suite on CUDA (MODE_TEST_DEVICE=cuda), the files that exercise the device first, with
              the stage's time limit; what it skipped, by reason
-    moe      benchmarks/bench_peers.py in bf16: our MoE layer / the dense SwiGLU MLP of the same active FLOPs
+    moe      benchmarks/layers/bench_peers.py in bf16: our MoE layer / the dense SwiGLU MLP of the same active FLOPs
              at 8 and 64 experts, beside transformers' grouped_mm Mixtral/Qwen3 blocks and torchtitan's block
              in the same rounds; achieved TFLOP/s of the layer against the matmul ceiling
     mod      the MoD block (capacity 0.125) and the MoD LM training step / dense, each beside its FLOP ratio
              (bf16 autocast, as ``mode train --bf16``)
-    decode   benchmarks/bench_decode.py: MoD / dense decode tokens/s at batch 1 and 8, dynamic and static paths
+    decode   benchmarks/layers/bench_decode.py: MoD / dense decode tokens/s at batch 1 and 8, dynamic and static paths
     train    ``mode train --preset base --bf16`` for a fixed number of steps, eager and ``--compile``:
              steady-state tokens/s and MFU (against the datasheet peak and against the measured ceiling)
     nccl     ``torchrun --nproc-per-node 1 -m mode train`` (NCCL, the mesh path through ``parallelize``,
@@ -66,8 +66,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
 RESULT_NAME = "gpu_suite.json"
@@ -371,7 +371,7 @@ def run_tests(ctx: Ctx, order: tuple[str, ...]) -> dict:
         "-p",
         "no:cacheprovider",
         "-p",
-        "benchmarks.pytest_failures",
+        "benchmarks.gpu.pytest_failures",
         "--timeout",
         "90",
         "-o",
@@ -483,7 +483,7 @@ def _size_key(num_experts: int, configs) -> str:
 
 
 def stage_moe(ctx: Ctx) -> dict:
-    from benchmarks import bench_peers
+    from benchmarks.layers import bench_peers
 
     out = ctx.work / "peers_bf16.json"
     argv = ["--precision", "bf16", "--device", str(ctx.device), "--out", str(out)]
@@ -543,8 +543,8 @@ MOD_SMOKE_LM = (128, 2, 64, 2)
 def stage_mod(ctx: Ctx) -> dict:
     import torch
 
-    from benchmarks.bench_layers import bench_mod
-    from benchmarks.bench_performance import bench_lm_step
+    from benchmarks.layers.bench_layers import bench_mod
+    from benchmarks.layers.bench_performance import bench_lm_step
 
     device = ctx.device
     block_cfg, lm_shape = (MOD_SMOKE_BLOCK, MOD_SMOKE_LM) if ctx.smoke else (MOD_GPU_BLOCK, MOD_GPU_LM)
@@ -620,7 +620,7 @@ def stage_mod(ctx: Ctx) -> dict:
 
 
 def stage_decode(ctx: Ctx) -> dict:
-    from benchmarks import bench_decode
+    from benchmarks.layers import bench_decode
 
     out = ctx.work / "decode.json"
     argv = ["--device", str(ctx.device), "--out", str(out)]
@@ -865,7 +865,7 @@ GDECODE_SMOKE = dict(size="tiny", prompt=16, new=24, batches=(1, 2), repeats=1)
 def stage_gdecode(ctx: Ctx) -> dict:
     """generate() on the static path, eager and with cuda_graphs=True: tokens/s, and the same tokens."""
 
-    from benchmarks import bench_decode
+    from benchmarks.layers import bench_decode
     from mode.model.generate import generate
 
     p = GDECODE_SMOKE if ctx.smoke else GDECODE_GPU

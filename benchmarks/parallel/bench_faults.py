@@ -1,9 +1,9 @@
 """Fault injection: does ``mode train`` under torchrun survive a dead rank, a preemption, a corrupt checkpoint and
 a kill during a save, and end exactly where the uninterrupted run ends?
 
-    PYTHONPATH=. python benchmarks/bench_faults.py --world 2 --trials 20    # ~6 min on 2 CPU cores
-    PYTHONPATH=. python benchmarks/bench_faults.py --world 4 --trials 20
-    PYTHONPATH=. python benchmarks/bench_faults.py --world 2 --trials 4 --steps 6   # a smoke run
+    PYTHONPATH=. python benchmarks/parallel/bench_faults.py --world 2 --trials 20    # ~6 min on 2 CPU cores
+    PYTHONPATH=. python benchmarks/parallel/bench_faults.py --world 4 --trials 20
+    PYTHONPATH=. python benchmarks/parallel/bench_faults.py --world 2 --trials 4 --steps 6   # a smoke run
 
 Every run is the documented launcher line (``torchrun --standalone --nproc-per-node W --max-restarts 1 -m mode
 train ... --resume auto``, gloo, CPU, one thread per process) with the quick preset, ``--steps`` steps (12),
@@ -44,13 +44,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
+    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from common import machine_info, print_table, write_json  # noqa: E402
 
+from benchmarks.common import machine_info, print_table, write_json  # noqa: E402
 from mode.parallel.checkpoint import saves  # noqa: E402
 from mode.train.checkpoint import load_checkpoint  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Peak resident memory per rank: every rank builds the full model then shards it (eager), against building on
 the meta device and materializing only the rank's shards (``mode.parallel.meta_init``).
 
-    PYTHONPATH=. python benchmarks/bench_meta_init.py             # 285M and 1.14B parameters; ~3 min on 2 cores
-    PYTHONPATH=. python benchmarks/bench_meta_init.py --quick     # 36M only: a smoke run
+    PYTHONPATH=. python benchmarks/parallel/bench_meta_init.py            # 285M and 1.14B parameters; ~3 min on 2 cores
+    PYTHONPATH=. python benchmarks/parallel/bench_meta_init.py --quick    # 36M only: a smoke run
 
 Each case is a fresh set of spawned gloo processes on a (dp, ep) = (2, 2) mesh (one process for "eager, one
 process"). A rank records its resident size (``/proc/self/statm``) after joining the process group and
@@ -14,7 +14,7 @@ Eager on 4 ranks at once is run only where 4 full models fit this machine's memo
 above that, "eager, one process" builds the full model once in one process: what each rank of an eager run
 holds at its peak, before sharding. The models: the LM with MoE layers of 16 experts, float32, vocabulary 256
 (bytes). AdamW's state is not built here: it is twice the shard, after materializing, in both ways
-(benchmarks/bench_memory.py counts it). Results: benchmarks/results/meta_init.json.
+(benchmarks/parallel/bench_memory.py counts it). Results: benchmarks/results/meta_init.json.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine_info, print_table, write_json  # noqa: E402

@@ -1,7 +1,7 @@
 """LongCat-Flash's zero-computation experts held at a budget by the correction bias, after ``to_mode_moe``.
 
-    PYTHONPATH=. python benchmarks/longcat_budget.py            # 4 targets x 3 seeds, 300 steps (~2 min)
-    PYTHONPATH=. python benchmarks/longcat_budget.py --quick    # 1 target, 1 seed, 20 steps (the smoke test)
+    PYTHONPATH=. python benchmarks/hf/longcat_budget.py            # 4 targets x 3 seeds, 300 steps (~2 min)
+    PYTHONPATH=. python benchmarks/hf/longcat_budget.py --quick    # 1 target, 1 seed, 20 steps (the smoke test)
 
 LongCat-Flash (Meituan, 560B) routes each token among its real experts and ``zero_expert_num`` identity ("zero
 computation") experts, and a controller moves a selection-only bias so that the *average* number of activated
@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
+    sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine_info, print_table, save_figure, write_json  # noqa: E402
 
 E, Z, K, D, V = 16, 8, 2, 64, 256

@@ -1,11 +1,11 @@
 """Peer benchmark: mode's MoE layer against the MoE blocks people already use, side by side in one process.
 
-    PYTHONPATH=. python benchmarks/bench_peers.py --threads 1       # the table in docs/performance.md (~5 min)
-    PYTHONPATH=. python benchmarks/bench_peers.py --quick           # tiny sizes, seconds (the smoke test)
-    PYTHONPATH=. python benchmarks/bench_peers.py --device cuda     # the same on a GPU (cuda:N, auto also work)
-    PYTHONPATH=. python benchmarks/bench_peers.py --threads 1 --precision bf16   # mixed precision (peers_bf16.json)
-    PYTHONPATH=. python benchmarks/bench_peers.py --threads 1 --families  # transformers' blocks vs ours
-    PYTHONPATH=. python benchmarks/bench_peers.py --threads 1 --families --precision bf16
+    PYTHONPATH=. python benchmarks/layers/bench_peers.py --threads 1    # the table in docs/performance.md (~5 min)
+    PYTHONPATH=. python benchmarks/layers/bench_peers.py --quick        # tiny sizes, seconds (the smoke test)
+    PYTHONPATH=. python benchmarks/layers/bench_peers.py --device cuda  # the same on a GPU (cuda:N, auto also work)
+    PYTHONPATH=. python benchmarks/layers/bench_peers.py --threads 1 --precision bf16  # mixed precision (peers_bf16)
+    PYTHONPATH=. python benchmarks/layers/bench_peers.py --threads 1 --families  # transformers' blocks vs ours
+    PYTHONPATH=. python benchmarks/layers/bench_peers.py --threads 1 --families --precision bf16
 
 ``--families``: one transformers block per router kind (Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, DeepSeek-V2,
 ERNIE-4.5, LFM2-MoE, Granite-MoE, gpt-oss, Llama-4, LongCat-Flash; ``experts_implementation="grouped_mm"``
@@ -67,7 +67,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 

@@ -1,8 +1,8 @@
 """Expert-parallel training: bytes on the wire per all-to-all, and step time against one process.
 
-    PYTHONPATH=. python benchmarks/bench_expert_parallel.py            # default run (a few minutes, 2 CPU cores)
-    PYTHONPATH=. python benchmarks/bench_expert_parallel.py --quick    # smoke run
-    PYTHONPATH=. python benchmarks/bench_expert_parallel.py --device cuda --bf16   # NCCL, one GPU per rank
+    PYTHONPATH=. python benchmarks/parallel/bench_expert_parallel.py          # default run (a few minutes, 2 CPU cores)
+    PYTHONPATH=. python benchmarks/parallel/bench_expert_parallel.py --quick  # smoke run
+    PYTHONPATH=. python benchmarks/parallel/bench_expert_parallel.py --device cuda --bf16  # NCCL, one GPU per rank
 
 ``--dtype float32`` (the default) or ``bfloat16`` (``--bf16``): the trainers run with ``bf16=True``, i.e. the
 forward under ``torch.autocast(bfloat16)`` with float32 weights and AdamW, as ``mode train --bf16``. Use it
@@ -61,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 

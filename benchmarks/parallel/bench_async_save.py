@@ -1,8 +1,8 @@
 """How long a training step stalls for a sharded checkpoint: a synchronous save against ``async_save``.
 
-    PYTHONPATH=. python benchmarks/bench_async_save.py              # 2 gloo processes (~6 min on 2 CPU cores)
-    PYTHONPATH=. python benchmarks/bench_async_save.py --world 4
-    PYTHONPATH=. python benchmarks/bench_async_save.py --quick      # tiny model, seconds (a smoke run)
+    PYTHONPATH=. python benchmarks/parallel/bench_async_save.py              # 2 gloo processes (~6 min on 2 CPU cores)
+    PYTHONPATH=. python benchmarks/parallel/bench_async_save.py --world 4
+    PYTHONPATH=. python benchmarks/parallel/bench_async_save.py --quick      # tiny model, seconds (a smoke run)
 
 ``mode.train.Trainer`` on a ``(1, W)`` mesh (gloo, CPU, one thread per process), the model below (about 27M
 parameters; a checkpoint is the parameters and AdamW's two moments, ~320 MB over all ranks). Rounds of the two
@@ -37,12 +37,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
+    sys.path.insert(0, str(ROOT))
 
-from common import machine_info, print_table, write_json  # noqa: E402
-
+from benchmarks.common import machine_info, print_table, write_json  # noqa: E402
 from mode.model import LMConfig  # noqa: E402
 from mode.train import TrainConfig  # noqa: E402
 from mode.train.data import Corpus  # noqa: E402

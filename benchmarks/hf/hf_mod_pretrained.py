@@ -4,7 +4,7 @@ threshold routing, router tuning alone against router tuning plus a short full f
 where it stopped) and Markdown.
 
     PYTHONPATH=. python examples/hf_pretrain.py --out runs/llama_bytes --threads 2
-    PYTHONPATH=. python benchmarks/hf_mod_pretrained.py --model runs/llama_bytes --threads 2
+    PYTHONPATH=. python benchmarks/hf/hf_mod_pretrained.py --model runs/llama_bytes --threads 2
 
 For each capacity (0.75 / 0.5 / 0.25), each part the router skips (``layer`` / ``attention`` / ``mlp``) and
 each causal method (``topk``: the aux-BCE decision trained to predict top-C, its threshold steered to the
@@ -18,7 +18,7 @@ loss, AdamW and schedule of ``mode.train``: the ``+fine-tune`` row). Each row is
 files of the corpus (``mode.train.data``'s validation split), in eval mode, i.e. with the causal decision
 that ``generate()`` uses, its thresholds calibrated first on 8 training batches (``mh.calibrate``). Every
 conversion here keeps ``kv="routed"`` (the sparse cache; the results files were measured so), not the
-default ``"all"`` that benchmarks/hf_mod_smollm2.py found better on a real model:
+default ``"all"`` that benchmarks/hf/hf_mod_smollm2.py found better on a real model:
 
     loss, d loss      mean next-byte loss (nats/byte) and its change against the original (nats, %)
     share             the fraction of real tokens the converted layers route (target: the capacity)
@@ -45,15 +45,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
+    sys.path.insert(0, str(ROOT))
 
-import mode.hf as mh
-from mode.hf.dense.convert import resolve_layers
-from mode.hf.dense.tune import lm_loss
-from mode.train.checkpoint import atomic_write_text
-from mode.train.config import TrainConfig
-from mode.train.data import BatchSampler, eval_batches, stdlib_corpus
-from mode.train.optim import build_optimizer, lr_at
+import mode.hf as mh  # noqa: E402
+from mode.hf.dense.convert import resolve_layers  # noqa: E402
+from mode.hf.dense.tune import lm_loss  # noqa: E402
+from mode.train.checkpoint import atomic_write_text  # noqa: E402
+from mode.train.config import TrainConfig  # noqa: E402
+from mode.train.data import BatchSampler, eval_batches, stdlib_corpus  # noqa: E402
+from mode.train.optim import build_optimizer, lr_at  # noqa: E402
 
 PARTS = ("layer", "attention", "mlp")
 METHODS = {"topk": "aux_bce", "threshold": "threshold", "random": None}  # causal method; random: no router

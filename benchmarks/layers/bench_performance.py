@@ -1,7 +1,7 @@
 """All performance targets of the library in one run: ratios measured side by side, medians after warm-up.
 
-    PYTHONPATH=. python benchmarks/bench_performance.py [--quick] [--threads N] [--no-compile] [--malloc glibc]
-    PYTHONPATH=. python benchmarks/bench_performance.py --device cuda      # every section on the GPU, plus 5.
+    PYTHONPATH=. python benchmarks/layers/bench_performance.py [--quick] [--threads N] [--no-compile] [--malloc glibc]
+    PYTHONPATH=. python benchmarks/layers/bench_performance.py --device cuda      # every section on the GPU, plus 5.
 
 1. MoE layer fwd+bwd / dense MLP with the same active FLOPs (top-1/top-2, 8/64 experts, 4096 tokens,
    d=512, float32), both expert backends                          (target <= 1.10);
@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_layers import FULL, QUICK, bench_mod, bench_moe, moe_flop_ratio  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     add_device_arg,
     add_malloc_arg,
@@ -42,6 +41,7 @@ from benchmarks.common import (  # noqa: E402
     time_pair,
     write_json,
 )
+from benchmarks.layers.bench_layers import FULL, QUICK, bench_mod, bench_moe, moe_flop_ratio  # noqa: E402
 from mode import MLP, MoD, MoDRouter, MoDRouterConfig, MoEConfig, MoELayer, TransformerBlock  # noqa: E402
 from mode.measure.flops import forward_flops_per_token  # noqa: E402
 from mode.model import LM, LMConfig, alternate  # noqa: E402

@@ -1,7 +1,7 @@
 """Load balancing on the same MoE LM: the Switch balance loss against DeepSeek-V3's bias balancing.
 
-    PYTHONPATH=. python benchmarks/bench_balance.py --seeds 3        # mode compare's quick preset, MoE layers
-    PYTHONPATH=. python benchmarks/bench_balance.py --quick-test     # seconds: the smoke test
+    PYTHONPATH=. python benchmarks/layers/bench_balance.py --seeds 3        # mode compare's quick preset, MoE layers
+    PYTHONPATH=. python benchmarks/layers/bench_balance.py --quick-test     # seconds: the smoke test
 
 One MoE LM (``mode compare --quick``'s width and depth, every layer MoE, 8 experts, top-2), trained the same
 number of steps on the same batches (a seed fixes the data order and the initial weights: runs are paired
@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 

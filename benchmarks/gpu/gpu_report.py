@@ -1,7 +1,7 @@
-"""Render a gpu_suite.json (benchmarks/gpu_suite.py) as Markdown: the goals, every stage's numbers, the MoE
+"""Render a gpu_suite.json (benchmarks/gpu/gpu_suite.py) as Markdown: the goals, every stage's numbers, the MoE
 table beside the peers, decode, training, the profiler's top kernels, and what failed or was not run.
 
-    PYTHONPATH=. python benchmarks/gpu_report.py benchmarks/results/gpu_suite_h200.json > report.md
+    PYTHONPATH=. python benchmarks/gpu/gpu_report.py benchmarks/results/gpu_suite_h200.json > report.md
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Parameter and optimizer bytes per rank at each (dp, ep) layout, against one process (what FSDP saves).
 
-    PYTHONPATH=. python benchmarks/bench_memory.py                  # the `mode train` presets quick and small
-    PYTHONPATH=. python benchmarks/bench_memory.py --preset base    # d_model 512, 16 experts (~1 GB per process)
+    PYTHONPATH=. python benchmarks/parallel/bench_memory.py                # the `mode train` presets quick and small
+    PYTHONPATH=. python benchmarks/parallel/bench_memory.py --preset base  # d_model 512, 16 experts (~1 GB per process)
 
 For each preset, one process builds the LM (``mode.train.Trainer``, no mesh) and takes one training step so
 that AdamW's state exists; then 4 gloo processes do the same on the (dp, ep) meshes (1, 4), (2, 2), (4, 1),
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
 from mode.parallel.command import PRESETS  # noqa: E402

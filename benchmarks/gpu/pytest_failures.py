@@ -8,7 +8,7 @@ the process's CUDA context unusable: every later test in that process fails with
 first H200 run lost 776 tests so). So an xdist worker that reports one ends itself after that test, and
 xdist starts a fresh worker for the rest.
 
-    MODE_FAILURES_JSONL=failures.jsonl python -m pytest -p benchmarks.pytest_failures ...
+    MODE_FAILURES_JSONL=failures.jsonl python -m pytest -p benchmarks.gpu.pytest_failures ...
 """
 
 from __future__ import annotations

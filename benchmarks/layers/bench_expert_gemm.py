@@ -1,7 +1,7 @@
 """How fast is one expert GEMM with few rows? Grouped GEMM over E experts vs one GEMM of all the rows.
 
-    PYTHONPATH=. python benchmarks/bench_expert_gemm.py --threads 1     # ~1 min on the 2-core CPU
-    PYTHONPATH=. python benchmarks/bench_expert_gemm.py --device cuda   # bfloat16 on the GPU (--dtype to change)
+    PYTHONPATH=. python benchmarks/layers/bench_expert_gemm.py --threads 1     # ~1 min on the 2-core CPU
+    PYTHONPATH=. python benchmarks/layers/bench_expert_gemm.py --device cuda   # bfloat16 on the GPU (--dtype to change)
 
 An MoE layer's expert GEMMs do the FLOPs of the dense MLP's GEMMs, split into E GEMMs of m = tokens/E
 rows each (top-1, balanced). Each expert GEMM streams its own (d x h) weight for only m rows, so as m falls
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (  # noqa: E402

@@ -1,0 +1,1 @@
+"""Distributed benchmarks: expert parallelism, collective bytes, async save, faults, meta init, memory."""

@@ -1,0 +1,1 @@
+"""Training benchmarks: bf16 against float32, the MoD recipe ablation."""
