@@ -15,7 +15,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu import gpu_report, gpu_suite  # noqa: E402
+from benchmarks.gpu import (  # noqa: E402
+    gpu_report,
+    gpu_suite,
+    stage_base,
+    stage_isoflop,
+    stage_layers,
+    stage_tests,
+    stage_train,
+    stages as suite_stages,
+    summary,
+)
 
 pytestmark = pytest.mark.cpu_only("runs the suite's --smoke rehearsal as subprocesses on the CPU")
 
@@ -58,8 +68,8 @@ SMOKE_HALVES = (
 
 
 def test_the_smoke_halves_cover_every_default_stage():
-    assert {name for half in SMOKE_HALVES for name in half} == set(gpu_suite.DEFAULT_STAGES)
-    assert "isoflop" not in gpu_suite.DEFAULT_STAGES  # a call of its own: --only isoflop
+    assert {name for half in SMOKE_HALVES for name in half} == set(suite_stages.DEFAULT_STAGES)
+    assert "isoflop" not in suite_stages.DEFAULT_STAGES  # a call of its own: --only isoflop
 
 
 # Each half takes about 2 minutes on an idle 2-core CPU, several times that beside other jobs (issue 46: the
@@ -70,7 +80,7 @@ def test_the_smoke_halves_cover_every_default_stage():
 def test_smoke_run_names_every_stage_in_json_and_table(stages, tmp_path):
     proc, payload, _ = _run(tmp_path, "--no-compile", "--only", *stages, timeout=1400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert list(payload["stages"]) == [n for n in gpu_suite.DEFAULT_STAGES if n in stages]  # in the suite's order
+    assert list(payload["stages"]) == [n for n in suite_stages.DEFAULT_STAGES if n in stages]  # in the suite's order
     for name, rec in payload["stages"].items():
         assert rec["status"] == "ok", (name, rec)
         assert rec["numbers"], name
@@ -89,9 +99,9 @@ def test_smoke_run_names_every_stage_in_json_and_table(stages, tmp_path):
         "profile": lambda n: len(n) > 0,
         # the CUDA-graph stages rehearse their CPU part and say what they left out
         "gtests": lambda n: n["passed"] > 0 and n["failed"] == 0,
-        "graphs": lambda n: n["tok_s_eager"] > 0 and n["graphs"] == gpu_suite.NO_CUDA,
-        "gdecode": lambda n: n["tok_s_eager_mod_b1"] > 0 and n["graphs"] == gpu_suite.NO_CUDA,
-        "gpumfu": lambda n: n["params"] == GPU_PRESET_PARAMS and n["gpu_preset"] == gpu_suite.NO_CUDA,
+        "graphs": lambda n: n["tok_s_eager"] > 0 and n["graphs"] == stage_base.NO_CUDA,
+        "gdecode": lambda n: n["tok_s_eager_mod_b1"] > 0 and n["graphs"] == stage_base.NO_CUDA,
+        "gpumfu": lambda n: n["params"] == GPU_PRESET_PARAMS and n["gpu_preset"] == stage_base.NO_CUDA,
     }
     for name in stages:
         assert checks[name](nums[name]), (name, nums[name])
@@ -128,7 +138,7 @@ def test_without_only_the_suite_runs_the_default_stages(monkeypatch, tmp_path):
 
     monkeypatch.setattr(gpu_suite.subprocess, "Popen", FakeProc)
     payload = gpu_suite.run_suite(tmp_path / "out", tmp_path / "work", 100.0, True, [], [], {}, {})
-    assert started == list(gpu_suite.DEFAULT_STAGES) == list(payload["stages"])
+    assert started == list(suite_stages.DEFAULT_STAGES) == list(payload["stages"])
 
 
 def test_compiled_ratio_times_the_compiled_pair():
@@ -144,7 +154,7 @@ def test_compiled_ratio_times_the_compiled_pair():
     a, b = torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     x, g = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False, capture_scalar_outputs=False):
-        res = gpu_suite.compiled_ratio(a, b, x, g, torch.device("cpu"), warmup=1, repeats=3, compile_fn=compile_fn)
+        res = stage_layers.compiled_ratio(a, b, x, g, torch.device("cpu"), warmup=1, repeats=3, compile_fn=compile_fn)
     assert calls == [a, b]
     assert res["ratio"] > 0 and res["compile_s"] >= 0 and res["baseline_ms"] > 0
 
@@ -195,21 +205,23 @@ def test_isoflop_stage_runs_the_sweep_and_brings_back_report_plots_and_runs(isof
     rec = payload["stages"]["isoflop"]
     assert rec["status"] == "ok", rec
     nums = rec["numbers"]
-    p = gpu_suite.isoflop_smoke_preset()
+    p = stage_isoflop.isoflop_smoke_preset()
     total = 2 * len(p.budgets) * len(p.sizes) * 6
     assert nums["complete"] is True and nums["runs_done"] == nums["runs_total"] == total and nums["seeds"] == 2
     assert nums["corpus_files"] > 100 and len(nums["corpus_list_sha256"]) == 64 and 0 < nums["epochs_max"] <= 1
     assert nums["estimated_s"] > 0 and nums["measured_over_estimated"] > 0
-    for key in gpu_suite.CLAIM_KEYS.values():  # every claim, with its 95% interval over the 2 seeds
+    for key in stage_isoflop.CLAIM_KEYS.values():  # every claim, with its 95% interval over the 2 seeds
         low, high = nums[f"{key}_interval"]
         assert low <= nums[key] <= high and isinstance(nums[f"{key}_significant"], bool)
         assert isinstance(nums[f"{key}_at_edge"], list)
-    out = tmp / "out" / gpu_suite.ISOFLOP_DIR
-    assert sorted(f.name for f in out.iterdir()) == sorted([*gpu_suite.ISOFLOP_REPORT_FILES, gpu_suite.ISOFLOP_ARCHIVE])
+    out = tmp / "out" / stage_isoflop.ISOFLOP_DIR
+    assert sorted(f.name for f in out.iterdir()) == sorted(
+        [*stage_isoflop.ISOFLOP_REPORT_FILES, stage_isoflop.ISOFLOP_ARCHIVE]
+    )
     report = json.loads((out / "isoflop.json").read_text())
     assert report["data"]["list_sha256"] == nums["corpus_list_sha256"] and report["data"]["packages"]["files"] > 100
     assert report["machine"]["bf16"] is True
-    with tarfile.open(out / gpu_suite.ISOFLOP_ARCHIVE) as tar:
+    with tarfile.open(out / stage_isoflop.ISOFLOP_ARCHIVE) as tar:
         names = tar.getnames()
     assert "isoflop_run.json" in names and sum(n.endswith("/result.json") for n in names) == total
     assert not any(n.endswith("ckpt.pt") for n in names)  # too large to bring back; finished runs need none
@@ -225,7 +237,7 @@ def test_a_second_call_finishes_the_grid_from_the_first_calls_archive(isoflop_sm
     import tarfile
 
     first, cache, _, payload = isoflop_smoke
-    archive = first / "out" / gpu_suite.ISOFLOP_DIR / gpu_suite.ISOFLOP_ARCHIVE
+    archive = first / "out" / stage_isoflop.ISOFLOP_DIR / stage_isoflop.ISOFLOP_ARCHIVE
     cut = tmp_path / "cut.tar.gz"  # the first call's archive without its last run: as if killed in that run
     with tarfile.open(archive) as src, tarfile.open(cut, "w:gz") as dst:
         members = src.getmembers()
@@ -234,8 +246,8 @@ def test_a_second_call_finishes_the_grid_from_the_first_calls_archive(isoflop_sm
             if not m.name.startswith(last.rsplit("/", 1)[0] + "/"):
                 dst.addfile(m, src.extractfile(m))
     sweep = tmp_path / "unpacked"
-    assert gpu_suite.unpack_isoflop(cut, sweep) == payload["stages"]["isoflop"]["numbers"]["runs_total"] - 1
-    assert gpu_suite.complete_seeds(sweep, smoke=True, seeds=2)[0] == 1  # seed 0 whole, seed 1 not
+    assert stage_isoflop.unpack_isoflop(cut, sweep) == payload["stages"]["isoflop"]["numbers"]["runs_total"] - 1
+    assert stage_isoflop.complete_seeds(sweep, smoke=True, seeds=2)[0] == 1  # seed 0 whole, seed 1 not
     proc, again = _isoflop(tmp_path, cache, "--isoflop-from", str(cut))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     nums = again["stages"]["isoflop"]["numbers"]
@@ -255,7 +267,7 @@ def test_a_call_cut_off_by_its_limit_reports_the_complete_seeds_and_keeps_the_re
     import tarfile
 
     first, cache, _, payload = isoflop_smoke
-    archive = first / "out" / gpu_suite.ISOFLOP_DIR / gpu_suite.ISOFLOP_ARCHIVE
+    archive = first / "out" / stage_isoflop.ISOFLOP_DIR / stage_isoflop.ISOFLOP_ARCHIVE
     cut = tmp_path / "cut.tar.gz"
     with tarfile.open(archive) as src, tarfile.open(cut, "w:gz") as dst:
         members = src.getmembers()
@@ -265,7 +277,7 @@ def test_a_call_cut_off_by_its_limit_reports_the_complete_seeds_and_keeps_the_re
         for m in members:
             if m.name.rsplit("/", 1)[0] not in drop:
                 dst.addfile(m, src.extractfile(m))
-    limit = gpu_suite.ISOFLOP_RESERVE_S + 1
+    limit = stage_isoflop.ISOFLOP_RESERVE_S + 1
     proc, again = _isoflop(tmp_path, cache, "--isoflop-from", str(cut), "--stage-budget", f"isoflop={limit}")
     rec = again["stages"]["isoflop"]
     assert rec["status"] == "ok", rec
@@ -274,10 +286,12 @@ def test_a_call_cut_off_by_its_limit_reports_the_complete_seeds_and_keeps_the_re
     assert nums["runs_done"] == total - 3 and nums["seeds_complete"] == 1 and nums["seeds"] == 1
     assert nums["mod_minus_dense_interval"] is None  # one seed: a difference, no interval
     assert "--isoflop-from" in rec["details"]["next"]
-    out = tmp_path / "out" / gpu_suite.ISOFLOP_DIR
-    assert sorted(f.name for f in out.iterdir()) == sorted([*gpu_suite.ISOFLOP_REPORT_FILES, gpu_suite.ISOFLOP_ARCHIVE])
+    out = tmp_path / "out" / stage_isoflop.ISOFLOP_DIR
+    assert sorted(f.name for f in out.iterdir()) == sorted(
+        [*stage_isoflop.ISOFLOP_REPORT_FILES, stage_isoflop.ISOFLOP_ARCHIVE]
+    )
     assert json.loads((out / "isoflop.json").read_text())["config"]["seeds"] == [0]
-    with tarfile.open(out / gpu_suite.ISOFLOP_ARCHIVE) as tar:
+    with tarfile.open(out / stage_isoflop.ISOFLOP_ARCHIVE) as tar:
         assert sum(n.endswith("/result.json") for n in tar.getnames()) == total - 3
 
 
@@ -295,14 +309,14 @@ def test_unpack_takes_only_what_pack_writes(tmp_path):
     (sweep / "runs" / "1e14" / "mod" / "L2_d128" / "seed1").mkdir()  # unfinished: a checkpoint only
     (sweep / "runs" / "1e14" / "mod" / "L2_d128" / "seed1" / "ckpt.pt").write_bytes(b"x")
     archive = tmp_path / "a.tar.gz"
-    assert gpu_suite.pack_isoflop(sweep, archive) == 1
+    assert stage_isoflop.pack_isoflop(sweep, archive) == 1
     with tarfile.open(archive) as tar:
         assert sorted(tar.getnames()) == [
             "isoflop_run.json",
             "runs/1e14/mod/L2_d128/seed0/log.jsonl",
             "runs/1e14/mod/L2_d128/seed0/result.json",
         ]
-    assert gpu_suite.unpack_isoflop(archive, tmp_path / "new") == 1
+    assert stage_isoflop.unpack_isoflop(archive, tmp_path / "new") == 1
     assert (tmp_path / "new" / "runs" / "1e14" / "mod" / "L2_d128" / "seed0" / "result.json").read_text() == "{}"
     evil = tmp_path / "evil.tar.gz"
     with tarfile.open(evil, "w:gz") as tar:
@@ -310,9 +324,9 @@ def test_unpack_takes_only_what_pack_writes(tmp_path):
         info.size = 2
         tar.addfile(info, io.BytesIO(b"{}"))
     with pytest.raises(RuntimeError, match="unexpected member '../outside/result.json'"):
-        gpu_suite.unpack_isoflop(evil, tmp_path / "x")
+        stage_isoflop.unpack_isoflop(evil, tmp_path / "x")
     with pytest.raises(RuntimeError, match="no isoflop_runs.tar.gz there"):
-        gpu_suite.unpack_isoflop(tmp_path / "x", tmp_path / "y")
+        stage_isoflop.unpack_isoflop(tmp_path / "x", tmp_path / "y")
 
 
 class _TimedProc:
@@ -338,7 +352,7 @@ def test_a_rehearsal_stage_over_its_budget_is_slow_not_failed(monkeypatch, tmp_p
     """--smoke: the stage budgets are yardsticks (a loaded CPU takes longer); a stage over its budget is ok with a
     slow note, killed only past SMOKE_HANG_FACTOR times it, and there is no overall deadline. On the GPU the
     budgets are the limits and the deadline holds."""
-    stages = tuple(gpu_suite.Stage(n, 30.0, 0.01, "doc") for n in ("env", "mod"))
+    stages = tuple(suite_stages.Stage(n, 30.0, 0.01, "doc") for n in ("env", "mod"))
     monkeypatch.setattr(gpu_suite, "STAGES", stages)
     monkeypatch.setattr(gpu_suite.subprocess, "Popen", _TimedProc)
     monkeypatch.setattr(_TimedProc, "sleep_s", 0.03)
@@ -378,7 +392,7 @@ def test_a_stage_that_raises_or_hangs_is_recorded_and_the_next_stage_runs(tmp_pa
     assert st["moe"]["status"] == "failed"
     assert "injected failure in stage 'moe'" in st["moe"]["error"]
     assert any("injected failure" in line for line in st["moe"]["tail"])
-    assert st["mod"]["status"] == "timeout" and 8 <= st["mod"]["seconds"] < 8 + 2 * gpu_suite.KILL_GRACE_S + 5
+    assert st["mod"]["status"] == "timeout" and 8 <= st["mod"]["seconds"] < 8 + 2 * stage_base.KILL_GRACE_S + 5
     assert any("hanging on purpose" in line for line in st["mod"]["tail"])
     assert st["decode"]["status"] == "ok" and st["decode"]["numbers"]["speedup_b1"] > 0
     assert "moe     failed" in proc.stdout and "mod     timeout" in proc.stdout
@@ -392,7 +406,7 @@ def test_the_overall_deadline_stops_later_stages(tmp_path):
     assert st["env"]["status"] == "ok"
     assert st["mod"]["status"] == "timeout"
     assert st["decode"]["status"] == "not run" and "deadline" in st["decode"]["reason"]
-    assert seconds < 25 + 2 * gpu_suite.KILL_GRACE_S + 20  # the deadline, the kill and two interpreter starts
+    assert seconds < 25 + 2 * stage_base.KILL_GRACE_S + 20  # the deadline, the kill and two interpreter starts
 
 
 @pytest.mark.parametrize(
@@ -429,12 +443,12 @@ FAILED tests/core/test_a.py::test_two[cuda] - AssertionError
 
 
 def test_parse_pytest_counts_failures_and_skip_reasons():
-    parsed = gpu_suite.parse_pytest(PYTEST_OUTPUT)
+    parsed = stage_tests.parse_pytest(PYTEST_OUTPUT)
     assert parsed["counts"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 1}
     assert parsed["failed"] == ["tests/core/test_a.py::test_two[cuda]", "tests/core/test_b.py::test_four"]
     assert parsed["skip_reasons"] == {"cpu_only on cuda:0: gloo": 3, "needs a CUDA device": 1}
     assert parsed["summary"] == "1 failed, 1 passed, 4 skipped, 1 error in 3.21s"
-    cut = gpu_suite.parse_pytest("\n".join(PYTEST_OUTPUT.splitlines()[:2]))  # killed mid-run: what ran counts
+    cut = stage_tests.parse_pytest("\n".join(PYTEST_OUTPUT.splitlines()[:2]))  # killed mid-run: what ran counts
     assert cut["counts"] == {"passed": 1, "failed": 1} and cut["summary"] is None
 
 
@@ -447,12 +461,12 @@ def test_steady_speed_leaves_out_the_first_steps():
         for s in (5, 10, 15, 20)
     ]
     recs.insert(2, dict(step=10, val_loss=2.0, tokens=1000, flops=1e10, wall=10.0, tok_s=0.0))
-    speed = gpu_suite.steady_speed(recs, skip_steps=10)
+    speed = stage_train.steady_speed(recs, skip_steps=10)
     assert speed["from_step"] == 10 and speed["to_step"] == 20
     assert speed["tok_s"] == pytest.approx(1000 / 5.0)
     assert speed["flop_s"] == pytest.approx(1e10 / 5.0)
     with pytest.raises(RuntimeError, match="two logged training steps"):
-        gpu_suite.steady_speed(recs[:1], skip_steps=0)
+        stage_train.steady_speed(recs[:1], skip_steps=0)
 
 
 def test_goals_are_judged_against_their_thresholds():
@@ -460,11 +474,11 @@ def test_goals_are_judged_against_their_thresholds():
         "moe": {"numbers": {"moe_ratio_E8": 1.10, "moe_ratio_E64": 1.30, "ahead_of_peers_E8": True}},
         "decode": {"numbers": {"speedup_b1": 1.69}},
     }
-    verdicts = {g["key"]: g["verdict"] for g in gpu_suite.evaluate_goals(stages)}
+    verdicts = {g["key"]: g["verdict"] for g in summary.evaluate_goals(stages)}
     assert verdicts["moe_ratio_E8"] == "met" and verdicts["moe_ratio_E64"] == "missed"
     assert verdicts["ahead_of_peers_E8"] == "met" and verdicts["ahead_of_peers_E64"] == "not measured"
     assert verdicts["speedup_b1"] == "missed" and verdicts["mfu_eager"] == "not measured"
-    assert {g["verdict"] for g in gpu_suite.evaluate_goals(stages, smoke=True)} == {"not judged", "not measured"}
+    assert {g["verdict"] for g in summary.evaluate_goals(stages, smoke=True)} == {"not judged", "not measured"}
 
 
 def test_parse_pytest_reads_xdist_lines():
@@ -472,7 +486,7 @@ def test_parse_pytest_reads_xdist_lines():
         "[gw0] [ 50%] PASSED tests/core/test_a.py::test_one \n"
         "[gw1] [100%] FAILED tests/core/test_a.py::test_two[cuda] \n"
     )
-    parsed = gpu_suite.parse_pytest(text)
+    parsed = stage_tests.parse_pytest(text)
     assert parsed["counts"] == {"passed": 1, "failed": 1}
     assert parsed["failed"] == ["tests/core/test_a.py::test_two[cuda]"]
 
@@ -510,7 +524,7 @@ def test_failures_plugin_writes_each_failure_with_its_reason_and_groups_them(tmp
     assert proc.returncode == 1, proc.stdout
     failures = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert len(failures) == 3 and all(f["when"] == "call" for f in failures)
-    groups = gpu_suite.group_failures(failures)
+    groups = stage_tests.group_failures(failures)
     assert groups[0]["count"] == 2 and "same device" in groups[0]["message"]
     assert groups[0]["test_frame"].endswith("test_sample.py:4")
     assert groups[1]["count"] == 1 and "assert 1 == 2" in groups[1]["message"]
@@ -522,6 +536,6 @@ def test_last_error_names_the_exception_line():
         "torch._inductor.exc.InductorError: ImportError: main.so: file too short\n\n"
         "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n"
     )
-    assert gpu_suite._last_error(text).startswith("torch._inductor.exc.InductorError: ImportError")
-    assert gpu_suite._last_error("RuntimeError: boom\nother\n") == "RuntimeError: boom"
-    assert gpu_suite._last_error("") == "(no output)"
+    assert stage_base.last_error(text).startswith("torch._inductor.exc.InductorError: ImportError")
+    assert stage_base.last_error("RuntimeError: boom\nother\n") == "RuntimeError: boom"
+    assert stage_base.last_error("") == "(no output)"

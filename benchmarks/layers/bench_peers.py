@@ -54,18 +54,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.metadata
 import os
 import statistics
 import sys
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
@@ -82,329 +78,53 @@ from benchmarks.common import (  # noqa: E402
     time_interleaved,
     write_json,
 )
-from mode import MLP, MoEConfig, MoELayer  # noqa: E402
+from benchmarks.layers.peers_families import main_families  # noqa: E402
+from benchmarks.layers.peers_impls import (  # noqa: E402
+    FLOAT32_TOL,
+    TOP_K,
+    Impl,
+    _rebuild_mode,
+    _version,
+    bf16_weights,
+    build_mode,
+    liger_impls,
+    make_step,
+    max_abs_diff,
+    torchtitan_impls,
+    transformers_impls,
+)
+from mode import MLP  # noqa: E402
 
 FULL = dict(tokens=4096, d_model=512, configs=((8, 1024), (64, 256)), warmup=3, repeats=9)
+
+
 QUICK = dict(tokens=256, d_model=64, configs=((4, 64), (16, 16)), warmup=1, repeats=3)
-TOP_K = 2
-INSTALL = 'pip install "mode-torch[peers]"'
-# float32 implementations must agree with mode to this (observed: 0 or ~1e-7; summation order may differ)
-FLOAT32_TOL = 1e-4
-BF16_TOL = 5e-2  # relative to the largest output or input-gradient value
+
+
 # bf16 implementations must agree with mode's float32 output to this, relative to its largest value (bf16 has
 # 8 significant bits: ~4e-3 per rounding, a few roundings deep)
 BF16_REL_TOL = 5e-2
+
+
 MODE_FP32 = "mode, auto, float32 (no autocast)"
+
+
 # the routing recipes of DeepSeek-V3 (docs/routing.md) that add no FLOPs: the balancing bias (zero here, so the
 # same choices) and its load counting, the sequence-wise balance loss; then also 4 expert groups of which each
 # token keeps 2 (which changes the choices, so its output is reported, not judged)
 RECIPE_OPTIONS = dict(bias_balance=True, balance_scope="sequence")
+
+
 GROUPS = dict(n_group=4, topk_group=2)
+
+
 RECIPES_SAME = "mode, auto, + bias balancing, sequence loss"
+
+
 RECIPES_GROUPS = "mode, auto, + bias, sequence loss, 4 groups keep 2"
+
+
 DENSE_FP32 = "dense SwiGLU MLP, float32 (no autocast)"
-
-
-@dataclass
-class Impl:
-    name: str
-    family: str  # mode, transformers, torchtitan, liger
-    build: Callable[[MoELayer], nn.Module]  # from mode's layer (weights to copy); runs on the CPU
-    returns_aux: bool = False  # mode's convention: (y, Aux)
-    float32: bool = True  # computes in float32 (expected to agree with mode to FLOAT32_TOL)
-    same_function: bool = True  # False: routes differently by design (reported, not judged)
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-# -- mode ------------------------------------------------------------------------------------------------
-
-
-def build_mode(cfg: dict, num_experts: int, hidden: int, backend: str, seed: int) -> MoELayer:
-    torch.manual_seed(seed)  # the same router and expert weights for every backend
-    return MoELayer.from_config(
-        MoEConfig(
-            d_model=cfg["d_model"],
-            d_hidden=hidden,
-            num_experts=num_experts,
-            router="token_choice",
-            top_k=TOP_K,
-            gate="softmax",
-            renormalize=True,
-            capacity_factor=None,
-            activation="swiglu",
-            backend=backend,
-        )
-    )
-
-
-def _mode_weights(src: MoELayer) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(router (E, D), gate (E, D, H), up (E, D, H), down (E, H, D)) of mode's layer, detached."""
-    w_in = src.experts.w_in_EDF.detach()
-    H = src.experts.cfg.d_hidden
-    return src.router.weight.detach(), w_in[:, :, :H], w_in[:, :, H:], src.experts.w_out_EHD.detach()
-
-
-def _copy(param: nn.Parameter, value: Tensor) -> None:
-    if tuple(param.shape) != tuple(value.shape):
-        raise AssertionError(f"weight copy: {tuple(param.shape)} != {tuple(value.shape)}")
-    with torch.no_grad():
-        param.copy_(value)
-
-
-# -- transformers ----------------------------------------------------------------------------------------
-
-
-def transformers_impls() -> tuple[list[Impl], str | None]:
-    """Mixtral and Qwen3-MoE sparse MoE blocks, or ([], why not)."""
-    try:
-        from transformers import MixtralConfig, Qwen3MoeConfig
-        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-    except Exception as e:  # noqa: BLE001 - ImportError, or anything a half-installed stack raises at import
-        return [], f"transformers does not import here ({type(e).__name__}: {e}); {INSTALL}"
-    if "grouped_mm" not in ALL_EXPERTS_FUNCTIONS:
-        return [], (
-            f"transformers {_version('transformers')} has no 'grouped_mm' experts implementation "
-            f"(transformers>=5 has it); {INSTALL}"
-        )
-
-    def copy_into(block: nn.Module, src: MoELayer) -> nn.Module:
-        router, gate, up, down = _mode_weights(src)
-        _copy(block.gate.weight, router)
-        # transformers keeps (E, out, in) weights with the gate half first: [gate; up] @ x
-        _copy(block.experts.gate_up_proj, torch.cat([gate, up], dim=2).transpose(1, 2))
-        _copy(block.experts.down_proj, down.transpose(1, 2))
-        return block
-
-    def mixtral(src: MoELayer) -> nn.Module:
-        e, d, h = src.experts.num_experts, src.experts.cfg.d_model, src.experts.cfg.d_hidden
-        config = MixtralConfig(
-            hidden_size=d,
-            intermediate_size=h,
-            num_local_experts=e,
-            num_experts_per_tok=TOP_K,
-            hidden_act="silu",
-            router_jitter_noise=0.0,
-            experts_implementation="grouped_mm",
-        )
-        return copy_into(MixtralSparseMoeBlock(config), src)
-
-    def qwen3(src: MoELayer) -> nn.Module:
-        e, d, h = src.experts.num_experts, src.experts.cfg.d_model, src.experts.cfg.d_hidden
-        config = Qwen3MoeConfig(
-            hidden_size=d,
-            moe_intermediate_size=h,
-            num_experts=e,
-            num_experts_per_tok=TOP_K,
-            norm_topk_prob=True,
-            hidden_act="silu",
-            experts_implementation="grouped_mm",
-        )
-        return copy_into(Qwen3MoeSparseMoeBlock(config), src)
-
-    version = _version("transformers")
-    return [
-        Impl(f"transformers {version} Mixtral block, grouped_mm", "transformers", mixtral),
-        Impl(f"transformers {version} Qwen3-MoE block, grouped_mm", "transformers", qwen3),
-    ], None
-
-
-class _Bf16Weights(nn.Module):
-    """A peer block with bfloat16 weights fed bfloat16 activations (how a transformers model runs when loaded
-    with ``dtype=torch.bfloat16``; autocast alone leaves its ``torch._grouped_mm`` experts in float32)."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner.bfloat16()
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.inner(x.bfloat16()).float()
-
-
-def bf16_weights(impl: Impl) -> Impl:
-    return Impl(
-        impl.name + ", weights in bfloat16",
-        impl.family,
-        lambda src: _Bf16Weights(impl.build(src)),
-        impl.returns_aux,
-        float32=False,
-    )
-
-
-# -- torchtitan ------------------------------------------------------------------------------------------
-
-
-class _KeepFloat32(TorchFunctionMode):
-    """Turns ``Tensor.bfloat16()`` into a no-op: torchtitan's grouped experts cast their inputs and weights
-    with it, so inside this mode they compute in float32 (nothing else about them changes)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.bfloat16:
-            return args[0]
-        return func(*args, **(kwargs or {}))
-
-
-class _Float32Experts(nn.Module):
-    """Runs a torchtitan ``GroupedExperts`` under :class:`_KeepFloat32` (its parameters stay its own)."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-        self.num_experts = inner.num_experts
-
-    def forward(self, *args, **kwargs):
-        with _KeepFloat32():
-            return self.inner(*args, **kwargs)
-
-
-def torchtitan_impls() -> tuple[list[Impl], str | None]:
-    """torchtitan's MoE as shipped (bfloat16 expert matmuls) and with float32 expert matmuls, or ([], why not)."""
-    try:
-        from torchtitan.models.common.linear import Linear
-        from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
-        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
-    except Exception as e:  # noqa: BLE001 - any import failure is reported as the reason this peer is skipped
-        hint = INSTALL
-        if isinstance(e, ModuleNotFoundError) and e.name == "triton":
-            hint = (
-                "torchtitan 0.3 imports triton when it loads; CUDA builds of torch bring it, a CPU build "
-                "does not: pip install triton"
-            )
-        return [], f"torchtitan does not import here ({type(e).__name__}: {e}); {hint}"
-
-    def build(src: MoELayer, float32: bool) -> nn.Module:
-        e, d, h = src.experts.num_experts, src.experts.cfg.d_model, src.experts.cfg.d_hidden
-        config = MoE.Config(
-            num_experts=e,
-            routed_experts=RoutedExperts.Config(
-                inner_experts=GroupedExperts.Config(dim=d, hidden_dim=h, num_experts=e),
-                token_dispatcher=LocalTokenDispatcher.Config(num_experts=e, top_k=TOP_K),
-            ),
-            router=TokenChoiceTopKRouter.Config(
-                num_experts=e,
-                gate=Linear.Config(in_features=d, out_features=e),
-                top_k=TOP_K,
-                score_func="softmax",
-                route_norm=True,
-            ),
-        )
-        moe = config.build()
-        router, gate, up, down = _mode_weights(src)
-        experts = moe.routed_experts.inner_experts
-        _copy(moe.router.gate.weight, router)
-        _copy(experts.w1_EFD, gate.transpose(1, 2))  # torchtitan: (E, out, in), w1 gate, w3 up, w2 down
-        _copy(experts.w3_EFD, up.transpose(1, 2))
-        _copy(experts.w2_EDF, down.transpose(1, 2))
-        if float32:
-            moe.routed_experts.inner_experts = _Float32Experts(experts)
-        return moe
-
-    version = _version("torchtitan")
-    return [
-        Impl(f"torchtitan {version} MoE, expert matmuls kept in float32", "torchtitan", lambda src: build(src, True)),
-        Impl(
-            f"torchtitan {version} MoE as shipped (expert matmuls in bfloat16)",
-            "torchtitan",
-            lambda src: build(src, False),
-            float32=False,
-        ),
-    ], None
-
-
-# -- liger-kernel ----------------------------------------------------------------------------------------
-
-LIGER_WHEEL = (
-    "liger-kernel: pip download liger-kernel --no-deps -d .whl (a 0.9 MB pure-Python wheel; "
-    "docs/gpu.md carries .whl/ to the GPU machine)"
-)
-
-
-class _LigerMoE(nn.Module):
-    """liger-kernel's fused MoE (``liger_kernel.ops.fused_moe.LigerFusedMoEFunction``: Triton kernels for the
-    routing metadata, a gather + grouped GEMM + SwiGLU, the down projection and the weighted combine) behind
-    mode's router convention (softmax over the experts, top-2, the two gates renormalised). It takes the
-    routing precomputed; its weights are (E, 2H, D) gate half first and (E, D, H), in one dtype: the
-    autocast dtype under autocast (cast each call, as autocast casts a Linear's weight), else the input's."""
-
-    def __init__(self, src: MoELayer, fn):
-        super().__init__()
-        router, gate, up, down = _mode_weights(src)
-        self.fn = fn
-        self.router = nn.Parameter(router.clone())
-        self.gate_up = nn.Parameter(torch.cat([gate, up], dim=2).transpose(1, 2).contiguous())
-        self.down = nn.Parameter(down.transpose(1, 2).contiguous())
-
-    def forward(self, x: Tensor) -> Tensor:
-        x_TD = x.reshape(-1, x.shape[-1])
-        probs_TE = nn.functional.linear(x_TD, self.router).float().softmax(-1)
-        w_TK, idx_TK = probs_TE.topk(TOP_K, dim=-1)
-        w_TK = w_TK / w_TK.sum(-1, keepdim=True)
-        dev = x.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        y_TD = self.fn(
-            x_TD.to(dtype), self.gate_up.to(dtype), self.down.to(dtype), idx_TK.to(torch.int32), w_TK.to(dtype)
-        )
-        return y_TD.reshape(x.shape)
-
-
-def liger_impls(device: torch.device) -> tuple[list[Impl], str | None]:
-    """liger-kernel's fused MoE (CUDA only: Triton), or ([], why not)."""
-    try:
-        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
-    except Exception as e:  # noqa: BLE001 - any import failure is reported as the reason this peer is skipped
-        return [], f"liger-kernel does not import here ({type(e).__name__}: {e}); {LIGER_WHEEL}"
-    if device.type != "cuda":
-        return [], f"liger-kernel's fused MoE runs Triton kernels on CUDA only (device {device})"
-    version = _version("liger-kernel")
-    return [
-        Impl(
-            f"liger-kernel {version} fused MoE (Triton)",
-            "liger",
-            lambda src: _LigerMoE(src, LigerFusedMoEFunction.apply),
-            float32=False,
-        )
-    ], None
-
-
-# -- measurement -----------------------------------------------------------------------------------------
-
-
-def make_step(
-    module: nn.Module, x: Tensor, grad_out: Tensor, returns_aux: bool, with_aux: bool = True, bf16: bool = False
-) -> Callable[[], tuple[Tensor, Tensor]]:
-    """One forward + backward of ``<y, grad_out>`` (plus mode's aux losses when ``with_aux``), the forward
-    under bfloat16 autocast when ``bf16``; returns (y, x.grad), both detached. Gradients of the module are
-    dropped first."""
-    params = [p for p in module.parameters() if p.requires_grad]
-
-    def step() -> tuple[Tensor, Tensor]:
-        for p in params:
-            p.grad = None
-        x.grad = None
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
-            out = module(x)
-        y, aux = out if returns_aux else (out, None)
-        outs, grads = [y], [grad_out]
-        if with_aux and aux is not None:
-            total = aux.total()
-            if total.requires_grad:
-                outs.append(total)
-                grads.append(None)
-        torch.autograd.backward(outs, grads)
-        return y.detach(), x.grad
-
-    return step
-
-
-def max_abs_diff(a: Tensor, b: Tensor) -> float:
-    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
 
 def bench_config(
@@ -531,206 +251,6 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     save_figure(fig, path)
-
-
-FAMILY_SHAPES = {
-    "full": dict(
-        tokens=4096, d_model=512, experts=64, hidden=256, top_k=4, n_group=8, topk_group=4, warmup=3, repeats=9
-    ),
-    "quick": dict(tokens=128, d_model=32, experts=8, hidden=16, top_k=2, n_group=4, topk_group=2, warmup=1, repeats=3),
-}
-
-
-class FirstOutput(nn.Module):
-    """A block whose forward returns a pair (gpt-oss, Llama-4: (output, router scores or logits)), as a tensor."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.block(x)[0].view(x.shape)  # Llama-4 returns (T, D)
-
-
-def family_blocks(shape: dict) -> dict[str, tuple[nn.Module, object]]:
-    """One transformers block per router kind at ``shape`` (random weights), with its config."""
-    import importlib
-
-    from transformers import AutoConfig
-
-    d, e, h, k = shape["d_model"], shape["experts"], shape["hidden"], shape["top_k"]
-    groups = dict(n_group=shape["n_group"], topk_group=shape["topk_group"])
-    common = dict(hidden_size=d, moe_intermediate_size=h, num_experts_per_tok=k, experts_implementation="grouped_mm")
-    # name -> (model type, module, block class, config fields): the router kinds of mode.hf.moe.families
-    kinds = {
-        "Qwen3-MoE": ("qwen3_moe", "qwen3_moe", "Qwen3MoeSparseMoeBlock", dict(num_experts=e, norm_topk_prob=True)),
-        "Qwen2-MoE": (
-            "qwen2_moe",
-            "qwen2_moe",
-            "Qwen2MoeSparseMoeBlock",
-            dict(num_experts=e, shared_expert_intermediate_size=4 * h, norm_topk_prob=False),
-        ),
-        "DeepSeek-V3": (
-            "deepseek_v3",
-            "deepseek_v3",
-            "DeepseekV3MoE",
-            dict(n_routed_experts=e, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, **groups),
-        ),
-        "DeepSeek-V2": (
-            "deepseek_v2",
-            "deepseek_v2",
-            "DeepseekV2Moe",
-            dict(
-                n_routed_experts=e,
-                n_shared_experts=1,
-                routed_scaling_factor=2.5,
-                topk_method="group_limited_greedy",
-                **groups,
-            ),
-        ),
-        "ERNIE-4.5": (
-            "ernie4_5_moe",
-            "ernie4_5_moe",
-            "Ernie4_5_MoeSparseMoeBlock",
-            dict(moe_num_experts=e, moe_k=k, moe_num_shared_experts=0),
-        ),
-        "LFM2-MoE": (
-            "lfm2_moe",
-            "lfm2_moe",
-            "Lfm2MoeSparseMoeBlock",
-            dict(num_experts=e, use_expert_bias=True, norm_topk_prob=True, routed_scaling_factor=1.0),
-        ),
-        "Granite-MoE": ("granitemoe", "granitemoe", "GraniteMoeMoE", dict(num_local_experts=e, intermediate_size=h)),
-        "gpt-oss": ("gpt_oss", "gpt_oss", "GptOssMLP", dict(num_local_experts=e, intermediate_size=h)),
-        "Llama-4": ("llama4_text", "llama4", "Llama4TextMoe", dict(num_local_experts=e, intermediate_size=h)),
-        "LongCat-Flash": (
-            "longcat_flash",
-            "longcat_flash",
-            "LongcatFlashMoE",
-            dict(n_routed_experts=e, zero_expert_num=e // 2, expert_ffn_hidden_size=h, routed_scaling_factor=6.0),
-        ),
-    }
-    out = {}
-    g = torch.Generator().manual_seed(0)
-    for name, (model_type, module, block_name, fields) in kinds.items():
-        config = AutoConfig.for_model(model_type, **common, **fields)
-        config = config.get_text_config(decoder=True)
-        cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), block_name)
-        block = cls(config)
-        with torch.no_grad():  # transformers initialises some weights to zero: random ones exercise every path
-            for pname, t in [*block.named_parameters(), *block.named_buffers()]:
-                if t.is_floating_point():
-                    t.copy_(torch.randn(t.shape, generator=g) * (0.05 if "bias" in pname else t.shape[-1] ** -0.5))
-        out[name] = (block, config)
-    return out
-
-
-def bench_families(shape: dict, device: torch.device, seed: int, bf16: bool = False) -> list[dict]:
-    """Each transformers block against mode's layer configured as it: agreement, then interleaved timing,
-    in float32 or under bfloat16 autocast (both sides alike)."""
-    from mode.hf.moe.blocks import from_block
-
-    torch.manual_seed(seed)
-    x = torch.randn(1, shape["tokens"], shape["d_model"], device=device, requires_grad=True)
-    g = torch.randn_like(x)
-    tol = BF16_TOL if bf16 else FLOAT32_TOL
-    rows = []
-    for name, (block, config) in family_blocks(shape).items():
-        block = block.to(device)
-        ours = from_block(block, config)
-        theirs = FirstOutput(block) if type(block).__name__ in ("GptOssMLP", "Llama4TextMoe") else block
-        y_b, dx_b = (t.clone() for t in make_step(theirs, x, g, False, bf16=bf16)())
-        y_m, dx_m = make_step(ours, x, g, True, with_aux=False, bf16=bf16)()
-        dy, ddx = max_abs_diff(y_m, y_b), max_abs_diff(dx_m, dx_b)
-        scale = max(float(y_b.float().abs().max()), float(dx_b.float().abs().max()), 1e-6)
-        # bf16: transformers' routers (ERNIE's excepted) take the top-k of bf16 logits, ours of float32 ones, so
-        # a few tokens route differently and their outputs differ by O(|y|); the rest agree to bf16 precision
-        dy_T = (y_m.float() - y_b.float()).abs().amax(-1).reshape(-1)
-        off_T = dy_T > BF16_TOL * float(y_b.float().abs().max())
-        tokens_off = float(off_T.float().mean())
-        dy_alike = float(dy_T[~off_T].max()) if (~off_T).any() else float("nan")
-        timing = time_interleaved(
-            {
-                "mode": make_step(ours, x, g, True, with_aux=False, bf16=bf16),
-                "transformers": make_step(theirs, x, g, False, bf16=bf16),
-            },
-            "transformers",
-            warmup=shape["warmup"],
-            repeats=shape["repeats"],
-            device=device,
-        )
-        rows.append(
-            dict(
-                family=name,
-                precision="bf16" if bf16 else "float32",
-                tokens=shape["tokens"],
-                d_model=shape["d_model"],
-                experts=shape["experts"],
-                hidden=shape["hidden"],
-                top_k=shape["top_k"],
-                max_abs_diff_y=dy,
-                max_abs_diff_dx=ddx,
-                tokens_routed_off=tokens_off,
-                max_abs_diff_y_alike=dy_alike,
-                agrees=bool(tokens_off <= 0.1 and dy_alike <= tol * scale) if bf16 else bool(max(dy, ddx) <= tol),
-                mode_over_transformers=timing["mode"]["ratio_median"],
-                spread=f"{timing['mode']['ratio_min']:.2f}-{timing['mode']['ratio_max']:.2f}",
-                mode_ms=1e3 * timing["mode"]["s_median"],
-                transformers_ms=1e3 * timing["transformers"]["s_median"],
-            )
-        )
-        print(
-            f"  {name:<14} mode / transformers {rows[-1]['mode_over_transformers']:.3f}  |dy| {dy:.1e}  |dx| {ddx:.1e}",
-            file=sys.stderr,
-            flush=True,
-        )
-    return rows
-
-
-def main_families(args, device: torch.device) -> dict:
-    shape = FAMILY_SHAPES["quick" if args.quick else "full"]
-    if args.repeats is not None:
-        shape = {**shape, "repeats": args.repeats}
-    info = machine_info(device)
-    info["versions"] = {dist: _version(dist) for dist in ("mode-torch", "transformers")}
-    bf16 = args.precision == "bf16"
-    rows = bench_families(shape, device, args.seed, bf16=bf16)
-    print()
-    extra = (
-        [("tokens_routed_off", "tokens off", ".3f"), ("max_abs_diff_y_alike", "max |dy| rest", ".1e")] if bf16 else []
-    )
-    print_table(
-        rows,
-        [
-            ("family", "transformers block", ""),
-            ("agrees", "agrees", ""),
-            *extra,
-            ("mode_over_transformers", "mode / block", ".3f"),
-            ("spread", "min-max", ""),
-            ("mode_ms", "mode ms", ".1f"),
-            ("transformers_ms", "block ms", ".1f"),
-            ("max_abs_diff_y", "max |dy|", ".1e"),
-            ("max_abs_diff_dx", "max |dx|", ".1e"),
-        ],
-    )
-    payload = dict(
-        benchmark="bench_peers --families",
-        command=" ".join(["bench_peers.py"] + sys.argv[1:]),
-        shape=shape,
-        device=str(device),
-        machine=info,
-        notes="forward + backward of <y, g>, no aux losses; ratio = mode's wall time / "
-        "the transformers block's in the same round, median over rounds; bf16: "
-        "both under bfloat16 autocast; tokens_routed_off: the share of tokens whose "
-        "output differs by more than 5e-2 of the largest |y| (their top-k of bf16 "
-        "logits differs from ours of float32 logits); agrees: <= 10% of them and "
-        "the rest within 5e-2 of the largest value",
-        results=rows,
-    )
-    stem = "peers_families" + ("_bf16" if bf16 else "") + ("_quick" if args.quick else "")
-    path = write_json(Path(args.out or ROOT / "benchmarks" / "results" / f"{stem}.json"), payload)
-    print(f"\nwrote {path}", file=sys.stderr)
-    return payload
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -922,28 +442,6 @@ def shape_overrides(args: argparse.Namespace) -> dict:
             configs.append((int(parts[0]), int(parts[1])))
         out["configs"] = tuple(configs)
     return out
-
-
-def _rebuild_mode(src: MoELayer, backend: str, router_options: dict | None = None) -> MoELayer:
-    """mode's layer with another expert backend (and router options) and the same weights."""
-    cfg = src.experts.cfg
-    layer = MoELayer.from_config(
-        MoEConfig(
-            d_model=cfg.d_model,
-            d_hidden=cfg.d_hidden,
-            num_experts=cfg.num_experts,
-            router="token_choice",
-            top_k=TOP_K,
-            gate="softmax",
-            renormalize=True,
-            capacity_factor=None,
-            activation="swiglu",
-            backend=backend,
-            router_options=dict(router_options or {}),
-        )
-    )
-    layer.load_state_dict(src.state_dict(), strict=not router_options)  # the options add a zero bias buffer
-    return layer
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def mode_layers(d: int, experts: int, hidden: int) -> dict[str, tuple[str, Calla
 
 def peer_layers(d: int, experts: int, hidden: int) -> tuple[dict, dict[str, str]]:
     """The peers that import here (name -> (kind, builder)) and, for the others, why not."""
-    from benchmarks.layers.bench_peers import torchtitan_impls, transformers_impls
+    from benchmarks.layers.peers_impls import torchtitan_impls, transformers_impls
 
     built, missing = {}, {}
     for family, impls_of in (("transformers", transformers_impls), ("torchtitan", torchtitan_impls)):
