@@ -17,6 +17,10 @@ models (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) on mode's MoE layers,
     mh.upcycle(model, num_experts=8, top_k=2) # MLPs -> MoE of copies (starts equal to the dense model)
     mh.router_tune(model, batches, steps=100) # base frozen, routers trained (lm or distill)
     mh.save_conversion(model, "dir"); mh.load_conversion(original_model, "dir")
+    plan = mh.plan_to_macs(model, 0.85, seq_len=512)  # MoD layers and capacity at 85% of the MACs per token
+    mh.prune_layers(pruned, 2, by="block_influence", batches=data)  # the baseline: whole layers deleted
+    report = mh.heal(model, original, data, mh.HealConfig(steps=200))  # LoRA + routers, distilled
+    mh.merge_lora(model)                      # adapters folded into the weights (then save_conversion)
     mh.to_mode_moe(moe_model)                 # Mixtral/OLMoE/Qwen2-MoE/Qwen3-MoE/DeepSeek-V3 blocks -> mode layers
     mh.save_transformers(moe_model, "dir")    # ... and back to a plain transformers checkpoint
     acc, summary = mh.moe_report(moe_model, ids)  # per-layer expert load, drops, experts and FLOPs per token
@@ -34,7 +38,11 @@ from mode.hf._compat import ATTENTIONS, MODEL_TYPES, TESTED_VERSION  # noqa: F40
 from mode.hf.dense.cache import MoDCacheLayer
 from mode.hf.dense.conversion_io import load_conversion, save_conversion
 from mode.hf.dense.convert import mod_layers, to_mod
+from mode.hf.dense.heal import HealConfig, HealReport, heal
+from mode.hf.dense.lora import merge_lora
+from mode.hf.dense.macs import MacsPlan, conversion_macs, plan_to_macs
 from mode.hf.dense.mod_layer import MoDLayerMixin
+from mode.hf.dense.prune import block_influence, prune_layers
 from mode.hf.dense.router_fit import router_fit
 from mode.hf.dense.routing import collect_aux, routing
 from mode.hf.dense.skip_cost import cheapest, skip_costs
@@ -44,17 +52,26 @@ from mode.hf.moe.convert import ConvertedMoE, converted_moe, moe_report, save_tr
 from mode.hf.pretrained import SMOLLM2, FetchError, fetch_smollm2, load_gguf, smollm2_path
 
 __all__ = [
+    "block_influence",
     "calibrate",
     "cheapest",
     "collect_aux",
+    "conversion_macs",
     "converted_moe",
     "ConvertedMoE",
     "freeze_base",
+    "heal",
+    "HealConfig",
+    "HealReport",
     "load_conversion",
+    "MacsPlan",
+    "merge_lora",
     "mod_layers",
     "MoDCacheLayer",
     "MoDLayerMixin",
     "moe_report",
+    "plan_to_macs",
+    "prune_layers",
     "router_fit",
     "router_parameters",
     "router_tune",

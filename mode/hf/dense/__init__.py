@@ -14,6 +14,10 @@ The public names are re-exported by ``mode.hf``; this package only groups the fi
     skip_cost       ``skip_costs`` / ``cheapest``: the loss each layer costs when every token skips it
     upcycle         ``upcycle``: dense MLPs become MoE layers of copies; ``MoESlot``, the MLP slot base class
     conversion_io   ``save_conversion`` / ``load_conversion``: a spec plus the added weights
+    prune           ``prune_layers`` / ``block_influence``: whole layers deleted (the baseline)
+    lora            LoRA adapters on the projections (``add_lora``) and ``merge_lora``
+    heal            ``heal`` / ``HealConfig`` / ``HealReport``: training a converted or pruned model at a budget
+    macs            analytic MACs per token (``conversion_macs``) and ``plan_to_macs`` (a conversion to a budget)
 
 Imports go one way: ``mode.hf.moe`` uses ``upcycle`` (``MoESlot``) and ``routing`` (``collect_aux``) from
 here; nothing here imports ``mode.hf.moe``.

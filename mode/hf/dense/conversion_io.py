@@ -6,7 +6,13 @@ class made at run time. So a conversion is saved as two files in a directory:
     mode_conversion.json        which layers became MoD / MoE and with which settings, the model type,
                                 the transformers version it was made with
     mode_weights.safetensors    only what the conversion added or replaced: ``...mod_router.*``,
-                                ``...mod_skip.*`` and every upcycled ``...mlp.moe.*``
+                                ``...mod_skip.*``, every upcycled ``...mlp.moe.*``, the deleted layers'
+                                estimates ``...prune_est.*`` and the base weights healing changed (the
+                                spec's ``"healed"`` names: LoRA adapters merged by ``merge_lora``, or every
+                                weight after ``heal(trainable="all")``)
+
+A pruned model (``prune_layers``) is saved as its spec (``"pruned"``: which original layers went) and loads
+onto the original by deleting them again. Unmerged LoRA adapters are refused: ``merge_lora`` first.
 
 ``load_conversion(model, dir)`` applies the same conversion to a freshly loaded original model (the same
 checkpoint it was made from) and loads those weights; any key missing or left over raises.
@@ -17,11 +23,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from mode.hf._compat import decoder_config
+from mode.hf._compat import decoder_config, decoder_layers
 from mode.hf.dense.convert import to_mod
+from mode.hf.dense.lora import lora_parameters
+from mode.hf.dense.prune import delete_layers
+from mode.hf.dense.skip_update import SkipUpdate
 from mode.hf.dense.upcycle import upcycle
 
 SPEC_FILE = "mode_conversion.json"
@@ -30,8 +40,10 @@ FORMAT_VERSION = 1
 
 
 def conversion_state(model: nn.Module) -> dict:
-    """The tensors a conversion added or replaced, by their state-dict names."""
-    return {k: v for k, v in model.state_dict().items() if ".mod_router." in k or ".mod_skip." in k or ".mlp.moe." in k}
+    """The tensors a conversion added or replaced, by their state-dict names (healed base weights included)."""
+    healed = set((getattr(model, "mode_conversion", None) or {}).get("healed", []))
+    keys = (".mod_router.", ".mod_skip.", ".prune_est.", ".mlp.moe.")
+    return {k: v for k, v in model.state_dict().items() if k in healed or any(s in k for s in keys)}
 
 
 def save_conversion(model: nn.Module, directory: str | Path) -> Path:
@@ -42,6 +54,11 @@ def save_conversion(model: nn.Module, directory: str | Path) -> Path:
     spec = getattr(model, "mode_conversion", None)
     if not spec:
         raise ValueError("save_conversion: the model carries no mode.hf conversion (model.mode_conversion)")
+    if lora_parameters(model):
+        raise ValueError(
+            "save_conversion: the model has unmerged LoRA adapters; call mode.hf.merge_lora(model) first "
+            "(the merged weights are saved)"
+        )
     import transformers
 
     out = Path(directory)
@@ -72,12 +89,17 @@ def load_conversion(model: nn.Module, directory: str | Path) -> nn.Module:
         raise ValueError(f"{SPEC_FILE}: model_type={doc.get('model_type')!r} but the model is {model_type!r}")
     if getattr(model, "mode_conversion", None):
         raise ValueError("load_conversion: the model is already converted; load the original checkpoint")
+    pruned = doc.get("pruned")
+    if pruned:
+        _prune_as_saved(model, pruned)
     for settings, layers in _grouped(doc.get("upcycle", {})):
         upcycle(model, layers=layers, **settings)
     for settings, layers in _grouped(doc.get("mod", {})):
         # written before part / steer_decision / kv existed: the whole layer, the decision at logit > 0, the
         # routed tokens' K/V only
         to_mod(model, layers=layers, **{"part": "layer", "steer_decision": False, "kv": "routed", **settings})
+    if doc.get("healed"):
+        model.mode_conversion = {**(getattr(model, "mode_conversion", None) or {}), "healed": doc["healed"]}
     tensors = load_file(str(src / WEIGHTS_FILE), device=str(next(model.parameters()).device))
     expected = conversion_state(model)
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
@@ -90,6 +112,20 @@ def load_conversion(model: nn.Module, directory: str | Path) -> nn.Module:
             )
     model.load_state_dict(tensors, strict=False)
     return model
+
+
+def _prune_as_saved(model: nn.Module, pruned: dict) -> None:
+    """Delete the saved layers from the original, with fresh estimates (their weights are loaded after)."""
+    n_layers = len(decoder_layers(model))
+    if pruned["n_layers"] != n_layers:
+        raise ValueError(f"{SPEC_FILE}: pruned from {pruned['n_layers']} layers, but the model has {n_layers}")
+    rank, d_model = pruned["estimate_rank"], decoder_config(model).hidden_size
+    ref = next(model.parameters())
+    estimates = None
+    if rank is not None:
+        estimates = {i: SkipUpdate(d_model, rank).to(device=ref.device, dtype=torch.float32) for i in pruned["layers"]}
+    delete_layers(model, pruned["layers"], estimates)
+    model.mode_conversion = {"pruned": pruned}
 
 
 def _grouped(per_layer: dict) -> list[tuple[dict, list[int]]]:

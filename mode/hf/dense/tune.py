@@ -27,12 +27,10 @@ OBJECTIVES = ("lm", "distill")
 
 def router_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The parameters ``mode.hf`` added for routing: ``...mod_router.*``, ``...mod_skip.*`` (the skipped
-    tokens' estimated update) and ``...mlp.moe.router.*``."""
-    return {
-        name: p
-        for name, p in model.named_parameters()
-        if ".mod_router." in name or ".mod_skip." in name or ".mlp.moe.router." in name
-    }
+    tokens' estimated update), ``...prune_est.*`` (a deleted layer's estimate, ``prune_layers``) and
+    ``...mlp.moe.router.*``."""
+    keys = (".mod_router.", ".mod_skip.", ".prune_est.", ".mlp.moe.router.")
+    return {name: p for name, p in model.named_parameters() if any(k in name for k in keys)}
 
 
 def freeze_base(model: nn.Module) -> list[str]:

@@ -1,0 +1,205 @@
+"""``prune_layers``: delete whole decoder layers, the baseline a MoD conversion has to beat at equal compute.
+
+Shape legend: B batch, S sequence, D hidden, N real tokens.
+
+Which layers: ``by="skip_cost"``, the layers whose removal costs the least next-token loss on the batches
+(``skip_costs(part="layer")``, He et al., arXiv 2406.15786); ``by="block_influence"``, ShortGPT's block
+influence (Men et al., arXiv 2403.03853), ``1 - mean cos(input, output)`` of each layer over the batches' real
+tokens: a layer that leaves the residual stream's direction unchanged has influence 0 and goes first.
+
+The layers are removed from the ``ModuleList``; the kept layers' ``self_attn.layer_idx`` (which picks the
+layer's entry of transformers' cache), ``config.num_hidden_layers`` (the decoder loops over that many layers
+and ``DynamicCache`` makes that many entries) and ``config.layer_types`` (Qwen2's per-layer mask kind) are
+renumbered, so forward and ``generate()`` run as on a shallower checkpoint.
+
+``estimate_rank=R`` keeps a fitted stand-in for each deleted layer: ``SkipUpdate`` (``mode.hf.dense.
+skip_update``, ``x + bias + (x @ down) @ up``) fitted by ridge regression of the layer's update (output minus
+input) on its input over the batches' real tokens (each deleted layer fitted on its own input in the original
+model). It runs in a pre-hook of the next kept layer (or of the final norm, when the last layers go), in the
+deleted layers' order; its parameters are ``...prune_est.{k}.*``, trained by ``heal`` like the MoD estimates and
+saved with the conversion.
+
+``model.mode_conversion["pruned"]`` records ``{"layers": deleted, "kept": kept, "n_layers": before,
+"by": by, "estimate_rank": R}`` (original indices), so ``load_conversion`` prunes a fresh original the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mode import _checks
+from mode.hf._compat import check_model_type, decoder_config, decoder_layers
+from mode.hf.dense.convert import mod_layers
+from mode.hf.dense.skip_cost import cheapest, skip_costs
+from mode.hf.dense.skip_update import SkipUpdate
+from mode.hf.dense.tune import _as_batch, _positions
+
+PRUNE_BY = ("skip_cost", "block_influence")
+
+
+def _hidden(args, kwargs) -> Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _output(output) -> Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+@torch.no_grad()
+def _layer_io(model: nn.Module, batches: list, want: Sequence[int], on_layer) -> None:
+    """One forward per batch (eval, no cache); ``on_layer(i, x_ND, y_ND)`` gets layer ``i``'s input and output
+    on the batch's real tokens."""
+    layers = decoder_layers(model)
+    device = next(model.parameters()).device
+    real: dict[str, Tensor] = {}
+    seen: dict[int, Tensor] = {}
+
+    def hooks(i):
+        def pre(module, args, kwargs):
+            seen[i] = _hidden(args, kwargs)
+
+        def post(module, args, kwargs, output):
+            on_layer(i, seen.pop(i)[real["BS"]].float(), _output(output)[real["BS"]].float())
+
+        return pre, post
+
+    handles = []
+    for i in want:
+        pre, post = hooks(i)
+        handles.append(layers[i].register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(layers[i].register_forward_hook(post, with_kwargs=True))
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in batches:
+            ids_BS, mask_BS = _as_batch(batch, device)
+            real["BS"] = torch.ones_like(ids_BS, dtype=torch.bool) if mask_BS is None else mask_BS.bool()
+            model(ids_BS, attention_mask=mask_BS, position_ids=_positions(mask_BS), use_cache=False)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+
+
+def block_influence(model: nn.Module, batches: Iterable) -> dict[int, float]:
+    """ShortGPT's block influence of every decoder layer: ``1 - mean cos(input, output)`` over the real tokens
+    of ``batches`` (token ids or dicts with ``input_ids`` / ``attention_mask``). 0: the layer does not turn the
+    residual stream at all."""
+    check_model_type(model)
+    batches = list(batches)
+    if not batches:
+        raise ValueError("batches: empty; block_influence needs at least one batch")
+    n = len(decoder_layers(model))
+    sums = dict.fromkeys(range(n), 0.0)
+    count = dict.fromkeys(range(n), 0)
+
+    def on_layer(i, x_ND, y_ND):
+        sums[i] += float(F.cosine_similarity(x_ND, y_ND, dim=-1).sum())
+        count[i] += x_ND.shape[0]
+
+    _layer_io(model, batches, range(n), on_layer)
+    return {i: 1.0 - sums[i] / max(count[i], 1) for i in range(n)}
+
+
+def _fit_estimates(model: nn.Module, batches: list, chosen: list[int], rank: int) -> dict[int, SkipUpdate]:
+    data: dict[int, list[tuple[Tensor, Tensor]]] = {i: [] for i in chosen}
+    _layer_io(model, batches, chosen, lambda i, x_ND, y_ND: data[i].append((x_ND, y_ND - x_ND)))
+    ref = next(model.parameters())
+    out = {}
+    for i in chosen:
+        x_ND, u_ND = (torch.cat(t) for t in zip(*data[i]))
+        est = SkipUpdate(x_ND.shape[1], rank).to(device=ref.device, dtype=torch.float32)
+        est.fit(x_ND, u_ND)
+        out[i] = est
+    return out
+
+
+def _apply_estimates(module, args, kwargs):
+    x_BSD = _hidden(args, kwargs)
+    for est in module.prune_est:
+        x_BSD = x_BSD + est(x_BSD)
+    if args:
+        return (x_BSD, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": x_BSD}
+
+
+def _final_norm(model: nn.Module) -> nn.Module:
+    owner = getattr(model, "model", model)
+    norm = getattr(owner, "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise ValueError(f"model={type(model).__name__}: found no final norm (model.model.norm) to host the estimates")
+    return norm
+
+
+def delete_layers(model: nn.Module, chosen: Sequence[int], estimates: dict[int, SkipUpdate] | None = None) -> None:
+    """Remove decoder layers ``chosen`` (current indices) and renumber the rest (``layer_idx``,
+    ``config.num_hidden_layers``, ``config.layer_types``); ``estimates`` (by deleted index) go before the next
+    kept layer, or the final norm. The mechanics of ``prune_layers``, without choosing or recording."""
+    layers = decoder_layers(model)
+    config = decoder_config(model)
+    kept = [i for i in range(len(layers)) if i not in set(chosen)]
+    hosts: dict[int, list[SkipUpdate]] = {}
+    for i in sorted(estimates or {}):
+        host = next((j for j in kept if j > i), -1)  # -1: the final norm
+        hosts.setdefault(host, []).append(estimates[i])  # type: ignore[index]
+    for host, ests in hosts.items():
+        module = _final_norm(model) if host == -1 else layers[host]
+        module.prune_est = nn.ModuleList(ests)
+        module._mode_prune_hook = module.register_forward_pre_hook(_apply_estimates, with_kwargs=True)
+    new = nn.ModuleList([layers[i] for i in kept])
+    for j, layer in enumerate(new):
+        layer.self_attn.layer_idx = j
+    owner = model if getattr(model, "layers", None) is layers else model.model
+    owner.layers = new
+    config.num_hidden_layers = len(kept)
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = [config.layer_types[i] for i in kept]
+
+
+def prune_layers(
+    model: nn.Module,
+    n: int,
+    by: str = "block_influence",
+    batches: Iterable = (),
+    estimate_rank: int | None = None,
+) -> list[int]:
+    """Delete the ``n`` decoder layers of ``model`` that ``by`` ranks lowest (``"block_influence"`` or
+    ``"skip_cost"``, measured on ``batches``), in place; returns their (original) indices, sorted.
+    ``estimate_rank``: None, a deleted layer is gone; an int R, a rank-R affine estimate of its update, fitted on
+    ``batches``, stands in for it (see the module doc). The model must be unconverted (``to_mod`` may follow).
+    """
+    check_model_type(model)
+    n_layers = len(decoder_layers(model))
+    _checks.check_int("n", n)
+    if n >= n_layers:
+        raise ValueError(f"n={n}: must be less than the number of decoder layers ({n_layers}); one must stay")
+    _checks.check_choice("by", by, PRUNE_BY)
+    if estimate_rank is not None:
+        SkipUpdate(decoder_config(model).hidden_size, estimate_rank)  # validates the rank
+    spec = getattr(model, "mode_conversion", None) or {}
+    if mod_layers(model) or spec:
+        raise ValueError(
+            "prune_layers: the model already carries a mode.hf conversion or pruning "
+            f"({sorted(spec) or 'MoD layers'}); prune the original once, then convert"
+        )
+    batches = list(batches)
+    if not batches:
+        raise ValueError(f"batches: empty; prune_layers(by={by!r}) measures the layers on at least one batch")
+    scores = block_influence(model, batches) if by == "block_influence" else skip_costs(model, batches, part="layer")
+    chosen = cheapest(scores, n)
+    estimates = None if estimate_rank is None else _fit_estimates(model, batches, chosen, estimate_rank)
+    kept = [i for i in range(n_layers) if i not in chosen]
+    delete_layers(model, chosen, estimates)
+    model.mode_conversion = {
+        "pruned": {"layers": chosen, "kept": kept, "n_layers": n_layers, "by": by, "estimate_rank": estimate_rank}
+    }
+    return chosen
+
+
+def prune_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters of the estimates standing in for deleted layers (``...prune_est.*``) by name."""
+    return {n: p for n, p in model.named_parameters() if ".prune_est." in n}
