@@ -243,16 +243,16 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
     ax.set_title(f"{title}: mean ± std over seeds")
     ax.invert_xaxis()
     ax.legend(fontsize=8)
-    for mod in MOD:
-        for partner in PRUNE:
-            rs = sorted((r for r in intervals if r["mod"] == mod and r["prune"] == partner), key=lambda r: r["point"])
-            if not rs:
-                continue
+    pairs = [(mod, partner) for mod in MOD for partner in PRUNE]
+    for k, (mod, partner) in enumerate(pairs):
+        rs = sorted((r for r in intervals if r["mod"] == mod and r["prune"] == partner), key=lambda r: r["point"])
+        if rs:
+            shift = 0.002 * (k - (len(pairs) - 1) / 2)  # side by side: the intervals of one point do not overlap
             mid = [r["diff_pct"] for r in rs]
             lo = [m - r["bootstrap_ci_pct"][0] for m, r in zip(mid, rs)]
             hi = [r["bootstrap_ci_pct"][1] - m for m, r in zip(mid, rs)]
             bx.errorbar(
-                [r["point"] for r in rs],
+                [r["point"] + shift for r in rs],
                 mid,
                 yerr=[[max(v, 0.0) for v in lo], [max(v, 0.0) for v in hi]],
                 marker="o",
