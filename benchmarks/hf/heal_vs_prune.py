@@ -51,11 +51,12 @@ Columns: Δ loss (% of the original's held-out loss) before and after healing, m
 seed s gives every method the same healing batches and LoRA initialisation); MACs ÷ orig (planned, and at the
 share causal routing measured on the held-out windows); decode (and prefill) tokens/s ÷ the original's at
 batch 1 and 8 on one thread, ``--prompt`` tokens then ``--new`` new ones, timed alternately with the original
-in the same run, median of ``--repeats`` (``speed_ratios`` of ``hf_mod_smollm2.py``). The interval of MoD −
-pruning at a point: a paired bootstrap over the held-out windows of the seed-averaged per-window difference
-(``bootstrap_ci``, as ``hf_mod_smollm2.py``), in points of %; with 2 or more seeds also a paired t interval
-over the seeds' Δ loss differences (t with n−1 degrees of freedom), which carries the seed-to-seed spread the
-bootstrap does not.
+in the same run, median of ``--repeats`` (``speed_ratios`` of ``hf_mod_smollm2.py``), on the first
+``--speed-seeds`` seeds (default 1: the speed hardly depends on the seed, and a row's timing takes minutes
+on SmolLM2). The interval of MoD − pruning at a point: a paired bootstrap over the held-out windows of the
+seed-averaged per-window difference (``bootstrap_ci``, as ``hf_mod_smollm2.py``), in points of %; with 2 or
+more seeds also a paired t interval over the seeds' Δ loss differences (t with n−1 degrees of freedom), which
+carries the seed-to-seed spread the bootstrap does not.
 
 One JSON row per (method, point, seed), written atomically as soon as it is measured; a rerun skips the rows
 present (a killed run resumes), ``--fresh`` starts over. Writes ``--out`` (default
@@ -317,6 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--new", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--no-speed", action="store_true", help="skip the tokens/s columns")
+    p.add_argument("--speed-seeds", type=int, default=1, help="time decode on the first N seeds only")
     p.add_argument("--threads", type=int, default=None, help="threads for healing and losses (speed: one thread)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--fresh", action="store_true", help="discard the rows of --out and start over")
@@ -355,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    keep = ("out", "threads", "cache_dir", "no_speed", "methods", "macs", "seeds", "fresh")
+    keep = ("out", "threads", "cache_dir", "no_speed", "speed_seeds", "methods", "macs", "seeds", "fresh")
     settings = {k: v for k, v in vars(args).items() if k not in keep}
     done = {} if args.fresh or not out_path.is_file() else json.loads(out_path.read_text())
     if done and done.get("settings") != settings:
@@ -403,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row["d_loss_pct_topc"] = pct(window_losses(model, val_WS))
         measured = macs_per_token(config, S, parts, n_layers) / macs_per_token(config, S, {}, n_layers)
         row["macs_ratio_measured"] = measured
-        if not args.no_speed:
+        if not args.no_speed and row["seed"] < args.speed_seeds:
             with _threads(1):
                 for b, prompt in prompts.items():
                     r = speed_ratios(model, original, prompt, args.new, args.repeats)
