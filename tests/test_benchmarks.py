@@ -313,3 +313,48 @@ def test_longcat_budget_holds_the_zero_expert_share_and_writes_its_plot(tmp_path
     (row,) = json.loads(out.read_text())["results"]
     assert row["target"] == 0.2 and len(row["shares"]) == 20 and 0.0 <= row["share_mean_2nd_half"] <= 1.0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
+    """--smoke (tiny random Llama, 2 points, 1 seed, 3 heal steps): one row per (method, point, seed), every MoD
+    row healed with its pruning partners' budget at MACs within 1% of theirs, the PNG, and a rerun that skips
+    the finished rows."""
+    out = tmp_path / "hvp.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "hf" / "heal_vs_prune.py"),
+        "--smoke",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
+    run = dict(cwd=tmp_path, capture_output=True, text=True, timeout=300, check=True)
+    first = subprocess.run(cmd, **run)
+    payload = json.loads(out.read_text())
+    rows = {r["key"]: r for r in payload["rows"]}
+    methods = ("prune-bi", "prune-bi-est", "mod-layer-thr", "mod-layer-bce", "mod-attn-thr", "mod-mlp-thr")
+    assert set(rows) == {f"{m}@{p}#s0" for m in methods for p in (0.9, 0.8)}
+    assert "below what part='attention' reaches" in rows["mod-attn-thr@0.8#s0"]["skipped"]  # out of reach: said
+    for key, r in rows.items():
+        if "skipped" in r:
+            continue
+        assert math.isfinite(r["d_loss_pct"]) and math.isfinite(r["d_loss_pct_before"]), key
+        assert len(r["window_losses"]) == 8 and r["decode_b1"] > 0 and r["decode_b8"] > 0, key
+        assert r["steps"] == 3 and r["tokens"] == 3 * 4 * 64 and r["lora_params"] > 0, key
+        assert r["trainable"] == r["lora_params"] + r["other_params"], key
+        if r["method"].startswith("mod-"):
+            partners = [f"{m}@{r['point']}#s0" for m in ("prune-bi", "prune-bi-est")]
+            assert r["same_budget_as"] == partners, key  # heal's report.same_budget asserted in the run
+            for k in partners:
+                assert all(r[f] == rows[k][f] for f in ("steps", "tokens", "data_digest", "objective")), (key, k)
+            assert abs(r["macs_ratio"] - rows[partners[0]]["macs_ratio"]) < 0.01, key
+            assert math.isfinite(r["d_loss_pct_topc"]) and 0 < r["share"] <= 1, key
+    assert payload["intervals"] and all(i["t_ci_pct"] is None for i in payload["intervals"])  # one seed: no t
+    for i in payload["intervals"]:
+        assert i["bootstrap_ci_pct"][0] <= i["diff_pct"] <= i["bootstrap_ci_pct"][1], i
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "prune-bi@0.9#s0" in first.stdout
+    again = subprocess.run(cmd, **run)  # resume: every row is there, nothing is healed again
+    assert "#s0 " not in again.stdout and "| mod-mlp-thr | 0.80 |" in again.stdout
+    assert json.loads(out.read_text())["rows"] == payload["rows"]

