@@ -358,3 +358,13 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     again = subprocess.run(cmd, **run)  # resume: every row is there, nothing is healed again
     assert "#s0 " not in again.stdout and "| mod-mlp-thr | 0.80 |" in again.stdout
     assert json.loads(out.read_text())["rows"] == payload["rows"]
+
+
+def test_no_benchmark_file_over_450_lines():
+    """benchmarks/ stays split by concern (issue 48): a file that grows past 450 lines is split along its seams."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "benchmarks").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 450
+    }
+    assert not long, long

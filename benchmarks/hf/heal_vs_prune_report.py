@@ -1,0 +1,168 @@
+"""The report of ``heal_vs_prune.py``: per (method, point) mean ± std over seeds, MoD − pruning with its paired
+intervals, the table and the PNG (Δ loss vs MACs, one line per method)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import save_figure
+from benchmarks.hf.smollm2_measure import _num, bootstrap_ci
+from mode.experiments.stats_ci import t_quantile
+
+PRUNE = {"prune-bi": False, "prune-bi-est": True}  # method -> with the estimate
+MOD = {  # method -> (part, causal)
+    "mod-layer-thr": ("layer", "threshold"),
+    "mod-layer-bce": ("layer", "aux_bce"),
+    "mod-attn-thr": ("attention", "threshold"),
+    "mod-mlp-thr": ("mlp", "threshold"),
+}
+METHODS = (*PRUNE, *MOD)
+
+
+def t_interval(diffs: list[float]) -> list[float] | None:
+    """Paired 95% t interval of the mean of ``diffs`` (one per seed); None below 2 seeds."""
+    if len(diffs) < 2:
+        return None
+    half = t_quantile(0.975, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
+    mean = statistics.mean(diffs)
+    return [mean - half, mean + half]
+
+
+def summarize(rows: dict[str, dict], base: float) -> tuple[list[dict], list[dict]]:
+    """Per (method, point): mean ± std over seeds; per (MoD method, pruning method, point) over the seeds both
+    have: the paired intervals of MoD − pruning."""
+    done = [r for r in rows.values() if "d_loss_pct" in r]
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for r in done:
+        groups.setdefault((r["method"], r["point"]), []).append(r)
+    summary = []
+    for (method, point), rs in sorted(groups.items(), key=lambda kv: (METHODS.index(kv[0][0]), -kv[0][1])):
+        pct = [r["d_loss_pct"] for r in rs]
+
+        def mean(key, rs=rs):
+            vals = [r[key] for r in rs if r.get(key) is not None]
+            return statistics.mean(vals) if vals else None
+
+        summary.append(
+            {
+                "method": method,
+                "point": point,
+                "seeds": sorted(r["seed"] for r in rs),
+                "macs_ratio": mean("macs_ratio"),
+                "macs_ratio_measured": mean("macs_ratio_measured"),
+                "d_loss_pct": statistics.mean(pct),
+                "d_loss_pct_std": statistics.stdev(pct) if len(pct) > 1 else None,
+                "d_loss_pct_before": mean("d_loss_pct_before"),
+                "d_loss_pct_topc": mean("d_loss_pct_topc"),
+                **{k: mean(k) for k in ("decode_b1", "decode_b8", "prefill_b1", "prefill_b8", "cpu_seconds")},
+            }
+        )
+    intervals = []
+    for (method, point), rs in groups.items():
+        if method not in MOD:
+            continue
+        for partner in PRUNE:
+            ps = {r["seed"]: r for r in groups.get((partner, point), [])}
+            pairs = [(r, ps[r["seed"]]) for r in rs if r["seed"] in ps]
+            if not pairs:
+                continue
+            diffs = [a["d_loss_pct"] - b["d_loss_pct"] for a, b in pairs]
+            diff_W = torch.stack(
+                [torch.tensor(a["window_losses"]) - torch.tensor(b["window_losses"]) for a, b in pairs]
+            ).mean(0)
+            intervals.append(
+                {
+                    "mod": method,
+                    "prune": partner,
+                    "point": point,
+                    "seeds": sorted(a["seed"] for a, _ in pairs),
+                    "diff_pct": statistics.mean(diffs),
+                    "bootstrap_ci_pct": list(bootstrap_ci(100 * diff_W / base)),
+                    "t_ci_pct": t_interval(diffs),
+                }
+            )
+    intervals.sort(key=lambda r: (METHODS.index(r["mod"]), METHODS.index(r["prune"]), -r["point"]))
+    return summary, intervals
+
+
+def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for method in METHODS:
+        rs = sorted((s for s in summary if s["method"] == method), key=lambda s: s["macs_ratio"])
+        if not rs:
+            continue
+        err = [s["d_loss_pct_std"] or 0.0 for s in rs]
+        ax.errorbar(
+            [s["macs_ratio"] for s in rs],
+            [s["d_loss_pct"] for s in rs],
+            yerr=err,
+            marker="o",
+            capsize=3,
+            linestyle="--" if method in PRUNE else "-",
+            label=method,
+        )
+    ax.set_xlabel("MACs per token ÷ original")
+    ax.set_ylabel("Δ held-out loss, % of original (healed)")
+    ax.set_title(f"{title}: mean ± std over seeds")
+    ax.invert_xaxis()
+    ax.legend(fontsize=8)
+    pairs = [(mod, partner) for mod in MOD for partner in PRUNE]
+    for k, (mod, partner) in enumerate(pairs):
+        rs = sorted((r for r in intervals if r["mod"] == mod and r["prune"] == partner), key=lambda r: r["point"])
+        if rs:
+            shift = 0.002 * (k - (len(pairs) - 1) / 2)  # side by side: the intervals of one point do not overlap
+            mid = [r["diff_pct"] for r in rs]
+            lo = [m - r["bootstrap_ci_pct"][0] for m, r in zip(mid, rs)]
+            hi = [r["bootstrap_ci_pct"][1] - m for m, r in zip(mid, rs)]
+            bx.errorbar(
+                [r["point"] + shift for r in rs],
+                mid,
+                yerr=[[max(v, 0.0) for v in lo], [max(v, 0.0) for v in hi]],
+                marker="o",
+                capsize=3,
+                linestyle="-" if partner == "prune-bi" else ":",
+                label=f"{mod} − {partner}",
+            )
+    bx.axhline(0.0, color="gray", linewidth=0.8)
+    bx.set_xlabel("MACs point (÷ original)")
+    bx.set_ylabel("MoD − pruning, points of %")
+    bx.set_title("paired 95% bootstrap interval over held-out windows")
+    bx.invert_xaxis()
+    bx.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def table(summary: list[dict], intervals: list[dict], base: float) -> str:
+    lines = [
+        f"held-out loss of the original {base:.4f} nats/token",
+        "",
+        "| method | point | MACs ÷ orig (measured) | Δ loss % before heal | Δ loss % healed (mean ± std) | "
+        "top-C Δ % | decode b1 / b8 | CPU s per heal | seeds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        std = "" if s["d_loss_pct_std"] is None else f" ± {s['d_loss_pct_std']:.2f}"
+        lines.append(
+            f"| {s['method']} | {s['point']:.2f} | {s['macs_ratio']:.3f} ({_num(s['macs_ratio_measured'], '.3f')}) "
+            f"| {_num(s['d_loss_pct_before'], '+.2f')} | {s['d_loss_pct']:+.2f}{std} | "
+            f"{_num(s['d_loss_pct_topc'], '+.2f')} | {_num(s['decode_b1'], '.2f')} / {_num(s['decode_b8'], '.2f')} "
+            f"| {_num(s['cpu_seconds'], '.1f')} | {len(s['seeds'])} |"
+        )
+    lines += ["", "| MoD − pruning | point | diff (points of %) | 95% bootstrap (windows) | 95% t (seeds) |"]
+    lines.append("|---|---|---|---|---|")
+    for r in intervals:
+        ci, t = r["bootstrap_ci_pct"], r["t_ci_pct"]
+        t_txt = "—" if t is None else f"[{t[0]:+.2f}, {t[1]:+.2f}]"
+        lines.append(
+            f"| {r['mod']} − {r['prune']} | {r['point']:.2f} | {r['diff_pct']:+.2f} | "
+            f"[{ci[0]:+.2f}, {ci[1]:+.2f}] | {t_txt} |"
+        )
+    return "\n".join(lines) + "\n"
