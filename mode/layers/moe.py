@@ -310,6 +310,7 @@ class MoELayer(nn.Module):
             y_RD = self.experts(x_RD, counts_R, padded=padded)
             y_TD = self.dispatcher.combine(y_RD, plan, state)
         if self._noop_adds:  # on the token's own process, from the plan: nothing is dispatched
+            assert self.noop is not None, "MoELayer: _noop_adds is set only with no-op experts"
             y_TD = y_TD + self.noop(x_BSD.reshape(B * S, D), plan.noop_gate_TN).to(y_TD.dtype)
         y_BSD = y_TD.view(B, S, D)
         if self.shared_experts is not None:  # every token, on its own process: nothing to dispatch

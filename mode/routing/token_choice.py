@@ -268,6 +268,7 @@ class TokenChoiceConfig:
 
     @property
     def group_limited(self) -> bool:
+        assert self.topk_group is not None, "topk_group: resolved in __post_init__"
         return self.topk_group < self.n_group
 
     @property
@@ -338,6 +339,7 @@ class TokenChoiceRouter(nn.Module):
         self._choose_by_score = not cfg.bias_balance and not cfg.group_limited  # topk of the gates themselves
         self._fused = cfg.fused_kernels and cfg.fusable  # mode.kernels.router_topk: chosen once
         self._dropped_fill = float("-inf") if cfg.dropped_groups == "ninf" else 0.0
+        assert cfg.topk_group is not None, "topk_group: resolved in TokenChoiceConfig.__post_init__"
         self._surplus = cfg.surplus_from_dropped and cfg.top_k > cfg.topk_group * (cfg.num_experts // cfg.n_group)
 
     def capacity(self, num_tokens: int) -> int | None:
