@@ -192,6 +192,13 @@ class MoELayer(nn.Module):
         noop: what the router's no-op slots add (``mode.layers.noop.NoopExperts``; None: they add nothing).
     """
 
+    router: nn.Module
+    experts: ExpertBank
+    dispatcher: Dispatcher
+    shared_experts: nn.Module | None
+    shared_gate: nn.Module | None
+    noop: NoopExperts | None
+
     def __init__(
         self,
         router: nn.Module,

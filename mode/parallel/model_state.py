@@ -29,6 +29,7 @@ import os
 import secrets
 import warnings
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     if optimizer is None:
         return {"model": get_model_state_dict(model)}, None
     model_sd, optim_sd = get_state_dict(model, optimizer)  # creates the optimizer's state if it has none yet
-    return {"model": model_sd, "optimizer": optim_sd["state"]}, optim_sd["param_groups"]
+    return {"model": model_sd, "optimizer": optim_sd["state"]}, cast(list, optim_sd["param_groups"])
 
 
 def save_state(

@@ -182,6 +182,7 @@ class GraphedTrainStep:
             return out
         if self.graph is None:
             self._capture()
+        assert self.graph is not None and self.outputs is not None, "the captured step: set by _capture"
         self.graph.replay()
         return self.outputs
 
