@@ -123,7 +123,9 @@ class MoD(nn.Module):
             and pred[2].out_features == 1
         )
         self._bare_predictor: tuple[nn.Linear, nn.Linear] | None = (
-            (cast(nn.Linear, pred[0]), cast(nn.Linear, pred[2])) if bare else None  # checked by `bare`
+            (cast(nn.Linear, pred[0]), cast(nn.Linear, pred[2]))
+            if bare and pred is not None
+            else None  # `bare`: checked
         )
         self._fused_key: tuple | None = None
         self._fused: tuple[Tensor, ...] | None = None

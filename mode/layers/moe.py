@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -224,7 +225,7 @@ class MoELayer(nn.Module):
         if noop is not None:
             if not isinstance(noop, NoopExperts):
                 raise TypeError(f"noop={type(noop).__name__}: must be a mode.layers.noop.NoopExperts")
-            num_noop = router.num_slots - router.num_experts
+            num_noop = cast(int, router.num_slots) - cast(int, router.num_experts)  # a router's ints
             if len(noop.kinds) != num_noop:
                 raise ValueError(
                     f"noop.kinds={noop.kinds}: must name one kind per no-op slot of the router (num_noop={num_noop})"

@@ -301,6 +301,7 @@ def guard_forward(model: nn.Module) -> None:
     """(Re-)register, first in line on every module, the hook that refuses a forward before materializing
     (``parallelize`` calls it again: FSDP's own hooks, registered later, would otherwise run first)."""
     record = meta_record(model)
+    assert record is not None, "guard_forward: called on a model built on meta only"
     for hook in record.hooks:
         hook.remove()
     record.hooks[:] = [m.register_forward_pre_hook(_refuse_meta_forward, prepend=True) for m in model.modules()]

@@ -73,6 +73,7 @@ def save_state(
     token = [f".{path.name}.tmp-{secrets.token_hex(4)}" if rank == 0 else None]
     if distributed:
         dist.broadcast_object_list(token, src=0)
+    assert token[0] is not None, "save: rank 0 names the temporary folder (broadcast to every rank)"
     tmp = path.parent / token[0]
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)

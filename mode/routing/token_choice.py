@@ -319,6 +319,12 @@ class TokenChoiceRouter(nn.Module):
         cfg: a ``TokenChoiceConfig``.
     """
 
+    # buffers, registered only with the setting that uses them
+    hash_table_VK: Tensor  # hash_vocab
+    bias_X: Tensor  # bias_balance, with load_X and share_X
+    load_X: Tensor
+    share_X: Tensor
+
     def __init__(self, cfg: TokenChoiceConfig):
         super().__init__()
         self.cfg = cfg
@@ -398,9 +404,12 @@ class TokenChoiceRouter(nn.Module):
                 balance_probs_TX = probs_TX / probs_TX.sum(-1, keepdim=True)
             if fused is not None:
                 pass
+            elif probs_TX is None:
+                raise AssertionError("TokenChoiceRouter: probs_TX is None only on the fused path")
             elif self.cfg.gate == "sparsemixer":
                 gate_TK, chosen_TK = _sparsemixer(logits_TX, K, self.cfg.mixer_eps)
             elif self.cfg.hash_vocab:  # the table decides; the scores at its experts are the gates
+                assert ids_BS is not None, "hash routing: ids_BS is checked on entry"
                 chosen_TK = self.hash_table_VK[ids_BS.reshape(T)]
                 gate_TK = probs_TX.gather(1, chosen_TK)
             elif self._choose_by_score:
