@@ -29,6 +29,7 @@ import platform
 import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -675,11 +676,13 @@ def legend(report: dict, style: str) -> str:
     shown = [c for c in _COLUMNS if c.meaning and (c.width if style == "text" else c.md) is not None]
     said_once = [n.format(**values) for n in _LEGEND_NOTES]
     if style == "md":
-        return "\n".join([f"- *{c.md}*: {c.meaning.format(**values)}" for c in shown] + [f"- {n}" for n in said_once])
+        return "\n".join(
+            [f"- *{c.md}*: {cast(str, c.meaning).format(**values)}" for c in shown] + [f"- {n}" for n in said_once]
+        )
     width = max(len(c.text) for c in shown)
     return "\n".join(
         ["columns:"]
-        + [f"  {c.text:<{width}}  {c.meaning.format(**values)}" for c in shown]
+        + [f"  {c.text:<{width}}  {cast(str, c.meaning).format(**values)}" for c in shown]  # shown: has one
         + [f"  {n}" for n in said_once]
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -48,9 +49,10 @@ def summarize(
         for name in names:
             sizes = []
             for size in p.sizes:
-                runs = [by_key.get((budget, name, size, s)) for s in seeds]
-                if any(r is None for r in runs):
+                found = [by_key.get((budget, name, size, s)) for s in seeds]
+                if any(r is None for r in found):
                     continue
+                runs = cast("list[dict]", found)  # none is None
                 losses = [r["val_loss"] for r in runs]
                 sizes.append(
                     {
@@ -123,6 +125,7 @@ def _per_size(p: IsoflopPreset, budget: float, seeds: list[int], by_key: dict, v
             runs_b = [by_key.get((budget, b, size, s)) for s in seeds]
             if any(r is None for r in runs_a + runs_b):
                 continue
+            runs_a, runs_b = cast("list[dict]", runs_a), cast("list[dict]", runs_b)  # none is None
             d = stats_ci.paired_difference([r["val_loss"] for r in runs_a], [r["val_loss"] for r in runs_b])
             rows.append(
                 {

@@ -18,6 +18,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -241,7 +242,7 @@ def build_report(
         report["top_words"] = top_words(table, top, min_word_count)
     else:
         report["top_tokens"] = top_tokens(table, cfg.vocab_size, token_label, top, min_byte_count)
-    return _json_safe(report), table
+    return cast(dict, _json_safe(report)), table  # a dict stays a dict
 
 
 def _json_safe(x):

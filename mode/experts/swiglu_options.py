@@ -20,6 +20,7 @@ instead, which the expert bank chooses once at construction.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +77,7 @@ class SwiGLUOptions:
     def split(self, h_AF: Tensor) -> tuple[Tensor, Tensor]:
         if self.fused == "interleaved":
             return h_AF[..., 0::2], h_AF[..., 1::2]
-        return h_AF.chunk(2, dim=-1)
+        return cast(tuple[Tensor, Tensor], h_AF.chunk(2, dim=-1))  # two halves: F is even
 
     def __call__(self, h_AF: Tensor) -> Tensor:
         gate_AH, up_AH = self.split(h_AF)

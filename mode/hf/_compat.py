@@ -7,6 +7,8 @@ instead of computing something subtly different.
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 try:
@@ -73,4 +75,4 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def layer_index(layer: nn.Module) -> int:
-    return layer.self_attn.layer_idx
+    return cast(int, layer.self_attn.layer_idx)  # transformers' attention modules number themselves

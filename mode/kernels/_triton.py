@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from typing import Any
 
 _TRUE = ("1", "true", "on", "yes")
 
@@ -34,9 +35,10 @@ def interpreting() -> bool:
 _JITTED: dict[tuple[object, bool], object] = {}
 
 
-def jit(fn):
+def jit(fn) -> Any:
     """``triton.jit(fn)``, compiled for the GPU or interpreted as ``TRITON_INTERPRET`` says now (cached per
-    setting)."""
+    setting). Typed Any: a kernel's launch ``jit(fn)[grid](..., BLOCK=8)`` passes plain values for its
+    ``tl.constexpr`` parameters, which only triton's DSL accepts."""
     key = (fn, interpreting())
     kernel = _JITTED.get(key)
     if kernel is None:

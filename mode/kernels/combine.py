@@ -110,7 +110,9 @@ def combine_backward_triton(
 
     if weight_A is None:
         return kernels.gather(dout_TD, token_A)[0], y_AD.new_empty(0)
-    return kernels.gather(dout_TD, token_A, weight_A, y_AD)
+    dy_AD, dw_A = kernels.gather(dout_TD, token_A, weight_A, y_AD)
+    assert dw_A is not None, "gather with a weight returns its gradient"
+    return dy_AD, dw_A
 
 
 # -- the ops ----------------------------------------------------------------------------------------------

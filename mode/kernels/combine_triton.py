@@ -14,6 +14,10 @@ long-stable triton.language (load/store with masks, sum, where, static_range). B
 not tuned on a GPU.
 """
 
+# Triton's kernel language (tl.static_range loops, [:, None] indexing and tl.constexpr arithmetic in the
+# kernels) is typed for its own compiler, not for pyright: these rules are off for this file only.
+# pyright: reportOperatorIssue=false, reportGeneralTypeIssues=false
+
 import torch
 import triton
 import triton.language as tl
@@ -115,11 +119,16 @@ def gather(
     if D == 0:
         return out_AD, (None if dw_A is None else dw_A.zero_())
     has_w = weight_A is not None
+    if has_w:
+        assert y_AD is not None, "gather: a weight comes with y_AD (its gradient is sum_d src[idx] * y)"
+        y_arg = y_AD.contiguous()
+    else:
+        y_arg = src_ND
     _triton.jit(gather_kernel)[(triton.cdiv(A, BLOCK_ROWS),)](
         src_ND,
         idx_A,
         weight_A.contiguous() if has_w else src_ND,
-        y_AD.contiguous() if has_w else src_ND,
+        y_arg,
         out_AD,
         dw_A if has_w else out_AD,
         A,

@@ -10,6 +10,10 @@ triton.language (load/store with masks, max/min/sum, exp/log, where, static_rang
 Block sizes are first guesses, not tuned on a GPU.
 """
 
+# Triton's kernel language (tl.static_range loops, [:, None] indexing and tl.constexpr arithmetic in the
+# kernels) is typed for its own compiler, not for pyright: these rules are off for this file only.
+# pyright: reportArgumentType=false, reportCallIssue=false, reportOperatorIssue=false, reportGeneralTypeIssues=false
+
 import torch
 import triton
 import triton.language as tl

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +122,11 @@ class MoD(nn.Module):
             and pred[2].bias is not None
             and pred[2].out_features == 1
         )
-        self._bare_predictor = (pred[0], pred[2]) if bare else None
+        self._bare_predictor: tuple[nn.Linear, nn.Linear] | None = (
+            (cast(nn.Linear, pred[0]), cast(nn.Linear, pred[2]))
+            if bare and pred is not None
+            else None  # `bare`: checked
+        )
         self._fused_key: tuple | None = None
         self._fused: tuple[Tensor, ...] | None = None
 
@@ -239,6 +244,7 @@ class MoD(nn.Module):
     def _fused_router_weights(self) -> tuple[Tensor, ...] | None:
         """``(w_in, b_in, w_out, b_out)`` for ``_decide``'s fast path, rebuilt whenever a parameter changed
         (its version counter or storage), or None unless every router parameter is float32."""
+        assert self._bare_predictor is not None, "_fused_router_weights: called only with a bare predictor"
         lin1, lin2 = self._bare_predictor
         params = (self.router.weight, lin1.weight, lin1.bias, lin2.weight, lin2.bias)
         key = tuple((p._version, p.data_ptr()) for p in params)  # a dtype or device change moves the data

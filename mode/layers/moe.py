@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -192,6 +193,13 @@ class MoELayer(nn.Module):
         noop: what the router's no-op slots add (``mode.layers.noop.NoopExperts``; None: they add nothing).
     """
 
+    router: nn.Module
+    experts: ExpertBank
+    dispatcher: Dispatcher
+    shared_experts: nn.Module | None
+    shared_gate: nn.Module | None
+    noop: NoopExperts | None
+
     def __init__(
         self,
         router: nn.Module,
@@ -217,7 +225,7 @@ class MoELayer(nn.Module):
         if noop is not None:
             if not isinstance(noop, NoopExperts):
                 raise TypeError(f"noop={type(noop).__name__}: must be a mode.layers.noop.NoopExperts")
-            num_noop = router.num_slots - router.num_experts
+            num_noop = cast(int, router.num_slots) - cast(int, router.num_experts)  # a router's ints
             if len(noop.kinds) != num_noop:
                 raise ValueError(
                     f"noop.kinds={noop.kinds}: must name one kind per no-op slot of the router (num_noop={num_noop})"
@@ -310,6 +318,7 @@ class MoELayer(nn.Module):
             y_RD = self.experts(x_RD, counts_R, padded=padded)
             y_TD = self.dispatcher.combine(y_RD, plan, state)
         if self._noop_adds:  # on the token's own process, from the plan: nothing is dispatched
+            assert self.noop is not None, "MoELayer: _noop_adds is set only with no-op experts"
             y_TD = y_TD + self.noop(x_BSD.reshape(B * S, D), plan.noop_gate_TN).to(y_TD.dtype)
         y_BSD = y_TD.view(B, S, D)
         if self.shared_experts is not None:  # every token, on its own process: nothing to dispatch

@@ -21,6 +21,7 @@ route (``seq_capacity``), how many assignments they compute (``assignments``) an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
@@ -91,7 +92,11 @@ def realized_assignments(aux: Aux, layer: int) -> float | None:
     return realized_assignments_per_layer(aux, layer + 1)[layer]
 
 
-def realized_assignments_per_layer(aux: Aux, n_layers: int, read: bool = True) -> list[float | Tensor | None]:
+@overload
+def realized_assignments_per_layer(aux: Aux, n_layers: int, read: Literal[True] = True) -> list[float | None]: ...
+@overload
+def realized_assignments_per_layer(aux: Aux, n_layers: int, read: bool) -> list[float | Tensor | None]: ...
+def realized_assignments_per_layer(aux: Aux, n_layers: int, read: bool = True) -> list[Any]:  # as the overloads say
     """``realized_assignments`` of layers ``0 .. n_layers - 1`` (None for a layer without experts), read to
     the host in one transfer; ``read=False``: left on the device as float64 0-dim tensors (no host sync)."""
     found = {i: aux.stats[router_key(i, MOE)] for i in range(n_layers) if router_key(i, MOE) in aux.stats}
@@ -114,6 +119,16 @@ def forward_flops(
     return out
 
 
+@overload
+def forward_flops_per_token(
+    cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None, read: Literal[True] = True
+) -> float: ...
+@overload
+def forward_flops_per_token(cfg: LMConfig, seq_len: int | None, aux: Aux | None, read: bool) -> float | Tensor: ...
+@overload
+def forward_flops_per_token(
+    cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None, *, read: bool
+) -> float | Tensor: ...
 def forward_flops_per_token(
     cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None, read: bool = True
 ) -> float | Tensor:
@@ -122,6 +137,16 @@ def forward_flops_per_token(
     return sum(f.total for f in forward_flops(cfg, s, aux, read)) / s
 
 
+@overload
+def train_flops_per_token(
+    cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None, read: Literal[True] = True
+) -> float: ...
+@overload
+def train_flops_per_token(cfg: LMConfig, seq_len: int | None, aux: Aux | None, read: bool) -> float | Tensor: ...
+@overload
+def train_flops_per_token(
+    cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None, *, read: bool
+) -> float | Tensor: ...
 def train_flops_per_token(
     cfg: LMConfig, seq_len: int | None = None, aux: Aux | None = None, read: bool = True
 ) -> float | Tensor:

@@ -11,10 +11,12 @@ Reports, for models with MoD layers trained with a causal method (paper sec. 3.5
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from mode.model.lm import LM
-from mode.routing.keys import MOD, parse_router_key
+from mode.routing.keys import MOD, RouterKey, parse_router_key
 
 
 @torch.no_grad()
@@ -44,7 +46,7 @@ def causal_eval(model: LM, batches) -> dict:
     n = len(batches)
     per_layer = {
         name: {"causal_accuracy": agree.get(name, 0.0) / tokens, "routed_fraction": routed[name] / tokens}
-        for name in sorted(routed, key=lambda k: parse_router_key(k).layer)
+        for name in sorted(routed, key=lambda k: cast(RouterKey, parse_router_key(k)).layer)  # parsed above
     }
     return {
         "loss_topk": loss_topk / n,

@@ -72,7 +72,7 @@ class GraphedDecode:
         if self.graph is None and self.eager_left > 0:
             self.eager_left -= 1
             return self.step(tokens_B, positions_B)
-        if self.tokens_B is None:
+        if self.tokens_B is None or self.positions_B is None:
             self.tokens_B, self.positions_B = tokens_B.clone(), positions_B.clone()
         self.tokens_B.copy_(tokens_B)
         self.positions_B.copy_(positions_B)
@@ -81,6 +81,7 @@ class GraphedDecode:
         else:
             for c in self.caches:
                 c.advance_static()  # the host half the replay does not run
+        assert self.graph is not None and self.logits_BV is not None, "GraphedDecode: set by _capture"
         self.graph.replay()
         self.replays += 1
         return self.logits_BV

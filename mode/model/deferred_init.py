@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +44,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mode.cpu_allocator import release_free_memory
+
+M = TypeVar("M", bound=nn.Module)  # the module a build function returns
 
 _META = torch.device("meta")
 # in-place ops that overwrite every element of ``self`` without reading it (when ``self`` spans its storage)
@@ -254,7 +257,7 @@ def build_on_meta(fn: Callable[[], nn.Module], *, seed: int | None = None) -> nn
     return model
 
 
-def build_draws_only(fn: Callable[[], nn.Module]) -> nn.Module:
+def build_draws_only(fn: Callable[[], M]) -> M:
     """``fn()`` built on the meta device, the generators advanced exactly as building it eagerly advances them
     (each draw made into a scratch tensor and dropped at once); nothing is kept to materialize it. For code
     that stands in for an eager construction whose values it does not need, but whose draws later ones
@@ -264,7 +267,7 @@ def build_draws_only(fn: Callable[[], nn.Module]) -> nn.Module:
     return model
 
 
-def _record(fn: Callable[[], nn.Module]) -> tuple[nn.Module, MetaRecord]:
+def _record(fn: Callable[[], M]) -> tuple[M, MetaRecord]:
     if not callable(fn):
         raise TypeError(f"fn={type(fn).__name__}: must be a callable that builds the model, e.g. lambda: LM(cfg)")
     recorder = _Recorder()
@@ -298,6 +301,7 @@ def guard_forward(model: nn.Module) -> None:
     """(Re-)register, first in line on every module, the hook that refuses a forward before materializing
     (``parallelize`` calls it again: FSDP's own hooks, registered later, would otherwise run first)."""
     record = meta_record(model)
+    assert record is not None, "guard_forward: called on a model built on meta only"
     for hook in record.hooks:
         hook.remove()
     record.hooks[:] = [m.register_forward_pre_hook(_refuse_meta_forward, prepend=True) for m in model.modules()]

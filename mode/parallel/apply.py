@@ -68,7 +68,9 @@ SPMD_MESH_DIMS = hasattr(_fsdp, "DataParallelMeshDims") and "dp_mesh_dims" in in
 # The oldest torch the mesh path is tested on (2.11 with the older EP path, 2.13 with dp_mesh_dims). Older ones
 # (the MegaBlocks stack's 2.7.0, docs/backends.md) run the one-process library only; parallelize refuses them.
 MIN_TORCH = (2, 11)
-TORCH_VERSION = tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+_TORCH_MAJOR_MINOR = re.match(r"(\d+)\.(\d+)", torch.__version__)
+assert _TORCH_MAJOR_MINOR is not None, f"torch.__version__={torch.__version__!r}: not major.minor[...]"
+TORCH_VERSION = tuple(int(v) for v in _TORCH_MAJOR_MINOR.groups())
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoELayer]:

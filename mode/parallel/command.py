@@ -550,6 +550,7 @@ def run(args) -> int:
         if mesh is not None:
             from mode.parallel.runtime import MeshRuntime
 
+            assert ctx is not None, "a mesh is built with the distributed context"
             runtime = MeshRuntime(
                 mesh,
                 ctx.timeout_s,

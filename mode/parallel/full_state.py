@@ -10,6 +10,8 @@ can finish writing what it gathered before anyone reads it.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -22,7 +24,7 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor] | None:
     if not is_parallelized(model):
         return {k: v.detach() for k, v in model.state_dict().items()}
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return state if dist.get_rank() == 0 else None
+    return cast(dict[str, Tensor], state) if dist.get_rank() == 0 else None  # full_state_dict: plain tensors
 
 
 def barrier(model: nn.Module) -> None:

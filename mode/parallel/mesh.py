@@ -63,12 +63,12 @@ class ParallelDims:
         if dp is None and ep is None:
             dp = 1
         if ep is None:
-            _checks.check_int("dp", dp)
+            dp = _checks.check_int("dp", dp)
             if world_size % dp:
                 raise ValueError(f"dp={dp}: must divide the number of processes {world_size}")
             ep = world_size // dp
         if dp is None:
-            _checks.check_int("ep", ep)
+            ep = _checks.check_int("ep", ep)
             if world_size % ep:
                 raise ValueError(f"ep={ep}: must divide the number of processes {world_size}")
             dp = world_size // ep

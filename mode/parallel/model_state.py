@@ -29,6 +29,7 @@ import os
 import secrets
 import warnings
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     if optimizer is None:
         return {"model": get_model_state_dict(model)}, None
     model_sd, optim_sd = get_state_dict(model, optimizer)  # creates the optimizer's state if it has none yet
-    return {"model": model_sd, "optimizer": optim_sd["state"]}, optim_sd["param_groups"]
+    return {"model": model_sd, "optimizer": optim_sd["state"]}, cast(list, optim_sd["param_groups"])
 
 
 def save_state(
@@ -72,6 +73,7 @@ def save_state(
     token = [f".{path.name}.tmp-{secrets.token_hex(4)}" if rank == 0 else None]
     if distributed:
         dist.broadcast_object_list(token, src=0)
+    assert token[0] is not None, "save: rank 0 names the temporary folder (broadcast to every rank)"
     tmp = path.parent / token[0]
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -103,6 +103,7 @@ class MeshRuntime:
     @property
     def group(self):
         """The process group of all W ranks (the flat mesh's)."""
+        assert self._flat is not None, "MeshRuntime.group: the flat mesh is made by prepare()"
         return self._flat.get_group()
 
     def describe(self) -> str:
@@ -123,6 +124,7 @@ class MeshRuntime:
 
     def rows(self, t_BS: Tensor) -> Tensor:
         b = t_BS.shape[0] // self.world_size
+        assert self.row_rank is not None, "MeshRuntime.rows: the row rank is set by prepare()"
         lo = self.row_rank * b
         return t_BS[lo : lo + b].to(self.device)
 

@@ -21,8 +21,10 @@ sums it over the whole dp x ep mesh, one collective for all routers. Your own tr
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 
 def bias_routers(model: nn.Module) -> list[nn.Module]:
@@ -51,8 +53,9 @@ def update_expert_bias(model: nn.Module, routers: list[nn.Module] | None = None)
         if group[0].reduce_counts is not None:
             loads = group[0].reduce_counts(loads)
         for r, load_X in zip(group, loads.split([r.load_X.numel() for r in group])):
-            target_X = load_X.sum() * r.share_X
-            r.bias_X += r.cfg.bias_rate * torch.sign(target_X - load_X)
-            r.bias_X -= r.bias_X.mean()
+            bias_X, share_X = cast(Tensor, r.bias_X), cast(Tensor, r.share_X)  # a bias router's buffers
+            target_X = load_X.sum() * share_X
+            bias_X += cast(float, r.cfg.bias_rate) * torch.sign(target_X - load_X)  # in place: the buffer itself
+            bias_X -= bias_X.mean()
             r.load_X.zero_()
     return len(routers)

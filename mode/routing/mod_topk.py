@@ -149,6 +149,8 @@ class MoDRouter(nn.Module):
         cfg: a ``MoDRouterConfig`` (capacity, gate, selection, causal method).
     """
 
+    threshold: Tensor  # the buffer of a steered decision (registered only then)
+
     def __init__(self, cfg: MoDRouterConfig):
         super().__init__()
         self.cfg = cfg

@@ -131,10 +131,13 @@ class Losses:
             other = dict(other.items())
         return isinstance(other, dict) and dict(self.items()) == other
 
-    __hash__ = None  # mutable, compared by value
+    __hash__ = None  # pyright: ignore[reportAssignmentType]  # mutable, compared by value: unhashable (the idiom)
 
     def __repr__(self) -> str:
         return "Losses(" + ", ".join(f"{k}={'<lazy>' if k in self._lazy else self._values[k]}" for k in self) + ")"
+
+
+_LOSSES_SET = "Aux.losses: a Losses, set in __post_init__"
 
 
 @dataclass
@@ -171,6 +174,7 @@ class Aux:
                 self.losses.set(name, value)
 
     def add_loss(self, name: str, value: Tensor, coef: float) -> None:
+        assert self.losses is not None, _LOSSES_SET
         self.losses.set(name, value)
         self.coefs[name] = coef
         self._covered.discard(name)
@@ -178,6 +182,7 @@ class Aux:
     def add_weighted(self, total: Tensor | None, losses: dict[str, tuple[Callable[[], Tensor], float]]) -> None:
         """``total`` (None when every coefficient is 0): the sum of ``coef * fn()`` over ``losses``, formed by
         the caller; the raw losses stay available, computed on first read."""
+        assert self.losses is not None, _LOSSES_SET
         if total is not None:
             self.weighted.append(total)
         for name, (fn, coef) in losses.items():
@@ -188,6 +193,7 @@ class Aux:
     def total(self) -> Tensor:
         """The sum of ``coef * loss`` (pre-weighted terms as they are); a zero scalar when there are none. One
         term is returned as it is (no operator); several are summed in one ``stack`` and ``sum``."""
+        assert self.losses is not None, _LOSSES_SET
         terms = [
             self.coefs[k] * self.losses[k] for k in self.losses if k not in self._covered and self.coefs[k] != 0.0
         ] + self.weighted
@@ -200,6 +206,7 @@ class Aux:
 
     def merge(self, other: Aux, prefix: str = "") -> Aux:
         """Add ``other``'s entries under ``prefix`` (in place); returns self for chaining. Lazy losses stay lazy."""
+        assert self.losses is not None and other.losses is not None, _LOSSES_SET
         for k in other.losses:
             name = prefix + k
             if other.losses.is_lazy(k):  # the same function: each Aux computes (and keeps) the value on first read

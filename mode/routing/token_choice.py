@@ -268,6 +268,7 @@ class TokenChoiceConfig:
 
     @property
     def group_limited(self) -> bool:
+        assert self.topk_group is not None, "topk_group: resolved in __post_init__"
         return self.topk_group < self.n_group
 
     @property
@@ -318,6 +319,12 @@ class TokenChoiceRouter(nn.Module):
         cfg: a ``TokenChoiceConfig``.
     """
 
+    # buffers, registered only with the setting that uses them
+    hash_table_VK: Tensor  # hash_vocab
+    bias_X: Tensor  # bias_balance, with load_X and share_X
+    load_X: Tensor
+    share_X: Tensor
+
     def __init__(self, cfg: TokenChoiceConfig):
         super().__init__()
         self.cfg = cfg
@@ -338,6 +345,7 @@ class TokenChoiceRouter(nn.Module):
         self._choose_by_score = not cfg.bias_balance and not cfg.group_limited  # topk of the gates themselves
         self._fused = cfg.fused_kernels and cfg.fusable  # mode.kernels.router_topk: chosen once
         self._dropped_fill = float("-inf") if cfg.dropped_groups == "ninf" else 0.0
+        assert cfg.topk_group is not None, "topk_group: resolved in TokenChoiceConfig.__post_init__"
         self._surplus = cfg.surplus_from_dropped and cfg.top_k > cfg.topk_group * (cfg.num_experts // cfg.n_group)
 
     def capacity(self, num_tokens: int) -> int | None:
@@ -396,9 +404,12 @@ class TokenChoiceRouter(nn.Module):
                 balance_probs_TX = probs_TX / probs_TX.sum(-1, keepdim=True)
             if fused is not None:
                 pass
+            elif probs_TX is None:
+                raise AssertionError("TokenChoiceRouter: probs_TX is None only on the fused path")
             elif self.cfg.gate == "sparsemixer":
                 gate_TK, chosen_TK = _sparsemixer(logits_TX, K, self.cfg.mixer_eps)
             elif self.cfg.hash_vocab:  # the table decides; the scores at its experts are the gates
+                assert ids_BS is not None, "hash routing: ids_BS is checked on entry"
                 chosen_TK = self.hash_table_VK[ids_BS.reshape(T)]
                 gate_TK = probs_TX.gather(1, chosen_TK)
             elif self._choose_by_score:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -136,7 +137,9 @@ class GradAccumulation:
                     self.model(x_mS)
         totals = []
         for r, rec in zip(self.routers, recorders):  # a router no forward reached counted nothing
-            totals.append(rec.total if rec.total is not None else torch.zeros(r.num_slots + 1, device=self.device))
+            totals.append(
+                rec.total if rec.total is not None else torch.zeros(cast(int, r.num_slots) + 1, device=self.device)
+            )
         by_reducer: dict[int, list[int]] = {}
         for i, r in enumerate(self.routers):  # parallelize gives every router the same: one collective
             if r.reduce_counts is not None:

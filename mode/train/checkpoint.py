@@ -282,9 +282,9 @@ def _plain(value, where: str):
 
 def save_checkpoint(path: str | Path, state: dict) -> Path:
     """Write ``state`` (tensors and plain data) as a version-``VERSION`` checkpoint, atomically."""
-    state = _plain({"format": FORMAT, "version": VERSION, **state}, "checkpoint")
+    plain = _plain({"format": FORMAT, "version": VERSION, **state}, "checkpoint")
     buf = io.BytesIO()
-    torch.save(state, buf)
+    torch.save(plain, buf)
     return atomic_write(path, buf.getvalue())
 
 

@@ -182,18 +182,21 @@ class GraphedTrainStep:
             return out
         if self.graph is None:
             self._capture()
+        assert self.graph is not None and self.outputs is not None, "the captured step: set by _capture"
         self.graph.replay()
         return self.outputs
 
     def _load_inputs(self, x_BS: Tensor, y_BS: Tensor) -> None:
         if self.x_bS is None or self.x_bS.shape != x_BS.shape:
             if self.graph is not None:
+                assert self.x_bS is not None, "a captured graph was recorded with the input buffers"
                 raise ValueError(
                     f"batch shape {tuple(x_BS.shape)}: the captured step was recorded for {tuple(self.x_bS.shape)}"
                 )
             self.x_bS = torch.empty(x_BS.shape, dtype=x_BS.dtype, device=self.device)
             self.y_bS = torch.empty(y_BS.shape, dtype=y_BS.dtype, device=self.device)
         cuda = self.device.type == "cuda" and x_BS.device.type == "cpu"
+        assert self.x_bS is not None and self.y_bS is not None, "allocated above"
         for buf, t in ((self.x_bS, x_BS), (self.y_bS, y_BS)):
             buf.copy_(t.pin_memory() if cuda else t, non_blocking=cuda)  # the pinned copy lives until copied
 
@@ -228,6 +231,7 @@ class GraphedTrainStep:
         n = t.cfg.grad_accum
         ce: Tensor | float = 0.0
         flops: Tensor | float = 0.0
+        assert self.x_bS is not None and self.y_bS is not None, "the input buffers: allocated by _load_inputs"
         for x_mS, y_mS in zip(self.x_bS.chunk(n), self.y_bS.chunk(n)):
             with t._autocast():
                 out = t.model(x_mS, y_mS)

@@ -219,9 +219,10 @@ def tokenize(
     if tok_path.resolve() != tok_copy.resolve():
         checkpoint.atomic_write(tok_copy, tok_path.read_bytes())
     ref = TokenizerRef(TOKENIZER_FILE, checkpoint.sha256_file(tok_copy))  # relative: the folder moves as one
-    meta = TokenMeta(dtype, vocab, ref, tuple(writers["train"].shards + writers["val"].shards), source)
+    shards = tuple(writers["train"].shards + writers["val"].shards)
+    meta = TokenMeta(dtype, vocab, ref, shards, source)
     checkpoint.atomic_write_text(out_dir / META, json.dumps(meta.to_json(), indent=2) + "\n")
     if progress is not None:
-        for s in meta.shards:
+        for s in shards:
             progress(f"{s.file}: {s.tokens:,} tokens")
     return meta

@@ -36,6 +36,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 import numpy as np
 
@@ -251,7 +252,7 @@ class TokenMeta:
         return out
 
 
-def _is_int(v) -> bool:
+def _is_int(v) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

@@ -89,6 +89,8 @@ class MoDCacheLayer(DynamicLayer):
         self._staged = None
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        assert self.keys is not None and self.values is not None, "MoDCacheLayer: set by lazy_initialization"
+        assert self.len_B is not None and self.slot_BL is not None, "MoDCacheLayer: set by lazy_initialization"
         # What the routed queries attend over: each row's stored keys (padding past len_B), then the new ones.
         keys_out = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=-2)
         values_out = torch.cat([self.values, value_states.to(self.values.dtype)], dim=-2)

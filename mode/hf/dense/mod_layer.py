@@ -257,6 +257,7 @@ class MoDLayerMixin:
         if stored_slot_BL is None:
             cols_BJ, col_ok_BJ, own_col_BC = query_col_BC, valid_BC, torch.arange(C, device=dev).expand(B, C)
         else:
+            assert stored_len_B is not None, "MoDCacheLayer.stored: both or neither"
             L = stored_slot_BL.shape[1]
             cols_BJ = torch.cat([stored_slot_BL, query_col_BC], 1)
             col_ok_BJ = torch.cat([torch.arange(L, device=dev) < stored_len_B[:, None], valid_BC], 1)

@@ -21,6 +21,7 @@ update norm the oracle routes (random: 80-88%).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +84,7 @@ def _collect(model: nn.Module, batches: list, layers: dict) -> dict[int, tuple[T
     finally:
         for h in handles:
             h.remove()
-    return {i: tuple(torch.cat(parts) for parts in zip(*v)) for i, v in seen.items()}
+    return {i: cast(tuple[Tensor, Tensor, Tensor], tuple(torch.cat(p) for p in zip(*v))) for i, v in seen.items()}
 
 
 def _logistic(f_ND: Tensor, label_N: Tensor, steps: int, lr: float) -> Tensor:

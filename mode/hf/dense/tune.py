@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from mode import _checks
 from mode.hf.dense.convert import mod_layers
 from mode.hf.dense.routing import collect_aux, routing
 from mode.hf.dense.upcycle import upcycled_mlps
+from mode.routing.mod_topk import MoDRouter
 
 OBJECTIVES = ("lm", "distill")
 
@@ -156,7 +158,9 @@ def calibrate(model: nn.Module, batches: Iterable) -> dict[int, float]:
     ``steer_decision``) from top-C forwards in train mode over ``batches``, without gradients and without
     changing a weight: each threshold becomes the mean over the batches of each batch's quantile.
     Returns each steered layer's threshold. Thresholds set before are replaced."""
-    steered = {i: layer.mod_router for i, layer in mod_layers(model).items() if layer.mod_router.steers}
+    steered = {
+        i: cast(MoDRouter, layer.mod_router) for i, layer in mod_layers(model).items() if layer.mod_router.steers
+    }
     if not steered:
         raise ValueError(
             "calibrate: the model has no MoD layer with a steered threshold (to_mod with "

@@ -118,7 +118,11 @@ def moe_config(
         d_hidden = w_out.shape[0] // num_experts
     else:
         d_hidden = w_out.shape[2] if spec.layout == "EFD" else w_out.shape[1]
-    top_k = read(spec.top_k, block, config) if spec.top_k is not None else router.top_k
+    if spec.top_k is not None:
+        top_k = read(spec.top_k, block, config)
+    else:
+        assert router is not None, f"{spec}: a family without top_k in its spec reads it from its router"
+        top_k = router.top_k
     table = get_path(block, spec.hash_table) if spec.hash_table else None
     groups = read(spec.groups, block, config)
     n_group, topk_group = (1, None) if groups is None else (int(read(g, block, config)) for g in groups)

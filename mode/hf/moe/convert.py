@@ -40,6 +40,7 @@ activation the family's experts do not compute, an already converted model. Rout
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -331,7 +332,7 @@ def moe_report(
 def _flops_per_token(moe: MoELayer) -> tuple[float, float]:
     """(FLOPs of one routed expert assignment, FLOPs every token pays: router, shared experts and gate)."""
     cfg = moe.experts.cfg
-    fixed = 2.0 * cfg.d_model * moe.router.num_slots
+    fixed = 2.0 * cfg.d_model * cast(int, moe.router.num_slots)  # every router has num_slots
     if isinstance(moe.shared_experts, SharedMLP):  # (JetMoE's output bias sits there too: no FLOPs)
         # 2 FLOPs per weight of its linear layers, whatever the family calls them (gated or not)
         fixed += 2.0 * sum(m.weight.numel() for m in moe.shared_experts.modules() if isinstance(m, nn.Linear))

@@ -29,6 +29,7 @@ import shutil
 import tempfile
 import types
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -187,5 +188,6 @@ def load_family_names(slot: nn.Module, state: dict, prefix: str, *args) -> None:
             state.get(prefix + p, slot.get_parameter(p) if p in dict(slot.named_parameters()) else slot.get_buffer(p))
             for p in parts
         ]
-        for p, value in zip(parts, slot.inverse[theirs](state.pop(prefix + theirs), *current)):
+        inverse = cast(dict, slot.inverse)[theirs]  # the converted slot's: the block's name -> its inverse
+        for p, value in zip(parts, inverse(state.pop(prefix + theirs), *current)):
             state[prefix + p] = value

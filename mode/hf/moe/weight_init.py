@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import types
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -73,26 +74,29 @@ def init_slot(slot: nn.Module, family_init) -> None:
     """Initialise ``slot``'s tensors with ``family_init`` (the family's ``PreTrainedModel._init_weights``)
     through its skeletons, then reset mode's own buffers."""
     back = _theirs_to_ours(slot)
+    # what convert._keep_family_init and the slot's __init__ attached (attributes of the converted slots)
+    skeletons = cast("list[tuple[str, nn.Module]]", slot.hf_skeletons)
+    derived, inverse = cast(dict, slot.derived), cast(dict, slot.inverse)
     written = []  # (derived temporary, the block's name): split back into the parts after the init
     try:
-        for path, sk in slot.hf_skeletons:  # every skeleton filled first: a rule may read a child's tensor
+        for path, sk in skeletons:  # every skeleton filled first: a rule may read a child's tensor
             for store in (sk._parameters, sk._buffers):
                 for name in store:
                     theirs = f"{path}.{name}" if path else name
                     if theirs in back:
                         store[name] = _tensor(slot, back[theirs])
-                    elif theirs in slot.derived:
-                        parts, fn = slot.derived[theirs]
+                    elif theirs in derived:
+                        parts, fn = derived[theirs]
                         store[name] = fn(*(_tensor(slot, p) for p in parts)).detach().clone()
                         written.append((store[name], theirs))
-        for _, sk in slot.hf_skeletons:
+        for _, sk in skeletons:
             family_init(sk)
         for t, theirs in written:
-            current = [_tensor(slot, p) for p in slot.derived[theirs][0]]
-            for part, value in zip(current, slot.inverse[theirs](t, *current)):
+            current = [_tensor(slot, p) for p in derived[theirs][0]]
+            for part, value in zip(current, inverse[theirs](t, *current)):
                 part.copy_(value)
     finally:
-        for _, sk in slot.hf_skeletons:  # the skeletons hold no tensor in between
+        for _, sk in skeletons:  # the skeletons hold no tensor in between
             for store in (sk._parameters, sk._buffers):
                 for name in store:
                     store[name] = None
