@@ -56,12 +56,12 @@ from benchmarks.hf.smollm2_measure import (  # noqa: E402
     fill_intervals,
     fit_deletion_estimates,
     kv_bytes,
-    macs_per_token,
     oracle_routing,
     speed_ratios,
     table_markdown,
     window_losses,
 )
+from mode.hf.dense.macs import macs_per_token  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 

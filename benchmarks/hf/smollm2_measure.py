@@ -57,31 +57,6 @@ def window_losses(model, windows_WS: torch.Tensor, batch: int = 8, shares: dict 
 
 
 # -- compute and K/V ------------------------------------------------------------------------------------------
-def macs_per_token(config, seq_len: int, parts: dict[int, dict]) -> float:
-    """Multiply-adds per token of a forward over ``seq_len`` tokens (attention at the mean context). ``parts``:
-    per changed layer ``{"part", "share", "kv_all", "rank", "router"}`` (share 0 and no router: deleted)."""
-    D, V, inter = config.hidden_size, config.vocab_size, config.intermediate_size
-    hd = getattr(config, "head_dim", D // config.num_attention_heads)
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    ctx = (seq_len + 1) / 2
-    attn_qo, attn_kv, attn_core, mlp = 2 * D * q, 2 * D * kv, 2 * q * ctx, 3 * D * inter
-    total = D * V
-    for i in range(config.num_hidden_layers):
-        p = parts.get(i)
-        if p is None:
-            total += attn_qo + attn_kv + attn_core + mlp
-            continue
-        s, rest = p["share"], 1 - p["share"]
-        est = 0 if p["rank"] is None else (2 * D * p["rank"] + D) * rest
-        router = D if p["router"] else 0
-        if p["part"] == "mlp":
-            total += attn_qo + attn_kv + attn_core + s * mlp + est + router
-        else:
-            attn = s * (attn_qo + attn_kv + attn_core) + (rest * attn_kv if p["kv_all"] else 0)
-            total += attn + (s * mlp if p["part"] == "layer" else mlp) + est + router
-    return total
-
-
 def kv_bytes(cache, n_layers: int) -> int:
     """K/V bytes every layer's cache holds after ``generate()`` (a MoD cache counts its stored rows only)."""
     total = 0
