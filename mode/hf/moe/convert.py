@@ -50,6 +50,7 @@ from mode.hf.dense.upcycle import MoESlot, upcycled_mlps
 from mode.hf.moe.blocks import FAMILIES, Extras, SharedMLP, adopt_block, hf_names, kept_name, train_refusal
 from mode.hf.moe.families import FAMILIES as SPECS, NOT_YET, REFUSED, get_path
 from mode.hf.moe.saving import (  # noqa: F401
+    converted_slots,
     install_save_pretrained,
     load_family_names,
     save_transformers,
@@ -290,7 +291,7 @@ def _keep_family_init(slot: nn.Module, block: nn.Module) -> None:
 
 def converted_moe(model: nn.Module) -> dict[str, ConvertedMoE | ConvertedExperts]:
     """Module name -> every ``ConvertedMoE`` (and ``ConvertedExperts``) of ``model``."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, (ConvertedMoE, ConvertedExperts))}
+    return converted_slots(model)
 
 
 @torch.no_grad()

@@ -45,15 +45,12 @@ def converted_slots(model: nn.Module) -> dict:
     return {name: m for name, m in model.named_modules() if getattr(type(m), CONVERTED_MARK, False)}
 
 
-_slots = converted_slots
-
-
 def transformers_names(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
     """``state`` (the converted model's state dict, full tensors) under transformers' names: each slot's tensors
     renamed to the block's, the derived ones (LongCat's ``gate_up_proj``, DBRX's ``w1`` / ``v1`` / ``w2``) rebuilt
     from their parts; keys that are not ours pass unchanged (so a state already in the family's names is kept)."""
     rename, derived = {}, {}
-    for slot_name, slot in _slots(model).items():
+    for slot_name, slot in converted_slots(model).items():
         for ours, theirs in slot.names.items():
             rename[f"{slot_name}.moe.{ours}"] = f"{slot_name}.{theirs}"
         for ours, theirs in slot.kept_names.items():
@@ -116,7 +113,7 @@ def save_transformers(model: nn.Module, path: str | os.PathLike) -> Path | None:
     once it is written. ``AutoModelForCausalLM.from_pretrained(path)`` needs no ``mode`` to load it."""
     from mode.parallel.full_state import barrier
 
-    if not _slots(model):
+    if not converted_slots(model):
         raise ValueError(
             "model: holds no ConvertedMoE layer (convert it with mode.hf.to_mode_moe first); "
             "save a plain transformers model with its own save_pretrained"
@@ -166,7 +163,7 @@ def install_save_pretrained(model: nn.Module) -> None:
     from transformers import PreTrainedModel
 
     for m in model.modules():
-        if isinstance(m, PreTrainedModel) and _slots(m):
+        if isinstance(m, PreTrainedModel) and converted_slots(m):
             m.save_pretrained = types.MethodType(save_pretrained, m)
 
 

@@ -25,20 +25,16 @@ import types
 
 from torch import nn
 
+from mode.hf.moe.saving import converted_slots
+
 # transformers' experts implementation names -> mode's ExpertBank backend (mode's own names pass as they are)
 EXPERTS_IMPLEMENTATIONS = {"eager": "reference", "grouped_mm": "grouped"}
-
-
-def _slots(model: nn.Module) -> dict:
-    from mode.hf.moe.saving import converted_slots
-
-    return converted_slots(model)
 
 
 def _owners(model: nn.Module) -> list[nn.Module]:
     from transformers import PreTrainedModel
 
-    return [m for m in model.modules() if isinstance(m, PreTrainedModel) and _slots(m)]
+    return [m for m in model.modules() if isinstance(m, PreTrainedModel) and converted_slots(m)]
 
 
 def set_experts_implementation(self, experts_implementation) -> None:
@@ -62,7 +58,7 @@ def set_experts_implementation(self, experts_implementation) -> None:
             f"(or transformers' {', '.join(map(repr, EXPERTS_IMPLEMENTATIONS))}), or convert with "
             "mode.hf.to_mode_moe(model, backend=...)"
         )
-    for slot in _slots(self).values():
+    for slot in converted_slots(self).values():
         slot.moe.experts.set_backend(backend)
 
 
@@ -106,7 +102,7 @@ def adopt(model: nn.Module) -> None:
     """Install the converted model's transformers API (``set_experts_implementation``) and bring its metadata to
     mode's names, on every transformers model in ``model`` that holds converted slots."""
     for owner in _owners(model):
-        slots = _slots(owner)
+        slots = converted_slots(owner)
         owner.set_experts_implementation = types.MethodType(set_experts_implementation, owner)
         for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
             patterns = set(getattr(owner, attr, None) or ())
