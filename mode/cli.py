@@ -80,6 +80,37 @@ NO_PROGRESS_HELP = (
 )
 
 
+def _convert_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``mode convert`` options (run by ``mode.hf.convert_command``; here, so that --help imports no torch)."""
+    p.add_argument("model", help="'smollm2' (SmolLM2-135M-Instruct, fetched once) or a local checkpoint folder")
+    p.add_argument("--macs", type=float, required=True, help="target MACs per token ÷ the original's, in (0, 1)")
+    p.add_argument("--out", required=True, help="a new or empty folder for the conversion and its report")
+    p.add_argument("--force", action="store_true", help="overwrite a conversion already in --out")
+    p.add_argument("--method", choices=("mod", "prune"), default="mod", help="MoD layers, or whole layers deleted")
+    p.add_argument("--part", choices=("layer", "attention", "mlp"), default="layer", help="what a MoD token skips")
+    p.add_argument("--causal", choices=("threshold", "aux_bce"), default="threshold", help="MoD's decode decision")
+    p.add_argument("--skip-rank", type=int, help="rank of the estimate for a skipped part / deleted layer")
+    p.add_argument("--order", choices=("skip_cost", "every_other"), default="skip_cost", help="MoD layer order")
+    p.add_argument("--min-capacity", type=float, default=0.5, help="the lowest MoD capacity the plan may use")
+    p.add_argument(
+        "--prune-by",
+        choices=("block_influence", "skip_cost"),
+        default="block_influence",
+        help="how --method prune ranks layers",
+    )
+    p.add_argument("--data", help="a UTF-8 text file, last tenth held out (default: the built-in English text)")
+    p.add_argument("--seq-len", type=int, default=256, help="window length; the MACs are counted at it")
+    p.add_argument("--fit-windows", type=int, default=64, help="training windows the fits measure on")
+    p.add_argument("--val-windows", type=int, default=32, help="held-out windows the report's losses use")
+    p.add_argument("--heal-steps", type=int, default=100, help="healing optimizer steps (0: no healing)")
+    p.add_argument("--heal-tokens", type=int, default=1024, help="tokens per healing step (whole windows)")
+    p.add_argument("--heal-lr", type=float, default=1e-3, help="healing AdamW learning rate")
+    p.add_argument("--lora-rank", type=int, default=8, help="healing LoRA rank")
+    p.add_argument("--objective", choices=("distill", "lm", "both"), default="distill", help="healing objective")
+    p.add_argument("--seed", type=int, default=0, help="the healing data order and LoRA initialisation")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mode`` command line: every subcommand's options (no torch imported)."""
     parser = argparse.ArgumentParser(
@@ -284,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--eot", help="a token of the tokenizer to put after every document, e.g. '<|endoftext|>' (default: none)"
     )
 
+    p = command("convert", "a pretrained transformers model to a MAC budget: MoD or pruned, fitted, healed, saved")
+    _convert_arguments(p)
+
     p = command("report", "load balance and per-token compute of a trained checkpoint: table, JSON, PNGs")
     p.add_argument(
         "checkpoint",
@@ -362,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         return _tokenize(args)
     elif args.command == "report":
         return _report(args)
+    elif args.command == "convert":
+        from mode.hf.convert_command import run as run_convert
+
+        return run_convert(args)
     return 0
 
 

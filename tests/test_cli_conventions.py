@@ -20,7 +20,7 @@ from mode import cli
 from mode.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("compare", "isoflop", "train", "export", "sample", "tokenize", "report")
+COMMANDS = ("compare", "isoflop", "train", "export", "sample", "tokenize", "report", "convert")
 
 
 def run_python(code: str, *args: str) -> subprocess.CompletedProcess:

@@ -15,29 +15,10 @@ import torch.nn.functional as F
 import mode.hf as mh
 from mode.hf.dense.skip_cost import skipped
 from mode.hf.dense.skip_update import SkipUpdate
+from mode.hf.dense.windows import english_windows  # noqa: F401  (re-exported: the benchmarks' data)
 
 
 # -- data -----------------------------------------------------------------------------------------------------
-def english_windows(tokenizer, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(train_WS, held_out_WS)``: pydoc topics tokenized and cut into windows; every 4th topic held out."""
-    from pydoc_data.topics import topics
-
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-
-    def cut(texts: list[str]) -> torch.Tensor:
-        ids: list[int] = []
-        for text in texts:
-            ids += tokenizer(text)["input_ids"] + [eos]
-        n = len(ids) // seq_len
-        return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
-
-    keys = sorted(topics)
-    return (
-        cut([topics[k] for i, k in enumerate(keys) if i % 4 != 3]),
-        cut([topics[k] for i, k in enumerate(keys) if i % 4 == 3]),
-    )
-
-
 @torch.no_grad()
 def window_losses(model, windows_WS: torch.Tensor, batch: int = 8, shares: dict | None = None) -> torch.Tensor:
     """Mean next-token loss of each window ``(W,)``; ``shares``, if given, gets each MoD layer's routed share."""

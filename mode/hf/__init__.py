@@ -18,6 +18,7 @@ models (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) on mode's MoE layers,
     mh.router_tune(model, batches, steps=100) # base frozen, routers trained (lm or distill)
     mh.save_conversion(model, "dir"); mh.load_conversion(original_model, "dir")
     plan = mh.plan_to_macs(model, 0.85, seq_len=512)  # MoD layers and capacity at 85% of the MACs per token
+    res = mh.convert_to_macs(model, mh.BudgetConfig(0.85, heal=mh.HealConfig(100)), data)  # plan+fit+heal in one
     mh.prune_layers(pruned, 2, by="block_influence", batches=data)  # the baseline: whole layers deleted
     report = mh.heal(model, original, data, mh.HealConfig(steps=200))  # LoRA + routers, distilled
     mh.merge_lora(model)                      # adapters folded into the weights (then save_conversion)
@@ -35,6 +36,7 @@ See docs/hf.md for what is supported, what is refused and why.
 """
 
 from mode.hf._compat import ATTENTIONS, MODEL_TYPES, TESTED_VERSION  # noqa: F401  (checks transformers first)
+from mode.hf.dense.budget import BudgetConfig, BudgetResult, convert_to_macs
 from mode.hf.dense.cache import MoDCacheLayer
 from mode.hf.dense.conversion_io import load_conversion, save_conversion
 from mode.hf.dense.convert import mod_layers, to_mod
@@ -53,10 +55,13 @@ from mode.hf.pretrained import SMOLLM2, FetchError, fetch_smollm2, load_gguf, sm
 
 __all__ = [
     "block_influence",
+    "BudgetConfig",
+    "BudgetResult",
     "calibrate",
     "cheapest",
     "collect_aux",
     "conversion_macs",
+    "convert_to_macs",
     "converted_moe",
     "ConvertedMoE",
     "freeze_base",

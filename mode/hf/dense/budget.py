@@ -1,0 +1,209 @@
+"""``convert_to_macs``: one call from an original model to a converted (MoD) or pruned one at a MAC budget,
+fitted and optionally healed, ready for ``save_conversion``.
+
+The steps, all of them existing calls of ``mode.hf``:
+
+    method "mod"    order the layers (``skip_costs`` of the part, cheapest first; or "every_other"),
+                    ``plan_to_macs`` (fewest layers at one capacity >= ``min_capacity``), ``to_mod``,
+                    ``router_fit`` (router, estimate, causal thresholds)
+    method "prune"  the whole-layer count whose MACs come nearest the target, ``prune_layers`` (block
+                    influence or skip cost; with ``skip_rank``: a fitted estimate per deleted layer)
+    then, with ``heal``: ``heal`` against the original (a copy is taken before converting when no teacher is
+    passed), ``merge_lora``, and the causal thresholds recalibrated on the fit batches.
+
+The result (``BudgetResult``) says the MACs reached (``conversion_macs``), the layers, the capacity, what
+healing spent, and the seconds each step took. ``mode convert`` (``mode/hf/convert_command.py``) runs it from
+the command line and writes a directory ``load_conversion`` reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from mode import _checks
+from mode.hf._compat import check_model_type, decoder_config, decoder_layers
+from mode.hf.dense.convert import mod_layers, to_mod
+from mode.hf.dense.heal import HealConfig, HealReport, heal
+from mode.hf.dense.lora import merge_lora
+from mode.hf.dense.macs import conversion_macs, macs_per_token, plan_to_macs
+from mode.hf.dense.mod_layer import PARTS
+from mode.hf.dense.prune import PRUNE_BY, prune_layers
+from mode.hf.dense.router_fit import router_fit
+from mode.hf.dense.skip_cost import skip_costs
+from mode.hf.dense.tune import calibrate
+
+METHODS = ("mod", "prune")
+ORDERS = ("skip_cost", "every_other")
+CAUSAL = ("threshold", "aux_bce")  # router_fit sets the score these decide by ("predictor" has its own MLP)
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """What ``convert_to_macs`` builds.
+
+    macs: the target MACs per token ÷ the original's, in (0, 1). method: ``"mod"`` or ``"prune"``. seq_len:
+    the sequence length the MACs are counted at (attention grows with it). part (mod): ``"layer"``,
+    ``"attention"`` or ``"mlp"``. causal (mod): ``"threshold"`` or ``"aux_bce"``. skip_rank: the rank of the
+    estimate standing in for a skipped part (mod) or a deleted layer (prune); None: none. order (mod):
+    ``"skip_cost"`` (cheapest layers first, measured on ``cost_batches`` of the fit batches) or
+    ``"every_other"``. min_capacity (mod): the lowest capacity the plan may use. prune_by (prune):
+    ``"block_influence"`` or ``"skip_cost"``. heal: a ``HealConfig``, or None for no healing.
+    """
+
+    macs: float
+    method: str = "mod"
+    seq_len: int = 256
+    part: str = "layer"
+    causal: str = "threshold"
+    skip_rank: int | None = None
+    order: str = "skip_cost"
+    min_capacity: float = 0.5
+    cost_batches: int = 1
+    prune_by: str = "block_influence"
+    heal: HealConfig | None = None
+
+    def __post_init__(self):
+        if isinstance(self.macs, bool) or not isinstance(self.macs, (int, float)) or not 0 < self.macs < 1:
+            raise ValueError(f"macs={self.macs!r}: must be a fraction of the original's MACs in (0, 1)")
+        _checks.check_choice("method", self.method, METHODS)
+        _checks.check_int("seq_len", self.seq_len)
+        _checks.check_choice("part", self.part, PARTS)
+        _checks.check_choice("causal", self.causal, CAUSAL)
+        if self.skip_rank is not None:
+            _checks.check_int("skip_rank", self.skip_rank, min_value=0)
+        _checks.check_choice("order", self.order, ORDERS)
+        _checks.check_fraction("min_capacity", self.min_capacity)
+        _checks.check_int("cost_batches", self.cost_batches)
+        _checks.check_choice("prune_by", self.prune_by, PRUNE_BY)
+        if self.heal is not None and not isinstance(self.heal, HealConfig):
+            raise TypeError(f"heal={type(self.heal).__name__}: must be a mode.hf.HealConfig or None")
+        if self.method == "prune" and self.part != "layer":
+            raise ValueError(f"part={self.part!r}: method='prune' deletes whole layers; use part='layer'")
+
+
+@dataclass
+class BudgetResult:
+    """What ``convert_to_macs`` built: ``macs`` reached (``conversion_macs``) against ``target``; ``layers``
+    converted or deleted (original indices); ``capacity`` of the MoD layers (None when pruned); ``heal`` (the
+    ``HealReport``, None without healing); ``seconds`` per step (wall clock)."""
+
+    method: str
+    target: float
+    macs: float
+    layers: list[int]
+    capacity: float | None
+    part: str
+    heal: HealReport | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (the heal report without its per-step losses: first and last are kept)."""
+        out = asdict(self)
+        if self.heal is not None:
+            losses = out["heal"].pop("losses")
+            out["heal"]["loss_first_last"] = [losses[0], losses[-1]] if losses else []
+        return out
+
+
+def pruned_macs(model: nn.Module, seq_len: int, n: int) -> float:
+    """MACs per token ÷ the original's of ``model`` with ``n`` whole layers deleted, no estimate (the layers of
+    a decoder are equal in MACs, so which ones does not matter)."""
+    config, n_layers = decoder_config(model), len(decoder_layers(model))
+    gone = {"part": "layer", "share": 0.0, "kv_all": False, "rank": None, "router": False}
+    deleted = dict.fromkeys(range(n), gone)
+    return macs_per_token(config, seq_len, deleted, n_layers) / macs_per_token(config, seq_len, {}, n_layers)
+
+
+def layers_to_delete(model: nn.Module, seq_len: int, macs: float) -> int:
+    """The whole-layer count (at least 1, at most all but one) whose MACs come nearest ``macs``."""
+    n_layers = len(decoder_layers(model))
+    if n_layers < 2:
+        raise ValueError(f"model: has {n_layers} decoder layer(s); pruning needs at least 2 (one must stay)")
+    return min(range(1, n_layers), key=lambda n: abs(pruned_macs(model, seq_len, n) - macs))
+
+
+def convert_to_macs(
+    model: nn.Module,
+    cfg: BudgetConfig,
+    fit_batches: Sequence,
+    heal_batches: Sequence | None = None,
+    teacher: nn.Module | None = None,
+) -> BudgetResult:
+    """Convert ``model`` (an original Llama / Qwen2 / Mistral, in place) to ``cfg.macs`` of its MACs per token
+    as ``cfg`` says (module doc), fitting on ``fit_batches`` and healing on ``heal_batches`` (default: the fit
+    batches) against ``teacher`` (default: a copy of ``model`` taken before converting). Batches are (B, S)
+    token ids or dicts with ``input_ids`` / ``attention_mask``. Returns a ``BudgetResult``; ``save_conversion``
+    writes the model."""
+    if not isinstance(cfg, BudgetConfig):
+        raise TypeError(f"cfg={type(cfg).__name__}: must be a mode.hf.BudgetConfig")
+    check_model_type(model)
+    if getattr(model, "mode_conversion", None) or mod_layers(model):
+        raise ValueError("convert_to_macs: the model already carries a conversion; start from the original")
+    fit_batches = list(fit_batches)
+    if not fit_batches:
+        raise ValueError("fit_batches: empty; the conversion measures and fits on at least one batch")
+    if cfg.heal is not None and cfg.heal.objective != "lm" and teacher is None:
+        teacher = copy.deepcopy(model)  # the original, before any change
+    if teacher is not None:
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    capacity: float | None = None
+    if cfg.method == "prune":
+        n = layers_to_delete(model, cfg.seq_len, cfg.macs)
+        layers = prune_layers(model, n, cfg.prune_by, fit_batches, estimate_rank=cfg.skip_rank)
+        seconds["prune"] = time.perf_counter() - t0
+    else:
+        n_layers = len(decoder_layers(model))
+        order: str | list[int] = cfg.order
+        if cfg.order == "skip_cost":
+            costs = skip_costs(model, fit_batches[: cfg.cost_batches], cfg.part)
+            order = sorted(range(n_layers), key=lambda i: (costs[i], i))
+            seconds["skip_costs"] = time.perf_counter() - t0
+        plan = plan_to_macs(
+            model,
+            cfg.macs,
+            cfg.seq_len,
+            part=cfg.part,
+            skip_rank=cfg.skip_rank,
+            order=order,
+            min_capacity=cfg.min_capacity,
+        )
+        to_mod(
+            model,
+            layers=plan.layers,
+            capacity=plan.capacity,
+            part=plan.part,
+            kv=plan.kv,
+            causal=cfg.causal,
+            skip_rank=plan.skip_rank,
+        )
+        t1 = time.perf_counter()
+        router_fit(model, fit_batches)
+        seconds["router_fit"] = time.perf_counter() - t1
+        layers, capacity = sorted(plan.layers), plan.capacity
+    report = None
+    if cfg.heal is not None:
+        t1 = time.perf_counter()
+        report = heal(model, teacher, heal_batches if heal_batches is not None else fit_batches, cfg.heal)
+        merge_lora(model)
+        if any(layer.mod_router.steers for layer in mod_layers(model).values()):
+            calibrate(model, fit_batches)  # healing moved the routers: steer the causal thresholds again
+        seconds["heal"] = time.perf_counter() - t1
+    seconds["total"] = time.perf_counter() - t0
+    return BudgetResult(
+        method=cfg.method,
+        target=float(cfg.macs),
+        macs=conversion_macs(model, cfg.seq_len),
+        layers=list(layers),
+        capacity=capacity,
+        part=cfg.part,
+        heal=report,
+        seconds=seconds,
+    )

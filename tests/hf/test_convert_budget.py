@@ -1,0 +1,149 @@
+"""``convert_to_macs`` and ``mode convert`` on tiny random decoders: the MACs reached are within 1% of the target
+(MoD) or the nearest whole-layer count (pruning), healing is reported and merged, bad settings are refused with
+the field named, and the command's folder loads back onto the original with the losses it reported."""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mod_models import V, tiny
+
+S = 64
+
+
+def _windows(n: int = 6, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, V, (4, S), generator=g) for _ in range(n)]
+
+
+def _original(layers: int = 8):
+    torch.manual_seed(0)
+    return tiny("llama", layers=layers, initializer_range=0.1)
+
+
+@pytest.mark.parametrize("part", ("layer", "mlp"))
+def test_mod_reaches_the_target_macs(hf, part):
+    model = _original()
+    result = hf.convert_to_macs(model, hf.BudgetConfig(0.8, seq_len=S, part=part), _windows())
+    assert abs(result.macs - 0.8) <= 0.01 * 0.8, result
+    assert result.macs == pytest.approx(hf.conversion_macs(model, S))
+    assert sorted(hf.mod_layers(model)) == result.layers and result.capacity is not None
+    assert result.heal is None and "router_fit" in result.seconds and "skip_costs" in result.seconds
+
+
+def test_mod_order_by_skip_cost_takes_the_cheapest_layers(hf):
+    data = _windows()
+    model = _original()
+    costs = hf.skip_costs(model, data[:1], "layer")
+    result = hf.convert_to_macs(model, hf.BudgetConfig(0.8, seq_len=S), data)
+    assert result.layers == sorted(sorted(costs, key=lambda i: (costs[i], i))[: len(result.layers)])
+
+
+def test_prune_deletes_the_nearest_layer_count(hf):
+    from mode.hf.dense.budget import layers_to_delete, pruned_macs
+
+    model = _original()
+    n = layers_to_delete(model, S, 0.8)
+    gaps = [abs(pruned_macs(model, S, k) - 0.8) for k in range(1, 8)]
+    assert gaps[n - 1] == min(gaps)
+    result = hf.convert_to_macs(model, hf.BudgetConfig(0.8, method="prune", seq_len=S), _windows())
+    assert len(result.layers) == n and result.capacity is None
+    assert result.macs == pytest.approx(pruned_macs(_original(), S, n))
+    assert len(model.model.layers) == 8 - n
+
+
+@pytest.mark.parametrize("method", ("mod", "prune"))
+def test_healed_conversion_saves_and_loads(hf, tmp_path, method):
+    original = _original(layers=4)
+    model = copy.deepcopy(original)
+    data = _windows(4)
+    heal = hf.HealConfig(steps=3, lr=1e-2, rank=2)
+    cfg = hf.BudgetConfig(0.75, method=method, seq_len=S, skip_rank=2, heal=heal, min_capacity=0.25)
+    result = hf.convert_to_macs(model, cfg, data)
+    assert result.heal is not None and result.heal.steps == 3 and result.heal.tokens == 3 * 4 * S
+    assert not any("lora" in n for n, _ in model.named_parameters())  # merged
+    assert model.mode_conversion.get("healed")
+    d = result.to_dict()
+    assert d["heal"]["loss_first_last"] and "losses" not in d["heal"]
+    json.dumps(d)
+    hf.save_conversion(model, tmp_path)
+    back = hf.load_conversion(copy.deepcopy(original), tmp_path)
+    x = data[0]
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x).logits, back.eval()(x).logits)
+
+
+def test_bad_settings_name_the_field(hf):
+    with pytest.raises(ValueError, match="macs=1.2"):
+        hf.BudgetConfig(1.2)
+    with pytest.raises(ValueError, match="method"):
+        hf.BudgetConfig(0.8, method="distil")
+    with pytest.raises(ValueError, match="part='mlp'"):
+        hf.BudgetConfig(0.8, method="prune", part="mlp")
+    with pytest.raises(ValueError, match="causal"):
+        hf.BudgetConfig(0.8, causal="predictor")
+    with pytest.raises(TypeError, match="heal"):
+        hf.BudgetConfig(0.8, heal={"steps": 3})  # type: ignore[arg-type]
+    model = _original(layers=4)
+    with pytest.raises(ValueError, match="fit_batches"):
+        hf.convert_to_macs(model, hf.BudgetConfig(0.8, seq_len=S), [])
+    hf.to_mod(model, layers=[1])
+    with pytest.raises(ValueError, match="already carries a conversion"):
+        hf.convert_to_macs(model, hf.BudgetConfig(0.8, seq_len=S), _windows(1))
+
+
+def _checkpoint(folder: Path, text: str) -> None:
+    """A tiny Llama and a word-level tokenizer of ``text`` saved as a transformers checkpoint folder."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted(set(text.split()))[: V - 2]
+    vocab = {"[EOS]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="[EOS]", unk_token="[UNK]").save_pretrained(folder)
+    _original(layers=4).save_pretrained(folder)
+
+
+def test_command_writes_a_folder_load_conversion_reads(hf, tmp_path):
+    from mode.cli import main
+    from mode.hf.convert_command import held_out_loss, load_model
+    from mode.hf.dense.windows import file_windows
+
+    g = torch.Generator().manual_seed(5)
+    words = [f"w{i}" for i in range(60)]
+    text = " ".join(words[int(i)] for i in torch.randint(0, 60, (3000,), generator=g))
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    _checkpoint(tmp_path / "ckpt", text)
+    out = tmp_path / "out"
+    argv = ["convert", str(tmp_path / "ckpt"), "--macs", "0.8", "--out", str(out), "--data", str(tmp_path / "text.txt")]
+    argv += ["--seq-len", "32", "--fit-windows", "16", "--val-windows", "8", "--heal-steps", "2"]
+    argv += ["--heal-tokens", "64", "--min-capacity", "0.25"]
+    assert main(argv) == 0
+    report = json.loads((out / "convert_report.json").read_text())
+    assert abs(report["result"]["macs"] - 0.8) <= 0.008
+    assert report["result"]["heal"]["steps"] == 2 and report["result"]["heal"]["tokens"] == 2 * 64
+    original, tokenizer, _ = load_model(str(tmp_path / "ckpt"))
+    _, held_WS = file_windows(tokenizer, tmp_path / "text.txt", 32)
+    val_WS = held_WS[torch.linspace(0, len(held_WS) - 1, min(8, len(held_WS))).long()]
+    assert held_out_loss(original, val_WS) == pytest.approx(report["held_out"]["original_loss"], rel=1e-6)
+    back = hf.load_conversion(original, out)
+    assert held_out_loss(back, val_WS) == pytest.approx(report["held_out"]["loss"], rel=1e-6)
+    assert main(argv) == 2  # the folder holds a conversion: refused without --force
+    assert main([*argv, "--force"]) == 0
+
+
+def test_command_refuses_bad_input(hf, tmp_path, capsys):
+    from mode.cli import main
+
+    assert main(["convert", str(tmp_path), "--macs", "0.8", "--out", str(tmp_path / "o")]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert main(["convert", "smollm2", "--macs", "0.8", "--out", str(tmp_path / "o"), "--seq-len", "0"]) == 2
+    assert "--seq-len=0" in capsys.readouterr().err
+    assert main(["convert", "smollm2", "--macs", "1.5", "--out", str(tmp_path / "o")]) == 2
+    assert "macs=1.5" in capsys.readouterr().err
