@@ -53,6 +53,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
+        """``dp * ep``: the processes of the mesh."""
         return self.dp * self.ep
 
     @classmethod
@@ -80,6 +81,7 @@ class ParallelDims:
         return dims
 
     def check_experts(self, num_experts: int, where: str = "num_experts") -> None:
+        """Raise ``ValueError`` unless ``ep`` divides ``num_experts`` (``where`` names the value in the message)."""
         if num_experts % self.ep:
             raise ValueError(
                 f"{where}={num_experts}: must be divisible by ep={self.ep} (each expert-parallel "

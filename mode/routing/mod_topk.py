@@ -119,6 +119,7 @@ class MoDRouterConfig:
         return 0 if seq_len == 0 else max(1, floor_of(self.capacity, seq_len))
 
     def assignments(self, seq_len: int) -> float:
+        """Computed assignments for one sequence of ``seq_len`` tokens: ``C``, the routed tokens."""
         return float(self.seq_capacity(seq_len))
 
     def router_flops(self, seq_len: int) -> float:
@@ -170,6 +171,7 @@ class MoDRouter(nn.Module):
         return self.cfg.causal == "threshold" or self.cfg.steer_decision
 
     def seq_capacity(self, seq_len: int) -> int:
+        """``C``: the tokens routed per sequence of ``seq_len`` tokens (``cfg.seq_capacity``)."""
         return self.cfg.seq_capacity(seq_len)
 
     def scores(self, x_BSD: Tensor) -> Tensor:

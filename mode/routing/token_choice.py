@@ -243,10 +243,12 @@ class TokenChoiceConfig:
     # -- what the FLOP and per-token compute code asks (the router protocol, see mode.routing.registry) --
     @property
     def num_slots(self) -> int:
+        """``X = num_experts + num_noop``: the expert slots a token scores."""
         return self.num_experts + self.num_noop
 
     @property
     def max_assignments_per_token(self) -> int:
+        """``top_k``: the most real experts one token can receive."""
         return self.top_k
 
     def causal_problem(self) -> str | None:
@@ -268,6 +270,7 @@ class TokenChoiceConfig:
 
     @property
     def group_limited(self) -> bool:
+        """Whether device-limited routing keeps a token to fewer than all expert groups (``topk_group < n_group``)."""
         assert self.topk_group is not None, "topk_group: resolved in __post_init__"
         return self.topk_group < self.n_group
 
@@ -302,6 +305,7 @@ class TokenChoiceConfig:
         return wanted if cap is None else min(wanted, self.num_experts * cap)
 
     def router_flops(self, seq_len: int) -> float:
+        """Forward FLOPs of routing one sequence of ``seq_len`` tokens: the (S, D) x (D, X) logits, ``2 S D X``."""
         return 2 * seq_len * self.d_model * self.num_slots
 
 

@@ -324,6 +324,8 @@ class Trainer:
 
     # -- training ----------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float]:
+        """One optimizer step on the next global batch (every rank together, inside the runtime's ``guard``): returns
+        ``(loss, lr)``, the mean cross-entropy over the global batch and the learning rate the step used."""
         with self.runtime.guard(f"training step {self.step + 1}"):
             return self._train_step()
 

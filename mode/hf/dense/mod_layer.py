@@ -64,9 +64,11 @@ class MoDLayerMixin:
     # The two halves of the decoder layer (Llama, Qwen2 and Mistral write it exactly so; a test checks that
     # attention-then-MLP through these equals the layer's own forward).
     def attention_sublayer(self, x_BSD: Tensor, **attn_kwargs) -> Tensor:
+        """The attention half with its residual: ``h_BSD = x + self_attn(input_layernorm(x))``."""
         return x_BSD + self.self_attn(hidden_states=self.input_layernorm(x_BSD), **attn_kwargs)[0]
 
     def mlp_sublayer(self, h_BSD: Tensor) -> Tensor:
+        """The MLP half with its residual: ``h + mlp(post_attention_layernorm(h))``."""
         return h_BSD + self.mlp(self.post_attention_layernorm(h_BSD))
 
     def forward(
@@ -79,6 +81,9 @@ class MoDLayerMixin:
         position_embeddings: tuple[Tensor, Tensor] | None = None,
         **kwargs,
     ) -> Tensor:
+        """The decoder layer with routing: the original forward in "dense" mode; otherwise the router's picks go through
+        ``mod_part`` and the other tokens skip it (the module's docstring), and ``mod_aux`` holds the router's ``Aux``.
+        Returns the (B, S, D) hidden states, as the original layer does."""
         x_BSD = hidden_states
         attn = self.self_attn
         if self.mod_routing == "dense":
