@@ -44,6 +44,7 @@ import dataclasses
 import inspect
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed.fsdp as _fsdp
@@ -163,7 +164,7 @@ def parallelize(
     if compile:
         compile_blocks(model, blocks)
 
-    kw = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    kw: dict[str, Any] = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
     for bank in banks:
         _shard_bank(bank, mesh, kw)
     flat = flat_mesh(mesh)

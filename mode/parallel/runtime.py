@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
@@ -164,7 +166,8 @@ class MeshRuntime:
         micro-batch only when ``enabled``; in between, every FSDP module of ``model`` adds them up unsharded
         (``FSDPModule.set_requires_gradient_sync``, FSDP1's ``no_sync``). The trainer enables it for the
         last micro-batch of a step: one reduction of the sum, the same gradients as one per micro-batch."""
-        model.set_requires_gradient_sync(enabled)  # the root: recurses into every block and expert bank
+        # the root (fully_shard by prepare): recurses into every block and expert bank
+        cast(FSDPModule, model).set_requires_gradient_sync(enabled)
 
     def reduce_routing(self, acc: RoutingAccumulator) -> RoutingAccumulator:
         """A copy of ``acc``'s sums added over every rank."""

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -185,7 +186,7 @@ class MoDRouter(nn.Module):
         output, else the router's scores. The predictor never sends gradient into x."""
         if self.predictor is not None:
             with _checks.float32_region(x_BSD.device):
-                x_in = x_BSD.detach().to(self.predictor[0].weight.dtype)
+                x_in = x_BSD.detach().to(cast(nn.Linear, self.predictor[0]).weight.dtype)
                 return _checks.at_least_float32(self.predictor(x_in).squeeze(-1))
         return r_BS
 

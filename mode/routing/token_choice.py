@@ -471,7 +471,9 @@ class TokenChoiceRouter(nn.Module):
             computed_A = slot_A < E if valid_A is None else valid_A & (slot_A < E)
             if cap is not None:
                 computed_A = computed_A & _within_capacity(slot_A, computed_A, E, cap)
-            expert_key_A = torch.where(computed_A, slot_A, E)  # E: not computed, sorts after every expert
+            # E: not computed, sorts after every expert. (slot_A and valid_A are set above under the same `padded`,
+            # which pyright cannot follow: to it they may be unbound, and computed_A a bool.)
+            expert_key_A = torch.where(computed_A, slot_A, E)  # pyright: ignore[reportCallIssue]
             token_A, expert_A, gate_A, counts_E, order_A = group_by_expert(
                 token_A, expert_key_A, gate_A, E, T, return_order=True
             )

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -199,7 +200,8 @@ class Trainer:
         if dtype != torch.float32:
             model = model.to(dtype)  # on meta too: materialize copies the float32 draws into float64 storage
         self.dtype = dtype
-        self.model = self.runtime.prepare(model, compile=compile)
+        # prepared in place (compiled blocks, FSDP's subclass of the model's class): still the LM
+        self.model = cast(LM, self.runtime.prepare(model, compile=compile))
         if train_cfg.activation_checkpointing:
             checkpoint_blocks(self.model)  # on the prepared model: FSDP's hooks stay outside the checkpoints
         self.params = list(self.model.parameters())

@@ -26,6 +26,8 @@ unchanged.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
@@ -33,6 +35,7 @@ from mode.hf._compat import check_attention
 from mode.hf.dense import mask as hf_mask
 from mode.hf.dense.cache import MoDCacheLayer, mod_cache_layer
 from mode.hf.dense.routed_queries import routed_query_attention
+from mode.hf.dense.skip_update import SkipUpdate
 from mode.routing.mod_topk import MoDRouter
 from mode.routing.plan import Aux
 
@@ -40,8 +43,15 @@ ROUTING = ("auto", "topk", "causal", "dense")  # "dense": the original layer, no
 PARTS = ("layer", "attention", "mlp")  # what a token the router does not pick skips
 KV = ("routed", "all")  # whose K/V a "layer" / "attention" MoD layer keeps: routed tokens only, or every token
 
+# To the type checker the mixin is the nn.Module it is put in front of (training, super().forward); at run time
+# it is a plain class, so that the decoder-layer class alone decides the module's behaviour.
+if TYPE_CHECKING:
+    _DecoderLayer = nn.Module
+else:
+    _DecoderLayer = object
 
-class MoDLayerMixin:
+
+class MoDLayerMixin(_DecoderLayer):
     """Put in front of a decoder-layer class by ``to_mod``; expects ``self.mod_router``, ``self.mod_routing``
     (one of ``ROUTING``) and ``self.mod_part`` (one of ``PARTS``), and leaves the last call's routing result
     in ``self.mod_aux``."""
@@ -50,9 +60,14 @@ class MoDLayerMixin:
     mod_routing: str = "auto"
     mod_part: str = "layer"
     mod_kv: str = "routed"
-    mod_skip: nn.Module | None  # SkipUpdate: the estimated update a skipped token gets (None: nothing); set by
+    mod_skip: SkipUpdate | None  # the estimated update a skipped token gets (None: nothing); set by
     # to_mod on the instance (a class-level default would shadow the registered submodule)
     mod_aux: Aux | None = None
+    # the decoder layer's own submodules that the mixin calls (Llama, Qwen2 and Mistral name them so)
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
 
     def mod_causal(self) -> bool:  # not called in "dense" mode
         """Route by the causal decision (sampling) rather than top-C (training)? ``auto``: causal in eval mode
