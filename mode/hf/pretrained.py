@@ -242,7 +242,7 @@ def drop_quantization_markers(model: nn.Module) -> nn.Module:
     config = cast("PretrainedConfig", model.config)  # a transformers model's
     for c in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
         if "quantization_config" in vars(c):
-            del c.quantization_config
+            delattr(c, "quantization_config")  # not a declared attribute of PretrainedConfig
     for name in ("hf_quantizer", "quantization_method"):
         if name in vars(model):
             delattr(model, name)

@@ -93,7 +93,7 @@ def _group_options(timeout_s: float):
     """(backend, options carrying the timeout) for new sub-groups of the default group's backend."""
     backend = dist.get_backend()
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue] - private, not in the stubs
     elif backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
     else:  # another backend: torch's defaults

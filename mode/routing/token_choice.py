@@ -434,7 +434,7 @@ class TokenChoiceRouter(nn.Module):
                     denom_T1 = denom_T1.clamp_min(self.cfg.renorm_min)
                 gate_TK = gate_TK / denom_T1
             if self.cfg.scale != 1.0 and fused is None:
-                gate_TK = gate_TK * self.cfg.scale
+                gate_TK = gate_TK.mul(self.cfg.scale)  # Tensor.mul: pyright cannot tell gate_TK is bound here
             noop_gate_TN = None
             if self.emit_noop_gates:  # each token's gate on each no-op slot (0 where not chosen, and on pads)
                 noop_gate_TN = gate_TK.new_zeros(T, self.num_slots).scatter_add(1, chosen_TK, gate_TK)[:, E:]

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
@@ -49,6 +49,9 @@ from mode.train.graphs import GraphedTrainStep
 from mode.train.optim import build_optimizer, lr_at
 from mode.train.progress import Progress
 from mode.train.runtime import OneProcess, Runtime, mesh_runtime, resolve_device, to_device
+
+if TYPE_CHECKING:
+    from mode.train.preempt import Preemption
 
 
 @torch.no_grad()
@@ -225,7 +228,7 @@ class Trainer:
         self._save_due = False  # rank 0's ckpt_every_s decision, summed with the last step's scalars
         # preemption: an object whose ``requested`` turns True on SIGTERM (mode.train.preempt.Preemption), read
         # by every rank at the end of each step and summed with the step's scalars: all ranks stop together
-        self.preemption = None
+        self.preemption: Preemption | None = None
         self._stop = False  # some rank was asked to stop during the last step
         self.preempted = False  # run() returned early, at a step boundary, after saving (mode train: status 143)
         # MFU's denominator: every process's device at its peak (None: a CPU or an unknown GPU, no MFU)

@@ -18,6 +18,8 @@ routes nothing calls ``skip()``: the dense length grows and nothing is written.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
@@ -199,6 +201,7 @@ def mod_cache_layer(cache: object, layer_idx: int) -> MoDCacheLayer:
             "(static, quantized and offloaded caches preallocate or transform every token's keys, "
             "which a sparse per-row cache cannot); generate with the default cache_implementation"
         )
+    layer = cast(DynamicLayer, layer)  # one of the two kinds, checked above
     if layer.get_seq_length() > 0:
         raise ValueError(
             f"past_key_values.layers[{layer_idx}] already holds {layer.get_seq_length()} tokens "

@@ -26,7 +26,7 @@ unchanged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +46,8 @@ KV = ("routed", "all")  # whose K/V a "layer" / "attention" MoD layer keeps: rou
 # To the type checker the mixin is the nn.Module it is put in front of (training, super().forward); at run time
 # it is a plain class, so that the decoder-layer class alone decides the module's behaviour.
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     _DecoderLayer = nn.Module
 else:
     _DecoderLayer = object
@@ -282,7 +284,8 @@ class MoDLayerMixin(_DecoderLayer):
             cols_BJ = torch.cat([stored_slot_BL, query_col_BC], 1)
             col_ok_BJ = torch.cat([torch.arange(L, device=dev) < stored_len_B[:, None], valid_BC], 1)
             own_col_BC = L + torch.arange(C, device=dev).expand(B, C)
-        fmt = torch.bool if self.self_attn.config._attn_implementation == "sdpa" else x_BCD.dtype
+        config = cast("PretrainedConfig", self.self_attn.config)  # transformers' attention module keeps its config
+        fmt = torch.bool if config._attn_implementation == "sdpa" else x_BCD.dtype
         sub_mask = hf_mask.restrict(
             attention_mask, slot_BC, query_col_BC, cols_BJ, col_ok_BJ, valid_BC, own_col_BC, fmt
         )

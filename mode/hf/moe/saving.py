@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -53,6 +54,11 @@ class ConvertedSlot(Protocol):
     kept_names: dict[str, str]  # the slot's kept tensors -> the block's names
     derived: dict  # the block's name -> (our slot-relative names, function)
     inverse: dict  # the block's name -> its parts' values from its value
+    hf_skeletons: list[tuple[str, nn.Module]]  # set by convert._keep_family_init
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...  # the nn.Module's methods it calls
+    def get_parameter(self, target: str) -> nn.Parameter: ...
+    def get_buffer(self, target: str) -> Tensor: ...
 
 
 def converted_slots(model: nn.Module) -> dict:

@@ -80,7 +80,7 @@ def init_slot(slot: ConvertedSlot, family_init) -> None:
     through its skeletons, then reset mode's own buffers."""
     back = _theirs_to_ours(slot)
     # what convert._keep_family_init and the slot's __init__ attached (attributes of the converted slots)
-    skeletons = cast("list[tuple[str, nn.Module]]", slot.hf_skeletons)
+    skeletons = slot.hf_skeletons
     derived, inverse = cast(dict, slot.derived), cast(dict, slot.inverse)
     written = []  # (derived temporary, the block's name): split back into the parts after the init
     try:
