@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import ctypes
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from mode import _checks
 
@@ -81,7 +83,7 @@ def retain_freed_memory(
     return MallocTuning(True, "glibc mallopt applied", **values)
 
 
-_malloc_trim = None
+_malloc_trim: Callable[[int], int] | Literal[False] | None = None  # None: not looked up yet; False: no glibc
 
 
 def release_free_memory() -> bool:
@@ -100,9 +102,10 @@ def release_free_memory() -> bool:
         if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
             _malloc_trim = False
         else:
-            _malloc_trim = ctypes.CDLL(None).malloc_trim
-            _malloc_trim.argtypes = [ctypes.c_size_t]
-            _malloc_trim.restype = ctypes.c_int
+            trim = ctypes.CDLL(None).malloc_trim
+            trim.argtypes = [ctypes.c_size_t]
+            trim.restype = ctypes.c_int
+            _malloc_trim = trim
     if _malloc_trim is False:
         return False
     _malloc_trim(0)

@@ -1,13 +1,12 @@
 """Every public name of ``mode``, ``mode.hf``, ``mode.parallel`` and ``mode.train`` has a docstring, and the API
-reference (``docs/api/*.md``) shows it.
+reference (``docs/api/*.md``) shows it; so does every public method and property of a public class.
 
-A public name is one in its package's ``__all__``. mkdocstrings renders a missing docstring as nothing, without
-a warning, so this check is what fails: ``mkdocs build`` runs it first (``scripts/mkdocs_hooks.py``), and it
-runs alone as
+A public name is one in its package's ``__all__``; a public member, one whose name does not start with ``_``.
+mkdocstrings renders a missing docstring as nothing, without a warning, so this check is what fails:
+``mkdocs build`` runs it first (``scripts/mkdocs_hooks.py``), and it runs alone as
 
-    python scripts/check_docstrings.py            # exit status 1 and one line per missing docstring
-    python scripts/check_docstrings.py --members  # also list public methods and properties of public classes
-                                                  # without one (a to-do list: printed, never failing)
+    python scripts/check_docstrings.py            # exit status 1 and one line per missing docstring or API entry
+    python scripts/check_docstrings.py --members  # the same, for the public methods and properties only
 
 It reads the source as mkdocstrings does (griffe, statically): it imports neither torch nor ``mode``, so it
 runs in a second, before anything heavy is installed.
@@ -56,9 +55,9 @@ def public_names(package: str) -> dict[str, str]:
     return {name: lazy.get(name, package) for name in names}
 
 
-def missing_docstrings(members: bool = False) -> list[str]:
-    """One line per public name without a docstring, and per public name that no API page renders; with
-    ``members``, only the public methods and properties of public classes that have no docstring."""
+def missing_docstrings(names: bool = True, members: bool = True) -> list[str]:
+    """One line per problem: with ``names``, each public name without a docstring and each that no API page
+    renders; with ``members``, each public method and property of a public class without a docstring."""
     import griffe
 
     loader = griffe.GriffeLoader(search_paths=[str(ROOT)], docstring_parser=None)
@@ -78,7 +77,7 @@ def missing_docstrings(members: bool = False) -> list[str]:
                 problems.append(f"{package}.{name}: griffe cannot find {path} ({type(e).__name__})")
                 continue
             where = f"{obj.relative_filepath}:{obj.lineno}"
-            if not members and not (obj.docstring and obj.docstring.value.strip()):
+            if names and not (obj.docstring and obj.docstring.value.strip()):
                 problems.append(f"{package}.{name} ({where}): no docstring")
             if members and obj.is_class:
                 for member in obj.members.values():
@@ -89,23 +88,20 @@ def missing_docstrings(members: bool = False) -> list[str]:
                         problems.append(
                             f"{package}.{name}.{member.name} ({member.relative_filepath}:{member.lineno}): no docstring"
                         )
-            if not members and path not in rendered:
+            if names and path not in rendered:
                 problems.append(f"{package}.{name}: no '::: {path}' in docs/api/*.md, so the reference lacks it")
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--members" in argv:
-        todo = missing_docstrings(members=True)
-        print("\n".join(todo) + f"\n{len(todo)} public methods and properties without a docstring (not an error)")
-        return 0
-    problems = missing_docstrings()
+    problems = missing_docstrings(names="--members" not in argv)
     for line in problems:
         print(line, file=sys.stderr)
     if problems:
         print(
-            f"{len(problems)} public names without a docstring or an API entry (scripts/check_docstrings.py)",
+            f"{len(problems)} public names, methods or properties without a docstring, or names without an API "
+            "entry (scripts/check_docstrings.py)",
             file=sys.stderr,
         )
     return 1 if problems else 0

@@ -1,5 +1,6 @@
-"""mkdocs hooks (mkdocs.yml ``hooks:``): the build fails, naming them, when a public name has no docstring or no
-entry in the API reference (scripts/check_docstrings.py), which mkdocstrings itself would render as nothing."""
+"""mkdocs hooks (mkdocs.yml ``hooks:``): the build fails, naming them, when a public name, or a public method or
+property of a public class, has no docstring, or a public name no entry in the API reference
+(scripts/check_docstrings.py): mkdocstrings itself would render them as nothing."""
 
 from __future__ import annotations
 
@@ -17,6 +18,6 @@ def on_pre_build(config, **kwargs) -> None:
     problems = check_docstrings.missing_docstrings()
     if problems:
         raise PluginError(
-            "public names without a docstring or an API entry (scripts/check_docstrings.py):\n  "
-            + "\n  ".join(problems)
+            "public names, methods or properties without a docstring, or names without an API entry "
+            "(scripts/check_docstrings.py):\n  " + "\n  ".join(problems)
         )

@@ -76,7 +76,8 @@ def test_the_version_is_written_once_and_is_the_installed_metadata():
 
 
 def test_every_public_name_of_the_four_packages_has_a_docstring_and_an_api_entry():
-    """scripts/check_docstrings.py (also run by ``mkdocs build``): mode, mode.hf, mode.parallel, mode.train."""
+    """scripts/check_docstrings.py (also run by ``mkdocs build``): mode, mode.hf, mode.parallel, mode.train, and
+    the public methods and properties of their public classes."""
     pytest.importorskip("griffe", reason="the docs extra reads the source with griffe: pip install -e '.[docs]'")
     import importlib.util
     from pathlib import Path

@@ -35,20 +35,27 @@ class LocalDispatcher(Dispatcher):
     gates_in_experts = True  # dispatch keeps the plan's rows in order: combine_gated can scatter gated rows
 
     def num_local_experts(self, num_experts: int) -> int:
+        """``num_experts``: every expert lives in this process."""
         return num_experts
 
     def rows_padded(self, plan: RoutingPlan) -> bool:
+        """``plan.padded``: the rows are the plan's own, padding included."""
         return plan.padded  # dispatch keeps the plan's rows, padding included
 
     def dispatch(self, x_TD: Tensor, plan: RoutingPlan) -> tuple[Tensor, Tensor, None]:
+        """``(x_AD, counts_E, None)``: the token of each assignment in the plan's order (``x_TD[token_idx_A]``, padding
+        rows included), the plan's counts, and no state."""
         if plan.inv_TK is not None:
             return gather_rows(x_TD, plan.token_idx_A, plan.inv_TK), plan.counts_E, None
         return x_TD.index_select(0, plan.token_idx_A), plan.counts_E, None
 
     def combine(self, y_AD: Tensor, plan: RoutingPlan, state: None) -> Tensor:
+        """``y_TD``: each row times its gate ``weight_A``, summed into its token (zeros for a token with no row)."""
         return scatter_weighted(y_AD, plan)
 
     def combine_gated(self, y_AD: Tensor, plan: RoutingPlan, state: None) -> Tensor:
+        """``y_TD``: rows the expert bank already multiplied by their gates, summed into their tokens (zeros for a token
+        with no row)."""
         return scatter_rows(y_AD, plan)
 
 

@@ -392,7 +392,7 @@ def run_compare(
     report["data"] = {**sweep.data_record(corpus), "epochs": epochs}
     print(
         f"data: {corpus.source}; the most epochs of its {train_bytes:,} training bytes a run read: "
-        f"{max(epochs.values()):.3f} ({max(epochs, key=epochs.get)})"
+        f"{max(epochs.values()):.3f} ({max(epochs, key=epochs.__getitem__)})"
     )
     # each file appears whole or not at all: a crash here never leaves a half report that looks complete
     checkpoint.atomic_write_text(out / "compare.json", json.dumps(report, indent=2))
@@ -429,7 +429,7 @@ def _baseline(results: dict, n_layers: int) -> dict | None:
     dense = {name: r["val_loss"] for name, r in results.items() if _DENSE_NAME.fullmatch(name)}
     if not dense:
         return None
-    best = min(dense, key=dense.get)
+    best = min(dense, key=dense.__getitem__)
     depths = sorted(len(results[n]["layers"]) for n in dense)
     rule = (
         f"best of {len(dense)} dense depths ({', '.join(map(str, depths))} layers) of the same width at the "
@@ -654,7 +654,8 @@ def format_table(results: dict) -> str:
 def markdown_table(results: dict) -> str:
     """The comparison as a Markdown table (written as compare.md, pasted into docs)."""
     cols = [c for c in _COLUMNS if c.md is not None]
-    lines = ["| variant | " + " | ".join(c.md for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    titles = [c.md for c in _COLUMNS if c.md is not None]
+    lines = ["| variant | " + " | ".join(titles) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, r in results.items():
         cells = [_cell(r, c, "–") for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -14,11 +14,13 @@ import shutil
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
 from mode.train import checkpoint
 from mode.train.data import Corpus, split_parts, split_tokens
+from mode.train.packages import PackagesInfo
 
 _CHUNK = 1 << 24
 
@@ -37,12 +39,8 @@ def fingerprint(corpus: Corpus) -> dict:
     packages corpus (``--data packages``) adds its file count and list hash (mode.train.packages)."""
     out = {"train_bytes": split_tokens(corpus.train), "val_bytes": split_tokens(corpus.val)}
     if corpus.packages is not None:  # its CRC was computed as it was built, the same way
-        return {
-            **out,
-            "crc32": corpus.packages.crc32,
-            "files": corpus.packages.files,
-            "list_sha256": corpus.packages.list_sha256,
-        }
+        info = cast(PackagesInfo, corpus.packages)
+        return {**out, "crc32": info.crc32, "files": info.files, "list_sha256": info.list_sha256}
     return {**out, "crc32": _crc32(corpus.val, _crc32(corpus.train, 0))}
 
 

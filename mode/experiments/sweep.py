@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from mode.measure.flops import train_flops_per_token
 from mode.model import LM, LMConfig
 from mode.train import TrainConfig, Trainer, sources
 from mode.train.data import PACKAGES, Corpus, eval_batches
+from mode.train.packages import PackagesInfo
 from mode.train.progress import log_line
 
 
@@ -37,7 +39,7 @@ def data_record(corpus: Corpus) -> dict:
     count, the list hash and what was left out (the exact corpus depends on the installed versions)."""
     out = {"source": corpus.source, **run_record.fingerprint(corpus)}
     if corpus.packages is not None:
-        out["packages"] = corpus.packages.to_dict()
+        out["packages"] = cast(PackagesInfo, corpus.packages).to_dict()
     return out
 
 

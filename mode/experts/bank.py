@@ -193,6 +193,8 @@ class ExpertConfig:
 
     @property
     def swiglu_options(self) -> SwiGLUOptions:
+        """The SwiGLU fields (limit, alpha, up offset, fusion, softcaps, gate activation) as one ``SwiGLUOptions``; the
+        bank's fused op runs where they are the defaults (``is_plain``)."""
         return SwiGLUOptions(
             self.swiglu_limit,
             self.swiglu_alpha,
@@ -343,6 +345,8 @@ class ExpertBank(nn.Module):
         return self._gate_on_hidden or self._gate_on_input
 
     def reset_parameters(self, out_std: float | None = None) -> None:
+        """Draw the weights again, in place: ``w_in`` normal with std ``1/sqrt(d_model)``, ``w_out`` normal with std
+        ``out_std`` (None: ``1/sqrt(d_hidden)``); the biases (``cfg.bias``) zeros."""
         nn.init.normal_(self.w_in, std=1 / math.sqrt(self.cfg.d_model))
         nn.init.normal_(self.w_out, std=out_std or 1 / math.sqrt(self.cfg.d_hidden))
         if self.cfg.bias:  # zeros: no random draws, so every other parameter's init is what it was without biases
@@ -385,6 +389,8 @@ class ExpertBank(nn.Module):
         return self.backend_for(self.w_in.device, self.w_in.dtype)
 
     def backend_for(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The backend (one of ``BACKENDS``) that runs an input of ``dtype`` on ``device``: ``cfg.backend``, or what
+        ``"auto"`` resolves to there. Resolved once per (device, dtype), then cached."""
         key = (device, dtype)
         name = self._resolved.get(key)
         if name is None:

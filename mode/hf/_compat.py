@@ -75,4 +75,4 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def layer_index(layer: nn.Module) -> int:
-    return cast(int, layer.self_attn.layer_idx)  # transformers' attention modules number themselves
+    return cast(int, layer.get_submodule("self_attn").layer_idx)  # transformers' attention modules number themselves

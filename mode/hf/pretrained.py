@@ -31,9 +31,13 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -235,10 +239,10 @@ def drop_quantization_markers(model: nn.Module) -> nn.Module:
     """Remove what a GGUF load leaves behind on a model whose weights are already plain floats: the config's
     ``quantization_config`` (top-level and text config), and ``hf_quantizer`` / ``quantization_method`` /
     ``is_quantized`` on the model. In place; returns ``model``."""
-    config = model.config
+    config = cast("PretrainedConfig", model.config)  # a transformers model's
     for c in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
         if "quantization_config" in vars(c):
-            del c.quantization_config
+            delattr(c, "quantization_config")  # not a declared attribute of PretrainedConfig
     for name in ("hf_quantizer", "quantization_method"):
         if name in vars(model):
             delattr(model, name)

@@ -133,6 +133,8 @@ class MoEConfig:
         return get_router(self.router).config(fields, self.router_options)
 
     def expert_config(self) -> ExpertConfig:
+        """The ``ExpertConfig`` of the routed experts' bank: the size, activation, backend and layout fields, plus
+        ``expert_options``."""
         return ExpertConfig(
             d_model=self.d_model,
             d_hidden=self.d_hidden,
@@ -163,6 +165,7 @@ class MoEConfig:
 
     @property
     def noop_kinds_per_slot(self) -> tuple[str, ...]:
+        """The kind of each of the ``num_noop`` no-op slots (a single ``noop_kinds`` names every slot's)."""
         return noop_kinds(self.noop_kinds, self.num_noop)
 
     def build_noop(self) -> NoopExperts | None:
@@ -281,6 +284,8 @@ class MoELayer(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, dispatcher=None) -> MoELayer:
+        """The layer ``cfg`` describes: its registered router, an ``ExpertBank``, the shared experts and the no-op
+        module where configured, behind ``dispatcher`` (None: a ``LocalDispatcher``)."""
         router, experts = build_router(cfg), ExpertBank(cfg.expert_config())
         shared, gate = cfg.build_shared()  # built after the routed layer: its random draws stay the same
         return cls(router, experts, dispatcher, shared, gate, cfg.build_noop())

@@ -120,11 +120,11 @@ class HostSyncCounter(TorchDispatchMode):
             finally:
                 counter._in_tolist = False
 
-        torch.Tensor.tolist = tolist
+        torch.Tensor.tolist = tolist  # pyright: ignore[reportAttributeAccessIssue] - patched on purpose, restored below
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
+        torch.Tensor.tolist = self._tolist  # pyright: ignore[reportAttributeAccessIssue] - restores the original
         return super().__exit__(*exc)
 
 

@@ -46,7 +46,8 @@ def causal_eval(model: LM, batches) -> dict:
     n = len(batches)
     per_layer = {
         name: {"causal_accuracy": agree.get(name, 0.0) / tokens, "routed_fraction": routed[name] / tokens}
-        for name in sorted(routed, key=lambda k: cast(RouterKey, parse_router_key(k)).layer)  # parsed above
+        # parsed above: an LM's names, layers.{i}.mod...
+        for name in sorted(routed, key=lambda k: cast(int, cast(RouterKey, parse_router_key(k)).layer))
     }
     return {
         "loss_topk": loss_topk / n,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -93,7 +93,7 @@ class _Const:
 
 @dataclass
 class _Op:
-    func: object  # an OpOverload; None for a generator-state event
+    func: Callable[..., Any] | None  # an OpOverload; None for a generator-state event
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     reads: frozenset = frozenset()  # storages whose values the op reads (partial writes read too)

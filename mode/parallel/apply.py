@@ -44,6 +44,7 @@ import dataclasses
 import inspect
 import re
 from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 import torch.distributed.fsdp as _fsdp
@@ -92,9 +93,10 @@ def _distribute_bank(bank: ExpertBank, mesh: DeviceMesh) -> None:
         param = nn.Parameter(dt, requires_grad=p.requires_grad)
         # nn.Parameter detaches a DTensor through the sharding propagator, whose cache may hand back an equal
         # mesh object from an earlier model of this process; fully_shard wants one object for the whole bank
-        first = param.device_mesh if first is None else first
-        if param.device_mesh is not first:
-            param._spec = dataclasses.replace(param._spec, mesh=first)
+        shard = cast(DTensor, param)  # a Parameter made of a DTensor is one
+        first = shard.device_mesh if first is None else first
+        if shard.device_mesh is not first:
+            shard._spec = dataclasses.replace(shard._spec, mesh=first)
         bank.register_parameter(name, param)
 
 
@@ -103,7 +105,9 @@ def _shard_bank(bank: ExpertBank, mesh: DeviceMesh, kw: dict) -> None:
     if SPMD_MESH_DIMS:
         # the weights' own mesh object: equal to ``mesh``, but DTensor may hand back an equal one made
         # earlier (its specs are cached), and fully_shard wants the very object
-        fully_shard(bank, mesh=bank.w_in.device_mesh, dp_mesh_dims=_fsdp.DataParallelMeshDims(shard="dp"), **kw)
+        fully_shard(
+            bank, mesh=cast(DTensor, bank.w_in).device_mesh, dp_mesh_dims=_fsdp.DataParallelMeshDims(shard="dp"), **kw
+        )
     else:  # FSDP concatenates mesh["dp"] with the weights' ep mesh (torch 2.11: _fsdp_param, DTensor params)
         fully_shard(bank, mesh=mesh["dp"], **kw)
 
@@ -163,7 +167,7 @@ def parallelize(
     if compile:
         compile_blocks(model, blocks)
 
-    kw = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    kw: dict[str, Any] = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
     for bank in banks:
         _shard_bank(bank, mesh, kw)
     flat = flat_mesh(mesh)

@@ -44,6 +44,7 @@ import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -167,7 +168,9 @@ def _stored_dtype(md: dcp_metadata.Metadata) -> torch.dtype:
     dtypes = {
         item.properties.dtype
         for k, item in md.state_dict_metadata.items()
-        if k.startswith("model.") and hasattr(item, "properties") and item.properties.dtype.is_floating_point
+        if k.startswith("model.")
+        and isinstance(item, dcp_metadata.TensorStorageMetadata)
+        and item.properties.dtype.is_floating_point
     }
     return torch.float64 if dtypes == {torch.float64} else torch.float32
 
@@ -180,6 +183,8 @@ def _check_shapes(expected: dict[str, Tensor], md: dcp_metadata.Metadata, prefix
         item = items.get(prefix + name)
         if item is None:
             raise checkpoint.CheckpointError(f"{where}: {prefix}{name} is missing")
+        if not isinstance(item, dcp_metadata.TensorStorageMetadata):  # saved as bytes: an object, not a tensor
+            raise checkpoint.CheckpointError(f"{where}: {prefix}{name} is not a tensor in the checkpoint")
         if tuple(item.size) != tuple(t.shape) or item.properties.dtype != t.dtype:
             raise checkpoint.CheckpointError(
                 f"{where}: {prefix}{name} is {item.properties.dtype} {tuple(item.size)}, this model needs "
@@ -551,7 +556,7 @@ def save_sharded_async(
 
     def finish() -> Path:
         try:
-            written.result()
+            cast(Future, written).result()  # no async_stager given: a Future, not an AsyncSaveResponse
         except CheckpointException as e:
             raise _write_error(folder, path, e) from None
         return _finish(path, folder, writer.sums, meta_text, save_group, True, dist.get_rank(save_group), keep)

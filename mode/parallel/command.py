@@ -398,7 +398,7 @@ def checkpoint_to_resume(args, ctx) -> Path | None:
             "--force and --resume: give one of them (--force starts a new run over the one in OUT, "
             "--resume continues it)"
         )
-    found = [None, None]  # the checkpoint to resume, what else an earlier run left
+    found: list[str | None] = [None, None]  # the checkpoint to resume, what else an earlier run left
     if ctx is None or ctx.rank == 0:
         path = find_checkpoint(args.out, prefer_sharded=ctx is not None)
         found[0] = None if path is None else str(path)

@@ -53,6 +53,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
+        """``dp * ep``: the processes of the mesh."""
         return self.dp * self.ep
 
     @classmethod
@@ -80,6 +81,7 @@ class ParallelDims:
         return dims
 
     def check_experts(self, num_experts: int, where: str = "num_experts") -> None:
+        """Raise ``ValueError`` unless ``ep`` divides ``num_experts`` (``where`` names the value in the message)."""
         if num_experts % self.ep:
             raise ValueError(
                 f"{where}={num_experts}: must be divisible by ep={self.ep} (each expert-parallel "
@@ -91,7 +93,7 @@ def _group_options(timeout_s: float):
     """(backend, options carrying the timeout) for new sub-groups of the default group's backend."""
     backend = dist.get_backend()
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue] - private, not in the stubs
     elif backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
     else:  # another backend: torch's defaults

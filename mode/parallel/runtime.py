@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
@@ -107,13 +109,18 @@ class MeshRuntime:
         return self._flat.get_group()
 
     def describe(self) -> str:
+        """One line for the command's banner: the mesh's dp and ep, and the number of processes."""
         plural = "es" if self.world_size > 1 else ""
         return f"mesh dp={self.dims.dp} x ep={self.dims.ep} ({self.world_size} process{plural})"
 
     def guard(self, what: str):
+        """``collective_guard``: a collective that fails inside the block raises a ``CollectiveError`` naming this rank
+        and ``what``."""
         return mdist.collective_guard(what, self.timeout_s, rank=self.rank, world_size=self.world_size)
 
     def prepare(self, model: nn.Module, compile: bool = False) -> nn.Module:
+        """``model`` made expert-parallel and fully sharded over the mesh (``parallelize``; ``compile``: its blocks
+        compiled), and materialized on this device where it was built on meta."""
         with self.guard("parallelize"):
             model = parallelize(model, self.mesh, compile=compile, dedup=self.dedup)
             self._flat = flat_mesh(self.mesh)
@@ -123,6 +130,8 @@ class MeshRuntime:
         return model
 
     def rows(self, t_BS: Tensor) -> Tensor:
+        """This rank's ``b = B / W`` rows of the global batch (its block, by its rank in the flat mesh), on its device:
+        ``t_bS``."""
         b = t_BS.shape[0] // self.world_size
         assert self.row_rank is not None, "MeshRuntime.rows: the row rank is set by prepare()"
         lo = self.row_rank * b
@@ -142,11 +151,14 @@ class MeshRuntime:
         return t.tolist()
 
     def mean_over_ranks(self, t: Tensor) -> Tensor:
+        """``t`` in float64, averaged over all W ranks (one all-reduce)."""
         t = t.detach().to(device=self.device, dtype=torch.float64).clone()
         dist.all_reduce(t, group=self.group)
         return t / self.world_size
 
     def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
+        """Clip the gradients by their global norm over every mesh they live on (``clip_grad_norm_`` in this module);
+        returns that norm."""
         return clip_grad_norm_(params, max_norm)
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
@@ -154,7 +166,8 @@ class MeshRuntime:
         micro-batch only when ``enabled``; in between, every FSDP module of ``model`` adds them up unsharded
         (``FSDPModule.set_requires_gradient_sync``, FSDP1's ``no_sync``). The trainer enables it for the
         last micro-batch of a step: one reduction of the sum, the same gradients as one per micro-batch."""
-        model.set_requires_gradient_sync(enabled)  # the root: recurses into every block and expert bank
+        # the root (fully_shard by prepare): recurses into every block and expert bank
+        cast(FSDPModule, model).set_requires_gradient_sync(enabled)
 
     def reduce_routing(self, acc: RoutingAccumulator) -> RoutingAccumulator:
         """A copy of ``acc``'s sums added over every rank."""

@@ -21,10 +21,21 @@ sums it over the whole dp x ep mesh, one collective for all routers. Your own tr
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
+
+
+class _BiasRouter(Protocol):
+    """What ``update_expert_bias`` reads of a router that balances with a bias (``TokenChoiceRouter``'s buffers)."""
+
+    bias_X: Tensor
+    load_X: Tensor
+    share_X: Tensor
+    reduce_counts: Callable[[Tensor], Tensor] | None
+    cfg: Any  # its bias_rate
 
 
 def bias_routers(model: nn.Module) -> list[nn.Module]:
@@ -45,17 +56,17 @@ def update_expert_bias(model: nn.Module, routers: list[nn.Module] | None = None)
     routers = bias_routers(model) if routers is None else routers
     if not routers:
         return 0
-    by_reducer: dict[int, list[nn.Module]] = {}
-    for r in routers:  # parallelize gives every router of a model the same group: one collective in all
-        by_reducer.setdefault(id(r.reduce_counts), []).append(r)
+    by_reducer: dict[int, list[_BiasRouter]] = {}
+    for r in cast("list[_BiasRouter]", routers):  # parallelize gives every router of a model the same group
+        by_reducer.setdefault(id(r.reduce_counts), []).append(r)  # one collective in all
     for group in by_reducer.values():
         loads = torch.cat([r.load_X for r in group])
         if group[0].reduce_counts is not None:
             loads = group[0].reduce_counts(loads)
         for r, load_X in zip(group, loads.split([r.load_X.numel() for r in group])):
-            bias_X, share_X = cast(Tensor, r.bias_X), cast(Tensor, r.share_X)  # a bias router's buffers
-            target_X = load_X.sum() * share_X
-            bias_X += cast(float, r.cfg.bias_rate) * torch.sign(target_X - load_X)  # in place: the buffer itself
+            bias_X = r.bias_X
+            target_X = load_X.sum() * r.share_X
+            bias_X += r.cfg.bias_rate * torch.sign(target_X - load_X)  # in place: the buffer itself
             bias_X -= bias_X.mean()
             r.load_X.zero_()
     return len(routers)

@@ -62,10 +62,12 @@ class ExpertChoiceConfig:
     # -- what the FLOP and per-token compute code asks (the router protocol, see mode.routing.registry) --
     @property
     def num_slots(self) -> int:
+        """``X = num_experts + num_noop``: the expert slots, the no-op ones included."""
         return self.num_experts + self.num_noop
 
     @property
     def max_assignments_per_token(self) -> int:
+        """``E``: a token can be picked by every real expert."""
         return self.num_experts
 
     def causal_problem(self) -> str | None:
@@ -87,9 +89,12 @@ class ExpertChoiceConfig:
         return c
 
     def assignments(self, seq_len: int) -> float:
+        """Computed assignments for one sequence of ``seq_len`` tokens: ``E * c`` (each real expert picks ``c`` tokens;
+        the no-op slots' picks are not computed)."""
         return float(self.num_experts * self.tokens_per_slot(seq_len))
 
     def router_flops(self, seq_len: int) -> float:
+        """Forward FLOPs of routing one sequence of ``seq_len`` tokens: the (S, D) x (D, X) logits, ``2 S D X``."""
         return 2 * seq_len * self.d_model * self.num_slots
 
 
@@ -117,6 +122,7 @@ class ExpertChoiceRouter(nn.Module):
         nn.init.normal_(self.weight, std=cfg.d_model**-0.5)
 
     def tokens_per_slot(self, seq_len: int) -> int:
+        """``c``: the tokens each expert slot picks per sequence of ``seq_len`` tokens (``cfg.tokens_per_slot``)."""
         return self.cfg.tokens_per_slot(seq_len)
 
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None) -> RoutingPlan:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +120,7 @@ class MoDRouterConfig:
         return 0 if seq_len == 0 else max(1, floor_of(self.capacity, seq_len))
 
     def assignments(self, seq_len: int) -> float:
+        """Computed assignments for one sequence of ``seq_len`` tokens: ``C``, the routed tokens."""
         return float(self.seq_capacity(seq_len))
 
     def router_flops(self, seq_len: int) -> float:
@@ -170,6 +172,7 @@ class MoDRouter(nn.Module):
         return self.cfg.causal == "threshold" or self.cfg.steer_decision
 
     def seq_capacity(self, seq_len: int) -> int:
+        """``C``: the tokens routed per sequence of ``seq_len`` tokens (``cfg.seq_capacity``)."""
         return self.cfg.seq_capacity(seq_len)
 
     def scores(self, x_BSD: Tensor) -> Tensor:
@@ -183,7 +186,7 @@ class MoDRouter(nn.Module):
         output, else the router's scores. The predictor never sends gradient into x."""
         if self.predictor is not None:
             with _checks.float32_region(x_BSD.device):
-                x_in = x_BSD.detach().to(self.predictor[0].weight.dtype)
+                x_in = x_BSD.detach().to(cast(nn.Linear, self.predictor[0]).weight.dtype)
                 return _checks.at_least_float32(self.predictor(x_in).squeeze(-1))
         return r_BS
 

@@ -66,10 +66,12 @@ class RoutingStats:
 
     @property
     def num_experts(self) -> int:
+        """``E``: the real experts (``kept_E.numel()``; 1 for MoD)."""
         return self.kept_E.numel()
 
     @property
     def num_noop(self) -> int:
+        """``N = X - E``: the no-op slots (1 for MoD: skipping the block)."""
         return self.requested_X.numel() - self.kept_E.numel()
 
 
@@ -174,6 +176,8 @@ class Aux:
                 self.losses.set(name, value)
 
     def add_loss(self, name: str, value: Tensor, coef: float) -> None:
+        """Add the raw scalar loss ``value`` under ``name``, which ``total()`` weighs by ``coef`` (an entry of the same
+        name is replaced)."""
         assert self.losses is not None, _LOSSES_SET
         self.losses.set(name, value)
         self.coefs[name] = coef
@@ -267,6 +271,7 @@ class RoutingPlan:
 
     @property
     def num_experts(self) -> int:
+        """``E``: the real experts (``counts_E.numel()``)."""
         return self.counts_E.numel()
 
     @property

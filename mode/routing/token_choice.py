@@ -243,10 +243,12 @@ class TokenChoiceConfig:
     # -- what the FLOP and per-token compute code asks (the router protocol, see mode.routing.registry) --
     @property
     def num_slots(self) -> int:
+        """``X = num_experts + num_noop``: the expert slots a token scores."""
         return self.num_experts + self.num_noop
 
     @property
     def max_assignments_per_token(self) -> int:
+        """``top_k``: the most real experts one token can receive."""
         return self.top_k
 
     def causal_problem(self) -> str | None:
@@ -268,6 +270,7 @@ class TokenChoiceConfig:
 
     @property
     def group_limited(self) -> bool:
+        """Whether device-limited routing keeps a token to fewer than all expert groups (``topk_group < n_group``)."""
         assert self.topk_group is not None, "topk_group: resolved in __post_init__"
         return self.topk_group < self.n_group
 
@@ -302,6 +305,7 @@ class TokenChoiceConfig:
         return wanted if cap is None else min(wanted, self.num_experts * cap)
 
     def router_flops(self, seq_len: int) -> float:
+        """Forward FLOPs of routing one sequence of ``seq_len`` tokens: the (S, D) x (D, X) logits, ``2 S D X``."""
         return 2 * seq_len * self.d_model * self.num_slots
 
 
@@ -430,7 +434,7 @@ class TokenChoiceRouter(nn.Module):
                     denom_T1 = denom_T1.clamp_min(self.cfg.renorm_min)
                 gate_TK = gate_TK / denom_T1
             if self.cfg.scale != 1.0 and fused is None:
-                gate_TK = gate_TK * self.cfg.scale
+                gate_TK = gate_TK.mul(self.cfg.scale)  # Tensor.mul: pyright cannot tell gate_TK is bound here
             noop_gate_TN = None
             if self.emit_noop_gates:  # each token's gate on each no-op slot (0 where not chosen, and on pads)
                 noop_gate_TN = gate_TK.new_zeros(T, self.num_slots).scatter_add(1, chosen_TK, gate_TK)[:, E:]
@@ -467,7 +471,9 @@ class TokenChoiceRouter(nn.Module):
             computed_A = slot_A < E if valid_A is None else valid_A & (slot_A < E)
             if cap is not None:
                 computed_A = computed_A & _within_capacity(slot_A, computed_A, E, cap)
-            expert_key_A = torch.where(computed_A, slot_A, E)  # E: not computed, sorts after every expert
+            # E: not computed, sorts after every expert. (slot_A and valid_A are set above under the same `padded`,
+            # which pyright cannot follow: to it they may be unbound, and computed_A a bool.)
+            expert_key_A = torch.where(computed_A, slot_A, E)  # pyright: ignore[reportCallIssue]
             token_A, expert_A, gate_A, counts_E, order_A = group_by_expert(
                 token_A, expert_key_A, gate_A, E, T, return_order=True
             )

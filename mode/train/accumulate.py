@@ -145,7 +145,8 @@ class GradAccumulation:
             if r.reduce_counts is not None:
                 by_reducer.setdefault(id(r.reduce_counts), []).append(i)
         for idx in by_reducer.values():
-            summed = self.routers[idx[0]].reduce_counts(torch.cat([totals[i] for i in idx]))
+            reduce = cast("Callable[[Tensor], Tensor]", self.routers[idx[0]].reduce_counts)  # not None: above
+            summed = reduce(torch.cat([totals[i] for i in idx]))
             for i, part in zip(idx, summed.split([totals[i].numel() for i in idx])):
                 totals[i] = part
         return totals

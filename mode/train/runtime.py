@@ -179,17 +179,21 @@ class OneProcess:
         self.keep = keep
 
     def describe(self) -> str:
+        """One line for the command's banner: the device."""
         return f"one process on {self.device}"
 
     def guard(self, what: str):
+        """A context manager that does nothing: one process has no collective to guard."""
         return contextlib.nullcontext()
 
     def prepare(self, model: nn.Module, compile: bool = False) -> nn.Module:
+        """``model`` itself, its blocks compiled with ``compile`` (``compile_blocks``)."""
         if compile:
             compile_blocks(model)
         return model
 
     def rows(self, t_BS: Tensor) -> Tensor:
+        """The whole batch (one process: b = B) on the device, through pinned memory on a GPU (``to_device``)."""
         return to_device(t_BS, self.device)  # on a GPU: pinned, non-blocking
 
     def sum_scalars(self, values: list) -> list[float]:
@@ -205,15 +209,21 @@ class OneProcess:
         return out  # pyright: ignore[reportReturnType] - the loop above replaced every None
 
     def mean_over_ranks(self, t: Tensor) -> Tensor:
+        """``t`` detached, in float64 (one process: nothing to average)."""
         return t.detach().double()
 
     def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_``: clip the gradients by their total norm; returns it."""
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def reduce_routing(self, acc: RoutingAccumulator) -> RoutingAccumulator:
+        """``acc`` itself: one process already holds every sum."""
         return acc
 
     def save(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> Path:
+        """Write ``meta`` with the model's and the optimizer's state dicts as one file, atomically
+        (``save_checkpoint``); with ``keep`` > 1 also as ``ckpt-step-NNNNNNNN.pt``, deleting those beyond the ``keep``
+        newest. Returns the path written."""
         path = checkpoint.save_checkpoint(
             path, {**meta, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
         )
@@ -224,6 +234,9 @@ class OneProcess:
         return path
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, check: Callable) -> dict:
+        """Resume from ``path``, a single file or a sharded folder (read in full): ``check(state)`` sees the non-tensor
+        state first; a state that does not fit the model or the optimizer raises before the model changes. Returns the
+        state."""
         where = f"checkpoint {str(path)!r}"
         state = checkpoint.load_checkpoint(path, training=True)  # a folder: read in full, here
         check(state)

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
@@ -48,6 +49,9 @@ from mode.train.graphs import GraphedTrainStep
 from mode.train.optim import build_optimizer, lr_at
 from mode.train.progress import Progress
 from mode.train.runtime import OneProcess, Runtime, mesh_runtime, resolve_device, to_device
+
+if TYPE_CHECKING:
+    from mode.train.preempt import Preemption
 
 
 @torch.no_grad()
@@ -199,7 +203,8 @@ class Trainer:
         if dtype != torch.float32:
             model = model.to(dtype)  # on meta too: materialize copies the float32 draws into float64 storage
         self.dtype = dtype
-        self.model = self.runtime.prepare(model, compile=compile)
+        # prepared in place (compiled blocks, FSDP's subclass of the model's class): still the LM
+        self.model = cast(LM, self.runtime.prepare(model, compile=compile))
         if train_cfg.activation_checkpointing:
             checkpoint_blocks(self.model)  # on the prepared model: FSDP's hooks stay outside the checkpoints
         self.params = list(self.model.parameters())
@@ -223,7 +228,7 @@ class Trainer:
         self._save_due = False  # rank 0's ckpt_every_s decision, summed with the last step's scalars
         # preemption: an object whose ``requested`` turns True on SIGTERM (mode.train.preempt.Preemption), read
         # by every rank at the end of each step and summed with the step's scalars: all ranks stop together
-        self.preemption = None
+        self.preemption: Preemption | None = None
         self._stop = False  # some rank was asked to stop during the last step
         self.preempted = False  # run() returned early, at a step boundary, after saving (mode train: status 143)
         # MFU's denominator: every process's device at its peak (None: a CPU or an unknown GPU, no MFU)
@@ -324,6 +329,8 @@ class Trainer:
 
     # -- training ----------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float]:
+        """One optimizer step on the next global batch (every rank together, inside the runtime's ``guard``): returns
+        ``(loss, lr)``, the mean cross-entropy over the global batch and the learning rate the step used."""
         with self.runtime.guard(f"training step {self.step + 1}"):
             return self._train_step()
 

@@ -18,6 +18,8 @@ routes nothing calls ``skip()``: the dense length grows and nothing is written.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
@@ -67,10 +69,13 @@ class MoDCacheLayer(DynamicLayer):
         self.dense_len += seq_len
 
     def committed(self) -> bool:
+        """Whether no staged write is waiting for the attention's ``update``."""
         return self._staged is None
 
     # -- transformers' cache-layer interface --
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        """Start empty stores from the first call's keys and values: (B, H, 0, K) keys and values in their dtype and on
+        their device, ``len_B`` zeros, an empty ``slot_BL`` (the first ``update`` calls it)."""
         B, H, _, K = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys = key_states.new_zeros(B, H, 0, K)
@@ -80,6 +85,9 @@ class MoDCacheLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Write the staged call (``stage``): returns ``(keys, values)``, each row's stored keys and values (padded to
+        the widest row, L) followed by the C new ones, what the routed queries attend over; then appends the real new
+        slots to their rows and advances the dense length. Raises ``RuntimeError`` when nothing was staged."""
         if self._staged is None:
             raise RuntimeError(
                 "MoDCacheLayer.update was called without a staged write: only a layer converted "
@@ -118,18 +126,23 @@ class MoDCacheLayer(DynamicLayer):
         return self.dense_len
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for transformers' mask: the dense length after this call, ``dense_len +
+        query_length``, and 0."""
         return self.dense_len + query_length, 0
 
     def get_max_length(self) -> int:
+        """The sliding window, or -1 (no limit) for full attention."""
         return -1 if self.sliding_window is None else self.sliding_window
 
     def reset(self) -> None:
+        """Empty the cache: nothing stored, the dense length 0, no staged write."""
         super().reset()
         self.dense_len = 0
         self.len_B = self.slot_BL = None
         self._staged = None
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Refuse (``ValueError``) every crop but one of 0 tokens: the sparse cache cannot be rolled back."""
         if tokens_to_remove == 0:
             return
         raise ValueError(
@@ -145,12 +158,15 @@ class MoDCacheLayer(DynamicLayer):
         self.len_B, self.slot_BL = fn(self.len_B), fn(self.slot_BL)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the rows by ``beam_idx`` (beam search): the stored keys, values, lengths and positions alike."""
         self._rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each row ``repeats`` times (``generate()`` expanding the batch for beams or samples)."""
         self._rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: Tensor) -> None:
+        """Keep the rows ``indices`` only."""
         self._rows(lambda t: t[indices])
 
     # -- statistics --
@@ -185,6 +201,7 @@ def mod_cache_layer(cache: object, layer_idx: int) -> MoDCacheLayer:
             "(static, quantized and offloaded caches preallocate or transform every token's keys, "
             "which a sparse per-row cache cannot); generate with the default cache_implementation"
         )
+    layer = cast(DynamicLayer, layer)  # one of the two kinds, checked above
     if layer.get_seq_length() > 0:
         raise ValueError(
             f"past_key_values.layers[{layer_idx}] already holds {layer.get_seq_length()} tokens "

@@ -142,7 +142,7 @@ def to_mod(
     return model
 
 
-def mod_layers(model: nn.Module) -> dict[int, nn.Module]:
+def mod_layers(model: nn.Module) -> dict[int, MoDLayerMixin]:
     """The converted MoD layers of ``model`` by layer index."""
     return {layer_index(layer): layer for layer in decoder_layers(model) if isinstance(layer, MoDLayerMixin)}
 

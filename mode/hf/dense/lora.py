@@ -15,9 +15,11 @@ records the merged weights' names in ``model.mode_conversion["healed"]``, so ``s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from mode import _checks
 from mode.hf._compat import decoder_layers
@@ -44,7 +46,7 @@ class LoRA(nn.Module):
 
 
 def _add_update(module: nn.Linear, args, output: Tensor) -> Tensor:
-    return output + module.lora(args[0])
+    return output + cast(LoRA, module.lora)(args[0])  # the hook add_lora registers beside the adapter
 
 
 def add_lora(
@@ -91,9 +93,10 @@ def merge_lora(model: nn.Module) -> list[str]:
     ``save_conversion`` saves them). The merged model's logits equal the adapted model's up to rounding."""
     merged = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and isinstance(getattr(module, "lora", None), LoRA):
-            module.weight += module.lora.delta().to(module.weight.dtype)
-            module._mode_lora_hook.remove()
+        lora = getattr(module, "lora", None)
+        if isinstance(module, nn.Linear) and isinstance(lora, LoRA):
+            module.weight += lora.delta().to(module.weight.dtype)
+            cast(RemovableHandle, module._mode_lora_hook).remove()
             del module._mode_lora_hook
             del module.lora
             merged.append(f"{name}.weight")

@@ -26,6 +26,8 @@ unchanged.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import Tensor, nn
 
@@ -33,6 +35,7 @@ from mode.hf._compat import check_attention
 from mode.hf.dense import mask as hf_mask
 from mode.hf.dense.cache import MoDCacheLayer, mod_cache_layer
 from mode.hf.dense.routed_queries import routed_query_attention
+from mode.hf.dense.skip_update import SkipUpdate
 from mode.routing.mod_topk import MoDRouter
 from mode.routing.plan import Aux
 
@@ -40,8 +43,17 @@ ROUTING = ("auto", "topk", "causal", "dense")  # "dense": the original layer, no
 PARTS = ("layer", "attention", "mlp")  # what a token the router does not pick skips
 KV = ("routed", "all")  # whose K/V a "layer" / "attention" MoD layer keeps: routed tokens only, or every token
 
+# To the type checker the mixin is the nn.Module it is put in front of (training, super().forward); at run time
+# it is a plain class, so that the decoder-layer class alone decides the module's behaviour.
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-class MoDLayerMixin:
+    _DecoderLayer = nn.Module
+else:
+    _DecoderLayer = object
+
+
+class MoDLayerMixin(_DecoderLayer):
     """Put in front of a decoder-layer class by ``to_mod``; expects ``self.mod_router``, ``self.mod_routing``
     (one of ``ROUTING``) and ``self.mod_part`` (one of ``PARTS``), and leaves the last call's routing result
     in ``self.mod_aux``."""
@@ -50,9 +62,14 @@ class MoDLayerMixin:
     mod_routing: str = "auto"
     mod_part: str = "layer"
     mod_kv: str = "routed"
-    mod_skip: nn.Module | None  # SkipUpdate: the estimated update a skipped token gets (None: nothing); set by
+    mod_skip: SkipUpdate | None  # the estimated update a skipped token gets (None: nothing); set by
     # to_mod on the instance (a class-level default would shadow the registered submodule)
     mod_aux: Aux | None = None
+    # the decoder layer's own submodules that the mixin calls (Llama, Qwen2 and Mistral name them so)
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
 
     def mod_causal(self) -> bool:  # not called in "dense" mode
         """Route by the causal decision (sampling) rather than top-C (training)? ``auto``: causal in eval mode
@@ -64,9 +81,11 @@ class MoDLayerMixin:
     # The two halves of the decoder layer (Llama, Qwen2 and Mistral write it exactly so; a test checks that
     # attention-then-MLP through these equals the layer's own forward).
     def attention_sublayer(self, x_BSD: Tensor, **attn_kwargs) -> Tensor:
+        """The attention half with its residual: ``h_BSD = x + self_attn(input_layernorm(x))``."""
         return x_BSD + self.self_attn(hidden_states=self.input_layernorm(x_BSD), **attn_kwargs)[0]
 
     def mlp_sublayer(self, h_BSD: Tensor) -> Tensor:
+        """The MLP half with its residual: ``h + mlp(post_attention_layernorm(h))``."""
         return h_BSD + self.mlp(self.post_attention_layernorm(h_BSD))
 
     def forward(
@@ -79,6 +98,9 @@ class MoDLayerMixin:
         position_embeddings: tuple[Tensor, Tensor] | None = None,
         **kwargs,
     ) -> Tensor:
+        """The decoder layer with routing: the original forward in "dense" mode; otherwise the router's picks go through
+        ``mod_part`` and the other tokens skip it (the module's docstring), and ``mod_aux`` holds the router's ``Aux``.
+        Returns the (B, S, D) hidden states, as the original layer does."""
         x_BSD = hidden_states
         attn = self.self_attn
         if self.mod_routing == "dense":
@@ -262,7 +284,8 @@ class MoDLayerMixin:
             cols_BJ = torch.cat([stored_slot_BL, query_col_BC], 1)
             col_ok_BJ = torch.cat([torch.arange(L, device=dev) < stored_len_B[:, None], valid_BC], 1)
             own_col_BC = L + torch.arange(C, device=dev).expand(B, C)
-        fmt = torch.bool if self.self_attn.config._attn_implementation == "sdpa" else x_BCD.dtype
+        config = cast("PretrainedConfig", self.self_attn.config)  # transformers' attention module keeps its config
+        fmt = torch.bool if config._attn_implementation == "sdpa" else x_BCD.dtype
         sub_mask = hf_mask.restrict(
             attention_mask, slot_BC, query_col_BC, cols_BJ, col_ok_BJ, valid_BC, own_col_BC, fmt
         )

@@ -152,8 +152,8 @@ def delete_layers(model: nn.Module, chosen: Sequence[int], estimates: dict[int, 
         module._mode_prune_hook = module.register_forward_pre_hook(_apply_estimates, with_kwargs=True)
     new = nn.ModuleList([layers[i] for i in kept])
     for j, layer in enumerate(new):
-        layer.self_attn.layer_idx = j
-    owner = model if getattr(model, "layers", None) is layers else model.model
+        layer.get_submodule("self_attn").layer_idx = j
+    owner = model if getattr(model, "layers", None) is layers else model.get_submodule("model")
     owner.layers = new
     config.num_hidden_layers = len(kept)
     if isinstance(getattr(config, "layer_types", None), list):

@@ -37,6 +37,7 @@ import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -288,7 +289,7 @@ def _dbrx_tensors(
     h @ w2_e. The bank ("EDF") gets ``[w1_e.T, v1_e.T]`` as one (E, D, 2H) copy and ``w2`` as an (E, H, D)
     view; the way back slices and reshapes them."""
     E, H, D = cfg.num_experts, cfg.d_hidden, cfg.d_model
-    w1, v1, w2 = experts.w1, experts.v1, experts.w2
+    w1, v1, w2 = cast("tuple[Tensor, Tensor, Tensor]", (experts.w1, experts.v1, experts.w2))  # the block's parameters
     w_in = torch.cat([w1.detach().view(E, H, D), v1.detach().view(E, H, D)], 1).transpose(1, 2).contiguous()
     extras.derived[f"{path}.w1"] = ([f"moe.experts.{names[0]}"], functools.partial(_dbrx_half, 0, H))
     extras.derived[f"{path}.v1"] = ([f"moe.experts.{names[0]}"], functools.partial(_dbrx_half, 1, H))

@@ -62,6 +62,7 @@ from mode.hf.moe.weight_init import block_skeletons, install_init, mark_initiali
 from mode.layers.moe import MoELayer
 from mode.measure.flops import mlp_flops_per_token
 from mode.measure.stats import RoutingAccumulator
+from mode.routing.given import GivenChoices
 from mode.routing.keys import MOE, router_key
 
 MOE_MODEL_TYPES = tuple(SPECS)  # the model types of mode.hf.moe.families.FAMILIES
@@ -148,7 +149,7 @@ class ConvertedExperts(MoESlot):
         self.register_load_state_dict_pre_hook(load_family_names)
 
     def forward(self, x_TD: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        plan = self.moe.router.plan(top_k_index, top_k_weights)
+        plan = cast(GivenChoices, self.moe.router).plan(top_k_index, top_k_weights)  # the router adopt_block built
         y_BSD, self.last_aux = self.moe.apply_plan(x_TD[None], plan)
         return y_BSD[0].to(x_TD.dtype)
 

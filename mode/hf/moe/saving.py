@@ -28,15 +28,37 @@ import os
 import shutil
 import tempfile
 import types
+from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 
 from mode.train.checkpoint import replace_dir
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from mode.layers.moe import MoELayer
+
 CONVERTED_MARK = "_mode_converted_slot"  # a class attribute of convert's ConvertedMoE and ConvertedExperts
+
+
+class ConvertedSlot(Protocol):
+    """What this module and ``weight_init`` read of a converted slot (``ConvertedMoE``, ``ConvertedExperts``; they
+    sit above both): its layer, and the names that lead to the family's layout and back."""
+
+    moe: MoELayer
+    names: dict[str, str]  # the layer's state-dict name -> the block's
+    kept_names: dict[str, str]  # the slot's kept tensors -> the block's names
+    derived: dict  # the block's name -> (our slot-relative names, function)
+    inverse: dict  # the block's name -> its parts' values from its value
+    hf_skeletons: list[tuple[str, nn.Module]]  # set by convert._keep_family_init
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...  # the nn.Module's methods it calls
+    def get_parameter(self, target: str) -> nn.Parameter: ...
+    def get_buffer(self, target: str) -> Tensor: ...
 
 
 def converted_slots(model: nn.Module) -> dict:
@@ -79,7 +101,7 @@ def transformers_state_dict(model: nn.Module) -> dict[str, Tensor] | None:
     return None if state is None else transformers_names(model, state)
 
 
-def transformers_twin(model: nn.Module, state: dict[str, Tensor]) -> nn.Module:
+def transformers_twin(model: nn.Module, state: dict[str, Tensor]) -> PreTrainedModel:
     """The family's own model (``model``'s class, or the causal LM of its config) built on the meta device with
     ``state`` (transformers' names, full tensors) assigned: nothing is allocated twice. Raises ``ValueError``
     where ``state`` is not exactly the family model's keys (plain transformers would initialise the missing
@@ -126,7 +148,7 @@ def save_transformers(model: nn.Module, path: str | os.PathLike) -> Path | None:
     return out
 
 
-def _write_atomically(twin: nn.Module, path: Path) -> Path:
+def _write_atomically(twin: PreTrainedModel, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
@@ -167,7 +189,7 @@ def install_save_pretrained(model: nn.Module) -> None:
             m.save_pretrained = types.MethodType(save_pretrained, m)
 
 
-def load_family_names(slot: nn.Module, state: dict, prefix: str, *args) -> None:
+def load_family_names(slot: ConvertedSlot, state: dict, prefix: str, *args) -> None:
     """``load_state_dict`` pre-hook of a converted slot: keys of the family's layout (a transformers checkpoint,
     ``transformers_state_dict``) become the slot's own, derived tensors split back into their parts, so a family
     checkpoint loads into the converted model (HF Trainer's resume loads with ``strict=False``: nothing is

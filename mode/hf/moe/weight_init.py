@@ -29,10 +29,15 @@ from __future__ import annotations
 
 import copy
 import types
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
+
+from mode.routing.token_choice import TokenChoiceRouter
+
+if TYPE_CHECKING:
+    from mode.hf.moe.saving import ConvertedSlot
 
 
 def skeletons(block: nn.Module, alive: set[int]) -> list[tuple[str, nn.Module]]:
@@ -57,7 +62,7 @@ def skeletons(block: nn.Module, alive: set[int]) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _theirs_to_ours(slot: nn.Module) -> dict[str, str]:
+def _theirs_to_ours(slot: ConvertedSlot) -> dict[str, str]:
     """The block's tensor name -> the slot's (slot-relative) name."""
     back = {theirs: f"moe.{ours}" for ours, theirs in slot.names.items()}
     back.update({theirs: ours for ours, theirs in slot.kept_names.items()})
@@ -70,12 +75,12 @@ def _tensor(slot: nn.Module, name: str) -> Tensor:
 
 
 @torch.no_grad()
-def init_slot(slot: nn.Module, family_init) -> None:
+def init_slot(slot: ConvertedSlot, family_init) -> None:
     """Initialise ``slot``'s tensors with ``family_init`` (the family's ``PreTrainedModel._init_weights``)
     through its skeletons, then reset mode's own buffers."""
     back = _theirs_to_ours(slot)
     # what convert._keep_family_init and the slot's __init__ attached (attributes of the converted slots)
-    skeletons = cast("list[tuple[str, nn.Module]]", slot.hf_skeletons)
+    skeletons = slot.hf_skeletons
     derived, inverse = cast(dict, slot.derived), cast(dict, slot.inverse)
     written = []  # (derived temporary, the block's name): split back into the parts after the init
     try:
@@ -102,6 +107,7 @@ def init_slot(slot: nn.Module, family_init) -> None:
                     store[name] = None
     router = slot.moe.router
     if getattr(router, "load_X", None) is not None:  # the bias balancer's counts since its last update
+        router = cast(TokenChoiceRouter, router)  # the router that balances with a bias
         router.load_X.zero_()
         router.share_X.copy_(torch.tensor(router.cfg.target_shares(), dtype=router.share_X.dtype))
 
