@@ -19,6 +19,7 @@ Shape legend: W windows, S sequence, B batch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -92,18 +93,8 @@ def run(args) -> int:
         heal = None
         if args.heal_steps:
             heal = mh.HealConfig(steps=args.heal_steps, lr=args.heal_lr, rank=args.lora_rank, objective=args.objective)
-        cfg = BudgetConfig(
-            macs=args.macs,
-            method=args.method,
-            seq_len=args.seq_len,
-            part=args.part,
-            causal=args.causal,
-            skip_rank=args.skip_rank,
-            order=args.order,
-            min_capacity=args.min_capacity,
-            prune_by=args.prune_by,
-            heal=heal,
-        )
+        same = [f.name for f in dataclasses.fields(BudgetConfig) if f.name != "heal" and hasattr(args, f.name)]
+        cfg = BudgetConfig(**{k: getattr(args, k) for k in same}, heal=heal)  # the options carry the fields' names
         model, tokenizer, name = load_model(args.model)
         S = args.seq_len
         train_WS, held_WS = file_windows(tokenizer, args.data, S) if args.data else english_windows(tokenizer, S)
