@@ -333,7 +333,15 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     first = subprocess.run(cmd, **run)
     payload = json.loads(out.read_text())
     rows = {r["key"]: r for r in payload["rows"]}
-    methods = ("prune-bi", "prune-bi-est", "mod-layer-thr", "mod-layer-bce", "mod-attn-thr", "mod-mlp-thr")
+    methods = (
+        "prune-bi",
+        "prune-bi-est",
+        "mod-layer-thr",
+        "mod-layer-thr-est",
+        "mod-layer-bce",
+        "mod-attn-thr",
+        "mod-mlp-thr",
+    )
     assert set(rows) == {f"{m}@{p}#s0" for m in methods for p in (0.9, 0.8)}
     assert "below what part='attention' reaches" in rows["mod-attn-thr@0.8#s0"]["skipped"]  # out of reach: said
     for key, r in rows.items():
@@ -350,6 +358,7 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
                 assert all(r[f] == rows[k][f] for f in ("steps", "tokens", "data_digest", "objective")), (key, k)
             assert abs(r["macs_ratio"] - rows[partners[0]]["macs_ratio"]) < 0.01, key
             assert math.isfinite(r["d_loss_pct_topc"]) and 0 < r["share"] <= 1, key
+            assert r["estimate_rank"] == (8 if r["method"].endswith("-est") else None), key
     assert payload["intervals"] and all(i["t_ci_pct"] is None for i in payload["intervals"])  # one seed: no t
     for i in payload["intervals"]:
         assert i["bootstrap_ci_pct"][0] <= i["diff_pct"] <= i["bootstrap_ci_pct"][1], i

@@ -19,6 +19,8 @@ same compute. Methods (``--methods``):
     prune-bi-est     the same layers, each replaced by a rank-``--est-rank`` fitted estimate (``estimate_rank``)
     mod-layer-thr    ``to_mod(part="layer", causal="threshold")``: the router's logit against a threshold
                      steered to the capacity's share (MoDification)
+    mod-layer-thr-est  the same with a rank-``--est-rank`` estimate of the skipped tokens' update
+                     (``to_mod(skip_rank=...)``, fitted by ``router_fit``): MoD's counterpart of prune-bi-est
     mod-layer-bce    ``to_mod(part="layer", causal="aux_bce")``: the paper's top-C router whose causal decision
                      is learned by the auxiliary BCE loss
     mod-attn-thr     ``part="attention"`` (``kv="all"``), threshold router
@@ -271,7 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
                     row["layers"] = mh.prune_layers(model, n_del, "block_influence", fit_batches, estimate_rank=est)
                     row["estimate_rank"] = est
                 else:
-                    part, causal = MOD[method]
+                    part, causal, with_est = MOD[method]
+                    rank = args.est_rank if with_est else None
                     if part not in costs:
                         costs[part] = {
                             str(i): c for i, c in mh.skip_costs(original, [train_WS[: args.cost_windows]], part).items()
@@ -279,16 +282,25 @@ def main(argv: list[str] | None = None) -> dict:
                     order = sorted(range(config.num_hidden_layers), key=lambda i: costs[part][str(i)])
                     try:
                         plan = mh.plan_to_macs(
-                            original, target, S, part=part, order=order, min_capacity=args.min_capacity
+                            original, target, S, part=part, skip_rank=rank, order=order, min_capacity=args.min_capacity
                         )
                     except ValueError as e:  # out of reach for this part: say so, once per seed
                         rows[key] = {**row, "skipped": str(e)}
                         print(f"{key:<28} skipped: {e}", flush=True)
                         save()
                         continue
-                    mh.to_mod(model, layers=plan.layers, capacity=plan.capacity, part=part, kv=plan.kv, causal=causal)
-                    mh.router_fit(model, fit_batches)
+                    mh.to_mod(
+                        model,
+                        layers=plan.layers,
+                        capacity=plan.capacity,
+                        part=part,
+                        kv=plan.kv,
+                        causal=causal,
+                        skip_rank=rank,
+                    )
+                    mh.router_fit(model, fit_batches)  # the router, then the estimate on the tokens it skips
                     row.update(layers=plan.layers, capacity=plan.capacity, part=part, kv=plan.kv, causal=causal)
+                    row["estimate_rank"] = rank
                 row["macs_ratio"] = mh.conversion_macs(model, S)
                 row["d_loss_pct_before"] = pct(window_losses(model, val_WS))
                 torch.manual_seed(seed)  # the LoRA initialisation: paired across methods

@@ -13,11 +13,12 @@ from benchmarks.hf.smollm2_measure import _num, bootstrap_ci
 from mode.experiments.stats_ci import t_quantile
 
 PRUNE = {"prune-bi": False, "prune-bi-est": True}  # method -> with the estimate
-MOD = {  # method -> (part, causal)
-    "mod-layer-thr": ("layer", "threshold"),
-    "mod-layer-bce": ("layer", "aux_bce"),
-    "mod-attn-thr": ("attention", "threshold"),
-    "mod-mlp-thr": ("mlp", "threshold"),
+MOD = {  # method -> (part, causal, with the estimate for skipped tokens)
+    "mod-layer-thr": ("layer", "threshold", False),
+    "mod-layer-thr-est": ("layer", "threshold", True),
+    "mod-layer-bce": ("layer", "aux_bce", False),
+    "mod-attn-thr": ("attention", "threshold", False),
+    "mod-mlp-thr": ("mlp", "threshold", False),
 }
 METHODS = (*PRUNE, *MOD)
 
