@@ -498,6 +498,7 @@ def _tokenize(args) -> int:
     except WriteError as e:
         print(f"mode tokenize: error: {e}", file=sys.stderr)
         return 1
+    assert meta.shards is not None, "tokenize: its meta lists the shards it wrote"
     print(
         f"wrote {args.out}: {len(meta.shards)} shard(s) of {meta.dtype} ids, vocab {meta.vocab_size}, from "
         f"{meta.source} (mode train --data {args.out})"

@@ -287,6 +287,7 @@ class ExpertParallelDispatcher(Dispatcher):
     def _combine_unique(self, y_RD: Tensor, plan: RoutingPlan, state: _EPState) -> Tensor:
         """Gates applied here, each token's outputs summed per received row, one row per (token, rank) back."""
         assert state.gate_R is not None, "_combine_unique: the dedup dispatch keeps the received gates"
+        assert state.row_R is not None and state.token_U is not None, "_combine_unique: and the rows and tokens"
         weighted_RD = y_RD * state.gate_R.to(y_RD.dtype)[:, None]
         y_recv_VD = weighted_RD.new_zeros(sum(state.recv_splits), y_RD.shape[-1]).index_add(0, state.row_R, weighted_RD)
         y_UD = all_to_all_rows(y_recv_VD, state.send_splits, state.recv_splits, self.group)

@@ -456,7 +456,8 @@ def _claims(runs: dict, baseline: dict | None, seeds: list[int]) -> tuple[dict, 
             continue
         ra, rb = [runs[a][s] for s in seeds], [runs[b][s] for s in seeds]
         d = stats_ci.paired_difference([r["val_loss"] for r in ra], [r["val_loss"] for r in rb])
-        se = max(stats_ci.window_noise(x["window_losses"], y["window_losses"]) for x, y in zip(ra, rb))
+        # a float: every preset evaluates hundreds of windows (None only for fewer than two)
+        se = max(cast(float, stats_ci.window_noise(x["window_losses"], y["window_losses"])) for x, y in zip(ra, rb))
         noise.append(se)
         claims[label] = {"a": a, "b": b, **d, "eval_se": se}
     return claims, noise
@@ -642,7 +643,8 @@ def _cell(r: dict, col: _Column, missing: str) -> str:
 def format_table(results: dict) -> str:
     """The comparison as the fixed-width table `mode compare` prints."""
     cols = [c for c in _COLUMNS if c.width is not None]
-    widths = [max(c.width, len(c.text) + 2) for c in cols]  # two spaces at least between titles
+    # two spaces at least between titles; a column with a width has a terminal title
+    widths = [max(cast(int, c.width), len(cast(str, c.text)) + 2) for c in cols]
     first = max([16, *(len(name) + 1 for name in results)])
     head = f"{'variant':<{first}}" + "".join(f"{c.text:>{w}}" for c, w in zip(cols, widths))
     lines = [head, "-" * len(head)]
@@ -680,7 +682,7 @@ def legend(report: dict, style: str) -> str:
         return "\n".join(
             [f"- *{c.md}*: {cast(str, c.meaning).format(**values)}" for c in shown] + [f"- {n}" for n in said_once]
         )
-    width = max(len(c.text) for c in shown)
+    width = max(len(cast(str, c.text)) for c in shown)  # text style: shown columns have a width, so a title
     return "\n".join(
         ["columns:"]
         + [f"  {c.text:<{width}}  {cast(str, c.meaning).format(**values)}" for c in shown]  # shown: has one

@@ -89,8 +89,9 @@ def summarize(
             runs_a = [by_key[(budget, a, _size(p, ba["size"]), s)] for s in seeds]
             runs_b = [by_key[(budget, b, _size(p, bb["size"]), s)] for s in seeds]
             d = stats_ci.paired_difference([r["val_loss"] for r in runs_a], [r["val_loss"] for r in runs_b])
-            eval_se = max(
-                stats_ci.window_noise(ra["window_losses"], rb["window_losses"]) for ra, rb in zip(runs_a, runs_b)
+            eval_se = max(  # a float for eval_windows >= 2 (every preset: 512+), which the report assumes
+                cast(float, stats_ci.window_noise(ra["window_losses"], rb["window_losses"]))
+                for ra, rb in zip(runs_a, runs_b)
             )
             noise_pair.append(eval_se)
             # a best size at the edge of the sizes tried is not an optimum: the true one may lie beyond it

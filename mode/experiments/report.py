@@ -480,7 +480,7 @@ def run_report(
     )
     record = state.get("data") or {}
     if not data and record.get("kind") == "tokens":  # a model of token ids is evaluated on its own shards
-        data = record["path"]
+        data = cast(str, record["path"])  # a tokens record names its folder
         if not Path(data).is_dir():
             raise ValueError(
                 f"checkpoint {str(ckpt)!r}: trained on the token shards in {data!r}, which are "

@@ -30,7 +30,7 @@ def _crc32(split, crc: int) -> int:
     for part in split_parts(split):
         ids = part.ids_N if hasattr(part, "ids_N") else part
         for i in range(0, len(ids), _CHUNK):
-            crc = zlib.crc32(np.ascontiguousarray(ids[i : i + _CHUNK]), crc)
+            crc = zlib.crc32(np.ascontiguousarray(ids[i : i + _CHUNK]).data, crc)  # .data: the same bytes
     return crc
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -106,7 +106,7 @@ def train(
 ) -> Trainer:
     """Train one run into ``run_dir``; when ``resume``, continue from its checkpoint if there is one.
     ``device``/``bf16`` go to the trainer only when set (a GPU sweep); the CPU default needs neither."""
-    extra = {} if device is None else {"device": device}
+    extra: dict[str, Any] = {} if device is None else {"device": device}
     if bf16:
         extra["bf16"] = True
     trainer = Trainer(cfg, tcfg, corpus, run_dir, name=name, progress=progress, **extra)

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from mode._module_attr import set_module_attr
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -246,5 +248,5 @@ def drop_quantization_markers(model: nn.Module) -> nn.Module:
     for name in ("hf_quantizer", "quantization_method"):
         if name in vars(model):
             delattr(model, name)
-    model.is_quantized = False  # what transformers' own remove_quantization_config leaves
+    set_module_attr(model, "is_quantized", False)  # what transformers' own remove_quantization_config leaves
     return model

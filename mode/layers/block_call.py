@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import cast
 
 from torch import Tensor, nn
 
@@ -65,7 +66,7 @@ class BlockCall:
         values = {"positions": positions_BC, "mask": mask_BC}
         kwargs = {name: values[role] for name, role in self.keyword}
         if cache is not None:  # decoding; MoD refuses a cache for a block without a cache parameter
-            kwargs[self.cache] = cache
+            kwargs[cast(str, self.cache)] = cache
         return block_output(block, block(x_BCD, *(values[r] for r in self.positional), **kwargs), x_BCD)
 
 

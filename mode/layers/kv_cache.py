@@ -29,6 +29,8 @@ other multi-token calls take ``RowView.extend`` (general, with host syncs for th
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -201,8 +203,8 @@ class RowView:
         if q_nHCK.shape[2] == 1:  # decoding: one token per row
             if rows is None:
                 return c.decode_all(q_nHCK, k_nHCK, v_nHCK, None if valid_nC is None else valid_nC[:, 0])
-            if isinstance(rows, list) and valid_nC is None:
-                return c.decode_rows(rows, self.rows_t, q_nHCK, k_nHCK, v_nHCK)
+            if isinstance(rows, list) and valid_nC is None:  # a host list: __init__ made rows_t from it
+                return c.decode_rows(rows, cast(Tensor, self.rows_t), q_nHCK, k_nHCK, v_nHCK)
         keys, values, allowed_nCL = self.extend(k_nHCK, v_nHCK, valid_nC)
         return F.scaled_dot_product_attention(q_nHCK, keys, values, attn_mask=allowed_nCL[:, None])
 

@@ -308,11 +308,12 @@ class MoD(nn.Module):
             x_n1D, pos_n1, r_nX, view = x_B1D, pos_B1, r_BX, cache.all_rows()
         else:
             view = cache.rows(rows)
-            x_n1D, pos_n1, r_nX = (t.index_select(0, view.rows_t) for t in (x_B1D, pos_B1, r_BX))
+            rows_t = cast(Tensor, view.rows_t)  # a view of a host list holds its device copy
+            x_n1D, pos_n1, r_nX = (t.index_select(0, rows_t) for t in (x_B1D, pos_B1, r_BX))
         y_n1D, block_aux = self.block_call(self.block, x_n1D, pos_n1, None, view)
         if self.scale_delta:
             y_n1D = x_n1D + self._gate(r_nX, x_n1D.dtype) * (y_n1D - x_n1D)
-        y_B1D = y_n1D if len(rows) == B else x_B1D.index_copy(0, view.rows_t, y_n1D)
+        y_B1D = y_n1D if len(rows) == B else x_B1D.index_copy(0, cast(Tensor, view.rows_t), y_n1D)
         return y_B1D, aux.merge(block_aux)
 
     @staticmethod

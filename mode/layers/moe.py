@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from mode import _checks
+from mode._module_attr import set_module_attr
 from mode.dispatch.base import Dispatcher
 from mode.dispatch.local import LocalDispatcher
 from mode.experts.bank import LAYOUTS, ExpertBank, ExpertConfig
@@ -238,7 +239,7 @@ class MoELayer(nn.Module):
                     f"noop.kinds={noop.kinds}: copy and constant no-op experts need a router that "
                     f"gives each token's no-op gates (token choice), not {type(router).__name__}"
                 )
-            router.emit_noop_gates = noop.needs_gates
+            set_module_attr(router, "emit_noop_gates", noop.needs_gates)
         self.noop = noop
         self._noop_adds = noop is not None and noop.needs_gates  # the no-op path, chosen once
 
@@ -254,7 +255,7 @@ class MoELayer(nn.Module):
                 "it: num_local_experts, dispatch, combine)"
             )
         router = self.router
-        local = dispatcher.num_local_experts(router.num_experts)  # E, or E / P when expert-parallel
+        local = dispatcher.num_local_experts(cast(int, router.num_experts))  # E, or E / P when expert-parallel
         if experts.num_experts != local:
             if local == router.num_experts:
                 raise ValueError(

@@ -20,8 +20,9 @@ route (``seq_capacity``), how many assignments they compute (``assignments``) an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 from torch import Tensor
@@ -33,9 +34,10 @@ from mode.routing.keys import MOE, router_key
 from mode.routing.plan import Aux
 
 TRAIN_MULTIPLIER = 3
+_N = TypeVar("_N", float, Tensor)  # a token count: a number, or per-row counts as a tensor (token_compute)
 
 
-def attention_flops(n: float, d: int) -> float:
+def attention_flops(n: _N, d: int) -> _N:
     """q, k, v and output projections plus scores and weighted values for ``n`` tokens attending to each other."""
     return 8 * n * d * d + 4 * n * n * d
 
@@ -57,16 +59,17 @@ def shared_flops_per_token(cfg: LMConfig) -> float:
 class LayerFlops:
     kind: str
     attention: float
-    mlp: float
+    mlp: float | Tensor  # a float64 0-dim tensor on the device for realized routing not read (forward_flops)
     router: float
 
     @property
-    def total(self) -> float:
+    def total(self) -> float | Tensor:
         return self.attention + self.mlp + self.router
 
 
-def layer_flops(cfg: LMConfig, kind: str, seq_len: int, assignments: float | None = None) -> LayerFlops:
-    """Forward FLOPs of one layer on one sequence. ``assignments``: realized expert rows per sequence."""
+def layer_flops(cfg: LMConfig, kind: str, seq_len: int, assignments: float | Tensor | None = None) -> LayerFlops:
+    """Forward FLOPs of one layer on one sequence. ``assignments``: realized expert rows per sequence (a 0-dim
+    tensor: ``mlp`` is one too)."""
     k = get_layer_kind(kind, "kind")
     d, s = cfg.d_model, seq_len
     router = 0.0
@@ -183,7 +186,9 @@ def measured_flops(fn, *args, **kwargs) -> tuple[int, object]:
 
     Adds formulas for the CPU attention kernel and ``torch._grouped_mm``, which the stock counter leaves
     at zero on CPU."""
-    custom = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops}
+    custom: dict[Any, Callable[..., int]] = {
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops
+    }
     if hasattr(torch.ops.aten, "_grouped_mm"):
         custom[torch.ops.aten._grouped_mm] = _grouped_mm_flops
         import mode.experts.grouped_mm  # noqa: F401  (registers the mode::grouped_mm custom op)

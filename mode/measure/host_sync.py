@@ -167,7 +167,7 @@ class CudaSyncCounter:
         return self
 
     def __exit__(self, *exc) -> None:
-        assert self._catch is not None, "CudaSyncCounter: __exit__ follows __enter__"
+        assert self._catch is not None and self._previous is not None, "CudaSyncCounter: __exit__ follows __enter__"
         torch.cuda.set_sync_debug_mode(self._previous)
         records = list(self._records)
         self._catch.__exit__(*exc)

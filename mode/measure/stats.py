@@ -23,6 +23,7 @@ this module never imports ``torch.distributed``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -192,10 +193,11 @@ class RoutingAccumulator:
             self._acc(f"layer.{i}|attn_sum", tc.attn_LBS[i].double().sum())
             self._acc(f"layer.{i}|mlp_sum", tc.mlp_LBS[i].double().sum())
 
-    def add_lm(self, cfg: LMConfig, aux: Aux, batch_shape: tuple[int, int]) -> TokenCompute:
-        """Add an LM forward pass: its router stats and its per-token compute (returned)."""
+    def add_lm(self, cfg: LMConfig, aux: Aux, batch_shape: Sequence[int]) -> TokenCompute:
+        """Add an LM forward pass: its router stats and its per-token compute (returned). ``batch_shape``: (B, S)."""
         self.add(aux)
-        tc = token_compute(cfg, aux, tuple(batch_shape))
+        B, S = batch_shape
+        tc = token_compute(cfg, aux, (B, S))
         self.add_tokens(tc, mlp_bound=sum(max_mlp_per_layer(cfg, kind) for kind in cfg.layers))
         return tc
 

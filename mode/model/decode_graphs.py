@@ -90,6 +90,7 @@ class GraphedDecode:
         self.graph = None  # the previous width's graph and its pool go first
         torch.cuda.synchronize()  # the warm-up's (and a previous replay's) work is done before capture begins
         graph = torch.cuda.CUDAGraph()
+        assert self.tokens_B is not None and self.positions_B is not None, "allocated by __call__ before a capture"
         with torch.cuda.graph(graph):
             self.logits_BV = self.step(self.tokens_B, self.positions_B)
         self.graph = graph

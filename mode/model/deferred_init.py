@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -151,7 +151,7 @@ class _Recorder(TorchDispatchMode):
 
     def _ref(self, t: Tensor) -> _Ref:
         self.keep.append(t)
-        return _Ref(t.untyped_storage()._cdata, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        return _Ref(t.untyped_storage()._cdata, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
     def _convert(self, x):
         if isinstance(x, Tensor):
@@ -292,7 +292,7 @@ def _record(fn: Callable[[], M]) -> tuple[M, MetaRecord]:
             key = t.untyped_storage()._cdata
             if key not in recorder.nbytes:
                 raise MetaInitError(f"{kind} {name!r}: was made outside fn; build every tensor of the model inside it")
-            names[name] = _Ref(key, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            names[name] = _Ref(key, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
     recorder.keep.clear()
     return model, MetaRecord(recorder.ops, recorder.nbytes, names, rng_start)
 
@@ -421,7 +421,8 @@ def _replay(record: MetaRecord, emit, restore_rng: bool, names=None) -> None:
         with torch.no_grad():
             for i, op in enumerate(record.ops):
                 if op.func is None:
-                    (op.generator.set_state if op.generator is not None else torch.set_rng_state)(op.state)
+                    state = cast(Tensor, op.state)  # a generator-state event carries its state
+                    (op.generator.set_state if op.generator is not None else torch.set_rng_state)(state)
                     continue
                 if not live[i]:
                     continue

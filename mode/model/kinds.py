@@ -70,11 +70,11 @@ def _block(cfg, mlp: nn.Module) -> TransformerBlock:
     return TransformerBlock(cfg.d_model, cfg.n_heads, mlp, rope_base=cfg.rope_base)
 
 
-def _dense(cfg) -> nn.Module:
+def _dense(cfg) -> TransformerBlock:
     return _block(cfg, MLP(cfg.d_model, cfg.d_hidden, cfg.activation))
 
 
-def _moe(cfg, noop: bool) -> nn.Module:
+def _moe(cfg, noop: bool) -> TransformerBlock:
     layer_cls = IntegratedMoDE if noop else MoELayer
     return _block(cfg, layer_cls.from_config(cfg.moe_config(with_noop=noop)))
 

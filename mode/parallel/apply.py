@@ -53,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from mode._module_attr import set_module_attr
 from mode.dispatch.expert_parallel import ExpertParallelDispatcher
 from mode.experts.bank import ExpertBank
 from mode.layers.mod import MoD
@@ -145,14 +146,14 @@ def parallelize(
                 f"{name or 'model'}: is already expert-parallel (mode.parallel.ep_model.shard_model); "
                 "parallelize a model built for one process"
             )
-        dims.check_experts(layer.router.num_experts, f"{name or 'model'}.router.num_experts")
+        dims.check_experts(cast(int, layer.router.num_experts), f"{name or 'model'}.router.num_experts")  # an int
     blocks = resolve_blocks(model, blocks)
 
     ep_mesh = mesh["ep"]
     ep_rank = ep_mesh.get_local_rank()
     banks = []
     for layer in layers.values():
-        E = layer.router.num_experts
+        E = cast(int, layer.router.num_experts)  # a router's int
         if dims.ep > 1:
             layer.set_experts(
                 shard_experts(layer.experts, ep_rank, dims.ep),
@@ -174,7 +175,7 @@ def parallelize(
     counts_over_mesh = SumOverGroup(flat.get_group())  # every rank holds a copy of every router
     for m in model.modules():
         if hasattr(m, "reduce_counts"):  # token-choice routers: bias balancing, the global balance loss
-            m.reduce_counts = counts_over_mesh
+            set_module_attr(m, "reduce_counts", counts_over_mesh)
     for block in blocks:
         fully_shard(block, mesh=flat, **kw)
     fully_shard(model, mesh=flat, **kw)

@@ -28,6 +28,7 @@ import pickle
 import re
 import warnings
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -147,7 +148,7 @@ def verify_folder(folder: str | Path) -> list[str]:
             folder = folder / name
     if not (folder / MANIFEST).is_file():
         raise checkpoint.ChecksumError(f"{where}: no {MANIFEST} in it: nothing to verify")
-    sums = read_manifest(folder, where)
+    sums = cast(dict[str, str], read_manifest(folder, where))  # a dict: the manifest is there (checked above)
     for name in sorted(sums):
         verify_file(folder, name, sums, where)
     return sorted(sums)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import cast
 
 import torch
 from torch import nn
@@ -95,7 +96,8 @@ def shard_model(model: nn.Module, group=None) -> nn.Module:
     for parent, name, layer in targets:
         if isinstance(layer.dispatcher, ExpertParallelDispatcher):
             raise ValueError(f"{type(parent).__name__}.{name}: is already expert-parallel")
-        dispatcher = ExpertParallelDispatcher(group, layer.router.num_experts)  # one per layer: its own stats
+        # one per layer: its own stats (num_experts: a router's int)
+        dispatcher = ExpertParallelDispatcher(group, cast(int, layer.router.num_experts))
         setattr(parent, name, shard_layer(layer, dispatcher))  # same slot in _modules: same parameter order
     for m in model.modules():  # a MoD around an expert-parallel layer must call its block even when empty
         if isinstance(m, MoD) and any(

@@ -30,6 +30,7 @@ shards do not say which rows they hold): ``MetaInitError`` names the parameter.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -70,9 +71,14 @@ def _retie(groups: list[list[tuple[nn.Module, str, bool]]]) -> None:
     """``to_empty`` gives each module its own new tensor: make the tied ones one tensor again."""
     for group in groups:
         first_m, first_attr, is_param = group[0]
-        t = (first_m._parameters if is_param else first_m._buffers)[first_attr]
+        t = _store(first_m, is_param)[first_attr]
         for m, attr, _ in group[1:]:
-            (m._parameters if is_param else m._buffers)[attr] = t
+            _store(m, is_param)[attr] = t
+
+
+def _store(m: nn.Module, is_param: bool) -> dict[str, Tensor | None]:
+    """``m``'s parameters or buffers (a tied group is of one kind: a parameter goes to parameters only)."""
+    return cast(dict[str, Tensor | None], m._parameters if is_param else m._buffers)
 
 
 def _local_piece(full: Tensor, target: Tensor, name: str) -> Tensor:

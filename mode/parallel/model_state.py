@@ -117,6 +117,7 @@ def load_state(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim
             model,
             optimizer,
             model_state_dict=state["model"],
-            optim_state_dict={"state": state["optimizer"], "param_groups": param_groups},
+            # param_groups: a list wherever there is an optimizer
+            optim_state_dict={"state": state["optimizer"], "param_groups": cast(list, param_groups)},
         )
     return extra

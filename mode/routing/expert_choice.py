@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +81,7 @@ class ExpertChoiceConfig:
 
     def tokens_per_slot(self, seq_len: int) -> int:
         """``c = ceil(capacity_factor * S / X)`` tokens each slot picks per sequence."""
-        c = ceil_of(self.capacity_factor, seq_len, self.num_slots)
+        c = ceil_of(cast(float, self.capacity_factor), seq_len, self.num_slots)  # __post_init__: None -> 1.0
         if c > seq_len:
             raise ValueError(
                 f"capacity_factor={self.capacity_factor}: each of the {self.num_slots} expert slots would "

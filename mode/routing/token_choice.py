@@ -63,6 +63,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -459,7 +460,8 @@ class TokenChoiceRouter(nn.Module):
             aux = Aux()
             if fused is not None:
                 z_total = self._add_fused_losses(aux, fused, requested_X, valid_T)
-            else:
+            else:  # the unfused path: both are tensors (None only on the fused one)
+                probs_TX, balance_probs_TX = cast(Tensor, probs_TX), cast(Tensor, balance_probs_TX)
                 z_total = self._add_losses(
                     aux, logits_TX, probs_TX, balance_probs_TX, requested_X, chosen_TK, valid_T, B
                 )
@@ -468,12 +470,12 @@ class TokenChoiceRouter(nn.Module):
 
         if padded:
             gate_A = gate_TK.t().reshape(-1)
-            computed_A = slot_A < E if valid_A is None else valid_A & (slot_A < E)
+            # a Tensor: slot_A and valid_A are set above under the same `padded`, which pyright cannot follow (to it
+            # they may be unbound, and computed_A a bool)
+            computed_A = cast(Tensor, slot_A < E if valid_A is None else valid_A & (slot_A < E))
             if cap is not None:
                 computed_A = computed_A & _within_capacity(slot_A, computed_A, E, cap)
-            # E: not computed, sorts after every expert. (slot_A and valid_A are set above under the same `padded`,
-            # which pyright cannot follow: to it they may be unbound, and computed_A a bool.)
-            expert_key_A = torch.where(computed_A, slot_A, E)  # pyright: ignore[reportCallIssue]
+            expert_key_A = torch.where(computed_A, slot_A, E)  # E: not computed, sorts after every expert
             token_A, expert_A, gate_A, counts_E, order_A = group_by_expert(
                 token_A, expert_key_A, gate_A, E, T, return_order=True
             )
@@ -523,6 +525,7 @@ class TokenChoiceRouter(nn.Module):
             aux.add_loss("balance", out.balance_loss(n), c_b)
             aux.add_loss("z_loss", out.z_sum / n, c_z)
             return out.z_sum
+        n = max(1, T)  # no mask (returned above otherwise): an int, as first set
         total = None
         if c_b or c_z:
             w_X = _counts_times(requested_X, c_b * X / (n * n * K), out.sums_S.dtype)  # no gradient
@@ -616,7 +619,9 @@ class TokenChoiceRouter(nn.Module):
         else:  # a group scores its two best experts
             group_TG = real_TGE.topk(min(2, E // G), dim=-1).values.sum(-1)
         keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(
-            1, group_TG.topk(self.cfg.topk_group, dim=-1).indices, True
+            1,
+            group_TG.topk(cast(int, self.cfg.topk_group), dim=-1).indices,
+            True,  # __post_init__: None -> n_group
         )
         real_TE = real_TGE.masked_fill(~keep_TG[:, :, None], self._dropped_fill).reshape(T, E)
         return torch.cat([real_TE, choice_TX[:, E:]], dim=1)
@@ -708,7 +713,7 @@ class TokenChoiceStats(RoutingStats):
     def entropy(self) -> Tensor:
         if self._entropy is not None:
             return self._entropy()
-        return entropy_of(self._probs_TX, self._valid_T)
+        return entropy_of(cast(Tensor, self._probs_TX), self._valid_T)  # kept wherever there is no entropy sum
 
     @property
     def num_experts(self) -> int:

@@ -215,7 +215,7 @@ def replace_dir(tmp: str | Path, path: str | Path) -> Path:
     return path
 
 
-def prepare_dir(path: str | Path, name: str = "out") -> Path:
+def prepare_dir(path: str | os.PathLike, name: str = "out") -> Path:
     """Create folder ``path`` if needed and prove that a file can be written in it, or raise a ValueError
     naming ``name`` (the argument it came from) and the reason. Call before any training starts."""
     path = Path(path)
@@ -465,7 +465,7 @@ def check_state(state: dict, where: str, training: bool, tensors: bool = True) -
             raise CheckpointError(f"{where}: step={state['step']}: must be >= 0")
 
 
-def model_config_from_dict(d: dict, where: str = "checkpoint") -> LMConfig:
+def model_config_from_dict(d: object, where: str = "checkpoint") -> LMConfig:
     """Rebuild and validate the ``LMConfig`` stored as a dict (unknown fields are an error; fields added
     since the file was written take their defaults)."""
     if not isinstance(d, dict):

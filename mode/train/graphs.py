@@ -176,6 +176,7 @@ class GraphedTrainStep:
             self.sums = StepSums.like(layout, self.device)
             return out
         self.dirty = True
+        assert self.sums is not None, "the last warm-up step laid out the sums"
         if not self.capture:  # the rehearsal: the captured code, run eagerly
             out = self._body(self.sums)
             self.optimizer.zero_grad(set_to_none=True)
@@ -219,6 +220,7 @@ class GraphedTrainStep:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the warm-up's cached blocks go back: the graph's pool holds a step's memory again
         graph = torch.cuda.CUDAGraph()
+        assert self.sums is not None, "the last warm-up step laid out the sums"
         with torch.cuda.graph(graph):
             self.outputs = self._body(self.sums)
         self.graph = graph

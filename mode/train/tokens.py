@@ -33,6 +33,7 @@ The rules
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,7 @@ class TokenizerRef:
             raise ValueError(f"{where}: tokenizer={d!r}: must be a dict with the str fields 'path' and 'sha256'")
         return cls(d["path"], d["sha256"])
 
-    def load(self, where: str, path: str | Path | None = None):
+    def load(self, where: str, path: str | os.PathLike | None = None):
         """The ``tokenizers.Tokenizer`` of this file (or of ``path``, a copy of it: the hash must match)."""
         file = Path(path if path is not None else self.path)
         if not file.is_file():
@@ -97,7 +98,7 @@ class TokenizerRef:
         return load_tokenizer(file)
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | os.PathLike):
     """``tokenizers.Tokenizer.from_file(path)``, with a clear error when the package or the file is wrong."""
     try:
         from tokenizers import Tokenizer
@@ -358,7 +359,7 @@ class TokenFolder:
         )
 
 
-def open_token_folder(path: str | Path, seq_len: int | None = None) -> TokenFolder:
+def open_token_folder(path: str | os.PathLike, seq_len: int | None = None) -> TokenFolder:
     """Open a folder of shards (the rules are in the module doc). ``seq_len``: also check that training and
     validation each hold a window of ``seq_len + 1`` ids inside one shard."""
     folder = Path(path)

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from mode._module_attr import set_module_attr
 from mode.hf._compat import decoder_config, decoder_layers
 from mode.hf.dense.convert import to_mod
 from mode.hf.dense.lora import lora_parameters
@@ -99,7 +100,8 @@ def load_conversion(model: nn.Module, directory: str | Path) -> nn.Module:
         # routed tokens' K/V only
         to_mod(model, layers=layers, **{"part": "layer", "steer_decision": False, "kv": "routed", **settings})
     if doc.get("healed"):
-        model.mode_conversion = {**(getattr(model, "mode_conversion", None) or {}), "healed": doc["healed"]}
+        spec = getattr(model, "mode_conversion", None) or {}
+        set_module_attr(model, "mode_conversion", {**spec, "healed": doc["healed"]})
     tensors = load_file(str(src / WEIGHTS_FILE), device=str(next(model.parameters()).device))
     expected = conversion_state(model)
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
@@ -125,7 +127,7 @@ def _prune_as_saved(model: nn.Module, pruned: dict) -> None:
     if rank is not None:
         estimates = {i: SkipUpdate(d_model, rank).to(device=ref.device, dtype=torch.float32) for i in pruned["layers"]}
     delete_layers(model, pruned["layers"], estimates)
-    model.mode_conversion = {"pruned": pruned}
+    set_module_attr(model, "mode_conversion", {"pruned": pruned})
 
 
 def _grouped(per_layer: dict) -> list[tuple[dict, list[int]]]:

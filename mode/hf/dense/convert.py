@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from mode import _checks
+from mode._module_attr import set_module_attr
 from mode.hf._compat import check_attention, check_model_type, decoder_config, decoder_layers, layer_index
 from mode.hf.dense.mod_layer import KV, PARTS, MoDLayerMixin, mod_class
 from mode.hf.dense.skip_update import SkipUpdate
@@ -116,14 +117,13 @@ def to_mod(
             )
         )
         layer.mod_router = router.to(device=ref.device, dtype=torch.float32)  # routers stay in float32
-        layer.mod_part = part
-        layer.mod_kv = kv
-        layer.mod_skip = (
-            None if skip_rank is None else SkipUpdate(d_model, skip_rank).to(device=ref.device, dtype=torch.float32)
-        )
+        set_module_attr(layer, "mod_part", part)
+        set_module_attr(layer, "mod_kv", kv)
+        skip = None if skip_rank is None else SkipUpdate(d_model, skip_rank).to(device=ref.device, dtype=torch.float32)
+        set_module_attr(layer, "mod_skip", skip)
         layer.__class__ = mod_class(type(layer))
     if hasattr(model, "_get_candidate_generator"):  # generate()'s entry to assisted / speculative decoding
-        model._get_candidate_generator = _refuse_assisted
+        set_module_attr(model, "_get_candidate_generator", _refuse_assisted)
     spec = getattr(model, "mode_conversion", None) or {}
     mod = spec.setdefault("mod", {})
     for i in chosen:
@@ -138,7 +138,7 @@ def to_mod(
             "kv": kv,
             "skip_rank": skip_rank,
         }
-    model.mode_conversion = spec
+    set_module_attr(model, "mode_conversion", spec)
     return model
 
 

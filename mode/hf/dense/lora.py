@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from mode import _checks
+from mode._module_attr import set_module_attr
 from mode.hf._compat import decoder_layers
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -77,7 +78,7 @@ def add_lora(
             proj.lora = LoRA(proj.in_features, proj.out_features, rank, scale).to(
                 device=proj.weight.device, dtype=torch.float32
             )
-            proj._mode_lora_hook = proj.register_forward_hook(_add_update)
+            set_module_attr(proj, "_mode_lora_hook", proj.register_forward_hook(_add_update))
     return lora_parameters(model)
 
 
@@ -110,4 +111,4 @@ def mark_healed(model: nn.Module, names: Sequence[str]) -> None:
     """Record base weights changed by healing in ``model.mode_conversion["healed"]`` (sorted, no repeats)."""
     spec = getattr(model, "mode_conversion", None) or {}
     spec["healed"] = sorted(set(spec.get("healed", [])) | set(names))
-    model.mode_conversion = spec
+    set_module_attr(model, "mode_conversion", spec)

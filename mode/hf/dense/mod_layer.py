@@ -49,6 +49,11 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     _DecoderLayer = nn.Module
+
+    class _Attention(nn.Module):
+        """A transformers attention module, as the mixin uses it: its index in the model's cache."""
+
+        layer_idx: int
 else:
     _DecoderLayer = object
 
@@ -66,7 +71,7 @@ class MoDLayerMixin(_DecoderLayer):
     # to_mod on the instance (a class-level default would shadow the registered submodule)
     mod_aux: Aux | None = None
     # the decoder layer's own submodules that the mixin calls (Llama, Qwen2 and Mistral name them so)
-    self_attn: nn.Module
+    self_attn: _Attention
     mlp: nn.Module
     input_layernorm: nn.Module
     post_attention_layernorm: nn.Module

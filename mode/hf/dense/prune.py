@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mode import _checks
+from mode._module_attr import set_module_attr
 from mode.hf._compat import check_model_type, decoder_config, decoder_layers
 from mode.hf.dense.convert import mod_layers
 from mode.hf.dense.skip_cost import cheapest, skip_costs
@@ -149,10 +150,11 @@ def delete_layers(model: nn.Module, chosen: Sequence[int], estimates: dict[int, 
     for host, ests in hosts.items():
         module = _final_norm(model) if host == -1 else layers[host]
         module.prune_est = nn.ModuleList(ests)
-        module._mode_prune_hook = module.register_forward_pre_hook(_apply_estimates, with_kwargs=True)
+        hook = module.register_forward_pre_hook(_apply_estimates, with_kwargs=True)
+        set_module_attr(module, "_mode_prune_hook", hook)
     new = nn.ModuleList([layers[i] for i in kept])
     for j, layer in enumerate(new):
-        layer.get_submodule("self_attn").layer_idx = j
+        set_module_attr(layer.get_submodule("self_attn"), "layer_idx", j)
     owner = model if getattr(model, "layers", None) is layers else model.get_submodule("model")
     owner.layers = new
     config.num_hidden_layers = len(kept)
@@ -194,9 +196,8 @@ def prune_layers(
     estimates = None if estimate_rank is None else _fit_estimates(model, batches, chosen, estimate_rank)
     kept = [i for i in range(n_layers) if i not in chosen]
     delete_layers(model, chosen, estimates)
-    model.mode_conversion = {
-        "pruned": {"layers": chosen, "kept": kept, "n_layers": n_layers, "by": by, "estimate_rank": estimate_rank}
-    }
+    pruned = {"layers": chosen, "kept": kept, "n_layers": n_layers, "by": by, "estimate_rank": estimate_rank}
+    set_module_attr(model, "mode_conversion", {"pruned": pruned})
     return chosen
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from mode import _checks
+from mode._module_attr import set_module_attr
 from mode.experts.bank import ExpertBank
 from mode.hf._compat import check_model_type, decoder_config, decoder_layers
 from mode.hf.dense.convert import resolve_layers
@@ -99,12 +100,14 @@ def upcycle(
     }
     for i in chosen:
         mlp = all_layers[i].mlp
+        if not isinstance(mlp, nn.Module):
+            raise TypeError(f"layers: layer {i}'s mlp is a {type(mlp).__name__}, not an nn.Module")
         if isinstance(mlp, UpcycledMLP):
             raise ValueError(f"layers: the MLP of layer {i} is already upcycled")
         all_layers[i].mlp = upcycled_mlp(mlp, spec, noise)
     conversion = getattr(model, "mode_conversion", None) or {}
     conversion.setdefault("upcycle", {}).update({str(i): dict(spec) for i in chosen})
-    model.mode_conversion = conversion
+    set_module_attr(model, "mode_conversion", conversion)
     return model
 
 
@@ -151,8 +154,11 @@ def upcycled_mlp(mlp: nn.Module, spec: dict, noise: float = 0.0) -> UpcycledMLP:
     return UpcycledMLP(moe, spec)
 
 
-def upcycled_mlps(model: nn.Module, kind: type[MoESlot] = UpcycledMLP) -> dict[int, MoESlot]:
-    """The upcycled MLPs of ``model`` by layer index (``kind=MoESlot``: every MoE slot, converted ones too)."""
+def upcycled_mlps(
+    model: nn.Module, kind: type[MoESlot] | tuple[type[MoESlot], ...] = UpcycledMLP
+) -> dict[int, MoESlot]:
+    """The upcycled MLPs of ``model`` by layer index (``kind=MoESlot``: every MoE slot, converted ones too; a
+    tuple of classes: any of them)."""
     try:
         layers = decoder_layers(model)
     except ValueError:

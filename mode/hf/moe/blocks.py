@@ -332,10 +332,11 @@ def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, Extras]:
         router.weight = gate_w
         if spec.router_bias is not None:
             router.logit_bias_X = getattr(router_mod, spec.router_bias)
+        # cfg is moe_config's reading of this spec: each of these is on only where the spec names its tensor
         if cfg.router_config().bias_balance:
-            router.bias_X = get_path(block, spec.choice_bias)
+            router.bias_X = get_path(block, cast(str, spec.choice_bias))
         if cfg.router_config().hash_vocab:
-            router.hash_table_VK = get_path(block, spec.hash_table)
+            router.hash_table_VK = get_path(block, cast(str, spec.hash_table))
     with torch.device("meta"):  # the experts' own tensors replace these: nothing is allocated
         bank = ExpertBank(cfg.expert_config())
     names = ("w_in_EFD", "w_out_EDH") if spec.layout == "EFD" else ("w_in_EDF", "w_out_EHD")
@@ -359,8 +360,8 @@ def adopt_block(block: nn.Module, config=None, **kw) -> tuple[MoELayer, Extras]:
     shared = shared_gate = None
     if cfg.num_shared:
         average = bool(read(spec.shared_average, block, config))
-        shared = SharedMLP(get_path(block, spec.shared), 0.5 if average else 1.0)
-        shared_gate = get_path(block, spec.shared_gate) if cfg.shared_gate else None
+        shared = SharedMLP(get_path(block, cast(str, spec.shared)), 0.5 if average else 1.0)  # as above
+        shared_gate = get_path(block, cast(str, spec.shared_gate)) if cfg.shared_gate else None
     elif spec.output_bias is not None:  # JetMoE: a bias added after the combine, as an always-on constant
         shared = OutputBias(get_path(block, spec.output_bias))
     layer_cls = IntegratedMoDE if cfg.num_noop else MoELayer

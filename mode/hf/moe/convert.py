@@ -45,6 +45,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
+from mode._module_attr import set_module_attr
 from mode.hf.dense.routing import collect_aux
 from mode.hf.dense.upcycle import MoESlot, upcycled_mlps
 from mode.hf.moe.blocks import FAMILIES, Extras, SharedMLP, adopt_block, hf_names, kept_name, train_refusal
@@ -285,8 +286,8 @@ def to_mode_moe(
 
 def _keep_family_init(slot: nn.Module, block: nn.Module) -> None:
     """What transformers' ``_init_weights`` needs to initialise ``slot`` as ``block`` (``weight_init``)."""
-    slot.hf_skeletons = block_skeletons(block, slot)
-    slot.block_class = type(block).__name__
+    set_module_attr(slot, "hf_skeletons", block_skeletons(block, slot))
+    set_module_attr(slot, "block_class", type(block).__name__)
     mark_initialised(slot, block)
 
 

@@ -31,6 +31,7 @@ an attribute of the block (a dotted path), ``Cfg("router_jitter_noise", 0.0)`` a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,7 +93,8 @@ class Family:
     renorm_min: Any = 0.0
     renorm_p: Any = 1.0  # DBRX divides by the p-norm of the k gates (1: their sum)
     scale: Any = 1.0
-    groups: tuple | None = None  # (n_group, topk_group) as spec values; None: no group limit
+    # (n_group, topk_group) as spec values, or a function (block, config) -> that pair or None; None: no group limit
+    groups: tuple | Callable[[Any, Any], tuple | None] | None = None
     group_score: str = "top2"
     dropped_groups: str = "ninf"  # "zero": AXK2 zero-fills the experts of dropped groups
     bias_on: str = "scores"  # "logits": Kolibri-1 adds its correction bias to the raw logits
@@ -128,7 +130,7 @@ class Family:
 def _dsr(block: str, **kw) -> Family:
     """DeepSeek-V3's router (sigmoid, correction bias, groups scored by their top 2, renormalised + 1e-20,
     times ``routed_scaling_factor``) with an ungated ``shared_experts`` MLP: 17 families start from it."""
-    spec = dict(
+    spec: dict[str, Any] = dict(
         block=block,
         score="sigmoid",
         renormalize=At("gate.norm_topk_prob"),

@@ -30,7 +30,7 @@ import tempfile
 import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -59,6 +59,7 @@ class ConvertedSlot(Protocol):
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...  # the nn.Module's methods it calls
     def get_parameter(self, target: str) -> nn.Parameter: ...
     def get_buffer(self, target: str) -> Tensor: ...
+    def get_submodule(self, target: str) -> nn.Module: ...
 
 
 def converted_slots(model: nn.Module) -> dict:
@@ -79,7 +80,8 @@ def transformers_names(model: nn.Module, state: dict[str, Tensor]) -> dict[str, 
             rename[f"{slot_name}.{ours}"] = f"{slot_name}.{theirs}"
         for theirs, (parts, fn) in slot.derived.items():
             derived[f"{slot_name}.{theirs}"] = ([f"{slot_name}.{p}" for p in parts], fn)
-    out = {rename.get(k, k): v for k, v in state.items()}
+    # Any: a state_dict handed to save_pretrained may hold None for a tensor, which stays None (derived ones too)
+    out: dict[str, Any] = {rename.get(k, k): v for k, v in state.items()}
     used = set()
     for theirs, (parts, fn) in derived.items():
         if all(p in out for p in parts):

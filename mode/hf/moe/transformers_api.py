@@ -25,6 +25,7 @@ import types
 
 from torch import nn
 
+from mode._module_attr import set_module_attr
 from mode.hf.moe.saving import converted_slots
 
 # transformers' experts implementation names -> mode's ExpertBank backend (mode's own names pass as they are)
@@ -103,7 +104,7 @@ def adopt(model: nn.Module) -> None:
     mode's names, on every transformers model in ``model`` that holds converted slots."""
     for owner in _owners(model):
         slots = converted_slots(owner)
-        owner.set_experts_implementation = types.MethodType(set_experts_implementation, owner)
+        set_module_attr(owner, "set_experts_implementation", types.MethodType(set_experts_implementation, owner))
         for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
             patterns = set(getattr(owner, attr, None) or ())
             ours = {
@@ -117,7 +118,7 @@ def adopt(model: nn.Module) -> None:
                 setattr(owner, attr, patterns | ours)
         no_split = set(getattr(owner, "_no_split_modules", None) or ())
         converted = {s.block_class for s in slots.values()}
-        owner._no_split_modules = (no_split - converted) | {type(s).__name__ for s in slots.values()}
+        set_module_attr(owner, "_no_split_modules", (no_split - converted) | {type(s).__name__ for s in slots.values()})
         for attr in ("_tp_plan", "_ep_plan"):
             plan = getattr(owner, attr, None)
             if plan:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor, nn
 
+from mode._module_attr import set_module_attr
 from mode.routing.token_choice import TokenChoiceRouter
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def _theirs_to_ours(slot: ConvertedSlot) -> dict[str, str]:
     return back
 
 
-def _tensor(slot: nn.Module, name: str) -> Tensor:
+def _tensor(slot: ConvertedSlot, name: str) -> Tensor:
     module_path, _, leaf = name.rpartition(".")
     return getattr(slot.get_submodule(module_path), leaf)
 
@@ -85,7 +86,8 @@ def init_slot(slot: ConvertedSlot, family_init) -> None:
     written = []  # (derived temporary, the block's name): split back into the parts after the init
     try:
         for path, sk in skeletons:  # every skeleton filled first: a rule may read a child's tensor
-            for store in (sk._parameters, sk._buffers):
+            # a skeleton's parameter entries hold the slot's tensors as they are (Parameters or not) for the init
+            for store in cast(tuple[dict[str, Tensor | None], ...], (sk._parameters, sk._buffers)):
                 for name in store:
                     theirs = f"{path}.{name}" if path else name
                     if theirs in back:
@@ -116,8 +118,8 @@ def _init_weights(self, module: nn.Module) -> None:
     """``PreTrainedModel._init_weights`` of a model holding converted slots (installed on the instance by
     ``install_init``): a slot is initialised as its family's modules; every other module as before."""
     family_init = types.MethodType(type(self)._init_weights, self)
-    if getattr(module, "hf_skeletons", None) is not None:
-        init_slot(module, family_init)
+    if getattr(module, "hf_skeletons", None) is not None:  # only a converted slot has skeletons
+        init_slot(cast("ConvertedSlot", module), family_init)
     else:
         family_init(module)
 
@@ -129,9 +131,9 @@ def mark_initialised(slot: nn.Module, block: nn.Module) -> None:
     theirs = {id(m) for m in block.modules()}
     for m in slot.modules():
         if m is not slot and id(m) not in theirs:
-            m._is_hf_initialized = True
+            set_module_attr(m, "_is_hf_initialized", True)
     if getattr(block, "_is_hf_initialized", False):
-        slot._is_hf_initialized = True
+        set_module_attr(slot, "_is_hf_initialized", True)
 
 
 def install_init(model: nn.Module) -> None:
