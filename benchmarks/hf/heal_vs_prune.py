@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--heal-steps", type=int, default=None, help="optimizer steps per heal (the budget)")
     p.add_argument("--heal-tokens", type=int, default=None, help="tokens per step, rounded down to whole windows")
     p.add_argument("--heal-lr", type=float, default=1e-3)
+    p.add_argument("--router-lr", type=float, default=None, help="HealConfig.router_lr (None: --heal-lr; 0: frozen)")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--est-rank", type=int, default=None, help="estimate_rank of prune-bi-est (64; smoke 8)")
     p.add_argument("--min-capacity", type=float, default=0.5, help="plan_to_macs's min_capacity")
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     keep = ("out", "threads", "cache_dir", "no_speed", "speed_seeds", "methods", "macs", "seeds", "fresh")
     settings = {k: v for k, v in vars(args).items() if k not in keep}
     done = {} if args.fresh or not out_path.is_file() else json.loads(out_path.read_text())
-    if done and done.get("settings") != settings:
+    if done and {"router_lr": None, **done.get("settings", {})} != settings:  # files from before --router-lr
         raise ValueError(
             f"{out_path} holds rows measured with other settings ({done.get('settings')}); pass --out or --fresh"
         )
@@ -304,7 +305,13 @@ def main(argv: list[str] | None = None) -> dict:
                 row["macs_ratio"] = mh.conversion_macs(model, S)
                 row["d_loss_pct_before"] = pct(window_losses(model, val_WS))
                 torch.manual_seed(seed)  # the LoRA initialisation: paired across methods
-                cfg = mh.HealConfig(steps=args.heal_steps, lr=args.heal_lr, rank=args.lora_rank, objective="distill")
+                cfg = mh.HealConfig(
+                    steps=args.heal_steps,
+                    lr=args.heal_lr,
+                    router_lr=args.router_lr,
+                    rank=args.lora_rank,
+                    objective="distill",
+                )
                 report = mh.heal(model, original, heal_batches(seed), cfg)
                 row.update({k: getattr(report, k) for k in REPORT_KEYS})
                 row["heal_loss_first_last"] = [report.losses[0], report.losses[-1]]

@@ -198,6 +198,28 @@ def test_a_conversion_planned_to_a_mac_budget_reaches_it(hf, part, target):
     assert all(torch.equal(r, torch.full((2,), round(plan.capacity * 64))) for r in routed)  # top-C = the plan
 
 
+@pytest.mark.parametrize("router_lr", (0.0, 1e-5, None))
+def test_router_lr_sets_how_far_the_routers_move(hf, router_lr):
+    """0: the routers stay bit for bit as fitted (and are not counted as trained); 1e-5: they move about 100x
+    less than at the adapters' 1e-3 (AdamW steps are ~lr each); None: at lr. The adapters train in every case."""
+    orig, data = _original(), _data()
+    model = copy.deepcopy(orig)
+    hf.to_mod(model, layers=[1, 2], capacity=0.5, causal="threshold")
+    hf.router_fit(model, data)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if ".mod_router." in n}
+    report = hf.heal(model, orig, data, hf.HealConfig(steps=5, lr=1e-3, router_lr=router_lr))
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters() if n in before)
+    lora_moved = [n for n, p in model.named_parameters() if ".lora.B" in n and bool(p.abs().sum() > 0)]
+    assert lora_moved
+    n_router = sum(p.numel() for p in before.values())
+    if router_lr == 0.0:
+        assert moved == 0.0 and report.other_params == 0
+    elif router_lr == 1e-5:
+        assert 0 < moved <= 5 * 1e-5 * 1.5 and report.other_params == n_router
+    else:
+        assert 5 * 1e-5 * 1.5 < moved <= 5 * 1e-3 * 1.5 and report.other_params == n_router
+
+
 def test_bad_inputs_name_the_field(hf):
     orig = tiny("llama", layers=4)
     data = _data(n=1)
@@ -208,6 +230,7 @@ def test_bad_inputs_name_the_field(hf):
         ({"steps": 2, "rank": 0}, "rank=0"),
         ({"steps": 2, "lr": -1.0}, "lr=-1.0"),
         ({"steps": 2, "layers": "every_other"}, "layers='every_other'"),
+        ({"steps": 2, "router_lr": -1e-3}, "router_lr=-0.001"),
     ):
         with pytest.raises(ValueError, match=field):
             hf.HealConfig(**kwargs)

@@ -45,7 +45,10 @@ class HealConfig:
     """What ``heal`` trains, on what objective, for how long.
 
     steps: optimizer steps (the budget; the batches are cycled). trainable: ``"lora"``, ``"routers"`` or
-    ``"all"``. objective: ``"distill"``, ``"lm"`` or ``"both"``. lr, weight_decay: AdamW's. rank, alpha: the
+    ``"all"``. objective: ``"distill"``, ``"lm"`` or ``"both"``. lr, weight_decay: AdamW's. router_lr: the
+    MoD routers' learning rate (``...mod_router.*``; None: ``lr``; 0: the routers stay as fitted). AdamW moves
+    every weight by about ``lr`` a step whatever its scale, and a fitted router's weights can be far smaller
+    than 1e-3 (the hidden states' scale divides them), so ``lr`` rewrites its ranking. rank, alpha: the
     LoRA rank and scale ``alpha / rank`` (None: scale 1). layers: the decoder layers (current indices) that
     get adapters, or ``"auto"`` (see the module doc). targets: the projections' names.
     """
@@ -54,6 +57,7 @@ class HealConfig:
     trainable: str = "lora"
     objective: str = "distill"
     lr: float = 1e-3
+    router_lr: float | None = None
     weight_decay: float = 0.0
     rank: int = 8
     alpha: float | None = None
@@ -65,6 +69,8 @@ class HealConfig:
         _checks.check_choice("trainable", self.trainable, TRAINABLE)
         _checks.check_choice("objective", self.objective, HEAL_OBJECTIVES)
         _checks.check_positive("lr", self.lr)
+        if self.router_lr is not None:
+            _checks.check_non_negative("router_lr", self.router_lr)
         _checks.check_non_negative("weight_decay", self.weight_decay)
         _checks.check_int("rank", self.rank)
         if self.alpha is not None:
@@ -142,11 +148,19 @@ def heal(model: nn.Module, teacher: nn.Module | None, batches: Iterable, cfg: He
             "trainable='routers': the model has no router or estimate to train (to_mod, or prune_layers with "
             "estimate_rank)"
         )
+    if cfg.router_lr == 0:  # the routers stay as fitted
+        train = {n: p for n, p in train.items() if ".mod_router." not in n}
+    if not train:
+        raise ValueError("router_lr=0: nothing left to train (the model has only MoD routers to train)")
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         p.requires_grad_(n in train)
     params = list(train.values())
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    routers = [p for n, p in train.items() if ".mod_router." in n]
+    rest = [p for n, p in train.items() if ".mod_router." not in n]
+    router_lr = cfg.lr if cfg.router_lr is None else cfg.router_lr
+    groups = ([{"params": rest}] if rest else []) + ([{"params": routers, "lr": router_lr}] if routers else [])
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
     device = params[0].device
     digest = hashlib.sha256()
     was_training = model.training
