@@ -51,18 +51,10 @@ def load_model(source: str):
 
 def held_out_loss(model, windows_WS, batch: int = 8) -> float:
     """Mean next-token loss (nats/token) over the token windows ``windows_WS`` (W, S), eval mode, no cache."""
-    import torch
-    import torch.nn.functional as F
+    from mode.hf.dense.skip_cost import _mean_loss
 
     model.eval()
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(windows_WS), batch):
-            x_BS = windows_WS[i : i + batch]
-            logits = model(x_BS, use_cache=False).logits
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x_BS[:, 1:].flatten(), reduction="sum")
-            total, n = total + float(loss), n + x_BS[:, 1:].numel()
-    return total / n
+    return _mean_loss(model, [windows_WS[i : i + batch] for i in range(0, len(windows_WS), batch)])
 
 
 def _check(args) -> None:
