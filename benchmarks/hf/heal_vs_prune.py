@@ -94,6 +94,7 @@ from benchmarks.hf.smollm2_measure import (  # noqa: E402
     speed_ratios,
     window_losses,
 )
+from mode.hf.dense.budget import layers_to_delete, pruned_macs  # noqa: E402
 from mode.hf.dense.macs import _parts, macs_per_token  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
@@ -130,17 +131,6 @@ def tiny_llama(layers: int = 8):
         eos_token_id=None,
     )
     return tf.LlamaForCausalLM(cfg).eval()
-
-
-def pruned_macs(config, seq_len: int, n: int) -> float:
-    """MACs ÷ the original's with ``n`` whole layers deleted (which ones does not matter: layers are equal)."""
-    gone = {"part": "layer", "share": 0.0, "kv_all": False, "rank": None, "router": False}
-    return macs_per_token(config, seq_len, dict.fromkeys(range(n), gone)) / macs_per_token(config, seq_len, {})
-
-
-def layers_to_delete(config, seq_len: int, point: float) -> int:
-    """The whole-layer count whose MACs come nearest ``point`` (at least 1, one layer kept)."""
-    return min(range(1, config.num_hidden_layers), key=lambda n: abs(pruned_macs(config, seq_len, n) - point))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -258,8 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
                     row[f"prefill_b{b}"], row[f"decode_b{b}"] = r["prefill"], r["decode"]
 
     for point in args.macs:
-        n_del = layers_to_delete(config, S, point)
-        target = pruned_macs(config, S, n_del)
+        n_del = layers_to_delete(original, S, point)
+        target = pruned_macs(original, S, n_del)
         print(f"point {point}: delete {n_del} layers -> MACs {target:.4f}; MoD planned to the same", flush=True)
         for seed in range(args.seeds):
             for method in sorted(args.methods, key=METHODS.index):  # pruning first: the MoD rows check against it
