@@ -8,7 +8,10 @@ The router weight is the raw linear score ``r = w . x`` (Raposo et al. 2024); th
 multiplied by it, which is what puts the router on the gradient path. Other gates (``gate=``): "sigmoid"
 multiplies by ``sigmoid(r)``; "one" by 1 (no router gradient, for ablations); "ste" by the straight-through
 ``1 + (r - sg(r))``: the value is exactly 1, so the block's output is unchanged (a pretrained block keeps its
-function when it is converted), while the gradient reaches the router as if the gate were ``r``.
+function when it is converted), while the gradient reaches the router's weight as if the gate were ``r``. With
+"ste" the router scores a stop-gradient copy of x: nothing depends on r in the forward, so a gradient through
+r into x would be the surrogate's alone, and would train the layers below toward the router's scores (healing
+a converted model's adapters against it, they did not heal; see ``mode.hf.dense.heal``).
 
 Selection is a per-sequence top-C, so exactly C tokens are routed even when scores tie; routed tokens are
 kept in their original order. Padded positions (``mask == False``) score -inf and are only picked when a
@@ -239,7 +242,10 @@ class MoDRouter(nn.Module):
                 "causal=True: this MoD router was built with causal='none'; build it with "
                 "causal='predictor' or 'aux_bce' to route causally"
             )
-        r_BS = self.scores(x_BSD)
+        # "ste": the router reads a stop-gradient copy of x. Its gate's value is exactly 1, so the block's output
+        # does not depend on r, and the surrogate gradient of r (and a causal BCE on r) must reach the router's
+        # weight only: let through to x, it would train the layers below toward the router's scores.
+        r_BS = self.scores(x_BSD.detach() if self.cfg.gate == "ste" else x_BSD)
         if self.cfg.check_finite and (causal or not defer_check):
             _checks.check_finite_via("MoDRouter", r_BS)  # on the sum of the scores: 4 operators on the device
         if causal:

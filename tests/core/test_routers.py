@@ -159,6 +159,25 @@ def test_mod_gates(gate):
     assert plan.weight_A.requires_grad == (gate != "one")
 
 
+
+@pytest.mark.parametrize("causal", ["none", "aux_bce"])
+def test_ste_gate_trains_the_router_weight_and_sends_nothing_into_x(causal):
+    """The "ste" gate's value is exactly 1, so nothing in the forward depends on r: its surrogate gradient (and
+    the causal BCE on r) reach the router's weight and never x. A regression: let into x, they trained the
+    converted layers' adapters toward the router's scores, and healing a MoD model did not heal."""
+    D = 6
+    router = MoDRouter(MoDRouterConfig(d_model=D, capacity=0.5, gate="ste", causal=causal))
+    x = torch.randn(2, 8, D, requires_grad=True)
+    plan = router(x)
+    assert torch.equal(plan.weight_A, torch.ones_like(plan.weight_A))
+    (plan.weight_A * torch.arange(plan.weight_A.numel())).sum().add(plan.aux.total()).backward()
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    assert x.grad is None
+    raw = MoDRouter(MoDRouterConfig(d_model=D, capacity=0.5, gate="raw"))
+    raw(x).weight_A.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0  # a gate whose value is r: a true gradient into x
+
+
 # ------------------------------------------------------------------------------------------- token choice
 
 
