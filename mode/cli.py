@@ -105,6 +105,9 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heal-steps", type=int, default=100, help="healing optimizer steps (0: no healing)")
     p.add_argument("--heal-tokens", type=int, default=1024, help="tokens per healing step (whole windows)")
     p.add_argument("--heal-lr", type=float, default=1e-3, help="healing AdamW learning rate")
+    p.add_argument(
+        "--router-lr", type=float, default=0.0, help="the MoD routers' healing learning rate (0: they stay as fitted)"
+    )
     p.add_argument("--lora-rank", type=int, default=8, help="healing LoRA rank")
     p.add_argument("--objective", choices=("distill", "lm", "both"), default="distill", help="healing objective")
     p.add_argument("--seed", type=int, default=0, help="the healing data order and LoRA initialisation")

@@ -33,10 +33,12 @@ attention and MLP parts are separate rows; a conversion mixing them (attention s
 MLP in others) is not planned here. A point a part cannot reach at ``--min-capacity`` gets a row saying so.
 
 Healing: ``heal(HealConfig(steps=--heal-steps, lr=--heal-lr, rank=--lora-rank, objective="distill"))`` with
-``--heal-tokens`` tokens per step (whole windows): LoRA on the healed layers plus the routers and estimates;
-the teacher is the original. Per seed every method reads the same batches in the same order, and each MoD
-row asserts ``report.same_budget(partner)`` against the pruning rows of its point and seed (steps, real
-tokens, batch digest, objective, kind of trainable); both trainable counts are recorded, not forced equal.
+``--heal-tokens`` tokens per step (whole windows): LoRA on the healed layers plus the estimates; the MoD routers
+stay as fitted (``--router-lr 0``, the default: AdamW's ~lr steps would rewrite a fitted router's small weights;
+a positive value trains them at that rate); the teacher is the original. Per seed every method reads the
+same batches in the same order, and each MoD row asserts ``report.same_budget(partner)`` against the pruning
+rows of its point and seed (steps, real tokens, batch digest, objective, kind of trainable); both trainable
+counts are recorded, not forced equal.
 Then ``merge_lora`` (exact; the adapters' hooks would slow decoding) and the thresholds recalibrated on the
 fit windows.
 
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--heal-steps", type=int, default=None, help="optimizer steps per heal (the budget)")
     p.add_argument("--heal-tokens", type=int, default=None, help="tokens per step, rounded down to whole windows")
     p.add_argument("--heal-lr", type=float, default=1e-3)
-    p.add_argument("--router-lr", type=float, default=None, help="HealConfig.router_lr (None: --heal-lr; 0: frozen)")
+    p.add_argument("--router-lr", type=float, default=0.0, help="HealConfig.router_lr (0: the routers stay as fitted)")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--est-rank", type=int, default=None, help="estimate_rank of prune-bi-est (64; smoke 8)")
     p.add_argument("--min-capacity", type=float, default=0.5, help="plan_to_macs's min_capacity")

@@ -84,7 +84,13 @@ def run(args) -> int:
         _check(args)
         heal = None
         if args.heal_steps:
-            heal = mh.HealConfig(steps=args.heal_steps, lr=args.heal_lr, rank=args.lora_rank, objective=args.objective)
+            heal = mh.HealConfig(
+                steps=args.heal_steps,
+                lr=args.heal_lr,
+                router_lr=args.router_lr,
+                rank=args.lora_rank,
+                objective=args.objective,
+            )
         same = [f.name for f in dataclasses.fields(BudgetConfig) if f.name != "heal" and hasattr(args, f.name)]
         cfg = BudgetConfig(**{k: getattr(args, k) for k in same}, heal=heal)  # the options carry the fields' names
         model, tokenizer, name = load_model(args.model)
