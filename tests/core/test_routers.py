@@ -159,7 +159,6 @@ def test_mod_gates(gate):
     assert plan.weight_A.requires_grad == (gate != "one")
 
 
-
 @pytest.mark.parametrize("causal", ["none", "aux_bce"])
 def test_ste_gate_trains_the_router_weight_and_sends_nothing_into_x(causal):
     """The "ste" gate's value is exactly 1, so nothing in the forward depends on r: its surrogate gradient (and

@@ -220,7 +220,6 @@ def test_router_lr_sets_how_far_the_routers_move(hf, router_lr):
         assert 5 * 1e-5 * 1.5 < moved <= 5 * 1e-3 * 1.5 and report.other_params == n_router
 
 
-
 @pytest.mark.parametrize("kv", ("routed", "all"))
 def test_the_adapters_gradient_in_a_mod_model_is_the_derivative_of_the_loss(hf, kv):
     """Healing descends the true gradient: autograd's derivative of the distillation loss along a random
