@@ -115,3 +115,36 @@ def test_kv_is_saved_with_the_conversion_and_checked(hf, tmp_path):
         hf.to_mod(tiny("llama"), kv="every")
     with pytest.raises(ValueError, match="part='mlp'"):
         hf.to_mod(tiny("llama"), part="mlp", kv="all")
+
+
+@pytest.mark.parametrize("part", PARTS)
+@pytest.mark.parametrize("attn", ATTENTIONS)
+def test_a_call_that_routes_every_token_runs_the_original_forward(hf, part, attn, monkeypatch):
+    """Batch-1 decode steps whose token the router takes run the original layer's forward (fewer operators);
+    the routed path it stands in for (``mod_fast_path = False``) gives the same tokens and logits, and
+    generate() still equals cache-free recomputation."""
+    import mode.hf.dense.mod_layer as mod_layer
+
+    model = converted(hf, "llama", attn, layers=[1, 3], capacity=0.5, part=part, kv="all")  # gate "ste"
+    calls = {"routed": 0, "original": 0}
+    routed_path = mod_layer.routed_query_attention
+
+    def counting(*args, **kwargs):
+        calls["routed"] += 1
+        return routed_path(*args, **kwargs)
+
+    monkeypatch.setattr(mod_layer, "routed_query_attention", counting)
+    ids, mask = batch(B=1, S=8)
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    outs = {}
+    for fast in (False, True):
+        for layer in hf.mod_layers(model).values():
+            layer.mod_fast_path = fast
+        calls["routed"] = 0
+        with torch.no_grad():
+            outs[fast] = model.generate(ids, **kw)
+        calls["original" if fast else "reference"] = calls["routed"]
+    assert calls["original"] < calls["reference"]  # some steps took the original forward: the test has teeth
+    assert torch.equal(outs[True].sequences, outs[False].sequences)
+    assert (torch.stack(outs[True].logits) - torch.stack(outs[False].logits)).abs().max() <= 1e-5
+    generate_matches_recomputation(hf, model)  # batch 2, left-padded: steps where both rows route

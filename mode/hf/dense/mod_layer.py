@@ -70,6 +70,7 @@ class MoDLayerMixin(_DecoderLayer):
     mod_skip: SkipUpdate | None  # the estimated update a skipped token gets (None: nothing); set by
     # to_mod on the instance (a class-level default would shadow the registered submodule)
     mod_aux: Aux | None = None
+    mod_fast_path: bool = True  # the original forward for calls that route every token (_every_token_routed)
     # the decoder layer's own submodules that the mixin calls (Llama, Qwen2 and Mistral name them so)
     self_attn: _Attention
     mlp: nn.Module
@@ -161,7 +162,9 @@ class MoDLayerMixin(_DecoderLayer):
         if cache is not None:
             _check_window(window, P, S)
         if self.mod_kv == "all":
-            return self._forward_every_kv(x_BSD, attention_mask, past_key_values, position_embeddings, window, **kwargs)
+            return self._forward_every_kv(
+                x_BSD, attention_mask, position_ids, past_key_values, use_cache, position_embeddings, window, **kwargs
+            )
         real_BS, causal = self._routing_inputs(x_BSD, attention_mask, P)
         plan, slot_BC, valid_BC = self._route(x_BSD, real_BS, causal)
         if plan.seq_capacity == 0:  # nothing routed (causal decode, most steps): no attention, nothing stored
@@ -193,13 +196,17 @@ class MoDLayerMixin(_DecoderLayer):
         self,
         x_BSD: Tensor,
         attention_mask: Tensor | None,
+        position_ids: Tensor | None,
         past_key_values,
+        use_cache: bool | None,
         position_embeddings,
         window: int | None,
         **kwargs,
     ) -> Tensor:
         """``kv="all"``: every token writes its K/V to the model's own dense cache, only routed tokens ask a
-        query (``mode.hf.dense.routed_queries``); then the MLP for routed tokens ("layer") or for all ("attention")."""
+        query (``mode.hf.dense.routed_queries``); then the MLP for routed tokens ("layer") or for all ("attention").
+        A call in which every token is routed (a decode step whose token the router takes, at batch 1) computes
+        what the original layer does on the same cache: ``_every_token_routed`` then runs the original forward."""
         attn = self.self_attn
         P = 0
         if past_key_values is not None:
@@ -211,6 +218,16 @@ class MoDLayerMixin(_DecoderLayer):
             _check_window(window, P, x_BSD.shape[1])
         real_BS, causal = self._routing_inputs(x_BSD, attention_mask, P)
         plan, slot_BC, valid_BC = self._route(x_BSD, real_BS, causal)
+        if self._every_token_routed(plan.seq_capacity, valid_BC, x_BSD.shape[1]):
+            return super().forward(
+                x_BSD,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
         a_BCD = routed_query_attention(
             attn,
             self.input_layernorm(x_BSD),
@@ -231,6 +248,21 @@ class MoDLayerMixin(_DecoderLayer):
             y_BCD = self.mlp_sublayer(y_BCD)
         out_BSD = self._combine(x_BSD, x_BCD, y_BCD, plan, slot_BC, valid_BC)
         return out_BSD if self.mod_part == "layer" else self.mlp_sublayer(out_BSD)
+
+    def _every_token_routed(self, C: int, valid_BC: Tensor, S: int) -> bool:
+        """May this ``kv="all"`` call run the original layer's forward instead of the routed path? When every
+        token of every row is routed (``C == S``, every slot valid), the gate's value is exactly 1 ("ste",
+        "one") and no gradient is recorded (the router's gradient needs the gate), the routed path computes the
+        original layer on every token: the original forward does it in fewer operators, which is most of a
+        batch-1 decode step's cost on a CPU. ``mod_fast_path = False`` keeps the routed path (the reference)."""
+        return (
+            self.mod_fast_path
+            and S > 0
+            and C == S
+            and not torch.is_grad_enabled()
+            and self.mod_router.cfg.gate in ("ste", "one")
+            and bool(valid_BC.all())
+        )
 
     def _routing_inputs(self, x_BSD: Tensor, attention_mask: Tensor | None, P: int) -> tuple[Tensor | None, bool]:
         """``(real_BS, causal)``: which tokens are real (pads never route) and how this call routes."""
