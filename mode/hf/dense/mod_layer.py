@@ -228,6 +228,7 @@ class MoDLayerMixin(_DecoderLayer):
                 position_embeddings=position_embeddings,
                 **kwargs,
             )
+        rows_R = self._asking_rows(plan.seq_capacity, valid_BC)
         a_BCD = routed_query_attention(
             attn,
             self.input_layernorm(x_BSD),
@@ -238,16 +239,30 @@ class MoDLayerMixin(_DecoderLayer):
             past_key_values,
             P,
             window,
+            rows_R,
             **kwargs,
         )
         if plan.seq_capacity == 0:  # nothing routed: the K/V are written, no query asked
             return self._skipped(x_BSD) if self.mod_part == "layer" else self.mlp_sublayer(self._skipped(x_BSD))
         x_BCD = hf_mask.gather_rows(x_BSD, slot_BC)
-        y_BCD = x_BCD + a_BCD
+        x_RCD = x_BCD if rows_R is None else x_BCD.index_select(0, rows_R)
+        y_RCD = x_RCD + a_BCD  # (R, C, D): the asking rows only when rows_R is set
         if self.mod_part == "layer":
-            y_BCD = self.mlp_sublayer(y_BCD)
+            y_RCD = self.mlp_sublayer(y_RCD)
+        y_BCD = y_RCD if rows_R is None else x_BCD.index_copy(0, rows_R, y_RCD)  # other rows: no update
         out_BSD = self._combine(x_BSD, x_BCD, y_BCD, plan, slot_BC, valid_BC)
         return out_BSD if self.mod_part == "layer" else self.mlp_sublayer(out_BSD)
+
+    def _asking_rows(self, C: int, valid_BC: Tensor) -> Tensor | None:
+        """The rows with a routed token in a ``kv="all"`` inference call where some rows have none (a decode
+        step at batch B: the rows whose token the router took), or None (every row, the reference path, or a
+        call that records gradients). Only those rows then compute the query half and the MLP."""
+        if not self.mod_fast_path or C == 0 or torch.is_grad_enabled():
+            return None
+        any_B = valid_BC.any(1)
+        if bool(any_B.all()):
+            return None
+        return any_B.nonzero().squeeze(1)
 
     def _every_token_routed(self, C: int, valid_BC: Tensor, S: int) -> bool:
         """May this ``kv="all"`` call run the original layer's forward instead of the routed path? When every

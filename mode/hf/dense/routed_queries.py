@@ -33,6 +33,13 @@ def _rope(x_BNLK: Tensor, cos_BLK: Tensor, sin_BLK: Tensor, rotate_half) -> Tens
     return (x_BNLK * cos) + (rotate_half(x_BNLK) * sin)
 
 
+def _rows(rows_R: Tensor):
+    def pick(t: Tensor) -> Tensor:
+        return t if t.shape[0] == 1 else t.index_select(0, rows_R)
+
+    return pick
+
+
 def routed_query_attention(
     attn,
     h_BSD: Tensor,
@@ -43,13 +50,16 @@ def routed_query_attention(
     past_key_values,
     P: int,
     window: int | None,
+    rows_R: Tensor | None = None,
     **kwargs,
 ) -> Tensor:
     """``attn``'s output ``(B, C, D)`` for the routed slots ``slot_BC`` of the normed input ``h_BSD``, every
     one of the S tokens writing its rotated key and value to ``past_key_values`` (if given) first.
 
     Slots with ``valid_BC`` False (rows that routed fewer than C tokens, pads) attend only to their own key;
-    their output is meant to be discarded by the caller."""
+    their output is meant to be discarded by the caller. ``rows_R`` (R row indices, or None: every row): only
+    these rows ask queries, and the output is ``(R, C, D)`` (a decode step at batch B computes the rows whose
+    token the router took; every row still writes its K/V)."""
     B, S, _ = h_BSD.shape
     C = slot_BC.shape[1]
     K = attn.head_dim
@@ -65,6 +75,12 @@ def routed_query_attention(
     T = key_BGTK.shape[2]
     if C == 0:  # no routed token in this call: the K/V are written, nothing asks
         return h_BSD.new_zeros(B, 0, attn.o_proj.out_features)
+    if rows_R is not None:  # the rows that ask; a tensor with one row is broadcast over the batch: kept
+        pick = _rows(rows_R)
+        h_BSD, slot_BC, valid_BC, key_BGTK, value_BGTK = map(pick, (h_BSD, slot_BC, valid_BC, key_BGTK, value_BGTK))
+        position_embeddings = (pick(position_embeddings[0]), pick(position_embeddings[1]))
+        attention_mask = None if attention_mask is None else pick(attention_mask)
+        B = rows_R.numel()
 
     h_BCD = hf_mask.gather_rows(h_BSD, slot_BC)
     cos_BCK, sin_BCK = (hf_mask.gather_rows(t, slot_BC) for t in position_embeddings)
