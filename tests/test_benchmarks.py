@@ -367,6 +367,14 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     again = subprocess.run(cmd, **run)  # resume: every row is there, nothing is healed again
     assert "#s0 " not in again.stdout and "| mod-mlp-thr | 0.80 |" in again.stdout
     assert json.loads(out.read_text())["rows"] == payload["rows"]
+    speed = tmp_path / "speed.json"  # the conversions rebuilt and timed alone (heal_vs_prune_speed.py)
+    script = str(ROOT / "benchmarks" / "hf" / "heal_vs_prune_speed.py")
+    subprocess.run([sys.executable, script, "--smoke", "--rows", str(out), "--out", str(speed)], **run)
+    timed = json.loads(speed.read_text())["results"]
+    assert {t["key"] for t in timed} == {k for k, r in rows.items() if "skipped" not in r}
+    for t in timed:
+        assert t["layers"] == rows[t["key"]]["layers"], t  # the same conversion (pruning re-checks its layers)
+        assert all(t[f"{k}_b{b}"] > 0 for k in ("decode", "prefill") for b in (1, 8)), t
 
 
 def test_no_benchmark_file_over_450_lines():

