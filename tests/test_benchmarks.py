@@ -336,6 +336,7 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     methods = (
         "prune-bi",
         "prune-bi-est",
+        "prune-bi-est-all",
         "mod-layer-thr",
         "mod-layer-thr-est",
         "mod-layer-bce",
@@ -351,8 +352,11 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         assert len(r["window_losses"]) == 8 and r["decode_b1"] > 0 and r["decode_b8"] > 0, key
         assert r["steps"] == 3 and r["tokens"] == 3 * 4 * 64 and r["lora_params"] > 0, key
         assert r["trainable"] == r["lora_params"] + r["other_params"], key
+        if r["method"] == "prune-bi-est-all":  # adapters on every kept layer: more than on those after the deleted
+            assert r["lora_layers"] == list(range(8 - len(r["layers"]))), key
+            assert r["lora_params"] > rows[key.replace("-all", "")]["lora_params"], key
         if r["method"].startswith("mod-"):
-            partners = [f"{m}@{r['point']}#s0" for m in ("prune-bi", "prune-bi-est")]
+            partners = [f"{m}@{r['point']}#s0" for m in ("prune-bi", "prune-bi-est", "prune-bi-est-all")]
             assert r["same_budget_as"] == partners, key  # heal's report.same_budget asserted in the run
             for k in partners:
                 assert all(r[f] == rows[k][f] for f in ("steps", "tokens", "data_digest", "objective")), (key, k)

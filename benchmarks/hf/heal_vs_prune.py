@@ -17,6 +17,9 @@ model deletes the whole-layer count whose MACs come nearest the point, and every
 same compute. Methods (``--methods``):
     prune-bi         ``prune_layers(by="block_influence")`` (ShortGPT)
     prune-bi-est     the same layers, each replaced by a rank-``--est-rank`` fitted estimate (``estimate_rank``)
+    prune-bi-est-all the same, healed with LoRA on every kept layer instead of the kept layer after each deleted
+                     block: at least as many trainable parameters as a MoD row's adapters on its converted layers
+                     (heal's default puts the pruned model's on 3 layers, a MoD model's on 13-14, on SmolLM2)
     mod-layer-thr    ``to_mod(part="layer", causal="threshold")``: the router's logit against a threshold
                      steered to the capacity's share (MoDification)
     mod-layer-thr-est  the same with a rank-``--est-rank`` estimate of the skipped tokens' update
@@ -96,6 +99,7 @@ from benchmarks.hf.smollm2_measure import (  # noqa: E402
     speed_ratios,
     window_losses,
 )
+from mode.hf._compat import decoder_layers  # noqa: E402
 from mode.hf.dense.budget import layers_to_delete, pruned_macs  # noqa: E402
 from mode.hf.dense.macs import _parts, macs_per_token  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
@@ -261,10 +265,14 @@ def main(argv: list[str] | None = None) -> dict:
                 t0 = time.perf_counter()
                 row = {"key": key, "method": method, "point": point, "seed": seed, "target_macs": target}
                 model = copy.deepcopy(original)
+                lora_layers: str | list[int] = "auto"  # heal's default: the converted layers, or after each deleted
                 if method in PRUNE:
-                    est = args.est_rank if PRUNE[method] else None
+                    with_est, every_layer = PRUNE[method]
+                    est = args.est_rank if with_est else None
                     row["layers"] = mh.prune_layers(model, n_del, "block_influence", fit_batches, estimate_rank=est)
                     row["estimate_rank"] = est
+                    if every_layer:
+                        lora_layers = list(range(len(decoder_layers(model))))  # every kept layer
                 else:
                     part, causal, with_est = MOD[method]
                     rank = args.est_rank if with_est else None
@@ -303,6 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
                     router_lr=args.router_lr,
                     rank=args.lora_rank,
                     objective="distill",
+                    layers=lora_layers,
                 )
                 report = mh.heal(model, original, heal_batches(seed), cfg)
                 row.update({k: getattr(report, k) for k in REPORT_KEYS})

@@ -12,7 +12,8 @@ from benchmarks.common import save_figure
 from benchmarks.hf.smollm2_measure import _num, bootstrap_ci
 from mode.experiments.stats_ci import t_quantile
 
-PRUNE = {"prune-bi": False, "prune-bi-est": True}  # method -> with the estimate
+# method -> (with the estimate, LoRA on every kept layer rather than the one after each deleted block)
+PRUNE = {"prune-bi": (False, False), "prune-bi-est": (True, False), "prune-bi-est-all": (True, True)}
 MOD = {  # method -> (part, causal, with the estimate for skipped tokens)
     "mod-layer-thr": ("layer", "threshold", False),
     "mod-layer-thr-est": ("layer", "threshold", True),
