@@ -158,3 +158,18 @@ def test_decode_computes_only_the_rows_the_router_took(hf, part, attn, B, monkey
     else:  # rows the router did not take asked no query
         assert seen[True]["n"] < seen[False]["n"]
     generate_matches_recomputation(hf, model)
+
+
+@pytest.mark.parametrize("fast", (True, False))
+def test_a_decode_step_refuses_scores_that_are_not_finite(hf, fast):
+    """Both the decode step's own routing (``mod_fast_path``) and the router's plan say so rather than route
+    on NaN scores."""
+    model = converted(hf, "llama", layers=[1], capacity=0.5, kv="all")
+    layer = model.model.layers[1]
+    layer.mod_fast_path = fast
+    ids, mask = batch(B=1, S=6)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+        layer.mod_router.weight.fill_(float("nan"))
+        with pytest.raises(ValueError, match="finite"):
+            model(ids[:, -1:], attention_mask=torch.ones(1, 7, dtype=torch.long), past_key_values=out.past_key_values)
