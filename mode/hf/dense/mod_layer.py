@@ -120,14 +120,8 @@ class MoDLayerMixin(_DecoderLayer):
                 raise ValueError(
                     "mod routing='dense' with a cache a MoD layer already made sparse; start from a new cache"
                 )
-            return super().forward(
-                hidden_states,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
-                position_embeddings=position_embeddings,
-                **kwargs,
+            return self._original_forward(
+                hidden_states, attention_mask, position_ids, past_key_values, use_cache, position_embeddings, **kwargs
             )
         check_attention(attn.config)
         if self.mod_part == "mlp":  # attention over every token (the model's own cache), then route the MLP
@@ -195,6 +189,20 @@ class MoDLayerMixin(_DecoderLayer):
         out_BSD = self._combine(x_BSD, x_BCD, y_BCD, plan, slot_BC, valid_BC)
         return out_BSD if self.mod_part == "layer" else self.mlp_sublayer(out_BSD)
 
+    def _original_forward(
+        self, x_BSD: Tensor, attention_mask, position_ids, past_key_values, use_cache, position_embeddings, **kwargs
+    ) -> Tensor:
+        """The original decoder layer's forward on every token (transformers' own, no routing)."""
+        return super().forward(
+            x_BSD,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+
     def _forward_every_kv(
         self,
         x_BSD: Tensor,
@@ -222,14 +230,8 @@ class MoDLayerMixin(_DecoderLayer):
         real_BS, causal = self._routing_inputs(x_BSD, attention_mask, P)
         plan, slot_BC, valid_BC = self._route(x_BSD, real_BS, causal)
         if self._every_token_routed(plan.seq_capacity, valid_BC, x_BSD.shape[1]):
-            return super().forward(
-                x_BSD,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
-                position_embeddings=position_embeddings,
-                **kwargs,
+            return self._original_forward(
+                x_BSD, attention_mask, position_ids, past_key_values, use_cache, position_embeddings, **kwargs
             )
         rows_R = self._asking_rows(plan.seq_capacity, valid_BC)
         a_BCD = routed_query_attention(
