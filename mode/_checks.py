@@ -183,7 +183,8 @@ def at_least_float32(t: torch.Tensor) -> torch.Tensor:
 
 def float32_region(device: torch.device):
     """A context in which autocast is off, so router math stays in float32 (top-k on bf16 logits ties
-    far too often). A no-op context on devices autocast does not know (meta)."""
-    if device.type in _AUTOCAST_DEVICES:
+    far too often). A no-op context on devices autocast does not know (meta), and where autocast is already
+    off (entering ``torch.autocast`` costs more than a decode step's router matmul)."""
+    if device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()

@@ -87,7 +87,12 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="a new or empty folder for the conversion and its report")
     p.add_argument("--force", action="store_true", help="overwrite a conversion already in --out")
     p.add_argument("--method", choices=("mod", "prune"), default="mod", help="MoD layers, or whole layers deleted")
-    p.add_argument("--part", choices=("layer", "attention", "mlp"), default="layer", help="what a MoD token skips")
+    p.add_argument(
+        "--part",
+        choices=("layer", "attention", "mlp", "mixed"),
+        default="layer",
+        help="what a MoD token skips (mixed: attention in some layers, the MLP in others)",
+    )
     p.add_argument("--causal", choices=("threshold", "aux_bce"), default="threshold", help="MoD's decode decision")
     p.add_argument("--skip-rank", type=int, help="rank of the estimate for a skipped part / deleted layer")
     p.add_argument("--order", choices=("skip_cost", "every_other"), default="skip_cost", help="MoD layer order")

@@ -342,6 +342,8 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         "mod-layer-bce",
         "mod-attn-thr",
         "mod-mlp-thr",
+        "mod-mix-thr",
+        "mod-mix-thr-est",
     )
     assert set(rows) == {f"{m}@{p}#s0" for m in methods for p in (0.9, 0.8)}
     assert "below what part='attention' reaches" in rows["mod-attn-thr@0.8#s0"]["skipped"]  # out of reach: said
@@ -363,6 +365,9 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
             assert abs(r["macs_ratio"] - rows[partners[0]]["macs_ratio"]) < 0.01, key
             assert math.isfinite(r["d_loss_pct_topc"]) and 0 < r["share"] <= 1, key
             assert r["estimate_rank"] == (8 if r["method"].endswith("-est") else None), key
+            assert sorted(i for g in r["groups"] for i in g["layers"]) == r["layers"], key
+            if r["method"].startswith("mod-mix"):  # halves of different layers, at least two parts
+                assert len({g["part"] for g in r["groups"]}) >= 2, (key, r["groups"])
     assert payload["intervals"] and all(i["t_ci_pct"] is None for i in payload["intervals"])  # one seed: no t
     for i in payload["intervals"]:
         assert i["bootstrap_ci_pct"][0] <= i["diff_pct"] <= i["bootstrap_ci_pct"][1], i

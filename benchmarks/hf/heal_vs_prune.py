@@ -28,12 +28,15 @@ same compute. Methods (``--methods``):
                      is learned by the auxiliary BCE loss
     mod-attn-thr     ``part="attention"`` (``kv="all"``), threshold router
     mod-mlp-thr      ``part="mlp"``, threshold router
+    mod-mix-thr      ``part="mixed"``: attention halves in some layers, MLP halves in others, taken by loss per
+                     multiply-add saved (``mixed_order`` of both halves' ``skip_costs``), threshold routers
+    mod-mix-thr-est  the same with a rank-``--est-rank`` estimate per skipped half
 Every MoD row also reports the held-out loss under top-C routing (``routing(model, "topk")``: what healing
 trains with; it looks at the whole window, so it cannot decode): the top-k vs threshold comparison of the same
 healed model. MoD layers: ``plan_to_macs(order=...)`` takes layers cheapest first by ``skip_costs`` of the part,
-at one capacity of at least ``--min-capacity``. ``plan_to_macs`` plans one part per conversion, so the
-attention and MLP parts are separate rows; a conversion mixing them (attention skipped in some layers, the
-MLP in others) is not planned here. A point a part cannot reach at ``--min-capacity`` gets a row saying so.
+at one capacity of at least ``--min-capacity`` (the mixed rows: (layer, half) units in ``mixed_order``, a layer
+whose two halves are both taken skipping as a whole). A point a part cannot reach at ``--min-capacity`` gets a
+row saying so.
 
 Healing: ``heal(HealConfig(steps=--heal-steps, lr=--heal-lr, rank=--lora-rank, objective="distill"))`` with
 ``--heal-tokens`` tokens per step (whole windows): LoRA on the healed layers plus the estimates; the MoD routers
@@ -101,7 +104,7 @@ from benchmarks.hf.smollm2_measure import (  # noqa: E402
 )
 from mode.hf._compat import decoder_layers  # noqa: E402
 from mode.hf.dense.budget import layers_to_delete, pruned_macs  # noqa: E402
-from mode.hf.dense.macs import _parts, macs_per_token  # noqa: E402
+from mode.hf.dense.macs import HALVES, _parts, macs_per_token  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 BUDGET_KEYS = ("steps", "tokens", "data_digest", "objective", "trainable_kind")
@@ -276,11 +279,15 @@ def main(argv: list[str] | None = None) -> dict:
                 else:
                     part, causal, with_est = MOD[method]
                     rank = args.est_rank if with_est else None
-                    if part not in costs:
-                        costs[part] = {
-                            str(i): c for i, c in mh.skip_costs(original, [train_WS[: args.cost_windows]], part).items()
-                        }
-                    order = sorted(range(config.num_hidden_layers), key=lambda i: costs[part][str(i)])
+                    for half in HALVES if part == "mixed" else (part,):
+                        if half not in costs:
+                            cost_batch = [train_WS[: args.cost_windows]]
+                            costs[half] = {str(i): c for i, c in mh.skip_costs(original, cost_batch, half).items()}
+                    if part == "mixed":  # the halves by loss per multiply-add saved
+                        by_half = {h: {int(i): c for i, c in costs[h].items()} for h in HALVES}
+                        order = mh.mixed_order(original, by_half, S, skip_rank=rank)
+                    else:
+                        order = sorted(range(config.num_hidden_layers), key=lambda i: costs[part][str(i)])
                     try:
                         plan = mh.plan_to_macs(
                             original, target, S, part=part, skip_rank=rank, order=order, min_capacity=args.min_capacity
@@ -290,17 +297,11 @@ def main(argv: list[str] | None = None) -> dict:
                         print(f"{key:<28} skipped: {e}", flush=True)
                         save()
                         continue
-                    mh.to_mod(
-                        model,
-                        layers=plan.layers,
-                        capacity=plan.capacity,
-                        part=part,
-                        kv=plan.kv,
-                        causal=causal,
-                        skip_rank=rank,
-                    )
+                    for group in plan.groups():
+                        mh.to_mod(model, **group, causal=causal)
                     mh.router_fit(model, fit_batches)  # the router, then the estimate on the tokens it skips
                     row.update(layers=plan.layers, capacity=plan.capacity, part=part, kv=plan.kv, causal=causal)
+                    row["groups"] = plan.groups()  # the to_mod calls: heal_vs_prune_speed rebuilds from them
                     row["estimate_rank"] = rank
                 row["macs_ratio"] = mh.conversion_macs(model, S)
                 row["d_loss_pct_before"] = pct(window_losses(model, val_WS))

@@ -20,6 +20,8 @@ MOD = {  # method -> (part, causal, with the estimate for skipped tokens)
     "mod-layer-bce": ("layer", "aux_bce", False),
     "mod-attn-thr": ("attention", "threshold", False),
     "mod-mlp-thr": ("mlp", "threshold", False),
+    "mod-mix-thr": ("mixed", "threshold", False),
+    "mod-mix-thr-est": ("mixed", "threshold", True),
 }
 METHODS = (*PRUNE, *MOD)
 

@@ -43,15 +43,9 @@ def rebuild(original, row: dict, fit_batches: list[torch.Tensor]):
         if sorted(deleted) != sorted(row["layers"]):
             raise ValueError(f"{row['key']}: block influence now deletes {deleted}, the row deleted {row['layers']}")
     else:
-        mh.to_mod(
-            model,
-            layers=row["layers"],
-            capacity=row["capacity"],
-            part=row["part"],
-            kv=row["kv"],
-            causal=row["causal"],
-            skip_rank=row["estimate_rank"],
-        )
+        one = {k: row[k] for k in ("layers", "capacity", "part", "kv")} | {"skip_rank": row["estimate_rank"]}
+        for group in row.get("groups") or [one]:  # rows from before "groups": one part
+            mh.to_mod(model, **group, causal=row["causal"])
         mh.calibrate(model, fit_batches)
     return model.eval()
 

@@ -42,7 +42,7 @@ from mode.hf.dense.conversion_io import load_conversion, save_conversion
 from mode.hf.dense.convert import mod_layers, to_mod
 from mode.hf.dense.heal import HealConfig, HealReport, heal
 from mode.hf.dense.lora import merge_lora
-from mode.hf.dense.macs import MacsPlan, conversion_macs, plan_to_macs
+from mode.hf.dense.macs import MacsPlan, conversion_macs, mixed_order, plan_to_macs
 from mode.hf.dense.mod_layer import MoDLayerMixin
 from mode.hf.dense.prune import block_influence, prune_layers
 from mode.hf.dense.router_fit import router_fit
@@ -76,6 +76,7 @@ __all__ = [
     "MoDLayerMixin",
     "moe_report",
     "plan_to_macs",
+    "mixed_order",
     "prune_layers",
     "router_fit",
     "router_parameters",

@@ -134,9 +134,10 @@ def run(args) -> int:
     }
     atomic_write_text(out / REPORT_FILE, json.dumps(report, indent=2) + "\n")
     where = f"capacity {result.capacity:.3f} in" if result.capacity is not None else "deleted"
+    layers = result.layers if result.part != "mixed" else [f"{i}:{p}" for i, p in result.parts.items()]
     print(
         f"{args.method}: MACs {result.macs:.4f} of the original (target {result.target}), {where} layers "
-        f"{result.layers}; held-out loss {base:.4f} -> {loss:.4f} ({report['held_out']['d_loss_pct']:+.2f}%)"
+        f"{layers}; held-out loss {base:.4f} -> {loss:.4f} ({report['held_out']['d_loss_pct']:+.2f}%)"
     )
     if result.heal is not None:
         h = result.heal

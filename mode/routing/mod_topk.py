@@ -199,21 +199,27 @@ class MoDRouter(nn.Module):
         may then compute it in its own fused kernels."""
         return self.cfg.capacity < 1.0 and not self.steers
 
-    def decision_logits(self, x_BSD: Tensor, r_BS: Tensor) -> Tensor:
+    def decision_logits(self, x_BSD: Tensor, r_BS: Tensor, *, check_threshold: bool = True) -> Tensor:
         """Causal per-token logits: > 0 means "route". At capacity 1.0, +inf for every token: top-C routes them
-        all, so the causal decision does too, trained or not."""
+        all, so the causal decision does too, trained or not. ``check_threshold=False``: the caller checks
+        (``check_calibrated``) when a logit comes out NaN, in a host read it makes anyway."""
         if self.cfg.capacity == 1.0:
             return torch.full_like(r_BS, float("inf"))
         logit_BS = self.raw_decision_logits(x_BSD, r_BS)
         if not self.steers:
             return logit_BS
-        if torch.isnan(self.threshold):  # one host read, on the causal path only
+        if check_threshold:
+            self.check_calibrated()  # one host read, on the causal path only
+        return logit_BS - self.threshold
+
+    def check_calibrated(self) -> None:
+        """A steered threshold (``steers``) must have been set by a train-mode forward before causal routing."""
+        if self.steers and bool(torch.isnan(self.threshold)):
             raise ValueError(
                 f"causal={self.cfg.causal!r}: the routing threshold is not calibrated yet; run forwards "
                 "in train mode first (training, mode.hf.router_tune, or mode.hf.calibrate(model, "
                 "batches)): each moves it to the capacity's quantile of the decision logits"
             )
-        return logit_BS - self.threshold
 
     def forward(
         self, x_BSD: Tensor, mask_BS: Tensor | None = None, causal: bool = False, *, defer_check: bool = False

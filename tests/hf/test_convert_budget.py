@@ -36,6 +36,28 @@ def test_mod_reaches_the_target_macs(hf, part):
     assert result.heal is None and "router_fit" in result.seconds and "skip_costs" in result.seconds
 
 
+def test_a_mixed_conversion_reaches_the_target_and_loads_back(hf, tmp_path):
+    """part="mixed": attention halves in some layers, MLP halves in others, ranked by ``mixed_order`` from the
+    skip costs of both halves; the MACs are within 1% and the saved folder loads back to the same logits."""
+    data = _windows()
+    model = _original()
+    costs = {half: hf.skip_costs(model, data[:1], half) for half in ("attention", "mlp")}
+    order = hf.mixed_order(model, costs, S)
+    original = copy.deepcopy(model)
+    result = hf.convert_to_macs(model, hf.BudgetConfig(0.8, seq_len=S, part="mixed", min_capacity=0.25), data)
+    assert abs(result.macs - 0.8) <= 0.01 * 0.8, result
+    assert result.part == "mixed" and sorted(result.parts) == result.layers == sorted(hf.mod_layers(model))
+    assert {i: layer.mod_part for i, layer in hf.mod_layers(model).items()} == result.parts
+    assert set(result.parts.values()) <= {"attention", "mlp", "layer"}
+    halves = [(i, h) for i, p in result.parts.items() for h in (("attention", "mlp") if p == "layer" else (p,))]
+    assert sorted(halves) == sorted(order[: len(halves)])  # the cheapest units per MAC, as ranked
+    json.dumps(result.to_dict())
+    hf.save_conversion(model, tmp_path)
+    back = hf.load_conversion(original, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(data[0]).logits, back.eval()(data[0]).logits)
+
+
 def test_mod_order_by_skip_cost_takes_the_cheapest_layers(hf):
     data = _windows()
     model = _original()
@@ -87,6 +109,8 @@ def test_bad_settings_name_the_field(hf):
         hf.BudgetConfig(0.8, method="prune", part="mlp")
     with pytest.raises(ValueError, match="causal"):
         hf.BudgetConfig(0.8, causal="predictor")
+    with pytest.raises(ValueError, match="order='every_other'"):
+        hf.BudgetConfig(0.8, part="mixed", order="every_other")
     with pytest.raises(TypeError, match="heal"):
         hf.BudgetConfig(0.8, heal={"steps": 3})  # type: ignore[arg-type]
     model = _original(layers=4)

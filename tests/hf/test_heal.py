@@ -198,6 +198,57 @@ def test_a_conversion_planned_to_a_mac_budget_reaches_it(hf, part, target):
     assert all(torch.equal(r, torch.full((2,), round(plan.capacity * 64))) for r in routed)  # top-C = the plan
 
 
+@pytest.mark.parametrize("target", (0.9, 0.8, 0.7))
+def test_a_mixed_plan_skips_attention_in_some_layers_and_the_mlp_in_others(hf, target):
+    """Units taken in order until one capacity meets the budget; a layer whose two halves are both taken
+    skips as a whole layer; the groups convert to exactly the planned MACs and route top-C in every layer."""
+    orig = tiny("llama", layers=4)
+    order = [(2, "attention"), (1, "mlp"), (2, "mlp"), (0, "attention"), (3, "mlp"), (0, "mlp"), (1, "attention")]
+    plan = hf.plan_to_macs(orig, target, seq_len=64, part="mixed", order=order)
+    assert abs(plan.macs - target) / target < 0.01, plan
+    taken: dict[int, set] = {}
+    for i, half in order[: len(plan.layers) + sum(p == "layer" for p in plan.parts.values())]:
+        taken.setdefault(i, set()).add(half)
+    assert plan.parts == {i: "layer" if len(h) == 2 else h.pop() for i, h in sorted(taken.items())}, plan
+    groups = plan.groups()
+    assert sorted(i for g in groups for i in g["layers"]) == plan.layers
+    assert all(g["kv"] == ("routed" if g["part"] == "mlp" else "all") for g in groups)
+    model = copy.deepcopy(orig)
+    for g in groups:
+        hf.to_mod(model, **g)
+    assert {i: layer.mod_part for i, layer in hf.mod_layers(model).items()} == plan.parts
+    assert hf.conversion_macs(model, 64) == pytest.approx(plan.macs)
+    ids = torch.randint(1, V, (2, 64))
+    with torch.no_grad(), hf.routing(model, "topk"):
+        model.train()(ids)
+    routed = [s.compute_T.view(2, 64).sum(1) for k, s in hf.collect_aux(model).stats.items() if ".mod." in k]
+    assert len(routed) == len(plan.layers)
+    assert all(torch.equal(r, torch.full((2,), round(plan.capacity * 64))) for r in routed)
+
+
+def test_mixed_order_ranks_halves_by_loss_per_mac_saved(hf):
+    """Tiny Llama at S=64: skipping attention (kv all) saves 2*D*q + 2*q*(S+1)/2 - D = 12288 multiply-adds a
+    token, the MLP 3*D*I - D = 18368 (D 64, q 64, I 96, one router of D each): an MLP costing 0.14 (7.6e-6 a
+    MAC) goes before an attention costing 0.1 (8.1e-6 a MAC)."""
+    orig = tiny("llama", layers=4)
+    costs = {"attention": {0: 0.1, 1: 0.5}, "mlp": {0: 0.14, 1: -0.01}}
+    assert hf.mixed_order(orig, costs, 64) == [(1, "mlp"), (0, "mlp"), (0, "attention"), (1, "attention")]
+    costs = {"attention": {0: 0.1}, "mlp": {0: 0.16}}  # 8.7e-6 a MAC: now the attention first
+    assert hf.mixed_order(orig, costs, 64) == [(0, "attention"), (0, "mlp")]
+    with pytest.raises(ValueError, match="costs: keys"):
+        hf.mixed_order(orig, {"layer": {0: 0.1}}, 64)
+    with pytest.raises(ValueError, match="layer 7"):
+        hf.mixed_order(orig, {"mlp": {7: 0.1}}, 64)
+    with pytest.raises(ValueError, match="part='mixed' needs"):
+        hf.plan_to_macs(orig, 0.9, seq_len=64, part="mixed")
+    with pytest.raises(ValueError, match="order="):
+        hf.plan_to_macs(orig, 0.9, seq_len=64, part="mixed", order=[(1, "layer")])
+    with pytest.raises(ValueError, match="appears twice"):
+        hf.plan_to_macs(orig, 0.9, seq_len=64, part="mixed", order=[(1, "mlp"), (1, "mlp")])
+    with pytest.raises(ValueError, match="kv='all' with part='mlp'"):
+        hf.plan_to_macs(orig, 0.9, seq_len=64, part="mlp", kv="all")
+
+
 @pytest.mark.parametrize("router_lr", (0.0, 1e-5, None))
 def test_router_lr_sets_how_far_the_routers_move(hf, router_lr):
     """0: the routers stay bit for bit as fitted (and are not counted as trained); 1e-5: they move about 100x

@@ -119,13 +119,14 @@ def test_kv_is_saved_with_the_conversion_and_checked(hf, tmp_path):
 
 @pytest.mark.parametrize("part", PARTS)
 @pytest.mark.parametrize("attn", ATTENTIONS)
-@pytest.mark.parametrize("B", (1, 4))
-def test_decode_computes_only_the_rows_the_router_took(hf, part, attn, B, monkeypatch):
+@pytest.mark.parametrize("B,dense_rows", [(1, 16), (4, 16), (4, 0)])
+def test_decode_fast_paths_agree_with_the_routed_path(hf, part, attn, B, dense_rows, monkeypatch):
     """Inference fast paths of kv="all" (``mod_fast_path``): a call that routes every token runs the original
-    layer's forward (a batch-1 decode step the router takes), and a call where some rows route nothing asks
-    queries and runs the MLP for the other rows only (a decode step at batch B). The reference path
-    (``mod_fast_path = False``) gives the same tokens and logits, with more rows through q_proj; generate()
-    still equals cache-free recomputation (batch 2, left-padded)."""
+    layer's forward (a batch-1 decode step the router takes); a decode step of at most
+    ``mod_dense_decode_rows`` rows where some rows routed computes every row and keeps the routed rows'
+    outputs (no routed-query call); above it, only the rows that routed ask queries and run the MLP. The
+    reference path (``mod_fast_path = False``) gives the same tokens and logits; generate() still equals
+    cache-free recomputation (batch 2, left-padded)."""
     import mode.hf.dense.mod_layer as mod_layer
 
     model = converted(hf, "llama", attn, layers=[1, 3], capacity=0.5, part=part, kv="all")  # gate "ste"
@@ -144,6 +145,8 @@ def test_decode_computes_only_the_rows_the_router_took(hf, part, attn, B, monkey
     ids, mask = batch(B=B, S=8)
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
     outs, seen = {}, {}
+    for layer in hf.mod_layers(model).values():
+        layer.mod_dense_decode_rows = dense_rows
     for fast in (False, True):
         for layer in hf.mod_layers(model).values():
             layer.mod_fast_path = fast
@@ -153,7 +156,7 @@ def test_decode_computes_only_the_rows_the_router_took(hf, part, attn, B, monkey
         seen[fast] = dict(q_rows)
     assert torch.equal(outs[True].sequences, outs[False].sequences)
     assert (torch.stack(outs[True].logits) - torch.stack(outs[False].logits)).abs().max() <= 1e-5
-    if B == 1:  # steps the router took ran the original forward, not the routed path: the test has teeth
+    if B <= dense_rows:  # steps with a routed row ran the layer on every row, not the routed path: teeth
         assert seen[True]["routed_calls"] < seen[False]["routed_calls"]
     else:  # rows the router did not take asked no query
         assert seen[True]["n"] < seen[False]["n"]
@@ -173,3 +176,19 @@ def test_a_decode_step_refuses_scores_that_are_not_finite(hf, fast):
         layer.mod_router.weight.fill_(float("nan"))
         with pytest.raises(ValueError, match="finite"):
             model(ids[:, -1:], attention_mask=torch.ones(1, 7, dtype=torch.long), past_key_values=out.past_key_values)
+
+
+@pytest.mark.parametrize("fast", (True, False))
+def test_a_decode_step_refuses_a_threshold_never_calibrated(hf, fast):
+    """A steered threshold that is NaN (never set by a train-mode forward) is refused at a decode step too: the
+    fast path finds it in the NaN decision logits of its one host read."""
+    model = converted(hf, "llama", layers=[1], capacity=0.5, kv="all", causal="threshold")
+    layer = model.model.layers[1]
+    layer.mod_fast_path = fast
+    ids, mask = batch(B=2, S=6)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+        layer.mod_router.threshold.fill_(float("nan"))
+        with pytest.raises(ValueError, match="not calibrated"):
+            mask7 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            model(ids[:, -1:], attention_mask=mask7, past_key_values=out.past_key_values)

@@ -3,9 +3,10 @@ fitted and optionally healed, ready for ``save_conversion``.
 
 The steps, all of them existing calls of ``mode.hf``:
 
-    method "mod"    order the layers (``skip_costs`` of the part, cheapest first; or "every_other"),
-                    ``plan_to_macs`` (fewest layers at one capacity >= ``min_capacity``), ``to_mod``,
-                    ``router_fit`` (router, estimate, causal thresholds)
+    method "mod"    order the layers (``skip_costs`` of the part, cheapest first; or "every_other"; part
+                    "mixed": the attention and MLP halves by ``mixed_order``, the least loss per multiply-add
+                    saved first), ``plan_to_macs`` (fewest layers at one capacity >= ``min_capacity``),
+                    ``to_mod`` per part, ``router_fit`` (router, estimate, causal thresholds)
     method "prune"  the whole-layer count whose MACs come nearest the target, ``prune_layers`` (block
                     influence or skip cost; with ``skip_rank``: a fitted estimate per deleted layer)
     then, with ``heal``: ``heal`` against the original (a copy is taken before converting when no teacher is
@@ -30,8 +31,7 @@ from mode.hf._compat import check_model_type, decoder_config, decoder_layers
 from mode.hf.dense.convert import mod_layers, to_mod
 from mode.hf.dense.heal import HealConfig, HealReport, heal
 from mode.hf.dense.lora import merge_lora
-from mode.hf.dense.macs import conversion_macs, macs_per_token, plan_to_macs
-from mode.hf.dense.mod_layer import PARTS
+from mode.hf.dense.macs import HALVES, MIXED, PLAN_PARTS, conversion_macs, macs_per_token, mixed_order, plan_to_macs
 from mode.hf.dense.prune import PRUNE_BY, prune_layers
 from mode.hf.dense.router_fit import router_fit
 from mode.hf.dense.skip_cost import skip_costs
@@ -48,8 +48,10 @@ class BudgetConfig:
 
     macs: the target MACs per token ÷ the original's, in (0, 1). method: ``"mod"`` or ``"prune"``. seq_len:
     the sequence length the MACs are counted at (attention grows with it). part (mod): ``"layer"``,
-    ``"attention"`` or ``"mlp"``. causal (mod): ``"threshold"`` or ``"aux_bce"``. skip_rank: the rank of the
-    estimate standing in for a skipped part (mod) or a deleted layer (prune); None: none. order (mod):
+    ``"attention"``, ``"mlp"`` or ``"mixed"`` (attention halves in some layers, MLP halves in others, as
+    ``mixed_order`` ranks them; needs order ``"skip_cost"``). causal (mod): ``"threshold"`` or
+    ``"aux_bce"``. skip_rank: the rank of the estimate standing in for a skipped part (mod) or a deleted layer
+    (prune); None: none. order (mod):
     ``"skip_cost"`` (cheapest layers first, measured on ``cost_batches`` of the fit batches) or
     ``"every_other"``. min_capacity (mod): the lowest capacity the plan may use. prune_by (prune):
     ``"block_influence"`` or ``"skip_cost"``. heal: a ``HealConfig``, or None for no healing.
@@ -72,7 +74,7 @@ class BudgetConfig:
             raise ValueError(f"macs={self.macs!r}: must be a fraction of the original's MACs in (0, 1)")
         _checks.check_choice("method", self.method, METHODS)
         _checks.check_int("seq_len", self.seq_len)
-        _checks.check_choice("part", self.part, PARTS)
+        _checks.check_choice("part", self.part, PLAN_PARTS)
         _checks.check_choice("causal", self.causal, CAUSAL)
         if self.skip_rank is not None:
             _checks.check_int("skip_rank", self.skip_rank, min_value=0)
@@ -84,13 +86,18 @@ class BudgetConfig:
             raise TypeError(f"heal={type(self.heal).__name__}: must be a mode.hf.HealConfig or None")
         if self.method == "prune" and self.part != "layer":
             raise ValueError(f"part={self.part!r}: method='prune' deletes whole layers; use part='layer'")
+        if self.part == MIXED and self.order != "skip_cost":
+            raise ValueError(
+                f"order={self.order!r}: part='mixed' ranks the halves by their skip costs; use 'skip_cost'"
+            )
 
 
 @dataclass
 class BudgetResult:
     """What ``convert_to_macs`` built: ``macs`` reached (``conversion_macs``) against ``target``; ``layers``
     converted or deleted (original indices); ``capacity`` of the MoD layers (None when pruned); ``heal`` (the
-    ``HealReport``, None without healing); ``seconds`` per step (wall clock)."""
+    ``HealReport``, None without healing); ``seconds`` per step (wall clock); ``parts``: the part each MoD
+    layer skips (empty when pruned)."""
 
     method: str
     target: float
@@ -100,6 +107,7 @@ class BudgetResult:
     part: str
     heal: HealReport | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    parts: dict[int, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (the heal report without its per-step losses: first and last are kept)."""
@@ -155,16 +163,21 @@ def convert_to_macs(
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     capacity: float | None = None
+    parts: dict[int, str] = {}
     if cfg.method == "prune":
         n = layers_to_delete(model, cfg.seq_len, cfg.macs)
         layers = prune_layers(model, n, cfg.prune_by, fit_batches, estimate_rank=cfg.skip_rank)
         seconds["prune"] = time.perf_counter() - t0
     else:
         n_layers = len(decoder_layers(model))
-        order: str | list[int] = cfg.order
-        if cfg.order == "skip_cost":
-            costs = skip_costs(model, fit_batches[: cfg.cost_batches], cfg.part)
-            order = sorted(range(n_layers), key=lambda i: (costs[i], i))
+        order: str | list = cfg.order
+        if cfg.part == MIXED:
+            costs = {half: skip_costs(model, fit_batches[: cfg.cost_batches], half) for half in HALVES}
+            order = mixed_order(model, costs, cfg.seq_len, skip_rank=cfg.skip_rank)
+            seconds["skip_costs"] = time.perf_counter() - t0
+        elif cfg.order == "skip_cost":
+            costs_i = skip_costs(model, fit_batches[: cfg.cost_batches], cfg.part)
+            order = sorted(range(n_layers), key=lambda i: (costs_i[i], i))
             seconds["skip_costs"] = time.perf_counter() - t0
         plan = plan_to_macs(
             model,
@@ -175,19 +188,12 @@ def convert_to_macs(
             order=order,
             min_capacity=cfg.min_capacity,
         )
-        to_mod(
-            model,
-            layers=plan.layers,
-            capacity=plan.capacity,
-            part=plan.part,
-            kv=plan.kv,
-            causal=cfg.causal,
-            skip_rank=plan.skip_rank,
-        )
+        for group in plan.groups():
+            to_mod(model, **group, causal=cfg.causal)
         t1 = time.perf_counter()
         router_fit(model, fit_batches)
         seconds["router_fit"] = time.perf_counter() - t1
-        layers, capacity = sorted(plan.layers), plan.capacity
+        layers, capacity, parts = sorted(plan.layers), plan.capacity, plan.parts
     report = None
     if cfg.heal is not None:
         t1 = time.perf_counter()
@@ -206,4 +212,5 @@ def convert_to_macs(
         part=cfg.part,
         heal=report,
         seconds=seconds,
+        parts=parts,
     )

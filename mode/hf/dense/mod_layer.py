@@ -26,6 +26,7 @@ unchanged.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -73,7 +74,8 @@ class MoDLayerMixin(_DecoderLayer):
     mod_skip: SkipUpdate | None  # the estimated update a skipped token gets (None: nothing); set by
     # to_mod on the instance (a class-level default would shadow the registered submodule)
     mod_aux: Aux | None = None
-    mod_fast_path: bool = True  # the original forward for calls that route every token (_every_token_routed)
+    mod_fast_path: bool = True  # the original forward for calls that route every token (_every_row_path), ...
+    mod_dense_decode_rows: int = 16  # ... and for decode steps of at most this many rows when any routes
     # the decoder layer's own submodules that the mixin calls (Llama, Qwen2 and Mistral name them so)
     self_attn: _Attention
     mlp: nn.Module
@@ -121,7 +123,13 @@ class MoDLayerMixin(_DecoderLayer):
                     "mod routing='dense' with a cache a MoD layer already made sparse; start from a new cache"
                 )
             return self._original_forward(
-                hidden_states, attention_mask, position_ids, past_key_values, use_cache, position_embeddings, **kwargs
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
             )
         check_attention(attn.config)
         if self.mod_part == "mlp":  # attention over every token (the model's own cache), then route the MLP
@@ -189,20 +197,6 @@ class MoDLayerMixin(_DecoderLayer):
         out_BSD = self._combine(x_BSD, x_BCD, y_BCD, plan, slot_BC, valid_BC)
         return out_BSD if self.mod_part == "layer" else self.mlp_sublayer(out_BSD)
 
-    def _original_forward(
-        self, x_BSD: Tensor, attention_mask, position_ids, past_key_values, use_cache, position_embeddings, **kwargs
-    ) -> Tensor:
-        """The original decoder layer's forward on every token (transformers' own, no routing)."""
-        return super().forward(
-            x_BSD,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-
     def _forward_every_kv(
         self,
         x_BSD: Tensor,
@@ -216,8 +210,9 @@ class MoDLayerMixin(_DecoderLayer):
     ) -> Tensor:
         """``kv="all"``: every token writes its K/V to the model's own dense cache, only routed tokens ask a
         query (``mode.hf.dense.routed_queries``); then the MLP for routed tokens ("layer") or for all ("attention").
-        A call in which every token is routed (a decode step whose token the router takes, at batch 1) computes
-        what the original layer does on the same cache: ``_every_token_routed`` then runs the original forward."""
+        In inference, a call in which every token is routed (a decode step whose token the router takes, at
+        batch 1) runs the original forward, and a small decode step in which some rows routed computes every row
+        (``_every_row_path``)."""
         attn = self.self_attn
         P = 0
         if past_key_values is not None:
@@ -229,11 +224,20 @@ class MoDLayerMixin(_DecoderLayer):
             _check_window(window, P, x_BSD.shape[1])
         real_BS, causal = self._routing_inputs(x_BSD, attention_mask, P)
         plan, slot_BC, valid_BC = self._route(x_BSD, real_BS, causal)
-        if self._every_token_routed(plan.seq_capacity, valid_BC, x_BSD.shape[1]):
-            return self._original_forward(
-                x_BSD, attention_mask, position_ids, past_key_values, use_cache, position_embeddings, **kwargs
+        every = self._every_row_path(plan, valid_BC, x_BSD.shape[1])
+        if every is not None:
+            return self._forward_every_row(
+                x_BSD,
+                every,
+                valid_BC,
+                attention_mask,
+                position_ids,
+                past_key_values,
+                use_cache,
+                position_embeddings,
+                **kwargs,
             )
-        rows_R = self._asking_rows(plan.seq_capacity, valid_BC)
+        rows_R = self._asking_rows(plan, valid_BC)
         a_BCD = routed_query_attention(
             attn,
             self.input_layernorm(x_BSD),
@@ -258,31 +262,80 @@ class MoDLayerMixin(_DecoderLayer):
         out_BSD = self._combine(x_BSD, x_BCD, y_BCD, plan, slot_BC, valid_BC)
         return out_BSD if self.mod_part == "layer" else self.mlp_sublayer(out_BSD)
 
-    def _asking_rows(self, C: int, valid_BC: Tensor) -> Tensor | None:
+    def _forward_every_row(
+        self,
+        x_BSD: Tensor,
+        every: str,
+        valid_BC: Tensor,
+        attention_mask,
+        position_ids,
+        past_key_values,
+        use_cache,
+        position_embeddings,
+        **kwargs,
+    ) -> Tensor:
+        """The ``kv="all"`` layer computed on every row (``_every_row_path``): ``every`` "all", every token is
+        routed and this is the original layer's forward; "rows", a decode step (one token per row) in which some
+        rows routed: the original attention half (every row writes its K/V, as ``kv="all"`` does) and, for
+        part "layer", the MLP half run on every row, and the rows that did not route keep their input (plus the
+        estimate)."""
+        layer_kwargs = dict(
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        if every == "all":
+            return self._original_forward(x_BSD, **layer_kwargs)
+        keep_B11 = valid_BC[:, :, None]  # (B, 1, 1): the rows that routed their token
+        if self.mod_part == "layer":
+            return torch.where(keep_B11, self._original_forward(x_BSD, **layer_kwargs), self._skipped(x_BSD))
+        h_BSD = torch.where(keep_B11, self.attention_sublayer(x_BSD, **layer_kwargs), self._skipped(x_BSD))
+        return self.mlp_sublayer(h_BSD)
+
+    def _every_row_path(self, plan, valid_BC: Tensor, S: int) -> str | None:
+        """May this ``kv="all"`` call compute the layer on every row instead of the routed path, and how?
+        Only in inference (no gradient: the router's gradient needs the gate) with a gate whose value is
+        exactly 1 ("ste", "one"), on the fast path (``mod_fast_path = False`` keeps the routed path, the
+        reference). "all": every token of every row is routed (``C == S``, every slot valid): the routed path
+        computes the original layer on every token, which the original forward does in fewer operators (most
+        of a batch-1 decode step's cost on a CPU). "rows": a decode step of at most ``mod_dense_decode_rows``
+        rows in which some but not all rows routed: computing every row reads the same weights as computing
+        the routed rows (a small batch is bound by reading the weights), without gathering rows and their
+        K/V cache. None: the routed path."""
+        if (
+            not self.mod_fast_path
+            or S == 0
+            or torch.is_grad_enabled()
+            or self.mod_router.cfg.gate not in ("ste", "one")
+        ):
+            return None
+        if isinstance(plan, _DecodeStepPlan):
+            B = valid_BC.shape[0]
+            if len(plan.rows) == B:
+                return "all"
+            return "rows" if plan.rows and B <= self.mod_dense_decode_rows else None
+        return "all" if plan.seq_capacity == S and bool(valid_BC.all()) else None
+
+    def _original_forward(self, x_BSD: Tensor, **layer_kwargs) -> Tensor:
+        """The original decoder layer's forward on every token (transformers' own, no routing)."""
+        return super().forward(x_BSD, **layer_kwargs)
+
+    def _asking_rows(self, plan, valid_BC: Tensor) -> Tensor | None:
         """The rows with a routed token in a ``kv="all"`` inference call where some rows have none (a decode
         step at batch B: the rows whose token the router took), or None (every row, the reference path, or a
         call that records gradients). Only those rows then compute the query half and the MLP."""
-        if not self.mod_fast_path or C == 0 or torch.is_grad_enabled():
+        if not self.mod_fast_path or plan.seq_capacity == 0 or torch.is_grad_enabled():
             return None
+        if isinstance(plan, _DecodeStepPlan):  # the rows were read on the host with the scores
+            rows = plan.rows
+            return None if len(rows) == valid_BC.shape[0] else torch.tensor(rows, device=valid_BC.device)
         any_B = valid_BC.any(1)
         if bool(any_B.all()):
             return None
         return any_B.nonzero().squeeze(1)
-
-    def _every_token_routed(self, C: int, valid_BC: Tensor, S: int) -> bool:
-        """May this ``kv="all"`` call run the original layer's forward instead of the routed path? When every
-        token of every row is routed (``C == S``, every slot valid), the gate's value is exactly 1 ("ste",
-        "one") and no gradient is recorded (the router's gradient needs the gate), the routed path computes the
-        original layer on every token: the original forward does it in fewer operators, which is most of a
-        batch-1 decode step's cost on a CPU. ``mod_fast_path = False`` keeps the routed path (the reference)."""
-        return (
-            self.mod_fast_path
-            and S > 0
-            and C == S
-            and not torch.is_grad_enabled()
-            and self.mod_router.cfg.gate in ("ste", "one")
-            and bool(valid_BC.all())
-        )
 
     def _routing_inputs(self, x_BSD: Tensor, attention_mask: Tensor | None, P: int) -> tuple[Tensor | None, bool]:
         """``(real_BS, causal)``: which tokens are real (pads never route) and how this call routes."""
@@ -303,7 +356,7 @@ class MoDLayerMixin(_DecoderLayer):
         if causal and S == 1 and self.mod_fast_path and not torch.is_grad_enabled():
             return self._route_decode_step(x_BSD, real_BS)
         plan = self.mod_router(x_BSD, real_BS, causal=causal)
-        self.mod_aux = plan.aux
+        object.__setattr__(self, "mod_aux", plan.aux)  # a plain attribute (nn.Module.__setattr__ is slow)
         C = plan.seq_capacity
         dev = x_BSD.device
         slot_BC = plan.token_idx_A.view(B, C) - torch.arange(B, device=dev)[:, None] * S
@@ -311,30 +364,42 @@ class MoDLayerMixin(_DecoderLayer):
         return plan, slot_BC, valid_BC
 
     def _route_decode_step(self, x_B1D: Tensor, real_B1: Tensor | None):
-        """``_route`` for one token per row with causal routing and no gradient (a decode step), in a dozen
-        operators instead of the router's ~100 (``MoDRouter.forward``, the reference: ``mod_fast_path = False``):
-        the scores, the decision, and one host read of the routed count and of the scores' finiteness. Its plan
-        has what the layer reads (``seq_capacity``, ``weight_A``, ``aux`` with stats built when first read)."""
+        """``_route`` for one token per row with causal routing and no gradient (a decode step), in a handful
+        of operators instead of the router's ~100 (``MoDRouter.forward``, the reference: ``mod_fast_path =
+        False``): the scores, the decision logits, and one host read of both (and of the pad mask) from which
+        the finiteness checks and the routed rows are decided in Python. Its plan has what the layer reads
+        (``seq_capacity``, ``weight_A``, ``aux`` with stats built when first read, ``rows``)."""
         router = self.mod_router
         _checks.check_hidden("x", x_B1D, router.cfg.d_model, device=router.weight.device)
         r_B1 = router.scores(x_B1D)
-        logit_B1 = router.decision_logits(x_B1D, r_B1)
-        routed_B1 = logit_B1 > 0
-        if real_B1 is not None:  # pads never route
-            routed_B1 = routed_B1 & real_B1
-            logit_B1 = logit_B1.masked_fill(~real_B1, float("-inf"))
-        n_routed, n_bad = torch.stack([routed_B1.sum(), (~torch.isfinite(r_B1)).sum()]).tolist()  # one host read
-        if n_bad:
+        logit_B1 = router.decision_logits(x_B1D, r_B1, check_threshold=False)
+        read = [r_B1, logit_B1] if real_B1 is None else [r_B1, logit_B1, real_B1.to(r_B1.dtype)]
+        host = torch.stack(read).view(len(read), -1).tolist()  # the one host read of the step
+        scores, logits = host[0], host[1]
+        if router.cfg.check_finite and not all(map(math.isfinite, scores)):
+            n_bad = sum(not math.isfinite(v) for v in scores)
             raise ValueError(f"MoDRouter: {n_bad} router scores are not finite (NaN or infinite hidden states?)")
+        if any(map(math.isnan, logits)):
+            router.check_calibrated()  # a threshold never set says so; else the predictor gave NaN
+            raise ValueError("MoDRouter: causal decision logits are NaN (the predictor's output)")
+        real = [True] * len(logits) if real_B1 is None else [v > 0.5 for v in host[2]]
+        rows = [b for b, (v, ok) in enumerate(zip(logits, real, strict=True)) if v > 0 and ok]
+        if real_B1 is not None and not all(real):  # pads never route: their logits read -inf in the stats
+            logit_B1 = logit_B1.masked_fill(~real_B1, float("-inf"))
         gate = router.cfg.gate
         weight_B1 = r_B1 if gate == "raw" else r_B1.sigmoid() if gate == "sigmoid" else None  # "ste", "one": 1
         aux = Aux()
         aux.stats["router"] = DecodeStats(logit_B1)
-        plan = _DecodeStepPlan(1 if n_routed else 0, None if weight_B1 is None else weight_B1.reshape(-1), aux)
-        self.mod_aux = aux
-        if not n_routed:  # C = 0: no slot at all, as the router's own plan has
-            return plan, routed_B1.new_zeros(routed_B1.shape[0], 0, dtype=torch.long), routed_B1[:, :0]
-        return plan, torch.zeros_like(routed_B1, dtype=torch.long), routed_B1
+        plan = _DecodeStepPlan(1 if rows else 0, None if weight_B1 is None else weight_B1.reshape(-1), aux, rows)
+        object.__setattr__(self, "mod_aux", aux)  # a plain attribute: nn.Module.__setattr__ costs a decode step
+        B = len(logits)
+        if not rows:  # C = 0: no slot at all, as the router's own plan has
+            return plan, x_B1D.new_empty((B, 0), dtype=torch.long), x_B1D.new_empty((B, 0), dtype=torch.bool)
+        slot_B1 = x_B1D.new_zeros((B, 1), dtype=torch.long)
+        if len(rows) == B:
+            return plan, slot_B1, x_B1D.new_ones((B, 1), dtype=torch.bool)
+        routed = set(rows)
+        return plan, slot_B1, torch.tensor([[b in routed] for b in range(B)], device=x_B1D.device)
 
     def _sparse_attention_call(
         self,
@@ -420,11 +485,13 @@ class MoDLayerMixin(_DecoderLayer):
 @dataclass
 class _DecodeStepPlan:
     """What a MoD layer reads of a decode step's routing (``_route_decode_step``): ``seq_capacity`` (1 when
-    a row routed its token, else 0), ``weight_A`` (the gates, None when their value is 1), ``aux``."""
+    a row routed its token, else 0), ``weight_A`` (the gates, None when their value is 1), ``aux``, and
+    ``rows`` (the rows that routed their token, read on the host with the scores)."""
 
     seq_capacity: int
     weight_A: Tensor | None
     aux: Aux
+    rows: list[int]
 
 
 def _check_window(window: int | None, P: int, S: int) -> None:
