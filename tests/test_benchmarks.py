@@ -384,6 +384,9 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     for t in timed:
         assert t["layers"] == rows[t["key"]]["layers"], t  # the same conversion (pruning re-checks its layers)
         assert all(t[f"{k}_b{b}"] > 0 for k in ("decode", "prefill") for b in (1, 8)), t
+    only = [sys.executable, script, "--smoke", "--rows", str(out), "--out", str(speed), "--methods", "mod-mix-thr"]
+    subprocess.run(only, **run)
+    assert {t["method"] for t in json.loads(speed.read_text())["results"]} == {"mod-mix-thr"}
 
 
 def test_no_benchmark_file_over_450_lines():

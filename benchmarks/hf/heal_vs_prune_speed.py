@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="benchmarks/results/heal_vs_prune.json", help="a heal_vs_prune.py result")
     p.add_argument("--smoke", action="store_true", help="the tiny random Llama heal_vs_prune --smoke used")
+    p.add_argument("--methods", nargs="+", default=None, help="time these methods' rows only (default: all)")
     p.add_argument("--fit-windows", type=int, default=None, help="training windows for the fits (64; smoke 8)")
     p.add_argument("--prompt", type=int, default=None)
     p.add_argument("--new", type=int, default=None)
@@ -78,6 +79,11 @@ def main(argv: list[str] | None = None) -> dict:
     fit_WS = train_WS[: args.fit_windows]
     fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
     rows = [r for r in doc["rows"] if r.get("seed") == 0 and "layers" in r and "skipped" not in r]
+    if args.methods is not None:
+        unknown = sorted(set(args.methods) - {r["method"] for r in rows})
+        if unknown:
+            raise SystemExit(f"--methods {unknown}: no seed-0 row of {src} has that method")
+        rows = [r for r in rows if r["method"] in args.methods]
     results = []
     for row in rows:
         model = rebuild(original, row, fit_batches)
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows_from": str(src),
         "machine": machine_info(),
         "threads": 1,
-        "settings": {k: getattr(args, k) for k in ("fit_windows", "prompt", "new", "repeats")},
+        "settings": {k: getattr(args, k) for k in ("fit_windows", "prompt", "new", "repeats", "methods")},
         "results": results,
     }
     atomic_write_text(dest, json.dumps(payload, indent=2) + "\n")
