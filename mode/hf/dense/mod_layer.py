@@ -230,11 +230,11 @@ class MoDLayerMixin(_DecoderLayer):
                 x_BSD,
                 every,
                 valid_BC,
-                attention_mask,
-                position_ids,
-                past_key_values,
-                use_cache,
-                position_embeddings,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
                 **kwargs,
             )
         rows_R = self._asking_rows(plan, valid_BC)
@@ -262,31 +262,12 @@ class MoDLayerMixin(_DecoderLayer):
         out_BSD = self._combine(x_BSD, x_BCD, y_BCD, plan, slot_BC, valid_BC)
         return out_BSD if self.mod_part == "layer" else self.mlp_sublayer(out_BSD)
 
-    def _forward_every_row(
-        self,
-        x_BSD: Tensor,
-        every: str,
-        valid_BC: Tensor,
-        attention_mask,
-        position_ids,
-        past_key_values,
-        use_cache,
-        position_embeddings,
-        **kwargs,
-    ) -> Tensor:
-        """The ``kv="all"`` layer computed on every row (``_every_row_path``): ``every`` "all", every token is
-        routed and this is the original layer's forward; "rows", a decode step (one token per row) in which some
-        rows routed: the original attention half (every row writes its K/V, as ``kv="all"`` does) and, for
-        part "layer", the MLP half run on every row, and the rows that did not route keep their input (plus the
-        estimate)."""
-        layer_kwargs = dict(
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
+    def _forward_every_row(self, x_BSD: Tensor, every: str, valid_BC: Tensor, **layer_kwargs) -> Tensor:
+        """The ``kv="all"`` layer computed on every row (``_every_row_path``; ``layer_kwargs``: the layer's own
+        keyword arguments): ``every`` "all", every token is routed and this is the original layer's forward;
+        "rows", a decode step (one token per row) in which some rows routed: the original attention half (every
+        row writes its K/V, as ``kv="all"`` does) and, for part "layer", the MLP half run on every row, and the
+        rows that did not route keep their input (plus the estimate)."""
         if every == "all":
             return self._original_forward(x_BSD, **layer_kwargs)
         keep_B11 = valid_BC[:, :, None]  # (B, 1, 1): the rows that routed their token
