@@ -120,12 +120,16 @@ class MacsPlan:
         return out
 
 
+def _mod_part(part: str, share: float, kv: str, skip_rank: int | None) -> dict:
+    """``macs_per_token``'s entry for a MoD layer skipping ``part`` (an MLP part keeps no skipped K/V)."""
+    return {"part": part, "share": share, "kv_all": kv == "all" and part != "mlp", "rank": skip_rank, "router": True}
+
+
 def _unit_macs(config, seq_len: int, layer: int, part: str, kv: str, skip_rank: int | None, n_layers: int) -> float:
     """The multiply-adds per token that skipping ``part`` of ``layer`` for every token saves (with its router
     and estimate), ÷ the original's."""
-    unit = {"part": part, "share": 0.0, "kv_all": kv == "all" and part != "mlp", "rank": skip_rank, "router": True}
     base = macs_per_token(config, seq_len, {}, n_layers)
-    return 1 - macs_per_token(config, seq_len, {layer: unit}, n_layers) / base
+    return 1 - macs_per_token(config, seq_len, {layer: _mod_part(part, 0.0, kv, skip_rank)}, n_layers) / base
 
 
 def mixed_order(
@@ -166,21 +170,19 @@ def _order(order: str | Sequence, n_layers: int, mixed: bool) -> list[tuple[int,
         _checks.check_choice("order", order, ("every_other",))
         return [(i, None) for i in [*range(1, n_layers, 2), *range(2, n_layers, 2), 0]]
 
-    def layer(i) -> int | None:
-        return i if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layers else None
+    def layer(i) -> bool:
+        return isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layers
 
-    units: list[tuple[int, str | None]] = []
-    for u in order:
-        pair = tuple(u) if mixed and isinstance(u, (tuple, list)) else None
-        i = layer(pair[0] if pair is not None and len(pair) == 2 else None if mixed else u)
-        half = pair[1] if pair is not None and len(pair) == 2 and pair[1] in HALVES else None
-        if i is None or (mixed and half is None):
-            units = []
-            break
-        units.append((i, half))
-    if not units:
+    def unit(u) -> bool:
+        if not mixed:
+            return layer(u)
+        return isinstance(u, (tuple, list)) and len(u) == 2 and layer(u[0]) and u[1] in HALVES
+
+    given = list(order)
+    if not given or not all(map(unit, given)):
         either = "" if mixed else "'every_other' or "
         raise ValueError(f"order={order!r}: must be {either}{rule} in [0, {n_layers})")
+    units: list[tuple[int, str | None]] = [(int(u[0]), str(u[1])) if mixed else (int(u), None) for u in given]
     if len(set(units)) != len(units):
         raise ValueError(f"order={order!r}: a {'unit' if mixed else 'layer'} appears twice")
     return units
@@ -225,10 +227,7 @@ def plan_to_macs(
     reachable = 1.0
 
     def ratio(share: float) -> float:
-        spec = {
-            i: {"part": p, "share": share, "kv_all": kv == "all" and p != "mlp", "rank": skip_rank, "router": True}
-            for i, p in chosen.items()
-        }
+        spec = {i: _mod_part(p, share, kv, skip_rank) for i, p in chosen.items()}
         return macs_per_token(config, seq_len, spec, n_layers) / base
 
     for i, half in _order(order, n_layers, mixed=part == MIXED):
