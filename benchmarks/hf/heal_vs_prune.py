@@ -297,11 +297,12 @@ def main(argv: list[str] | None = None) -> dict:
                         print(f"{key:<28} skipped: {e}", flush=True)
                         save()
                         continue
-                    for group in plan.groups():
+                    groups = plan.groups()  # the to_mod calls: heal_vs_prune_speed rebuilds from them
+                    for group in groups:
                         mh.to_mod(model, **group, causal=causal)
                     mh.router_fit(model, fit_batches)  # the router, then the estimate on the tokens it skips
                     row.update(layers=plan.layers, capacity=plan.capacity, part=part, kv=plan.kv, causal=causal)
-                    row["groups"] = plan.groups()  # the to_mod calls: heal_vs_prune_speed rebuilds from them
+                    row["groups"] = groups
                     row["estimate_rank"] = rank
                 row["macs_ratio"] = mh.conversion_macs(model, S)
                 row["d_loss_pct_before"] = pct(window_losses(model, val_WS))
