@@ -117,6 +117,7 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objective", choices=("distill", "lm", "both"), default="distill", help="healing objective")
     p.add_argument("--seed", type=int, default=0, help="the healing data order and LoRA initialisation")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP.replace("each run", "healing"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -106,6 +106,7 @@ from mode.hf._compat import decoder_layers  # noqa: E402
 from mode.hf.dense.budget import layers_to_delete, pruned_macs  # noqa: E402
 from mode.hf.dense.macs import HALVES, _parts, macs_per_token  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
+from mode.train.progress import Progress  # noqa: E402
 
 BUDGET_KEYS = ("steps", "tokens", "data_digest", "objective", "trainable_kind")
 REPORT_KEYS = (*BUDGET_KEYS, "cpu_seconds", "trainable", "lora_params", "other_params", "lora_layers")
@@ -315,7 +316,8 @@ def main(argv: list[str] | None = None) -> dict:
                     objective="distill",
                     layers=lora_layers,
                 )
-                report = mh.heal(model, original, heal_batches(seed), cfg)
+                print(f"{key}: Δ loss before healing {row['d_loss_pct_before']:+.2f}%; healing", flush=True)
+                report = mh.heal(model, original, heal_batches(seed), cfg, Progress(bar=False, every_s=60))
                 row.update({k: getattr(report, k) for k in REPORT_KEYS})
                 row["heal_loss_first_last"] = [report.losses[0], report.losses[-1]]
                 partners = [

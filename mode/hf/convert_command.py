@@ -112,7 +112,7 @@ def run(args) -> int:
     base = held_out_loss(model, val_WS)
     torch.manual_seed(args.seed)
     try:
-        result = convert_to_macs(model, cfg, fit_batches, heal_batches)
+        result = convert_to_macs(model, cfg, fit_batches, heal_batches, progress=not args.no_progress)
     except ValueError as e:  # e.g. a budget the part cannot reach at --min-capacity
         print(f"mode convert: error: {e}", file=sys.stderr)
         return 2

@@ -94,6 +94,32 @@ def test_a_mod_run_and_a_pruned_run_spend_equal_budgets(hf):
     assert not a.same_budget(c)  # another data order is another budget
 
 
+def test_a_heal_shows_its_progress_only_when_asked(hf, capsys):
+    """None: silent; a Progress: one line a step (every_s=0) with the step's loss, then the end line; the report
+    is the same either way (the lines change nothing of the training)."""
+    import io
+
+    from mode.train.progress import Progress
+
+    orig = _original()
+    data = _data(n=2)
+    cfg = hf.HealConfig(steps=3, rank=4)
+    runs = []
+    for progress in (None, Progress(bar=False, every_s=0, out=io.StringIO())):
+        model = copy.deepcopy(orig)
+        hf.prune_layers(model, 1, batches=data)
+        torch.manual_seed(0)
+        runs.append(hf.heal(model, orig, data, cfg, progress))
+        if progress is not None:
+            lines = progress.out.getvalue().splitlines()
+    assert capsys.readouterr().out == ""  # None wrote nothing, the Progress wrote to its own stream
+    assert runs[0].losses == runs[1].losses
+    assert [line.split("  ")[0] for line in lines[:2]] == ["heal: step 1/3 (33%)", "heal: step 2/3 (67%)"]
+    assert len(lines) == 3 and lines[2].startswith("heal: step 3/3 done in ")
+    assert f"loss {runs[1].losses[1]:.4f}" in lines[1] and "tok/s" in lines[1] and "ETA" in lines[1]
+    assert f"loss {runs[1].losses[2]:.4f}" in lines[2]
+
+
 def test_merged_lora_computes_what_the_adapters_did(hf):
     orig = _original("qwen2")
     data = _data()

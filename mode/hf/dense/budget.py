@@ -36,6 +36,7 @@ from mode.hf.dense.prune import PRUNE_BY, prune_layers
 from mode.hf.dense.router_fit import router_fit
 from mode.hf.dense.skip_cost import skip_costs
 from mode.hf.dense.tune import calibrate
+from mode.train.progress import Progress
 
 METHODS = ("mod", "prune")
 ORDERS = ("skip_cost", "every_other")
@@ -141,12 +142,13 @@ def convert_to_macs(
     fit_batches: Sequence,
     heal_batches: Sequence | None = None,
     teacher: nn.Module | None = None,
+    progress: bool | Progress | None = None,
 ) -> BudgetResult:
     """Convert ``model`` (an original Llama / Qwen2 / Mistral, in place) to ``cfg.macs`` of its MACs per token
     as ``cfg`` says (module doc), fitting on ``fit_batches`` and healing on ``heal_batches`` (default: the fit
     batches) against ``teacher`` (default: a copy of ``model`` taken before converting). Batches are (B, S)
-    token ids or dicts with ``input_ids`` / ``attention_mask``. Returns a ``BudgetResult``; ``save_conversion``
-    writes the model."""
+    token ids or dicts with ``input_ids`` / ``attention_mask``. ``progress``: the heal's (``heal``; None:
+    silent). Returns a ``BudgetResult``; ``save_conversion`` writes the model."""
     if not isinstance(cfg, BudgetConfig):
         raise TypeError(f"cfg={type(cfg).__name__}: must be a mode.hf.BudgetConfig")
     check_model_type(model)
@@ -197,7 +199,7 @@ def convert_to_macs(
     report = None
     if cfg.heal is not None:
         t1 = time.perf_counter()
-        report = heal(model, teacher, heal_batches if heal_batches is not None else fit_batches, cfg.heal)
+        report = heal(model, teacher, heal_batches if heal_batches is not None else fit_batches, cfg.heal, progress)
         merge_lora(model)
         if any(layer.mod_router.steers for layer in mod_layers(model).values()):
             calibrate(model, fit_batches)  # healing moved the routers: steer the causal thresholds again
