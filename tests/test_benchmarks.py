@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -387,6 +388,82 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     only = [sys.executable, script, "--smoke", "--rows", str(out), "--out", str(speed), "--methods", "mod-mix-thr"]
     subprocess.run(only, **run)
     assert {t["method"] for t in json.loads(speed.read_text())["results"]} == {"mod-mix-thr"}
+
+
+def _hvp_doc(rows: list[tuple[str, float, int, float]], base: float = 2.0, steps: int = 100) -> dict:
+    """A heal_vs_prune.py result: rows of (method, point, seed, Δ loss %), each over 8 windows."""
+    out = []
+    for method, point, seed, pct in rows:
+        g = torch.Generator().manual_seed(7 * seed + len(method))  # windows that differ between methods
+        window_W = base * (1 + pct / 100) + 0.01 * torch.randn(8, generator=g)
+        window_W += base * (1 + pct / 100) - window_W.mean()  # the row's Δ exactly
+        out.append(
+            {
+                "key": f"{method}@{point}#s{seed}",
+                "method": method,
+                "point": point,
+                "seed": seed,
+                "macs_ratio": point - 0.01,
+                "d_loss_pct": pct,
+                "window_losses": window_W.tolist(),
+                "steps": steps,
+                "tokens": steps * 1024,
+                "data_digest": f"seed{seed}",
+                "objective": "distill",
+                "trainable_kind": "lora",
+            }
+        )
+    return {"settings": {"smoke": False, "heal_steps": steps}, "base_loss": base, "skip_costs": {}, "rows": out}
+
+
+def test_heal_vs_prune_results_split_over_runs_merge_into_one_report(tmp_path):
+    """Two runs (one point each, their own --out) merge into one result with both points' summaries, intervals
+    over the seeds both methods have, and the PNG; conflicting rows, settings, models and budgets are refused."""
+    from benchmarks.hf.heal_vs_prune_report import main, merge
+
+    a, b, into = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "all.json"
+    a.write_text(json.dumps(_hvp_doc([("prune-bi-est", 0.9, 0, 4.0), ("mod-layer-thr-est", 0.9, 0, 3.0)])))
+    pairs = [(m, 0.8, s, pct + s) for s in (0, 1, 2) for m, pct in (("prune-bi-est", 10.0), ("mod-layer-thr-est", 7.0))]
+    b.write_text(json.dumps(_hvp_doc(pairs)))
+    doc = main(["--into", str(into), str(a), str(b)])
+    assert len(doc["rows"]) == 8 and json.loads(into.read_text())["rows"] == doc["rows"]
+    means = {(s["method"], s["point"]): (s["d_loss_pct"], s["seeds"]) for s in doc["summary"]}
+    assert means == {
+        ("prune-bi-est", 0.9): (4.0, [0]),
+        ("mod-layer-thr-est", 0.9): (3.0, [0]),
+        ("prune-bi-est", 0.8): (11.0, [0, 1, 2]),
+        ("mod-layer-thr-est", 0.8): (8.0, [0, 1, 2]),
+    }
+    by_point = {i["point"]: i for i in doc["intervals"]}
+    assert by_point[0.9]["t_ci_pct"] is None and abs(by_point[0.9]["diff_pct"] + 1.0) < 1e-9
+    assert abs(by_point[0.8]["diff_pct"] + 3.0) < 1e-9 and by_point[0.8]["t_ci_pct"] == [-3.0, -3.0]  # no spread
+    lo, hi = by_point[0.8]["bootstrap_ci_pct"]
+    assert lo < -3.0 < hi
+    assert all(
+        r["same_budget_as"] == [r["key"].replace("mod-layer-thr-est", "prune-bi-est")]
+        for r in doc["rows"]
+        if r["method"].startswith("mod")
+    )
+    assert into.with_suffix(".png").stat().st_size > 0
+    assert merge(into, [a])["rows"] == doc["rows"]  # rows already there with the same results: kept once
+
+    bad = tmp_path / "bad.json"
+    for rows, kw, match in (
+        ([("prune-bi-est", 0.9, 0, 4.5)], {}, "prune-bi-est@0.9#s0 was measured differently"),
+        ([("prune-bi-est", 0.75, 0, 4.5)], {"steps": 50}, "settings"),
+        ([("prune-bi-est", 0.75, 0, 4.5)], {"base": 2.5}, "original held-out loss"),
+    ):
+        bad.write_text(json.dumps(_hvp_doc(rows, **kw)))
+        with pytest.raises(ValueError, match=match):
+            merge(into, [bad])
+    doc = _hvp_doc([("mod-layer-thr-est", 0.9, 0, 3.0)])
+    doc["rows"][0]["tokens"] += 1  # another budget than the pruning row it is paired with
+    bad.write_text(json.dumps(doc))
+    fresh = tmp_path / "fresh.json"
+    with pytest.raises(ValueError, match="healed with another budget than prune-bi-est@0.9#s0"):
+        merge(fresh, [bad, a])
+    with pytest.raises(ValueError, match="does not exist"):
+        merge(fresh, [])
 
 
 def test_no_benchmark_file_over_450_lines():

@@ -94,7 +94,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
 
 import mode.hf as mh  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
-from benchmarks.hf.heal_vs_prune_report import METHODS, MOD, PRUNE, plot, summarize, table  # noqa: E402
+from benchmarks.hf.heal_vs_prune_report import BUDGET_KEYS, METHODS, MOD, PRUNE, plot, summarize, table  # noqa: E402
 from benchmarks.hf.smollm2_measure import (  # noqa: E402
     _num,
     _threads,
@@ -108,7 +108,6 @@ from mode.hf.dense.macs import HALVES, _parts, macs_per_token  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 from mode.train.progress import Progress  # noqa: E402
 
-BUDGET_KEYS = ("steps", "tokens", "data_digest", "objective", "trainable_kind")
 REPORT_KEYS = (*BUDGET_KEYS, "cpu_seconds", "trainable", "lora_params", "other_params", "lora_layers")
 
 

@@ -1,16 +1,33 @@
 """The report of ``heal_vs_prune.py``: per (method, point) mean ± std over seeds, MoD − pruning with its paired
-intervals, the table and the PNG (Δ loss vs MACs, one line per method)."""
+intervals, the table and the PNG (Δ loss vs MACs, one line per method).
+
+Run as a script it merges results of runs split over processes or machines (one point or method each, into
+their own ``--out``) into one, checks that every MoD row had its pruning partners' healing budget, and writes
+the summary, the intervals and the PNG again::
+
+    python benchmarks/hf/heal_vs_prune_report.py --into benchmarks/results/heal_vs_prune.json part_a.json part_b.json
+    python benchmarks/hf/heal_vs_prune_report.py --into benchmarks/results/heal_vs_prune.json  # the report only
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import save_figure
-from benchmarks.hf.smollm2_measure import _num, bootstrap_ci
-from mode.experiments.stats_ci import t_quantile
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import save_figure  # noqa: E402
+from benchmarks.hf.smollm2_measure import _num, bootstrap_ci  # noqa: E402
+from mode.experiments.stats_ci import t_quantile  # noqa: E402
+from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 # method -> (with the estimate, LoRA on every kept layer rather than the one after each deleted block)
 PRUNE = {"prune-bi": (False, False), "prune-bi-est": (True, False), "prune-bi-est-all": (True, True)}
@@ -24,6 +41,7 @@ MOD = {  # method -> (part, causal, with the estimate for skipped tokens)
     "mod-mix-thr-est": ("mixed", "threshold", True),
 }
 METHODS = (*PRUNE, *MOD)
+BUDGET_KEYS = ("steps", "tokens", "data_digest", "objective", "trainable_kind")  # what "the same healing" means
 
 
 def t_interval(diffs: list[float]) -> list[float] | None:
@@ -170,3 +188,67 @@ def table(summary: list[dict], intervals: list[dict], base: float) -> str:
             f"[{ci[0]:+.2f}, {ci[1]:+.2f}] | {t_txt} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _settings(doc: dict) -> dict:
+    return {"router_lr": None, **doc.get("settings", {})}  # files from before --router-lr
+
+
+def merge(into: Path, sources: list[Path]) -> dict:
+    """Add the rows of the ``heal_vs_prune.py`` results ``sources`` to ``into`` (created from the first source if
+    missing), check budgets, recompute the summary and intervals, write ``into`` and its PNG; returns the result.
+
+    Refused (``ValueError`` naming the file): other settings, another original loss (another model or text), a
+    row measured in two files with different results, a MoD row whose healing budget differs from a pruning
+    row's at its point and seed. Rows are keyed ``method@point#sSEED``; a row in both files with the same
+    result is kept once."""
+    docs = [json.loads(p.read_text()) for p in ([into] if into.is_file() else []) + list(sources)]
+    if not docs:
+        raise ValueError(f"into={str(into)!r}: does not exist and no source to merge into it")
+    doc, rows = docs[0], {r["key"]: r for r in docs[0]["rows"]}
+    names = ([str(into)] if into.is_file() else []) + [str(p) for p in sources]
+    for name, other in zip(names[1:], docs[1:]):
+        if _settings(other) != _settings(doc):
+            raise ValueError(f"{name}: settings {other.get('settings')} differ from {names[0]}'s {doc.get('settings')}")
+        if not math.isclose(other["base_loss"], doc["base_loss"], rel_tol=1e-5):
+            raise ValueError(
+                f"{name}: original held-out loss {other['base_loss']:.6f}, {names[0]} has {doc['base_loss']:.6f} "
+                "(another model or text?)"
+            )
+        for r in other["rows"]:
+            have = rows.get(r["key"])
+            if have is not None and have.get("d_loss_pct") != r.get("d_loss_pct"):
+                raise ValueError(f"{name}: row {r['key']} was measured differently in {names[0]}; drop one of them")
+            rows.setdefault(r["key"], r)
+        doc["skip_costs"] = {**other.get("skip_costs", {}), **doc.get("skip_costs", {})}
+    healed = {k: r for k, r in rows.items() if "steps" in r}
+    for key, r in healed.items():
+        if r["method"] not in MOD:
+            continue
+        partners = [healed[k] for m in PRUNE if (k := f"{m}@{r['point']}#s{r['seed']}") in healed]
+        for p in partners:
+            if any(r[f] != p[f] for f in BUDGET_KEYS):
+                raise ValueError(f"{key}: healed with another budget than {p['key']} ({', '.join(BUDGET_KEYS)})")
+        r["same_budget_as"] = [p["key"] for p in partners]
+    doc["rows"] = sorted(rows.values(), key=lambda r: (-r["point"], r["seed"], METHODS.index(r["method"])))
+    doc["summary"], doc["intervals"] = summarize(rows, doc["base_loss"])
+    into.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(into, json.dumps(doc, indent=2) + "\n")
+    title = "tiny random Llama (smoke)" if doc.get("settings", {}).get("smoke") else "SmolLM2-135M"
+    plot(doc["summary"], doc["intervals"], into.with_suffix(".png"), title)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--into", required=True, help="the result to merge into (and to report)")
+    p.add_argument("sources", nargs="*", help="heal_vs_prune.py results to add to --into")
+    args = p.parse_args(argv)
+    doc = merge(Path(args.into), [Path(s) for s in args.sources])
+    print(table(doc["summary"], doc["intervals"], doc["base_loss"]))
+    print(f"wrote {args.into} and {Path(args.into).with_suffix('.png')}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
