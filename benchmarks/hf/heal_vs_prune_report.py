@@ -136,27 +136,34 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
     ax.set_title(f"{title}: mean ± std over seeds")
     ax.invert_xaxis()
     ax.legend(fontsize=8)
-    pairs = [(mod, partner) for mod in MOD for partner in PRUNE]
+    pairs = [(m, p) for m in MOD for p in PRUNE if any(r["mod"] == m and r["prune"] == p for r in intervals)]
     for k, (mod, partner) in enumerate(pairs):
         rs = sorted((r for r in intervals if r["mod"] == mod and r["prune"] == partner), key=lambda r: r["point"])
-        if rs:
-            shift = 0.002 * (k - (len(pairs) - 1) / 2)  # side by side: the intervals of one point do not overlap
-            mid = [r["diff_pct"] for r in rs]
-            lo = [m - r["bootstrap_ci_pct"][0] for m, r in zip(mid, rs)]
-            hi = [r["bootstrap_ci_pct"][1] - m for m, r in zip(mid, rs)]
-            bx.errorbar(
-                [r["point"] + shift for r in rs],
-                mid,
-                yerr=[[max(v, 0.0) for v in lo], [max(v, 0.0) for v in hi]],
-                marker="o",
-                capsize=3,
-                linestyle="-" if partner == "prune-bi" else ":",
-                label=f"{mod} − {partner}",
-            )
+        shift = 0.003 * (k - (len(pairs) - 1) / 2)  # side by side: the intervals of one point do not overlap
+        xs = [r["point"] + shift for r in rs]
+        mid = [r["diff_pct"] for r in rs]
+        lo = [m - r["bootstrap_ci_pct"][0] for m, r in zip(mid, rs)]
+        hi = [r["bootstrap_ci_pct"][1] - m for m, r in zip(mid, rs)]
+        line = bx.errorbar(
+            xs,
+            mid,
+            yerr=[[max(v, 0.0) for v in lo], [max(v, 0.0) for v in hi]],
+            marker="o",
+            capsize=3,
+            linestyle="-" if partner == "prune-bi" else ":",
+            label=f"{mod} − {partner}",
+        )
+        for x, r in zip(xs, rs):  # the t interval over seeds, where there are >= 2: a wide pale bar behind
+            if r["t_ci_pct"] is not None:
+                color = line[0].get_color()
+                bx.vlines(x, *r["t_ci_pct"], colors=color, linewidth=7, alpha=0.25)
+    points = sorted({r["point"] for r in intervals})
+    if points:
+        bx.set_xticks(points)
     bx.axhline(0.0, color="gray", linewidth=0.8)
     bx.set_xlabel("MACs point (÷ original)")
     bx.set_ylabel("MoD − pruning, points of %")
-    bx.set_title("paired 95% bootstrap interval over held-out windows")
+    bx.set_title("paired 95%: bootstrap over windows (bars), t over seeds (pale)")
     bx.invert_xaxis()
     bx.legend(fontsize=7)
     save_figure(fig, path)
@@ -240,7 +247,8 @@ def merge(into: Path, sources: list[Path]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    about = (__doc__ or "").split("\n\n")[0]
+    p = argparse.ArgumentParser(description=about, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--into", required=True, help="the result to merge into (and to report)")
     p.add_argument("sources", nargs="*", help="heal_vs_prune.py results to add to --into")
     args = p.parse_args(argv)
