@@ -94,7 +94,17 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
 
 import mode.hf as mh  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
-from benchmarks.hf.heal_vs_prune_report import BUDGET_KEYS, METHODS, MOD, PRUNE, plot, summarize, table  # noqa: E402
+from benchmarks.hf.heal_vs_prune_report import (  # noqa: E402
+    BUDGET_KEYS,
+    METHODS,
+    MOD,
+    PRUNE,
+    model_title,
+    plot,
+    settings_of,
+    summarize,
+    table,
+)
 from benchmarks.hf.smollm2_measure import (  # noqa: E402
     _num,
     _threads,
@@ -205,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
     keep = ("out", "threads", "cache_dir", "no_speed", "speed_seeds", "methods", "macs", "seeds", "fresh")
     settings = {k: v for k, v in vars(args).items() if k not in keep}
     done = {} if args.fresh or not out_path.is_file() else json.loads(out_path.read_text())
-    if done and {"router_lr": None, **done.get("settings", {})} != settings:  # files from before --router-lr
+    if done and settings_of(done) != settings:
         raise ValueError(
             f"{out_path} holds rows measured with other settings ({done.get('settings')}); pass --out or --fresh"
         )
@@ -346,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
     text = table(summary, intervals, base)
     print(text)
     png = out_path.with_suffix(".png")
-    plot(summary, intervals, png, "tiny random Llama (smoke)" if args.smoke else "SmolLM2-135M")
+    plot(summary, intervals, png, model_title(args.smoke))
     print(f"wrote {out_path} and {png} ({time.perf_counter() - wall0:.1f} s)")
     return {"base_loss": base, "rows": list(rows.values()), "summary": summary, "intervals": intervals}
 

@@ -197,8 +197,14 @@ def table(summary: list[dict], intervals: list[dict], base: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _settings(doc: dict) -> dict:
-    return {"router_lr": None, **doc.get("settings", {})}  # files from before --router-lr
+def settings_of(doc: dict) -> dict:
+    """A result's settings, as runs now write them (files from before ``--router-lr`` lack it: None)."""
+    return {"router_lr": None, **doc.get("settings", {})}
+
+
+def model_title(smoke: bool) -> str:
+    """The PNG's name for the model measured."""
+    return "tiny random Llama (smoke)" if smoke else "SmolLM2-135M"
 
 
 def merge(into: Path, sources: list[Path]) -> dict:
@@ -209,13 +215,14 @@ def merge(into: Path, sources: list[Path]) -> dict:
     row measured in two files with different results, a MoD row whose healing budget differs from a pruning
     row's at its point and seed. Rows are keyed ``method@point#sSEED``; a row in both files with the same
     result is kept once."""
-    docs = [json.loads(p.read_text()) for p in ([into] if into.is_file() else []) + list(sources)]
-    if not docs:
+    paths = ([into] if into.is_file() else []) + list(sources)
+    if not paths:
         raise ValueError(f"into={str(into)!r}: does not exist and no source to merge into it")
+    docs = [json.loads(p.read_text()) for p in paths]
+    names = [str(p) for p in paths]
     doc, rows = docs[0], {r["key"]: r for r in docs[0]["rows"]}
-    names = ([str(into)] if into.is_file() else []) + [str(p) for p in sources]
     for name, other in zip(names[1:], docs[1:]):
-        if _settings(other) != _settings(doc):
+        if settings_of(other) != settings_of(doc):
             raise ValueError(f"{name}: settings {other.get('settings')} differ from {names[0]}'s {doc.get('settings')}")
         if not math.isclose(other["base_loss"], doc["base_loss"], rel_tol=1e-5):
             raise ValueError(
@@ -241,8 +248,7 @@ def merge(into: Path, sources: list[Path]) -> dict:
     doc["summary"], doc["intervals"] = summarize(rows, doc["base_loss"])
     into.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(into, json.dumps(doc, indent=2) + "\n")
-    title = "tiny random Llama (smoke)" if doc.get("settings", {}).get("smoke") else "SmolLM2-135M"
-    plot(doc["summary"], doc["intervals"], into.with_suffix(".png"), title)
+    plot(doc["summary"], doc["intervals"], into.with_suffix(".png"), model_title(settings_of(doc).get("smoke", False)))
     return doc
 
 
