@@ -340,6 +340,7 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         "prune-bi-est-all",
         "mod-layer-thr",
         "mod-layer-thr-est",
+        "mod-layer-thr-est-c0.4",
         "mod-layer-bce",
         "mod-attn-thr",
         "mod-mlp-thr",
@@ -365,7 +366,11 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
                 assert all(r[f] == rows[k][f] for f in ("steps", "tokens", "data_digest", "objective")), (key, k)
             assert abs(r["macs_ratio"] - rows[partners[0]]["macs_ratio"]) < 0.01, key
             assert math.isfinite(r["d_loss_pct_topc"]) and 0 < r["share"] <= 1, key
-            assert r["estimate_rank"] == (8 if r["method"].endswith("-est") else None), key
+            assert r["estimate_rank"] == (8 if "-est" in r["method"] else None), key
+            assert r["min_capacity"] == (0.4 if r["method"].endswith("-c0.4") else 0.5), key
+            assert r["capacity"] >= r["min_capacity"], key
+            if r["method"] == "mod-layer-thr-est-c0.4":  # a lower floor: never more layers for the same MACs
+                assert len(r["layers"]) <= len(rows[key.replace("-c0.4", "")]["layers"]), key
             assert sorted(i for g in r["groups"] for i in g["layers"]) == r["layers"], key
             if r["method"].startswith("mod-mix"):  # halves of different layers, at least two parts
                 assert len({g["part"] for g in r["groups"]}) >= 2, (key, r["groups"])
@@ -377,6 +382,11 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     again = subprocess.run(cmd, **run)  # resume: every row is there, nothing is healed again
     assert "#s0 " not in again.stdout and "| mod-mlp-thr | 0.80 |" in again.stdout
     assert json.loads(out.read_text())["rows"] == payload["rows"]
+    later = [*cmd, "--first-seed", "1", "--seeds", "1", "--macs", "0.9", "--methods", "prune-bi"]
+    subprocess.run(later, **run)  # seed 1 alone (seeds split over processes): its own batches, seed 0 kept
+    seed1 = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(seed1) == set(rows) | {"prune-bi@0.9#s1"}
+    assert seed1["prune-bi@0.9#s1"]["data_digest"] != rows["prune-bi@0.9#s0"]["data_digest"]
     speed = tmp_path / "speed.json"  # the conversions rebuilt and timed alone (heal_vs_prune_speed.py)
     script = str(ROOT / "benchmarks" / "hf" / "heal_vs_prune_speed.py")
     subprocess.run([sys.executable, script, "--smoke", "--rows", str(out), "--out", str(speed)], **run)

@@ -24,6 +24,8 @@ same compute. Methods (``--methods``):
                      steered to the capacity's share (MoDification)
     mod-layer-thr-est  the same with a rank-``--est-rank`` estimate of the skipped tokens' update
                      (``to_mod(skip_rank=...)``, fitted by ``router_fit``): MoD's counterpart of prune-bi-est
+    mod-layer-thr-est-c0.4  the same at ``min_capacity`` 0.4 whatever ``--min-capacity`` says: fewer converted
+                     layers at a lower capacity for the same MACs
     mod-layer-bce    ``to_mod(part="layer", causal="aux_bce")``: the paper's top-C router whose causal decision
                      is learned by the auxiliary BCE loss
     mod-attn-thr     ``part="attention"`` (``kv="all"``), threshold router
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--smoke", action="store_true", help="a tiny random Llama, 2 points, 1 seed, 3 heal steps")
     p.add_argument("--macs", type=float, nargs="+", default=None, help="points, MACs ÷ original")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--seeds", type=int, default=None)
+    p.add_argument("--seeds", type=int, default=None, help="how many seeds: --first-seed, --first-seed + 1, ...")
+    p.add_argument("--first-seed", type=int, default=0, help="the first seed (split the seeds over processes)")
     p.add_argument("--heal-steps", type=int, default=None, help="optimizer steps per heal (the budget)")
     p.add_argument("--heal-tokens", type=int, default=None, help="tokens per step, rounded down to whole windows")
     p.add_argument("--heal-lr", type=float, default=1e-3)
@@ -212,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    keep = ("out", "threads", "cache_dir", "no_speed", "speed_seeds", "methods", "macs", "seeds", "fresh")
+    keep = ("out", "threads", "cache_dir", "no_speed", "speed_seeds", "methods", "macs", "seeds", "first_seed", "fresh")
     settings = {k: v for k, v in vars(args).items() if k not in keep}
     done = {} if args.fresh or not out_path.is_file() else json.loads(out_path.read_text())
     if done and settings_of(done) != settings:
@@ -270,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
         n_del = layers_to_delete(original, S, point)
         target = pruned_macs(original, S, n_del)
         print(f"point {point}: delete {n_del} layers -> MACs {target:.4f}; MoD planned to the same", flush=True)
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for method in sorted(args.methods, key=METHODS.index):  # pruning first: the MoD rows check against it
                 key = f"{method}@{point}#s{seed}"
                 if key in rows:
@@ -287,7 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
                     if every_layer:
                         lora_layers = list(range(len(decoder_layers(model))))  # every kept layer
                 else:
-                    part, causal, with_est = MOD[method]
+                    part, causal, with_est, min_capacity = MOD[method]
+                    min_capacity = args.min_capacity if min_capacity is None else min_capacity
                     rank = args.est_rank if with_est else None
                     for half in HALVES if part == "mixed" else (part,):
                         if half not in costs:
@@ -300,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
                         order = sorted(range(config.num_hidden_layers), key=lambda i: costs[part][str(i)])
                     try:
                         plan = mh.plan_to_macs(
-                            original, target, S, part=part, skip_rank=rank, order=order, min_capacity=args.min_capacity
+                            original, target, S, part=part, skip_rank=rank, order=order, min_capacity=min_capacity
                         )
                     except ValueError as e:  # out of reach for this part: say so, once per seed
                         rows[key] = {**row, "skipped": str(e)}
@@ -312,6 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
                         mh.to_mod(model, **group, causal=causal)
                     mh.router_fit(model, fit_batches)  # the router, then the estimate on the tokens it skips
                     row.update(layers=plan.layers, capacity=plan.capacity, part=part, kv=plan.kv, causal=causal)
+                    row["min_capacity"] = min_capacity
                     row["groups"] = groups
                     row["estimate_rank"] = rank
                 row["macs_ratio"] = mh.conversion_macs(model, S)

@@ -31,14 +31,16 @@ from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 # method -> (with the estimate, LoRA on every kept layer rather than the one after each deleted block)
 PRUNE = {"prune-bi": (False, False), "prune-bi-est": (True, False), "prune-bi-est-all": (True, True)}
-MOD = {  # method -> (part, causal, with the estimate for skipped tokens)
-    "mod-layer-thr": ("layer", "threshold", False),
-    "mod-layer-thr-est": ("layer", "threshold", True),
-    "mod-layer-bce": ("layer", "aux_bce", False),
-    "mod-attn-thr": ("attention", "threshold", False),
-    "mod-mlp-thr": ("mlp", "threshold", False),
-    "mod-mix-thr": ("mixed", "threshold", False),
-    "mod-mix-thr-est": ("mixed", "threshold", True),
+# method -> (part, causal, with the estimate for skipped tokens, min_capacity: None takes --min-capacity)
+MOD: dict[str, tuple[str, str, bool, float | None]] = {
+    "mod-layer-thr": ("layer", "threshold", False, None),
+    "mod-layer-thr-est": ("layer", "threshold", True, None),
+    "mod-layer-thr-est-c0.4": ("layer", "threshold", True, 0.4),  # fewer layers at a lower capacity
+    "mod-layer-bce": ("layer", "aux_bce", False, None),
+    "mod-attn-thr": ("attention", "threshold", False, None),
+    "mod-mlp-thr": ("mlp", "threshold", False, None),
+    "mod-mix-thr": ("mixed", "threshold", False, None),
+    "mod-mix-thr-est": ("mixed", "threshold", True, None),
 }
 METHODS = (*PRUNE, *MOD)
 BUDGET_KEYS = ("steps", "tokens", "data_digest", "objective", "trainable_kind")  # what "the same healing" means
