@@ -24,8 +24,8 @@ same compute. Methods (``--methods``):
                      steered to the capacity's share (MoDification)
     mod-layer-thr-est  the same with a rank-``--est-rank`` estimate of the skipped tokens' update
                      (``to_mod(skip_rank=...)``, fitted by ``router_fit``): MoD's counterpart of prune-bi-est
-    mod-layer-thr-est-c0.4  the same at ``min_capacity`` 0.4 whatever ``--min-capacity`` says: fewer converted
-                     layers at a lower capacity for the same MACs
+    mod-layer-thr-est-c0.4, mod-layer-thr-est-c0.3  the same at ``min_capacity`` 0.4 (0.3) whatever
+                     ``--min-capacity`` says: fewer converted layers at a lower capacity for the same MACs
     mod-layer-bce    ``to_mod(part="layer", causal="aux_bce")``: the paper's top-C router whose causal decision
                      is learned by the auxiliary BCE loss
     mod-attn-thr     ``part="attention"`` (``kv="all"``), threshold router

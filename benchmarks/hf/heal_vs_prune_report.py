@@ -36,6 +36,7 @@ MOD: dict[str, tuple[str, str, bool, float | None]] = {
     "mod-layer-thr": ("layer", "threshold", False, None),
     "mod-layer-thr-est": ("layer", "threshold", True, None),
     "mod-layer-thr-est-c0.4": ("layer", "threshold", True, 0.4),  # fewer layers at a lower capacity
+    "mod-layer-thr-est-c0.3": ("layer", "threshold", True, 0.3),
     "mod-layer-bce": ("layer", "aux_bce", False, None),
     "mod-attn-thr": ("attention", "threshold", False, None),
     "mod-mlp-thr": ("mlp", "threshold", False, None),
