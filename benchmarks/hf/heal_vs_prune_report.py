@@ -120,6 +120,8 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
+    tab20 = plt.get_cmap("tab20")  # the dark shades first, then the light ones: one colour per method
+    colour = {m: tab20((2 * i) % 20 + i // 10) for i, m in enumerate(METHODS)}
     for method in METHODS:
         rs = sorted((s for s in summary if s["method"] == method), key=lambda s: s["macs_ratio"])
         if not rs:
@@ -132,6 +134,7 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
             marker="o",
             capsize=3,
             linestyle="--" if method in PRUNE else "-",
+            color=colour[method],
             label=method,
         )
     ax.set_xlabel("MACs per token ÷ original")
@@ -139,7 +142,10 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
     ax.set_title(f"{title}: mean ± std over seeds")
     ax.invert_xaxis()
     ax.legend(fontsize=8)
-    pairs = [(m, p) for m in MOD for p in PRUNE if any(r["mod"] == m and r["prune"] == p for r in intervals)]
+    # Right: each MoD method against the pruning of its kind (with the estimate against prune-bi-est, without it
+    # against prune-bi), in the method's colour of the left panel; the table and JSON hold every pair.
+    kind = {m: "prune-bi-est" if MOD[m][2] else "prune-bi" for m in MOD}
+    pairs = [(m, kind[m]) for m in MOD if any(r["mod"] == m and r["prune"] == kind[m] for r in intervals)]
     for k, (mod, partner) in enumerate(pairs):
         rs = sorted((r for r in intervals if r["mod"] == mod and r["prune"] == partner), key=lambda r: r["point"])
         shift = 0.003 * (k - (len(pairs) - 1) / 2)  # side by side: the intervals of one point do not overlap
@@ -147,19 +153,18 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
         mid = [r["diff_pct"] for r in rs]
         lo = [m - r["bootstrap_ci_pct"][0] for m, r in zip(mid, rs)]
         hi = [r["bootstrap_ci_pct"][1] - m for m, r in zip(mid, rs)]
-        line = bx.errorbar(
+        bx.errorbar(
             xs,
             mid,
             yerr=[[max(v, 0.0) for v in lo], [max(v, 0.0) for v in hi]],
             marker="o",
             capsize=3,
-            linestyle="-" if partner == "prune-bi" else ":",
+            color=colour[mod],
             label=f"{mod} − {partner}",
         )
         for x, r in zip(xs, rs):  # the t interval over seeds, where there are >= 2: a wide pale bar behind
             if r["t_ci_pct"] is not None:
-                color = line[0].get_color()
-                bx.vlines(x, *r["t_ci_pct"], colors=color, linewidth=7, alpha=0.25)
+                bx.vlines(x, *r["t_ci_pct"], colors=[colour[mod]], linewidth=7, alpha=0.25)
     points = sorted({r["point"] for r in intervals})
     if points:
         bx.set_xticks(points)
