@@ -331,6 +331,8 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         str(out),
     ]
     run = dict(cwd=tmp_path, capture_output=True, text=True, timeout=300, check=True)
+    bad = subprocess.run([*cmd, "--first-seed", "-1"], **{**run, "check": False})
+    assert bad.returncode == 2 and "--first-seed -1: a seed is >= 0" in bad.stderr
     first = subprocess.run(cmd, **run)
     payload = json.loads(out.read_text())
     rows = {r["key"]: r for r in payload["rows"]}

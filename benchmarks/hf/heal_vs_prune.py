@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fresh", action="store_true", help="discard the rows of --out and start over")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.first_seed < 0:
+        p.error(f"--first-seed {args.first_seed}: a seed is >= 0")
     real = dict(
         macs=[0.95, 0.9, 0.85, 0.8, 0.75], seeds=3, heal_steps=100, heal_tokens=1024, fit_windows=64, est_rank=64
     )
