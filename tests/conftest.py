@@ -120,7 +120,57 @@ def _reason(marker: pytest.Mark) -> str:
     return str(marker.kwargs.get("reason") or (marker.args[0] if marker.args else "no reason given"))
 
 
+# The README's test command runs the suite on pytest-xdist workers (``-n auto``). On the CPU each module runs whole
+# on one worker (``pytest_xdist_make_scheduler`` below: loadscope), so its module-scoped fixtures, a process pool
+# or a trained model, are built once; a free worker takes the next module in collection order, so the slowest
+# modules go first: started last, one of them would run alone at the end. Seconds per module summed from
+# ``python -m pytest -q -n 2 --junitxml=FILE`` (2026-11-29, 2-core AMD EPYC, AVX2); modules not listed keep their
+# collection order after these. tests/test_conftest_order.py checks that every entry names a file.
+SLOWEST_FIRST = (
+    "tests/test_gpu_suite.py",  # 273 s
+    "tests/test_benchmarks.py",  # 202
+    "tests/parallel/test_faults.py",  # 146
+    "tests/test_gpu_suite_isoflop.py",  # 139
+    "tests/hf/test_pretrained.py",  # 107
+    "tests/parallel/test_train_resume_auto.py",  # 62
+    "tests/parallel/test_hf_moe_ep.py",  # 62
+    "tests/parallel/test_ep_training.py",  # 62
+    "tests/experiments/test_compare.py",  # 58
+    "tests/hf/test_hf_moe_api.py",  # 51
+    "tests/parallel/test_meta_init.py",  # 49
+    "tests/experiments/test_isoflop.py",  # 48
+)
+
+
+def _slowest_first(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: modules stay whole
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core this process may use, at most 4 (past that the slowest module, minutes
+    alone, bounds the run; and each worker holds torch and transformers in memory)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 4))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Whole modules per worker, in collection order (``--dist loadscope --no-loadscope-reorder``), where xdist
+    would deal out single tests (``--dist load``, its default with ``-n``; any other ``--dist`` is kept). Not on
+    CUDA: the GPU stage's workers are replaced after a device-side assert (benchmarks/gpu/pytest_failures.py),
+    which suits single tests."""
+    if config.getoption("dist") != "load" or config.stash[_DEVICE].type != "cpu":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
+    return LoadScopeScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _slowest_first(items)
     device, deterministic = config.stash[_DEVICE], config.stash[_DETERMINISTIC]
     if device.type == "cpu":
         return
