@@ -14,6 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gpu_suite_run import run_smoke  # noqa: E402
+
 from benchmarks.gpu import (  # noqa: E402
     gpu_report,
     gpu_suite,
@@ -27,29 +29,6 @@ from benchmarks.gpu import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.cpu_only("runs the suite's --smoke rehearsal as subprocesses on the CPU")
-
-
-def _run(tmp_path: Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict, float]:
-    out = tmp_path / "out"
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "gpu" / "gpu_suite.py"),
-            "--smoke",
-            "--out",
-            str(out),
-            "--work",
-            str(tmp_path / "work"),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
-    seconds = time.monotonic() - t0
-    return proc, json.loads((out / gpu_suite.RESULT_NAME).read_text()), seconds
 
 
 # The default stages in two calls of about equal cost (env in both: the versions, and train's ceiling), so
@@ -77,7 +56,7 @@ def test_the_smoke_halves_cover_every_default_stage():
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("stages", SMOKE_HALVES, ids=["first", "second", "graphs"])
 def test_smoke_run_names_every_stage_in_json_and_table(stages, tmp_path):
-    proc, payload, _ = _run(tmp_path, "--no-compile", "--only", *stages, timeout=1400)
+    proc, payload, _ = run_smoke(tmp_path, "--no-compile", "--only", *stages, timeout=1400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert list(payload["stages"]) == [n for n in suite_stages.DEFAULT_STAGES if n in stages]  # in the suite's order
     for name, rec in payload["stages"].items():
@@ -235,7 +214,7 @@ def test_a_rehearsal_stage_over_its_budget_is_slow_not_failed(monkeypatch, tmp_p
 
 
 def test_a_stage_that_raises_or_hangs_is_recorded_and_the_next_stage_runs(tmp_path):
-    proc, payload, seconds = _run(
+    proc, payload, seconds = run_smoke(
         tmp_path,
         "--only",
         "env",
@@ -262,7 +241,7 @@ def test_a_stage_that_raises_or_hangs_is_recorded_and_the_next_stage_runs(tmp_pa
 
 
 def test_the_overall_deadline_stops_later_stages(tmp_path):
-    proc, payload, seconds = _run(
+    proc, payload, seconds = run_smoke(
         tmp_path, "--only", "env", "mod", "decode", "--inject", "mod=hang", "--budget-s", "25", timeout=300
     )
     st = payload["stages"]

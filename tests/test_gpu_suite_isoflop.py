@@ -6,7 +6,6 @@ tests/test_gpu_suite.py's smoke halves."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,33 +15,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gpu_suite_run import run_smoke  # noqa: E402
+
 from benchmarks.gpu import gpu_suite, stage_isoflop  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only("runs the suite's --smoke rehearsal as subprocesses on the CPU")
 
 
 def _isoflop(tmp: Path, cache: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    out = tmp / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "gpu" / "gpu_suite.py"),
-            "--smoke",
-            "--only",
-            "isoflop",
-            "--out",
-            str(out),
-            "--work",
-            str(tmp / "work"),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-        env={**os.environ, "MODE_CACHE_DIR": str(cache)},
-    )
-    return proc, json.loads((out / gpu_suite.RESULT_NAME).read_text())
+    proc, payload, _ = run_smoke(tmp, "--only", "isoflop", *args, timeout=240, env={"MODE_CACHE_DIR": str(cache)})
+    return proc, payload
 
 
 @pytest.fixture(scope="module")
