@@ -390,6 +390,8 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     seed1 = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(seed1) == set(rows) | {"prune-bi@0.9#s1"}
     assert seed1["prune-bi@0.9#s1"]["data_digest"] != rows["prune-bi@0.9#s0"]["data_digest"]
+    mixed = subprocess.run([*later, "--heal-text", "topics+docstrings"], **{**run, "check": False})
+    assert mixed.returncode != 0 and "'heal_text': 'topics'" in mixed.stderr  # other heal text: its own file
     speed = tmp_path / "speed.json"  # the conversions rebuilt and timed alone (heal_vs_prune_speed.py)
     script = str(ROOT / "benchmarks" / "hf" / "heal_vs_prune_speed.py")
     subprocess.run([sys.executable, script, "--smoke", "--rows", str(out), "--out", str(speed)], **run)

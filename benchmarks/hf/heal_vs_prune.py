@@ -8,8 +8,11 @@ Model: SmolLM2-135M-Instruct (``mh.load_gguf(mh.fetch_smollm2())``, as ``hf_mod_
 ``--smoke`` a tiny random Llama (8 layers, hidden 64) reading bytes. Text: ``pydoc_data.topics``, every 4th
 topic held out (``english_windows``). The conversion steps (block influence, the estimates' fit,
 ``skip_costs``, ``router_fit``, ``calibrate``) see the first ``--fit-windows`` training windows; healing reads
-training windows in an order drawn by the seed; every loss is measured on ``--val-windows`` held-out windows
-that no conversion step and no healing saw, in eval mode (the causal routing ``generate()`` uses).
+training windows in an order drawn by the seed (``heal_batches_of``), cycled when the budget is larger than the
+375 of them (256 tokens); with ``--heal-text topics+docstrings`` every training window once and the rest of the
+budget from the standard library's docstrings (``docstring_windows``: parsed, not run; no 13-gram of the
+held-out windows occurs in them). Every loss is measured on ``--val-windows`` held-out windows that no
+conversion step and no healing saw, in eval mode (the causal routing ``generate()`` uses).
 
 Points: MACs per token ÷ the original's (``mode/hf/dense/macs.py``) in ``--macs``. At each point the pruned
 model deletes the whole-layer count whose MACs come nearest the point, and every MoD conversion is planned
@@ -117,9 +120,11 @@ from benchmarks.hf.smollm2_measure import (  # noqa: E402
 from mode.hf._compat import decoder_layers  # noqa: E402
 from mode.hf.dense.budget import layers_to_delete, pruned_macs  # noqa: E402
 from mode.hf.dense.macs import HALVES, _parts, macs_per_token  # noqa: E402
+from mode.hf.dense.windows import docstring_windows, heal_batches_of  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 from mode.train.progress import Progress  # noqa: E402
 
+HEAL_TEXTS = ("topics", "topics+docstrings")
 REPORT_KEYS = (*BUDGET_KEYS, "cpu_seconds", "trainable", "lora_params", "other_params", "lora_layers")
 
 
@@ -163,6 +168,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--first-seed", type=int, default=0, help="the first seed (split the seeds over processes)")
     p.add_argument("--heal-steps", type=int, default=None, help="optimizer steps per heal (the budget)")
     p.add_argument("--heal-tokens", type=int, default=None, help="tokens per step, rounded down to whole windows")
+    p.add_argument(
+        "--heal-text",
+        default="topics",
+        choices=HEAL_TEXTS,
+        help="topics: the training topics, cycled; topics+docstrings: every training topic window once, the rest "
+        "of the budget from stdlib docstrings",
+    )
     p.add_argument("--heal-lr", type=float, default=1e-3)
     p.add_argument("--router-lr", type=float, default=0.0, help="HealConfig.router_lr (0: the routers stay as fitted)")
     p.add_argument("--lora-rank", type=int, default=8)
@@ -214,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     fit_WS = train_WS[: args.fit_windows]
     fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
     per_step = max(1, args.heal_tokens // S)
+    extra_WS = docstring_windows(tokenizer, S) if args.heal_text == "topics+docstrings" else None
 
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -245,9 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
         atomic_write_text(out_path, json.dumps(doc, indent=2) + "\n")
 
     def heal_batches(seed: int) -> list[torch.Tensor]:
-        g = torch.Generator().manual_seed(seed)
-        order = torch.randperm(len(train_WS), generator=g)[: args.heal_steps * per_step]
-        return [train_WS[order[i : i + per_step]] for i in range(0, len(order), per_step)]
+        return heal_batches_of(train_WS, args.heal_steps, per_step, seed, extra_WS)
 
     def pct(loss_W: torch.Tensor) -> float:
         return 100 * (float(loss_W.mean()) / base - 1)

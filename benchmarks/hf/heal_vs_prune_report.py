@@ -206,8 +206,9 @@ def table(summary: list[dict], intervals: list[dict], base: float) -> str:
 
 
 def settings_of(doc: dict) -> dict:
-    """A result's settings, as runs now write them (files from before ``--router-lr`` lack it: None)."""
-    return {"router_lr": None, **doc.get("settings", {})}
+    """A result's settings, as runs now write them (files from before ``--router-lr`` lack it: None; from before
+    ``--heal-text``: the topics)."""
+    return {"router_lr": None, "heal_text": "topics", **doc.get("settings", {})}
 
 
 def model_title(smoke: bool) -> str:

@@ -76,7 +76,7 @@ def run(args) -> int:
 
     import mode.hf as mh
     from mode.hf.dense.budget import BudgetConfig, convert_to_macs
-    from mode.hf.dense.windows import english_windows, file_windows
+    from mode.hf.dense.windows import english_windows, file_windows, heal_batches_of
     from mode.train.checkpoint import atomic_write_text
 
     t0 = time.perf_counter()
@@ -105,9 +105,7 @@ def run(args) -> int:
     fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
     val_WS = held_WS[torch.linspace(0, len(held_WS) - 1, min(args.val_windows, len(held_WS))).long()]
     per_step = max(1, args.heal_tokens // S)
-    g = torch.Generator().manual_seed(args.seed)
-    order = torch.randperm(len(train_WS), generator=g)[: max(args.heal_steps, 1) * per_step]
-    heal_batches = [train_WS[order[i : i + per_step]] for i in range(0, len(order), per_step)]
+    heal_batches = heal_batches_of(train_WS, max(args.heal_steps, 1), per_step, args.seed)
     print(f"{name}: {len(train_WS)} training and {len(held_WS)} held-out windows of {S} tokens", flush=True)
     base = held_out_loss(model, val_WS)
     torch.manual_seed(args.seed)

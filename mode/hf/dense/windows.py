@@ -5,12 +5,16 @@ Shape legend: W windows, S sequence.
 ``token_windows`` tokenizes documents, puts the end-of-text id after each, and cuts the stream into whole
 windows (the tail shorter than a window is dropped). ``english_windows`` is the built-in English text: the
 Python documentation's topics (``pydoc_data.topics``, shipped with CPython), every 4th topic held out, so no
-held-out window shares a document with a training one. ``file_windows`` reads a UTF-8 file and holds out its
-last tenth.
+held-out window shares a document with a training one. ``docstring_windows`` is more built-in English text for
+training only: the standard library's docstrings, read from its source files by ``ast`` (parsed, never imported
+or run), the tests and ``pydoc_data`` (the held-out text's source) left out. ``file_windows`` reads a UTF-8 file
+and holds out its last tenth.
 """
 
 from __future__ import annotations
 
+import ast
+import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,6 +43,64 @@ def english_windows(tokenizer, seq_len: int) -> tuple[torch.Tensor, torch.Tensor
     train = [topics[k] for i, k in enumerate(keys) if i % 4 != 3]
     held = [topics[k] for i, k in enumerate(keys) if i % 4 == 3]
     return token_windows(tokenizer, train, seq_len), token_windows(tokenizer, held, seq_len)
+
+
+# stdlib folders whose docstrings are not training text: tests, and pydoc_data (english_windows' held-out topics)
+_DOC_SKIP = frozenset({"test", "tests", "idle_test", "pydoc_data", "site-packages", "dist-packages", "__pycache__"})
+_DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def stdlib_docstrings(min_chars: int = 80, root: str | Path | None = None) -> list[str]:
+    """The distinct docstrings of at least ``min_chars`` characters of the modules, classes and functions under
+    ``root`` (None: this Python's standard library), in sorted file order, each file's breadth first
+    (``ast.walk``). Files are parsed
+    with ``ast``, never imported; a file that does not parse is passed over. Folders in ``_DOC_SKIP`` (tests,
+    ``pydoc_data``) are left out. The text depends on the Python version."""
+    _checks.check_int("min_chars", min_chars, min_value=1)
+    base = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
+    if not base.is_dir():
+        raise ValueError(f"root={str(base)!r}: not a directory")
+    docs: list[str] = []
+    seen: set[str] = set()
+    for path in sorted(base.rglob("*.py")):
+        if _DOC_SKIP.intersection(path.relative_to(base).parts[:-1]):
+            continue
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            doc = ast.get_docstring(node) if isinstance(node, _DOC_NODES) else None
+            if doc and len(doc) >= min_chars and doc not in seen:
+                seen.add(doc)
+                docs.append(doc)
+    return docs
+
+
+def docstring_windows(tokenizer, seq_len: int) -> torch.Tensor:
+    """``(W, S)`` windows of ``stdlib_docstrings()``: training text beside ``english_windows`` (no document of
+    its held-out topics is among them)."""
+    return token_windows(tokenizer, stdlib_docstrings(), seq_len)
+
+
+def heal_batches_of(
+    train_WS: torch.Tensor, steps: int, per_step: int, seed: int, extra_WS: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """A heal's batches, ``(per_step, S)`` each, in an order drawn by ``seed``: ``train_WS`` shuffled, its first
+    ``steps * per_step`` windows (``heal`` cycles the batches when the budget is larger). With ``extra_WS`` (e.g.
+    ``docstring_windows``): every training window once and the rest of the budget drawn from ``extra_WS``
+    without repeats (cycled only beyond both), all shuffled together."""
+    _checks.check_int("steps", steps)
+    _checks.check_int("per_step", per_step)
+    g = torch.Generator().manual_seed(seed)
+    need = steps * per_step
+    pool_WS = train_WS
+    fill = 0 if extra_WS is None else min(len(extra_WS), max(0, need - len(train_WS)))
+    if fill:
+        assert extra_WS is not None
+        pool_WS = torch.cat([train_WS, extra_WS[torch.randperm(len(extra_WS), generator=g)[:fill]]])
+    order = torch.randperm(len(pool_WS), generator=g)[:need]
+    return [pool_WS[order[i : i + per_step]] for i in range(0, len(order), per_step)]
 
 
 def file_windows(tokenizer, path: str | Path, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
