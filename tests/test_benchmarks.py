@@ -344,6 +344,7 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         "mod-layer-thr-est",
         "mod-layer-thr-est-c0.4",
         "mod-layer-thr-est-c0.3",
+        "mod-layer-thr-est-c0.4-all",
         "mod-layer-bce",
         "mod-attn-thr",
         "mod-mlp-thr",
@@ -362,6 +363,10 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         if r["method"] == "prune-bi-est-all":  # adapters on every kept layer: more than on those after the deleted
             assert r["lora_layers"] == list(range(8 - len(r["layers"]))), key
             assert r["lora_params"] > rows[key.replace("-all", "")]["lora_params"], key
+        if r["method"] == "mod-layer-thr-est-c0.4-all":  # every layer, the same conversion as without "-all"
+            same = rows[key.replace("-all", "")]
+            assert r["lora_layers"] == list(range(8)) and r["layers"] == same["layers"], key
+            assert r["lora_params"] > same["lora_params"] and r["d_loss_pct_before"] == same["d_loss_pct_before"]
         if r["method"].startswith("mod-"):
             partners = [f"{m}@{r['point']}#s0" for m in ("prune-bi", "prune-bi-est", "prune-bi-est-all")]
             assert r["same_budget_as"] == partners, key  # heal's report.same_budget asserted in the run
@@ -370,10 +375,11 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
             assert abs(r["macs_ratio"] - rows[partners[0]]["macs_ratio"]) < 0.01, key
             assert math.isfinite(r["d_loss_pct_topc"]) and 0 < r["share"] <= 1, key
             assert r["estimate_rank"] == (8 if "-est" in r["method"] else None), key
-            floor = r["method"].rpartition("-c")[2] if "-est-c" in r["method"] else "0.5"
+            floor = r["method"].split("-c")[1].split("-")[0] if "-est-c" in r["method"] else "0.5"
             assert r["min_capacity"] == float(floor) and r["capacity"] >= r["min_capacity"], key
             if floor != "0.5":  # a lower floor: never more layers for the same MACs
-                assert len(r["layers"]) <= len(rows[key.replace(f"-c{floor}", "")]["layers"]), key
+                floor_05 = key.replace(f"-c{floor}", "").replace("-all", "")
+                assert len(r["layers"]) <= len(rows[floor_05]["layers"]), key
             assert sorted(i for g in r["groups"] for i in g["layers"]) == r["layers"], key
             if r["method"].startswith("mod-mix"):  # halves of different layers, at least two parts
                 assert len({g["part"] for g in r["groups"]}) >= 2, (key, r["groups"])
@@ -400,6 +406,8 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     for t in timed:
         assert t["layers"] == rows[t["key"]]["layers"], t  # the same conversion (pruning re-checks its layers)
         assert all(t[f"{k}_b{b}"] > 0 for k in ("decode", "prefill") for b in (1, 8)), t
+        each = t["decode_b8_each"]  # one paired ratio per repeat; the smoke run times one repeat: the same ratio
+        assert len(each) == 1 and each[0] == pytest.approx(t["decode_b8"], rel=1e-12), t
     only = [sys.executable, script, "--smoke", "--rows", str(out), "--out", str(speed), "--methods", "mod-mix-thr"]
     subprocess.run(only, **run)
     assert {t["method"] for t in json.loads(speed.read_text())["results"]} == {"mod-mix-thr"}

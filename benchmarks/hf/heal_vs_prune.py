@@ -29,6 +29,8 @@ same compute. Methods (``--methods``):
                      (``to_mod(skip_rank=...)``, fitted by ``router_fit``): MoD's counterpart of prune-bi-est
     mod-layer-thr-est-c0.4, mod-layer-thr-est-c0.3  the same at ``min_capacity`` 0.4 (0.3) whatever
                      ``--min-capacity`` says: fewer converted layers at a lower capacity for the same MACs
+    mod-layer-thr-est-c0.4-all  the floor-0.4 plan healed with LoRA on every layer, not only the converted ones:
+                     the counterpart of prune-bi-est-all
     mod-layer-bce    ``to_mod(part="layer", causal="aux_bce")``: the paper's top-C router whose causal decision
                      is learned by the auxiliary BCE loss
     mod-attn-thr     ``part="attention"`` (``kv="all"``), threshold router
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
                     if every_layer:
                         lora_layers = list(range(len(decoder_layers(model))))  # every kept layer
                 else:
-                    part, causal, with_est, min_capacity = MOD[method]
+                    part, causal, with_est, min_capacity, every_layer = MOD[method]
                     min_capacity = args.min_capacity if min_capacity is None else min_capacity
                     rank = args.est_rank if with_est else None
                     for half in HALVES if part == "mixed" else (part,):
@@ -332,6 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
                     row["min_capacity"] = min_capacity
                     row["groups"] = groups
                     row["estimate_rank"] = rank
+                    if every_layer:
+                        lora_layers = list(range(config.num_hidden_layers))
                 row["macs_ratio"] = mh.conversion_macs(model, S)
                 row["d_loss_pct_before"] = pct(window_losses(model, val_WS))
                 torch.manual_seed(seed)  # the LoRA initialisation: paired across methods

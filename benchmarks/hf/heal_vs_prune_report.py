@@ -31,17 +31,19 @@ from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 # method -> (with the estimate, LoRA on every kept layer rather than the one after each deleted block)
 PRUNE = {"prune-bi": (False, False), "prune-bi-est": (True, False), "prune-bi-est-all": (True, True)}
-# method -> (part, causal, with the estimate for skipped tokens, min_capacity: None takes --min-capacity)
-MOD: dict[str, tuple[str, str, bool, float | None]] = {
-    "mod-layer-thr": ("layer", "threshold", False, None),
-    "mod-layer-thr-est": ("layer", "threshold", True, None),
-    "mod-layer-thr-est-c0.4": ("layer", "threshold", True, 0.4),  # fewer layers at a lower capacity
-    "mod-layer-thr-est-c0.3": ("layer", "threshold", True, 0.3),
-    "mod-layer-bce": ("layer", "aux_bce", False, None),
-    "mod-attn-thr": ("attention", "threshold", False, None),
-    "mod-mlp-thr": ("mlp", "threshold", False, None),
-    "mod-mix-thr": ("mixed", "threshold", False, None),
-    "mod-mix-thr-est": ("mixed", "threshold", True, None),
+# method -> (part, causal, with the estimate for skipped tokens, min_capacity: None takes --min-capacity,
+# LoRA on every layer rather than on the converted ones: the counterpart of prune-bi-est-all)
+MOD: dict[str, tuple[str, str, bool, float | None, bool]] = {
+    "mod-layer-thr": ("layer", "threshold", False, None, False),
+    "mod-layer-thr-est": ("layer", "threshold", True, None, False),
+    "mod-layer-thr-est-c0.4": ("layer", "threshold", True, 0.4, False),  # fewer layers at a lower capacity
+    "mod-layer-thr-est-c0.3": ("layer", "threshold", True, 0.3, False),
+    "mod-layer-thr-est-c0.4-all": ("layer", "threshold", True, 0.4, True),
+    "mod-layer-bce": ("layer", "aux_bce", False, None, False),
+    "mod-attn-thr": ("attention", "threshold", False, None, False),
+    "mod-mlp-thr": ("mlp", "threshold", False, None, False),
+    "mod-mix-thr": ("mixed", "threshold", False, None, False),
+    "mod-mix-thr-est": ("mixed", "threshold", True, None, False),
 }
 METHODS = (*PRUNE, *MOD)
 BUDGET_KEYS = ("steps", "tokens", "data_digest", "objective", "trainable_kind")  # what "the same healing" means
@@ -143,8 +145,9 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
     ax.invert_xaxis()
     ax.legend(fontsize=8)
     # Right: each MoD method against the pruning of its kind (with the estimate against prune-bi-est, without it
-    # against prune-bi), in the method's colour of the left panel; the table and JSON hold every pair.
-    kind = {m: "prune-bi-est" if MOD[m][2] else "prune-bi" for m in MOD}
+    # against prune-bi, adapters on every layer against prune-bi-est-all), in the method's colour of the left
+    # panel; the table and JSON hold every pair.
+    kind = {m: "prune-bi-est-all" if MOD[m][4] else "prune-bi-est" if MOD[m][2] else "prune-bi" for m in MOD}
     pairs = [(m, kind[m]) for m in MOD if any(r["mod"] == m and r["prune"] == kind[m] for r in intervals)]
     for k, (mod, partner) in enumerate(pairs):
         rs = sorted((r for r in intervals if r["mod"] == mod and r["prune"] == partner), key=lambda r: r["point"])

@@ -8,9 +8,10 @@ else runs then. This script rebuilds each conversion of the first seed's rows (t
 without their estimate, the same MoD layers, capacity, kv and estimate rank), with the MoD thresholds
 calibrated on ``--fit-windows`` training windows instead of fitted and healed: the speed depends on the shapes
 and on the share of tokens routed (which calibration sets to the capacity), not on the trained weights. Then
-``speed_ratios`` of ``hf_mod_smollm2.py`` at batch 1 and 8, one thread, ``--prompt`` tokens then ``--new``
-new ones, alternated with the original, median of ``--repeats``. Run it on an idle machine. Writes ``--out``
-(default: ``..._speed.json`` beside ``--rows``) and prints a table.
+``paired_times`` (as ``speed_ratios`` of ``hf_mod_smollm2.py``) at batch 1 and 8, one thread, ``--prompt``
+tokens then ``--new`` new ones, alternated with the original: the ratio of the medians of ``--repeats``, and each
+repeat's paired ratio (``..._each``: their spread shows the machine's noise). Run it on an idle machine.
+Writes ``--out`` (default: ``..._speed.json`` beside ``--rows``) and prints a table.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -30,7 +32,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
 import mode.hf as mh  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
 from benchmarks.hf.heal_vs_prune import ByteTokenizer, tiny_llama  # noqa: E402
-from benchmarks.hf.smollm2_measure import _threads, english_windows, speed_ratios  # noqa: E402
+from benchmarks.hf.smollm2_measure import _threads, english_windows, paired_times  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 
@@ -90,11 +92,16 @@ def main(argv: list[str] | None = None) -> dict:
         out = {k: row[k] for k in ("key", "method", "point", "layers", "capacity", "estimate_rank") if k in row}
         with _threads(1):
             for b in (1, 8):
-                r = speed_ratios(model, original, held_WS[:b, : args.prompt], args.new, args.repeats)
-                out[f"prefill_b{b}"], out[f"decode_b{b}"] = r["prefill"], r["decode"]
+                t = paired_times(model, original, held_WS[:b, : args.prompt], args.new, args.repeats)
+                for k in ("prefill", "decode"):
+                    each = [o / m for o, m in zip(t["original"][k], t["model"][k])]
+                    out[f"{k}_b{b}"] = statistics.median(t["original"][k]) / statistics.median(t["model"][k])
+                    out[f"{k}_b{b}_each"] = each  # the paired ratio of each repeat
         results.append(out)
+        spread = {b: (min(out[f"decode_b{b}_each"]), max(out[f"decode_b{b}_each"])) for b in (1, 8)}
         print(
-            f"{row['key']:<28} decode b1 {out['decode_b1']:.3f}x b8 {out['decode_b8']:.3f}x  "
+            f"{row['key']:<28} decode b1 {out['decode_b1']:.3f}x [{spread[1][0]:.2f}, {spread[1][1]:.2f}] "
+            f"b8 {out['decode_b8']:.3f}x [{spread[8][0]:.2f}, {spread[8][1]:.2f}]  "
             f"prefill b1 {out['prefill_b1']:.3f}x b8 {out['prefill_b8']:.3f}x",
             flush=True,
         )

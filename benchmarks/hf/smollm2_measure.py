@@ -66,10 +66,11 @@ def _generate(model, prompt_BS: torch.Tensor, new: int):
         )
 
 
-def speed_ratios(model, original, prompt_BS: torch.Tensor, new: int, repeats: int) -> dict[str, float]:
-    """Prefill and decode tokens/s ÷ the original's, timed alternately; medians of ``repeats``. Prefill: one
-    forward over the prompt; decode: (generate of ``new`` tokens − prefill) per new token."""
-    times: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "decode": []} for k in ("model", "original")}
+def paired_times(model, original, prompt_BS: torch.Tensor, new: int, repeats: int) -> dict[str, dict[str, list]]:
+    """Seconds of prefill (one forward over the prompt) and decode (generate of ``new`` tokens − prefill) of
+    ``original`` then ``model``, alternated ``repeats`` times after a warm-up: ``{"original" | "model":
+    {"prefill" | "decode": [seconds per repeat]}}``; repeat i of one is timed beside repeat i of the other."""
+    times: dict[str, dict[str, list]] = {k: {"prefill": [], "decode": []} for k in ("model", "original")}
     for m in (model, original):
         _generate(m, prompt_BS, 2)  # warm-up
     for _ in range(repeats):
@@ -82,6 +83,13 @@ def speed_ratios(model, original, prompt_BS: torch.Tensor, new: int, repeats: in
             _generate(m, prompt_BS, new)
             times[name]["prefill"].append(prefill)
             times[name]["decode"].append(max(time.perf_counter() - start - prefill, 1e-9))
+    return times
+
+
+def speed_ratios(model, original, prompt_BS: torch.Tensor, new: int, repeats: int) -> dict[str, float]:
+    """Prefill and decode tokens/s ÷ the original's, timed alternately (``paired_times``); medians of
+    ``repeats``."""
+    times = paired_times(model, original, prompt_BS, new, repeats)
     return {
         k: statistics.median(times["original"][k]) / statistics.median(times["model"][k]) for k in ("prefill", "decode")
     }
