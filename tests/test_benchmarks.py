@@ -408,9 +408,24 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         assert all(t[f"{k}_b{b}"] > 0 for k in ("decode", "prefill") for b in (1, 8)), t
         each = t["decode_b8_each"]  # one paired ratio per repeat; the smoke run times one repeat: the same ratio
         assert len(each) == 1 and each[0] == pytest.approx(t["decode_b8"], rel=1e-12), t
+        assert t["decode_b8_ci"] is None, t  # one repeat: no interval
     only = [sys.executable, script, "--smoke", "--rows", str(out), "--out", str(speed), "--methods", "mod-mix-thr"]
-    subprocess.run(only, **run)
-    assert {t["method"] for t in json.loads(speed.read_text())["results"]} == {"mod-mix-thr"}
+    subprocess.run([*only, "--batches", "1", "--repeats", "2"], **run)
+    alone = json.loads(speed.read_text())["results"]
+    assert {t["method"] for t in alone} == {"mod-mix-thr"}
+    for t in alone:
+        assert "decode_b8" not in t, t  # batch 1 only
+        lo, hi = t["decode_b1_ci"]  # two repeats: a t interval around their geometric mean
+        assert lo <= math.prod(t["decode_b1_each"]) ** 0.5 <= hi, t
+
+
+def test_speed_ratio_interval():
+    from benchmarks.hf.heal_vs_prune_speed import ratio_interval
+
+    assert ratio_interval([1.2]) is None
+    assert ratio_interval([1.1, 1.1, 1.1]) == pytest.approx([1.1, 1.1])
+    lo, hi = ratio_interval([1.0, 1.21])  # logs 0 and 0.1906: mean 0.0953, half 12.706 * 0.1348 / sqrt(2)
+    assert math.log(lo) == pytest.approx(0.0953 - 1.2111, abs=1e-3) and math.log(hi) == pytest.approx(1.3064, abs=1e-3)
 
 
 def _hvp_doc(rows: list[tuple[str, float, int, float]], base: float = 2.0, steps: int = 100) -> dict:

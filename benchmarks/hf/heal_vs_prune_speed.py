@@ -8,9 +8,10 @@ else runs then. This script rebuilds each conversion of the first seed's rows (t
 without their estimate, the same MoD layers, capacity, kv and estimate rank), with the MoD thresholds
 calibrated on ``--fit-windows`` training windows instead of fitted and healed: the speed depends on the shapes
 and on the share of tokens routed (which calibration sets to the capacity), not on the trained weights. Then
-``paired_times`` (as ``speed_ratios`` of ``hf_mod_smollm2.py``) at batch 1 and 8, one thread, ``--prompt``
-tokens then ``--new`` new ones, alternated with the original: the ratio of the medians of ``--repeats``, and each
-repeat's paired ratio (``..._each``: their spread shows the machine's noise). Run it on an idle machine.
+``paired_times`` (as ``speed_ratios`` of ``hf_mod_smollm2.py``) at batch 1 and 8 (``--batches``), one
+thread, ``--prompt`` tokens then ``--new`` new ones, alternated with the original: the ratio of the medians of
+``--repeats``, and each repeat's paired ratio (``..._each``) with a 95% t interval of their geometric mean
+(``..._ci``: the machine's noise, which moves single ratios by 10-20% here). Run it on an idle machine.
 Writes ``--out`` (default: ``..._speed.json`` beside ``--rows``) and prints a table.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -33,6 +35,7 @@ import mode.hf as mh  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
 from benchmarks.hf.heal_vs_prune import ByteTokenizer, tiny_llama  # noqa: E402
 from benchmarks.hf.smollm2_measure import _threads, english_windows, paired_times  # noqa: E402
+from mode.experiments.stats_ci import t_quantile  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 
@@ -52,6 +55,17 @@ def rebuild(original, row: dict, fit_batches: list[torch.Tensor]):
     return model.eval()
 
 
+def ratio_interval(ratios: list[float]) -> list[float] | None:
+    """95% t interval of the geometric mean of paired speed ratios (one per repeat: a t interval of their
+    logarithms, mapped back); None below 2 repeats."""
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    half = t_quantile(0.975, len(logs) - 1) * statistics.stdev(logs) / len(logs) ** 0.5
+    mean = statistics.mean(logs)
+    return [math.exp(mean - half), math.exp(mean + half)]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="benchmarks/results/heal_vs_prune.json", help="a heal_vs_prune.py result")
@@ -61,6 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt", type=int, default=None)
     p.add_argument("--new", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes to time (default 1 8)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -91,27 +106,27 @@ def main(argv: list[str] | None = None) -> dict:
         model = rebuild(original, row, fit_batches)
         out = {k: row[k] for k in ("key", "method", "point", "layers", "capacity", "estimate_rank") if k in row}
         with _threads(1):
-            for b in (1, 8):
+            for b in args.batches:
                 t = paired_times(model, original, held_WS[:b, : args.prompt], args.new, args.repeats)
                 for k in ("prefill", "decode"):
                     each = [o / m for o, m in zip(t["original"][k], t["model"][k])]
                     out[f"{k}_b{b}"] = statistics.median(t["original"][k]) / statistics.median(t["model"][k])
                     out[f"{k}_b{b}_each"] = each  # the paired ratio of each repeat
+                    out[f"{k}_b{b}_ci"] = ratio_interval(each)
         results.append(out)
-        spread = {b: (min(out[f"decode_b{b}_each"]), max(out[f"decode_b{b}_each"])) for b in (1, 8)}
-        print(
-            f"{row['key']:<28} decode b1 {out['decode_b1']:.3f}x [{spread[1][0]:.2f}, {spread[1][1]:.2f}] "
-            f"b8 {out['decode_b8']:.3f}x [{spread[8][0]:.2f}, {spread[8][1]:.2f}]  "
-            f"prefill b1 {out['prefill_b1']:.3f}x b8 {out['prefill_b8']:.3f}x",
-            flush=True,
-        )
+        cells = []
+        for b in args.batches:
+            ci = out[f"decode_b{b}_ci"]
+            within = "" if ci is None else f" (95% [{ci[0]:.3f}, {ci[1]:.3f}])"
+            cells.append(f"decode b{b} {out[f'decode_b{b}']:.3f}x{within} prefill {out[f'prefill_b{b}']:.3f}x")
+        print(f"{row['key']:<28} " + "  ".join(cells), flush=True)
     dest = Path(args.out) if args.out else src.with_name(src.stem + "_speed.json")
     payload = {
         "model": name,
         "rows_from": str(src),
         "machine": machine_info(),
         "threads": 1,
-        "settings": {k: getattr(args, k) for k in ("fit_windows", "prompt", "new", "repeats", "methods")},
+        "settings": {k: getattr(args, k) for k in ("fit_windows", "prompt", "new", "repeats", "methods", "batches")},
         "results": results,
     }
     atomic_write_text(dest, json.dumps(payload, indent=2) + "\n")
