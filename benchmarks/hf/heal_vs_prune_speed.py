@@ -21,7 +21,6 @@ import argparse
 import copy
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,8 +33,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
 import mode.hf as mh  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
 from benchmarks.hf.heal_vs_prune import ByteTokenizer, tiny_llama  # noqa: E402
-from benchmarks.hf.smollm2_measure import _threads, english_windows, paired_times  # noqa: E402
-from mode.experiments.stats_ci import t_quantile  # noqa: E402
+from benchmarks.hf.heal_vs_prune_report import t_interval  # noqa: E402
+from benchmarks.hf.smollm2_measure import _threads, english_windows, median_ratios, paired_times  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 
@@ -56,14 +55,10 @@ def rebuild(original, row: dict, fit_batches: list[torch.Tensor]):
 
 
 def ratio_interval(ratios: list[float]) -> list[float] | None:
-    """95% t interval of the geometric mean of paired speed ratios (one per repeat: a t interval of their
+    """95% t interval of the geometric mean of paired speed ratios (one per repeat: ``t_interval`` of their
     logarithms, mapped back); None below 2 repeats."""
-    if len(ratios) < 2:
-        return None
-    logs = [math.log(r) for r in ratios]
-    half = t_quantile(0.975, len(logs) - 1) * statistics.stdev(logs) / len(logs) ** 0.5
-    mean = statistics.mean(logs)
-    return [math.exp(mean - half), math.exp(mean + half)]
+    logs = t_interval([math.log(r) for r in ratios])
+    return None if logs is None else [math.exp(v) for v in logs]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -108,9 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
         with _threads(1):
             for b in args.batches:
                 t = paired_times(model, original, held_WS[:b, : args.prompt], args.new, args.repeats)
-                for k in ("prefill", "decode"):
+                for k, ratio in median_ratios(t).items():
                     each = [o / m for o, m in zip(t["original"][k], t["model"][k])]
-                    out[f"{k}_b{b}"] = statistics.median(t["original"][k]) / statistics.median(t["model"][k])
+                    out[f"{k}_b{b}"] = ratio
                     out[f"{k}_b{b}_each"] = each  # the paired ratio of each repeat
                     out[f"{k}_b{b}_ci"] = ratio_interval(each)
         results.append(out)

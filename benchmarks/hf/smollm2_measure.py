@@ -89,7 +89,12 @@ def paired_times(model, original, prompt_BS: torch.Tensor, new: int, repeats: in
 def speed_ratios(model, original, prompt_BS: torch.Tensor, new: int, repeats: int) -> dict[str, float]:
     """Prefill and decode tokens/s ÷ the original's, timed alternately (``paired_times``); medians of
     ``repeats``."""
-    times = paired_times(model, original, prompt_BS, new, repeats)
+    return median_ratios(paired_times(model, original, prompt_BS, new, repeats))
+
+
+def median_ratios(times: dict[str, dict[str, list]]) -> dict[str, float]:
+    """``paired_times``'s result as tokens/s ÷ the original's: the original's median seconds ÷ the model's, for
+    prefill and decode."""
     return {
         k: statistics.median(times["original"][k]) / statistics.median(times["model"][k]) for k in ("prefill", "decode")
     }

@@ -53,9 +53,8 @@ _DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 def stdlib_docstrings(min_chars: int = 80, root: str | Path | None = None) -> list[str]:
     """The distinct docstrings of at least ``min_chars`` characters of the modules, classes and functions under
     ``root`` (None: this Python's standard library), in sorted file order, each file's breadth first
-    (``ast.walk``). Files are parsed
-    with ``ast``, never imported; a file that does not parse is passed over. Folders in ``_DOC_SKIP`` (tests,
-    ``pydoc_data``) are left out. The text depends on the Python version."""
+    (``ast.walk``). Files are parsed with ``ast``, never imported; a file that does not parse is passed over.
+    Folders in ``_DOC_SKIP`` (tests, ``pydoc_data``) are left out. The text depends on the Python version."""
     _checks.check_int("min_chars", min_chars, min_value=1)
     base = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
     if not base.is_dir():
