@@ -98,6 +98,12 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--order", choices=("skip_cost", "every_other"), default="skip_cost", help="MoD layer order")
     p.add_argument("--min-capacity", type=float, default=0.5, help="the lowest MoD capacity the plan may use")
     p.add_argument(
+        "--router-label",
+        choices=("update", "residual"),
+        default="update",
+        help="the tokens a MoD router is fitted to route: the largest updates, or those the estimate misses most",
+    )
+    p.add_argument(
         "--prune-by",
         choices=("block_influence", "skip_cost"),
         default="block_influence",

@@ -340,11 +340,14 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         "prune-bi",
         "prune-bi-est",
         "prune-bi-est-all",
+        "prune-sc-est-all",
         "mod-layer-thr",
         "mod-layer-thr-est",
         "mod-layer-thr-est-c0.4",
         "mod-layer-thr-est-c0.3",
         "mod-layer-thr-est-c0.4-all",
+        "mod-layer-thr-est-c0.4-all-sc",
+        "mod-layer-thr-est-c0.4-all-sc-res",
         "mod-layer-bce",
         "mod-attn-thr",
         "mod-mlp-thr",
@@ -360,6 +363,14 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         assert len(r["window_losses"]) == 8 and r["decode_b1"] > 0 and r["decode_b8"] > 0, key
         assert r["steps"] == 3 and r["tokens"] == 3 * 4 * 64 and r["lora_params"] > 0, key
         assert r["trainable"] == r["lora_params"] + r["other_params"], key
+        if r["method"] == "prune-sc-est-all":  # by skip cost with the estimates: every kept layer adapted
+            assert r["by"] == "skip_cost" and r["lora_layers"] == list(range(8 - len(r["layers"]))), key
+        if r["method"].endswith(("-sc", "-sc-res")):  # cheapest layers with their estimate first
+            est_costs = payload["skip_costs"]["layer+estimate8"]
+            want = sorted(range(8), key=lambda i: est_costs[str(i)])[: len(r["layers"])]
+            assert r["layers"] == sorted(want) and r["order"] == "skip_cost_est", key
+            assert r["label"] == ("residual" if r["method"].endswith("-res") else "update"), key
+            assert r["lora_layers"] == list(range(8)), key
         if r["method"] == "prune-bi-est-all":  # adapters on every kept layer: more than on those after the deleted
             assert r["lora_layers"] == list(range(8 - len(r["layers"]))), key
             assert r["lora_params"] > rows[key.replace("-all", "")]["lora_params"], key
@@ -368,7 +379,9 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
             assert r["lora_layers"] == list(range(8)) and r["layers"] == same["layers"], key
             assert r["lora_params"] > same["lora_params"] and r["d_loss_pct_before"] == same["d_loss_pct_before"]
         if r["method"].startswith("mod-"):
-            partners = [f"{m}@{r['point']}#s0" for m in ("prune-bi", "prune-bi-est", "prune-bi-est-all")]
+            partners = [
+                f"{m}@{r['point']}#s0" for m in ("prune-bi", "prune-bi-est", "prune-bi-est-all", "prune-sc-est-all")
+            ]
             assert r["same_budget_as"] == partners, key  # heal's report.same_budget asserted in the run
             for k in partners:
                 assert all(r[f] == rows[k][f] for f in ("steps", "tokens", "data_digest", "objective")), (key, k)
@@ -377,7 +390,7 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
             assert r["estimate_rank"] == (8 if "-est" in r["method"] else None), key
             floor = r["method"].split("-c")[1].split("-")[0] if "-est-c" in r["method"] else "0.5"
             assert r["min_capacity"] == float(floor) and r["capacity"] >= r["min_capacity"], key
-            if floor != "0.5":  # a lower floor: never more layers for the same MACs
+            if floor != "0.5" and r.get("order") == "skip_cost":  # a lower floor: never more layers, same MACs
                 floor_05 = key.replace(f"-c{floor}", "").replace("-all", "")
                 assert len(r["layers"]) <= len(rows[floor_05]["layers"]), key
             assert sorted(i for g in r["groups"] for i in g["layers"]) == r["layers"], key
@@ -452,6 +465,28 @@ def _hvp_doc(rows: list[tuple[str, float, int, float]], base: float = 2.0, steps
             }
         )
     return {"settings": {"smoke": False, "heal_steps": steps}, "base_loss": base, "skip_costs": {}, "rows": out}
+
+
+def test_conversion_choices_smoke_plans_each_order_and_label(tmp_path):
+    """--smoke: one row per (layer order, router label), each planned to the pruning point's MACs (1%) with the
+    layers its order ranks cheapest, measured on the held-out windows."""
+    out = tmp_path / "cc.json"
+    script = str(ROOT / "benchmarks" / "hf" / "conversion_choices.py")
+    cmd = [sys.executable, script, "--smoke", "--threads", "1", "--out", str(out)]
+    subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=True)
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [(r["order"], r["label"]) for r in rows] == [
+        (o, label) for o in ("skip_cost", "skip_cost_est") for label in ("update", "residual")
+    ]
+    for r in rows:
+        costs = doc["skip_costs"][r["order"]]
+        ranked = sorted(range(8), key=lambda i: (costs[str(i)], i))
+        assert r["layers"] == sorted(ranked[: len(r["layers"])]), r
+        assert abs(r["macs_planned"] - doc["target_macs"]) <= 0.01 * doc["target_macs"], r
+        assert r["capacity"] >= 0.4 and 0 < r["share_held_out"] <= 1 and 0 < r["share_fit"] <= 1, r
+        assert math.isfinite(r["d_loss_pct"]) and math.isfinite(r["d_loss_pct_topc"]) and len(r["window_losses"]) == 8
+    assert doc["skip_costs"]["skip_cost"] != doc["skip_costs"]["skip_cost_est"]
 
 
 def test_heal_vs_prune_results_split_over_runs_merge_into_one_report(tmp_path):

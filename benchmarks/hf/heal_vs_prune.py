@@ -23,6 +23,8 @@ same compute. Methods (``--methods``):
     prune-bi-est-all the same, healed with LoRA on every kept layer instead of the kept layer after each deleted
                      block: at least as many trainable parameters as a MoD row's adapters on its converted layers
                      (heal's default puts the pruned model's on 3 layers, a MoD model's on 13-14, on SmolLM2)
+    prune-sc-est-all the layers whose deletion costs the least with their estimates standing in
+                     (``prune_layers(by="skip_cost", estimate_rank=...)``), healed as prune-bi-est-all
     mod-layer-thr    ``to_mod(part="layer", causal="threshold")``: the router's logit against a threshold
                      steered to the capacity's share (MoDification)
     mod-layer-thr-est  the same with a rank-``--est-rank`` estimate of the skipped tokens' update
@@ -31,6 +33,10 @@ same compute. Methods (``--methods``):
                      ``--min-capacity`` says: fewer converted layers at a lower capacity for the same MACs
     mod-layer-thr-est-c0.4-all  the floor-0.4 plan healed with LoRA on every layer, not only the converted ones:
                      the counterpart of prune-bi-est-all
+    mod-layer-thr-est-c0.4-all-sc  the same, with the layers ordered by their skip cost with the estimate
+                     standing in (``skip_costs(estimate_rank=...)``): prune-sc-est-all's counterpart
+    mod-layer-thr-est-c0.4-all-sc-res  and with the routers fitted to the tokens the estimate misses most
+                     (``router_fit(label="residual")``)
     mod-layer-bce    ``to_mod(part="layer", causal="aux_bce")``: the paper's top-C router whose causal decision
                      is learned by the auxiliary BCE loss
     mod-attn-thr     ``part="attention"`` (``kv="all"``), threshold router
@@ -298,25 +304,32 @@ def main(argv: list[str] | None = None) -> dict:
                 model = copy.deepcopy(original)
                 lora_layers: str | list[int] = "auto"  # heal's default: the converted layers, or after each deleted
                 if method in PRUNE:
-                    with_est, every_layer = PRUNE[method]
-                    est = args.est_rank if with_est else None
-                    row["layers"] = mh.prune_layers(model, n_del, "block_influence", fit_batches, estimate_rank=est)
-                    row["estimate_rank"] = est
-                    if every_layer:
+                    pm = PRUNE[method]
+                    est = args.est_rank if pm.est else None
+                    row["layers"] = mh.prune_layers(model, n_del, pm.by, fit_batches, estimate_rank=est)
+                    row["estimate_rank"], row["by"] = est, pm.by
+                    if pm.every_layer:
                         lora_layers = list(range(len(decoder_layers(model))))  # every kept layer
                 else:
-                    part, causal, with_est, min_capacity, every_layer = MOD[method]
-                    min_capacity = args.min_capacity if min_capacity is None else min_capacity
-                    rank = args.est_rank if with_est else None
+                    mm = MOD[method]
+                    part, causal, every_layer = mm.part, mm.causal, mm.every_layer
+                    min_capacity = args.min_capacity if mm.min_capacity is None else mm.min_capacity
+                    rank = args.est_rank if mm.est else None
+                    cost_batch = [train_WS[: args.cost_windows]]
                     for half in HALVES if part == "mixed" else (part,):
                         if half not in costs:
-                            cost_batch = [train_WS[: args.cost_windows]]
                             costs[half] = {str(i): c for i, c in mh.skip_costs(original, cost_batch, half).items()}
+                    cost_key = part if mm.order == "skip_cost" else f"layer+estimate{rank}"
+                    if cost_key not in costs:  # each layer skipped with its estimate standing in (fit windows)
+                        est_costs = mh.skip_costs(
+                            original, cost_batch, "layer", estimate_rank=rank, fit_batches=fit_batches
+                        )
+                        costs[cost_key] = {str(i): c for i, c in est_costs.items()}
                     if part == "mixed":  # the halves by loss per multiply-add saved
                         by_half = {h: {int(i): c for i, c in costs[h].items()} for h in HALVES}
                         order = mh.mixed_order(original, by_half, S, skip_rank=rank)
                     else:
-                        order = sorted(range(config.num_hidden_layers), key=lambda i: costs[part][str(i)])
+                        order = sorted(range(config.num_hidden_layers), key=lambda i: costs[cost_key][str(i)])
                     try:
                         plan = mh.plan_to_macs(
                             original, target, S, part=part, skip_rank=rank, order=order, min_capacity=min_capacity
@@ -329,9 +342,9 @@ def main(argv: list[str] | None = None) -> dict:
                     groups = plan.groups()  # the to_mod calls: heal_vs_prune_speed rebuilds from them
                     for group in groups:
                         mh.to_mod(model, **group, causal=causal)
-                    mh.router_fit(model, fit_batches)  # the router, then the estimate on the tokens it skips
+                    mh.router_fit(model, fit_batches, label=mm.label)  # the router, then the estimate
                     row.update(layers=plan.layers, capacity=plan.capacity, part=part, kv=plan.kv, causal=causal)
-                    row["min_capacity"] = min_capacity
+                    row["min_capacity"], row["order"], row["label"] = min_capacity, mm.order, mm.label
                     row["groups"] = groups
                     row["estimate_rank"] = rank
                     if every_layer:

@@ -17,6 +17,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -29,24 +30,62 @@ from benchmarks.hf.smollm2_measure import _num, bootstrap_ci  # noqa: E402
 from mode.experiments.stats_ci import t_quantile  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
-# method -> (with the estimate, LoRA on every kept layer rather than the one after each deleted block)
-PRUNE = {"prune-bi": (False, False), "prune-bi-est": (True, False), "prune-bi-est-all": (True, True)}
-# method -> (part, causal, with the estimate for skipped tokens, min_capacity: None takes --min-capacity,
-# LoRA on every layer rather than on the converted ones: the counterpart of prune-bi-est-all)
-MOD: dict[str, tuple[str, str, bool, float | None, bool]] = {
-    "mod-layer-thr": ("layer", "threshold", False, None, False),
-    "mod-layer-thr-est": ("layer", "threshold", True, None, False),
-    "mod-layer-thr-est-c0.4": ("layer", "threshold", True, 0.4, False),  # fewer layers at a lower capacity
-    "mod-layer-thr-est-c0.3": ("layer", "threshold", True, 0.3, False),
-    "mod-layer-thr-est-c0.4-all": ("layer", "threshold", True, 0.4, True),
-    "mod-layer-bce": ("layer", "aux_bce", False, None, False),
-    "mod-attn-thr": ("attention", "threshold", False, None, False),
-    "mod-mlp-thr": ("mlp", "threshold", False, None, False),
-    "mod-mix-thr": ("mixed", "threshold", False, None, False),
-    "mod-mix-thr-est": ("mixed", "threshold", True, None, False),
+
+class Prune(NamedTuple):
+    """A pruning method: with the fitted estimate, LoRA on every kept layer (rather than on the kept layer after
+    each deleted block), and how the layers are chosen (``prune_layers(by=...)``; ``"skip_cost"`` with the
+    estimate measures each layer's cost with its estimate standing in)."""
+
+    est: bool
+    every_layer: bool
+    by: str = "block_influence"
+
+
+class Mod(NamedTuple):
+    """A MoD method: the part, the causal rule, with the estimate for skipped tokens, ``min_capacity`` (None:
+    ``--min-capacity``), LoRA on every layer rather than on the converted ones (the counterpart of
+    prune-bi-est-all), the layer order (``"skip_cost"``: ``skip_costs`` of the part; ``"skip_cost_est"``: of the
+    whole layer with its estimate standing in) and ``router_fit``'s label (``"update"`` / ``"residual"``)."""
+
+    part: str
+    causal: str
+    est: bool
+    min_capacity: float | None
+    every_layer: bool
+    order: str = "skip_cost"
+    label: str = "update"
+
+
+PRUNE = {
+    "prune-bi": Prune(False, False),
+    "prune-bi-est": Prune(True, False),
+    "prune-bi-est-all": Prune(True, True),
+    "prune-sc-est-all": Prune(True, True, "skip_cost"),  # the layers whose deletion with the estimate costs least
+}
+MOD: dict[str, Mod] = {
+    "mod-layer-thr": Mod("layer", "threshold", False, None, False),
+    "mod-layer-thr-est": Mod("layer", "threshold", True, None, False),
+    "mod-layer-thr-est-c0.4": Mod("layer", "threshold", True, 0.4, False),  # fewer layers at a lower capacity
+    "mod-layer-thr-est-c0.3": Mod("layer", "threshold", True, 0.3, False),
+    "mod-layer-thr-est-c0.4-all": Mod("layer", "threshold", True, 0.4, True),
+    # the layers cheapest with their estimate, the tokens the estimate misses most routed: prune-sc-est-all's pair
+    "mod-layer-thr-est-c0.4-all-sc": Mod("layer", "threshold", True, 0.4, True, "skip_cost_est"),
+    "mod-layer-thr-est-c0.4-all-sc-res": Mod("layer", "threshold", True, 0.4, True, "skip_cost_est", "residual"),
+    "mod-layer-bce": Mod("layer", "aux_bce", False, None, False),
+    "mod-attn-thr": Mod("attention", "threshold", False, None, False),
+    "mod-mlp-thr": Mod("mlp", "threshold", False, None, False),
+    "mod-mix-thr": Mod("mixed", "threshold", False, None, False),
+    "mod-mix-thr-est": Mod("mixed", "threshold", True, None, False),
 }
 METHODS = (*PRUNE, *MOD)
 BUDGET_KEYS = ("steps", "tokens", "data_digest", "objective", "trainable_kind")  # what "the same healing" means
+
+
+def _partner(m: Mod) -> str:
+    """The pruning method a MoD method is drawn against: the same estimate, adapters and layer choice."""
+    if m.order == "skip_cost_est":
+        return "prune-sc-est-all"
+    return "prune-bi-est-all" if m.every_layer else "prune-bi-est" if m.est else "prune-bi"
 
 
 def t_interval(diffs: list[float]) -> list[float] | None:
@@ -147,7 +186,7 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
     # Right: each MoD method against the pruning of its kind (with the estimate against prune-bi-est, without it
     # against prune-bi, adapters on every layer against prune-bi-est-all), in the method's colour of the left
     # panel; the table and JSON hold every pair.
-    kind = {m: "prune-bi-est-all" if MOD[m][4] else "prune-bi-est" if MOD[m][2] else "prune-bi" for m in MOD}
+    kind = {m: _partner(MOD[m]) for m in MOD}
     pairs = [(m, kind[m]) for m in MOD if any(r["mod"] == m and r["prune"] == kind[m] for r in intervals)]
     for k, (mod, partner) in enumerate(pairs):
         rs = sorted((r for r in intervals if r["mod"] == mod and r["prune"] == partner), key=lambda r: r["point"])

@@ -43,9 +43,10 @@ def rebuild(original, row: dict, fit_batches: list[torch.Tensor]):
     rank, fitted) or converted to MoD (thresholds calibrated), in eval mode."""
     model = copy.deepcopy(original)
     if row["method"].startswith("prune"):
-        deleted = mh.prune_layers(model, len(row["layers"]), "block_influence", fit_batches, row["estimate_rank"])
+        by = row.get("by", "block_influence")  # rows from before "by": block influence
+        deleted = mh.prune_layers(model, len(row["layers"]), by, fit_batches, row["estimate_rank"])
         if sorted(deleted) != sorted(row["layers"]):
-            raise ValueError(f"{row['key']}: block influence now deletes {deleted}, the row deleted {row['layers']}")
+            raise ValueError(f"{row['key']}: {by} now deletes {deleted}, the row deleted {row['layers']}")
     else:
         one = {k: row[k] for k in ("layers", "capacity", "part", "kv")} | {"skip_rank": row["estimate_rank"]}
         for group in row.get("groups") or [one]:  # rows from before "groups": one part

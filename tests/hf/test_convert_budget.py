@@ -66,6 +66,24 @@ def test_mod_order_by_skip_cost_takes_the_cheapest_layers(hf):
     assert result.layers == sorted(sorted(costs, key=lambda i: (costs[i], i))[: len(result.layers)])
 
 
+def test_with_an_estimate_the_order_is_the_skip_cost_with_the_estimate(hf):
+    """part "layer" with ``skip_rank``: the layers ordered by what skipping each costs with its fitted estimate
+    standing in (fitted on the fit batches), the routers fitted with ``router_label``."""
+    data = _windows()
+    model = _original()
+    costs = hf.skip_costs(model, data[:1], "layer", estimate_rank=4, fit_batches=data)
+    cfg = hf.BudgetConfig(0.8, seq_len=S, skip_rank=4, router_label="residual", min_capacity=0.25)
+    result = hf.convert_to_macs(model, cfg, data)
+    assert result.layers == sorted(sorted(costs, key=lambda i: (costs[i], i))[: len(result.layers)])
+    assert abs(result.macs - 0.8) <= 0.01 * 0.8, result
+    plain = hf.skip_costs(_original(), data[:1], "layer")
+    assert sorted(costs, key=costs.get) != sorted(plain, key=plain.get)  # the estimate changes the order here
+    by_update = _original()  # the same plan fitted with the default label: other routers
+    hf.convert_to_macs(by_update, hf.BudgetConfig(0.8, seq_len=S, skip_rank=4, min_capacity=0.25), data)
+    i = result.layers[0]
+    assert not torch.equal(by_update.model.layers[i].mod_router.weight, model.model.layers[i].mod_router.weight)
+
+
 def test_prune_deletes_the_nearest_layer_count(hf):
     from mode.hf.dense.budget import layers_to_delete, pruned_macs
 
@@ -111,6 +129,12 @@ def test_bad_settings_name_the_field(hf):
         hf.BudgetConfig(0.8, causal="predictor")
     with pytest.raises(ValueError, match="order='every_other'"):
         hf.BudgetConfig(0.8, part="mixed", order="every_other")
+    with pytest.raises(ValueError, match="router_label"):
+        hf.BudgetConfig(0.8, router_label="norm")
+    with pytest.raises(ValueError, match="router_label='residual'.*skip_rank"):
+        hf.BudgetConfig(0.8, router_label="residual")  # no estimate: nothing to miss
+    with pytest.raises(ValueError, match="router_label='residual'.*method='prune'"):
+        hf.BudgetConfig(0.8, method="prune", skip_rank=4, router_label="residual")
     with pytest.raises(TypeError, match="heal"):
         hf.BudgetConfig(0.8, heal={"steps": 3})  # type: ignore[arg-type]
     model = _original(layers=4)
@@ -160,6 +184,12 @@ def test_command_writes_a_folder_load_conversion_reads(hf, tmp_path):
     assert held_out_loss(back, val_WS) == pytest.approx(report["held_out"]["loss"], rel=1e-6)
     assert main(argv) == 2  # the folder holds a conversion: refused without --force
     assert main([*argv, "--force"]) == 0
+    with_est = [*argv, "--force", "--skip-rank", "2", "--router-label", "residual"]
+    assert main(with_est) == 0
+    report = json.loads((out / "convert_report.json").read_text())
+    assert report["settings"]["router_label"] == "residual" and report["settings"]["skip_rank"] == 2
+    back = hf.load_conversion(load_model(str(tmp_path / "ckpt"))[0], out)
+    assert held_out_loss(back, val_WS) == pytest.approx(report["held_out"]["loss"], rel=1e-6)
 
 
 def test_command_refuses_bad_input(hf, tmp_path, capsys):
@@ -171,3 +201,7 @@ def test_command_refuses_bad_input(hf, tmp_path, capsys):
     assert "--seq-len=0" in capsys.readouterr().err
     assert main(["convert", "smollm2", "--macs", "1.5", "--out", str(tmp_path / "o")]) == 2
     assert "macs=1.5" in capsys.readouterr().err
+    assert (
+        main(["convert", "smollm2", "--macs", "0.8", "--out", str(tmp_path / "o"), "--router-label", "residual"]) == 2
+    )
+    assert "router_label='residual'" in capsys.readouterr().err  # no --skip-rank: refused before loading

@@ -126,3 +126,63 @@ def test_router_fit_refuses_what_it_cannot_fit(hf):
         hf.router_fit(model, _batches(), ridge=-1)
     with pytest.raises(ValueError, match="skip_rank=65"):
         hf.to_mod(tiny("llama"), skip_rank=65)
+
+
+def test_top_share_rows_matches_the_per_row_top_share():
+    from mode.hf.dense.router_fit import _top_share, _top_share_rows
+
+    g = torch.Generator().manual_seed(0)
+    y_BS = torch.randn(5, 11, generator=g)
+    real_BS = torch.ones(5, 11, dtype=torch.bool)
+    real_BS[1, :4] = False  # left padding in one row
+    row_BS = torch.arange(5)[:, None].expand(5, 11)
+    for capacity in (0.05, 0.3, 0.5, 1.0):
+        want_N = _top_share(y_BS, real_BS, capacity)[real_BS]
+        perm_N = torch.randperm(int(real_BS.sum()), generator=g)  # the order of the flattened tokens is free
+        got_N = _top_share_rows(y_BS[real_BS][perm_N], row_BS[real_BS][perm_N], capacity)
+        assert torch.equal(got_N, want_N[perm_N]), capacity
+
+
+def test_the_residual_label_routes_what_the_estimate_misses():
+    """Planted: every update is a rank-4 map of the input, and large for the tokens with large inputs; a few
+    small-input tokens get an extra update the map cannot predict. ``label="update"`` routes the large (and
+    predictable) tokens; the residual label routes the unpredictable ones, so the estimate fitted on the
+    tokens it skips leaves far less of their update."""
+    from mode.hf.dense.router_fit import _residual_label, _top_share_rows
+    from mode.hf.dense.skip_update import SkipUpdate
+
+    g = torch.Generator().manual_seed(1)
+    N, D, R = 4000, 16, 4
+    f_ND = torch.randn(N, D, generator=g) * (1 + 2 * torch.rand(N, 1, generator=g))
+    u_ND = f_ND @ (torch.randn(D, R, generator=g) @ torch.randn(R, D, generator=g))
+    odd_N = torch.rand(N, generator=g) < 0.2
+    u_ND[odd_N] += 6 * torch.randn(int(odd_N.sum()), D, generator=g)
+    row_N = torch.arange(N) // 100
+    label_N = _top_share_rows(u_ND.norm(dim=-1), row_N, 0.25).float()
+
+    def left(label_N):  # the skipped tokens' update energy the estimate fitted on them leaves
+        est = SkipUpdate(D, R)
+        skip_N = ~label_N.bool()
+        est.fit(f_ND[skip_N], u_ND[skip_N], ridge=0.0)
+        with torch.no_grad():
+            return float((u_ND[skip_N] - est(f_ND[skip_N][None])[0]).pow(2).sum())
+
+    residual_N = _residual_label(SkipUpdate(D, R), f_ND, u_ND, label_N, row_N, 0.25, rounds=3, ridge=0.0)
+    assert residual_N.sum() == label_N.sum()  # the same share routed, row by row
+    assert left(residual_N) < 0.5 * left(label_N)
+    assert residual_N[odd_N].mean() > 2 * label_N[odd_N].mean()  # it routes the unpredictable tokens
+
+
+def test_router_fit_with_the_residual_label(hf):
+    data = _batches()
+    model = hf.to_mod(tiny("llama"), layers=[1, 2], capacity=0.5, causal="threshold", part="layer", skip_rank=8)
+    agreement = hf.router_fit(model, data, label="residual", rounds=2)
+    assert set(agreement) == {1, 2} and all(a > 0.6 for a in agreement.values()), agreement
+    for layer in hf.mod_layers(model).values():
+        assert not torch.isnan(layer.mod_router.threshold) and layer.mod_skip.up.abs().sum() > 0
+    with pytest.raises(ValueError, match="label='residual'.*no estimate"):
+        hf.router_fit(hf.to_mod(tiny("llama"), layers=[1], capacity=0.5, causal="threshold"), data, label="residual")
+    with pytest.raises(ValueError, match="label"):
+        hf.router_fit(model, data, label="norm")
+    with pytest.raises(ValueError, match="rounds"):
+        hf.router_fit(model, data, label="residual", rounds=0)

@@ -92,3 +92,66 @@ def test_cheapest_and_bad_input(hf):
         hf.skip_costs(model, [torch.randint(1, V, (1, 5))], layers=[2])
     with pytest.raises(ValueError, match="target token"):
         hf.skip_costs(model, [torch.randint(1, V, (2, 1))])
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen2"))
+def test_cost_with_the_estimate_equals_deleting_the_layer_with_its_estimate_by_hand(hf, family):
+    """``estimate_rank=R``: each layer's cost is the loss of the model with that layer deleted and its fitted
+    rank-R estimate in its place (``delete_layers`` with ``layer_estimates``, the pruning mechanics)."""
+    from mode.hf.dense.layer_io import layer_estimates
+    from mode.hf.dense.prune import delete_layers
+
+    torch.manual_seed(3)
+    model = tiny(family, layers=3)
+    data, fit = batches_for(3), batches_for(4, left_pad=5)
+    costs = hf.skip_costs(model, data, part="layer", estimate_rank=4, fit_batches=fit)
+    base = loss_of(hf, model, data)
+    for i, cost in costs.items():
+        by_hand = copy.deepcopy(model)
+        delete_layers(by_hand, [i], layer_estimates(model, fit, [i], 4))
+        assert cost == pytest.approx(loss_of(hf, by_hand, data) - base, abs=1e-6), i
+    plain = hf.skip_costs(model, data, part="layer")
+    assert costs != plain
+
+
+def _linear_layer(model, i, rank=2, scale=3.0, seed=0):
+    """Layer ``i`` made an affine map of its input of rank ``rank`` (a forward hook replaces its output): the
+    update an estimate of that rank recovers exactly, and a large one, so skipping the layer costs much."""
+    g = torch.Generator().manual_seed(seed)
+    D = model.config.hidden_size
+    w_DD = scale * torch.randn(D, rank, generator=g) @ torch.randn(rank, D, generator=g) / D
+
+    def hook(module, args, kwargs, output):
+        x_BSD = args[0] if args else kwargs["hidden_states"]
+        y_BSD = x_BSD + x_BSD @ w_DD
+        return (y_BSD,) + output[1:] if isinstance(output, tuple) else y_BSD
+
+    return model.model.layers[i].register_forward_hook(hook, with_kwargs=True)
+
+
+def test_a_layer_its_estimate_predicts_costs_nearly_nothing_with_it(hf):
+    """A random model's layers cost little and at random (some costs are negative); a planted affine layer costs
+    much skipped outright and almost nothing with its estimate. ``prune_layers(by="skip_cost", estimate_rank)``
+    deletes the layers those costs rank cheapest."""
+    torch.manual_seed(6)
+    model = tiny("llama", layers=4, initializer_range=0.1)  # large enough weights that the layers matter
+    _linear_layer(model, 2, scale=10.0)
+    data = batches_for(6)
+    plain = hf.skip_costs(model, data, part="layer")
+    with_est = hf.skip_costs(model, data, part="layer", estimate_rank=2)
+    assert plain[2] > 0.1, plain  # measured 0.207
+    assert abs(with_est[2]) < 0.1 * plain[2], (with_est, plain)  # measured -0.008
+    for n in (1, 2):
+        want = sorted(sorted(with_est, key=with_est.get)[:n])
+        assert hf.prune_layers(copy.deepcopy(model), n, "skip_cost", data, estimate_rank=2) == want
+
+
+def test_the_estimate_is_for_whole_layers_and_needs_fit_batches(hf):
+    model = tiny("llama", layers=2)
+    data = batches_for()
+    with pytest.raises(ValueError, match="estimate_rank=4 with part='mlp'"):
+        hf.skip_costs(model, data, part="mlp", estimate_rank=4)
+    with pytest.raises(ValueError, match="fit_batches: empty"):
+        hf.skip_costs(model, data, part="layer", estimate_rank=4, fit_batches=[])
+    with pytest.raises(ValueError, match="skip_rank=65"):
+        hf.skip_costs(model, data, part="layer", estimate_rank=65)

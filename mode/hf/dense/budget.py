@@ -3,10 +3,11 @@ fitted and optionally healed, ready for ``save_conversion``.
 
 The steps, all of them existing calls of ``mode.hf``:
 
-    method "mod"    order the layers (``skip_costs`` of the part, cheapest first; or "every_other"; part
+    method "mod"    order the layers (``skip_costs`` of the part, cheapest first, for part "layer" with
+                    ``skip_rank`` measured with each layer's estimate standing in; or "every_other"; part
                     "mixed": the attention and MLP halves by ``mixed_order``, the least loss per multiply-add
                     saved first), ``plan_to_macs`` (fewest layers at one capacity >= ``min_capacity``),
-                    ``to_mod`` per part, ``router_fit`` (router, estimate, causal thresholds)
+                    ``to_mod`` per part, ``router_fit`` (router, estimate, causal thresholds; ``router_label``)
     method "prune"  the whole-layer count whose MACs come nearest the target, ``prune_layers`` (block
                     influence or skip cost; with ``skip_rank``: a fitted estimate per deleted layer)
     then, with ``heal``: ``heal`` against the original (a copy is taken before converting when no teacher is
@@ -33,7 +34,7 @@ from mode.hf.dense.heal import HealConfig, HealReport, heal
 from mode.hf.dense.lora import merge_lora
 from mode.hf.dense.macs import HALVES, MIXED, PLAN_PARTS, conversion_macs, macs_per_token, mixed_order, plan_to_macs
 from mode.hf.dense.prune import PRUNE_BY, prune_layers
-from mode.hf.dense.router_fit import router_fit
+from mode.hf.dense.router_fit import LABELS, router_fit
 from mode.hf.dense.skip_cost import skip_costs
 from mode.hf.dense.tune import calibrate
 from mode.train.progress import Progress
@@ -53,9 +54,12 @@ class BudgetConfig:
     ``mixed_order`` ranks them; needs order ``"skip_cost"``). causal (mod): ``"threshold"`` or
     ``"aux_bce"``. skip_rank: the rank of the estimate standing in for a skipped part (mod) or a deleted layer
     (prune); None: none. order (mod):
-    ``"skip_cost"`` (cheapest layers first, measured on ``cost_batches`` of the fit batches) or
-    ``"every_other"``. min_capacity (mod): the lowest capacity the plan may use. prune_by (prune):
-    ``"block_influence"`` or ``"skip_cost"``. heal: a ``HealConfig``, or None for no healing.
+    ``"skip_cost"`` (cheapest layers first, measured on ``cost_batches`` of the fit batches; part ``"layer"``
+    with ``skip_rank``: each layer skipped with its estimate, fitted on the fit batches, standing in) or
+    ``"every_other"``. min_capacity (mod): the lowest capacity the plan may use. router_label (mod):
+    ``router_fit``'s label, ``"update"`` (route the largest updates) or ``"residual"`` (the largest the
+    estimate misses; needs ``skip_rank``). prune_by (prune): ``"block_influence"`` or ``"skip_cost"`` (with
+    ``skip_rank``: with the estimates standing in). heal: a ``HealConfig``, or None for no healing.
     """
 
     macs: float
@@ -66,6 +70,7 @@ class BudgetConfig:
     skip_rank: int | None = None
     order: str = "skip_cost"
     min_capacity: float = 0.5
+    router_label: str = "update"
     cost_batches: int = 1
     prune_by: str = "block_influence"
     heal: HealConfig | None = None
@@ -81,6 +86,12 @@ class BudgetConfig:
             _checks.check_int("skip_rank", self.skip_rank, min_value=0)
         _checks.check_choice("order", self.order, ORDERS)
         _checks.check_fraction("min_capacity", self.min_capacity)
+        _checks.check_choice("router_label", self.router_label, LABELS)
+        if self.router_label == "residual" and (self.method != "mod" or self.skip_rank is None):
+            raise ValueError(
+                f"router_label='residual' with method={self.method!r}, skip_rank={self.skip_rank}: it routes what "
+                "a MoD layer's estimate misses; it needs method='mod' and a skip_rank"
+            )
         _checks.check_int("cost_batches", self.cost_batches)
         _checks.check_choice("prune_by", self.prune_by, PRUNE_BY)
         if self.heal is not None and not isinstance(self.heal, HealConfig):
@@ -178,7 +189,11 @@ def convert_to_macs(
             order = mixed_order(model, costs, cfg.seq_len, skip_rank=cfg.skip_rank)
             seconds["skip_costs"] = time.perf_counter() - t0
         elif cfg.order == "skip_cost":
-            costs_i = skip_costs(model, fit_batches[: cfg.cost_batches], cfg.part)
+            with_est = cfg.part == "layer" and cfg.skip_rank is not None  # each layer's cost with its estimate
+            rank = cfg.skip_rank if with_est else None
+            costs_i = skip_costs(
+                model, fit_batches[: cfg.cost_batches], cfg.part, estimate_rank=rank, fit_batches=fit_batches
+            )
             order = sorted(range(n_layers), key=lambda i: (costs_i[i], i))
             seconds["skip_costs"] = time.perf_counter() - t0
         plan = plan_to_macs(
@@ -193,7 +208,7 @@ def convert_to_macs(
         for group in plan.groups():
             to_mod(model, **group, causal=cfg.causal)
         t1 = time.perf_counter()
-        router_fit(model, fit_batches)
+        router_fit(model, fit_batches, label=cfg.router_label)
         seconds["router_fit"] = time.perf_counter() - t1
         layers, capacity, parts = sorted(plan.layers), plan.capacity, plan.parts
     report = None

@@ -3,7 +3,8 @@
 Shape legend: B batch, S sequence, D hidden, N real tokens.
 
 Which layers: ``by="skip_cost"``, the layers whose removal costs the least next-token loss on the batches
-(``skip_costs(part="layer")``, He et al., arXiv 2406.15786); ``by="block_influence"``, ShortGPT's block
+(``skip_costs(part="layer")``, He et al., arXiv 2406.15786; with ``estimate_rank=R`` measured with each layer's
+estimate standing in, what its deletion will then cost); ``by="block_influence"``, ShortGPT's block
 influence (Men et al., arXiv 2403.03853), ``1 - mean cos(input, output)`` of each layer over the batches' real
 tokens: a layer that leaves the residual stream's direction unchanged has influence 0 and goes first.
 
@@ -27,63 +28,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from mode import _checks
 from mode._module_attr import set_module_attr
 from mode.hf._compat import check_model_type, decoder_config, decoder_layers
 from mode.hf.dense.convert import mod_layers
+from mode.hf.dense.layer_io import _hidden, layer_estimates, layer_io
 from mode.hf.dense.skip_cost import cheapest, skip_costs
 from mode.hf.dense.skip_update import SkipUpdate
-from mode.hf.dense.tune import _as_batch, _positions
 
 PRUNE_BY = ("skip_cost", "block_influence")
-
-
-def _hidden(args, kwargs) -> Tensor:
-    return args[0] if args else kwargs["hidden_states"]
-
-
-def _output(output) -> Tensor:
-    return output[0] if isinstance(output, tuple) else output
-
-
-@torch.no_grad()
-def _layer_io(model: nn.Module, batches: list, want: Sequence[int], on_layer) -> None:
-    """One forward per batch (eval, no cache); ``on_layer(i, x_ND, y_ND)`` gets layer ``i``'s input and output
-    on the batch's real tokens."""
-    layers = decoder_layers(model)
-    device = next(model.parameters()).device
-    real: dict[str, Tensor] = {}
-    seen: dict[int, Tensor] = {}
-
-    def hooks(i):
-        def pre(module, args, kwargs):
-            seen[i] = _hidden(args, kwargs)
-
-        def post(module, args, kwargs, output):
-            on_layer(i, seen.pop(i)[real["BS"]].float(), _output(output)[real["BS"]].float())
-
-        return pre, post
-
-    handles = []
-    for i in want:
-        pre, post = hooks(i)
-        handles.append(layers[i].register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(layers[i].register_forward_hook(post, with_kwargs=True))
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in batches:
-            ids_BS, mask_BS = _as_batch(batch, device)
-            real["BS"] = torch.ones_like(ids_BS, dtype=torch.bool) if mask_BS is None else mask_BS.bool()
-            model(ids_BS, attention_mask=mask_BS, position_ids=_positions(mask_BS), use_cache=False)
-    finally:
-        model.train(was_training)
-        for h in handles:
-            h.remove()
 
 
 def block_influence(model: nn.Module, batches: Iterable) -> dict[int, float]:
@@ -102,21 +58,8 @@ def block_influence(model: nn.Module, batches: Iterable) -> dict[int, float]:
         sums[i] += float(F.cosine_similarity(x_ND, y_ND, dim=-1).sum())
         count[i] += x_ND.shape[0]
 
-    _layer_io(model, batches, range(n), on_layer)
+    layer_io(model, batches, range(n), on_layer)
     return {i: 1.0 - sums[i] / max(count[i], 1) for i in range(n)}
-
-
-def _fit_estimates(model: nn.Module, batches: list, chosen: list[int], rank: int) -> dict[int, SkipUpdate]:
-    data: dict[int, list[tuple[Tensor, Tensor]]] = {i: [] for i in chosen}
-    _layer_io(model, batches, chosen, lambda i, x_ND, y_ND: data[i].append((x_ND, y_ND - x_ND)))
-    ref = next(model.parameters())
-    out = {}
-    for i in chosen:
-        x_ND, u_ND = (torch.cat(t) for t in zip(*data[i]))
-        est = SkipUpdate(x_ND.shape[1], rank).to(device=ref.device, dtype=torch.float32)
-        est.fit(x_ND, u_ND)
-        out[i] = est
-    return out
 
 
 def _apply_estimates(module, args, kwargs):
@@ -170,7 +113,8 @@ def prune_layers(
     estimate_rank: int | None = None,
 ) -> list[int]:
     """Delete the ``n`` decoder layers of ``model`` that ``by`` ranks lowest (``"block_influence"`` or
-    ``"skip_cost"``, measured on ``batches``), in place; returns their (original) indices, sorted.
+    ``"skip_cost"``, measured on ``batches``; with ``estimate_rank``, with the estimates standing in), in place;
+    returns their (original) indices, sorted.
     ``estimate_rank``: None, a deleted layer is gone; an int R, a rank-R affine estimate of its update, fitted on
     ``batches``, stands in for it (see the module doc). The model must be unconverted (``to_mod`` may follow).
     """
@@ -191,9 +135,12 @@ def prune_layers(
     batches = list(batches)
     if not batches:
         raise ValueError(f"batches: empty; prune_layers(by={by!r}) measures the layers on at least one batch")
-    scores = block_influence(model, batches) if by == "block_influence" else skip_costs(model, batches, part="layer")
+    if by == "block_influence":
+        scores = block_influence(model, batches)
+    else:  # with an estimate: what deleting the layer costs with its estimate in its place
+        scores = skip_costs(model, batches, part="layer", estimate_rank=estimate_rank)
     chosen = cheapest(scores, n)
-    estimates = None if estimate_rank is None else _fit_estimates(model, batches, chosen, estimate_rank)
+    estimates = None if estimate_rank is None else layer_estimates(model, batches, chosen, estimate_rank)
     kept = [i for i in range(n_layers) if i not in chosen]
     delete_layers(model, chosen, estimates)
     pruned = {"layers": chosen, "kept": kept, "n_layers": n_layers, "by": by, "estimate_rank": estimate_rank}
