@@ -365,6 +365,8 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         assert r["trainable"] == r["lora_params"] + r["other_params"], key
         if r["method"] == "prune-sc-est-all":  # by skip cost with the estimates: every kept layer adapted
             assert r["by"] == "skip_cost" and r["lora_layers"] == list(range(8 - len(r["layers"]))), key
+            est_costs = payload["skip_costs"]["layer+estimate8"]  # the costs that order the -sc MoD rows
+            assert r["layers"] == sorted(sorted(range(8), key=lambda i: est_costs[str(i)])[: len(r["layers"])]), key
         if r["method"].endswith(("-sc", "-sc-res")):  # cheapest layers with their estimate first
             est_costs = payload["skip_costs"]["layer+estimate8"]
             want = sorted(range(8), key=lambda i: est_costs[str(i)])[: len(r["layers"])]

@@ -268,6 +268,18 @@ def main(argv: list[str] | None = None) -> dict:
     def heal_batches(seed: int) -> list[torch.Tensor]:
         return heal_batches_of(train_WS, args.heal_steps, per_step, seed, extra_WS)
 
+    def est_costs(rank: int | None) -> dict[str, float]:
+        """Each layer's skip cost with its rank-``rank`` estimate standing in (fitted on the fit windows, measured
+        on the cost windows), cached in the result: what orders a ``skip_cost_est`` MoD plan and a
+        ``prune-sc-*`` deletion."""
+        key = "layer" if rank is None else f"layer+estimate{rank}"
+        if key not in costs:
+            got = mh.skip_costs(
+                original, [train_WS[: args.cost_windows]], "layer", estimate_rank=rank, fit_batches=fit_batches
+            )
+            costs[key] = {str(i): c for i, c in got.items()}
+        return costs[key]
+
     def pct(loss_W: torch.Tensor) -> float:
         return 100 * (float(loss_W.mean()) / base - 1)
 
@@ -306,7 +318,10 @@ def main(argv: list[str] | None = None) -> dict:
                 if method in PRUNE:
                     pm = PRUNE[method]
                     est = args.est_rank if pm.est else None
-                    row["layers"] = mh.prune_layers(model, n_del, pm.by, fit_batches, estimate_rank=est)
+                    scores = None
+                    if pm.by == "skip_cost":  # the costs that order the MoD layers (the same windows): measured once
+                        scores = {int(i): c for i, c in est_costs(est).items()}
+                    row["layers"] = mh.prune_layers(model, n_del, pm.by, fit_batches, estimate_rank=est, scores=scores)
                     row["estimate_rank"], row["by"] = est, pm.by
                     if pm.every_layer:
                         lora_layers = list(range(len(decoder_layers(model))))  # every kept layer
@@ -319,17 +334,12 @@ def main(argv: list[str] | None = None) -> dict:
                     for half in HALVES if part == "mixed" else (part,):
                         if half not in costs:
                             costs[half] = {str(i): c for i, c in mh.skip_costs(original, cost_batch, half).items()}
-                    cost_key = part if mm.order == "skip_cost" else f"layer+estimate{rank}"
-                    if cost_key not in costs:  # each layer skipped with its estimate standing in (fit windows)
-                        est_costs = mh.skip_costs(
-                            original, cost_batch, "layer", estimate_rank=rank, fit_batches=fit_batches
-                        )
-                        costs[cost_key] = {str(i): c for i, c in est_costs.items()}
+                    layer_costs = est_costs(rank) if mm.order == "skip_cost_est" else costs.get(part, {})
                     if part == "mixed":  # the halves by loss per multiply-add saved
                         by_half = {h: {int(i): c for i, c in costs[h].items()} for h in HALVES}
                         order = mh.mixed_order(original, by_half, S, skip_rank=rank)
                     else:
-                        order = sorted(range(config.num_hidden_layers), key=lambda i: costs[cost_key][str(i)])
+                        order = sorted(range(config.num_hidden_layers), key=lambda i: layer_costs[str(i)])
                     try:
                         plan = mh.plan_to_macs(
                             original, target, S, part=part, skip_rank=rank, order=order, min_capacity=min_capacity

@@ -38,13 +38,18 @@ from benchmarks.hf.smollm2_measure import _threads, english_windows, median_rati
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 
-def rebuild(original, row: dict, fit_batches: list[torch.Tensor]):
+def rebuild(original, row: dict, fit_batches: list[torch.Tensor], skip_costs: dict | None = None):
     """The conversion of ``row`` on a copy of ``original``: the same layers deleted (with the row's estimate
-    rank, fitted) or converted to MoD (thresholds calibrated), in eval mode."""
+    rank, fitted; deleted by skip cost: ranked by the result's ``skip_costs``, as the run did) or converted to MoD
+    (thresholds calibrated), in eval mode."""
     model = copy.deepcopy(original)
     if row["method"].startswith("prune"):
         by = row.get("by", "block_influence")  # rows from before "by": block influence
-        deleted = mh.prune_layers(model, len(row["layers"]), by, fit_batches, row["estimate_rank"])
+        scores = None
+        if by == "skip_cost":
+            key = "layer" if row["estimate_rank"] is None else f"layer+estimate{row['estimate_rank']}"
+            scores = {int(i): c for i, c in (skip_costs or {})[key].items()}
+        deleted = mh.prune_layers(model, len(row["layers"]), by, fit_batches, row["estimate_rank"], scores=scores)
         if sorted(deleted) != sorted(row["layers"]):
             raise ValueError(f"{row['key']}: {by} now deletes {deleted}, the row deleted {row['layers']}")
     else:
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [r for r in rows if r["method"] in args.methods]
     results = []
     for row in rows:
-        model = rebuild(original, row, fit_batches)
+        model = rebuild(original, row, fit_batches, doc.get("skip_costs"))
         out = {k: row[k] for k in ("key", "method", "point", "layers", "capacity", "estimate_rank") if k in row}
         with _threads(1):
             for b in args.batches:

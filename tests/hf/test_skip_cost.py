@@ -144,6 +144,12 @@ def test_a_layer_its_estimate_predicts_costs_nearly_nothing_with_it(hf):
     for n in (1, 2):
         want = sorted(sorted(with_est, key=with_est.get)[:n])
         assert hf.prune_layers(copy.deepcopy(model), n, "skip_cost", data, estimate_rank=2) == want
+    given = {i: -c for i, c in with_est.items()}  # scores measured before: used, not measured again
+    assert hf.prune_layers(copy.deepcopy(model), 1, "skip_cost", data, 2, scores=given) == [
+        max(with_est, key=with_est.get)
+    ]
+    with pytest.raises(ValueError, match="scores: has layers \\[0, 1\\]"):
+        hf.prune_layers(copy.deepcopy(model), 1, "skip_cost", data, 2, scores={0: 0.0, 1: 1.0})
 
 
 def test_the_estimate_is_for_whole_layers_and_needs_fit_batches(hf):

@@ -26,7 +26,7 @@ saved with the conversion.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch.nn.functional as F
 from torch import nn
@@ -111,12 +111,15 @@ def prune_layers(
     by: str = "block_influence",
     batches: Iterable = (),
     estimate_rank: int | None = None,
+    scores: Mapping[int, float] | None = None,
 ) -> list[int]:
     """Delete the ``n`` decoder layers of ``model`` that ``by`` ranks lowest (``"block_influence"`` or
     ``"skip_cost"``, measured on ``batches``; with ``estimate_rank``, with the estimates standing in), in place;
     returns their (original) indices, sorted.
     ``estimate_rank``: None, a deleted layer is gone; an int R, a rank-R affine estimate of its update, fitted on
-    ``batches``, stands in for it (see the module doc). The model must be unconverted (``to_mod`` may follow).
+    ``batches``, stands in for it (see the module doc). ``scores``: ``by``'s score of every layer, measured
+    before (e.g. ``skip_costs`` shared with a MoD plan), used instead of measuring them again. The model must be
+    unconverted (``to_mod`` may follow).
     """
     check_model_type(model)
     n_layers = len(decoder_layers(model))
@@ -135,11 +138,14 @@ def prune_layers(
     batches = list(batches)
     if not batches:
         raise ValueError(f"batches: empty; prune_layers(by={by!r}) measures the layers on at least one batch")
-    if by == "block_influence":
+    if scores is not None:
+        if sorted(scores) != list(range(n_layers)):
+            raise ValueError(f"scores: has layers {sorted(scores)}; it must score every layer 0..{n_layers - 1}")
+    elif by == "block_influence":
         scores = block_influence(model, batches)
     else:  # with an estimate: what deleting the layer costs with its estimate in its place
         scores = skip_costs(model, batches, part="layer", estimate_rank=estimate_rank)
-    chosen = cheapest(scores, n)
+    chosen = cheapest(dict(scores), n)
     estimates = None if estimate_rank is None else layer_estimates(model, batches, chosen, estimate_rank)
     kept = [i for i in range(n_layers) if i not in chosen]
     delete_layers(model, chosen, estimates)
