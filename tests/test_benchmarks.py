@@ -348,6 +348,7 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         "mod-layer-thr-est-c0.4-all",
         "mod-layer-thr-est-c0.4-all-sc",
         "mod-layer-thr-est-c0.4-all-sc-res",
+        "mod-layer-thr-est-c0.4-all-sc-res-cd",
         "mod-layer-bce",
         "mod-attn-thr",
         "mod-mlp-thr",
@@ -367,11 +368,12 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
             assert r["by"] == "skip_cost" and r["lora_layers"] == list(range(8 - len(r["layers"]))), key
             est_costs = payload["skip_costs"]["layer+estimate8"]  # the costs that order the -sc MoD rows
             assert r["layers"] == sorted(sorted(range(8), key=lambda i: est_costs[str(i)])[: len(r["layers"])]), key
-        if r["method"].endswith(("-sc", "-sc-res")):  # cheapest layers with their estimate first
+        if "-sc" in r["method"] and r["method"].startswith("mod-"):  # cheapest layers with their estimate first
             est_costs = payload["skip_costs"]["layer+estimate8"]
             want = sorted(range(8), key=lambda i: est_costs[str(i)])[: len(r["layers"])]
             assert r["layers"] == sorted(want) and r["order"] == "skip_cost_est", key
-            assert r["label"] == ("residual" if r["method"].endswith("-res") else "update"), key
+            assert r["label"] == ("residual" if "-res" in r["method"] else "update"), key
+            assert r["calibrate"] == ("docstrings" if r["method"].endswith("-cd") else "fit"), key
             assert r["lora_layers"] == list(range(8)), key
         if r["method"] == "prune-bi-est-all":  # adapters on every kept layer: more than on those after the deleted
             assert r["lora_layers"] == list(range(8 - len(r["layers"]))), key

@@ -37,6 +37,8 @@ same compute. Methods (``--methods``):
                      standing in (``skip_costs(estimate_rank=...)``): prune-sc-est-all's counterpart
     mod-layer-thr-est-c0.4-all-sc-res  and with the routers fitted to the tokens the estimate misses most
                      (``router_fit(label="residual")``)
+    mod-layer-thr-est-c0.4-all-sc-res-cd  and with the causal thresholds calibrated on stdlib docstring windows
+                     instead of the fit windows (text unlike the fit text: the residual router routes more there)
     mod-layer-bce    ``to_mod(part="layer", causal="aux_bce")``: the paper's top-C router whose causal decision
                      is learned by the auxiliary BCE loss
     mod-attn-thr     ``part="attention"`` (``kv="all"``), threshold router
@@ -235,6 +237,16 @@ def main(argv: list[str] | None = None) -> dict:
     fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
     per_step = max(1, args.heal_tokens // S)
     extra_WS = docstring_windows(tokenizer, S) if args.heal_text == "topics+docstrings" else None
+    cal_batches: dict[str, list[torch.Tensor]] = {"fit": fit_batches}
+
+    def calibration(text: str) -> list[torch.Tensor]:
+        """The batches a MoD method's thresholds are calibrated on: the fit windows, or as many stdlib docstring
+        windows (evenly spaced)."""
+        if text not in cal_batches:
+            doc_WS = docstring_windows(tokenizer, S)
+            doc_WS = doc_WS[torch.linspace(0, len(doc_WS) - 1, len(fit_WS)).long()]
+            cal_batches[text] = [doc_WS[i : i + 8] for i in range(0, len(doc_WS), 8)]
+        return cal_batches[text]
 
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -353,8 +365,11 @@ def main(argv: list[str] | None = None) -> dict:
                     for group in groups:
                         mh.to_mod(model, **group, causal=causal)
                     mh.router_fit(model, fit_batches, label=mm.label)  # the router, then the estimate
+                    if mm.calibrate != "fit":
+                        mh.calibrate(model, calibration(mm.calibrate))
                     row.update(layers=plan.layers, capacity=plan.capacity, part=part, kv=plan.kv, causal=causal)
                     row["min_capacity"], row["order"], row["label"] = min_capacity, mm.order, mm.label
+                    row["calibrate"] = mm.calibrate
                     row["groups"] = groups
                     row["estimate_rank"] = rank
                     if every_layer:
@@ -385,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row["same_budget_as"] = [r["key"] for r in partners]
                 mh.merge_lora(model)
                 if any(layer.mod_router.steers for layer in mh.mod_layers(model).values()):
-                    mh.calibrate(model, fit_batches)  # healing moved the routers: reset the causal thresholds
+                    mh.calibrate(model, calibration(MOD[method].calibrate))  # healing moved the routers
                 measure(model.eval(), row)
                 row["wall_seconds"] = time.perf_counter() - t0
                 rows[key] = row

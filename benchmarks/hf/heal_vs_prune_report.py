@@ -45,7 +45,9 @@ class Mod(NamedTuple):
     """A MoD method: the part, the causal rule, with the estimate for skipped tokens, ``min_capacity`` (None:
     ``--min-capacity``), LoRA on every layer rather than on the converted ones (the counterpart of
     prune-bi-est-all), the layer order (``"skip_cost"``: ``skip_costs`` of the part; ``"skip_cost_est"``: of the
-    whole layer with its estimate standing in) and ``router_fit``'s label (``"update"`` / ``"residual"``)."""
+    whole layer with its estimate standing in), ``router_fit``'s label (``"update"`` / ``"residual"``) and the
+    text the causal thresholds are calibrated on (``"fit"``: the fit windows; ``"docstrings"``: stdlib docstring
+    windows, text no fit saw and unlike it, where the residual router routes more, as on held-out text)."""
 
     part: str
     causal: str
@@ -54,6 +56,7 @@ class Mod(NamedTuple):
     every_layer: bool
     order: str = "skip_cost"
     label: str = "update"
+    calibrate: str = "fit"
 
 
 PRUNE = {
@@ -71,6 +74,9 @@ MOD: dict[str, Mod] = {
     # the layers cheapest with their estimate, the tokens the estimate misses most routed: prune-sc-est-all's pair
     "mod-layer-thr-est-c0.4-all-sc": Mod("layer", "threshold", True, 0.4, True, "skip_cost_est"),
     "mod-layer-thr-est-c0.4-all-sc-res": Mod("layer", "threshold", True, 0.4, True, "skip_cost_est", "residual"),
+    "mod-layer-thr-est-c0.4-all-sc-res-cd": Mod(
+        "layer", "threshold", True, 0.4, True, "skip_cost_est", "residual", "docstrings"
+    ),
     "mod-layer-bce": Mod("layer", "aux_bce", False, None, False),
     "mod-attn-thr": Mod("attention", "threshold", False, None, False),
     "mod-mlp-thr": Mod("mlp", "threshold", False, None, False),
