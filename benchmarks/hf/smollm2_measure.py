@@ -164,7 +164,7 @@ def fit_deletion_estimates(model, layers: list[int], part: str, windows_WS, rank
     data = _collect(probe, [windows_WS[i : i + 8] for i in range(0, len(windows_WS), 8)], mh.mod_layers(probe))
     out = {}
     for i, layer in mh.mod_layers(probe).items():
-        f_ND, _, u_ND = data[i]
+        f_ND, _, u_ND, _ = data[i]
         layer.mod_skip.fit(f_ND, u_ND)
         out[i] = layer.mod_skip
     return out

@@ -18,9 +18,9 @@ fitted router skips: a ridge regression of their updates on their router inputs,
 costs the part of its update the estimate misses, so the tokens to route are those with the largest
 ``|update - estimate(input)|``, not the largest ``|update|``. That is a pair of choices that depend on each
 other (the estimate is fitted on the tokens that skip), made by alternating ``rounds`` times: fit the estimate
-on the tokens the current label skips, relabel by the residual it leaves; each round lowers (never raises) the
-residual energy of the skipped tokens under the oracle labels (the fit is least squares over them, the relabel
-keeps the smallest residuals). The first label is the update's norm, as with ``label="update"``.
+on the tokens the current label skips, relabel by the residual it leaves: an alternating minimisation of the
+skipped tokens' residual energy (each step lowers it when the fit is exact least squares; the ridge and the
+rank-R truncation make it approximate). The first label is the update's norm, as with ``label="update"``.
 
 On SmolLM2-135M (docs/hf.md) the fitted router picks 76-86% of the oracle's tokens and routes 95-98% of the
 update norm the oracle routes (random: 80-88%).
