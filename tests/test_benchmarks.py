@@ -492,6 +492,18 @@ def test_conversion_choices_smoke_plans_each_order_and_label(tmp_path):
         assert math.isfinite(r["d_loss_pct"]) and math.isfinite(r["d_loss_pct_topc"]) and len(r["window_losses"]) == 8
     assert doc["skip_costs"]["skip_cost"] != doc["skip_costs"]["skip_cost_est"]
 
+    # The thresholds set on docstrings first, then on the fit windows again: router_fit's thresholds come back
+    # (the row equals the default run's), and each calibration routes about the planned share of its own text.
+    cmd += ["--orders", "skip_cost_est", "--labels", "residual", "--calibrate", "docstrings", "fit"]
+    subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=True)
+    doc_row, fit_row = json.loads(out.read_text())["rows"]
+    assert (doc_row["calibrate"], fit_row["calibrate"]) == ("docstrings", "fit")
+    before = rows[-1]
+    assert fit_row["window_losses"] == before["window_losses"] and fit_row["share_fit"] == before["share_fit"]
+    assert doc_row["d_loss_pct_topc"] == fit_row["d_loss_pct_topc"]  # top-C: no threshold involved
+    assert abs(doc_row["share_docstrings"] - doc_row["capacity"]) < 0.05, doc_row
+    assert abs(fit_row["share_fit"] - fit_row["capacity"]) < 0.05, fit_row
+
 
 def test_heal_vs_prune_results_split_over_runs_merge_into_one_report(tmp_path):
     """Two runs (one point each, their own --out) merge into one result with both points' summaries, intervals
@@ -541,6 +553,16 @@ def test_heal_vs_prune_results_split_over_runs_merge_into_one_report(tmp_path):
         merge(fresh, [bad, a])
     with pytest.raises(ValueError, match="does not exist"):
         merge(fresh, [])
+
+
+def test_heal_vs_prune_plot_places_a_row_at_the_macs_it_measured():
+    """A threshold router spends what it routes on the held-out text, not what was planned: the plot's x is the
+    measured ratio, the planned one only where nothing was measured."""
+    from benchmarks.hf.heal_vs_prune_report import _macs_drawn
+
+    assert _macs_drawn({"macs_ratio": 0.841, "macs_ratio_measured": 0.847}) == 0.847
+    assert _macs_drawn({"macs_ratio": 0.841, "macs_ratio_measured": None}) == 0.841
+    assert _macs_drawn({"macs_ratio": 0.841}) == 0.841
 
 
 def test_no_benchmark_file_over_450_lines():

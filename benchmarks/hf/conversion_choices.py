@@ -1,6 +1,6 @@
 """Which layers and which tokens: the choices of a MoD conversion with an estimate, compared before healing.
 
-    python benchmarks/hf/conversion_choices.py --threads 2     # SmolLM2-135M at 0.85, floor 0.4: ~12 minutes
+    python benchmarks/hf/conversion_choices.py --threads 2     # SmolLM2-135M at 0.85, floor 0.4: ~20 minutes
     python benchmarks/hf/conversion_choices.py --smoke         # a tiny random Llama: seconds
 
 A MoD layer with an estimate (``to_mod(skip_rank=R)``) gives a skipped token ``x + estimate(x)``, so what
@@ -11,11 +11,17 @@ skipping costs is what the estimate misses. Two choices of the conversion ignore
     label   which tokens the router learns to route (``router_fit``): the largest updates ("update"), or the
             largest the estimate misses ("residual": ``router_fit(label="residual")``)
 
-For each (order, label) the conversion is planned to the MACs of deleting the nearest whole-layer count
+    calibrate  the text the causal thresholds are set on (``calibrate``): the fit windows ("fit", what
+            ``router_fit`` does), or stdlib docstring windows no fit saw ("docstrings", as
+            ``heal_vs_prune.py``'s ``-cd`` rows)
+
+For each (order, label, calibrate) the conversion is planned to the MACs of deleting the nearest whole-layer count
 (``plan_to_macs``, the same target as ``heal_vs_prune.py``), converted, fitted, and measured on held-out windows
 no step saw (``english_windows``: every 4th pydoc topic held out): Δ loss % of the original's with causal
 routing (what ``generate()`` does) and with top-C (the planned share in every row), the share causal routing
-took on the held-out and on the fit windows, and the MACs ÷ original at the held-out share. No healing: this
+took on the held-out, the fit, training windows no fit saw ("unseen": the next ``--val-windows`` after the fit
+windows) and the docstring windows, and the MACs ÷ original at the held-out share: where a threshold router's
+compute drifts from the plan, and on which text. No healing: this
 isolates the conversion; ``heal_vs_prune.py`` heals the choices that matter.
 
 Writes ``--out`` (default ``benchmarks/results/conversion_choices.json``; ``--smoke``:
@@ -46,10 +52,12 @@ from benchmarks.hf.heal_vs_prune import fill_defaults, load_original  # noqa: E4
 from benchmarks.hf.smollm2_measure import english_windows, window_losses  # noqa: E402
 from mode.hf.dense.budget import layers_to_delete, pruned_macs  # noqa: E402
 from mode.hf.dense.macs import _parts, macs_per_token  # noqa: E402
+from mode.hf.dense.windows import docstring_windows  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 ORDERS = ("skip_cost", "skip_cost_est")
 LABELS = ("update", "residual")
+CALIBRATIONS = ("fit", "docstrings")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -59,6 +67,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--min-capacity", type=float, default=0.4, help="plan_to_macs's min_capacity")
     p.add_argument("--est-rank", type=int, default=None, help="the estimate's rank (64; smoke 8)")
     p.add_argument("--rounds", type=int, default=3, help="router_fit's rounds for label 'residual'")
+    p.add_argument("--orders", nargs="+", default=list(ORDERS), choices=ORDERS)
+    p.add_argument("--labels", nargs="+", default=list(LABELS), choices=LABELS)
+    p.add_argument(
+        "--calibrate", nargs="+", default=["fit"], choices=CALIBRATIONS, help="texts the thresholds are set on"
+    )
     p.add_argument("--fit-windows", type=int, default=None)
     p.add_argument("--cost-windows", type=int, default=None)
     p.add_argument("--val-windows", type=int, default=None)
@@ -82,6 +95,14 @@ def main(argv: list[str] | None = None) -> dict:
     fit_WS = train_WS[: args.fit_windows]
     fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
     cost_batch = [train_WS[: args.cost_windows]]
+    doc_WS = docstring_windows(tokenizer, S)
+    doc_WS = doc_WS[torch.linspace(0, len(doc_WS) - 1, len(fit_WS)).long()]  # as heal_vs_prune's -cd rows
+    cal_batches = {"fit": fit_batches, "docstrings": [doc_WS[i : i + 8] for i in range(0, len(doc_WS), 8)]}
+    texts = {
+        "fit": fit_WS,
+        "unseen": train_WS[args.fit_windows : args.fit_windows + args.val_windows],
+        "docstrings": doc_WS,
+    }
     base = float(window_losses(original, val_WS).mean())
     n_layers = original.config.num_hidden_layers
     target = pruned_macs(original, S, layers_to_delete(original, S, args.macs))
@@ -95,46 +116,55 @@ def main(argv: list[str] | None = None) -> dict:
         return 100 * (float(loss_W.mean()) / base - 1)
 
     rows = []
-    for order in ORDERS:
+    for order in args.orders:
         ranked = sorted(range(n_layers), key=lambda i: (costs[order][i], i))
         plan = mh.plan_to_macs(
             original, target, S, part="layer", skip_rank=R, order=ranked, min_capacity=args.min_capacity
         )
-        for label in LABELS:
+        for label in args.labels:
             model = copy.deepcopy(original)
             for group in plan.groups():
                 mh.to_mod(model, **group, causal="threshold")
-            mh.router_fit(model, fit_batches, label=label, rounds=args.rounds)
-            shares: dict[int, float] = {}
-            loss_W = window_losses(model, val_WS, shares=shares)
-            fit_shares: dict[int, float] = {}
-            window_losses(model, fit_WS, shares=fit_shares)
+            mh.router_fit(model, fit_batches, label=label, rounds=args.rounds)  # calibrates on the fit batches
             with mh.routing(model, "topk"):
-                topc = pct(window_losses(model, val_WS))
-            parts, n = _parts(model)
-            for i, s in shares.items():
-                parts[i]["share"] = s
-            row = {
-                "order": order,
-                "label": label,
-                "layers": sorted(plan.layers),
-                "capacity": plan.capacity,
-                "macs_planned": plan.macs,
-                "macs_measured": macs_per_token(original.config, S, parts, n)
-                / macs_per_token(original.config, S, {}, n),
-                "d_loss_pct": pct(loss_W),
-                "d_loss_pct_topc": topc,
-                "share_held_out": statistics.mean(shares.values()),
-                "share_fit": statistics.mean(fit_shares.values()),
-                "window_losses": loss_W.tolist(),
-            }
-            rows.append(row)
-            print(
-                f"{order:<14} {label:<9} {len(plan.layers)} layers at {plan.capacity:.3f}: Δ {row['d_loss_pct']:+.2f}% "
-                f"(top-C {topc:+.2f}%), share held-out {row['share_held_out']:.3f} fit {row['share_fit']:.3f}, "
-                f"MACs {row['macs_measured']:.4f}",
-                flush=True,
-            )
+                topc = pct(window_losses(model, val_WS))  # the planned share: no threshold involved
+            for cal in args.calibrate:
+                if cal != "fit":
+                    mh.calibrate(model, cal_batches[cal])
+                elif cal != args.calibrate[0]:
+                    mh.calibrate(model, fit_batches)  # router_fit's thresholds again
+                shares: dict[int, float] = {}
+                loss_W = window_losses(model, val_WS, shares=shares)
+                parts, n = _parts(model)
+                for i, s in shares.items():
+                    parts[i]["share"] = s
+                row = {
+                    "order": order,
+                    "label": label,
+                    "calibrate": cal,
+                    "layers": sorted(plan.layers),
+                    "capacity": plan.capacity,
+                    "macs_planned": plan.macs,
+                    "macs_measured": macs_per_token(original.config, S, parts, n)
+                    / macs_per_token(original.config, S, {}, n),
+                    "d_loss_pct": pct(loss_W),
+                    "d_loss_pct_topc": topc,
+                    "share_held_out": statistics.mean(shares.values()),
+                    "share_held_out_per_layer": {str(i): s for i, s in sorted(shares.items())},
+                    "window_losses": loss_W.tolist(),
+                }
+                for text, text_WS in texts.items():
+                    text_shares: dict[int, float] = {}
+                    window_losses(model, text_WS, shares=text_shares)
+                    row[f"share_{text}"] = statistics.mean(text_shares.values())
+                rows.append(row)
+                print(
+                    f"{order:<14} {label:<9} {cal:<10} {len(plan.layers)} layers at {plan.capacity:.3f}: "
+                    f"Δ {row['d_loss_pct']:+.2f}% (top-C {topc:+.2f}%), share held-out {row['share_held_out']:.3f} "
+                    f"fit {row['share_fit']:.3f} unseen {row['share_unseen']:.3f} docstrings "
+                    f"{row['share_docstrings']:.3f}, MACs {row['macs_measured']:.4f}",
+                    flush=True,
+                )
     doc = {
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "threads", "cache_dir")},
         "model": name,
@@ -149,14 +179,15 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(doc, indent=2) + "\n")
     lines = [
-        "| order | label | layers | Δ loss, causal | Δ loss, top-C | share held-out / fit | MACs measured |",
-        "|---|---|---|---|---|---|---|",
+        "| order | label | calibrated on | layers | Δ loss, causal | Δ loss, top-C | share held-out / fit / unseen / "
+        "docstrings | MACs measured |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['order']} | {r['label']} | {len(r['layers'])} at {r['capacity']:.3f} | {r['d_loss_pct']:+.2f}% | "
-            f"{r['d_loss_pct_topc']:+.2f}% | {r['share_held_out']:.3f} / {r['share_fit']:.3f} | "
-            f"{r['macs_measured']:.4f} |"
+            f"| {r['order']} | {r['label']} | {r['calibrate']} | {len(r['layers'])} at {r['capacity']:.3f} | "
+            f"{r['d_loss_pct']:+.2f}% | {r['d_loss_pct_topc']:+.2f}% | {r['share_held_out']:.3f} / "
+            f"{r['share_fit']:.3f} / {r['share_unseen']:.3f} / {r['share_docstrings']:.3f} | {r['macs_measured']:.4f} |"
         )
     print("\n".join(lines))
     print(f"wrote {out} ({doc['seconds']:.0f} s)")
