@@ -172,7 +172,7 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 4.6), layout="constrained")
     tab20 = plt.get_cmap("tab20")  # the dark shades first, then the light ones: one colour per method
     colour = {m: tab20((2 * i) % 20 + i // 10) for i, m in enumerate(METHODS)}
     for method in METHODS:
@@ -227,7 +227,7 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
     bx.set_ylabel("MoD − pruning, points of %")
     bx.set_title("paired 95%: bootstrap over windows (bars), t over seeds (pale)")
     bx.invert_xaxis()
-    bx.legend(fontsize=7)
+    bx.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: it hid intervals
     save_figure(fig, path)
 
 
