@@ -172,7 +172,7 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 4.6), layout="constrained")
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 4.6))
     tab20 = plt.get_cmap("tab20")  # the dark shades first, then the light ones: one colour per method
     colour = {m: tab20((2 * i) % 20 + i // 10) for i, m in enumerate(METHODS)}
     for method in METHODS:
