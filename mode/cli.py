@@ -120,6 +120,20 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
         "--router-lr", type=float, default=0.0, help="the MoD routers' healing learning rate (0: they stay as fitted)"
     )
     p.add_argument("--lora-rank", type=int, default=8, help="healing LoRA rank")
+    p.add_argument(
+        "--heal-layers",
+        choices=("auto", "all"),
+        default="auto",
+        help="the layers healing puts adapters on: the converted ones (MoD) or those next to the deleted ones "
+        "(prune), or every layer",
+    )
+    p.add_argument(
+        "--calibrate",
+        choices=("fit", "docstrings"),
+        default="fit",
+        help="the text MoD's causal thresholds are set on: the fit windows, or as many windows of the standard "
+        "library's docstrings (text unlike the fit text)",
+    )
     p.add_argument("--objective", choices=("distill", "lm", "both"), default="distill", help="healing objective")
     p.add_argument("--seed", type=int, default=0, help="the healing data order and LoRA initialisation")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")

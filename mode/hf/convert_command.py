@@ -76,7 +76,7 @@ def run(args) -> int:
 
     import mode.hf as mh
     from mode.hf.dense.budget import BudgetConfig, convert_to_macs
-    from mode.hf.dense.windows import english_windows, file_windows, heal_batches_of
+    from mode.hf.dense.windows import docstring_windows, english_windows, file_windows, heal_batches_of
     from mode.train.checkpoint import atomic_write_text
 
     t0 = time.perf_counter()
@@ -90,6 +90,8 @@ def run(args) -> int:
                 router_lr=args.router_lr,
                 rank=args.lora_rank,
                 objective=args.objective,
+                layers=args.heal_layers,
+                seed=args.seed,
             )
         same = [f.name for f in dataclasses.fields(BudgetConfig) if f.name != "heal" and hasattr(args, f.name)]
         cfg = BudgetConfig(**{k: getattr(args, k) for k in same}, heal=heal)  # the options carry the fields' names
@@ -106,11 +108,18 @@ def run(args) -> int:
     val_WS = held_WS[torch.linspace(0, len(held_WS) - 1, min(args.val_windows, len(held_WS))).long()]
     per_step = max(1, args.heal_tokens // S)
     heal_batches = heal_batches_of(train_WS, max(args.heal_steps, 1), per_step, args.seed)
+    cal_batches = None
+    if args.calibrate == "docstrings":  # as many windows as the fit's, evenly spaced over the docstrings
+        doc_WS = docstring_windows(tokenizer, S)
+        doc_WS = doc_WS[torch.linspace(0, len(doc_WS) - 1, len(fit_WS)).long()]
+        cal_batches = [doc_WS[i : i + 8] for i in range(0, len(doc_WS), 8)]
     print(f"{name}: {len(train_WS)} training and {len(held_WS)} held-out windows of {S} tokens", flush=True)
     base = held_out_loss(model, val_WS)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # what to_mod draws (routers, estimates) before their fits; healing seeds itself
     try:
-        result = convert_to_macs(model, cfg, fit_batches, heal_batches, progress=not args.no_progress)
+        result = convert_to_macs(
+            model, cfg, fit_batches, heal_batches, progress=not args.no_progress, calibration_batches=cal_batches
+        )
     except ValueError as e:  # e.g. a budget the part cannot reach at --min-capacity
         print(f"mode convert: error: {e}", file=sys.stderr)
         return 2

@@ -118,6 +118,28 @@ def test_healed_conversion_saves_and_loads(hf, tmp_path, method):
         assert torch.equal(model.eval()(x).logits, back.eval()(x).logits)
 
 
+def test_thresholds_are_set_on_the_calibration_batches(hf):
+    """calibration_batches: the causal thresholds after router_fit, and again after healing, are those
+    ``calibrate`` sets on them, not on the fit batches (which give other thresholds)."""
+    data, other = _windows(4), _windows(3, seed=11)
+    thresholds = {}
+    for heal in (None, hf.HealConfig(steps=2, lr=1e-2, rank=2, seed=0)):
+        runs = {}
+        for cal in (None, other):
+            model = _original(layers=4)
+            cfg = hf.BudgetConfig(0.75, seq_len=S, skip_rank=2, min_capacity=0.25, heal=heal)
+            hf.convert_to_macs(model, cfg, data, calibration_batches=cal)
+            runs[cal is None] = model
+        got = {i: float(layer.mod_router.threshold) for i, layer in hf.mod_layers(runs[False]).items()}
+        again = hf.calibrate(copy.deepcopy(runs[False]), other)  # the same weights: the same thresholds
+        on_fit = {i: float(layer.mod_router.threshold) for i, layer in hf.mod_layers(runs[True]).items()}
+        assert got == again and got != on_fit, (got, again, on_fit)
+        thresholds[heal is None] = got
+    assert thresholds[True] != thresholds[False]  # healing moved the routers' inputs: set again after it
+    with pytest.raises(ValueError, match="calibration_batches"):
+        hf.convert_to_macs(_original(layers=4), hf.BudgetConfig(0.75, seq_len=S), data, calibration_batches=[])
+
+
 def test_bad_settings_name_the_field(hf):
     with pytest.raises(ValueError, match="macs=1.2"):
         hf.BudgetConfig(1.2)
@@ -185,9 +207,12 @@ def test_command_writes_a_folder_load_conversion_reads(hf, tmp_path):
     assert main(argv) == 2  # the folder holds a conversion: refused without --force
     assert main([*argv, "--force"]) == 0
     with_est = [*argv, "--force", "--skip-rank", "2", "--router-label", "residual"]
+    with_est += ["--heal-layers", "all", "--calibrate", "docstrings"]  # issue 49's recipe
     assert main(with_est) == 0
     report = json.loads((out / "convert_report.json").read_text())
     assert report["settings"]["router_label"] == "residual" and report["settings"]["skip_rank"] == 2
+    assert report["settings"]["calibrate"] == "docstrings"
+    assert report["result"]["heal"]["lora_layers"] == [0, 1, 2, 3]  # every layer, not only the converted ones
     back = hf.load_conversion(load_model(str(tmp_path / "ckpt"))[0], out)
     assert held_out_loss(back, val_WS) == pytest.approx(report["held_out"]["loss"], rel=1e-6)
 

@@ -120,6 +120,22 @@ def test_a_heal_shows_its_progress_only_when_asked(hf, capsys):
     assert f"loss {runs[1].losses[2]:.4f}" in lines[2]
 
 
+def test_adapters_on_every_layer_from_a_seed(hf):
+    """layers="all": adapters on every layer the pruned model has; seed: the same adapters (and losses) whatever
+    drew from the global generator before, other ones from another seed."""
+    orig = _original()
+    data = _data(n=2)
+    runs = []
+    for seed, draws in ((3, 0), (3, 5), (4, 0)):
+        model = copy.deepcopy(orig)
+        hf.prune_layers(model, 1, batches=data)
+        torch.randn(draws)
+        runs.append(hf.heal(model, orig, data, hf.HealConfig(steps=3, rank=4, layers="all", seed=seed)))
+    assert runs[0].lora_layers == [0, 1, 2]  # the 3 layers left after deleting one of 4
+    assert runs[0].losses == runs[1].losses
+    assert runs[0].losses[1:] != runs[2].losses[1:]  # B starts at 0: step 1's loss is the same for any seed
+
+
 def test_merged_lora_computes_what_the_adapters_did(hf):
     orig = _original("qwen2")
     data = _data()
@@ -352,6 +368,7 @@ def test_bad_inputs_name_the_field(hf):
         ({"steps": 2, "lr": -1.0}, "lr=-1.0"),
         ({"steps": 2, "layers": "every_other"}, "layers='every_other'"),
         ({"steps": 2, "router_lr": -1e-3}, "router_lr=-0.001"),
+        ({"steps": 2, "seed": -1}, "seed=-1"),
     ):
         with pytest.raises(ValueError, match=field):
             hf.HealConfig(**kwargs)

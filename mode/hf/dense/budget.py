@@ -13,6 +13,10 @@ The steps, all of them existing calls of ``mode.hf``:
     then, with ``heal``: ``heal`` against the original (a copy is taken before converting when no teacher is
     passed), ``merge_lora``, and the causal thresholds recalibrated on the fit batches.
 
+The causal thresholds are set on ``calibration_batches`` instead of the fit batches when given, after
+``router_fit`` and again after healing: a threshold router routes a different share of text unlike the text
+its thresholds were set on (docs/hf.md, "Where the share drifts").
+
 The result (``BudgetResult``) says the MACs reached (``conversion_macs``), the layers, the capacity, what
 healing spent, and the seconds each step took. ``mode convert`` (``mode/hf/convert_command.py``) runs it from
 the command line and writes a directory ``load_conversion`` reads.
@@ -147,6 +151,10 @@ def layers_to_delete(model: nn.Module, seq_len: int, macs: float) -> int:
     return min(range(1, n_layers), key=lambda n: abs(pruned_macs(model, seq_len, n) - macs))
 
 
+def _steers(model: nn.Module) -> bool:
+    return any(layer.mod_router.steers for layer in mod_layers(model).values())
+
+
 def convert_to_macs(
     model: nn.Module,
     cfg: BudgetConfig,
@@ -154,12 +162,14 @@ def convert_to_macs(
     heal_batches: Sequence | None = None,
     teacher: nn.Module | None = None,
     progress: bool | Progress | None = None,
+    calibration_batches: Sequence | None = None,
 ) -> BudgetResult:
     """Convert ``model`` (an original Llama / Qwen2 / Mistral, in place) to ``cfg.macs`` of its MACs per token
     as ``cfg`` says (module doc), fitting on ``fit_batches`` and healing on ``heal_batches`` (default: the fit
     batches) against ``teacher`` (default: a copy of ``model`` taken before converting). Batches are (B, S)
     token ids or dicts with ``input_ids`` / ``attention_mask``. ``progress``: the heal's (``heal``; None:
-    silent). Returns a ``BudgetResult``; ``save_conversion`` writes the model."""
+    silent). ``calibration_batches``: what the MoD causal thresholds are set on (default: the fit batches).
+    Returns a ``BudgetResult``; ``save_conversion`` writes the model."""
     if not isinstance(cfg, BudgetConfig):
         raise TypeError(f"cfg={type(cfg).__name__}: must be a mode.hf.BudgetConfig")
     check_model_type(model)
@@ -168,6 +178,9 @@ def convert_to_macs(
     fit_batches = list(fit_batches)
     if not fit_batches:
         raise ValueError("fit_batches: empty; the conversion measures and fits on at least one batch")
+    cal_batches = fit_batches if calibration_batches is None else list(calibration_batches)
+    if not cal_batches:
+        raise ValueError("calibration_batches: empty; pass None to calibrate on the fit batches")
     if cfg.heal is not None and cfg.heal.objective != "lm" and teacher is None:
         teacher = copy.deepcopy(model)  # the original, before any change
     if teacher is not None:
@@ -208,7 +221,9 @@ def convert_to_macs(
         for group in plan.groups():
             to_mod(model, **group, causal=cfg.causal)
         t1 = time.perf_counter()
-        router_fit(model, fit_batches, label=cfg.router_label)
+        router_fit(model, fit_batches, label=cfg.router_label)  # sets the thresholds on the fit batches
+        if calibration_batches is not None and _steers(model):
+            calibrate(model, cal_batches)
         seconds["router_fit"] = time.perf_counter() - t1
         layers, capacity, parts = sorted(plan.layers), plan.capacity, plan.parts
     report = None
@@ -216,8 +231,8 @@ def convert_to_macs(
         t1 = time.perf_counter()
         report = heal(model, teacher, heal_batches if heal_batches is not None else fit_batches, cfg.heal, progress)
         merge_lora(model)
-        if any(layer.mod_router.steers for layer in mod_layers(model).values()):
-            calibrate(model, fit_batches)  # healing moved the routers: steer the causal thresholds again
+        if _steers(model):
+            calibrate(model, cal_batches)  # healing moved the routers: steer the causal thresholds again
         seconds["heal"] = time.perf_counter() - t1
     seconds["total"] = time.perf_counter() - t0
     return BudgetResult(

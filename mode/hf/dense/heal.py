@@ -7,7 +7,7 @@ projections of the healed layers, plus the MoD routers, the skipped tokens' esti
 estimates where the model has them; ``"routers"``, those routers and estimates only; ``"all"``, every
 parameter. The healed layers (``layers="auto"``): a MoD model's converted layers; a pruned model's kept layer
 after each deleted one (the one before, for the last), so a MoD model with K converted layers and a model with K
-layers deleted apart get adapters of the same size.
+layers deleted apart get adapters of the same size; ``layers="all"``: every decoder layer the model has.
 
 The objective (``HealConfig.objective``): ``"distill"``, KL(teacher || model) of the next-token
 distributions (the teacher is the original model, passed in: with adapters on, the model run densely is not
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from mode import _checks
+from mode.hf._compat import decoder_layers
 from mode.hf.dense.convert import mod_layers
 from mode.hf.dense.lora import TARGETS, add_lora, lora_parameters, mark_healed
 from mode.hf.dense.routing import collect_aux, routing
@@ -43,6 +44,7 @@ from mode.train.progress import Progress
 
 TRAINABLE = ("lora", "routers", "all")
 HEAL_OBJECTIVES = ("distill", "lm", "both")
+LAYER_CHOICES = ("auto", "all")
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,9 @@ class HealConfig:
     every weight by about ``lr`` a step whatever its scale, and a fitted router's weights can be far smaller
     than 1e-3 (the hidden states' scale divides them), so ``lr`` rewrites its ranking. rank, alpha: the
     LoRA rank and scale ``alpha / rank`` (None: scale 1). layers: the decoder layers (current indices) that
-    get adapters, or ``"auto"`` (see the module doc). targets: the projections' names.
+    get adapters, ``"auto"`` (see the module doc) or ``"all"``. targets: the projections' names. seed: if set,
+    ``torch.manual_seed(seed)`` right before the adapters are made, so their initialisation does not depend on
+    what drew from the global generator before (None: it is left as it is).
     """
 
     steps: int
@@ -68,6 +72,7 @@ class HealConfig:
     alpha: float | None = None
     layers: str | Sequence[int] = "auto"
     targets: tuple[str, ...] = TARGETS
+    seed: int | None = None
 
     def __post_init__(self):
         _checks.check_int("steps", self.steps)
@@ -80,8 +85,10 @@ class HealConfig:
         _checks.check_int("rank", self.rank)
         if self.alpha is not None:
             _checks.check_positive("alpha", self.alpha)
-        if isinstance(self.layers, str) and self.layers != "auto":
-            raise ValueError(f"layers={self.layers!r}: must be 'auto' or a list of decoder layer indices")
+        if isinstance(self.layers, str) and self.layers not in LAYER_CHOICES:
+            raise ValueError(f"layers={self.layers!r}: must be 'auto', 'all' or a list of decoder layer indices")
+        if self.seed is not None:
+            _checks.check_int("seed", self.seed, min_value=0)
 
 
 @dataclass
@@ -147,7 +154,14 @@ def heal(
         raise ValueError("teacher: must be a separate copy of the original model, not the model being healed")
     lora_layers: list[int] = []
     if cfg.trainable == "lora":
-        lora_layers = _auto_layers(model) if cfg.layers == "auto" else list(cfg.layers)  # type: ignore[arg-type]
+        if cfg.layers == "auto":
+            lora_layers = _auto_layers(model)
+        elif cfg.layers == "all":
+            lora_layers = list(range(len(decoder_layers(model))))
+        else:
+            lora_layers = list(cfg.layers)
+        if cfg.seed is not None:
+            torch.manual_seed(cfg.seed)
         add_lora(model, lora_layers, cfg.rank, cfg.alpha, cfg.targets)
     elif cfg.layers != "auto":
         raise ValueError(f"layers={cfg.layers!r}: only trainable='lora' takes layers (trainable={cfg.trainable!r})")
