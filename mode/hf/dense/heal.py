@@ -159,7 +159,7 @@ def heal(
         elif cfg.layers == "all":
             lora_layers = list(range(len(decoder_layers(model))))
         else:
-            lora_layers = list(cfg.layers)
+            lora_layers = [int(i) for i in cfg.layers]
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
         add_lora(model, lora_layers, cfg.rank, cfg.alpha, cfg.targets)
