@@ -30,6 +30,7 @@ import hashlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -159,7 +160,7 @@ def heal(
         elif cfg.layers == "all":
             lora_layers = list(range(len(decoder_layers(model))))
         else:
-            lora_layers = [int(i) for i in cfg.layers]
+            lora_layers = list(cast("Sequence[int]", cfg.layers))  # add_lora checks them
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
         add_lora(model, lora_layers, cfg.rank, cfg.alpha, cfg.targets)
