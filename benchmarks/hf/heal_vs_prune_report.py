@@ -194,7 +194,9 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
     ax.set_ylabel("Δ held-out loss, % of original (healed)")
     ax.set_title(f"{title}: mean ± std over seeds")
     ax.invert_xaxis()
-    ax.legend(fontsize=8)
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi + 0.45 * (hi - lo))  # room above the points for the legend
+    ax.legend(fontsize=7, ncol=2, loc="upper right")
     # Right: each MoD method against the pruning of its kind (with the estimate against prune-bi-est, without it
     # against prune-bi, adapters on every layer against prune-bi-est-all), in the method's colour of the left
     # panel; the table and JSON hold every pair.
