@@ -130,7 +130,7 @@ from benchmarks.hf.smollm2_measure import (  # noqa: E402
 from mode.hf._compat import decoder_layers  # noqa: E402
 from mode.hf.dense.budget import layers_to_delete, pruned_macs  # noqa: E402
 from mode.hf.dense.macs import HALVES, _parts, macs_per_token  # noqa: E402
-from mode.hf.dense.windows import docstring_windows, heal_batches_of  # noqa: E402
+from mode.hf.dense.windows import calibration_docstring_windows, docstring_windows, heal_batches_of  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 from mode.train.progress import Progress  # noqa: E402
 
@@ -255,8 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
         """The batches a MoD method's thresholds are calibrated on: the fit windows, or as many stdlib docstring
         windows (evenly spaced)."""
         if text not in cal_batches:
-            doc_WS = docstring_windows(tokenizer, S)
-            doc_WS = doc_WS[torch.linspace(0, len(doc_WS) - 1, len(fit_WS)).long()]
+            doc_WS = calibration_docstring_windows(tokenizer, S, len(fit_WS))
             cal_batches[text] = [doc_WS[i : i + 8] for i in range(0, len(doc_WS), 8)]
         return cal_batches[text]
 

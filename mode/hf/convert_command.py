@@ -76,7 +76,7 @@ def run(args) -> int:
 
     import mode.hf as mh
     from mode.hf.dense.budget import BudgetConfig, convert_to_macs
-    from mode.hf.dense.windows import docstring_windows, english_windows, file_windows, heal_batches_of
+    from mode.hf.dense.windows import calibration_docstring_windows, english_windows, file_windows, heal_batches_of
     from mode.train.checkpoint import atomic_write_text
 
     t0 = time.perf_counter()
@@ -109,9 +109,8 @@ def run(args) -> int:
     per_step = max(1, args.heal_tokens // S)
     heal_batches = heal_batches_of(train_WS, max(args.heal_steps, 1), per_step, args.seed)
     cal_batches = None
-    if args.calibrate == "docstrings":  # as many windows as the fit's, evenly spaced over the docstrings
-        doc_WS = docstring_windows(tokenizer, S)
-        doc_WS = doc_WS[torch.linspace(0, len(doc_WS) - 1, len(fit_WS)).long()]
+    if args.calibrate == "docstrings":  # as many windows as the fit's
+        doc_WS = calibration_docstring_windows(tokenizer, S, len(fit_WS))
         cal_batches = [doc_WS[i : i + 8] for i in range(0, len(doc_WS), 8)]
     print(f"{name}: {len(train_WS)} training and {len(held_WS)} held-out windows of {S} tokens", flush=True)
     base = held_out_loss(model, val_WS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mode.hf.dense.windows import heal_batches_of, stdlib_docstrings
+from mode.hf.dense.windows import calibration_docstring_windows, docstring_windows, heal_batches_of, stdlib_docstrings
 
 
 def _write(root, rel: str, text: str) -> None:
@@ -45,6 +45,20 @@ def test_docstrings_of_this_python_and_bad_input(tmp_path):
         stdlib_docstrings(root=tmp_path / "missing")
     with pytest.raises(ValueError, match="min_chars=0"):
         stdlib_docstrings(min_chars=0)
+
+
+def test_calibration_windows_spread_over_the_docstrings_first_to_last():
+    """n windows of docstring_windows at evenly spaced indices, the first and the last included; n < 1 refused."""
+    from benchmarks.hf.heal_vs_prune import ByteTokenizer
+
+    tok = ByteTokenizer()
+    all_WS = docstring_windows(tok, 64)
+    got_WS = calibration_docstring_windows(tok, 64, 5)
+    assert got_WS.shape == (5, 64)
+    assert torch.equal(got_WS[0], all_WS[0]) and torch.equal(got_WS[-1], all_WS[-1])
+    assert torch.equal(got_WS[2], all_WS[(len(all_WS) - 1) // 2])
+    with pytest.raises(ValueError, match="n=0"):
+        calibration_docstring_windows(tok, 64, 0)
 
 
 def test_heal_batches_take_every_training_window_once_then_the_extra_text():

@@ -82,6 +82,15 @@ def docstring_windows(tokenizer, seq_len: int) -> torch.Tensor:
     return token_windows(tokenizer, stdlib_docstrings(), seq_len)
 
 
+def calibration_docstring_windows(tokenizer, seq_len: int, n: int) -> torch.Tensor:
+    """``(n, S)`` windows spread evenly over ``docstring_windows``: text unlike the training text, for setting
+    a threshold router's causal thresholds (``calibrate``) where the fit windows would understate the share it
+    routes on new text."""
+    _checks.check_int("n", n)
+    doc_WS = docstring_windows(tokenizer, seq_len)
+    return doc_WS[torch.linspace(0, len(doc_WS) - 1, n).long()]
+
+
 def heal_batches_of(
     train_WS: torch.Tensor, steps: int, per_step: int, seed: int, extra_WS: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
