@@ -354,6 +354,7 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         "mod-mlp-thr",
         "mod-mix-thr",
         "mod-mix-thr-est",
+        "mod-mix-thr-est-c0.4-all-res-cd",
     )
     assert set(rows) == {f"{m}@{p}#s0" for m in methods for p in (0.9, 0.8)}
     assert "below what part='attention' reaches" in rows["mod-attn-thr@0.8#s0"]["skipped"]  # out of reach: said
@@ -394,12 +395,15 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
             assert r["estimate_rank"] == (8 if "-est" in r["method"] else None), key
             floor = r["method"].split("-c")[1].split("-")[0] if "-est-c" in r["method"] else "0.5"
             assert r["min_capacity"] == float(floor) and r["capacity"] >= r["min_capacity"], key
-            if floor != "0.5" and r.get("order") == "skip_cost":  # a lower floor: never more layers, same MACs
-                floor_05 = key.replace(f"-c{floor}", "").replace("-all", "")
+            if floor != "0.5" and r.get("order") == "skip_cost" and r["part"] == "layer":  # a lower floor: never
+                floor_05 = key.replace(f"-c{floor}", "").replace("-all", "")  # more layers at the same MACs
                 assert len(r["layers"]) <= len(rows[floor_05]["layers"]), key
             assert sorted(i for g in r["groups"] for i in g["layers"]) == r["layers"], key
             if r["method"].startswith("mod-mix"):  # halves of different layers, at least two parts
                 assert len({g["part"] for g in r["groups"]}) >= 2, (key, r["groups"])
+            if r["method"] == "mod-mix-thr-est-c0.4-all-res-cd":  # the best whole-layer row's other choices
+                assert (r["label"], r["calibrate"], r["lora_layers"]) == ("residual", "docstrings", list(range(8)))
+                assert all(g["capacity"] >= 0.4 for g in r["groups"]), (key, r["groups"])
     assert payload["intervals"] and all(i["t_ci_pct"] is None for i in payload["intervals"])  # one seed: no t
     for i in payload["intervals"]:
         assert i["bootstrap_ci_pct"][0] <= i["diff_pct"] <= i["bootstrap_ci_pct"][1], i

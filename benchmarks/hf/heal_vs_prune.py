@@ -46,6 +46,8 @@ same compute. Methods (``--methods``):
     mod-mix-thr      ``part="mixed"``: attention halves in some layers, MLP halves in others, taken by loss per
                      multiply-add saved (``mixed_order`` of both halves' ``skip_costs``), threshold routers
     mod-mix-thr-est  the same with a rank-``--est-rank`` estimate per skipped half
+    mod-mix-thr-est-c0.4-all-res-cd  the halves mixed with the best whole-layer row's other choices: floor 0.4,
+                     LoRA on every layer, the residual label, thresholds calibrated on docstrings
 Every MoD row also reports the held-out loss under top-C routing (``routing(model, "topk")``: what healing
 trains with; it looks at the whole window, so it cannot decode): the top-k vs threshold comparison of the same
 healed model. MoD layers: ``plan_to_macs(order=...)`` takes layers cheapest first by ``skip_costs`` of the part,

@@ -82,6 +82,10 @@ MOD: dict[str, Mod] = {
     "mod-mlp-thr": Mod("mlp", "threshold", False, None, False),
     "mod-mix-thr": Mod("mixed", "threshold", False, None, False),
     "mod-mix-thr-est": Mod("mixed", "threshold", True, None, False),
+    # the halves mixed with the best whole-layer row's other choices (floor, adapters, label, calibration text)
+    "mod-mix-thr-est-c0.4-all-res-cd": Mod(
+        "mixed", "threshold", True, 0.4, True, "skip_cost", "residual", "docstrings"
+    ),
 }
 METHODS = (*PRUNE, *MOD)
 BUDGET_KEYS = ("steps", "tokens", "data_digest", "objective", "trainable_kind")  # what "the same healing" means
