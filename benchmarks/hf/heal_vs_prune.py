@@ -377,9 +377,8 @@ def main(argv: list[str] | None = None) -> dict:
                     groups = plan.groups()  # the to_mod calls: heal_vs_prune_speed rebuilds from them
                     for group in groups:
                         mh.to_mod(model, **group, causal=causal)
-                    mh.router_fit(model, fit_batches, label=mm.label)  # the router, then the estimate
-                    if mm.calibrate != "fit":
-                        mh.calibrate(model, calibration(mm.calibrate))
+                    # the router, then the estimate, then the thresholds (on the fit windows or the docstrings)
+                    mh.router_fit(model, fit_batches, label=mm.label, calibration_batches=calibration(mm.calibrate))
                     row.update(layers=plan.layers, capacity=plan.capacity, part=part, kv=plan.kv, causal=causal)
                     row["min_capacity"], row["order"], row["label"] = min_capacity, mm.order, mm.label
                     row["calibrate"] = mm.calibrate

@@ -186,3 +186,23 @@ def test_router_fit_with_the_residual_label(hf):
         hf.router_fit(model, data, label="norm")
     with pytest.raises(ValueError, match="rounds"):
         hf.router_fit(model, data, label="residual", rounds=0)
+
+
+def test_router_fit_calibrates_on_the_calibration_batches(hf):
+    """calibration_batches: the thresholds ``calibrate`` sets on them afterwards (exactly), not those of the fit
+    batches; the weights and estimates are fitted on the fit batches either way."""
+    data, other, base = _batches(), _batches(3, seed=11), tiny("llama")
+
+    def fitted(**kw):
+        model = hf.to_mod(copy.deepcopy(base), layers=[1, 2], capacity=0.5, causal="threshold", skip_rank=8)
+        hf.router_fit(model, data, **kw)
+        return model
+
+    on_fit, on_other = fitted(), fitted(calibration_batches=iter(other))  # any iterable, read once
+    for (i, a), b in zip(hf.mod_layers(on_fit).items(), hf.mod_layers(on_other).values(), strict=True):
+        assert torch.equal(a.mod_router.weight, b.mod_router.weight), i
+        assert torch.equal(a.mod_skip.up, b.mod_skip.up), i
+        assert float(a.mod_router.threshold) != float(b.mod_router.threshold), i
+    assert hf.calibrate(on_fit, other) == {i: float(b.mod_router.threshold) for i, b in hf.mod_layers(on_other).items()}
+    with pytest.raises(ValueError, match="calibration_batches: empty"):
+        fitted(calibration_batches=[])

@@ -221,9 +221,7 @@ def convert_to_macs(
         for group in plan.groups():
             to_mod(model, **group, causal=cfg.causal)
         t1 = time.perf_counter()
-        router_fit(model, fit_batches, label=cfg.router_label)  # sets the thresholds on the fit batches
-        if calibration_batches is not None and _steers(model):
-            calibrate(model, cal_batches)
+        router_fit(model, fit_batches, label=cfg.router_label, calibration_batches=cal_batches)
         seconds["router_fit"] = time.perf_counter() - t1
         layers, capacity, parts = sorted(plan.layers), plan.capacity, plan.parts
     report = None

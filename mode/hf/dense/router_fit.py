@@ -156,6 +156,7 @@ def router_fit(
     ridge: float = 0.1,
     label: str = "update",
     rounds: int = 3,
+    calibration_batches: Iterable | None = None,
 ) -> dict[int, float]:
     """Fit the router of every MoD layer of ``model`` (see the module doc), then its ``mod_skip`` estimate
     (``to_mod(skip_rank=...)``: ``SkipUpdate.fit`` on the training tokens the fitted router skips, ridge
@@ -165,7 +166,8 @@ def router_fit(
     Routers with a ``predictor`` (``causal="predictor"``) are refused: their decision is not the fitted
     score. ``label``: ``"update"`` (route the largest updates) or ``"residual"`` (route the largest updates the
     estimate misses, alternating ``rounds`` times; the module doc), which needs every layer to have a
-    ``mod_skip``."""
+    ``mod_skip``. ``calibration_batches``: what the steered thresholds are set on instead of ``batches`` (the
+    same thresholds as ``calibrate(model, calibration_batches)`` afterwards, without a pass over ``batches``)."""
     _checks.check_int("steps", steps)
     _checks.check_positive("lr", lr)
     _checks.check_choice("label", label, LABELS)
@@ -189,6 +191,9 @@ def router_fit(
     batches = list(batches)
     if not batches:
         raise ValueError("batches: empty; router_fit needs at least one batch")
+    cal_batches = batches if calibration_batches is None else list(calibration_batches)
+    if not cal_batches:
+        raise ValueError("calibration_batches: empty; pass None to calibrate on the fit batches")
     was_training = model.training
     model.eval()
     try:
@@ -212,5 +217,5 @@ def router_fit(
         if layer.mod_skip is not None and bool((~pick_N).any()):
             layer.mod_skip.fit(f_ND[~pick_N], u_ND[~pick_N], ridge)
     if any(layer.mod_router.steers for layer in layers.values()):
-        calibrate(model, batches)
+        calibrate(model, cal_batches)
     return agreement
