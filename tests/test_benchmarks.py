@@ -559,6 +559,15 @@ def test_heal_vs_prune_results_split_over_runs_merge_into_one_report(tmp_path):
         merge(fresh, [])
 
 
+def test_heal_vs_prune_methods_are_drawn_against_a_pruning_method():
+    from benchmarks.hf.heal_vs_prune_report import MOD, PRUNE, _partner
+
+    assert all(_partner(m) in PRUNE for m in MOD.values())
+    assert _partner(MOD["mod-layer-thr-est"]) == "prune-bi-est"  # the same estimate and adapters
+    assert _partner(MOD["mod-layer-thr-est-c0.4-all-sc-res-cd"]) == "prune-sc-est-all"  # the same layer choice
+    assert _partner(MOD["mod-mix-thr-est-c0.4-all-res-cd"]) == "prune-sc-est-all"  # named: the strongest
+
+
 def test_heal_vs_prune_plot_places_a_row_at_the_macs_it_measured():
     """A threshold router spends what it routes on the held-out text, not what was planned: the plot's x is the
     measured ratio, the planned one only where nothing was measured."""

@@ -47,7 +47,8 @@ class Mod(NamedTuple):
     prune-bi-est-all), the layer order (``"skip_cost"``: ``skip_costs`` of the part; ``"skip_cost_est"``: of the
     whole layer with its estimate standing in), ``router_fit``'s label (``"update"`` / ``"residual"``) and the
     text the causal thresholds are calibrated on (``"fit"``: the fit windows; ``"docstrings"``: stdlib docstring
-    windows, text no fit saw and unlike it, where the residual router routes more, as on held-out text)."""
+    windows, text no fit saw and unlike it, where the residual router routes more, as on held-out text), and the
+    pruning method it is drawn against ("": the one with the same estimate, adapters and layer choice)."""
 
     part: str
     causal: str
@@ -57,6 +58,7 @@ class Mod(NamedTuple):
     order: str = "skip_cost"
     label: str = "update"
     calibrate: str = "fit"
+    partner: str = ""
 
 
 PRUNE = {
@@ -84,15 +86,18 @@ MOD: dict[str, Mod] = {
     "mod-mix-thr-est": Mod("mixed", "threshold", True, None, False),
     # the halves mixed with the best whole-layer row's other choices (floor, adapters, label, calibration text)
     "mod-mix-thr-est-c0.4-all-res-cd": Mod(
-        "mixed", "threshold", True, 0.4, True, "skip_cost", "residual", "docstrings"
-    ),
+        "mixed", "threshold", True, 0.4, True, "skip_cost", "residual", "docstrings", "prune-sc-est-all"
+    ),  # drawn against the strongest pruning, as the best whole-layer row
 }
 METHODS = (*PRUNE, *MOD)
 BUDGET_KEYS = ("steps", "tokens", "data_digest", "objective", "trainable_kind")  # what "the same healing" means
 
 
 def _partner(m: Mod) -> str:
-    """The pruning method a MoD method is drawn against: the same estimate, adapters and layer choice."""
+    """The pruning method a MoD method is drawn against: its own, or the same estimate, adapters and layer
+    choice."""
+    if m.partner:
+        return m.partner
     if m.order == "skip_cost_est":
         return "prune-sc-est-all"
     return "prune-bi-est-all" if m.every_layer else "prune-bi-est" if m.est else "prune-bi"
