@@ -431,9 +431,11 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         assert len(each) == 1 and each[0] == pytest.approx(t["decode_b8"], rel=1e-12), t
         assert t["decode_b8_ci"] is None, t  # one repeat: no interval
     only = [sys.executable, script, "--smoke", "--rows", str(out), "--out", str(speed), "--methods", "mod-mix-thr"]
-    subprocess.run([*only, "--batches", "1", "--repeats", "2"], **run)
+    subprocess.run([*only, "--points", "0.9", "--batches", "1", "--repeats", "2"], **run)
     alone = json.loads(speed.read_text())["results"]
-    assert {t["method"] for t in alone} == {"mod-mix-thr"}
+    assert {(t["method"], t["point"]) for t in alone} == {("mod-mix-thr", 0.9)}
+    none = subprocess.run([*only, "--points", "0.5"], **{**run, "check": False})
+    assert none.returncode != 0 and "--points [0.5]: no seed-0 row" in none.stderr
     for t in alone:
         assert "decode_b8" not in t, t  # batch 1 only
         lo, hi = t["decode_b1_ci"]  # two repeats: a t interval around their geometric mean

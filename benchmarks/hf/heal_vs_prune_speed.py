@@ -12,7 +12,8 @@ and on the share of tokens routed (which calibration sets to the capacity), not 
 thread, ``--prompt`` tokens then ``--new`` new ones, alternated with the original: the ratio of the medians of
 ``--repeats``, and each repeat's paired ratio (``..._each``) with a 95% t interval of their geometric mean
 (``..._ci``: the machine's noise, which moves single ratios by 10-20% here). Run it on an idle machine.
-Writes ``--out`` (default: ``..._speed.json`` beside ``--rows``) and prints a table.
+``--methods`` and ``--points`` time a subset of the rows. Writes ``--out`` (default: ``..._speed.json`` beside
+``--rows``) and prints a table.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rows", default="benchmarks/results/heal_vs_prune.json", help="a heal_vs_prune.py result")
     p.add_argument("--smoke", action="store_true", help="the tiny random Llama heal_vs_prune --smoke used")
     p.add_argument("--methods", nargs="+", default=None, help="time these methods' rows only (default: all)")
+    p.add_argument("--points", type=float, nargs="+", default=None, help="time these points' rows only")
     p.add_argument("--fit-windows", type=int, default=None, help="training windows for the fits (64; smoke 8)")
     p.add_argument("--prompt", type=int, default=None)
     p.add_argument("--new", type=int, default=None)
@@ -98,6 +100,10 @@ def main(argv: list[str] | None = None) -> dict:
         if unknown:
             raise SystemExit(f"--methods {unknown}: no seed-0 row of {src} has that method")
         rows = [r for r in rows if r["method"] in args.methods]
+    if args.points is not None:
+        rows = [r for r in rows if r["point"] in args.points]
+        if not rows:
+            raise SystemExit(f"--points {args.points}: no seed-0 row of {src} (of --methods) is at those points")
     results = []
     for row in rows:
         model = rebuild(original, row, fit_batches, doc.get("skip_costs"))
@@ -123,7 +129,9 @@ def main(argv: list[str] | None = None) -> dict:
         "rows_from": str(src),
         "machine": machine_info(),
         "threads": 1,
-        "settings": {k: getattr(args, k) for k in ("fit_windows", "prompt", "new", "repeats", "methods", "batches")},
+        "settings": {
+            k: getattr(args, k) for k in ("fit_windows", "prompt", "new", "repeats", "methods", "points", "batches")
+        },
         "results": results,
     }
     atomic_write_text(dest, json.dumps(payload, indent=2) + "\n")
