@@ -320,6 +320,9 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     """--smoke (tiny random Llama, 2 points, 1 seed, 3 heal steps): one row per (method, point, seed), every MoD
     row healed with its pruning partners' budget at MACs within 1% of theirs, the PNG, and a rerun that skips
     the finished rows."""
+    import mode.hf as mh
+    from benchmarks.hf.heal_vs_prune import tiny_llama
+
     out = tmp_path / "hvp.json"
     cmd = [
         sys.executable,
@@ -355,6 +358,7 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
         "mod-mix-thr",
         "mod-mix-thr-est",
         "mod-mix-thr-est-c0.4-all-res-cd",
+        "mod-mix-thr-est-c0.4-all-sc-res-cd",
     )
     assert set(rows) == {f"{m}@{p}#s0" for m in methods for p in (0.9, 0.8)}
     assert "below what part='attention' reaches" in rows["mod-attn-thr@0.8#s0"]["skipped"]  # out of reach: said
@@ -369,7 +373,7 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
             assert r["by"] == "skip_cost" and r["lora_layers"] == list(range(8 - len(r["layers"]))), key
             est_costs = payload["skip_costs"]["layer+estimate8"]  # the costs that order the -sc MoD rows
             assert r["layers"] == sorted(sorted(range(8), key=lambda i: est_costs[str(i)])[: len(r["layers"])]), key
-        if "-sc" in r["method"] and r["method"].startswith("mod-"):  # cheapest layers with their estimate first
+        if "-sc" in r["method"] and r["method"].startswith("mod-layer"):  # cheapest layers with their estimate first
             est_costs = payload["skip_costs"]["layer+estimate8"]
             want = sorted(range(8), key=lambda i: est_costs[str(i)])[: len(r["layers"])]
             assert r["layers"] == sorted(want) and r["order"] == "skip_cost_est", key
@@ -401,9 +405,22 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
             assert sorted(i for g in r["groups"] for i in g["layers"]) == r["layers"], key
             if r["method"].startswith("mod-mix"):  # halves of different layers, at least two parts
                 assert len({g["part"] for g in r["groups"]}) >= 2, (key, r["groups"])
-            if r["method"] == "mod-mix-thr-est-c0.4-all-res-cd":  # the best whole-layer row's other choices
+            if r["method"].startswith("mod-mix-thr-est-c0.4-all-"):  # the best whole-layer row's other choices
                 assert (r["label"], r["calibrate"], r["lora_layers"]) == ("residual", "docstrings", list(range(8)))
                 assert all(g["capacity"] >= 0.4 for g in r["groups"]), (key, r["groups"])
+                sc = "-sc" in r["method"]  # the halves ranked with their estimates standing in, or without
+                half_costs = {
+                    h: {int(i): c for i, c in payload["skip_costs"][h + ("+estimate8" if sc else "")].items()}
+                    for h in ("attention", "mlp")
+                }
+                order = mh.mixed_order(tiny_llama(), half_costs, 64, skip_rank=8)
+                taken = {
+                    (i, h)
+                    for g in r["groups"]
+                    for i in g["layers"]
+                    for h in (("attention", "mlp") if g["part"] == "layer" else (g["part"],))
+                }
+                assert taken == set(order[: len(taken)]), (key, taken, order)  # the cheapest units first
     assert payload["intervals"] and all(i["t_ci_pct"] is None for i in payload["intervals"])  # one seed: no t
     for i in payload["intervals"]:
         assert i["bootstrap_ci_pct"][0] <= i["diff_pct"] <= i["bootstrap_ci_pct"][1], i

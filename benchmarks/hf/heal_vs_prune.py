@@ -48,6 +48,8 @@ same compute. Methods (``--methods``):
     mod-mix-thr-est  the same with a rank-``--est-rank`` estimate per skipped half
     mod-mix-thr-est-c0.4-all-res-cd  the halves mixed with the best whole-layer row's other choices: floor 0.4,
                      LoRA on every layer, the residual label, thresholds calibrated on docstrings
+    mod-mix-thr-est-c0.4-all-sc-res-cd  the same with each half ranked by its skip cost with its estimate
+                     standing in (``skip_costs(part, estimate_rank=...)``), as the whole layers of the best row
 Every MoD row also reports the held-out loss under top-C routing (``routing(model, "topk")``: what healing
 trains with; it looks at the whole window, so it cannot decode): the top-k vs threshold comparison of the same
 healed model. MoD layers: ``plan_to_macs(order=...)`` takes layers cheapest first by ``skip_costs`` of the part,
@@ -293,17 +295,17 @@ def main(argv: list[str] | None = None) -> dict:
     def heal_batches(seed: int) -> list[torch.Tensor]:
         return heal_batches_of(train_WS, args.heal_steps, per_step, seed, extra_WS)
 
-    def est_costs(rank: int | None) -> dict[str, float]:
-        """Each layer's skip cost with its rank-``rank`` estimate standing in (fitted on the fit windows, measured
-        on the cost windows), cached in the result: what orders a ``skip_cost_est`` MoD plan and a
-        ``prune-sc-*`` deletion."""
-        key = "layer" if rank is None else f"layer+estimate{rank}"
+    def part_costs(part: str, rank: int | None) -> dict[int, float]:
+        """Each layer's skip cost of ``part``, with its rank-``rank`` estimate standing in (fitted on the fit
+        windows) or none, measured on the cost windows, cached in the result: what orders the MoD layers (or
+        halves) and a ``prune-sc-*`` deletion."""
+        key = part if rank is None else f"{part}+estimate{rank}"
         if key not in costs:
             got = mh.skip_costs(
-                original, [train_WS[: args.cost_windows]], "layer", estimate_rank=rank, fit_batches=fit_batches
+                original, [train_WS[: args.cost_windows]], part, estimate_rank=rank, fit_batches=fit_batches
             )
             costs[key] = {str(i): c for i, c in got.items()}
-        return costs[key]
+        return {int(i): c for i, c in costs[key].items()}
 
     def pct(loss_W: torch.Tensor) -> float:
         return 100 * (float(loss_W.mean()) / base - 1)
@@ -345,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
                     est = args.est_rank if pm.est else None
                     scores = None
                     if pm.by == "skip_cost":  # the costs that order the MoD layers (the same windows): measured once
-                        scores = {int(i): c for i, c in est_costs(est).items()}
+                        scores = part_costs("layer", est)
                     row["layers"] = mh.prune_layers(model, n_del, pm.by, fit_batches, estimate_rank=est, scores=scores)
                     row["estimate_rank"], row["by"] = est, pm.by
                     if pm.every_layer:
@@ -355,16 +357,13 @@ def main(argv: list[str] | None = None) -> dict:
                     part, causal, every_layer = mm.part, mm.causal, mm.every_layer
                     min_capacity = args.min_capacity if mm.min_capacity is None else mm.min_capacity
                     rank = args.est_rank if mm.est else None
-                    cost_batch = [train_WS[: args.cost_windows]]
-                    for half in HALVES if part == "mixed" else (part,):
-                        if half not in costs:
-                            costs[half] = {str(i): c for i, c in mh.skip_costs(original, cost_batch, half).items()}
-                    layer_costs = est_costs(rank) if mm.order == "skip_cost_est" else costs.get(part, {})
+                    with_est = rank if mm.order == "skip_cost_est" else None  # the costs with the estimates in
                     if part == "mixed":  # the halves by loss per multiply-add saved
-                        by_half = {h: {int(i): c for i, c in costs[h].items()} for h in HALVES}
+                        by_half = {h: part_costs(h, with_est) for h in HALVES}
                         order = mh.mixed_order(original, by_half, S, skip_rank=rank)
                     else:
-                        order = sorted(range(config.num_hidden_layers), key=lambda i: layer_costs[str(i)])
+                        layer_costs = part_costs(part, with_est)
+                        order = sorted(range(config.num_hidden_layers), key=lambda i: layer_costs[i])
                     try:
                         plan = mh.plan_to_macs(
                             original, target, S, part=part, skip_rank=rank, order=order, min_capacity=min_capacity

@@ -44,11 +44,12 @@ class Prune(NamedTuple):
 class Mod(NamedTuple):
     """A MoD method: the part, the causal rule, with the estimate for skipped tokens, ``min_capacity`` (None:
     ``--min-capacity``), LoRA on every layer rather than on the converted ones (the counterpart of
-    prune-bi-est-all), the layer order (``"skip_cost"``: ``skip_costs`` of the part; ``"skip_cost_est"``: of the
-    whole layer with its estimate standing in), ``router_fit``'s label (``"update"`` / ``"residual"``) and the
-    text the causal thresholds are calibrated on (``"fit"``: the fit windows; ``"docstrings"``: stdlib docstring
-    windows, text no fit saw and unlike it, where the residual router routes more, as on held-out text), and the
-    pruning method it is drawn against ("": the one with the same estimate, adapters and layer choice)."""
+    prune-bi-est-all), the layer order (``"skip_cost"``: ``skip_costs`` of the part, or of each half for
+    ``"mixed"``; ``"skip_cost_est"``: the same with the estimate standing in), ``router_fit``'s label
+    (``"update"`` / ``"residual"``) and the text the causal thresholds are calibrated on (``"fit"``: the fit
+    windows; ``"docstrings"``: stdlib docstring windows, text no fit saw and unlike it, where the residual router
+    routes more, as on held-out text), and the pruning method it is drawn against ("": the one with the same
+    estimate, adapters and layer choice)."""
 
     part: str
     causal: str
@@ -88,6 +89,10 @@ MOD: dict[str, Mod] = {
     "mod-mix-thr-est-c0.4-all-res-cd": Mod(
         "mixed", "threshold", True, 0.4, True, "skip_cost", "residual", "docstrings", "prune-sc-est-all"
     ),  # drawn against the strongest pruning, as the best whole-layer row
+    # and each half ranked with its estimate standing in, as the best row ranks its whole layers
+    "mod-mix-thr-est-c0.4-all-sc-res-cd": Mod(
+        "mixed", "threshold", True, 0.4, True, "skip_cost_est", "residual", "docstrings", "prune-sc-est-all"
+    ),
 }
 METHODS = (*PRUNE, *MOD)
 BUDGET_KEYS = ("steps", "tokens", "data_digest", "objective", "trainable_kind")  # what "the same healing" means

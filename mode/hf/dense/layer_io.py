@@ -1,7 +1,10 @@
 """What the original decoder layers see and return on the user's batches, and the estimates fitted from it:
 ``layer_estimates`` fits, for each chosen layer, the rank-R affine map (``SkipUpdate``) that best predicts the
-layer's update (output minus input) from its input. ``prune_layers(estimate_rank=R)`` keeps them in place of
-deleted layers; ``skip_costs(estimate_rank=R)`` measures what skipping a layer costs with one standing in.
+update a part of the layer adds to the residual stream from what it reads there: the whole layer's (output minus
+input) from its input, the attention half's from the layer's input, the MLP half's from the residual after the
+attention (what ``to_mod(part=..., skip_rank=R)``'s estimate of that part reads). ``prune_layers(estimate_rank=R)``
+keeps the layers' in place of deleted layers; ``skip_costs(estimate_rank=R)`` measures what skipping a part costs
+with its estimate standing in.
 
 Shape legend: B batch, S sequence, D hidden, N real tokens.
 """
@@ -26,10 +29,16 @@ def _output(output) -> Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
+# Where a part reads its input and writes its update: the submodule whose input is the residual stream the part
+# reads ("": the decoder layer), and the one whose output is its update ("" for the whole layer: there the update
+# is the layer's output minus its input).
+_SITES = {"layer": ("", ""), "attention": ("", "self_attn"), "mlp": ("post_attention_layernorm", "mlp")}
+
+
 @torch.no_grad()
-def layer_io(model: nn.Module, batches: list, want: Sequence[int], on_layer) -> None:
-    """One forward per batch (eval, no cache); ``on_layer(i, x_ND, y_ND)`` gets layer ``i``'s input and output
-    on the batch's real tokens."""
+def _io(model: nn.Module, batches: list, want: Sequence[int], source: str, sink: str, on_io) -> None:
+    """One forward per batch (eval, no cache); ``on_io(i, x_ND, y_ND)`` gets the input of layer ``i``'s submodule
+    ``source`` and the output of its ``sink`` on the batch's real tokens."""
     layers = decoder_layers(model)
     device = next(model.parameters()).device
     real: dict[str, Tensor] = {}
@@ -40,15 +49,15 @@ def layer_io(model: nn.Module, batches: list, want: Sequence[int], on_layer) -> 
             seen[i] = _hidden(args, kwargs)
 
         def post(module, args, kwargs, output):
-            on_layer(i, seen.pop(i)[real["BS"]].float(), _output(output)[real["BS"]].float())
+            on_io(i, seen.pop(i)[real["BS"]].float(), _output(output)[real["BS"]].float())
 
         return pre, post
 
     handles = []
     for i in want:
         pre, post = hooks(i)
-        handles.append(layers[i].register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(layers[i].register_forward_hook(post, with_kwargs=True))
+        handles.append(layers[i].get_submodule(source).register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(layers[i].get_submodule(sink).register_forward_hook(post, with_kwargs=True))
     was_training = model.training
     model.eval()
     try:
@@ -62,12 +71,31 @@ def layer_io(model: nn.Module, batches: list, want: Sequence[int], on_layer) -> 
             h.remove()
 
 
-def layer_estimates(model: nn.Module, batches: list, chosen: Sequence[int], rank: int) -> dict[int, SkipUpdate]:
+def layer_io(model: nn.Module, batches: list, want: Sequence[int], on_layer) -> None:
+    """One forward per batch (eval, no cache); ``on_layer(i, x_ND, y_ND)`` gets layer ``i``'s input and output
+    on the batch's real tokens."""
+    _io(model, batches, want, "", "", on_layer)
+
+
+def part_io(model: nn.Module, batches: list, want: Sequence[int], part: str, on_part) -> None:
+    """One forward per batch (eval, no cache); ``on_part(i, x_ND, u_ND)`` gets, on the batch's real tokens, the
+    residual stream ``part`` of layer ``i`` reads and the update it adds to it (``_SITES``)."""
+    source, sink = _SITES[part]
+    if sink:
+        _io(model, batches, want, source, sink, on_part)
+    else:
+        _io(model, batches, want, source, sink, lambda i, x_ND, y_ND: on_part(i, x_ND, y_ND - x_ND))
+
+
+def layer_estimates(
+    model: nn.Module, batches: list, chosen: Sequence[int], rank: int, part: str = "layer"
+) -> dict[int, SkipUpdate]:
     """For each layer in ``chosen``: a rank-``rank`` ``SkipUpdate`` (float32, on the model's device) fitted by
-    ridge regression of the layer's update on its input, each on its own input in ``model`` as it is (one
-    forward per batch for all of them; holds every chosen layer's inputs and updates of the real tokens)."""
+    ridge regression of ``part``'s update on what it reads (``_SITES``), each on its own input in ``model`` as it
+    is (one forward per batch for all of them; holds every chosen layer's inputs and updates of the real
+    tokens)."""
     data: dict[int, list[tuple[Tensor, Tensor]]] = {i: [] for i in chosen}
-    layer_io(model, batches, chosen, lambda i, x_ND, y_ND: data[i].append((x_ND, y_ND - x_ND)))
+    part_io(model, batches, chosen, part, lambda i, x_ND, u_ND: data[i].append((x_ND, u_ND)))
     ref = next(model.parameters())
     out = {}
     for i in chosen:

@@ -5,11 +5,11 @@ It bounds what a MoD conversion of that layer can lose (a router at capacity C s
 1 - C of the tokens, at best the cheapest ones), so the layers with the smallest costs are the ones to
 convert first: ``layers=sorted(costs, key=costs.get)[:k]`` for ``to_mod``.
 
-``estimate_rank=R`` (part ``"layer"``): a skipped layer is not left out but replaced by its rank-R estimate
-(``layer_estimates``: the affine map that best predicts the layer's update from its input, fitted on
-``fit_batches``), which is what a conversion with ``skip_rank=R`` / ``prune_layers(estimate_rank=R)`` leaves
-in its place. On SmolLM2-135M the two rankings differ a lot: layer 8 costs 1.03 nats skipped, 0.05 with its
-estimate (docs/hf.md).
+``estimate_rank=R``: a skipped part is not left out but replaced by its rank-R estimate (``layer_estimates``:
+the affine map that best predicts the part's update from the residual stream it reads, fitted on
+``fit_batches``), which is what a conversion with ``skip_rank=R`` leaves for a token that skips the part (and,
+for whole layers, ``prune_layers(estimate_rank=R)`` in a deleted layer's place). On SmolLM2-135M the two
+rankings differ a lot: layer 8 costs 1.03 nats skipped, 0.05 with its estimate (docs/hf.md).
 
 Shape legend: B batch, S sequence, D model width.
 """
@@ -26,17 +26,19 @@ from torch import nn
 from mode import _checks
 from mode.hf._compat import check_model_type, decoder_config, decoder_layers
 from mode.hf.dense.convert import resolve_layers
-from mode.hf.dense.layer_io import layer_estimates
+from mode.hf.dense.layer_io import _SITES, layer_estimates
 from mode.hf.dense.mod_layer import PARTS
 from mode.hf.dense.skip_update import SkipUpdate
 from mode.hf.dense.tune import _as_batch, _positions, lm_loss
 
 
-def _zero_output(module, args, output):
-    """The sublayer adds nothing to the residual stream (attention returns (out, weights), an MLP a tensor)."""
-    if isinstance(output, tuple):
-        return (torch.zeros_like(output[0]),) + output[1:]
-    return torch.zeros_like(output)
+def _half_output(module, args, output, read: dict, estimate: SkipUpdate | None):
+    """The half (attention or MLP) adds nothing to the residual stream, or ``estimate``'s update of the stream it
+    read (``read["x"]``), instead of its own output (attention returns (out, weights), an MLP a tensor)."""
+    out = output[0] if isinstance(output, tuple) else output
+    x = read.pop("x", None)
+    new = torch.zeros_like(out) if estimate is None else estimate(x.float()).to(out.dtype)
+    return (new,) + output[1:] if isinstance(output, tuple) else new
 
 
 def _identity_layer(module, args, kwargs, output, estimate: SkipUpdate | None = None):
@@ -51,20 +53,32 @@ def _identity_layer(module, args, kwargs, output, estimate: SkipUpdate | None = 
 @contextlib.contextmanager
 def skipped(model: nn.Module, layer: int, part: str, estimate: SkipUpdate | None = None):
     """Within the block, every token skips ``part`` of decoder layer ``layer`` (forward hooks, removed after);
-    ``estimate`` (part ``"layer"``): its update is added instead of nothing."""
+    ``estimate``: its update of what the part reads (``layer_io._SITES``) is added instead of nothing, as a
+    ``to_mod(part=..., skip_rank=R)`` layer adds for a token that skips the part."""
     _checks.check_choice("part", part, PARTS)
-    if estimate is not None and part != "layer":
-        raise ValueError(f"part={part!r}: an estimate stands in for a whole layer (part='layer') only")
     target = decoder_layers(model)[layer]
     if part == "layer":
         hook = functools.partial(_identity_layer, estimate=estimate)
-        handle = target.register_forward_hook(hook, with_kwargs=True)
+        handles = [target.register_forward_hook(hook, with_kwargs=True)]
     else:
-        handle = getattr(target, "self_attn" if part == "attention" else "mlp").register_forward_hook(_zero_output)
+        source, sink = _SITES[part]
+        read: dict[str, torch.Tensor] = {}
+
+        def remember(module, args, kwargs):
+            read["x"] = args[0] if args else kwargs["hidden_states"]
+
+        handles = [
+            target.get_submodule(sink).register_forward_hook(
+                functools.partial(_half_output, read=read, estimate=estimate)
+            )
+        ]
+        if estimate is not None:
+            handles.append(target.get_submodule(source).register_forward_pre_hook(remember, with_kwargs=True))
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 @torch.no_grad()
@@ -94,9 +108,9 @@ def skip_costs(
     """For each layer in ``layers``: the mean next-token loss (nats/token, over the real target tokens of
     ``batches``) with ``part`` of that layer skipped by every token, minus the model's own loss. Eval mode,
     no cache, the model is left as it was (its train/eval mode too). ``batches``: (B, S) token ids or dicts
-    with ``input_ids`` and ``attention_mask`` (left padding), as for ``router_tune``. ``estimate_rank``
-    (part ``"layer"`` only): the skipped layer adds its rank-R estimate instead of nothing, fitted on
-    ``fit_batches`` (default: ``batches``); see the module doc.
+    with ``input_ids`` and ``attention_mask`` (left padding), as for ``router_tune``. ``estimate_rank``:
+    the skipped part adds its rank-R estimate instead of nothing, fitted on ``fit_batches`` (default:
+    ``batches``); see the module doc.
     """
     check_model_type(model)
     _checks.check_choice("part", part, PARTS)
@@ -104,18 +118,13 @@ def skip_costs(
     batches = list(batches)
     if not batches:
         raise ValueError("batches: empty; skip_costs needs at least one batch to measure a loss on")
-    if estimate_rank is not None and part != "layer":
-        raise ValueError(
-            f"estimate_rank={estimate_rank} with part={part!r}: the estimate stands in for a whole layer "
-            "(part='layer'); the attention and MLP halves have none here"
-        )
     estimates = {}
     if estimate_rank is not None:
         SkipUpdate(decoder_config(model).hidden_size, estimate_rank)  # validates the rank
         fit = batches if fit_batches is None else list(fit_batches)
         if not fit:
             raise ValueError("fit_batches: empty; the estimates are fitted on at least one batch")
-        estimates = layer_estimates(model, fit, chosen, estimate_rank)
+        estimates = layer_estimates(model, fit, chosen, estimate_rank, part)
     was_training = model.training
     model.eval()
     try:
