@@ -52,7 +52,7 @@ from benchmarks.hf.heal_vs_prune import fill_defaults, load_original  # noqa: E4
 from benchmarks.hf.smollm2_measure import english_windows, window_losses  # noqa: E402
 from mode.hf.dense.budget import layers_to_delete, pruned_macs  # noqa: E402
 from mode.hf.dense.macs import _parts, macs_per_token  # noqa: E402
-from mode.hf.dense.windows import calibration_docstring_windows  # noqa: E402
+from mode.hf.dense.windows import batches_of, calibration_docstring_windows  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 ORDERS = ("skip_cost", "skip_cost_est")
@@ -93,10 +93,10 @@ def main(argv: list[str] | None = None) -> dict:
     train_WS, held_WS = english_windows(tokenizer, S)
     val_WS = held_WS[torch.linspace(0, len(held_WS) - 1, args.val_windows).long()]
     fit_WS = train_WS[: args.fit_windows]
-    fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
+    fit_batches = batches_of(fit_WS, 8)
     cost_batch = [train_WS[: args.cost_windows]]
     doc_WS = calibration_docstring_windows(tokenizer, S, len(fit_WS))  # as heal_vs_prune's -cd rows
-    cal_batches = {"fit": fit_batches, "docstrings": [doc_WS[i : i + 8] for i in range(0, len(doc_WS), 8)]}
+    cal_batches = {"fit": fit_batches, "docstrings": batches_of(doc_WS, 8)}
     texts = {
         "fit": fit_WS,
         "unseen": train_WS[args.fit_windows : args.fit_windows + args.val_windows],

@@ -134,7 +134,12 @@ from benchmarks.hf.smollm2_measure import (  # noqa: E402
 from mode.hf._compat import decoder_layers  # noqa: E402
 from mode.hf.dense.budget import layers_to_delete, pruned_macs  # noqa: E402
 from mode.hf.dense.macs import HALVES, _parts, macs_per_token  # noqa: E402
-from mode.hf.dense.windows import calibration_docstring_windows, docstring_windows, heal_batches_of  # noqa: E402
+from mode.hf.dense.windows import (  # noqa: E402
+    batches_of,
+    calibration_docstring_windows,
+    docstring_windows,
+    heal_batches_of,
+)
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 from mode.train.progress import Progress  # noqa: E402
 
@@ -250,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_WS, held_WS = english_windows(tokenizer, S)
     val_WS = held_WS[torch.linspace(0, len(held_WS) - 1, args.val_windows).long()]
     fit_WS = train_WS[: args.fit_windows]
-    fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
+    fit_batches = batches_of(fit_WS, 8)
     per_step = max(1, args.heal_tokens // S)
     extra_WS = docstring_windows(tokenizer, S) if args.heal_text == "topics+docstrings" else None
     cal_batches: dict[str, list[torch.Tensor]] = {"fit": fit_batches}
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
         windows (evenly spaced)."""
         if text not in cal_batches:
             doc_WS = calibration_docstring_windows(tokenizer, S, len(fit_WS))
-            cal_batches[text] = [doc_WS[i : i + 8] for i in range(0, len(doc_WS), 8)]
+            cal_batches[text] = batches_of(doc_WS, 8)
         return cal_batches[text]
 
     out_path = Path(args.out)

@@ -36,6 +36,7 @@ from benchmarks.common import machine_info  # noqa: E402
 from benchmarks.hf.heal_vs_prune import load_original  # noqa: E402
 from benchmarks.hf.heal_vs_prune_report import t_interval  # noqa: E402
 from benchmarks.hf.smollm2_measure import _threads, english_windows, median_ratios, paired_times  # noqa: E402
+from mode.hf.dense.windows import batches_of  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     original, tokenizer, name = load_original(args.smoke, args.cache_dir)
     train_WS, held_WS = english_windows(tokenizer, S)
     fit_WS = train_WS[: args.fit_windows]
-    fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
+    fit_batches = batches_of(fit_WS, 8)
     rows = [r for r in doc["rows"] if r.get("seed") == 0 and "layers" in r and "skipped" not in r]
     if args.methods is not None:
         unknown = sorted(set(args.methods) - {r["method"] for r in rows})

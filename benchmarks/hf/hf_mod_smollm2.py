@@ -62,6 +62,7 @@ from benchmarks.hf.smollm2_measure import (  # noqa: E402
     window_losses,
 )
 from mode.hf.dense.macs import macs_per_token  # noqa: E402
+from mode.hf.dense.windows import batches_of  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 
@@ -335,12 +336,12 @@ def main(argv: list[str] | None = None) -> dict:
                     kv=kv,
                     skip_rank=rank,
                 )
-                fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
+                fit_batches = batches_of(fit_WS, 8)
                 mh.router_fit(model, fit_batches)
                 if distill:  # then routers and estimates trained end to end against the original (base frozen)
                     mh.router_tune(
                         model,
-                        [fit_WS[i : i + 4] for i in range(0, len(fit_WS), 4)],
+                        batches_of(fit_WS, 4),
                         steps=distill,
                         lr=args.distill_lr,
                         objective="distill",

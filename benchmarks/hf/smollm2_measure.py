@@ -15,7 +15,10 @@ import torch.nn.functional as F
 import mode.hf as mh
 from mode.hf.dense.skip_cost import skipped
 from mode.hf.dense.skip_update import SkipUpdate
-from mode.hf.dense.windows import english_windows  # noqa: F401  (re-exported: the benchmarks' data)
+from mode.hf.dense.windows import (
+    batches_of,
+    english_windows,  # noqa: F401  (re-exported: the benchmarks' data)
+)
 
 
 # -- data -----------------------------------------------------------------------------------------------------
@@ -161,7 +164,7 @@ def fit_deletion_estimates(model, layers: list[int], part: str, windows_WS, rank
         kv="routed" if part == "mlp" else "all",
         skip_rank=rank,
     )
-    data = _collect(probe, [windows_WS[i : i + 8] for i in range(0, len(windows_WS), 8)], mh.mod_layers(probe))
+    data = _collect(probe, batches_of(windows_WS, 8), mh.mod_layers(probe))
     out = {}
     for i, layer in mh.mod_layers(probe).items():
         f_ND, _, u_ND, _ = data[i]

@@ -52,9 +52,10 @@ def load_model(source: str):
 def held_out_loss(model, windows_WS, batch: int = 8) -> float:
     """Mean next-token loss (nats/token) over the token windows ``windows_WS`` (W, S), eval mode, no cache."""
     from mode.hf.dense.skip_cost import _mean_loss
+    from mode.hf.dense.windows import batches_of
 
     model.eval()
-    return _mean_loss(model, [windows_WS[i : i + batch] for i in range(0, len(windows_WS), batch)])
+    return _mean_loss(model, batches_of(windows_WS, batch))
 
 
 def _check(args) -> None:
@@ -76,7 +77,13 @@ def run(args) -> int:
 
     import mode.hf as mh
     from mode.hf.dense.budget import BudgetConfig, convert_to_macs
-    from mode.hf.dense.windows import calibration_docstring_windows, english_windows, file_windows, heal_batches_of
+    from mode.hf.dense.windows import (
+        batches_of,
+        calibration_docstring_windows,
+        english_windows,
+        file_windows,
+        heal_batches_of,
+    )
     from mode.train.checkpoint import atomic_write_text
 
     t0 = time.perf_counter()
@@ -104,14 +111,14 @@ def run(args) -> int:
     for p in model.parameters():
         p.requires_grad_(False)
     fit_WS = train_WS[: args.fit_windows]
-    fit_batches = [fit_WS[i : i + 8] for i in range(0, len(fit_WS), 8)]
+    fit_batches = batches_of(fit_WS, 8)
     val_WS = held_WS[torch.linspace(0, len(held_WS) - 1, min(args.val_windows, len(held_WS))).long()]
     per_step = max(1, args.heal_tokens // S)
     heal_batches = heal_batches_of(train_WS, max(args.heal_steps, 1), per_step, args.seed)
     cal_batches = None
     if args.calibrate == "docstrings":  # as many windows as the fit's
         doc_WS = calibration_docstring_windows(tokenizer, S, len(fit_WS))
-        cal_batches = [doc_WS[i : i + 8] for i in range(0, len(doc_WS), 8)]
+        cal_batches = batches_of(doc_WS, 8)
     print(f"{name}: {len(train_WS)} training and {len(held_WS)} held-out windows of {S} tokens", flush=True)
     base = held_out_loss(model, val_WS)
     torch.manual_seed(args.seed)  # what to_mod draws (routers, estimates) before their fits; healing seeds itself

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mode.hf.dense.windows import calibration_docstring_windows, docstring_windows, heal_batches_of, stdlib_docstrings
+from mode.hf.dense.windows import (
+    batches_of,
+    calibration_docstring_windows,
+    docstring_windows,
+    heal_batches_of,
+    stdlib_docstrings,
+)
 
 
 def _write(root, rel: str, text: str) -> None:
@@ -81,3 +87,16 @@ def test_heal_batches_take_every_training_window_once_then_the_extra_text():
         heal_batches_of(train_WS, steps=0, per_step=3, seed=0)
     with pytest.raises(ValueError, match="per_step=0"):
         heal_batches_of(train_WS, steps=2, per_step=0, seed=0)
+
+
+def test_batches_of_cut_the_windows_in_order_the_last_batch_the_remainder():
+    windows_WS = torch.arange(7 * 3).view(7, 3)
+    got = batches_of(windows_WS, 3)
+    assert [b.shape for b in got] == [(3, 3), (3, 3), (1, 3)]
+    assert torch.equal(torch.cat(got), windows_WS)
+    assert batches_of(windows_WS[:0], 3) == []  # no windows, no batches
+    assert len(batches_of(windows_WS, 7)) == 1 and len(batches_of(windows_WS, 100)) == 1
+    with pytest.raises(ValueError, match="size=0: must be >= 1"):
+        batches_of(windows_WS, 0)
+    with pytest.raises(TypeError, match="size=2.0: must be an int"):
+        batches_of(windows_WS, 2.0)

@@ -91,6 +91,13 @@ def calibration_docstring_windows(tokenizer, seq_len: int, n: int) -> torch.Tens
     return doc_WS[torch.linspace(0, len(doc_WS) - 1, n).long()]
 
 
+def batches_of(windows_WS: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """``windows_WS`` in order as consecutive batches of ``size`` windows, ``(size, S)`` each (the last holds the
+    remainder); no windows, no batches."""
+    _checks.check_int("size", size)
+    return [windows_WS[i : i + size] for i in range(0, len(windows_WS), size)]
+
+
 def heal_batches_of(
     train_WS: torch.Tensor, steps: int, per_step: int, seed: int, extra_WS: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
@@ -108,7 +115,7 @@ def heal_batches_of(
         assert extra_WS is not None
         pool_WS = torch.cat([train_WS, extra_WS[torch.randperm(len(extra_WS), generator=g)[:fill]]])
     order = torch.randperm(len(pool_WS), generator=g)[:need]
-    return [pool_WS[order[i : i + per_step]] for i in range(0, len(order), per_step)]
+    return batches_of(pool_WS[order], per_step)
 
 
 def file_windows(tokenizer, path: str | Path, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
