@@ -84,6 +84,29 @@ def test_with_an_estimate_the_order_is_the_skip_cost_with_the_estimate(hf):
     assert not torch.equal(by_update.model.layers[i].mod_router.weight, model.model.layers[i].mod_router.weight)
 
 
+@pytest.mark.parametrize("part", ("mixed", "mlp"))
+def test_with_an_estimate_the_halves_are_ranked_by_their_cost_with_it(hf, part):
+    """With ``skip_rank`` an attention or MLP half is ranked, as a whole layer is, by what skipping it costs with
+    its fitted estimate standing in (``skip_costs(part, estimate_rank=R)``): the mixed units are the first of
+    ``mixed_order`` of those costs, the MLP layers the cheapest of them."""
+    data = _windows()
+    model = _original()
+    halves = ("attention", "mlp") if part == "mixed" else (part,)
+    costs = {h: hf.skip_costs(model, data[:1], h, estimate_rank=4, fit_batches=data) for h in halves}
+    plain = {h: hf.skip_costs(model, data[:1], h) for h in halves}
+    cfg = hf.BudgetConfig(0.85, seq_len=S, part=part, skip_rank=4, min_capacity=0.25)
+    result = hf.convert_to_macs(model, cfg, data)
+    assert abs(result.macs - 0.85) <= 0.01 * 0.85, result
+    if part == "mixed":
+        order, before = hf.mixed_order(model, costs, S, skip_rank=4), hf.mixed_order(model, plain, S, skip_rank=4)
+        got = [(i, h) for i, p in result.parts.items() for h in (("attention", "mlp") if p == "layer" else (p,))]
+        assert sorted(got) == sorted(order[: len(got)])
+    else:
+        order, before = (sorted(c, key=lambda i: (c[i], i)) for c in (costs[part], plain[part]))
+        assert result.layers == sorted(order[: len(result.layers)])
+    assert order != before  # the estimates change the ranking here
+
+
 def test_prune_deletes_the_nearest_layer_count(hf):
     from mode.hf.dense.budget import layers_to_delete, pruned_macs
 

@@ -3,10 +3,10 @@ fitted and optionally healed, ready for ``save_conversion``.
 
 The steps, all of them existing calls of ``mode.hf``:
 
-    method "mod"    order the layers (``skip_costs`` of the part, cheapest first, for part "layer" with
-                    ``skip_rank`` measured with each layer's estimate standing in; or "every_other"; part
-                    "mixed": the attention and MLP halves by ``mixed_order``, the least loss per multiply-add
-                    saved first), ``plan_to_macs`` (fewest layers at one capacity >= ``min_capacity``),
+    method "mod"    order the layers (``skip_costs`` of the part, cheapest first, with ``skip_rank`` measured
+                    with each part's estimate standing in; or "every_other"; part "mixed": the attention and
+                    MLP halves by ``mixed_order`` of their costs, the least loss per multiply-add saved first),
+                    ``plan_to_macs`` (fewest layers at one capacity >= ``min_capacity``),
                     ``to_mod`` per part, ``router_fit`` (router, estimate, causal thresholds; ``router_label``)
     method "prune"  the whole-layer count whose MACs come nearest the target, ``prune_layers`` (block
                     influence or skip cost; with ``skip_rank``: a fitted estimate per deleted layer)
@@ -58,8 +58,9 @@ class BudgetConfig:
     ``mixed_order`` ranks them; needs order ``"skip_cost"``). causal (mod): ``"threshold"`` or
     ``"aux_bce"``. skip_rank: the rank of the estimate standing in for a skipped part (mod) or a deleted layer
     (prune); None: none. order (mod):
-    ``"skip_cost"`` (cheapest layers first, measured on ``cost_batches`` of the fit batches; part ``"layer"``
-    with ``skip_rank``: each layer skipped with its estimate, fitted on the fit batches, standing in) or
+    ``"skip_cost"`` (cheapest layers first, measured on ``cost_batches`` of the fit batches; with
+    ``skip_rank``: each part, or half for ``"mixed"``, skipped with its estimate, fitted on the fit batches,
+    standing in) or
     ``"every_other"``. min_capacity (mod): the lowest capacity the plan may use. router_label (mod):
     ``router_fit``'s label, ``"update"`` (route the largest updates) or ``"residual"`` (the largest the
     estimate misses; needs ``skip_rank``). prune_by (prune): ``"block_influence"`` or ``"skip_cost"`` (with
@@ -197,17 +198,17 @@ def convert_to_macs(
     else:
         n_layers = len(decoder_layers(model))
         order: str | list = cfg.order
-        if cfg.part == MIXED:
-            costs = {half: skip_costs(model, fit_batches[: cfg.cost_batches], half) for half in HALVES}
-            order = mixed_order(model, costs, cfg.seq_len, skip_rank=cfg.skip_rank)
-            seconds["skip_costs"] = time.perf_counter() - t0
-        elif cfg.order == "skip_cost":
-            with_est = cfg.part == "layer" and cfg.skip_rank is not None  # each layer's cost with its estimate
-            rank = cfg.skip_rank if with_est else None
-            costs_i = skip_costs(
-                model, fit_batches[: cfg.cost_batches], cfg.part, estimate_rank=rank, fit_batches=fit_batches
-            )
-            order = sorted(range(n_layers), key=lambda i: (costs_i[i], i))
+        if cfg.order == "skip_cost":  # each part's cost with its estimate standing in, where it has one
+
+            def costs_of(part: str) -> dict[int, float]:
+                cost_batches = fit_batches[: cfg.cost_batches]
+                return skip_costs(model, cost_batches, part, estimate_rank=cfg.skip_rank, fit_batches=fit_batches)
+
+            if cfg.part == MIXED:
+                order = mixed_order(model, {h: costs_of(h) for h in HALVES}, cfg.seq_len, skip_rank=cfg.skip_rank)
+            else:
+                costs_i = costs_of(cfg.part)
+                order = sorted(range(n_layers), key=lambda i: (costs_i[i], i))
             seconds["skip_costs"] = time.perf_counter() - t0
         plan = plan_to_macs(
             model,
