@@ -26,7 +26,7 @@ from torch import nn
 from mode import _checks
 from mode.hf._compat import check_model_type, decoder_config, decoder_layers
 from mode.hf.dense.convert import resolve_layers
-from mode.hf.dense.layer_io import _SITES, layer_estimates
+from mode.hf.dense.layer_io import _SITES, _hidden, layer_estimates
 from mode.hf.dense.mod_layer import PARTS
 from mode.hf.dense.skip_update import SkipUpdate
 from mode.hf.dense.tune import _as_batch, _positions, lm_loss
@@ -44,7 +44,7 @@ def _half_output(module, args, output, read: dict, estimate: SkipUpdate | None):
 def _identity_layer(module, args, kwargs, output, estimate: SkipUpdate | None = None):
     """The whole decoder layer returns its input (the residual stream passes unchanged), plus ``estimate``'s
     update of it if given."""
-    x_BSD = args[0] if args else kwargs["hidden_states"]
+    x_BSD = _hidden(args, kwargs)
     if estimate is not None:
         x_BSD = x_BSD + estimate(x_BSD.float()).to(x_BSD.dtype)
     return (x_BSD,) + output[1:] if isinstance(output, tuple) else x_BSD
@@ -65,7 +65,7 @@ def skipped(model: nn.Module, layer: int, part: str, estimate: SkipUpdate | None
         read: dict[str, torch.Tensor] = {}
 
         def remember(module, args, kwargs):
-            read["x"] = args[0] if args else kwargs["hidden_states"]
+            read["x"] = _hidden(args, kwargs)
 
         handles = [
             target.get_submodule(sink).register_forward_hook(
