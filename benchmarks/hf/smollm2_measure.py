@@ -27,8 +27,7 @@ def window_losses(model, windows_WS: torch.Tensor, batch: int = 8, shares: dict 
     """Mean next-token loss of each window ``(W,)``; ``shares``, if given, gets each MoD layer's routed share."""
     model.eval()
     out, seen = [], {}
-    for i in range(0, len(windows_WS), batch):
-        x_BS = windows_WS[i : i + batch]
+    for x_BS in batches_of(windows_WS, batch):
         logits = model(x_BS, use_cache=False).logits
         out.append(F.cross_entropy(logits[:, :-1].transpose(1, 2), x_BS[:, 1:], reduction="none").mean(1))
         if shares is not None:

@@ -199,16 +199,15 @@ def convert_to_macs(
         n_layers = len(decoder_layers(model))
         order: str | list = cfg.order
         if cfg.order == "skip_cost":  # each part's cost with its estimate standing in, where it has one
-
-            def costs_of(part: str) -> dict[int, float]:
-                cost_batches = fit_batches[: cfg.cost_batches]
-                return skip_costs(model, cost_batches, part, estimate_rank=cfg.skip_rank, fit_batches=fit_batches)
-
+            cost_batches = fit_batches[: cfg.cost_batches]
+            costs = {
+                part: skip_costs(model, cost_batches, part, estimate_rank=cfg.skip_rank, fit_batches=fit_batches)
+                for part in (HALVES if cfg.part == MIXED else (cfg.part,))
+            }
             if cfg.part == MIXED:
-                order = mixed_order(model, {h: costs_of(h) for h in HALVES}, cfg.seq_len, skip_rank=cfg.skip_rank)
+                order = mixed_order(model, costs, cfg.seq_len, skip_rank=cfg.skip_rank)
             else:
-                costs_i = costs_of(cfg.part)
-                order = sorted(range(n_layers), key=lambda i: (costs_i[i], i))
+                order = sorted(range(n_layers), key=lambda i: (costs[cfg.part][i], i))
             seconds["skip_costs"] = time.perf_counter() - t0
         plan = plan_to_macs(
             model,
