@@ -494,6 +494,19 @@ def _hvp_doc(rows: list[tuple[str, float, int, float]], base: float = 2.0, steps
     return {"settings": {"smoke": False, "heal_steps": steps}, "base_loss": base, "skip_costs": {}, "rows": out}
 
 
+def test_estimate_memory_smoke_fits_the_same_estimates_both_ways(tmp_path):
+    """--smoke: each way (tokens held, running sums) in its own process on the tiny random Llama; both fit every
+    layer, the maps they fit agree, and the JSON says the memory each took."""
+    out = tmp_path / "em.json"
+    script = str(ROOT / "benchmarks" / "hf" / "estimate_memory.py")
+    subprocess.run([sys.executable, script, "--smoke", "--out", str(out)], check=True, timeout=600, cwd=ROOT)
+    doc = json.loads(out.read_text())
+    assert [r["way"] for r in doc["rows"]] == ["forward", "tokens", "moments"]
+    assert all(r["layers"] == 8 and r["tokens"] == 8 * 64 and r["growth_mib"] >= 0 for r in doc["rows"])
+    assert doc["max_rel_map_diff"] < 1e-4  # the same fits from the sums as from the tokens (measured 0)
+    assert math.isfinite(doc["memory_ratio"])
+
+
 def test_conversion_choices_smoke_plans_each_order_and_label(tmp_path):
     """--smoke: one row per (layer order, router label), each planned to the pruning point's MACs (1%) with the
     layers its order ranks cheapest, measured on the held-out windows."""

@@ -8,6 +8,7 @@ The public names are re-exported by ``mode.hf``; this package only groups the fi
     cache           ``MoDCacheLayer``: the sparse per-layer KV cache (``kv="routed"``)
     routed_queries  attention where every token writes K/V and only routed tokens ask a query (``kv="all"``)
     skip_update     ``SkipUpdate``: a skipped token's fitted low-rank estimate (``skip_rank``)
+    update_moments  ``UpdateMoments``: the running sums an estimate is fitted from without holding the tokens
     routing         ``routing(model, "topk" | "causal" | "dense")`` and ``collect_aux`` (MoD and MoE slots)
     router_fit      fitting the routers in closed form from the original model's forwards
     tune            ``router_tune`` (only the routers trained) and ``calibrate`` (the causal thresholds)

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from mode.hf._compat import decoder_layers
 from mode.hf.dense.skip_update import SkipUpdate
 from mode.hf.dense.tune import _as_batch, _positions
+from mode.hf.dense.update_moments import UpdateMoments
 
 
 def _hidden(args, kwargs) -> Tensor:
@@ -92,15 +93,14 @@ def layer_estimates(
 ) -> dict[int, SkipUpdate]:
     """For each layer in ``chosen``: a rank-``rank`` ``SkipUpdate`` (float32, on the model's device) fitted by
     ridge regression of ``part``'s update on what it reads (``_SITES``), each on its own input in ``model`` as it
-    is (one forward per batch for all of them; holds every chosen layer's inputs and updates of the real
-    tokens)."""
-    data: dict[int, list[tuple[Tensor, Tensor]]] = {i: [] for i in chosen}
-    part_io(model, batches, chosen, part, lambda i, x_ND, u_ND: data[i].append((x_ND, u_ND)))
+    is (one forward per batch for all of them; each layer keeps the running sums of its tokens,
+    ``UpdateMoments``, two ``(D, D)`` matrices, not the tokens)."""
+    moments = {i: UpdateMoments() for i in chosen}
+    part_io(model, batches, chosen, part, lambda i, x_ND, u_ND: moments[i].add(x_ND, u_ND))
     ref = next(model.parameters())
     out = {}
     for i in chosen:
-        x_ND, u_ND = (torch.cat(t) for t in zip(*data[i]))
-        est = SkipUpdate(x_ND.shape[1], rank).to(device=ref.device, dtype=torch.float32)
-        est.fit(x_ND, u_ND)
+        est = SkipUpdate(moments[i].d_model, rank).to(device=ref.device, dtype=torch.float32)
+        est.fit_moments(moments[i])
         out[i] = est
     return out
