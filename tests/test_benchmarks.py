@@ -436,6 +436,19 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     assert seed1["prune-bi@0.9#s1"]["data_digest"] != rows["prune-bi@0.9#s0"]["data_digest"]
     mixed = subprocess.run([*later, "--heal-text", "topics+docstrings"], **{**run, "check": False})
     assert mixed.returncode != 0 and "'heal_text': 'topics'" in mixed.stderr  # other heal text: its own file
+    planted = tmp_path / "planted.json"  # costs from elsewhere, taken as they are: the last layers cheapest
+    planted.write_text(
+        json.dumps({**payload, "rows": [], "skip_costs": {"layer+estimate8": {str(i): -i for i in range(8)}}})
+    )
+    reuse = [*cmd[:-1], str(tmp_path / "reuse.json"), "--macs", "0.9", "--methods", "prune-sc-est-all", "--no-speed"]
+    subprocess.run([*reuse, "--costs-from", str(planted)], **run)
+    took = json.loads((tmp_path / "reuse.json").read_text())
+    assert took["skip_costs"]["layer+estimate8"] == {str(i): -i for i in range(8)}  # not measured again
+    (row,) = took["rows"]
+    assert row["layers"] == list(range(8 - len(row["layers"]), 8)), row["layers"]  # deleted by the planted costs
+    other = [*reuse, "--costs-from", str(planted), "--heal-text", "topics+docstrings", "--fresh"]
+    refused = subprocess.run(other, **{**run, "check": False})
+    assert refused.returncode != 0 and f"--costs-from {planted}: measured with other settings" in refused.stderr
     speed = tmp_path / "speed.json"  # the conversions rebuilt and timed alone (heal_vs_prune_speed.py)
     script = str(ROOT / "benchmarks" / "hf" / "heal_vs_prune_speed.py")
     subprocess.run([sys.executable, script, "--smoke", "--rows", str(out), "--out", str(speed)], **run)

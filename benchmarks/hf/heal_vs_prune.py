@@ -88,9 +88,10 @@ more seeds also a paired t interval over the seeds' Δ loss differences (t with 
 carries the seed-to-seed spread the bootstrap does not.
 
 One JSON row per (method, point, seed), written atomically as soon as it is measured; a rerun skips the rows
-present (a killed run resumes), ``--fresh`` starts over. Writes ``--out`` (default
-``benchmarks/results/heal_vs_prune.json``; ``--smoke``: ``heal_vs_prune_smoke.json``) and a PNG beside it:
-Δ loss vs MACs, one line per method, and MoD − pruning with its intervals; prints a table.
+present (a killed run resumes), ``--fresh`` starts over; ``--costs-from R`` takes the skip costs of the result
+``R`` (same settings) instead of measuring them. Writes ``--out`` (default ``benchmarks/results/
+heal_vs_prune.json``; ``--smoke``: ``heal_vs_prune_smoke.json``) and a PNG beside it: Δ loss vs MACs, one line
+per method, and MoD − pruning with its intervals; prints a table.
 
 Shape legend: W windows, S sequence, B batch.
 """
@@ -231,6 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="threads for healing and losses (speed: one thread)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--fresh", action="store_true", help="discard the rows of --out and start over")
+    p.add_argument("--costs-from", help="a result of the same settings (a merged one): its skip costs, not measured")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.first_seed < 0:
@@ -271,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     keep = ("out", "threads", "cache_dir", "no_speed", "speed_seeds", "methods", "macs", "seeds", "first_seed", "fresh")
+    keep += ("costs_from",)
     settings = {k: v for k, v in vars(args).items() if k not in keep}
     done = {} if args.fresh or not out_path.is_file() else json.loads(out_path.read_text())
     if done and settings_of(done) != settings:
@@ -279,6 +282,11 @@ def main(argv: list[str] | None = None) -> dict:
         )
     rows: dict[str, dict] = {r["key"]: r for r in done.get("rows", [])}
     costs: dict[str, dict[str, float]] = done.get("skip_costs", {})
+    if args.costs_from:  # costs measured by another run (~12 CPU-minutes for both halves with estimates)
+        other = json.loads(Path(args.costs_from).read_text())
+        if settings_of(other) != settings:
+            raise ValueError(f"--costs-from {args.costs_from}: measured with other settings ({other.get('settings')})")
+        costs = {**other.get("skip_costs", {}), **costs}
     base_W = window_losses(original, val_WS)
     base = float(base_W.mean())
     print(f"{name}: held-out {len(val_WS)} windows x {S} tokens, loss {base:.4f} (threads {threads})", flush=True)
