@@ -1,7 +1,7 @@
 """``SkipUpdate``: what a token that skips a MoD layer's part gets instead of nothing, a cheap estimate of the
 update it skipped (``to_mod(skip_rank=r)``).
 
-Shape legend: B batch, S sequence, D hidden, R rank.
+Shape legend: B batch, S sequence, D hidden, R rank, N tokens.
 
 A skipped token's residual stream gets ``x + bias + (x @ down) @ up``: a rank-``R`` affine map of the
 router's input (``skip_rank=0``: the constant ``bias`` alone, MoE++'s constant expert). It costs
@@ -62,7 +62,7 @@ class SkipUpdate(nn.Module):
         # The energy the fit leaves, Σ|u - x A - b|² with A = down @ up, from the sums: with xc and uc centred and
         # δ the residual's mean (zero but for the parameters' float32 rounding) it is Σ|uc - xc A|² + n|δ|²,
         # and Σ|uc - xc A|² = Σ|uc|² - 2 tr(Aᵀ xcᵀuc) + tr(Aᵀ xcᵀxc A).
-        a_DD = self.down.double() @ self.up.double() if self.rank > 0 else torch.zeros_like(gram_DD)
+        a_DD = self.down.double() @ self.up.double()  # (D, D); zero at rank 0
         delta_D = mean_u_D - mean_x_D @ a_DD - self.bias.double()
         left = energy - 2 * (a_DD * cross_DD).sum() + (a_DD * (gram_DD @ a_DD)).sum() + moments.n * delta_D.pow(2).sum()
         total = energy + moments.n * mean_u_D.pow(2).sum()
