@@ -52,6 +52,14 @@ def parse_device(choice: str) -> torch.device:
     return torch.device("cuda", index)
 
 
+def proc_status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``; Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
 def machine_info(device: torch.device | None = None) -> dict:
     """What the JSON needs to say where it was measured: versions, the CPU, and the device timed on."""
     device = torch.device("cpu") if device is None else device

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere without installing
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine_info  # noqa: E402
+from benchmarks.common import machine_info, proc_status_bytes  # noqa: E402
 from benchmarks.hf.heal_vs_prune import load_original  # noqa: E402
 from mode.hf.dense.layer_io import layer_estimates, part_io  # noqa: E402
 from mode.hf.dense.skip_update import SkipUpdate  # noqa: E402
@@ -39,14 +39,6 @@ from mode.hf.dense.windows import batches_of, english_windows  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 WAYS = ("forward", "tokens", "moments")
-
-
-def _status_kib(field: str) -> int:
-    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def fit_by_tokens(model, batches, chosen, rank) -> dict[int, SkipUpdate]:
@@ -81,19 +73,19 @@ def child(args) -> None:
         reset = True
     except OSError:  # not allowed here: the peak may be an earlier one (loading), the growth a lower bound
         reset = False
-    before = _status_kib("VmRSS")
+    before = proc_status_bytes("VmRSS")
     t0 = time.perf_counter()
     fit = {"forward": forward_only, "tokens": fit_by_tokens, "moments": layer_estimates}[args.way]
     with torch.no_grad():
         est = fit(model, batches, chosen, args.rank)
     seconds = time.perf_counter() - t0
-    peak = _status_kib("VmHWM")
+    peak = proc_status_bytes("VmHWM")
     maps = {f"{i}.a": (e.down @ e.up).detach().contiguous() for i, e in est.items()}
     maps.update({f"{i}.bias": e.bias.detach().contiguous() for i, e in est.items()})
     if maps:
         save_file(maps, f"{args.child_out}.safetensors")
     tokens = sum(int(b.numel()) for b in batches)
-    doc = {"way": args.way, "growth_mib": (peak - before) / 1024, "seconds": seconds, "layers": len(chosen)}
+    doc = {"way": args.way, "growth_mib": (peak - before) / 2**20, "seconds": seconds, "layers": len(chosen)}
     doc.update(tokens=tokens, hidden=model.config.hidden_size, peak_reset=reset)
     Path(f"{args.child_out}.json").write_text(json.dumps(doc))
 

@@ -47,19 +47,12 @@ CASES = [  # (activation checkpointing, micro-batches)
 MIB = 1 << 20
 
 
-def _vm(field: str) -> int:
-    """A ``/proc/self/status`` field in bytes (VmRSS, VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def child(ac: bool, n: int, device: str, threads: int) -> dict:
     """One case, in this (fresh) process: what the measured step added, in bytes, and its time."""
     import numpy as np
     import torch
 
+    from benchmarks.common import proc_status_bytes
     from mode.parallel.command import PRESETS
     from mode.train import Trainer
     from mode.train.data import Corpus
@@ -83,7 +76,7 @@ def child(ac: bool, n: int, device: str, threads: int) -> dict:
             torch.cuda.reset_peak_memory_stats(dev)
             before = torch.cuda.memory_allocated(dev)
         else:
-            before = _vm("VmRSS")
+            before = proc_status_bytes("VmRSS")
             Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
         t0 = time.perf_counter()
         t.train_step()
@@ -91,7 +84,7 @@ def child(ac: bool, n: int, device: str, threads: int) -> dict:
             torch.cuda.synchronize(dev)
             peak = torch.cuda.max_memory_allocated(dev)
         else:
-            peak = _vm("VmHWM")
+            peak = proc_status_bytes("VmHWM")
         seconds = time.perf_counter() - t0
         params = sum(p.numel() * p.element_size() for p in t.model.parameters())
     return {
