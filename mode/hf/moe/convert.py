@@ -217,6 +217,23 @@ def _check_model(model: nn.Module) -> tuple[object, str]:
     return config, model_type
 
 
+def _check_unsharded(model: nn.Module, blocks: list) -> None:
+    """transformers' own tensor or expert parallelism (``from_pretrained(tp_plan=...)``, ``distributed_config``)
+    has split the blocks' tensors across ranks: mode's layers need the whole tensors (mode's expert parallelism
+    shards them itself, ``mode.parallel.parallelize``)."""
+    from torch.distributed.tensor import DTensor
+
+    tp_size = getattr(model, "_tp_size", None) or 1
+    sharded = [n for _, _, b in blocks for n, p in b.named_parameters() if isinstance(p, DTensor)]
+    if tp_size > 1 or sharded:
+        raise ValueError(
+            f"model: is sharded by transformers' tensor or expert parallelism (tp_size={tp_size}, sharded block "
+            f"tensors {sharded[:3]}); to_mode_moe converts the whole model: load it without tp_plan / "
+            "distributed_config, convert it, then shard it with mode.parallel.parallelize (experts over the mesh's "
+            "ep dim, FSDP2 for the rest)"
+        )
+
+
 def to_mode_moe(
     model: nn.Module,
     *,
@@ -241,6 +258,7 @@ def to_mode_moe(
         raise ValueError(
             f"model={type(model).__name__}: holds no sparse MoE block (looked for {', '.join(sorted(FAMILIES))})"
         )
+    _check_unsharded(model, blocks)
     spec = SPECS[model_type]
     router_classes = {type(get_path(block, spec.router)) for _, _, block in blocks if spec.router}
     recorder = next((r for r in (_router_recorder(model, c) for c in router_classes) if r is not None), None)

@@ -93,6 +93,21 @@ def transformers_names(model: nn.Module, state: dict[str, Tensor]) -> dict[str, 
     return out
 
 
+def mode_names(model: nn.Module, names) -> list[str]:
+    """``names`` of the family's layout (a load report's ``missing_keys``, a checkpoint's keys) as the converted
+    ``model`` names the same tensors: the inverse of ``transformers_names``. A derived tensor (LongCat's
+    ``gate_up_proj``) names each of its parts; a name that is not a converted block's passes unchanged."""
+    ours: dict[str, list[str]] = {}
+    for slot_name, slot in converted_slots(model).items():
+        for o, t in slot.names.items():
+            ours[f"{slot_name}.{t}"] = [f"{slot_name}.moe.{o}"]
+        for o, t in slot.kept_names.items():
+            ours[f"{slot_name}.{t}"] = [f"{slot_name}.{o}"]
+        for t, (parts, _) in slot.derived.items():
+            ours[f"{slot_name}.{t}"] = [f"{slot_name}.{p}" for p in parts]
+    return [o for n in names for o in ours.get(n, [n])]
+
+
 def transformers_state_dict(model: nn.Module) -> dict[str, Tensor] | None:
     """The converted model's full state dict in its family's layout (what ``save_pretrained`` writes), for
     transformers' loaders (``from_pretrained(None, config=..., state_dict=...)``, ``load_state_dict`` of a plain
@@ -125,7 +140,8 @@ def transformers_twin(model: nn.Module, state: dict[str, Tensor]) -> PreTrainedM
             "mode.hf.save_transformers(model, path), which writes the full state"
         )
     fresh.load_state_dict(state, strict=True, assign=True)
-    fresh.generation_config = getattr(model, "generation_config", fresh.generation_config)
+    if getattr(model, "generation_config", None) is not None:  # a base model or a non-generative head has none
+        fresh.generation_config = model.generation_config
     return fresh
 
 

@@ -3,13 +3,14 @@
 
     model.set_experts_implementation("grouped")     # mode's backends: "reference", "grouped", "megablocks", "auto"
     model.set_experts_implementation("eager")       # transformers' names: eager -> reference, grouped_mm -> grouped
-    model._keep_in_fp32_modules_strict               # {"e_score_correction_bias", "moe.router.bias_X"}
+    model._keep_in_fp32_modules_strict               # {"moe.router.bias_X"} (DeepSeek-V3's e_score_correction_bias)
 
 Metadata, per transformers model in the tree that holds converted slots (the causal LM, a multimodal model's
 text model), all instance attributes (the class and the config, and so a saved checkpoint, stay the family's):
-    _keep_in_fp32_modules(_strict)   each pattern that names a tensor of a converted block also names ours
+    _keep_in_fp32_modules(_strict)   each pattern that names a tensor of a converted block names ours instead
                                      (DeepSeek-V3's ``e_score_correction_bias`` -> ``moe.router.bias_X``); the
-                                     family's pattern stays for the checkpoint it saves
+                                     family's pattern stays where it still names a tensor of the model (the
+                                     checkpoint it saves is the family twin's, with the class's own list)
     _no_split_modules                 the converted block classes become ``ConvertedMoE`` / ``ConvertedExperts``
     tp_plan, ep_plan                  entries for the converted blocks' own tensors (router, experts) are dropped:
                                       transformers' tensor or expert parallelism would shard tensors that are no
@@ -61,6 +62,8 @@ def set_experts_implementation(self, experts_implementation) -> None:
         )
     for slot in converted_slots(self).values():
         slot.moe.experts.set_backend(backend)
+    if experts_implementation in EXPERTS_IMPLEMENTATIONS:  # the config says what transformers would say
+        self.config._experts_implementation = experts_implementation
 
 
 def _pattern(key: str) -> re.Pattern:
@@ -105,6 +108,7 @@ def adopt(model: nn.Module) -> None:
     for owner in _owners(model):
         slots = converted_slots(owner)
         set_module_attr(owner, "set_experts_implementation", types.MethodType(set_experts_implementation, owner))
+        names = list(owner.state_dict())
         for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
             patterns = set(getattr(owner, attr, None) or ())
             ours = {
@@ -114,8 +118,11 @@ def adopt(model: nn.Module) -> None:
                 for o, t in slot.names.items()
                 if re.search(rf"(^|\.){re.escape(p)}($|\.)", t)
             }
+            # a family pattern that named only converted tensors names nothing now (the checkpoint the twin
+            # saves takes the class's own list)
+            kept = {p for p in patterns if any(re.search(rf"(^|\.){re.escape(p)}($|\.)", n) for n in names)}
             if patterns:
-                setattr(owner, attr, patterns | ours)
+                setattr(owner, attr, kept | ours)
         no_split = set(getattr(owner, "_no_split_modules", None) or ())
         converted = {s.block_class for s in slots.values()}
         set_module_attr(owner, "_no_split_modules", (no_split - converted) | {type(s).__name__ for s in slots.values()})
