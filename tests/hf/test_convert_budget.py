@@ -120,6 +120,34 @@ def test_prune_deletes_the_nearest_layer_count(hf):
     assert len(model.model.layers) == 8 - n
 
 
+@pytest.mark.parametrize("cost_batches", (1, 3))
+def test_mod_and_pruning_measure_skip_costs_on_the_same_batches(hf, monkeypatch, cost_batches):
+    """One cost rule (issue 70): with order / prune_by "skip_cost", both methods measure each layer's skip cost
+    on the first ``cost_batches`` fit batches, with the estimate fitted on all of them; pruning deletes the
+    layers those costs rank cheapest."""
+    from mode.hf.dense import budget
+
+    seen = {}
+
+    def recording(model, batches, part="attention", *args, fit_batches=None, **kwargs):
+        seen.setdefault(method, []).append(([id(b) for b in batches], [id(b) for b in fit_batches or []]))
+        return original(model, batches, part, *args, fit_batches=fit_batches, **kwargs)
+
+    original = budget.skip_costs
+    monkeypatch.setattr(budget, "skip_costs", recording)
+    data = _windows()
+    for method in ("mod", "prune"):
+        cfg = hf.BudgetConfig(
+            0.8, method=method, seq_len=S, skip_rank=2, prune_by="skip_cost", cost_batches=cost_batches
+        )
+        result = hf.convert_to_macs(_original(), cfg, data)
+        if method == "prune":
+            costs = original(_original(), data[:cost_batches], "layer", estimate_rank=2, fit_batches=data)
+            assert result.layers == sorted(sorted(costs, key=lambda i: (costs[i], i))[: len(result.layers)])
+    expected = [([id(b) for b in data[:cost_batches]], [id(b) for b in data])]
+    assert seen == {"mod": expected, "prune": expected}
+
+
 @pytest.mark.parametrize("method", ("mod", "prune"))
 def test_healed_conversion_saves_and_loads(hf, tmp_path, method):
     original = _original(layers=4)

@@ -58,7 +58,8 @@ class BudgetConfig:
     ``mixed_order`` ranks them; needs order ``"skip_cost"``). causal (mod): ``"threshold"`` or
     ``"aux_bce"``. skip_rank: the rank of the estimate standing in for a skipped part (mod) or a deleted layer
     (prune); None: none. order (mod):
-    ``"skip_cost"`` (cheapest layers first, measured on ``cost_batches`` of the fit batches; with
+    ``"skip_cost"`` (cheapest layers first, measured on ``cost_batches`` of the fit batches, as pruning's
+    ``prune_by="skip_cost"`` measures them; with
     ``skip_rank``: each part, or half for ``"mixed"``, skipped with its estimate, fitted on the fit batches,
     standing in) or
     ``"every_other"``. min_capacity (mod): the lowest capacity the plan may use. router_label (mod):
@@ -191,15 +192,20 @@ def convert_to_macs(
     t0 = time.perf_counter()
     capacity: float | None = None
     parts: dict[int, str] = {}
+    # One cost rule for both methods: a part's skip cost is measured on the first ``cost_batches`` fit batches,
+    # with its estimate (if any) fitted on all of them, so MoD and pruning rank layers on the same evidence.
+    cost_batches = fit_batches[: cfg.cost_batches]
     if cfg.method == "prune":
         n = layers_to_delete(model, cfg.seq_len, cfg.macs)
-        layers = prune_layers(model, n, cfg.prune_by, fit_batches, estimate_rank=cfg.skip_rank)
+        scores = None
+        if cfg.prune_by == "skip_cost":
+            scores = skip_costs(model, cost_batches, "layer", estimate_rank=cfg.skip_rank, fit_batches=fit_batches)
+        layers = prune_layers(model, n, cfg.prune_by, fit_batches, estimate_rank=cfg.skip_rank, scores=scores)
         seconds["prune"] = time.perf_counter() - t0
     else:
         n_layers = len(decoder_layers(model))
         order: str | list = cfg.order
         if cfg.order == "skip_cost":  # each part's cost with its estimate standing in, where it has one
-            cost_batches = fit_batches[: cfg.cost_batches]
             costs = {
                 part: skip_costs(model, cost_batches, part, estimate_rank=cfg.skip_rank, fit_batches=fit_batches)
                 for part in (HALVES if cfg.part == MIXED else (cfg.part,))
