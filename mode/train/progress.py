@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -61,13 +62,15 @@ def _is_tty(stream) -> bool:
 class Progress:
     """How a run shows its progress. ``bar``: draw a tqdm bar when stderr is a terminal. ``every_s``: seconds
     between plain lines (0: one a step). ``lines``: write plain lines at all. ``out``/``err``: the streams
-    for lines and bar (default: ``sys.stdout``/``sys.stderr`` as they are when the run starts)."""
+    for lines and bar (default: ``sys.stdout``/``sys.stderr`` as they are when the run starts). ``clock``:
+    seconds (default ``time.monotonic``)."""
 
     bar: bool = True
     every_s: float = DEFAULT_EVERY_S
     lines: bool = True
     out: TextIO | None = None
     err: TextIO | None = None
+    clock: Callable[[], float] | None = None  # seconds (default time.monotonic); the tests pass a fake one
 
     def __post_init__(self) -> None:
         _checks.check_bool("bar", self.bar)
@@ -83,9 +86,9 @@ class Progress:
             return cls(bar=progress)
         raise TypeError(f"progress={progress!r}: must be a bool or a mode.train.progress.Progress")
 
-    def start(self, name: str, total: int, initial: int = 0, clock=time.monotonic) -> RunProgress:
+    def start(self, name: str, total: int, initial: int = 0, clock=None) -> RunProgress:
         """The progress of one run from step ``initial`` to ``total`` (``clock``: seconds, for the tests)."""
-        return RunProgress(self, name, total, initial, clock)
+        return RunProgress(self, name, total, initial, clock or self.clock or time.monotonic)
 
 
 class RunProgress:
@@ -141,3 +144,50 @@ class RunProgress:
     def _write(self, line: str) -> None:
         if self.lines:
             print(line, file=self.out, flush=True)
+
+
+class PhaseProgress:
+    """One phase of a long job that is not training steps (a conversion's skip costs, fits, calibration), as
+    lines on stdout: one every ``every_s`` seconds while it runs and one when it ends::
+
+        skip costs (attention): 12/30 layers (40%)  ETA 3m10s
+        skip costs (attention): 30 layers done in 8m02s
+
+    Silent where ``lines`` is off (``phase(None, ...)``: library use)."""
+
+    def __init__(self, cfg: Progress, name: str, total: int, unit: str, clock=time.monotonic):
+        self.name, self.total, self.unit = name, total, unit
+        self.out = cfg.out if cfg.out is not None else sys.stdout
+        self.lines, self.every_s, self.clock = cfg.lines, cfg.every_s, clock
+        self.t0 = self.last = clock()
+        self.done = 0
+
+    def advance(self, n: int = 1) -> None:
+        """``n`` more units of the phase are done."""
+        self.done += n
+        now = self.clock()
+        if self.lines and self.done < self.total and now - self.last >= self.every_s:
+            self.last = now
+            pace = (now - self.t0) / self.done
+            print(
+                f"{self.name}: {self.done}/{self.total} {self.unit} ({self.done / self.total:.0%})  "
+                f"ETA {format_duration(pace * (self.total - self.done))}",
+                file=self.out,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        """The end line (``done in``)."""
+        if self.lines:
+            took = format_duration(self.clock() - self.t0)
+            print(f"{self.name}: {self.done} {self.unit} done in {took}", file=self.out, flush=True)
+
+
+SILENT = Progress(bar=False, lines=False)
+
+
+def phase(progress: Progress | None, name: str, total: int, unit: str) -> PhaseProgress:
+    """A ``PhaseProgress`` of ``total`` ``unit`` as ``progress`` says (None: silent; its ``clock``, if it has
+    one, for the tests)."""
+    cfg = SILENT if progress is None else progress
+    return PhaseProgress(cfg, name, total, unit, getattr(cfg, "clock", None) or time.monotonic)

@@ -4,6 +4,7 @@ the field named, and the command's folder loads back onto the original with the 
 
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -281,3 +282,28 @@ def test_command_refuses_bad_input(hf, tmp_path, capsys):
         main(["convert", "smollm2", "--macs", "0.8", "--out", str(tmp_path / "o"), "--router-label", "residual"]) == 2
     )
     assert "router_label='residual'" in capsys.readouterr().err  # no --skip-rank: refused before loading
+
+
+def test_every_phase_of_a_conversion_shows_progress(hf, capsys):
+    """``progress``: each phase (skip costs with their estimates, router fits, calibration, the heal) writes
+    lines while it runs (every 0 s here) and an end line; without ``progress`` nothing is written."""
+    import io
+
+    from mode.train.progress import Progress
+
+    out = io.StringIO()
+    heal = hf.HealConfig(steps=2, rank=2, layers="all")
+    cfg = hf.BudgetConfig(0.8, seq_len=S, skip_rank=2, heal=heal)
+    hf.convert_to_macs(_original(layers=4), cfg, _windows(3), progress=Progress(bar=False, every_s=0, out=out))
+    text = out.getvalue()
+    for name in ("estimates (layer, rank 2)", "skip costs (layer)", "router fit (update)", "calibration"):
+        assert re.search(rf"^{re.escape(name)}: \d+/\d+ .* ETA ", text, re.M), (name, text)
+        assert re.search(rf"^{re.escape(name)}: \d+ .* done in ", text, re.M), (name, text)
+    assert re.search(r"^heal: step 2/2 done in ", text, re.M), text
+    pruned = io.StringIO()
+    cfg = hf.BudgetConfig(0.8, method="prune", seq_len=S, skip_rank=2, prune_by="skip_cost")
+    hf.convert_to_macs(_original(layers=4), cfg, _windows(3), progress=Progress(bar=False, every_s=0, out=pruned))
+    assert "skip costs (layer): 5 loss passes done in" in pruned.getvalue(), pruned.getvalue()
+    capsys.readouterr()
+    hf.convert_to_macs(_original(layers=4), hf.BudgetConfig(0.8, seq_len=S, skip_rank=2), _windows(3))
+    assert capsys.readouterr().out == ""

@@ -14,7 +14,7 @@ from mode.cli import main
 from mode.model import LMConfig
 from mode.train import TrainConfig, Trainer
 from mode.train.data import Corpus
-from mode.train.progress import Progress, format_duration
+from mode.train.progress import Progress, format_duration, phase
 
 LINE = re.compile(r"^run: step (\d+)/10 \((\d+)%\)  loss (\d+\.\d{4})  ([\d,]+) tok/s  ETA (\S+)$")
 END = re.compile(r"^run: step 10/10 done in \S+  loss (\d+\.\d{4})  ([\d,]+) tok/s$")
@@ -177,3 +177,22 @@ def test_mode_train_no_progress_still_logs_progress_lines(data, tmp_path, capsys
     captured = capsys.readouterr()
     assert re.search(r"^mode train: step 3/3 done in \S+  loss \d+\.\d{4}  [\d,]+ tok/s$", captured.out, re.M)
     assert "\r" not in captured.out + captured.err
+
+
+def test_a_phase_longer_than_the_interval_prints_lines_with_eta_and_an_end_line():
+    """``phase``: a conversion's skip costs, fits and calibration (issue 70: ``mode convert`` was silent for 20
+    minutes). 5 s a layer, a line every 20 s: lines at layers 4 and 8 of 10, then the end line; None: silent."""
+    out, clock = io.StringIO(), Clock()
+    shown = phase(Progress(out=out, clock=clock), "skip costs (layer)", 10, "layers")
+    for _ in range(10):
+        clock.t += 5.0
+        shown.advance()
+    shown.close()
+    assert out.getvalue().splitlines() == [
+        "skip costs (layer): 4/10 layers (40%)  ETA 30s",
+        "skip costs (layer): 8/10 layers (80%)  ETA 10s",
+        "skip costs (layer): 10 layers done in 50s",
+    ]
+    quiet = phase(None, "calibration", 3, "batches")
+    quiet.advance(3)
+    quiet.close()  # nothing to check but that it writes nowhere: capsys in the conversion test below

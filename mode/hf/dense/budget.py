@@ -169,8 +169,10 @@ def convert_to_macs(
     """Convert ``model`` (an original Llama / Qwen2 / Mistral, in place) to ``cfg.macs`` of its MACs per token
     as ``cfg`` says (module doc), fitting on ``fit_batches`` and healing on ``heal_batches`` (default: the fit
     batches) against ``teacher`` (default: a copy of ``model`` taken before converting). Batches are (B, S)
-    token ids or dicts with ``input_ids`` / ``attention_mask``. ``progress``: the heal's (``heal``; None:
-    silent). ``calibration_batches``: what the MoD causal thresholds are set on (default: the fit batches).
+    token ids or dicts with ``input_ids`` / ``attention_mask``. ``progress``: lines for a person from every
+    phase (skip costs per layer, estimate fits, router fits, calibration, and the heal's; ``heal``), every 20 s
+    and at each phase's end (None: silent). ``calibration_batches``: what the MoD causal thresholds are set on
+    (default: the fit batches).
     Returns a ``BudgetResult``; ``save_conversion`` writes the model."""
     if not isinstance(cfg, BudgetConfig):
         raise TypeError(f"cfg={type(cfg).__name__}: must be a mode.hf.BudgetConfig")
@@ -188,6 +190,7 @@ def convert_to_macs(
     if teacher is not None:
         for p in teacher.parameters():
             p.requires_grad_(False)
+    shown = None if progress is None else Progress.of(progress)
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     capacity: float | None = None
@@ -199,15 +202,21 @@ def convert_to_macs(
         n = layers_to_delete(model, cfg.seq_len, cfg.macs)
         scores = None
         if cfg.prune_by == "skip_cost":
-            scores = skip_costs(model, cost_batches, "layer", estimate_rank=cfg.skip_rank, fit_batches=fit_batches)
-        layers = prune_layers(model, n, cfg.prune_by, fit_batches, estimate_rank=cfg.skip_rank, scores=scores)
+            scores = skip_costs(
+                model, cost_batches, "layer", estimate_rank=cfg.skip_rank, fit_batches=fit_batches, progress=shown
+            )
+        layers = prune_layers(
+            model, n, cfg.prune_by, fit_batches, estimate_rank=cfg.skip_rank, scores=scores, progress=shown
+        )
         seconds["prune"] = time.perf_counter() - t0
     else:
         n_layers = len(decoder_layers(model))
         order: str | list = cfg.order
         if cfg.order == "skip_cost":  # each part's cost with its estimate standing in, where it has one
             costs = {
-                part: skip_costs(model, cost_batches, part, estimate_rank=cfg.skip_rank, fit_batches=fit_batches)
+                part: skip_costs(
+                    model, cost_batches, part, estimate_rank=cfg.skip_rank, fit_batches=fit_batches, progress=shown
+                )
                 for part in (HALVES if cfg.part == MIXED else (cfg.part,))
             }
             if cfg.part == MIXED:
@@ -227,16 +236,16 @@ def convert_to_macs(
         for group in plan.groups():
             to_mod(model, **group, causal=cfg.causal)
         t1 = time.perf_counter()
-        router_fit(model, fit_batches, label=cfg.router_label, calibration_batches=cal_batches)
+        router_fit(model, fit_batches, label=cfg.router_label, calibration_batches=cal_batches, progress=shown)
         seconds["router_fit"] = time.perf_counter() - t1
         layers, capacity, parts = sorted(plan.layers), plan.capacity, plan.parts
     report = None
     if cfg.heal is not None:
         t1 = time.perf_counter()
-        report = heal(model, teacher, heal_batches if heal_batches is not None else fit_batches, cfg.heal, progress)
+        report = heal(model, teacher, heal_batches if heal_batches is not None else fit_batches, cfg.heal, shown)
         merge_lora(model)
         if _steers(model):
-            calibrate(model, cal_batches)  # healing moved the routers: steer the causal thresholds again
+            calibrate(model, cal_batches, shown)  # healing moved the routers: steer the causal thresholds again
         seconds["heal"] = time.perf_counter() - t1
     seconds["total"] = time.perf_counter() - t0
     return BudgetResult(

@@ -38,6 +38,7 @@ from mode.hf.dense.convert import mod_layers
 from mode.hf.dense.layer_io import _hidden, layer_estimates, layer_io
 from mode.hf.dense.skip_cost import cheapest, skip_costs
 from mode.hf.dense.skip_update import SkipUpdate
+from mode.train.progress import Progress
 
 PRUNE_BY = ("skip_cost", "block_influence")
 
@@ -112,6 +113,7 @@ def prune_layers(
     batches: Iterable = (),
     estimate_rank: int | None = None,
     scores: Mapping[int, float] | None = None,
+    progress: Progress | None = None,
 ) -> list[int]:
     """Delete the ``n`` decoder layers of ``model`` that ``by`` ranks lowest (``"block_influence"`` or
     ``"skip_cost"``, measured on ``batches``; with ``estimate_rank``, with the estimates standing in), in place;
@@ -119,7 +121,8 @@ def prune_layers(
     ``estimate_rank``: None, a deleted layer is gone; an int R, a rank-R affine estimate of its update, fitted on
     ``batches``, stands in for it (see the module doc). ``scores``: ``by``'s score of every layer, measured
     before (e.g. ``skip_costs`` shared with a MoD plan), used instead of measuring them again. The model must be
-    unconverted (``to_mod`` may follow).
+    unconverted (``to_mod`` may follow). ``progress``: lines for a person while it measures and fits (None:
+    silent).
     """
     check_model_type(model)
     n_layers = len(decoder_layers(model))
@@ -144,9 +147,11 @@ def prune_layers(
     elif by == "block_influence":
         scores = block_influence(model, batches)
     else:  # with an estimate: what deleting the layer costs with its estimate in its place
-        scores = skip_costs(model, batches, part="layer", estimate_rank=estimate_rank)
+        scores = skip_costs(model, batches, part="layer", estimate_rank=estimate_rank, progress=progress)
     chosen = cheapest(dict(scores), n)
-    estimates = None if estimate_rank is None else layer_estimates(model, batches, chosen, estimate_rank)
+    estimates = None
+    if estimate_rank is not None:
+        estimates = layer_estimates(model, batches, chosen, estimate_rank, progress=progress)
     kept = [i for i in range(n_layers) if i not in chosen]
     delete_layers(model, chosen, estimates)
     pruned = {"layers": chosen, "kept": kept, "n_layers": n_layers, "by": by, "estimate_rank": estimate_rank}

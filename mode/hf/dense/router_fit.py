@@ -41,6 +41,7 @@ from mode.hf.dense.convert import mod_layers
 from mode.hf.dense.routing import routing
 from mode.hf.dense.skip_update import SkipUpdate
 from mode.hf.dense.tune import _as_batch, _positions, calibrate
+from mode.train.progress import Progress, phase
 
 
 def _update(layer, x_BSD: Tensor, kwargs: dict) -> tuple[Tensor, Tensor]:
@@ -68,7 +69,9 @@ def _top_share(y_BS: Tensor, real_BS: Tensor, capacity: float) -> Tensor:
 
 
 @torch.no_grad()
-def _collect(model: nn.Module, batches: list, layers: dict) -> dict[int, tuple[Tensor, Tensor, Tensor, Tensor]]:
+def _collect(
+    model: nn.Module, batches: list, layers: dict, on_batch=lambda: None
+) -> dict[int, tuple[Tensor, Tensor, Tensor, Tensor]]:
     """Per layer, for the real tokens: the router inputs (N, D), their labels (N,), the updates (N, D) (only
     where the layer has a ``mod_skip`` to fit; else an empty tensor) and the row (sequence) of each (N,)."""
     seen: dict[int, list[tuple[Tensor, Tensor, Tensor, Tensor]]] = {i: [] for i in layers}
@@ -96,6 +99,7 @@ def _collect(model: nn.Module, batches: list, layers: dict) -> dict[int, tuple[T
             for batch in batches:
                 ids_BS, mask_BS = _as_batch(batch, device)
                 model(ids_BS, attention_mask=mask_BS, position_ids=_positions(mask_BS), use_cache=False)
+                on_batch()
     finally:
         for h in handles:
             h.remove()
@@ -157,6 +161,7 @@ def router_fit(
     label: str = "update",
     rounds: int = 3,
     calibration_batches: Iterable | None = None,
+    progress: Progress | None = None,
 ) -> dict[int, float]:
     """Fit the router of every MoD layer of ``model`` (see the module doc), then its ``mod_skip`` estimate
     (``to_mod(skip_rank=...)``: ``SkipUpdate.fit`` on the training tokens the fitted router skips, ridge
@@ -167,7 +172,8 @@ def router_fit(
     score. ``label``: ``"update"`` (route the largest updates) or ``"residual"`` (route the largest updates the
     estimate misses, alternating ``rounds`` times; the module doc), which needs every layer to have a
     ``mod_skip``. ``calibration_batches``: what the steered thresholds are set on instead of ``batches`` (the
-    same thresholds as ``calibrate(model, calibration_batches)`` afterwards, without a pass over ``batches``)."""
+    same thresholds as ``calibrate(model, calibration_batches)`` afterwards, without a pass over ``batches``).
+    ``progress``: lines for a person, per batch and per layer fitted (None: silent)."""
     _checks.check_int("steps", steps)
     _checks.check_positive("lr", lr)
     _checks.check_choice("label", label, LABELS)
@@ -194,10 +200,11 @@ def router_fit(
     cal_batches = batches if calibration_batches is None else list(calibration_batches)
     if not cal_batches:
         raise ValueError("calibration_batches: empty; pass None to calibrate on the fit batches")
+    shown = phase(progress, f"router fit ({label})", len(batches) + len(layers), "batches + layers")
     was_training = model.training
     model.eval()
     try:
-        data = _collect(model, batches, layers)
+        data = _collect(model, batches, layers, shown.advance)
     finally:
         model.train(was_training)
     agreement = {}
@@ -216,6 +223,8 @@ def router_fit(
         agreement[i] = float((pick_N == label_N.bool()).float().mean())
         if layer.mod_skip is not None and bool((~pick_N).any()):
             layer.mod_skip.fit(f_ND[~pick_N], u_ND[~pick_N], ridge)
+        shown.advance()
+    shown.close()
     if any(layer.mod_router.steers for layer in layers.values()):
-        calibrate(model, cal_batches)
+        calibrate(model, cal_batches, progress)
     return agreement

@@ -30,6 +30,7 @@ from mode.hf.dense.layer_io import _SITES, _hidden, layer_estimates
 from mode.hf.dense.mod_layer import PARTS
 from mode.hf.dense.skip_update import SkipUpdate
 from mode.hf.dense.tune import _as_batch, _positions, lm_loss
+from mode.train.progress import Progress, phase
 
 
 def _half_output(module, args, output, read: dict, estimate: SkipUpdate | None):
@@ -104,13 +105,14 @@ def skip_costs(
     layers: str | Sequence[int] = "all",
     estimate_rank: int | None = None,
     fit_batches: Iterable | None = None,
+    progress: Progress | None = None,
 ) -> dict[int, float]:
     """For each layer in ``layers``: the mean next-token loss (nats/token, over the real target tokens of
     ``batches``) with ``part`` of that layer skipped by every token, minus the model's own loss. Eval mode,
     no cache, the model is left as it was (its train/eval mode too). ``batches``: (B, S) token ids or dicts
     with ``input_ids`` and ``attention_mask`` (left padding), as for ``router_tune``. ``estimate_rank``:
     the skipped part adds its rank-R estimate instead of nothing, fitted on ``fit_batches`` (default:
-    ``batches``); see the module doc.
+    ``batches``); see the module doc. ``progress``: lines for a person, per layer (None: silent).
     """
     check_model_type(model)
     _checks.check_choice("part", part, PARTS)
@@ -124,17 +126,21 @@ def skip_costs(
         fit = batches if fit_batches is None else list(fit_batches)
         if not fit:
             raise ValueError("fit_batches: empty; the estimates are fitted on at least one batch")
-        estimates = layer_estimates(model, fit, chosen, estimate_rank, part)
+        estimates = layer_estimates(model, fit, chosen, estimate_rank, part, progress)
+    shown = phase(progress, f"skip costs ({part})", len(chosen) + 1, "loss passes")
     was_training = model.training
     model.eval()
     try:
         base = _mean_loss(model, batches)
+        shown.advance()
         costs = {}
         for i in chosen:
             with skipped(model, i, part, estimates.get(i)):
                 costs[i] = _mean_loss(model, batches) - base
+            shown.advance()
     finally:
         model.train(was_training)
+    shown.close()
     return costs
 
 

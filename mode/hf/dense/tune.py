@@ -23,6 +23,7 @@ from mode.hf.dense.convert import mod_layers
 from mode.hf.dense.routing import collect_aux, routing
 from mode.hf.dense.upcycle import upcycled_mlps
 from mode.routing.mod_topk import MoDRouter
+from mode.train.progress import Progress, phase
 
 OBJECTIVES = ("lm", "distill")
 
@@ -153,11 +154,12 @@ def router_tune(
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, batches: Iterable) -> dict[int, float]:
+def calibrate(model: nn.Module, batches: Iterable, progress: Progress | None = None) -> dict[int, float]:
     """Set the steered routing thresholds of ``model``'s MoD layers (``causal="threshold"``, or
     ``steer_decision``) from top-C forwards in train mode over ``batches``, without gradients and without
     changing a weight: each threshold becomes the mean over the batches of each batch's quantile.
-    Returns each steered layer's threshold. Thresholds set before are replaced."""
+    Returns each steered layer's threshold. Thresholds set before are replaced. ``progress``: lines for a
+    person, per batch (None: silent)."""
     steered = {
         i: cast(MoDRouter, layer.mod_router) for i, layer in mod_layers(model).items() if layer.mod_router.steers
     }
@@ -166,6 +168,8 @@ def calibrate(model: nn.Module, batches: Iterable) -> dict[int, float]:
             "calibrate: the model has no MoD layer with a steered threshold (to_mod with "
             "causal='threshold', or 'aux_bce' / 'predictor' with steer_decision=True)"
         )
+    batches = list(batches)
+    shown = phase(progress, "calibration", len(batches), "batches")
     before = {i: router.threshold.clone() for i, router in steered.items()}
     sums = {i: torch.zeros_like(t) for i, t in before.items()}
     device = next(model.parameters()).device
@@ -182,12 +186,14 @@ def calibrate(model: nn.Module, batches: Iterable) -> dict[int, float]:
             for i, router in steered.items():
                 sums[i] += router.threshold
             seen += 1
+            shown.advance()
     finally:
         model.train(was_training)
         for i, router in steered.items():
             router.threshold.copy_(sums[i] / seen if seen else before[i])
     if seen == 0:
         raise ValueError("batches: yielded nothing")
+    shown.close()
     return {i: float(router.threshold) for i, router in steered.items()}
 
 

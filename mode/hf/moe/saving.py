@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import Tensor, nn
 
+from mode._module_attr import set_module_attr
 from mode.train.checkpoint import replace_dir
 
 if TYPE_CHECKING:
@@ -140,8 +141,9 @@ def transformers_twin(model: nn.Module, state: dict[str, Tensor]) -> PreTrainedM
             "mode.hf.save_transformers(model, path), which writes the full state"
         )
     fresh.load_state_dict(state, strict=True, assign=True)
-    if getattr(model, "generation_config", None) is not None:  # a base model or a non-generative head has none
-        fresh.generation_config = model.generation_config
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:  # a base model or a non-generative head has none (and writes none)
+        set_module_attr(fresh, "generation_config", generation)
     return fresh
 
 
