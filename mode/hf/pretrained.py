@@ -16,6 +16,11 @@ With them, ``save_pretrained`` raises ("quantized with gguf and is not serializa
 ``.half()`` raise, and the quantizer reports ``is_trainable = False``. ``load_gguf`` asks for
 ``GgufConfig(dequantize=True)`` (dense weights even where transformers could keep GGUF blocks) and then removes
 every marker, so the result saves, reloads, casts and trains like any float checkpoint.
+
+Why the tokenizer's special tokens are named again: the file declares them by id (``tokenizer.ggml.*_token_id``).
+transformers 5.23 turns those ids into the tokenizer's ``bos/eos/unk/pad_token``; 5.17 (the oldest release the hf
+extra allows) does not for a Llama GGUF: SmolLM2's eos comes out as ``<|im_start|>`` instead of ``<|im_end|>`` and
+there is no pad token (so ``padding=True`` raises). ``load_gguf`` names each one the file declares, on any release.
 """
 
 from __future__ import annotations
@@ -231,10 +236,37 @@ def load_gguf(
         quantization_config=GgufConfig(dequantize=True),
     )  # plain tensors even where GGUF blocks could be kept
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    name_gguf_special_tokens(tokenizer, path)  # 5.17 leaves eos wrong and pad unset (module docstring)
     drop_quantization_markers(model)
     packed = sorted({str(p.dtype) for p in model.parameters()} - {str(dtype)})
     assert not packed, f"load_gguf: parameters left in {packed} after dequantising to {dtype}"
     return model.eval(), tokenizer
+
+
+# the tokenizer's special-token attributes and the GGUF metadata keys that give their ids
+GGUF_SPECIAL_TOKENS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def name_gguf_special_tokens(tokenizer, path: str | Path):
+    """Set each special token of ``GGUF_SPECIAL_TOKENS`` that the GGUF file at ``path`` declares to the token of
+    that id, where the tokenizer names another (or none); one the file does not declare is left as it is. In
+    place; returns ``tokenizer``."""
+    # transformers' own reader (in 5.17 and 5.23): the scalars only, the vocabulary arrays left as counts
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(str(path))
+    for name, key in GGUF_SPECIAL_TOKENS.items():
+        if key not in metadata:
+            continue
+        token = tokenizer.convert_ids_to_tokens(int(metadata[key]))
+        if getattr(tokenizer, name) != token:
+            setattr(tokenizer, name, token)
+    return tokenizer
 
 
 def drop_quantization_markers(model: nn.Module) -> nn.Module:

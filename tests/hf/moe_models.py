@@ -703,7 +703,8 @@ def config(family: str, **overrides):
             linear_value_head_dim=8,
             linear_num_key_heads=2,
             linear_num_value_heads=4,
-            layer_types=["linear_attention", "indexed_attention"],
+            # the checkpoints' spelling: 5.23 reads it as "indexed_attention", 5.17 as "qwen_sparse_attention"
+            layer_types=["linear_attention", "full_attention"],
             hc_count=2,
             hc_lowrank=8,
             indexer_n_heads=2,
@@ -828,7 +829,8 @@ def _multimodal_config(family: str, common: dict):
             linear_num_heads=4,
             hc_mult=2,
             hc_sinkhorn_iters=3,
-            layer_types=["linear_attention", "indexed_attention"],
+            # the checkpoints' spelling: 5.23 reads it as "indexed_attention", 5.17 as "deepseek_sparse_attention"
+            layer_types=["linear_attention", "full_attention"],
             indexer_types=["full", "full"],
             **{**common, "num_experts_per_tok": 4, "num_key_value_heads": 4},
         )
@@ -1074,6 +1076,18 @@ PROBLEMS: dict[str, str] = {
     "nllb_moe": "encoder-decoder (NllbMoeForConditionalGeneration), not a decoder-only causal LM",
     "switch_transformers": "encoder-decoder (SwitchTransformersForConditionalGeneration), not a causal LM",
 }
+
+
+def available(family: str) -> bool:
+    """Whether the installed transformers ships ``family`` (the oldest release the hf extra allows lacks the
+    newest families: their config class is not there)."""
+    try:
+        config(family)
+    except AttributeError as e:
+        if "module transformers has no attribute" in str(e):
+            return False
+        raise
+    return True
 
 
 def build(family: str, seed: int = 0, **overrides):

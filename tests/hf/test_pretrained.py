@@ -315,6 +315,17 @@ def test_real_model_is_a_plain_float_llama(smollm2):
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
 
 
+def test_real_model_tokenizer_names_the_special_tokens_of_the_file(smollm2):
+    """The GGUF declares bos 1, eos 2, unk 0 and pad 2 by id: the tokenizer names those tokens on every transformers
+    release the hf extra allows (5.17 by itself gives eos <|im_start|> and no pad token), so it pads."""
+    _, tokenizer = smollm2
+    ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, tokenizer.pad_token_id)
+    assert ids == (1, 2, 0, 2)
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|im_end|>")
+    batch = tokenizer(["Paris", "The capital of France"], padding=True, return_tensors="pt")
+    assert batch.input_ids[0, -1] == 2 and batch.attention_mask[0, -1] == 0
+
+
 def test_real_model_greedy_answer(smollm2):
     model, tokenizer = smollm2
     ids = encode(tokenizer, model)

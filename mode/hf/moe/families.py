@@ -173,6 +173,19 @@ def _deepseek_v2_groups(block, config):
     return (Cfg("n_group"), Cfg("topk_group"))
 
 
+def _aria_expert_weights() -> tuple[str, str]:
+    """AriaExperts' input and output tensors, (E, D, 2H) and (E, H, D) on either release: transformers 5.23 holds
+    them as ``gate_up_proj`` / ``down_proj``; 5.17 in two grouped-GEMM modules (AriaGroupedExpertsGemm), as
+    ``fc1.weight`` / ``fc2.weight`` (the checkpoint's names, which 5.23 renames on loading)."""
+    try:
+        from transformers.models.aria import modeling_aria
+    except ImportError:  # no transformers: the table as data, in 5.23's names
+        return ("gate_up_proj", "down_proj")
+    if hasattr(modeling_aria, "AriaGroupedExpertsGemm"):
+        return ("fc1.weight", "fc2.weight")
+    return ("gate_up_proj", "down_proj")
+
+
 FAMILIES: dict[str, Family] = {
     # softmax top-k
     "mixtral": Family("MixtralSparseMoeBlock", jitter=(Cfg("router_jitter_noise", 0.0),)),
@@ -193,7 +206,8 @@ FAMILIES: dict[str, Family] = {
     ),
     "qwen3_5_moe_text": Family("Qwen3_5MoeSparseMoeBlock", shared="shared_expert", shared_gate="shared_expert_gate"),
     "minimax": Family("MiniMaxSparseMoeBlock", jitter=(At("jitter_noise", 0.0),)),
-    "jamba": Family("JambaSparseMoeBlock", router="router", renormalize=False),
+    # the block's top_k: 5.23's router (JambaTopKRouter) has one too, 5.17's (a plain nn.Linear) does not
+    "jamba": Family("JambaSparseMoeBlock", router="router", top_k=At("top_k"), renormalize=False),
     # DBRX: softmax top-k divided by the p-norm of the k; experts as 2D (E * H, D) w1, v1, w2 (copied once)
     "dbrx": Family(
         "DbrxFFN",
@@ -377,9 +391,16 @@ FAMILIES: dict[str, Family] = {
         shared="shared_expert",
         shared_gate="shared_expert_gate",
     ),
-    # Aria: routed experts always SiLU-gated (its shared experts, transformers' own module, follow hidden_act)
+    # Aria: routed experts always SiLU-gated (its shared experts, transformers' own module, follow hidden_act);
+    # top_k from the config: 5.17's router is a plain nn.Linear (5.23's AriaTextTopKRouter has top_k)
     "aria_text": Family(
-        "AriaTextMoELayer", router="router", layout="EDF", shared="shared_experts", activation_field=None
+        "AriaTextMoELayer",
+        router="router",
+        top_k=Cfg("moe_topk"),
+        layout="EDF",
+        weights=_aria_expert_weights(),
+        shared="shared_experts",
+        activation_field=None,
     ),
     "granitemoe_swa": Family("GraniteMoeSWAMoE", router="router"),
     # sigmoid scores: without a bias (Flint), with a bias on the block or the router and no groups
