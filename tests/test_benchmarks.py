@@ -316,28 +316,40 @@ def test_longcat_budget_holds_the_zero_expert_share_and_writes_its_plot(tmp_path
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
-    """--smoke (tiny random Llama, 2 points, 1 seed, 3 heal steps): one row per (method, point, seed), every MoD
-    row healed with its pruning partners' budget at MACs within 1% of theirs, the PNG, and a rerun that skips
-    the finished rows."""
+# heal_vs_prune --smoke (tiny random Llama, 2 points, 1 seed, 3 heal steps): one run, shared by the tests below,
+# which were one test until it hit pytest's 300 s limit on a loaded 2-core machine (issue 70). The run: about 36
+# CPU-seconds; each test after it a few subprocess calls of its own.
+HVP_RUN = dict(capture_output=True, text=True, timeout=300, check=True)
+
+
+def _hvp_cmd(out) -> list[str]:
+    return [sys.executable, str(ROOT / "benchmarks" / "hf" / "heal_vs_prune.py"), "--smoke", "--threads", "1",
+            "--out", str(out)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hvp_smoke(tmp_path_factory):
+    """(its folder, the result file, the result, the run's stdout) of the whole smoke run."""
+    folder = tmp_path_factory.mktemp("hvp")
+    out = folder / "hvp.json"
+    first = subprocess.run(_hvp_cmd(out), cwd=folder, **HVP_RUN)
+    return folder, out, json.loads(out.read_text()), first.stdout
+
+
+def test_heal_vs_prune_refuses_a_negative_seed(tmp_path):
+    bad = subprocess.run(
+        [*_hvp_cmd(tmp_path / "x.json"), "--first-seed", "-1"], cwd=tmp_path, **{**HVP_RUN, "check": False}
+    )
+    assert bad.returncode == 2 and "--first-seed -1: a seed is >= 0" in bad.stderr
+
+
+def test_heal_vs_prune_smoke_pairs_equal_budgets(hvp_smoke):
+    """One row per (method, point, seed), every MoD row healed with its pruning partners' budget at MACs within 1%
+    of theirs, each method's conversion as it says, the intervals and the PNG."""
     import mode.hf as mh
     from benchmarks.hf.heal_vs_prune import tiny_llama
 
-    out = tmp_path / "hvp.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "hf" / "heal_vs_prune.py"),
-        "--smoke",
-        "--threads",
-        "1",
-        "--out",
-        str(out),
-    ]
-    run = dict(cwd=tmp_path, capture_output=True, text=True, timeout=300, check=True)
-    bad = subprocess.run([*cmd, "--first-seed", "-1"], **{**run, "check": False})
-    assert bad.returncode == 2 and "--first-seed -1: a seed is >= 0" in bad.stderr
-    first = subprocess.run(cmd, **run)
-    payload = json.loads(out.read_text())
+    _, out, payload, stdout = hvp_smoke
     rows = {r["key"]: r for r in payload["rows"]}
     methods = (
         "prune-bi",
@@ -425,7 +437,17 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     for i in payload["intervals"]:
         assert i["bootstrap_ci_pct"][0] <= i["diff_pct"] <= i["bootstrap_ci_pct"][1], i
     assert out.with_suffix(".png").stat().st_size > 0
-    assert "prune-bi@0.9#s0" in first.stdout
+    assert "prune-bi@0.9#s0" in stdout
+
+
+def test_heal_vs_prune_resumes_and_splits_seeds(hvp_smoke, tmp_path):
+    """A rerun skips the finished rows; a later seed alone (seeds split over processes) adds its own rows with its
+    own batches; another heal text is refused (its own file)."""
+    folder, done, payload, _ = hvp_smoke
+    out = tmp_path / "hvp.json"
+    out.write_text(done.read_text())
+    rows = {r["key"]: r for r in payload["rows"]}
+    cmd, run = _hvp_cmd(out), dict(cwd=tmp_path, **HVP_RUN)
     again = subprocess.run(cmd, **run)  # resume: every row is there, nothing is healed again
     assert "#s0 " not in again.stdout and "| mod-mlp-thr | 0.80 |" in again.stdout
     assert json.loads(out.read_text())["rows"] == payload["rows"]
@@ -436,6 +458,11 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     assert seed1["prune-bi@0.9#s1"]["data_digest"] != rows["prune-bi@0.9#s0"]["data_digest"]
     mixed = subprocess.run([*later, "--heal-text", "topics+docstrings"], **{**run, "check": False})
     assert mixed.returncode != 0 and "'heal_text': 'topics'" in mixed.stderr  # other heal text: its own file
+
+
+def test_heal_vs_prune_takes_costs_from_a_result_of_the_same_settings(hvp_smoke, tmp_path):
+    _, _, payload, _ = hvp_smoke
+    cmd, run = _hvp_cmd(tmp_path / "hvp.json"), dict(cwd=tmp_path, **HVP_RUN)
     planted = tmp_path / "planted.json"  # costs from elsewhere, taken as they are: the last layers cheapest
     planted.write_text(
         json.dumps({**payload, "rows": [], "skip_costs": {"layer+estimate8": {str(i): -i for i in range(8)}}})
@@ -449,11 +476,24 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets_and_resumes(tmp_path):
     other = [*reuse, "--costs-from", str(planted), "--heal-text", "topics+docstrings", "--fresh"]
     refused = subprocess.run(other, **{**run, "check": False})
     assert refused.returncode != 0 and f"--costs-from {planted}: measured with other settings" in refused.stderr
+
+
+def test_heal_vs_prune_speed_rebuilds_and_times_the_rows(hvp_smoke, tmp_path):
+    """heal_vs_prune_speed.py: the conversions of a result rebuilt (the same layers) and timed alone, paired
+    ratios per repeat, and a subset by method, point and batch."""
+    _, out, payload, _ = hvp_smoke
+    rows = {r["key"]: r for r in payload["rows"]}
+    run = dict(cwd=tmp_path, **HVP_RUN)
     speed = tmp_path / "speed.json"  # the conversions rebuilt and timed alone (heal_vs_prune_speed.py)
     script = str(ROOT / "benchmarks" / "hf" / "heal_vs_prune_speed.py")
-    subprocess.run([sys.executable, script, "--smoke", "--rows", str(out), "--out", str(speed)], **run)
+    # one method of each way a conversion is rebuilt (pruning by influence or by cost with estimates; MoD whole
+    # layers, trained BCE routers, attention halves, mixed halves with every option): a third of the rows
+    methods = ["prune-bi", "prune-sc-est-all", "mod-layer-thr-est-c0.4-all-sc-res-cd", "mod-layer-bce"]
+    methods += ["mod-attn-thr", "mod-mix-thr-est-c0.4-all-sc-res-cd"]
+    subprocess.run([sys.executable, script, "--smoke", "--rows", str(out), "--out", str(speed), "--methods", *methods],
+                   **run)  # fmt: skip
     timed = json.loads(speed.read_text())["results"]
-    assert {t["key"] for t in timed} == {k for k, r in rows.items() if "skipped" not in r}
+    assert {t["key"] for t in timed} == {k for k, r in rows.items() if "skipped" not in r and r["method"] in methods}
     for t in timed:
         assert t["layers"] == rows[t["key"]]["layers"], t  # the same conversion (pruning re-checks its layers)
         assert all(t[f"{k}_b{b}"] > 0 for k in ("decode", "prefill") for b in (1, 8)), t
