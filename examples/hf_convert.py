@@ -18,7 +18,7 @@ held-out windows
     tok/s         greedy generate() speed, MoD layers keeping sparse KV caches
 
 against the original model's loss and speed. A random model shows the mechanics only: its numbers say
-nothing about routing quality. docs/hf.md says what was measured.
+nothing about routing quality. docs/results/mod_byte_llama.md says what was measured.
 
 Router tuning minimises the objective plus the routers' causal BCE ("aux_bce", weight 0.1), and the script
 prints both (means of the first and last 10 steps). On the random model, whose output is near uniform

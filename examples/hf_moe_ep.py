@@ -10,7 +10,7 @@ the built-in byte corpus (each rank its own rows of every global batch), saves a
 (``mode.parallel.model_state``) halfway, writes the result as a transformers folder
 (``mode.hf.save_transformers``), and reloads that folder with plain transformers to check the logits.
 
-On 8 GPUs with a real checkpoint (docs/hf.md):
+On 8 GPUs with a real checkpoint (docs/adopt_moe.md):
     torchrun --nproc-per-node 8 examples/hf_moe_ep.py --model /path/to/Qwen3-30B-A3B --dp 2 --ep 4 --bf16
 """
 

@@ -1,7 +1,7 @@
 """MoD against layer pruning at equal compute, both healed with the same budget: the Pareto curve of issue 49.
 
     python scripts/fetch_smollm2.py                      # once: 98 MB into ~/.cache/mode/smollm2
-    python benchmarks/hf/heal_vs_prune.py --threads 2    # SmolLM2-135M; long (see docs/hf.md)
+    python benchmarks/hf/heal_vs_prune.py --threads 2    # SmolLM2-135M; long (see docs/results/heal_vs_prune.md)
     python benchmarks/hf/heal_vs_prune.py --smoke        # a tiny random Llama, 2 points, 1 seed: seconds
 
 Model: SmolLM2-135M-Instruct (``mh.load_gguf(mh.fetch_smollm2())``, as ``hf_mod_smollm2.py``), or with
@@ -69,9 +69,9 @@ fit windows.
 
 Default budget: 100 steps of 1024 tokens (4 windows of 256) per heal. An **estimate**, not a measurement:
 the smoke model's timings are overhead-bound and do not scale to 135M parameters, so the estimate comes from
-the nearest SmolLM2 timing there is, ``router_tune(objective="distill")`` in docs/hf.md: 24 steps of 1024
-tokens in 2.5 minutes on 2 cores, at most ~12.5 CPU-seconds a step (a forward of the teacher, a forward and a
-backward through the whole model). Rank-8 LoRA on the 7 projections of a layer adds ~2% of that layer's
+the nearest SmolLM2 timing there is, ``router_tune(objective="distill")`` in docs/results/mod_smollm2.md: 24
+steps of 1024 tokens in 2.5 minutes on 2 cores, at most ~12.5 CPU-seconds a step (a forward of the teacher, a
+forward and a backward through the whole model). Rank-8 LoRA on the 7 projections of a layer adds ~2% of that layer's
 multiply-adds, and at the 0.85 point the healed model does 15% fewer, so a step is taken as 12.5-15
 CPU-seconds and 100 steps as ~21-25 CPU-minutes, under the issue's 30. Each row records the ``cpu_seconds``
 its heal spent: check the first rows of a real run and adjust ``--heal-steps``.
