@@ -4,7 +4,7 @@ sequence-classification, token-classification and question-answering heads): iss
 
 Every test of the mixin runs, in three groups per family (each well under a minute): the save/load tests, the
 eager-vs-sdpa tests, and the rest. A test passes or skips as it does for the family's own models, except those
-of ``KNOWN``: each fails for the reason written beside it (docs/hf.md's table), and is checked to still fail, so
+of ``KNOWN``: each fails for the reason written beside it (docs/adopt_moe.md's table), and is checked to still fail, so
 that the list cannot go stale.
 """
 
@@ -18,7 +18,8 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 
 from tests.hf.transformers_mixin import FAMILIES, mixin_case, run_mixin
 
-# The mixin's tests that fail on a converted model, on purpose, with the reason (docs/hf.md: "transformers' own tests").
+# The mixin's tests that fail on a converted model, on purpose, with the reason (docs/adopt_moe.md, "transformers' own
+# model tests").
 KNOWN = {
     "test_eager_matches_batched_and_grouped_inference": (
         "it switches transformers' experts kernels (eager, batched_mm, grouped_mm) and checks that each of them is "
@@ -77,7 +78,7 @@ def test_transformers_model_tests_pass_on_converted_models(family, group):
     unexpected = {t: o for t, o in outcome.items() if o.startswith("failed") and _known(t) is None}
     assert not unexpected, unexpected
     stale = [t for t, o in outcome.items() if _known(t) is not None and not o.startswith("failed")]
-    assert not stale, f"{stale}: pass (or skip) now; take them out of KNOWN and docs/hf.md"
+    assert not stale, f"{stale}: pass (or skip) now; take them out of KNOWN and docs/adopt_moe.md"
     if group == "save_load":  # the tests that issue 66 found failing all ran (none skipped)
         ran = {t for t, o in outcome.items() if not o.startswith("skipped")}
         assert {"test_save_load", "test_can_use_safetensors", "test_can_init_all_missing_weights"} <= ran, outcome

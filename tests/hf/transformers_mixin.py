@@ -29,7 +29,7 @@ import torch
 from tests.hf.convert_on_construct import converting
 from tests.hf.moe_models import config as family_config
 
-# The families whose every class the mixin runs on here (the 3 of the 6 measured in docs/hf.md): Mixtral
+# The families whose every class the mixin runs on here (3 of the 6 measured in docs/adopt_moe.md): Mixtral
 # (plain top-k softmax), Qwen2-MoE (shared expert with its sigmoid gate), DeepSeek-V3 (sigmoid scores, groups,
 # correction bias kept in fp32, a dense first layer). Each defines the base model, the causal LM and heads.
 FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3")
