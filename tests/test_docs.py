@@ -119,3 +119,26 @@ def test_what_left_the_readme_is_in_the_docs():
     readme = (ROOT / "README.md").read_text()
     for page in ("docs/results.md", "docs/commands.md", "docs/tutorial_first_model.md"):
         assert page in readme, f"the README links {page}"
+
+
+def test_no_page_is_over_800_lines_and_the_how_tos_over_400():
+    """Issue 70: a how-to is read top to bottom; the experiment history lives in docs/results/."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in [*sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "results").glob("*.md"))]
+        if (n := len(p.read_text().splitlines())) > 800
+    }
+    assert not long, long
+    for how_to in ("convert_and_heal.md", "adopt_moe.md"):
+        assert len((ROOT / "docs" / how_to).read_text().splitlines()) <= 400, how_to
+
+
+def test_the_benchmarks_index_names_every_result_file():
+    """docs/benchmarks.md's index: every file under benchmarks/results/ with the claim it backs and its command."""
+    index = (ROOT / "docs" / "benchmarks.md").read_text()
+    missing = [
+        str(p.relative_to(ROOT / "benchmarks" / "results"))
+        for p in sorted((ROOT / "benchmarks" / "results").rglob("*"))
+        if p.is_file() and f"{p.relative_to(ROOT / 'benchmarks' / 'results')}`" not in index
+    ]
+    assert not missing, f"not in docs/benchmarks.md's index: {missing}"
