@@ -221,10 +221,9 @@ def _check_unsharded(model: nn.Module, blocks: list) -> None:
     """transformers' own tensor or expert parallelism (``from_pretrained(tp_plan=...)``, ``distributed_config``)
     has split the blocks' tensors across ranks: mode's layers need the whole tensors (mode's expert parallelism
     shards them itself, ``mode.parallel.parallelize``)."""
-    from torch.distributed.tensor import DTensor
-
     tp_size = getattr(model, "_tp_size", None) or 1
-    sharded = [n for _, _, b in blocks for n, p in b.named_parameters() if isinstance(p, DTensor)]
+    # a DTensor, known by its to_local (as mode.experts.bank.local_weight): no torch.distributed import here
+    sharded = [n for _, _, b in blocks for n, p in b.named_parameters() if hasattr(p, "to_local")]
     if tp_size > 1 or sharded:
         raise ValueError(
             f"model: is sharded by transformers' tensor or expert parallelism (tp_size={tp_size}, sharded block "
