@@ -155,11 +155,11 @@ class PhaseProgress:
 
     Silent where ``lines`` is off (``phase(None, ...)``: library use)."""
 
-    def __init__(self, cfg: Progress, name: str, total: int, unit: str, clock=time.monotonic):
+    def __init__(self, cfg: Progress, name: str, total: int, unit: str):
         self.name, self.total, self.unit = name, total, unit
         self.out = cfg.out if cfg.out is not None else sys.stdout
-        self.lines, self.every_s, self.clock = cfg.lines, cfg.every_s, clock
-        self.t0 = self.last = clock()
+        self.lines, self.every_s, self.clock = cfg.lines, cfg.every_s, cfg.clock or time.monotonic
+        self.t0 = self.last = self.clock()
         self.done = 0
 
     def advance(self, n: int = 1) -> None:
@@ -187,7 +187,5 @@ SILENT = Progress(bar=False, lines=False)
 
 
 def phase(progress: Progress | None, name: str, total: int, unit: str) -> PhaseProgress:
-    """A ``PhaseProgress`` of ``total`` ``unit`` as ``progress`` says (None: silent; its ``clock``, if it has
-    one, for the tests)."""
-    cfg = SILENT if progress is None else progress
-    return PhaseProgress(cfg, name, total, unit, getattr(cfg, "clock", None) or time.monotonic)
+    """A ``PhaseProgress`` of ``total`` ``unit`` as ``progress`` says (None: silent)."""
+    return PhaseProgress(SILENT if progress is None else progress, name, total, unit)

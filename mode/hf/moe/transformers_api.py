@@ -66,6 +66,11 @@ def set_experts_implementation(self, experts_implementation) -> None:
         self.config._experts_implementation = experts_implementation
 
 
+def _names(pattern: str, name: str) -> bool:
+    """Whether an fp32 module pattern names the tensor ``name`` (transformers' rule: whole dotted parts)."""
+    return re.search(rf"(^|\.){re.escape(pattern)}($|\.)", name) is not None
+
+
 def _pattern(key: str) -> re.Pattern:
     """A plan key (``layers.*.mlp.experts``) as a regex over module paths."""
     return re.compile("^" + re.escape(key).replace(r"\*", r"\d+") + "$")
@@ -112,15 +117,11 @@ def adopt(model: nn.Module) -> None:
         for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
             patterns = set(getattr(owner, attr, None) or ())
             ours = {
-                f"moe.{o}"
-                for p in patterns
-                for slot in slots.values()
-                for o, t in slot.names.items()
-                if re.search(rf"(^|\.){re.escape(p)}($|\.)", t)
+                f"moe.{o}" for p in patterns for slot in slots.values() for o, t in slot.names.items() if _names(p, t)
             }
             # a family pattern that named only converted tensors names nothing now (the checkpoint the twin
             # saves takes the class's own list)
-            kept = {p for p in patterns if any(re.search(rf"(^|\.){re.escape(p)}($|\.)", n) for n in names)}
+            kept = {p for p in patterns if any(_names(p, n) for n in names)}
             if patterns:
                 setattr(owner, attr, kept | ours)
         no_split = set(getattr(owner, "_no_split_modules", None) or ())
