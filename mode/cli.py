@@ -299,10 +299,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     train_parser(p)
 
-    p = command("export", "write a sharded checkpoint folder (mode train on several processes) as one file")
-    p.add_argument("checkpoint", help="a sharded checkpoint folder, e.g. runs/train/ckpt")
-    p.add_argument("out", help="the single file to write, e.g. runs/train/ckpt.pt (a new file, unless --force)")
-    p.add_argument("--force", action="store_true", help="replace the file at OUT (default: refused)")
+    p = command(
+        "export",
+        "a checkpoint as one file (a sharded folder of mode train on several processes), or as a transformers "
+        "folder (--format transformers; docs/export.md)",
+    )
+    p.add_argument(
+        "checkpoint",
+        help="a sharded checkpoint folder, e.g. runs/train/ckpt (--format transformers: also a single file, "
+        "e.g. runs/train/ckpt.pt)",
+    )
+    p.add_argument(
+        "out",
+        help="the single file to write, e.g. runs/train/ckpt.pt, or with --format transformers the folder "
+        "(new, unless --force)",
+    )
+    p.add_argument("--force", action="store_true", help="replace the file or folder at OUT (default: refused)")
+    p.add_argument(
+        "--format",
+        default="file",
+        choices=("file", "transformers"),
+        help="file: mode's single checkpoint file; transformers: a folder AutoModelForCausalLM and "
+        "AutoTokenizer load (default file)",
+    )
+    p.add_argument(
+        "--layout",
+        default="auto",
+        help="--format transformers: auto (the standard family that computes exactly what the model "
+        "computes, else mode's own class), llama, arcee, mixtral, qwen2_moe, or mode (default auto)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="--format transformers: the weights' dtype in the folder (default float32)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="--format transformers: the tokenizer.json of a model trained on token shards, when the one its "
+        "checkpoint names has moved (same sha256)",
+    )
 
     p = command("sample", "generate text from a checkpoint (causal routing, KV cache)")
     p.add_argument(
@@ -468,6 +504,15 @@ def _export(args) -> int:
     from mode.parallel.checkpoint import export
     from mode.train.checkpoint import WriteError
 
+    if args.format == "transformers":
+        return _export_transformers(args)
+    for flag, value, default in (("--layout", args.layout, "auto"), ("--dtype", args.dtype, "float32")):
+        if value != default:
+            print(f"mode export: error: {flag}={value}: only with --format transformers", file=sys.stderr)
+            return 2
+    if args.tokenizer is not None:
+        print("mode export: error: --tokenizer: only with --format transformers", file=sys.stderr)
+        return 2
     try:
         path = export(args.checkpoint, args.out, overwrite=args.force)
     except ValueError as e:
@@ -477,6 +522,28 @@ def _export(args) -> int:
         print(f"mode export: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {path} (one file: mode sample, mode report, Trainer.load read it)")
+    return 0
+
+
+def _export_transformers(args) -> int:
+    from mode.train.checkpoint import CheckpointError
+
+    try:
+        from mode.hf.export import export_transformers
+
+        res = export_transformers(
+            args.checkpoint, args.out, tokenizer=args.tokenizer, layout=args.layout, dtype=args.dtype, force=args.force
+        )
+    except (ValueError, TypeError, FileNotFoundError, CheckpointError, ImportError) as e:
+        print(f"mode export: error: {e}", file=sys.stderr)
+        return 2
+    load = "trust_remote_code=True, mode installed" if res.layout == "mode" else "no mode needed"
+    print(f"wrote {res.path}: {res.architecture} ({res.layout} layout; {load}), {res.tokenizer} tokenizer")
+    print(f"  checked: logits equal mode's within {res.max_logit_diff:.2g}")
+    for name, why in res.not_standard.items():
+        print(f"  not {name}: {why}")
+    if res.not_causal:
+        print(f"  not causal: {res.not_causal}")
     return 0
 
 

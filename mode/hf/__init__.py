@@ -26,10 +26,12 @@ models (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) on mode's MoE layers,
     mh.save_transformers(moe_model, "dir")    # ... and back to a plain transformers checkpoint
     acc, summary = mh.moe_report(moe_model, ids)  # per-layer expert load, drops, experts and FLOPs per token
     model, tok = mh.load_gguf(mh.fetch_smollm2())  # SmolLM2-135M-Instruct, the real pretrained test bed
+    mh.export_transformers("runs/train/ckpt.pt", "out")  # a mode-trained model as a transformers folder
 
 Where the code lives (every name above is re-exported here; import them from ``mode.hf``):
     mode/hf/dense/   a dense decoder converted in place: MoD layers, upcycling, fitting, tuning, saving
     mode/hf/moe/     a transformers MoE model's blocks adopted as mode layers, and written back
+    mode/hf/export/  a model mode trained, out to transformers: a standard family where exact, else ModeForCausalLM
     mode/hf/_compat.py, pretrained.py   the transformers version and model checks; SmolLM2's GGUF
 
 See docs/hf.md for what is supported, what is refused and why.
@@ -50,6 +52,7 @@ from mode.hf.dense.routing import collect_aux, routing
 from mode.hf.dense.skip_cost import cheapest, skip_costs
 from mode.hf.dense.tune import calibrate, freeze_base, router_parameters, router_tune
 from mode.hf.dense.upcycle import UpcycledMLP, upcycle, upcycled_mlps
+from mode.hf.export import ExportResult, ModeConfig, ModeForCausalLM, export_transformers
 from mode.hf.moe.convert import ConvertedMoE, converted_moe, moe_report, save_transformers, to_mode_moe
 from mode.hf.pretrained import SMOLLM2, FetchError, fetch_smollm2, load_gguf, smollm2_path
 
@@ -63,6 +66,8 @@ __all__ = [
     "conversion_macs",
     "convert_to_macs",
     "converted_moe",
+    "export_transformers",
+    "ExportResult",
     "ConvertedMoE",
     "freeze_base",
     "heal",
@@ -74,6 +79,8 @@ __all__ = [
     "mod_layers",
     "MoDCacheLayer",
     "MoDLayerMixin",
+    "ModeConfig",
+    "ModeForCausalLM",
     "moe_report",
     "plan_to_macs",
     "mixed_order",

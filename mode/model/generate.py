@@ -37,21 +37,28 @@ import torch
 from torch import Tensor
 
 from mode import _checks
+from mode.model.config import LMConfig
 from mode.model.decode_graphs import GraphedDecode, autocast_step, check_cuda_graphs
 from mode.model.lm import LM
 
 
-def _check_generatable(model: LM) -> bool:
-    """Returns whether MoD layers need causal routing; raises for layers that cannot sample causally."""
-    cfg = model.cfg
+def causal_problem(cfg: LMConfig) -> str | None:
+    """Why a model of ``cfg`` cannot decode token by token (its routing reads later tokens), or None."""
     for kind in dict.fromkeys(cfg.kinds):  # each kind once, in layer order
         problem = cfg.router_config(kind).causal_problem() if kind.experts else None
         if problem is None and kind.mod is not None:
             problem = cfg.mod_config(kind.mod).causal_problem()
         if problem is not None:
-            raise ValueError(problem)
-    needs_causal = cfg.uses_mod
-    return needs_causal
+            return problem
+    return None
+
+
+def _check_generatable(model: LM) -> bool:
+    """Returns whether MoD layers need causal routing; raises for layers that cannot sample causally."""
+    problem = causal_problem(model.cfg)
+    if problem is not None:
+        raise ValueError(problem)
+    return model.cfg.uses_mod
 
 
 def check_prompts(prompts, vocab_size: int) -> None:

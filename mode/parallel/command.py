@@ -212,6 +212,26 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="no-op experts of the integrated MoDE layers (default: " + _by_preset(0, "num_noop") + ")",
     )
     p.add_argument("--top-k", type=int, help=f"experts per token (default: {_by_preset(0, 'top_k')})")
+    p.add_argument(
+        "--activation",
+        choices=("gelu", "swiglu", "relu2"),
+        help="the MLPs' and experts' activation (default: the preset's: gpu swiglu, the others gelu)",
+    )
+    p.add_argument(
+        "--renormalize",
+        action="store_true",
+        help="token choice: divide each token's top-k gates by their sum (Mixtral's router) (default: not)",
+    )
+    p.add_argument(
+        "--num-shared",
+        type=int,
+        help="always-on shared experts of every MoE layer, as one MLP (DeepSeek-MoE, Qwen2-MoE) (default 0)",
+    )
+    p.add_argument(
+        "--shared-gate",
+        action="store_true",
+        help="scale the shared experts' output per token by sigmoid(x . w) (Qwen2-MoE) (default: not)",
+    )
     p.add_argument("--capacity-factor", type=float, help="token-choice capacity factor (default: dropless)")
     p.add_argument(
         "--balance-coef",
@@ -454,9 +474,15 @@ def configs(args) -> tuple[LMConfig, TrainConfig, int | None]:
             top_k=args.top_k,
             balance_coef=args.balance_coef,
             router=args.router,
+            activation=args.activation,
+            num_shared=args.num_shared,
         ).items()
         if v is not None
     }
+    if args.shared_gate:
+        m["shared_gate"] = True
+    if args.renormalize:
+        m["router_options"] = {**preset.model.router_options, "renormalize": True}
     if args.capacity_factor is not None:
         m["capacity_factor"] = args.capacity_factor
     if args.layers:
