@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -182,7 +183,8 @@ def _write_family(layout: Layout, cfg: LMConfig, state: dict, out: Path, dtype: 
 
     config = transformers.AutoConfig.for_model(layout.name, **layout.config(cfg))
     model_cls = getattr(transformers, layout.architecture)
-    with torch.device("cpu"):
+    with torch.device("cpu"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Initializing zero-element tensors")  # qwen2_moe's width-0 shared expert
         model = model_cls(config)
     tensors = {k: v.contiguous() for k, v in layout.tensors(cfg, state).items()}
     model.load_state_dict(tensors, strict=True)
