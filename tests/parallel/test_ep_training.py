@@ -419,6 +419,17 @@ def runs():
             a, _ = load_model(exported)
             b, _ = load_model(ckpt3)
             parent["export_equal"] = all(torch.equal(a.state_dict()[k], v) for k, v in b.state_dict().items())
+            # the transformers export of the (2, 2) sharded folder and of the same model in one process
+            from safetensors.torch import load_file
+
+            from mode.hf.export import export_transformers
+
+            export_transformers(ckpt3, tmp / "hf_mesh", verify=False)
+            export_transformers(b, tmp / "hf_one", verify=False)
+            mesh_t, one_t = (load_file(str(tmp / d / "model.safetensors")) for d in ("hf_mesh", "hf_one"))
+            parent["hf_export_equal"] = mesh_t.keys() == one_t.keys() and all(
+                torch.equal(v, one_t[k]) for k, v in mesh_t.items()
+            )
         yield {
             "gaps": gaps,
             "results": results,
@@ -533,6 +544,10 @@ def test_resume_on_other_layouts_and_one_process(runs):
 
 def test_export_then_import_a_single_file(runs):
     assert runs["parent"]["export_equal"]
+
+
+def test_transformers_export_of_a_sharded_checkpoint_equals_one_process(runs):
+    assert runs["parent"]["hf_export_equal"]
     for r, x in enumerate(pools.case_results(runs["results"], "mesh2", "import")):
         _assert_curve(x["curve"], _curve(runs["ref"]["token_choice"].history), f"imported rank {r}")
 

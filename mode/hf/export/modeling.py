@@ -123,6 +123,7 @@ class ModeForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     _no_split_modules = ["TransformerBlock", "MoD", "StagedMoDE"]
     _supports_sdpa = True
+    accepts_loss_kwargs = False  # the loss is a mean over the batch's tokens: Trainer scales it for accumulation
 
     def __init__(self, config: ModeConfig):
         super().__init__(config)
