@@ -213,3 +213,37 @@ def test_refusals_and_atomic_writes(tmp_path, monkeypatch):
 def test_layouts_are_the_documented_families():
     assert list(LAYOUTS) == ["llama", "arcee", "mixtral", "qwen2_moe"]
     assert ModeForCausalLM.config_class.model_type == "mode_lm"
+
+
+@pytest.mark.parametrize(
+    "layers,layout",
+    [
+        ("dense,dense,dense,dense", "arcee"),  # the quick preset's GELU MLPs
+        ("moe,moe,moe,moe", "mode"),  # GELU experts: no standard MoE family has them
+        ("staged,staged,moe,moe", "mode"),
+        ("integrated,moe,integrated,moe", "mode"),
+    ],
+)
+def test_mode_export_command_on_quick_preset_checkpoints(layers, layout, tmp_path, capsys):
+    """``mode export CKPT OUT --format transformers`` on ``mode train --preset quick`` checkpoints of each kind:
+    AutoModelForCausalLM and AutoTokenizer load the folder, with logits equal to mode's."""
+    from mode.cli import main
+    from mode.train import load_model
+
+    run = tmp_path / "run"
+    args = ["train", "--preset", "quick", "--layers", layers, "--steps", "2", "--batch-size", "4"]
+    assert main([*args, "--eval-every", "100", "--out", str(run), "--no-progress"]) == 0
+    out = tmp_path / "hf"
+    assert main(["export", str(run / "ckpt.pt"), str(out), "--format", "transformers"]) == 0
+    printed = capsys.readouterr().out
+    assert f"({layout} layout;" in printed and "checked: logits equal mode's" in printed
+    lm, _ = load_model(run / "ckpt.pt")
+    model = load(out, layout)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor([tok("def f(x):\n    return x + 1\n")["input_ids"]])
+    with torch.no_grad():
+        assert_close_logits(model(ids).logits, mode_logits(lm.eval(), ids), exact=layout == "mode")
+    assert main(["export", str(run / "ckpt.pt"), str(out), "--format", "transformers"]) == 2
+    assert "exists; pass force=True (--force)" in capsys.readouterr().err
+    assert main(["export", str(run / "ckpt.pt"), str(tmp_path / "x.pt"), "--layout", "mode"]) == 2
+    assert "--layout=mode: only with --format transformers" in capsys.readouterr().err
