@@ -357,6 +357,15 @@ class TokenChoiceRouter(nn.Module):
         """Per-expert assignment limit for ``num_tokens`` tokens (None when dropless)."""
         return self.cfg.capacity(num_tokens)
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Give the buffers no checkpoint holds (bias balancing's ``load_X`` and ``share_X``) their built values,
+        in place: for a model whose buffers were allocated empty, e.g. loaded by transformers from the meta
+        device (``mode.hf.export.modeling``)."""
+        if self.cfg.bias_balance:
+            self.load_X.zero_()
+            self.share_X.copy_(torch.tensor(self.cfg.target_shares()))
+
     def forward(self, x_BSD: Tensor, mask_BS: Tensor | None = None, ids_BS: Tensor | None = None) -> RoutingPlan:
         """Choose each token's experts.
 

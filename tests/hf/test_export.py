@@ -247,3 +247,24 @@ def test_mode_export_command_on_quick_preset_checkpoints(layers, layout, tmp_pat
     assert "exists; pass force=True (--force)" in capsys.readouterr().err
     assert main(["export", str(run / "ckpt.pt"), str(tmp_path / "x.pt"), "--layout", "mode"]) == 2
     assert "--layout=mode: only with --format transformers" in capsys.readouterr().err
+
+
+def test_buffers_no_folder_holds_get_their_built_values(tmp_path):
+    """transformers loads on the meta device and allocates the buffers a checkpoint leaves out (bias balancing's
+    load and target shares) empty: ``ModeForCausalLM`` gives them their built values, so training goes on right."""
+    cfg = LMConfig(
+        layers=("moe", "integrated"),
+        num_noop=2,
+        top_k=2,
+        router_options={"bias_balance": True, "noop_target": 0.3},
+        seq_len=16,
+        d_model=16,
+        n_heads=2,
+        d_hidden=32,
+    )
+    lm = LM(cfg)
+    export_transformers(lm, tmp_path / "hf")
+    model = load(tmp_path / "hf", "mode")
+    built = dict(lm.named_buffers())
+    for name, buf in model.model.named_buffers():
+        assert torch.equal(buf, built[name]), name

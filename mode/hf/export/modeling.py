@@ -140,7 +140,11 @@ class ModeForCausalLM(PreTrainedModel, GenerationMixin):
         return {"model.head.weight": "model.embed.weight"} if self.model.cfg.tie_embeddings else {}
 
     def _init_weights(self, module) -> None:
-        """Nothing: ``LM`` initializes its own weights; a loaded folder supplies every tensor."""
+        """The buffers no folder holds get their built values (``reset_buffers``: transformers allocates them
+        empty when it loads on the meta device); the weights are ``LM``'s own initialization or the folder's."""
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset) and module is not self:
+            reset()
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:  # generate() must not make a DynamicCache: ModeCache
