@@ -109,6 +109,7 @@ GRAPH_TESTS = (
     "tests/core/test_generate.py",
     "tests/core/test_compile.py",
     "tests/train/test_train.py",
+    "tests/hf/test_export_gpu.py",  # an exported model's logits on CUDA equal mode's (issue 65)
 )
 
 

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+pytest.importorskip("transformers", reason="mode.hf needs transformers 5.x: pip install -e '.[hf]'")
+
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -11,6 +11,11 @@ import sys
 
 import pytest
 import torch
+
+pytest.importorskip("transformers", reason="mode.hf needs transformers 5.x: pip install -e '.[hf]'")
+pytest.importorskip("lm_eval", reason="the test extra installs lm-eval: pip install -e '.[test]'")
+pytest.importorskip("peft", reason="the test extra installs peft: pip install -e '.[test]'")
+
 from transformers import AutoModelForCausalLM
 
 from mode.hf.export import export_transformers
