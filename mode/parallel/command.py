@@ -337,7 +337,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "saved by any number of processes in any layout",
     )
     p.add_argument(
-        "--timeout", type=float, help=f"collective timeout in seconds (default ${TIMEOUT_ENV} or {DEFAULT_TIMEOUT_S:g})"
+        "--collective-timeout",
+        "--timeout",
+        dest="timeout",
+        type=float,
+        metavar="SECONDS",
+        help=f"seconds a collective, the process groups' store and the set-up wait for another rank before this "
+        f"rank fails with a CollectiveError and exits (a dead machine, a cut link, a stuck rank; under torchrun "
+        f"--max-restarts the group then restarts); every process group gets it (default ${TIMEOUT_ENV} or "
+        f"{DEFAULT_TIMEOUT_S:g}; --timeout is the same option)",
     )
     p.add_argument("--threads", type=int, help="torch intra-op threads per process (default: torch's)")
     p.add_argument(

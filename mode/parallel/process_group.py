@@ -262,6 +262,6 @@ def collective_guard(
         limit = f"{timeout_s:g} s" if timeout_s is not None else "the process-group timeout"
         raise CollectiveError(
             f"rank {rank}/{world_size}: a collective failed during {what}: another rank died, is stuck "
-            f"(no answer within {limit}; set --timeout or ${TIMEOUT_ENV}) or the network broke. Check the "
+            f"(no answer within {limit}; set --collective-timeout or ${TIMEOUT_ENV}) or the network broke. Check the "
             f"other ranks' logs for the first error. Backend error: {e}"
         ) from e

@@ -8,6 +8,9 @@ SIGTERM, at a chosen step, as ``kill -9`` or a scheduler would from outside, but
                                     written and before the save is named complete (``latest``)
     MODE_TEST_FAULT="termsave@0:6"  rank 0 sends itself SIGTERM at that point of the save of step 6 (with
                                     ``term`` before it: the second SIGTERM, during the preemption's save)
+    MODE_TEST_FAULT="stop@1:3"      rank 1 SIGSTOPs itself at the end of step 3: alive, connections open, never
+                                    answering (a hung rank, or a machine gone silent): the others must fail
+                                    at the collective timeout (``--collective-timeout``)
 
 Several faults: separated by commas. A fault fires in the first attempt of a torchelastic job only
 (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so that the restarted group runs through; a command rerun by
@@ -18,10 +21,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 from dataclasses import dataclass
 
 FAULT_ENV = "MODE_TEST_FAULT"
-KINDS = ("kill", "term", "killsave", "termsave")
+KINDS = ("kill", "term", "killsave", "termsave", "stop")
 
 
 @dataclass(frozen=True)
@@ -64,3 +69,7 @@ def inject(point: str, rank: int, step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif point == "step" and f.kind == "term" or point == "save" and f.kind == "termsave":
             os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode
+        elif point == "step" and f.kind == "stop":
+            print(f"mode fault: rank {rank} stops (SIGSTOP) after step {step} at {time.time():.3f}", file=sys.stderr)
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)
