@@ -1,0 +1,434 @@
+"""Machines on a network of their own, on one host: Linux network namespaces joined by veth pairs to a bridge,
+for the cross-machine fault tests (tests/parallel/test_machines.py) and benchmarks/parallel/bench_machines.py.
+
+    with Network(2) as net:                      # machines 192.0.2.1 and 192.0.2.2 (TEST-NET-1), loopback up
+        p = net.start(0, ["python", "-c", "..."])  # a process on machine 0 (``ip netns exec``), tracked
+        net.cut(1); net.restore(1)               # machine 1's cable out of the switch, and back
+        net.impair(1, delay_ms=50, loss=0.01)    # tc netem on machine 1's interface (where the kernel has it)
+        net.kill(1)                              # SIGKILL every process started on machine 1
+        net.power_off(1)                         # cut, then kill: gone without closing a connection
+    # teardown: every process killed, every link, the bridge and the namespaces deleted, also after a failure
+
+Layout: machine ``i`` is namespace ``mode<pid>x<k>m<i>`` with interface ``eth0`` (address ``192.0.2.<i+1>/24``),
+whose veth peer ``md<pid>x<k>h<i>`` is a port of the bridge ``md<pid>x<k>br`` in the caller's namespace; the
+caller's namespace gets no address on it, so nothing outside the machines can reach them. Names carry the
+creating process's pid (and a counter), so parallel pytest workers never clash, and ``remove_stale`` deletes
+what a killed run left (namespaces and links whose pid is no longer alive).
+
+Processes: ``start`` runs each command in a session of its own (its process group), so ``kill`` reaches the
+torchrun agent and every worker it forked; ``ip netns pids`` catches anything else still in the namespace.
+
+``job`` (below) starts one torchrun agent per machine for ``mode train``: the c10d rendezvous on one machine's
+address, ``GLOO_SOCKET_IFNAME=eth0``, ``--local-addr`` the machine's address (torchrun would otherwise publish
+the host name, which resolves to the host, not to the machine) and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+(docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUBNET = "192.0.2"  # TEST-NET-1 (RFC 5737): never routed, never anyone's real address
+IFNAME = "eth0"  # every machine's interface, inside its namespace
+_count = itertools.count()
+_NAME = re.compile(r"^(?:mode|md)(\d+)x\d+")
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here (no ``ip``, no root or CAP_NET_ADMIN), found by trying; None if they can."""
+    name = f"mode{os.getpid()}probe"
+    try:
+        made = _ip("netns", "add", name, check=False)
+    except FileNotFoundError:
+        return "no 'ip' command (iproute2) on this machine"
+    if made.returncode != 0:
+        return f"'ip netns add' failed ({made.stderr.strip()}): needs root or CAP_NET_ADMIN and CAP_SYS_ADMIN"
+    try:
+        link = _ip("link", "add", f"md{os.getpid()}pb", "type", "bridge", check=False)
+        if link.returncode != 0:
+            return f"'ip link add ... type bridge' failed: {link.stderr.strip()}"
+        _ip("link", "del", f"md{os.getpid()}pb", check=False)
+    finally:
+        _ip("netns", "del", name, check=False)
+    return None
+
+
+def netem_unavailable() -> str | None:
+    """Why ``tc qdisc ... netem`` cannot be used here (a kernel without sch_netem), found by trying; None if it can."""
+    name = f"mode{os.getpid()}netem"
+    _ip("netns", "add", name)
+    try:
+        _ip("-n", name, "link", "set", "lo", "up")
+        tc = subprocess.run(
+            ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return None if tc.returncode == 0 else f"tc netem: {tc.stderr.strip()} (this kernel has no sch_netem)"
+    except FileNotFoundError:
+        return "no 'tc' command"
+    finally:
+        _ip("netns", "del", name, check=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale() -> list[str]:
+    """Delete the namespaces and links a run of this harness left behind when it was killed (its pid is gone)."""
+    removed = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        ns = line.split()[0] if line.split() else ""
+        m = _NAME.match(ns)
+        if m and not _alive(int(m.group(1))):
+            _kill_pids(_netns_pids(ns))
+            _ip("netns", "del", ns, check=False)
+            removed.append(ns)
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        dev = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        m = _NAME.match(dev)
+        if m and not _alive(int(m.group(1))):
+            _ip("link", "del", dev, check=False)
+            removed.append(dev)
+    return removed
+
+
+def _netns_pids(ns: str) -> list[int]:
+    out = _ip("netns", "pids", ns, check=False).stdout
+    return [int(x) for x in out.split() if x.isdigit()]
+
+
+def _kill_pids(pids: Sequence[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class Machine:
+    index: int
+    ns: str  # the namespace
+    host_link: str  # the bridge's end of its cable
+    addr: str
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+
+class Network:
+    """``n`` machines on one bridge (a context manager; see the module's docstring)."""
+
+    def __init__(self, n: int = 2):
+        if not 1 <= n <= 250:
+            raise ValueError(f"n={n}: must be 1 .. 250 machines")
+        tag = f"{os.getpid()}x{next(_count)}"
+        self.bridge = f"md{tag}br"
+        self.machines = [Machine(i, f"mode{tag}m{i}", f"md{tag}h{i}", f"{SUBNET}.{i + 1}") for i in range(n)]
+        assert all(len(name) <= 15 for name in (self.bridge, *(m.host_link for m in self.machines))), tag
+        self.impaired: dict[int, str] = {}
+
+    # -------------------------------------------------------------------------------------------- set-up
+
+    def __enter__(self) -> Network:
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("link", "set", self.bridge, "up")
+        for m in self.machines:
+            _ip("netns", "add", m.ns)
+            _ip("-n", m.ns, "link", "set", "lo", "up")  # a machine's own processes talk over loopback too
+            inner = f"{m.host_link[:-2]}i{m.index}"  # temporary name of the machine's end, then eth0
+            _ip("link", "add", m.host_link, "type", "veth", "peer", "name", inner)
+            _ip("link", "set", inner, "netns", m.ns)
+            _ip("-n", m.ns, "link", "set", inner, "name", IFNAME)
+            _ip("-n", m.ns, "addr", "add", f"{m.addr}/24", "dev", IFNAME)
+            _ip("-n", m.ns, "link", "set", IFNAME, "up")
+            _ip("link", "set", m.host_link, "master", self.bridge)
+            _ip("link", "set", m.host_link, "up")
+
+    def close(self) -> None:
+        """Kill every process on every machine, then delete the links, the bridge and the namespaces; never raises."""
+        for m in self.machines:
+            try:
+                self.kill(m.index)
+            except Exception:  # noqa: BLE001 - teardown goes on
+                pass
+        for m in self.machines:
+            _ip("link", "del", m.host_link, check=False)  # deletes its peer too
+            _ip("netns", "del", m.ns, check=False)
+        _ip("link", "del", self.bridge, check=False)
+
+    # -------------------------------------------------------------------------------------------- machines
+
+    def __getitem__(self, i: int) -> Machine:
+        return self.machines[i]
+
+    def exec_args(self, i: int, argv: Sequence[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.machines[i].ns, *argv]
+
+    def start(self, i: int, argv: Sequence[str], **popen) -> subprocess.Popen:
+        """Start ``argv`` on machine ``i``, in a session (process group) of its own; tracked for ``kill``."""
+        p = subprocess.Popen(self.exec_args(i, argv), start_new_session=True, **popen)
+        self.machines[i].procs.append(p)
+        return p
+
+    def run(self, i: int, argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
+        """Run ``argv`` on machine ``i`` to its end (e.g. ``ping``, ``tc``)."""
+        return subprocess.run(self.exec_args(i, argv), capture_output=True, text=True, timeout=timeout)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL every process started on machine ``i`` (their whole process groups) and anything else still
+        in its namespace; waits for the started ones."""
+        m = self.machines[i]
+        for p in m.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _kill_pids(_netns_pids(m.ns))
+        for p in m.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        m.procs = [p for p in m.procs if p.poll() is None]
+
+    def cut(self, i: int) -> None:
+        """Pull machine ``i``'s cable out of the switch: its link goes down, its sockets stay open (no FIN, no
+        RST reaches anyone): the peers see silence."""
+        _ip("link", "set", self.machines[i].host_link, "down")
+
+    def restore(self, i: int) -> None:
+        _ip("link", "set", self.machines[i].host_link, "up")
+
+    def power_off(self, i: int) -> None:
+        """Machine ``i`` dies at once: its link is cut first, so no connection is closed in an orderly way (a
+        kill alone lets the kernel send FINs for the dead processes), then every process on it is killed.
+        ``restore(i)`` plugs the machine back in (with nothing running on it)."""
+        self.cut(i)
+        self.kill(i)
+
+    def impair(self, i: int, delay_ms: float = 50, loss: float = 0.01) -> None:
+        """``tc qdisc add dev eth0 root netem delay <ms>ms loss <pct>%`` on machine ``i`` (what it sends) and on
+        its switch port (what it receives). RuntimeError where the kernel has no netem (``netem_unavailable``)."""
+        spec = ["netem", "delay", f"{delay_ms:g}ms", "loss", f"{loss * 100:g}%"]
+        m = self.machines[i]
+        for argv in (
+            self.exec_args(i, ["tc", "qdisc", "add", "dev", IFNAME, "root", *spec]),
+            ["tc", "qdisc", "add", "dev", m.host_link, "root", *spec],
+        ):
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
+        self.impaired[i] = " ".join(spec)
+
+    def clear(self, i: int) -> None:
+        """Remove ``impair``'s qdiscs from machine ``i``."""
+        subprocess.run(self.exec_args(i, ["tc", "qdisc", "del", "dev", IFNAME, "root"]), capture_output=True)
+        subprocess.run(["tc", "qdisc", "del", "dev", self.machines[i].host_link, "root"], capture_output=True)
+        self.impaired.pop(i, None)
+
+    def reachable(self, src: int, dst: int, port: int = 9, timeout_s: float = 2.0) -> bool:
+        """Whether machine ``src`` gets an answer from machine ``dst`` (a TCP connect: refused counts as an answer)."""
+        code = (
+            "import socket,sys\n"
+            f"s=socket.socket(); s.settimeout({timeout_s})\n"
+            f"try: s.connect(('{self.machines[dst].addr}', {port}))\n"
+            "except ConnectionRefusedError: sys.exit(0)\n"
+            "except OSError: sys.exit(1)\n"
+        )
+        return self.run(src, [sys.executable, "-c", code], timeout=timeout_s + 30).returncode == 0
+
+
+# ------------------------------------------------------------------------------------------------ mode train jobs
+
+WORKER_ENV_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MODE_TEST_FAULT")
+
+
+@dataclass
+class Agent:
+    """One machine's torchrun agent: its process and its log file (stdout and stderr together)."""
+
+    machine: int
+    proc: subprocess.Popen
+    log: Path
+    started: float
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def train_argv(out: Path, data: Path, steps: int, ckpt_every: int, timeout_s: float, extra: Sequence[str] = ()) -> list[str]:
+    """``mode train`` on a (2, 2) mesh of the quick preset: the command every agent runs."""
+    return [
+        "-m",
+        "mode",
+        "train",
+        "--preset",
+        "quick",
+        "--dp",
+        "2",
+        "--ep",
+        "2",
+        "--steps",
+        str(steps),
+        "--ckpt-every",
+        str(ckpt_every),
+        "--keep",
+        "2",
+        "--eval-every",
+        "1000",
+        "--log-every",
+        "1",
+        "--data",
+        str(data),
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--collective-timeout",
+        f"{timeout_s:g}",
+        "--no-progress",
+        "--resume",
+        "auto",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def start_agent(
+    net: Network,
+    machine: int,
+    train: Sequence[str],
+    logs: Path,
+    *,
+    nnodes: int,
+    nproc: int = 2,
+    rdzv_host: int = 0,
+    port: int = 29400,
+    restarts: int = 1,
+    run_id: str = "job",
+    fault: str | None = None,
+    rdzv_timeout_s: float = 120,
+    tag: str = "",
+) -> Agent:
+    """Start machine ``machine``'s ``torchrun --nnodes N --nproc-per-node 2 --rdzv-backend c10d`` agent running
+    ``python <train>``; its output goes to ``logs/m<machine><tag>.log``."""
+    m = net[machine]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{net[rdzv_host].addr}:{port}",
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        # is_host: torchrun hosts the rendezvous store where the endpoint names its host name; a machine here
+        # shares the host's name, so say which one hosts it
+        f"join_timeout={rdzv_timeout_s:g},read_timeout={rdzv_timeout_s:g},is_host={int(machine == rdzv_host)}",
+        "--local-addr",
+        m.addr,
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.5",
+        "--shutdown-timeout",
+        "5",
+        *train,
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in WORKER_ENV_DROP}
+    env.update(
+        GLOO_SOCKET_IFNAME=IFNAME,
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    if fault:
+        env["MODE_TEST_FAULT"] = fault
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"m{machine}{tag}.log"
+    with open(log, "ab") as f:
+        proc = net.start(machine, argv, stdout=f, stderr=subprocess.STDOUT, env=env)
+    return Agent(machine, proc, log, time.monotonic())
+
+
+def wait_for(predicate, timeout_s: float, every_s: float = 0.1) -> float | None:
+    """Poll ``predicate()`` until true; the seconds it took, or None after ``timeout_s``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if predicate():
+            return time.monotonic() - t0
+        time.sleep(every_s)
+    return None
+
+
+def logged_steps(out: Path) -> list[int]:
+    """Steps rank 0 logged to OUT/log.jsonl so far (a step trained twice appears twice)."""
+    import json
+
+    path = out / "log.jsonl"
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if "loss" in row:
+            steps.append(row["step"])
+    return steps
+
+
+def final_params(out: Path) -> dict:
+    """Every model tensor of OUT's newest complete sharded checkpoint (read in this process, no group)."""
+    from mode.train.checkpoint import load_checkpoint
+
+    return load_checkpoint(out / "ckpt")["model"]
+
+
+def unequal(params: dict, reference: dict) -> list[str]:
+    """Names of the tensors that differ from the reference (bit for bit, ``torch.equal``); [] when all equal."""
+    import torch
+
+    if params.keys() != reference.keys():
+        return sorted(set(params) ^ set(reference))
+    return [k for k in params if not torch.equal(params[k], reference[k])]
