@@ -122,8 +122,10 @@ def main() -> None:
         print(f"doc {r['doc']:3d}  lm-eval {r['lm_eval']:10.4f}  mode {r['mode']:10.4f}  diff {r['diff']:+.2e}")
     tokens = sum(len(s) - c for s, c in zip(ids, ctx_lens))
     nats = -sum(want) / tokens
-    print(f"{len(rows)} documents, {tokens} continuation tokens: mode {nats:.4f} nats/token; "
-          f"largest |lm-eval - mode| {worst:.2e} nats (layout {res.layout}, lm-eval {lm_eval_s:.0f} s)")
+    print(
+        f"{len(rows)} documents, {tokens} continuation tokens: mode {nats:.4f} nats/token; "
+        f"largest |lm-eval - mode| {worst:.2e} nats (layout {res.layout}, lm-eval {lm_eval_s:.0f} s)"
+    )
     write_json(
         args.out,
         {

@@ -15,6 +15,7 @@ the written folder is loaded back with transformers and its logits compared with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -148,6 +149,11 @@ def export_transformers(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    with _quiet_transformers():
+        return _export(lm, cfg, chosen, reasons, record, source, tokenizer, dtype, verify, tmp, out)
+
+
+def _export(lm, cfg, chosen, reasons, record, source, tokenizer, dtype, verify, tmp: Path, out: Path) -> ExportResult:
     try:
         tmp.mkdir()
         state = {k: v.detach().to("cpu", torch.float32) for k, v in lm.state_dict().items()}
@@ -176,6 +182,20 @@ def export_transformers(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return result
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No progress bars from transformers' save and load while exporting (the command prints its own lines)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def _write_family(layout: Layout, cfg: LMConfig, state: dict, out: Path, dtype: torch.dtype) -> str:
