@@ -11,6 +11,9 @@ SIGTERM, at a chosen step, as ``kill -9`` or a scheduler would from outside, but
     MODE_TEST_FAULT="stop@1:3"      rank 1 SIGSTOPs itself at the end of step 3: alive, connections open, never
                                     answering (a hung rank, or a machine gone silent): the others must fail
                                     at the collective timeout (``--collective-timeout``)
+    MODE_TEST_FAULT="stopsave@2:4"  rank 2 SIGSTOPs itself inside the save of step 4 (where ``killsave`` kills),
+                                    printing when: a test then kills its whole machine while the save is
+                                    being written (tests/parallel/test_machines.py)
 
 Several faults: separated by commas. A fault fires in the first attempt of a torchelastic job only
 (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so that the restarted group runs through; a command rerun by
@@ -26,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 FAULT_ENV = "MODE_TEST_FAULT"
-KINDS = ("kill", "term", "killsave", "termsave", "stop")
+KINDS = ("kill", "term", "killsave", "termsave", "stop", "stopsave")
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,8 @@ def inject(point: str, rank: int, step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif point == "step" and f.kind == "term" or point == "save" and f.kind == "termsave":
             os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode
-        elif point == "step" and f.kind == "stop":
-            print(f"mode fault: rank {rank} stops (SIGSTOP) after step {step} at {time.time():.3f}", file=sys.stderr)
+        elif point == "step" and f.kind == "stop" or point == "save" and f.kind == "stopsave":
+            where = "after step" if point == "step" else "inside the save of step"
+            print(f"mode fault: rank {rank} stops (SIGSTOP) {where} {step} at {time.time():.3f}", file=sys.stderr)
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGSTOP)

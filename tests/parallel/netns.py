@@ -288,7 +288,9 @@ class Agent:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def train_argv(out: Path, data: Path, steps: int, ckpt_every: int, timeout_s: float, extra: Sequence[str] = ()) -> list[str]:
+def train_argv(
+    out: Path, data: Path, steps: int, ckpt_every: int, timeout_s: float, extra: Sequence[str] = ()
+) -> list[str]:
     """``mode train`` on a (2, 2) mesh of the quick preset: the command every agent runs."""
     return [
         "-m",
