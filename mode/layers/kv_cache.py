@@ -76,6 +76,18 @@ class KVCache:
     def capacity(self) -> int:
         return self.k_BHLK.shape[2]
 
+    def reorder_rows(self, index_B: Tensor) -> None:
+        """Row ``b`` becomes what row ``index_B[b]`` was (beam search keeps the beams it chose): keys, values and
+        lengths, copied once."""
+        index_B = index_B.to(self.len_B.device)
+        self._k_BHLK = self._k_BHLK.index_select(0, index_B)
+        self._v_BHLK = self._v_BHLK.index_select(0, index_B)
+        capacity = self.capacity
+        self.k_BHLK, self.v_BHLK = self._k_BHLK[:, :, :capacity], self._v_BHLK[:, :, :capacity]
+        self.len_B = self.len_B.index_select(0, index_B)
+        if self.host_len is not None:
+            self.host_len = [self.host_len[i] for i in index_B.tolist()]
+
     def rows(self, rows_n: Tensor | list[int]) -> RowView:
         return RowView(self, rows_n)
 

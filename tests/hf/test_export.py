@@ -271,3 +271,16 @@ def test_buffers_no_folder_holds_get_their_built_values(tmp_path):
     built = dict(lm.named_buffers())
     for name, buf in model.model.named_buffers():
         assert torch.equal(buf, built[name]), name
+
+
+def test_beam_search_with_mode_caches_equals_without(tmp_path):
+    """Beam search reorders mode's per-layer caches with the beams (``ModeCache.reorder_cache``): the same beams
+    as recomputing every step without a cache."""
+    lm, _ = trained("mixed_pattern", tmp_path / "run")
+    export_transformers(lm, tmp_path / "hf")
+    model = load(tmp_path / "hf", "mode")
+    prompt = torch.tensor([prompt_ids(9), prompt_ids(9)[::-1]])
+    kw = dict(max_new_tokens=8, do_sample=False, num_beams=3, num_return_sequences=2, pad_token_id=0)
+    cached = model.generate(prompt, use_cache=True, **kw)
+    uncached = model.generate(prompt, use_cache=False, **kw)
+    assert cached.tolist() == uncached.tolist()

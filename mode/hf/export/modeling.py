@@ -94,20 +94,41 @@ def _json_safe(value) -> Any:
 
 class ModeCache:
     """mode's per-layer KV caches for ``generate()``, and each row's count of tokens fed so far (the next
-    token's position). Made by ``ModeForCausalLM`` when ``generate`` prepares its cache: it knows the longest
-    sequence (``capacity``) then. ``get_seq_length``: the longest row's count."""
+    token's position). Made by ``ModeForCausalLM`` when ``generate`` prepares its cache (it knows the longest
+    sequence, ``capacity``, then); the caches themselves on the first call, for its rows. ``get_seq_length``:
+    the longest row's count."""
 
     is_compileable = False
 
-    def __init__(self, model: LM, batch: int, capacity: int):
-        device = model.embed.weight.device
-        self.layers = model.new_caches(batch, capacity, static=device.type == "cuda")
-        self.seen_B = torch.zeros(batch, dtype=torch.long, device=device)
+    def __init__(self, model: LM, capacity: int):
+        self.model, self.capacity = model, capacity
+        self.layers: list = []
+        self.seen_B = torch.zeros(0, dtype=torch.long)
         self.started = False
+
+    def start(self, batch: int) -> None:
+        """Make the caches for ``batch`` rows (the prompts as ``generate`` expanded them: beams, returned
+        sequences)."""
+        device = self.model.embed.weight.device
+        self.layers = self.model.new_caches(batch, self.capacity, static=device.type == "cuda")
+        self.seen_B = torch.zeros(batch, dtype=torch.long, device=device)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The most tokens any row has fed (a host read)."""
         return int(self.seen_B.max()) if self.started else 0
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Beam search: row ``b`` continues beam ``beam_idx[b]`` (every layer's keys, values and lengths)."""
+        for layer in self.layers:
+            layer.reorder_rows(beam_idx)
+        self.seen_B = self.seen_B.index_select(0, beam_idx.to(self.seen_B.device))
+
+    def crop(self, max_length: int) -> None:
+        """Assisted decoding's rollback: not supported (a MoD layer's cache holds only its routed tokens)."""
+        raise ValueError(
+            "ModeCache.crop: assisted (speculative) decoding is not supported by ModeForCausalLM; generate without "
+            "assistant_model / prompt_lookup_num_tokens"
+        )
 
 
 class ModeForCausalLM(PreTrainedModel, GenerationMixin):
@@ -171,7 +192,7 @@ class ModeForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> None:
         if generation_config.use_cache is False or model_kwargs.get("past_key_values") is not None:
             return
-        model_kwargs["past_key_values"] = ModeCache(self.model, batch_size, max_cache_length)
+        model_kwargs["past_key_values"] = ModeCache(self.model, max_cache_length)
 
     def forward(
         self,
@@ -258,6 +279,7 @@ class ModeForCausalLM(PreTrainedModel, GenerationMixin):
 
         causal = _check_generatable(self.model)
         if not cache.started:
+            cache.start(ids_BS.shape[0])
             logits_BSV, aux = self._run(ids_BS, mask_BS, cache.layers, causal)
             cache.seen_B = mask_BS.sum(1) if mask_BS is not None else torch.full_like(cache.seen_B, ids_BS.shape[1])
             cache.started = True
