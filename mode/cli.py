@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--layout",
         default="auto",
         help="--format transformers: auto (the standard family that computes exactly what the model "
-        "computes, else mode's own class), llama, arcee, mixtral, qwen2_moe, or mode (default auto)",
+        "computes, else mode's own class), llama, arcee, mixtral, qwen2_moe, glm4_moe, or mode (default auto)",
     )
     p.add_argument(
         "--dtype",

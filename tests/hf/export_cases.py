@@ -27,8 +27,28 @@ CASES: dict[str, tuple[dict, str]] = {
         dict(layers=("moe", "moe"), activation="swiglu", num_shared=1, shared_gate=True),
         "qwen2_moe",
     ),
+    "moe_sigmoid_groups_bias": (
+        dict(
+            layers=("dense", "moe", "moe"),
+            activation="swiglu",
+            num_experts=8,  # 2 groups of 4: the top 2 come from the kept group's 4, no -inf at the boundary
+            top_k=2,
+            num_shared=1,
+            router_options={
+                "gate": "sigmoid",
+                "renormalize": True,
+                "bias_balance": True,
+                "bias_rate": 0.05,
+                "n_group": 2,
+                "topk_group": 1,
+                "scale": 2.5,
+            },
+        ),
+        "glm4_moe",
+    ),
+    "moe_sigmoid": (dict(layers=("moe", "moe"), activation="swiglu", router_options={"gate": "sigmoid"}), "glm4_moe"),
     "moe_gelu": (dict(layers=("moe", "moe"), activation="gelu"), "mode"),
-    "moe_bias_balance": (
+    "moe_softmax_bias_balance": (
         dict(layers=("moe", "moe"), activation="swiglu", router_options={"bias_balance": True}),
         "mode",
     ),

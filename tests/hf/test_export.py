@@ -214,7 +214,7 @@ def test_refusals_and_atomic_writes(tmp_path, monkeypatch):
 
 
 def test_layouts_are_the_documented_families():
-    assert list(LAYOUTS) == ["llama", "arcee", "mixtral", "qwen2_moe"]
+    assert list(LAYOUTS) == ["llama", "arcee", "mixtral", "qwen2_moe", "glm4_moe"]
     assert ModeForCausalLM.config_class.model_type == "mode_lm"
 
 

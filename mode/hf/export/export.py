@@ -4,7 +4,8 @@
     export_transformers("runs/mesh/ckpt", "exported/", force=True)  # a sharded folder of any (dp, ep) mesh
 
 The layout is chosen by exact math (``mode.hf.export.layouts``): the first standard family whose forward is
-mode's (``llama``, ``arcee``, ``mixtral``, ``qwen2_moe``), which loads in a process that never imports mode;
+mode's (``llama``, ``arcee``, ``mixtral``, ``qwen2_moe``, ``glm4_moe``), which loads in a process that never
+imports mode;
 otherwise ``mode``, mode's own transformers class (``ModeForCausalLM``, loaded with ``trust_remote_code=True``
 and mode installed). ``layout=`` names one; an LM it cannot express is a ``ValueError`` naming the feature.
 
@@ -53,7 +54,7 @@ class ExportResult:
 
     Args:
         path: the folder.
-        layout: the layout's name ("llama", "arcee", "mixtral", "qwen2_moe" or "mode").
+        layout: the layout's name ("llama", "arcee", "mixtral", "qwen2_moe", "glm4_moe" or "mode").
         architecture: the transformers class that loads it.
         tokenizer: "bytes" or "tokens".
         not_standard: for each standard family not chosen, the feature it cannot express.

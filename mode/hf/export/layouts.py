@@ -13,6 +13,9 @@ where its forward is mode's, operation for operation, up to float rounding:
     qwen2_moe  token-choice MoE and dense SwiGLU layers (``mlp_only_layers``), softmax gates with or without
                renormalisation (``norm_topk_prob``), shared experts behind Qwen2-MoE's sigmoid gate; without
                shared experts, a shared expert of width 0 (its output is exactly 0)
+    glm4_moe   DeepSeek-V3's router on Llama's attention: sigmoid gates, the balancing bias for choosing
+               (``e_score_correction_bias``), group-limited choice, renormalisation, ``routed_scaling_factor``,
+               ungated shared experts (or a width-0 one), dense SwiGLU layers first (``first_k_dense_replace``)
 
 Not listed, because they compute something else: Qwen3-MoE and OLMoE (RMSNorm on queries and keys),
 DeepSeek-V3 (multi-head latent attention), LongCat-Flash (latent attention, two attentions per layer; its
@@ -109,6 +112,47 @@ def _qwen2_moe_why_not(cfg: LMConfig) -> str | None:
     return None
 
 
+# Glm4-MoE's router, in TokenChoiceConfig's fields: what an LM may set and still be computed exactly by it
+GLM4_ROUTER_OPTIONS = frozenset(
+    {"gate", "renormalize", "renorm_eps", "scale", "n_group", "topk_group", "bias_balance", "group_score"}
+)
+
+
+def _leading_dense(cfg: LMConfig) -> int:
+    return next(i for i, k in enumerate(cfg.kinds) if k.experts)
+
+
+def _glm4_moe_why_not(cfg: LMConfig) -> str | None:
+    if (reason := _not_plain(cfg)) is not None:
+        return reason
+    if not cfg.uses_moe:
+        return "no MoE layer (a MoE family)"
+    if cfg.router != "token_choice":
+        return f"router={cfg.router!r} (this family's router is token choice)"
+    if cfg.activation != "swiglu":
+        return f"activation={cfg.activation!r} (this family's experts are SwiGLU)"
+    if cfg.capacity_factor is not None:
+        return f"capacity_factor={cfg.capacity_factor} (this family is dropless)"
+    k = _leading_dense(cfg)
+    if not all(kind.experts for kind in cfg.kinds[k:]):
+        return "a dense layer after an MoE layer (Glm4-MoE's dense layers come first: first_k_dense_replace)"
+    rc = cfg.router_config(cfg.kinds[k])
+    if rc.gate != "sigmoid":
+        return f"router gate={rc.gate!r} (this family's gates are sigmoids)"
+    extra = sorted(key for key in cfg.router_options if key not in LOSS_ONLY_OPTIONS | GLM4_ROUTER_OPTIONS)
+    if extra:
+        return f"router_options {extra} (this family's router has no such setting)"
+    if rc.group_score != "top2":
+        return f"group_score={rc.group_score!r} (this family scores a group by its two best experts)"
+    if rc.renorm_eps not in (0.0, 1e-20):
+        return f"renorm_eps={rc.renorm_eps} (this family adds 1e-20)"
+    if cfg.num_shared and cfg.shared_gate:
+        return "gated shared experts (this family's shared experts are not gated)"
+    if cfg.shared_hidden is not None and cfg.shared_hidden != cfg.num_shared * _expert_hidden(cfg):
+        return f"shared_hidden={cfg.shared_hidden} (this family's is n_shared_experts x the experts' hidden size)"
+    return None
+
+
 # ------------------------------------------------------------------------------------------- configs
 
 
@@ -180,6 +224,32 @@ def _qwen2_moe_config(cfg: LMConfig) -> dict:
         qkv_bias=False,
         use_sliding_window=False,
         sliding_window=None,
+        output_router_logits=False,
+        router_aux_loss_coef=cfg.balance_coef,
+    )
+
+
+def _glm4_moe_config(cfg: LMConfig) -> dict:
+    k = _leading_dense(cfg)
+    rc = cfg.router_config(cfg.kinds[k])
+    common = _common_config(cfg)
+    common["rope_parameters"] = {**common["rope_parameters"], "partial_rotary_factor": 1.0}
+    return dict(
+        common,
+        partial_rotary_factor=1.0,
+        intermediate_size=cfg.d_hidden,
+        moe_intermediate_size=_expert_hidden(cfg),
+        hidden_act="silu",
+        n_routed_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        n_shared_experts=cfg.num_shared,
+        routed_scaling_factor=float(rc.scale),
+        n_group=rc.n_group,
+        topk_group=rc.topk_group,
+        norm_topk_prob=bool(rc.renormalize),
+        first_k_dense_replace=k,
+        use_qk_norm=False,
+        attention_bias=False,
         output_router_logits=False,
         router_aux_loss_coef=cfg.balance_coef,
     )
@@ -262,6 +332,25 @@ def _qwen2_moe_tensors(cfg: LMConfig, sd: dict[str, Tensor]) -> dict[str, Tensor
     return out
 
 
+def _glm4_moe_tensors(cfg: LMConfig, sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    out = _attention_and_norms(cfg, sd)
+    D, E = cfg.d_model, cfg.num_experts
+    for i, kind in enumerate(cfg.kinds):
+        p, q = f"layers.{i}.mlp.", f"model.layers.{i}.mlp."
+        if not kind.experts:
+            out.update(_gated_mlp(sd[p + "w_in_DF"], sd[p + "w_out_HD"], q))
+            continue
+        out.update(_experts(sd, p, q))
+        w = sd[p + "router.weight"]
+        out[q + "gate.e_score_correction_bias"] = sd.get(p + "router.bias_X", w.new_zeros(E))
+        if cfg.num_shared:
+            w_in, w_out = sd[p + "shared_experts.w_in_DF"], sd[p + "shared_experts.w_out_HD"]
+            out.update(_gated_mlp(w_in, w_out, q + "shared_experts."))
+        else:  # a shared expert of width 0 adds exactly 0
+            out.update(_gated_mlp(w.new_zeros(D, 0), w.new_zeros(0, D), q + "shared_experts."))
+    return out
+
+
 LAYOUTS: dict[str, Layout] = {
     layout.name: layout
     for layout in (
@@ -275,6 +364,14 @@ LAYOUTS: dict[str, Layout] = {
             _qwen2_moe_config,
             _qwen2_moe_tensors,
             "MoE and dense layers, shared experts gated",
+        ),
+        Layout(
+            "glm4_moe",
+            "Glm4MoeForCausalLM",
+            _glm4_moe_why_not,
+            _glm4_moe_config,
+            _glm4_moe_tensors,
+            "DeepSeek-V3's router: sigmoid, bias, groups, shared experts",
         ),
     )
 }
