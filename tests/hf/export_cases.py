@@ -3,6 +3,8 @@ give for each (tests/hf/test_export*.py). Shared so that the tests and the subpr
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -80,8 +82,15 @@ def corpus() -> Corpus:
     return Corpus(train=arr[:cut], val=arr[cut:], source="synthetic")
 
 
+_TRAINED: dict[tuple[str, int], tuple[LM, object]] = {}  # per process: the training is seeded, so reuse is exact
+
+
 def trained(name: str, out, steps: int = 4) -> tuple[LM, object]:
-    """The case's LM after ``steps`` optimizer steps (seeded), and its checkpoint path."""
+    """The case's LM after ``steps`` optimizer steps (seeded), and its checkpoint path (under ``out`` the first
+    time this process trains the case; later calls get a copy of that model and that path)."""
+    if (name, steps) in _TRAINED:
+        lm, path = _TRAINED[name, steps]
+        return copy.deepcopy(lm), path
     fields, _ = CASES[name]
     cfg = LMConfig(**{**BASE, **fields})
     t = Trainer(
@@ -95,6 +104,7 @@ def trained(name: str, out, steps: int = 4) -> tuple[LM, object]:
     )
     t.run()
     t.model.eval()
+    _TRAINED[name, steps] = (copy.deepcopy(t.model), t.ckpt_path)
     return t.model, t.ckpt_path
 
 
