@@ -113,6 +113,13 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="window length; the MACs are counted at it")
     p.add_argument("--fit-windows", type=int, default=64, help="training windows the fits measure on")
     p.add_argument("--val-windows", type=int, default=32, help="held-out windows the report's losses use")
+    p.add_argument(
+        "--unseen-windows",
+        type=int,
+        default=64,
+        help="windows of each out-of-domain set (prose, dialogue, code: text no conversion step reads) the report's "
+        "losses also use; 0: none",
+    )
     p.add_argument("--heal-steps", type=int, default=100, help="healing optimizer steps (0: no healing)")
     p.add_argument("--heal-tokens", type=int, default=1024, help="tokens per healing step (whole windows)")
     p.add_argument("--heal-lr", type=float, default=1e-3, help="healing AdamW learning rate")

@@ -12,7 +12,11 @@ into ``--out``:
                                                      the same original checkpoint)
     convert_report.json                              the source, the settings, the MACs reached, the layers,
                                                      what healing spent, and the held-out loss of the original
-                                                     and of the conversion (eval mode: causal routing)
+                                                     and of the conversion (eval mode: causal routing), on the
+                                                     training text's held-out windows and on each out-of-domain
+                                                     set (``mode.hf.dense.unseen``: prose, dialogue, code; text
+                                                     no step of the conversion reads; ``--unseen-windows 0``
+                                                     skips them)
 
 Shape legend: W windows, S sequence, B batch.
 """
@@ -58,7 +62,21 @@ def held_out_loss(model, windows_WS, batch: int = 8) -> float:
     return _mean_loss(model, batches_of(windows_WS, batch))
 
 
+def _unseen(args, tokenizer, S: int):
+    """The out-of-domain sets (``unseen_sets``; those not installed are noted and passed over)."""
+    from mode.hf.dense.unseen import unseen_sets
+
+    if not args.unseen_windows:
+        return {}
+    sets, missing = unseen_sets(tokenizer, S, args.unseen_windows, data=args.data, missing="skip")
+    for why in missing.values():
+        print(f"note: {why}; its loss is not reported", flush=True)
+    return sets
+
+
 def _check(args) -> None:
+    if args.unseen_windows < 0:
+        raise ValueError(f"--unseen-windows={args.unseen_windows}: must be >= 0 (0: no out-of-domain sets)")
     for name in ("seq_len", "fit_windows", "val_windows", "heal_tokens", "lora_rank"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
@@ -77,6 +95,7 @@ def run(args) -> int:
 
     import mode.hf as mh
     from mode.hf.dense.budget import BudgetConfig, convert_to_macs
+    from mode.hf.dense.unseen import window_losses
     from mode.hf.dense.windows import (
         batches_of,
         calibration_docstring_windows,
@@ -105,6 +124,7 @@ def run(args) -> int:
         model, tokenizer, name = load_model(args.model)
         S = args.seq_len
         train_WS, held_WS = file_windows(tokenizer, args.data, S) if args.data else english_windows(tokenizer, S)
+        unseen = _unseen(args, tokenizer, S)
     except (ValueError, TypeError, OSError) as e:
         print(f"mode convert: error: {e}", file=sys.stderr)
         return 2
@@ -121,6 +141,7 @@ def run(args) -> int:
         cal_batches = batches_of(doc_WS, 8)
     print(f"{name}: {len(train_WS)} training and {len(held_WS)} held-out windows of {S} tokens", flush=True)
     base = held_out_loss(model, val_WS)
+    unseen_base = {k: window_losses(model, u.windows_WS)[0] for k, u in unseen.items()}  # the original's, (W,)
     torch.manual_seed(args.seed)  # what to_mod draws (routers, estimates) before their fits; healing seeds itself
     try:
         result = convert_to_macs(
@@ -129,7 +150,21 @@ def run(args) -> int:
     except ValueError as e:  # e.g. a budget the part cannot reach at --min-capacity
         print(f"mode convert: error: {e}", file=sys.stderr)
         return 2
-    loss = held_out_loss(model, val_WS)
+    held_W, held_macs = window_losses(model, val_WS)
+    loss = float(held_W.double().mean())  # held_out_loss's value: every window has S - 1 targets
+    unseen_rows = {}
+    for k, u in unseen.items():  # the converted model on text no step of the conversion read
+        loss_W, macs = window_losses(model, u.windows_WS)
+        got, orig = float(loss_W.double().mean()), float(unseen_base[k].double().mean())
+        unseen_rows[k] = {
+            **u.info(),
+            "original_loss": orig,
+            "loss": got,
+            "d_loss_pct": 100 * (got / orig - 1),
+            "macs_measured": macs,
+            "original_window_losses": unseen_base[k].tolist(),
+            "window_losses": loss_W.tolist(),
+        }
     out = Path(args.out)
     mh.save_conversion(model, out)
     report = {
@@ -142,7 +177,10 @@ def run(args) -> int:
             "original_loss": base,
             "loss": loss,
             "d_loss_pct": 100 * (loss / base - 1),
+            "macs_measured": held_macs,  # MoD: at the shares its routers took on these windows
+            "window_losses": held_W.tolist(),
         },
+        "unseen": unseen_rows,
         "seconds": time.perf_counter() - t0,
     }
     atomic_write_text(out / REPORT_FILE, json.dumps(report, indent=2) + "\n")
@@ -152,6 +190,11 @@ def run(args) -> int:
         f"{args.method}: MACs {result.macs:.4f} of the original (target {result.target}), {where} layers "
         f"{layers}; held-out loss {base:.4f} -> {loss:.4f} ({report['held_out']['d_loss_pct']:+.2f}%)"
     )
+    for k, r in unseen_rows.items():
+        print(
+            f"unseen {k:<9} loss {r['original_loss']:.4f} -> {r['loss']:.4f} ({r['d_loss_pct']:+.2f}%), "
+            f"MACs {r['macs_measured']:.4f} on it ({r['windows']} windows, text sha256 {r['text_sha256'][:12]})"
+        )
     if result.heal is not None:
         h = result.heal
         print(f"healed: {h.steps} steps, {h.tokens} tokens, {h.trainable} trainable, {h.cpu_seconds / 60:.1f} CPU-min")

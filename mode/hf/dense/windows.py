@@ -14,6 +14,7 @@ and holds out its last tenth.
 from __future__ import annotations
 
 import ast
+import functools
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,11 +55,17 @@ def stdlib_docstrings(min_chars: int = 80, root: str | Path | None = None) -> li
     """The distinct docstrings of at least ``min_chars`` characters of the modules, classes and functions under
     ``root`` (None: this Python's standard library), in sorted file order, each file's breadth first
     (``ast.walk``). Files are parsed with ``ast``, never imported; a file that does not parse is passed over.
-    Folders in ``_DOC_SKIP`` (tests, ``pydoc_data``) are left out. The text depends on the Python version."""
+    Folders in ``_DOC_SKIP`` (tests, ``pydoc_data``) are left out. The text depends on the Python version.
+    Read once per process for each (``min_chars``, ``root``)."""
     _checks.check_int("min_chars", min_chars, min_value=1)
     base = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
     if not base.is_dir():
         raise ValueError(f"root={str(base)!r}: not a directory")
+    return list(_docstrings(min_chars, base))
+
+
+@functools.lru_cache(maxsize=4)
+def _docstrings(min_chars: int, base: Path) -> tuple[str, ...]:
     docs: list[str] = []
     seen: set[str] = set()
     for path in sorted(base.rglob("*.py")):
@@ -73,7 +80,7 @@ def stdlib_docstrings(min_chars: int = 80, root: str | Path | None = None) -> li
             if doc and len(doc) >= min_chars and doc not in seen:
                 seen.add(doc)
                 docs.append(doc)
-    return docs
+    return tuple(docs)
 
 
 def docstring_windows(tokenizer, seq_len: int) -> torch.Tensor:

@@ -1,0 +1,209 @@
+"""``mode.hf.dense.unseen``: the out-of-domain sets are read from fixed, sorted file lists, documents sharing 13
+words with the training text are left out, the windows and the text's SHA-256 are reproducible, a set that is
+not installed is named with its install command, ``window_losses`` gives the held-out loss and the MACs at the
+routed share, and ``mode convert`` reports each set's loss for the original and the conversion. The texts here
+are written by the tests (no Debian package or corpus wheel needed); the code set reads the installed
+transformers, which the test extra installs."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mod_models import V, tiny
+
+S = 16
+WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls watch it from an old oak tree".split()
+
+
+class ByteTokenizer:
+    """UTF-8 bytes folded into the tiny models' vocabulary, end of text 0; no chat template."""
+
+    eos_token_id = 0
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": [1 + b % (V - 1) for b in text.encode("utf-8")]}
+
+
+class ChatTokenizer(ByteTokenizer):
+    chat_template = "x"
+
+    def apply_chat_template(self, messages, tokenize=False):
+        assert not tokenize
+        return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+
+
+def _sentence(i: int, n: int = 20) -> str:
+    g = torch.Generator().manual_seed(i)
+    return " ".join(WORDS[int(j)] for j in torch.randint(0, len(WORDS), (n,), generator=g))
+
+
+def _fortunes(root: Path, files) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for k, name in enumerate(files):
+        (root / name).write_text("\n%\n".join(_sentence(10 * k + i) for i in range(3)) + "\n%\n")
+
+
+def test_prose_reads_each_fortune_of_the_files_in_sorted_order(hf, tmp_path):
+    from mode.hf.dense.unseen import prose_documents
+
+    _fortunes(tmp_path, ["b", "a"])
+    per_file, root = prose_documents(tmp_path, files=["b", "a"])
+    assert root == tmp_path
+    assert per_file == [[_sentence(10 + i) for i in range(3)], [_sentence(i) for i in range(3)]]  # a, then b
+
+
+def test_dialogue_pairs_the_turns_and_uses_the_chat_template(hf, tmp_path):
+    from mode.hf.dense.unseen import dialogue_documents
+
+    (tmp_path / "b.yml").write_text("conversations:\n- - Hi there\n  - Hello!\n  - How are you?\n")
+    (tmp_path / "a.yml").write_text("conversations:\n- - Tell me a joke\n  - No.\n- - 42\n  - Why?\n")
+    (tmp_path / "empty.yml").write_text("categories:\n- none\n")
+    docs, files, _ = dialogue_documents(ByteTokenizer(), tmp_path)
+    assert files == ["a.yml", "b.yml"]  # sorted; a file without a conversation gives no document
+    assert docs == [
+        "User: Tell me a joke\nAssistant: No.\nUser: 42\nAssistant: Why?\n",
+        "User: Hi there\nAssistant: Hello!\n",
+    ]
+    docs, _, _ = dialogue_documents(ChatTokenizer(), tmp_path)  # the unpaired "How are you?" is left out
+    assert docs[1] == "<user>Hi there</user><assistant>Hello!</assistant>"
+
+
+def test_code_reads_the_sources_sorted_without_init(hf, tmp_path):
+    from mode.hf.dense.unseen import code_documents
+
+    for name, text in (("z.py", "z = 1\n"), ("__init__.py", "x = 0\n"), ("a.py", "a = 2\n"), ("n.txt", "no")):
+        (tmp_path / name).write_text(text)
+    assert code_documents(tmp_path)[:2] == (["a = 2\n", "z = 1\n"], ["a.py", "z.py"])
+
+
+def test_overlapping_finds_13_shared_words_not_12(hf):
+    from mode.hf.dense.unseen import ngram_set, overlapping
+
+    ref = ngram_set([" ".join(f"r{i}" for i in range(40))])
+    shared13 = "x y " + " ".join(f"r{i}" for i in range(5, 18)) + " z"
+    shared12 = "x y " + " ".join(f"r{i}" for i in range(5, 17)) + " z"
+    assert overlapping([shared13, shared12, "r1 r2"], ref) == [True, False, False]
+
+
+def test_a_set_is_reproducible_and_leaves_out_what_the_training_text_holds(hf, tmp_path):
+    from mode.hf.dense.unseen import PROSE_FILES, ngram_set, text_sha256, unseen_text
+
+    _fortunes(tmp_path, PROSE_FILES)
+    tok = ByteTokenizer()
+    a = unseen_text("prose", tok, S, n_windows=8, root=tmp_path)
+    b = unseen_text("prose", tok, S, n_windows=8, root=tmp_path)
+    assert a == b and torch.equal(a.windows_WS, b.windows_WS) and a.windows_WS.shape == (8, S)
+    assert a.files == tuple(sorted(PROSE_FILES)) and a.dropped == 0 and a.documents == len(PROSE_FILES)
+    first = sorted(PROSE_FILES)[0]
+    assert a.text_sha256 == text_sha256(
+        ["\n\n".join(_sentence(10 * PROSE_FILES.index(f) + i) for i in range(3)) for f in sorted(PROSE_FILES)]
+    )
+    seen = ngram_set([_sentence(10 * PROSE_FILES.index(first))])  # one fortune is training text
+    c = unseen_text("prose", tok, S, n_windows=8, seen=seen, root=tmp_path)
+    assert c.dropped == 1 and c.text_sha256 != a.text_sha256
+    info = c.info()
+    assert info["windows"] == 8 and info["seq_len"] == S and "windows_WS" not in info
+    json.dumps(info)
+    (tmp_path / first).unlink()
+    with pytest.raises(ValueError, match="apt-get install fortunes"):
+        unseen_text("prose", tok, S, root=tmp_path)
+    with pytest.raises(ValueError, match="expected one of"):
+        unseen_text("poetry", tok, S)
+
+
+def test_the_code_set_reads_the_installed_transformers(hf):
+    from mode.hf.dense.unseen import unseen_text
+
+    code = unseen_text("code", ByteTokenizer(), 64, n_windows=16)
+    assert code.files[:2] == ("candidate_generator.py", "configuration_utils.py") and code.windows_WS.shape == (16, 64)
+    assert Path(code.root).parts[-2:] == ("transformers", "generation")
+
+
+def test_a_missing_set_is_skipped_with_its_install_command(hf, monkeypatch):
+    import mode.hf.dense.unseen as u
+
+    monkeypatch.setattr(u, "FORTUNES_DIR", "/nonexistent/fortunes")
+    monkeypatch.setattr(u, "_builtin_ngrams", lambda: set())  # the stdlib's docstrings are not what is tested here
+    sets, missing = u.unseen_sets(ByteTokenizer(), 64, 4, names=("prose", "code"), missing="skip")
+    assert list(sets) == ["code"] and "apt-get install fortunes" in missing["prose"]
+    with pytest.raises(ValueError, match="/nonexistent/fortunes"):
+        u.unseen_sets(ByteTokenizer(), 64, 4, names=("prose",))
+
+
+def test_window_losses_give_the_held_out_loss_and_the_macs_at_the_routed_share(hf):
+    from mode.hf.convert_command import held_out_loss
+    from mode.hf.dense.unseen import window_losses
+
+    torch.manual_seed(0)
+    model = tiny("llama", layers=4, initializer_range=0.1)
+    x_WS = torch.randint(1, V, (6, S))
+    loss_W, macs = window_losses(model, x_WS)
+    assert loss_W.shape == (6,) and macs == 1.0
+    assert float(loss_W.double().mean()) == pytest.approx(held_out_loss(model, x_WS), rel=1e-6)
+    hf.to_mod(model, layers=[1, 2], capacity=0.5, causal="threshold")
+    hf.calibrate(model, [x_WS])
+    _, macs = window_losses(model.eval(), torch.randint(1, V, (6, S)))  # other windows: another routed share
+    plain = hf.conversion_macs(model, S)  # at the capacity
+    assert macs < 1.0 and macs != pytest.approx(plain, rel=1e-9)
+    with hf.routing(model, "topk"):  # top-C routes exactly the capacity: the planned count
+        _, macs_topc = window_losses(model, x_WS)
+    assert macs_topc == pytest.approx(plain, rel=1e-6)
+
+
+def _checkpoint(folder: Path, text: str) -> None:
+    """A tiny Llama and a word-level tokenizer of ``text`` as a transformers checkpoint folder."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[EOS]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(sorted(set(text.split()))[: V - 2])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="[EOS]", unk_token="[UNK]").save_pretrained(folder)
+    torch.manual_seed(0)
+    tiny("llama", layers=4, initializer_range=0.1).save_pretrained(folder)
+
+
+def test_mode_convert_reports_each_unseen_set(hf, tmp_path, monkeypatch, capsys):
+    import mode.hf.dense.unseen as u
+    from mode.cli import main
+    from mode.hf.convert_command import load_model
+
+    monkeypatch.setattr(u, "FORTUNES_DIR", str(tmp_path / "fortunes"))  # prose written here; no dialogue wheel
+    monkeypatch.setattr(u, "_package_dir", lambda pkg, sub: None if pkg == "chatterbot_corpus" else tmp_path / "py")
+    monkeypatch.setattr(u, "_builtin_ngrams", lambda: set())
+    _fortunes(tmp_path / "fortunes", u.PROSE_FILES)
+    (tmp_path / "py").mkdir()
+    (tmp_path / "py" / "m.py").write_text("\n".join(f"x{i} = {i}  # {_sentence(i)}" for i in range(40)))
+    text = " ".join(_sentence(100 + i) for i in range(150))
+    (tmp_path / "text.txt").write_text(text)
+    _checkpoint(tmp_path / "ckpt", text)
+    out = tmp_path / "out"
+    argv = ["convert", str(tmp_path / "ckpt"), "--macs", "0.8", "--out", str(out), "--data", str(tmp_path / "text.txt")]
+    argv += ["--seq-len", "32", "--fit-windows", "8", "--val-windows", "4", "--heal-steps", "1", "--heal-tokens", "64"]
+    argv += ["--min-capacity", "0.25", "--unseen-windows", "6", "--no-progress"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "note: unseen set 'dialogue'" in printed and "pip install --no-deps chatterbot-corpus" in printed
+    report = json.loads((out / "convert_report.json").read_text())
+    assert sorted(report["unseen"]) == ["code", "prose"]
+    original, tokenizer, _ = load_model(str(tmp_path / "ckpt"))
+    back = hf.load_conversion(load_model(str(tmp_path / "ckpt"))[0], out)
+    for name, row in report["unseen"].items():
+        assert f"unseen {name}" in printed and row["windows"] == 6 and len(row["window_losses"]) == 6
+        root = tmp_path / ("fortunes" if name == "prose" else "py")
+        x_WS = u.unseen_text(name, tokenizer, 32, 6, seen=u.ngram_set([text]), root=root)  # --data left out
+        assert x_WS.text_sha256 == row["text_sha256"]
+        base_W, _ = u.window_losses(original, x_WS.windows_WS)
+        got_W, macs = u.window_losses(back, x_WS.windows_WS)
+        assert row["original_loss"] == pytest.approx(float(base_W.double().mean()), rel=1e-6)
+        assert row["loss"] == pytest.approx(float(got_W.double().mean()), rel=1e-6)
+        assert row["d_loss_pct"] == pytest.approx(100 * (row["loss"] / row["original_loss"] - 1))
+        assert row["macs_measured"] == pytest.approx(macs)
+    assert report["unseen"]["prose"]["dropped"] == 12  # the fortunes of files 10-13 are sentences of --data
+    assert len(report["held_out"]["window_losses"]) == 4
+    assert main([*argv, "--force", "--unseen-windows", "0"]) == 0
+    assert json.loads((out / "convert_report.json").read_text())["unseen"] == {}
