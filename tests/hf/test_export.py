@@ -284,3 +284,14 @@ def test_beam_search_with_mode_caches_equals_without(tmp_path):
     cached = model.generate(prompt, use_cache=True, **kw)
     uncached = model.generate(prompt, use_cache=False, **kw)
     assert cached.tolist() == uncached.tolist()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_folders(dtype, tmp_path):
+    """``dtype="bfloat16"``: the folder holds the weights rounded to it; its logits (loaded in float32) equal mode's
+    with the same rounded weights."""
+    lm, _ = trained("moe_renormalized", tmp_path / "run")
+    res = export_transformers(lm, tmp_path / "hf", dtype=dtype)
+    assert res.max_logit_diff is not None
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.dtype == getattr(torch, dtype)

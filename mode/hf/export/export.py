@@ -17,6 +17,7 @@ the written folder is loaded back with transformers and its logits compared with
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -166,7 +167,7 @@ def _export(lm, cfg, chosen, reasons, record, source, tokenizer, dtype, verify, 
         result = ExportResult(out, MODE_LAYOUT if chosen is None else chosen.name, architecture, kind, reasons)
         result.not_causal = causal_problem(cfg)
         if verify:
-            result.max_logit_diff = _verify(lm, tmp, chosen is None)
+            result.max_logit_diff = _verify(lm, tmp, chosen is None, DTYPES[dtype])
         manifest = {
             "layout": result.layout,
             "architecture": architecture,
@@ -237,11 +238,14 @@ def _write_tokenizer(out: Path, record, tokenizer, vocab_size: int) -> str:
 
 
 @torch.no_grad()
-def _verify(lm: LM, folder: Path, mode_layout: bool) -> float:
-    """Load ``folder`` with transformers (float32) and compare its logits with ``lm``'s on a fixed batch."""
+def _verify(lm: LM, folder: Path, mode_layout: bool, dtype: torch.dtype) -> float:
+    """Load ``folder`` with transformers (float32) and compare its logits with ``lm``'s on a fixed batch: ``lm``
+    with its weights rounded to the folder's ``dtype`` (then both compute in float32 with the same weights)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=mode_layout).eval()
+    if any(p.dtype != torch.float32 for p in lm.parameters()) or dtype != torch.float32:
+        lm = copy.deepcopy(lm).to(dtype).to(torch.float32)
     cfg = lm.cfg
     gen = torch.Generator().manual_seed(0)
     ids_BS = torch.randint(0, cfg.vocab_size, (2, min(cfg.seq_len, 32)), generator=gen)
