@@ -438,6 +438,17 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets(hvp_smoke):
         assert i["bootstrap_ci_pct"][0] <= i["diff_pct"] <= i["bootstrap_ci_pct"][1], i
     assert out.with_suffix(".png").stat().st_size > 0
     assert "prune-bi@0.9#s0" in stdout
+    # the out-of-domain sets installed (the code set: transformers' own sources), each healed row measured on them
+    # before and after healing, with their baseline, the summary and the pair's intervals per set
+    unseen = payload["unseen"]
+    assert "code" in unseen and all(u["windows"] == 8 and len(u["text_sha256"]) == 64 for u in unseen.values())
+    for key, r in rows.items():
+        if "steps" in r:
+            assert set(r["unseen"]) == set(r["unseen_before"]) == set(unseen), key
+            assert all(len(u["window_losses"]) == 8 and 0 < u["macs_ratio_measured"] <= 1 for u in r["unseen"].values())
+    assert all(set(unseen) <= set(s["unseen"]) for s in payload["summary"])
+    assert all(set(unseen) <= set(i["unseen"]) for i in payload["intervals"])
+    assert "unseen code:" in stdout
 
 
 def test_heal_vs_prune_resumes_and_splits_seeds(hvp_smoke, tmp_path):

@@ -135,6 +135,7 @@ from benchmarks.hf.smollm2_measure import (  # noqa: E402
 from mode.hf._compat import decoder_layers  # noqa: E402
 from mode.hf.dense.budget import layers_to_delete, pruned_macs  # noqa: E402
 from mode.hf.dense.macs import HALVES, _parts, macs_per_token  # noqa: E402
+from mode.hf.dense.unseen import unseen_sets  # noqa: E402
 from mode.hf.dense.windows import (  # noqa: E402
     batches_of,
     calibration_docstring_windows,
@@ -223,6 +224,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fit-windows", type=int, default=None)
     p.add_argument("--cost-windows", type=int, default=None)
     p.add_argument("--val-windows", type=int, default=None)
+    p.add_argument(
+        "--unseen-windows",
+        type=int,
+        default=None,
+        help="windows of each out-of-domain set (mode.hf.dense.unseen: prose, dialogue, code; 64, smoke 8; 0: none)",
+    )
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--prompt", type=int, default=None)
     p.add_argument("--new", type=int, default=None)
@@ -240,9 +247,9 @@ def main(argv: list[str] | None = None) -> dict:
     real = dict(
         macs=[0.95, 0.9, 0.85, 0.8, 0.75], seeds=3, heal_steps=100, heal_tokens=1024, fit_windows=64, est_rank=64
     )
-    real.update(cost_windows=8, val_windows=32, seq_len=256, prompt=64, new=48, repeats=3)
+    real.update(cost_windows=8, val_windows=32, seq_len=256, prompt=64, new=48, repeats=3, unseen_windows=64)
     smoke = dict(macs=[0.9, 0.8], seeds=1, heal_steps=3, heal_tokens=256, fit_windows=8, est_rank=8)
-    smoke.update(cost_windows=4, val_windows=8, seq_len=64, prompt=16, new=8, repeats=1)
+    smoke.update(cost_windows=4, val_windows=8, seq_len=64, prompt=16, new=8, repeats=1, unseen_windows=8)
     fill_defaults(args, smoke if args.smoke else real)
     if args.out is None:
         args.out = f"benchmarks/results/heal_vs_prune{'_smoke' if args.smoke else ''}.json"
@@ -273,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     keep = ("out", "threads", "cache_dir", "no_speed", "speed_seeds", "methods", "macs", "seeds", "first_seed", "fresh")
-    keep += ("costs_from",)
+    keep += ("costs_from", "unseen_windows")  # the out-of-domain sets are checked by their text's digest
     settings = {k: v for k, v in vars(args).items() if k not in keep}
     done = {} if args.fresh or not out_path.is_file() else json.loads(out_path.read_text())
     if done and settings_of(done) != settings:
@@ -290,6 +297,24 @@ def main(argv: list[str] | None = None) -> dict:
     base_W = window_losses(original, val_WS)
     base = float(base_W.mean())
     print(f"{name}: held-out {len(val_WS)} windows x {S} tokens, loss {base:.4f} (threads {threads})", flush=True)
+    unseen, missing = {}, {}
+    if args.unseen_windows:  # text no step of any conversion reads (the smoke run takes what is installed)
+        unseen, missing = unseen_sets(tokenizer, S, args.unseen_windows, missing="skip" if args.smoke else "raise")
+    for why in missing.values():
+        print(f"note: {why}; not measured", flush=True)
+    unseen_info = {}
+    for k, u in unseen.items():  # the original's loss on each: its baseline
+        loss_W = window_losses(original, u.windows_WS)
+        unseen_info[k] = {**u.info(), "original_loss": float(loss_W.mean()), "original_window_losses": loss_W.tolist()}
+        print(f"unseen {k}: {len(loss_W)} windows, loss {unseen_info[k]['original_loss']:.4f}", flush=True)
+    for k, had in done.get("unseen", {}).items():
+        if k in unseen_info and had["text_sha256"] != unseen_info[k]["text_sha256"]:
+            raise ValueError(
+                f"{out_path}: its unseen set {k!r} is other text (sha256 {had['text_sha256'][:12]}, now "
+                f"{unseen_info[k]['text_sha256'][:12]}: other package versions?); pass --out or --unseen-windows 0"
+            )
+    unseen_info = {**done.get("unseen", {}), **unseen_info}
+    unseen_base = {k: v["original_loss"] for k, v in unseen_info.items()}
     prompts = {b: held_WS[:b, : args.prompt] for b in (1, 8)}
 
     def save(extra: dict | None = None) -> None:
@@ -300,6 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
             "threads": threads,
             "base_loss": base,
             "skip_costs": costs,
+            "unseen": unseen_info,
             "rows": list(rows.values()),
             **(extra or {}),
         }
@@ -323,19 +349,36 @@ def main(argv: list[str] | None = None) -> dict:
     def pct(loss_W: torch.Tensor) -> float:
         return 100 * (float(loss_W.mean()) / base - 1)
 
+    def macs_at(model, shares: dict[int, float]) -> float:
+        """The MACs ÷ the original's with each MoD layer at the share its router took (``shares``)."""
+        parts, n_layers = _parts(model)
+        for i, s in shares.items():
+            parts[i]["share"] = s
+        return macs_per_token(config, S, parts, n_layers) / macs_per_token(config, S, {}, n_layers)
+
+    def unseen_losses(model, healed: bool) -> dict:
+        """Each out-of-domain set's Δ loss % against the original's; healed: with its windows and MACs on it."""
+        got: dict = {}
+        for k, u in unseen.items():
+            shares: dict[int, float] = {}
+            loss_W = window_losses(model, u.windows_WS, shares=shares if mh.mod_layers(model) else None)
+            d = 100 * (float(loss_W.mean()) / unseen_base[k] - 1)
+            got[k] = d if not healed else {"d_loss_pct": d, "window_losses": loss_W.tolist()}
+            if healed:
+                got[k]["macs_ratio_measured"] = macs_at(model, shares)
+        return got
+
     def measure(model, row: dict) -> None:
         shares: dict[int, float] = {}
         loss_W = window_losses(model, val_WS, shares=shares if mh.mod_layers(model) else None)
         row["d_loss_pct"], row["window_losses"] = pct(loss_W), loss_W.tolist()
-        parts, n_layers = _parts(model)
         if shares:
             row["share"] = statistics.mean(shares.values())
-            for i, s in shares.items():
-                parts[i]["share"] = s
             with mh.routing(model, "topk"):  # top-C, what healing trained with (non-causal; eval mode)
                 row["d_loss_pct_topc"] = pct(window_losses(model, val_WS))
-        measured = macs_per_token(config, S, parts, n_layers) / macs_per_token(config, S, {}, n_layers)
-        row["macs_ratio_measured"] = measured
+        row["macs_ratio_measured"] = macs_at(model, shares)
+        if unseen:
+            row["unseen"] = unseen_losses(model, healed=True)
         if not args.no_speed and row["seed"] < args.speed_seeds:
             with _threads(1):
                 for b, prompt in prompts.items():
@@ -400,6 +443,8 @@ def main(argv: list[str] | None = None) -> dict:
                         lora_layers = list(range(config.num_hidden_layers))
                 row["macs_ratio"] = mh.conversion_macs(model, S)
                 row["d_loss_pct_before"] = pct(window_losses(model, val_WS))
+                if unseen:
+                    row["unseen_before"] = unseen_losses(model, healed=False)
                 torch.manual_seed(seed)  # the LoRA initialisation: paired across methods
                 cfg = mh.HealConfig(
                     steps=args.heal_steps,
@@ -434,15 +479,23 @@ def main(argv: list[str] | None = None) -> dict:
                     f"b8 {_num(row.get('decode_b8'), '.2f')}x  heal {row['cpu_seconds']:.1f} CPU-s",
                     flush=True,
                 )
+                for k, u in row.get("unseen", {}).items():
+                    print(f"{'':<28} unseen {k}: Δ {row['unseen_before'][k]:+7.2f}% -> {u['d_loss_pct']:+7.2f}%")
                 save()
-    summary, intervals = summarize(rows, base)
+    summary, intervals = summarize(rows, base, unseen_base)
     save({"summary": summary, "intervals": intervals})
-    text = table(summary, intervals, base)
+    text = table(summary, intervals, base, unseen_base)
     print(text)
     png = out_path.with_suffix(".png")
     plot(summary, intervals, png, model_title(args.smoke))
     print(f"wrote {out_path} and {png} ({time.perf_counter() - wall0:.1f} s)")
-    return {"base_loss": base, "rows": list(rows.values()), "summary": summary, "intervals": intervals}
+    return {
+        "base_loss": base,
+        "unseen": unseen_info,
+        "rows": list(rows.values()),
+        "summary": summary,
+        "intervals": intervals,
+    }
 
 
 if __name__ == "__main__":

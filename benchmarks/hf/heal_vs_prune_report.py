@@ -117,9 +117,78 @@ def t_interval(diffs: list[float]) -> list[float] | None:
     return [mean - half, mean + half]
 
 
-def summarize(rows: dict[str, dict], base: float) -> tuple[list[dict], list[dict]]:
+def _unseen_summary(rs: list[dict], names: list[str]) -> dict:
+    """Per out-of-domain set: Δ loss % healed (mean ± std over the seeds measured on it), before healing, and the
+    MACs on it; ``"mean"``: the mean over the sets (only where every set is measured)."""
+    got: dict = {}
+    for k in names:
+        pct = [r["unseen"][k]["d_loss_pct"] for r in rs if k in r.get("unseen", {})]
+        if not pct:
+            continue
+        before = [r["unseen_before"][k] for r in rs if k in r.get("unseen_before", {})]
+        got[k] = {
+            "seeds": len(pct),
+            "d_loss_pct": statistics.mean(pct),
+            "d_loss_pct_std": statistics.stdev(pct) if len(pct) > 1 else None,
+            "d_loss_pct_before": statistics.mean(before) if before else None,
+            "macs_ratio_measured": statistics.mean(
+                r["unseen"][k]["macs_ratio_measured"] for r in rs if k in r["unseen"]
+            ),
+        }
+    if names and all(k in got for k in names):
+        befores = [got[k]["d_loss_pct_before"] for k in names]
+        got["mean"] = {
+            "d_loss_pct": statistics.mean(got[k]["d_loss_pct"] for k in names),
+            "d_loss_pct_before": None if None in befores else statistics.mean(befores),  # type: ignore[arg-type]
+        }
+    return got
+
+
+def _unseen_intervals(pairs: list[tuple[dict, dict]], unseen_base: dict[str, float]) -> dict:
+    """MoD − pruning on each out-of-domain set (and ``"mean"``, the sets' windows together, each in % of its own
+    set's original loss) over the seeds both measured on it: the paired bootstrap over windows and t over seeds."""
+    got: dict = {}
+    per_window: list[torch.Tensor] = []
+    seed_diffs: list[list[float]] = []
+    for k, b in unseen_base.items():
+        both = [
+            (a["unseen"][k], p["unseen"][k]) for a, p in pairs if k in a.get("unseen", {}) and k in p.get("unseen", {})
+        ]
+        if not both:
+            continue
+        diffs = [a["d_loss_pct"] - p["d_loss_pct"] for a, p in both]
+        diff_W = (
+            100
+            * torch.stack([torch.tensor(a["window_losses"]) - torch.tensor(p["window_losses"]) for a, p in both]).mean(
+                0
+            )
+            / b
+        )
+        got[k] = {
+            "seeds": len(both),
+            "diff_pct": statistics.mean(diffs),
+            "bootstrap_ci_pct": list(bootstrap_ci(diff_W)),
+            "t_ci_pct": t_interval(diffs),
+        }
+        per_window.append(diff_W)
+        seed_diffs.append(diffs)
+    if unseen_base and len(got) == len(unseen_base) and len({len(d) for d in seed_diffs}) == 1:
+        means = [statistics.mean(col) for col in zip(*seed_diffs)]  # per seed: the mean over the sets
+        got["mean"] = {
+            "diff_pct": statistics.mean(means),
+            "bootstrap_ci_pct": list(bootstrap_ci(torch.cat(per_window))),
+            "t_ci_pct": t_interval(means),
+        }
+    return got
+
+
+def summarize(
+    rows: dict[str, dict], base: float, unseen_base: dict[str, float] | None = None
+) -> tuple[list[dict], list[dict]]:
     """Per (method, point): mean ± std over seeds; per (MoD method, pruning method, point) over the seeds both
-    have: the paired intervals of MoD − pruning."""
+    have: the paired intervals of MoD − pruning. ``unseen_base``: each out-of-domain set's original loss; the
+    rows measured on them get the same per set (``"unseen"``)."""
+    unseen_base = unseen_base or {}
     done = [r for r in rows.values() if "d_loss_pct" in r]
     groups: dict[tuple[str, float], list[dict]] = {}
     for r in done:
@@ -144,6 +213,7 @@ def summarize(rows: dict[str, dict], base: float) -> tuple[list[dict], list[dict
                 "d_loss_pct_before": mean("d_loss_pct_before"),
                 "d_loss_pct_topc": mean("d_loss_pct_topc"),
                 **{k: mean(k) for k in ("decode_b1", "decode_b8", "prefill_b1", "prefill_b8", "cpu_seconds")},
+                "unseen": _unseen_summary(rs, list(unseen_base)),
             }
         )
     intervals = []
@@ -168,6 +238,7 @@ def summarize(rows: dict[str, dict], base: float) -> tuple[list[dict], list[dict
                     "diff_pct": statistics.mean(diffs),
                     "bootstrap_ci_pct": list(bootstrap_ci(100 * diff_W / base)),
                     "t_ci_pct": t_interval(diffs),
+                    "unseen": _unseen_intervals(pairs, unseen_base),
                 }
             )
     intervals.sort(key=lambda r: (METHODS.index(r["mod"]), METHODS.index(r["prune"]), -r["point"]))
@@ -186,7 +257,7 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 4.6))
+    fig, (ax, ox, bx) = plt.subplots(1, 3, figsize=(21, 4.6))
     tab20 = plt.get_cmap("tab20")  # the dark shades first, then the light ones: one colour per method
     colour = {m: tab20((2 * i) % 20 + i // 10) for i, m in enumerate(METHODS)}
     for method in METHODS:
@@ -194,23 +265,31 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
         if not rs:
             continue
         err = [s["d_loss_pct_std"] or 0.0 for s in rs]
-        ax.errorbar(
-            [_macs_drawn(s) for s in rs],
-            [s["d_loss_pct"] for s in rs],
-            yerr=err,
-            marker="o",
-            capsize=3,
-            linestyle="--" if method in PRUNE else "-",
-            color=colour[method],
-            label=method,
-        )
+        style = dict(marker="o", capsize=3, linestyle="--" if method in PRUNE else "-", color=colour[method])
+        ax.errorbar([_macs_drawn(s) for s in rs], [s["d_loss_pct"] for s in rs], yerr=err, label=method, **style)
+        out = [s for s in rs if "mean" in s.get("unseen", {})]  # the out-of-domain sets' mean, where all measured
+        if out:
+            ox.plot(
+                [_macs_drawn(s) for s in out],
+                [s["unseen"]["mean"]["d_loss_pct"] for s in out],
+                label=method,
+                **{k: v for k, v in style.items() if k != "capsize"},
+            )
     ax.set_xlabel("MACs per token ÷ original, measured (threshold routers: their held-out shares)")
     ax.set_ylabel("Δ held-out loss, % of original (healed)")
-    ax.set_title(f"{title}: mean ± std over seeds")
-    ax.invert_xaxis()
-    lo, hi = ax.get_ylim()
-    ax.set_ylim(lo, hi + 0.45 * (hi - lo))  # room above the points for the legend
+    ax.set_title(f"{title}: in-domain held-out, mean ± std over seeds", fontsize=9)
+    ox.set_xlabel("MACs per token ÷ original (as left)")
+    ox.set_ylabel("Δ loss out of domain, % (mean of the sets)")
+    ox.set_title("out of domain: text no step saw (prose, dialogue, code), mean over seeds", fontsize=9)
+    if not ox.lines:
+        ox.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ox.transAxes)
+    for a in (ax, ox):
+        a.invert_xaxis()
+        lo, hi = a.get_ylim()
+        a.set_ylim(lo, hi + 0.45 * (hi - lo))  # room above the points for the legend
     ax.legend(fontsize=7, ncol=2, loc="upper right")
+    if ox.lines:
+        ox.legend(fontsize=7, ncol=2, loc="upper right")
     # Right: each MoD method against the pruning of its kind (with the estimate against prune-bi-est, without it
     # against prune-bi, adapters on every layer against prune-bi-est-all), in the method's colour of the left
     # panel; the table and JSON hold every pair.
@@ -235,44 +314,69 @@ def plot(summary: list[dict], intervals: list[dict], path: Path, title: str) -> 
         for x, r in zip(xs, rs):  # the t interval over seeds, where there are >= 2: a wide pale bar behind
             if r["t_ci_pct"] is not None:
                 bx.vlines(x, *r["t_ci_pct"], colors=[colour[mod]], linewidth=7, alpha=0.25)
+        out = [(x + 0.0015, r["unseen"]["mean"]) for x, r in zip(xs, rs) if "mean" in r.get("unseen", {})]
+        if out:  # the same pair on the out-of-domain sets (their mean): squares, dashed
+            mid = [u["diff_pct"] for _, u in out]
+            lo = [max(m - u["bootstrap_ci_pct"][0], 0.0) for m, (_, u) in zip(mid, out)]
+            hi = [max(u["bootstrap_ci_pct"][1] - m, 0.0) for m, (_, u) in zip(mid, out)]
+            bx.errorbar(
+                [x for x, _ in out],
+                mid,
+                yerr=[lo, hi],
+                marker="s",
+                capsize=3,
+                linestyle=":",
+                color=colour[mod],
+                label=f"{mod} − {partner}, out of domain",
+            )
     points = sorted({r["point"] for r in intervals})
     if points:
         bx.set_xticks(points)
     bx.axhline(0.0, color="gray", linewidth=0.8)
     bx.set_xlabel("MACs point (÷ original)")
     bx.set_ylabel("MoD − pruning, points of %")
-    bx.set_title("paired 95%: bootstrap over windows (bars), t over seeds (pale)")
+    bx.set_title("paired 95%: bootstrap over windows (bars), t over seeds (pale)", fontsize=9)
     bx.invert_xaxis()
     if pairs:  # a run of one method (a part file) has no pair to name
         bx.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: it hid intervals
     save_figure(fig, path)
 
 
-def table(summary: list[dict], intervals: list[dict], base: float) -> str:
+def _ci(ci: list[float] | None) -> str:
+    return "—" if ci is None else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]"
+
+
+def table(summary: list[dict], intervals: list[dict], base: float, unseen_base: dict[str, float] | None = None) -> str:
+    names = list(unseen_base or {})
+    out_head = f"Δ % out of domain, healed ({' / '.join(names)}; mean) | " if names else ""
     lines = [
-        f"held-out loss of the original {base:.4f} nats/token",
+        f"held-out loss of the original {base:.4f} nats/token"
+        + "".join(f"; {k} {v:.4f}" for k, v in (unseen_base or {}).items()),
         "",
         "| method | point | MACs ÷ orig (measured) | Δ loss % before heal | Δ loss % healed (mean ± std) | "
-        "top-C Δ % | decode b1 / b8 | CPU s per heal | seeds |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"{out_head}top-C Δ % | decode b1 / b8 | CPU s per heal | seeds |",
+        "|---|---|---|---|---|" + ("---|" if names else "") + "---|---|---|---|",
     ]
     for s in summary:
         std = "" if s["d_loss_pct_std"] is None else f" ± {s['d_loss_pct_std']:.2f}"
+        u = s.get("unseen", {})
+        out = " / ".join(_num(u[k]["d_loss_pct"] if k in u else None, "+.2f") for k in names)
+        out_cell = f"{out}; {_num(u['mean']['d_loss_pct'] if 'mean' in u else None, '+.2f')} | " if names else ""
         lines.append(
             f"| {s['method']} | {s['point']:.2f} | {s['macs_ratio']:.3f} ({_num(s['macs_ratio_measured'], '.3f')}) "
-            f"| {_num(s['d_loss_pct_before'], '+.2f')} | {s['d_loss_pct']:+.2f}{std} | "
+            f"| {_num(s['d_loss_pct_before'], '+.2f')} | {s['d_loss_pct']:+.2f}{std} | {out_cell}"
             f"{_num(s['d_loss_pct_topc'], '+.2f')} | {_num(s['decode_b1'], '.2f')} / {_num(s['decode_b8'], '.2f')} "
             f"| {_num(s['cpu_seconds'], '.1f')} | {len(s['seeds'])} |"
         )
-    lines += ["", "| MoD − pruning | point | diff (points of %) | 95% bootstrap (windows) | 95% t (seeds) |"]
-    lines.append("|---|---|---|---|---|")
+    lines += ["", "| MoD − pruning | point | text | diff (points of %) | 95% bootstrap (windows) | 95% t (seeds) |"]
+    lines.append("|---|---|---|---|---|---|")
     for r in intervals:
-        ci, t = r["bootstrap_ci_pct"], r["t_ci_pct"]
-        t_txt = "—" if t is None else f"[{t[0]:+.2f}, {t[1]:+.2f}]"
-        lines.append(
-            f"| {r['mod']} − {r['prune']} | {r['point']:.2f} | {r['diff_pct']:+.2f} | "
-            f"[{ci[0]:+.2f}, {ci[1]:+.2f}] | {t_txt} |"
-        )
+        texts = [("in-domain", r)] + [(k, v) for k, v in r.get("unseen", {}).items()]
+        for text, v in texts:
+            lines.append(
+                f"| {r['mod']} − {r['prune']} | {r['point']:.2f} | {text} | {v['diff_pct']:+.2f} | "
+                f"{_ci(v['bootstrap_ci_pct'])} | {_ci(v['t_ci_pct'])} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -280,6 +384,11 @@ def settings_of(doc: dict) -> dict:
     """A result's settings, as runs now write them (files from before ``--router-lr`` lack it: None; from before
     ``--heal-text``: the topics)."""
     return {"router_lr": None, "heal_text": "topics", **doc.get("settings", {})}
+
+
+def unseen_base_of(doc: dict) -> dict[str, float]:
+    """A result's out-of-domain sets: each one's original loss (none in results from before them)."""
+    return {k: u["original_loss"] for k, u in doc.get("unseen", {}).items()}
 
 
 def model_title(smoke: bool) -> str:
@@ -315,6 +424,10 @@ def merge(into: Path, sources: list[Path]) -> dict:
                 raise ValueError(f"{name}: row {r['key']} was measured differently in {names[0]}; drop one of them")
             rows.setdefault(r["key"], r)
         doc["skip_costs"] = {**other.get("skip_costs", {}), **doc.get("skip_costs", {})}
+        for k, u in other.get("unseen", {}).items():
+            have = doc.setdefault("unseen", {}).setdefault(k, u)
+            if have["text_sha256"] != u["text_sha256"]:
+                raise ValueError(f"{name}: unseen set {k!r} is other text than {names[0]}'s (its sha256 differs)")
     healed = {k: r for k, r in rows.items() if "steps" in r}
     for key, r in healed.items():
         if r["method"] not in MOD:
@@ -325,7 +438,7 @@ def merge(into: Path, sources: list[Path]) -> dict:
                 raise ValueError(f"{key}: healed with another budget than {p['key']} ({', '.join(BUDGET_KEYS)})")
         r["same_budget_as"] = [p["key"] for p in partners]
     doc["rows"] = sorted(rows.values(), key=lambda r: (-r["point"], r["seed"], METHODS.index(r["method"])))
-    doc["summary"], doc["intervals"] = summarize(rows, doc["base_loss"])
+    doc["summary"], doc["intervals"] = summarize(rows, doc["base_loss"], unseen_base_of(doc))
     into.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(into, json.dumps(doc, indent=2) + "\n")
     plot(doc["summary"], doc["intervals"], into.with_suffix(".png"), model_title(settings_of(doc).get("smoke", False)))
@@ -339,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("sources", nargs="*", help="heal_vs_prune.py results to add to --into")
     args = p.parse_args(argv)
     doc = merge(Path(args.into), [Path(s) for s in args.sources])
-    print(table(doc["summary"], doc["intervals"], doc["base_loss"]))
+    print(table(doc["summary"], doc["intervals"], doc["base_loss"], unseen_base_of(doc)))
     print(f"wrote {args.into} and {Path(args.into).with_suffix('.png')}")
     return doc
 

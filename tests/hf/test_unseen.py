@@ -207,3 +207,40 @@ def test_mode_convert_reports_each_unseen_set(hf, tmp_path, monkeypatch, capsys)
     assert len(report["held_out"]["window_losses"]) == 4
     assert main([*argv, "--force", "--unseen-windows", "0"]) == 0
     assert json.loads((out / "convert_report.json").read_text())["unseen"] == {}
+
+
+def _report(folder: Path, seed: int, shift: float) -> None:
+    """A ``convert_report.json`` as ``mode convert`` writes it: held-out and one unseen set, 4 windows each."""
+    folder.mkdir()
+    held = {"original_loss": 2.0, "window_losses": [2.0 + shift + 0.01 * i for i in range(4)], "macs_measured": 0.85}
+    unseen = {
+        "prose": {
+            "window_losses": [3.0 + 2 * shift + 0.01 * i for i in range(4)],
+            "original_window_losses": [3.0] * 4,
+            "macs_measured": 0.86,
+            "text_sha256": "ab" * 32,
+        }
+    }
+    report = {"settings": {"seed": seed}, "result": {"macs": 0.84}, "held_out": held, "unseen": unseen}
+    (folder / "convert_report.json").write_text(json.dumps(report))
+
+
+def test_heal_vs_prune_unseen_pairs_two_recipes_by_seed(hf, tmp_path):
+    """benchmarks/hf/heal_vs_prune_unseen.py on two reports per recipe: each text's Δ % per seed, a − b with its
+    intervals; folders of other seeds are refused."""
+    sys.path.insert(0, str(Path(__file__).parents[2]))
+    from benchmarks.hf.heal_vs_prune_unseen import main
+
+    for name, seed, shift in (("a0", 0, 0.02), ("a1", 1, 0.04), ("b0", 0, 0.1), ("b1", 1, 0.1)):
+        _report(tmp_path / name, seed, shift)
+    out = tmp_path / "r.json"
+    got = main(["--a", *(str(tmp_path / f) for f in ("a0", "a1")), "--b", str(tmp_path / "b0"), str(tmp_path / "b1")]
+               + ["--out", str(out)])  # fmt: skip
+    held, prose = got["texts"]["in-domain"], got["texts"]["prose"]
+    assert held["a_d_loss_pct"] == pytest.approx([100 * (2.035 / 2 - 1), 100 * (2.055 / 2 - 1)])
+    assert held["diff_pct"] == pytest.approx(100 * (0.03 - 0.1) / 2)  # the mean shift of a minus b's, in % of 2.0
+    assert prose["diff_pct"] == pytest.approx(100 * (0.06 - 0.2) / 3) and prose["a_macs"] == 0.86
+    assert prose["bootstrap_ci_pct"][0] - 1e-4 <= prose["diff_pct"] <= prose["bootstrap_ci_pct"][1] + 1e-4
+    assert held["t_ci_pct"] is not None and json.loads(out.read_text())["seeds"] == [0, 1]
+    with pytest.raises(SystemExit):
+        main(["--a", str(tmp_path / "a0"), "--b", str(tmp_path / "b1"), "--out", str(out)])
