@@ -15,7 +15,8 @@ auto`` over gloo, ranks 0-1 on machine 0 and 2-3 on machine 1. A fault fires onc
     save_sync   machine 1 powered off while a checkpoint is being written (rank 2 stopped inside the save of
     save_async  step 4, its shards written, ``latest`` not yet switched): the half-written save must never be
                 used; ``--async-save`` for save_async
-    netem       ``tc netem delay 50ms loss 1%`` on machine 1 for the whole run (where the kernel has netem)
+    netem       delay 50 ms and loss 1% on machine 1's link for the whole run: ``tc netem delay 50ms loss 1%``, or
+                where the kernel has no sch_netem the same by ``netns.relay`` (``Network.impair``)
 
 Measured: seconds from the fault to the first ``CollectiveError`` of a surviving rank (detected), and to the
 restarted job's ``resuming at step N`` (resumed), the steps lost (the last step logged before the fault minus
@@ -73,16 +74,18 @@ class Reference:
     curve: dict
     wall_s: float
     step_s: float  # mean seconds per step (from the agent's log), for the slow-link cost
+    link: str = "clean"  # or how the link was slowed: "tc netem" or "relay" (netns.Network.impair)
 
 
-def clean_run(work: Path, data: Path, timeout_s: float, steps: int = STEPS, impair: bool = False) -> Reference:
-    """The uninterrupted job on two machines (with ``impair``: on a ``netem`` link)."""
+def clean_run(
+    work: Path, data: Path, timeout_s: float, steps: int = STEPS, impair: bool = False, dp: int = 2, ep: int = 2
+) -> Reference:
+    """The uninterrupted job on two machines (with ``impair``: on a slow, lossy link); ``dp``, ``ep``: its mesh."""
     shutil.rmtree(work, ignore_errors=True)
     out = work / "out"
     with netns.Network(2) as net:
-        if impair:
-            net.impair(1, delay_ms=50, loss=0.01)
-        train = netns.train_argv(out, data, steps, CKPT_EVERY, timeout_s)
+        link = net.impair(1, delay_ms=50, loss=0.01) if impair else "clean"
+        train = netns.train_argv(out, data, steps, CKPT_EVERY, timeout_s, dp=dp, ep=ep)
         t0 = time.monotonic()
         agents = [netns.start_agent(net, i, train, work / "logs", nnodes=2, port=29400) for i in range(2)]
         for a in agents:
@@ -93,7 +96,7 @@ def clean_run(work: Path, data: Path, timeout_s: float, steps: int = STEPS, impa
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     times = [r["wall"] for r in records if "wall" in r and "loss" in r]
     step_s = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
-    return Reference(netns.final_params(out), curve(out), wall, step_s)
+    return Reference(netns.final_params(out), curve(out), wall, step_s, link)
 
 
 def _first(agents, needle: str, since: float) -> float | None:
@@ -117,9 +120,18 @@ def _finish(outcome: Outcome, out: Path, reference: Reference, agents, last_befo
 
 
 def run_fault(
-    kind: str, work: Path, data: Path, reference: Reference, timeout_s: float = 10, cut_s: float = 20, port: int = 29400
+    kind: str,
+    work: Path,
+    data: Path,
+    reference: Reference,
+    timeout_s: float = 10,
+    cut_s: float = 20,
+    port: int = 29400,
+    dp: int = 2,
+    ep: int = 2,
 ) -> Outcome:
-    """One job with fault ``kind`` (see the module's docstring); the network is torn down whatever happens."""
+    """One job with fault ``kind`` (see the module's docstring) on a (``dp``, ``ep``) mesh, ``reference`` the
+    uninterrupted job on the same mesh; the network is torn down whatever happens."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: must be one of {', '.join(KINDS)}")
     shutil.rmtree(work, ignore_errors=True)
@@ -127,10 +139,10 @@ def run_fault(
     outcome = Outcome(kind)
     t0 = time.monotonic()
     extra = ["--async-save"] if kind == "save_async" else []
-    train = netns.train_argv(out, data, STEPS, CKPT_EVERY, timeout_s, extra)
+    train = netns.train_argv(out, data, STEPS, CKPT_EVERY, timeout_s, extra, dp=dp, ep=ep)
     with netns.Network(2) as net:
         if kind == "netem":
-            net.impair(1, delay_ms=50, loss=0.01)
+            outcome.note = f"delay 50 ms, loss 1% on machine 1's link by {net.impair(1, delay_ms=50, loss=0.01)}"
         fault = "stopsave@2:4" if kind in ("save_sync", "save_async") else None
         restarts = 2 if kind == "cut" else 1
         agents = [

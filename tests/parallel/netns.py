@@ -146,7 +146,8 @@ class Network:
         self.bridge = f"md{tag}br"
         self.machines = [Machine(i, f"mode{tag}m{i}", f"md{tag}h{i}", f"{SUBNET}.{i + 1}") for i in range(n)]
         assert all(len(name) <= 15 for name in (self.bridge, *(m.host_link for m in self.machines))), tag
-        self.impaired: dict[int, str] = {}
+        self.impaired: dict[int, str] = {}  # machine -> "tc netem" or "relay"
+        self.relays: dict[int, tuple[subprocess.Popen, str]] = {}  # machine -> (relay process, its bridge port)
 
     # -------------------------------------------------------------------------------------------- set-up
 
@@ -181,6 +182,11 @@ class Network:
         for m in self.machines:
             try:
                 self.kill(m.index)
+            except Exception:  # noqa: BLE001 - teardown goes on
+                pass
+        for i in list(self.relays):
+            try:
+                self.clear(i)
             except Exception:  # noqa: BLE001 - teardown goes on
                 pass
         for m in self.machines:
@@ -238,25 +244,58 @@ class Network:
         self.cut(i)
         self.kill(i)
 
-    def impair(self, i: int, delay_ms: float = 50, loss: float = 0.01) -> None:
-        """``tc qdisc add dev eth0 root netem delay <ms>ms loss <pct>%`` on machine ``i`` (what it sends) and on
-        its switch port (what it receives). RuntimeError where the kernel has no netem (``netem_unavailable``)."""
-        spec = ["netem", "delay", f"{delay_ms:g}ms", "loss", f"{loss * 100:g}%"]
+    def impair(self, i: int, delay_ms: float = 50, loss: float = 0.01, seed: int = 0) -> str:
+        """Delay and drop what machine ``i`` sends and receives: ``tc qdisc add dev eth0 root netem delay <ms>ms
+        loss <pct>%`` on its interface and on its switch port; where the kernel has no netem
+        (``netem_unavailable``), the same by ``relay``: machine ``i``'s switch port leaves the bridge and a
+        process of this module forwards its frames to and from a new port, each held ``delay_ms`` and dropped with
+        probability ``loss`` (a seeded draw). Returns how ("tc netem" or "relay")."""
+        if netem_unavailable() is None:
+            spec = ["netem", "delay", f"{delay_ms:g}ms", "loss", f"{loss * 100:g}%"]
+            m = self.machines[i]
+            for argv in (
+                self.exec_args(i, ["tc", "qdisc", "add", "dev", IFNAME, "root", *spec]),
+                ["tc", "qdisc", "add", "dev", m.host_link, "root", *spec],
+            ):
+                r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+                if r.returncode != 0:
+                    raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
+            self.impaired[i] = "tc netem"
+            return "tc netem"
         m = self.machines[i]
-        for argv in (
-            self.exec_args(i, ["tc", "qdisc", "add", "dev", IFNAME, "root", *spec]),
-            ["tc", "qdisc", "add", "dev", m.host_link, "root", *spec],
-        ):
-            r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-            if r.returncode != 0:
-                raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
-        self.impaired[i] = " ".join(spec)
+        port, inner = f"{m.host_link[:-2]}r{i}", f"{m.host_link[:-2]}q{i}"
+        _ip("link", "add", port, "type", "veth", "peer", "name", inner)
+        _ip("link", "set", port, "master", self.bridge)
+        for dev in (port, inner):
+            _ip("link", "set", dev, "up")
+        relay = subprocess.Popen(
+            [sys.executable, __file__, "relay", m.host_link, inner, str(delay_ms / 1000), str(loss), str(seed)],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.relays[i] = (relay, port)
+        assert relay.stdout is not None
+        ready = relay.stdout.readline()
+        if "ready" not in ready:
+            raise RuntimeError(f"the relay for machine {i} did not start: {ready!r}")
+        _ip("link", "set", m.host_link, "nomaster")  # from now on machine i's frames pass the relay
+        self.impaired[i] = "relay"
+        return "relay"
 
     def clear(self, i: int) -> None:
-        """Remove ``impair``'s qdiscs from machine ``i``."""
-        subprocess.run(self.exec_args(i, ["tc", "qdisc", "del", "dev", IFNAME, "root"]), capture_output=True)
-        subprocess.run(["tc", "qdisc", "del", "dev", self.machines[i].host_link, "root"], capture_output=True)
-        self.impaired.pop(i, None)
+        """Undo ``impair`` on machine ``i``."""
+        how = self.impaired.pop(i, None)
+        m = self.machines[i]
+        if how == "tc netem":
+            subprocess.run(self.exec_args(i, ["tc", "qdisc", "del", "dev", IFNAME, "root"]), capture_output=True)
+            subprocess.run(["tc", "qdisc", "del", "dev", m.host_link, "root"], capture_output=True)
+        elif i in self.relays:
+            _ip("link", "set", m.host_link, "master", self.bridge, check=False)
+            relay, port = self.relays.pop(i)
+            relay.kill()
+            relay.wait(timeout=30)
+            _ip("link", "del", port, check=False)
 
     def reachable(self, src: int, dst: int, port: int = 9, timeout_s: float = 2.0) -> bool:
         """Whether machine ``src`` gets an answer from machine ``dst`` (a TCP connect: refused counts as an answer)."""
@@ -289,9 +328,16 @@ class Agent:
 
 
 def train_argv(
-    out: Path, data: Path, steps: int, ckpt_every: int, timeout_s: float, extra: Sequence[str] = ()
+    out: Path,
+    data: Path,
+    steps: int,
+    ckpt_every: int,
+    timeout_s: float,
+    extra: Sequence[str] = (),
+    dp: int = 2,
+    ep: int = 2,
 ) -> list[str]:
-    """``mode train`` on a (2, 2) mesh of the quick preset: the command every agent runs."""
+    """``mode train`` on a (dp, ep) mesh of the quick preset: the command every agent runs."""
     return [
         "-m",
         "mode",
@@ -299,9 +345,9 @@ def train_argv(
         "--preset",
         "quick",
         "--dp",
-        "2",
+        str(dp),
         "--ep",
-        "2",
+        str(ep),
         "--steps",
         str(steps),
         "--ckpt-every",
@@ -342,7 +388,7 @@ def start_agent(
     restarts: int = 1,
     run_id: str = "job",
     fault: str | None = None,
-    rdzv_timeout_s: float = 120,
+    rdzv_timeout_s: float = 300,
     tag: str = "",
 ) -> Agent:
     """Start machine ``machine``'s ``torchrun --nnodes N --nproc-per-node 2 --rdzv-backend c10d`` agent running
@@ -434,3 +480,59 @@ def unequal(params: dict, reference: dict) -> list[str]:
     if params.keys() != reference.keys():
         return sorted(set(params) ^ set(reference))
     return [k for k in params if not torch.equal(params[k], reference[k])]
+
+
+# ------------------------------------------------------------------------------------------------ the relay
+
+SOL_PACKET, PACKET_VNET_HDR, PACKET_OUTGOING, ETH_P_ALL = 263, 15, 4, 0x0003  # <linux/if_packet.h>
+
+
+def relay(a: str, b: str, delay_s: float, loss: float, seed: int) -> None:
+    """Forward every frame between interfaces ``a`` and ``b`` (raw ``AF_PACKET`` sockets), each held ``delay_s``
+    seconds (in order) and dropped with probability ``loss``: ``tc netem`` in user space, for kernels without
+    sch_netem. The sockets carry a virtio-net header (``PACKET_VNET_HDR``), so a TCP segment offloaded as one
+    64 KiB frame with its checksum still to fill in passes unchanged; a drop drops that whole frame."""
+    import heapq
+    import random
+    import select
+    import socket
+
+    def open_(dev: str) -> socket.socket:
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        s.setsockopt(SOL_PACKET, PACKET_VNET_HDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        s.bind((dev, 0))
+        s.setblocking(False)
+        return s
+
+    sa, sb = open_(a), open_(b)
+    other = {sa: sb, sb: sa}
+    rng = random.Random(seed)
+    queue: list[tuple[float, int, socket.socket, bytes]] = []
+    seq = 0
+    print("ready", flush=True)
+    while True:
+        wait = max(0.0, queue[0][0] - time.monotonic()) if queue else 1.0
+        readable, _, _ = select.select([sa, sb], [], [], wait)
+        now = time.monotonic()
+        for s in readable:
+            while True:
+                try:
+                    frame, addr = s.recvfrom(1 << 17)
+                except BlockingIOError:
+                    break
+                if addr[2] == PACKET_OUTGOING or rng.random() < loss:  # our own sends; the lost frames
+                    continue
+                heapq.heappush(queue, (now + delay_s, seq, other[s], frame))
+                seq += 1
+        now = time.monotonic()
+        while queue and queue[0][0] <= now:
+            _, _, out, frame = heapq.heappop(queue)
+            try:
+                out.send(frame)
+            except OSError:
+                pass  # a link down: the frame is lost, as on a wire
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["relay"]:
+    relay(sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6]))

@@ -18,6 +18,24 @@ import mode.train.data
 TIMEOUT_S = 5.0
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun's workers are not in its process group), from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 def test_a_silent_peer_fails_the_others_within_the_collective_timeout(tmp_path: Path):
     data = tmp_path / "text.txt"
     data.write_text(Path(mode.train.data.__file__).read_text() * 3)
@@ -78,7 +96,11 @@ def test_a_silent_peer_fails_the_others_within_the_collective_timeout(tmp_path: 
         text = "".join(line for _, line in lines)
         assert failed is not None, text[-3000:]
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the stopped rank and torchrun: nothing is left behind
+        for pid in [*descendants(proc.pid), proc.pid]:  # torchrun, both ranks (one of them stopped)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait(timeout=30)
         reader.join(timeout=10)
     stop = next(line for _, line in lines if "mode fault: rank 1 stops" in line)
