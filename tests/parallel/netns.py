@@ -4,14 +4,15 @@ for the cross-machine fault tests (tests/parallel/test_machines.py) and benchmar
     with Network(2) as net:                      # machines 192.0.2.1 and 192.0.2.2 (TEST-NET-1), loopback up
         p = net.start(0, ["python", "-c", "..."])  # a process on machine 0 (``ip netns exec``), tracked
         net.cut(1); net.restore(1)               # machine 1's cable out of the switch, and back
-        net.impair(1, delay_ms=50, loss=0.01)    # tc netem on machine 1's interface (where the kernel has it)
+        net.impair(1, delay_ms=50, loss=0.01)    # tc netem on machine 1's link, or the relay (no sch_netem)
         net.kill(1)                              # SIGKILL every process started on machine 1
         net.power_off(1)                         # cut, then kill: gone without closing a connection
     # teardown: every process killed, every link, the bridge and the namespaces deleted, also after a failure
 
 Layout: machine ``i`` is namespace ``mode<pid>x<k>m<i>`` with interface ``eth0`` (address ``192.0.2.<i+1>/24``),
 whose veth peer ``md<pid>x<k>h<i>`` is a port of the bridge ``md<pid>x<k>br`` in the caller's namespace; the
-caller's namespace gets no address on it, so nothing outside the machines can reach them. Names carry the
+caller's namespace gets no address on it and answers no ARP request on it (``arp_ignore=8``: the host may use a
+192.0.2.x address itself), so nothing outside the machines reaches them and they reach nothing else. Names carry the
 creating process's pid (and a counter), so parallel pytest workers never clash, and ``remove_stale`` deletes
 what a killed run left (namespaces and links whose pid is no longer alive).
 
@@ -164,6 +165,9 @@ class Network:
 
     def _build(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
+        # The caller's namespace must never answer for a machine: a host whose own address is in 192.0.2.0/24
+        # (this sandbox's is 192.0.2.2) would otherwise answer the machines' ARP requests for it on the bridge
+        Path(f"/proc/sys/net/ipv4/conf/{self.bridge}/arp_ignore").write_text("8\n")
         _ip("link", "set", self.bridge, "up")
         for m in self.machines:
             _ip("netns", "add", m.ns)
@@ -176,6 +180,36 @@ class Network:
             _ip("-n", m.ns, "link", "set", IFNAME, "up")
             _ip("link", "set", m.host_link, "master", self.bridge)
             _ip("link", "set", m.host_link, "up")
+        self.wait_links()
+
+    def wait_links(self, timeout_s: float = 20) -> None:
+        """Wait until every machine's interface is up, every switch port forwards (a veth's carrier and a bridge
+        port come up a moment after ``ip link set ... up``) and every machine answers every other; RuntimeError
+        after ``timeout_s``."""
+
+        def ready(m: Machine) -> bool:
+            state = Path(f"/sys/class/net/{m.host_link}/brport/state")
+            port = not state.exists() or state.read_text().strip() == "3"  # 3: BR_STATE_FORWARDING
+            inner = _ip("-n", m.ns, "-o", "link", "show", IFNAME, check=False).stdout
+            return port and "state UP" in inner and "NO-CARRIER" not in inner
+
+        if wait_for(lambda: all(ready(m) for m in self.machines), timeout_s, every_s=0.05) is None:
+            raise RuntimeError(f"the machines' links did not come up within {timeout_s:g} s")
+        # ... and every machine connects to every other until each answers (a refusal counts)
+        code = (
+            "import socket,sys,time\n"
+            f"todo=set(sys.argv[1:]); end=time.monotonic()+{timeout_s}\n"
+            "while todo and time.monotonic()<end:\n"
+            "  for a in sorted(todo):\n"
+            "    try: socket.create_connection((a, 9), 0.3)\n"
+            "    except ConnectionRefusedError: todo.discard(a)\n"
+            "    except OSError: pass\n"
+            "sys.exit(1 if todo else 0)\n"
+        )
+        for m in self.machines:
+            others = [o.addr for o in self.machines if o is not m]
+            if others and self.run(m.index, [sys.executable, "-c", code, *others], timeout=timeout_s + 30).returncode:
+                raise RuntimeError(f"machine {m.index} could not reach the others within {timeout_s:g} s")
 
     def close(self) -> None:
         """Kill every process on every machine, then delete the links, the bridge and the namespaces; never raises."""

@@ -8,6 +8,8 @@ benchmarks/parallel/bench_machines.py (docs/distributed.md, "Across machines")."
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,48 @@ def reference(rights, data, tmp_path_factory):
     ref = machine_faults.clean_run(tmp_path_factory.mktemp("clean"), data, TIMEOUT_S)
     assert sorted(ref.curve) == list(range(1, machine_faults.STEPS + 1))
     return ref
+
+
+def _names() -> str:
+    return (
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        + subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    )
+
+
+def _connect_s(net, src: int, dst: int) -> float:
+    """Seconds machine ``src`` takes to get machine ``dst``'s answer to a TCP connect (a refusal)."""
+    code = (
+        "import socket,time\nt=time.monotonic()\n"
+        f"try: socket.create_connection(('{net[dst].addr}', 9), 5)\n"
+        "except ConnectionRefusedError: print(time.monotonic()-t)\n"
+    )
+    return float(net.run(src, [sys.executable, "-c", code]).stdout)
+
+
+def test_three_machines_cut_slowed_and_always_torn_down(rights):
+    """The harness itself: three machines reach each other; a cut link isolates one, restore joins it again; a
+    slowed link delays a round trip by 2 x 50 ms; after an error inside the block no namespace, link or process
+    of the network is left."""
+    procs = []
+    with pytest.raises(RuntimeError, match="a failing test"):
+        with netns.Network(3) as net:
+            names = [m.ns for m in net.machines] + [net.bridge] + [m.host_link for m in net.machines]
+            assert all(net.reachable(i, j) for i in range(3) for j in range(3) if i != j)
+            procs = [net.start(i, ["sleep", "600"]) for i in range(3)]
+            net.cut(2)
+            assert not net.reachable(0, 2, timeout_s=1) and not net.reachable(2, 1, timeout_s=1)
+            assert net.reachable(0, 1)
+            net.restore(2)
+            assert netns.wait_for(lambda: net.reachable(0, 2), 10) is not None
+            assert _connect_s(net, 1, 0) < 0.05
+            net.impair(1, delay_ms=50, loss=0.0)
+            assert _connect_s(net, 1, 0) >= 0.1  # the SYN and its answer each wait 50 ms on machine 1's link
+            net.clear(1)
+            raise RuntimeError("a failing test")
+    assert all(p.poll() is not None for p in procs)
+    left = _names()
+    assert not any(name in left for name in names), left
 
 
 def _check(outcome, resumed_from: int) -> None:
