@@ -347,7 +347,7 @@ def test_heal_vs_prune_smoke_pairs_equal_budgets(hvp_smoke):
     """One row per (method, point, seed), every MoD row healed with its pruning partners' budget at MACs within 1%
     of theirs, each method's conversion as it says, the intervals and the PNG."""
     import mode.hf as mh
-    from benchmarks.hf.heal_vs_prune import tiny_llama
+    from benchmarks.hf.heal_vs_prune_models import tiny_llama
 
     _, out, payload, stdout = hvp_smoke
     rows = {r["key"]: r for r in payload["rows"]}

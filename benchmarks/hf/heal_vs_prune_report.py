@@ -26,8 +26,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import save_figure  # noqa: E402
+from benchmarks.hf.heal_vs_prune_ood import t_interval, unseen_intervals, unseen_summary  # noqa: E402
 from benchmarks.hf.smollm2_measure import _num, bootstrap_ci  # noqa: E402
-from mode.experiments.stats_ci import t_quantile  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 
@@ -108,80 +108,6 @@ def _partner(m: Mod) -> str:
     return "prune-bi-est-all" if m.every_layer else "prune-bi-est" if m.est else "prune-bi"
 
 
-def t_interval(diffs: list[float]) -> list[float] | None:
-    """Paired 95% t interval of the mean of ``diffs`` (one per seed); None below 2 seeds."""
-    if len(diffs) < 2:
-        return None
-    half = t_quantile(0.975, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
-    mean = statistics.mean(diffs)
-    return [mean - half, mean + half]
-
-
-def _unseen_summary(rs: list[dict], names: list[str]) -> dict:
-    """Per out-of-domain set: Δ loss % healed (mean ± std over the seeds measured on it), before healing, and the
-    MACs on it; ``"mean"``: the mean over the sets (only where every set is measured)."""
-    got: dict = {}
-    for k in names:
-        pct = [r["unseen"][k]["d_loss_pct"] for r in rs if k in r.get("unseen", {})]
-        if not pct:
-            continue
-        before = [r["unseen_before"][k] for r in rs if k in r.get("unseen_before", {})]
-        got[k] = {
-            "seeds": len(pct),
-            "d_loss_pct": statistics.mean(pct),
-            "d_loss_pct_std": statistics.stdev(pct) if len(pct) > 1 else None,
-            "d_loss_pct_before": statistics.mean(before) if before else None,
-            "macs_ratio_measured": statistics.mean(
-                r["unseen"][k]["macs_ratio_measured"] for r in rs if k in r["unseen"]
-            ),
-        }
-    if names and all(k in got for k in names):
-        befores = [got[k]["d_loss_pct_before"] for k in names]
-        got["mean"] = {
-            "d_loss_pct": statistics.mean(got[k]["d_loss_pct"] for k in names),
-            "d_loss_pct_before": None if None in befores else statistics.mean(befores),  # type: ignore[arg-type]
-        }
-    return got
-
-
-def _unseen_intervals(pairs: list[tuple[dict, dict]], unseen_base: dict[str, float]) -> dict:
-    """MoD − pruning on each out-of-domain set (and ``"mean"``, the sets' windows together, each in % of its own
-    set's original loss) over the seeds both measured on it: the paired bootstrap over windows and t over seeds."""
-    got: dict = {}
-    per_window: list[torch.Tensor] = []
-    seed_diffs: list[list[float]] = []
-    for k, b in unseen_base.items():
-        both = [
-            (a["unseen"][k], p["unseen"][k]) for a, p in pairs if k in a.get("unseen", {}) and k in p.get("unseen", {})
-        ]
-        if not both:
-            continue
-        diffs = [a["d_loss_pct"] - p["d_loss_pct"] for a, p in both]
-        diff_W = (
-            100
-            * torch.stack([torch.tensor(a["window_losses"]) - torch.tensor(p["window_losses"]) for a, p in both]).mean(
-                0
-            )
-            / b
-        )
-        got[k] = {
-            "seeds": len(both),
-            "diff_pct": statistics.mean(diffs),
-            "bootstrap_ci_pct": list(bootstrap_ci(diff_W)),
-            "t_ci_pct": t_interval(diffs),
-        }
-        per_window.append(diff_W)
-        seed_diffs.append(diffs)
-    if unseen_base and len(got) == len(unseen_base) and len({len(d) for d in seed_diffs}) == 1:
-        means = [statistics.mean(col) for col in zip(*seed_diffs)]  # per seed: the mean over the sets
-        got["mean"] = {
-            "diff_pct": statistics.mean(means),
-            "bootstrap_ci_pct": list(bootstrap_ci(torch.cat(per_window))),
-            "t_ci_pct": t_interval(means),
-        }
-    return got
-
-
 def summarize(
     rows: dict[str, dict], base: float, unseen_base: dict[str, float] | None = None
 ) -> tuple[list[dict], list[dict]]:
@@ -213,7 +139,7 @@ def summarize(
                 "d_loss_pct_before": mean("d_loss_pct_before"),
                 "d_loss_pct_topc": mean("d_loss_pct_topc"),
                 **{k: mean(k) for k in ("decode_b1", "decode_b8", "prefill_b1", "prefill_b8", "cpu_seconds")},
-                "unseen": _unseen_summary(rs, list(unseen_base)),
+                "unseen": unseen_summary(rs, list(unseen_base)),
             }
         )
     intervals = []
@@ -238,7 +164,7 @@ def summarize(
                     "diff_pct": statistics.mean(diffs),
                     "bootstrap_ci_pct": list(bootstrap_ci(100 * diff_W / base)),
                     "t_ci_pct": t_interval(diffs),
-                    "unseen": _unseen_intervals(pairs, unseen_base),
+                    "unseen": unseen_intervals(pairs, unseen_base),
                 }
             )
     intervals.sort(key=lambda r: (METHODS.index(r["mod"]), METHODS.index(r["prune"]), -r["point"]))

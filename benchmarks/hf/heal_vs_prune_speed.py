@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
 
 import mode.hf as mh  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
-from benchmarks.hf.heal_vs_prune import load_original  # noqa: E402
+from benchmarks.hf.heal_vs_prune_models import load_original  # noqa: E402
 from benchmarks.hf.heal_vs_prune_report import t_interval  # noqa: E402
 from benchmarks.hf.smollm2_measure import _threads, english_windows, median_ratios, paired_times  # noqa: E402
 from mode.hf.dense.windows import batches_of  # noqa: E402

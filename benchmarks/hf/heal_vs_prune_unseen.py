@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine_info  # noqa: E402
-from benchmarks.hf.heal_vs_prune_report import t_interval  # noqa: E402
+from benchmarks.hf.heal_vs_prune_ood import t_interval  # noqa: E402
 from benchmarks.hf.smollm2_measure import bootstrap_ci  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 

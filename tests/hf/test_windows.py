@@ -55,7 +55,7 @@ def test_docstrings_of_this_python_and_bad_input(tmp_path):
 
 def test_calibration_windows_spread_over_the_docstrings_first_to_last():
     """n windows of docstring_windows at evenly spaced indices, the first and the last included; n < 1 refused."""
-    from benchmarks.hf.heal_vs_prune import ByteTokenizer
+    from benchmarks.hf.heal_vs_prune_models import ByteTokenizer
 
     tok = ByteTokenizer()
     all_WS = docstring_windows(tok, 64)
