@@ -53,12 +53,28 @@ def default_device(device: str):
         torch.set_default_device(None if before.type == "cpu" else before)
 
 
+CONTROL = """
+import torch
+torch.set_default_device("meta")
+for name, step in [
+    ("numpy", lambda: torch.linspace(0, 9, 4).long().numpy()),
+    ("set_", lambda: torch.empty(0, dtype=torch.uint8).set_(torch.empty(4, dtype=torch.uint8, device="cpu")
+     .untyped_storage())),
+]:
+    try:
+        step()
+    except (TypeError, RuntimeError, NotImplementedError):
+        print(name, "raised")
+"""
+
+
 def test_the_meta_default_device_catches_host_code_that_names_no_device():
-    """Control: the stand-in fails the way CUDA does for the code the fixes below changed."""
-    with default_device("meta"), pytest.raises((TypeError, RuntimeError, NotImplementedError)):
-        torch.linspace(0, 9, 4).long().numpy()
-    with default_device("meta"), pytest.raises((RuntimeError, NotImplementedError)):
-        torch.empty(0, dtype=torch.uint8).set_(torch.empty(4, dtype=torch.uint8, device="cpu").untyped_storage())
+    """Control: the stand-in fails the way CUDA does for the code the fixes below changed. In an interpreter of
+    its own: in a full `-n 2` run a module before this one on the same worker left torch's default device
+    ineffective here (not found yet: issue 70), and this control is about torch, not about that state."""
+    run = subprocess.run([sys.executable, "-c", CONTROL], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[:2] == ["numpy raised", "set_ raised"], run.stdout
 
 
 def test_eval_batches_and_batch_sampler_give_host_windows():
