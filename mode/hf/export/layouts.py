@@ -71,8 +71,9 @@ def _dense_only(activation: tuple[str, ...]) -> Callable[[LMConfig], str | None]
     return why_not
 
 
-def _token_choice(cfg: LMConfig, renormalize: bool | None) -> str | None:
-    """A plain token-choice router with SwiGLU experts: softmax gates, dropless, no bias, no groups."""
+def _dropless_swiglu_moe(cfg: LMConfig) -> str | None:
+    """What every MoE family here needs: no MoD or no-op layers, MoE layers with a dropless token-choice router
+    and SwiGLU experts."""
     if (reason := _not_plain(cfg)) is not None:
         return reason
     if not cfg.uses_moe:
@@ -83,7 +84,14 @@ def _token_choice(cfg: LMConfig, renormalize: bool | None) -> str | None:
         return f"activation={cfg.activation!r} (this family's experts are SwiGLU)"
     if cfg.capacity_factor is not None:
         return f"capacity_factor={cfg.capacity_factor} (this family is dropless)"
-    rc = cfg.router_config(cfg.kinds[[k.experts for k in cfg.kinds].index(True)])
+    return None
+
+
+def _token_choice(cfg: LMConfig, renormalize: bool | None) -> str | None:
+    """A plain token-choice router with SwiGLU experts: softmax gates, dropless, no bias, no groups."""
+    if (reason := _dropless_swiglu_moe(cfg)) is not None:
+        return reason
+    rc = cfg.router_config(cfg.kinds[_leading_dense(cfg)])
     if rc.gate != "softmax":
         return f"router gate={rc.gate!r} (this family's gates are a softmax)"
     extra = sorted(k for k in cfg.router_options if k not in LOSS_ONLY_OPTIONS | {"renormalize", "gate"})
@@ -123,16 +131,8 @@ def _leading_dense(cfg: LMConfig) -> int:
 
 
 def _glm4_moe_why_not(cfg: LMConfig) -> str | None:
-    if (reason := _not_plain(cfg)) is not None:
+    if (reason := _dropless_swiglu_moe(cfg)) is not None:
         return reason
-    if not cfg.uses_moe:
-        return "no MoE layer (a MoE family)"
-    if cfg.router != "token_choice":
-        return f"router={cfg.router!r} (this family's router is token choice)"
-    if cfg.activation != "swiglu":
-        return f"activation={cfg.activation!r} (this family's experts are SwiGLU)"
-    if cfg.capacity_factor is not None:
-        return f"capacity_factor={cfg.capacity_factor} (this family is dropless)"
     k = _leading_dense(cfg)
     if not all(kind.experts for kind in cfg.kinds[k:]):
         return "a dense layer after an MoE layer (Glm4-MoE's dense layers come first: first_k_dense_replace)"
