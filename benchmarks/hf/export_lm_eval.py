@@ -33,7 +33,7 @@ from mode.train import load_model
 from mode.train.data import split_parts, text_codec
 from mode.train.sources import load_corpus
 
-TASK = """task: mode_heldout
+TASK = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -97,7 +97,7 @@ def main() -> None:
         res = export_transformers(args.checkpoint, tmp / "hf")
         (tmp / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
         (tmp / "tasks").mkdir()
-        (tmp / "tasks" / "mode_heldout.yaml").write_text(TASK.format(data=tmp / "data.jsonl"))
+        (tmp / "tasks" / "mode_heldout.yaml").write_text(TASK.format(name="mode_heldout", data=tmp / "data.jsonl"))
         model_args = f"pretrained={tmp / 'hf'},trust_remote_code=True,dtype=float32,prefix_token_id=10"
         cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", model_args]
         cmd += ["--tasks", "mode_heldout", "--include_path", str(tmp / "tasks"), "--device", "cpu"]

@@ -18,6 +18,7 @@ pytest.importorskip("peft", reason="the test extra installs peft: pip install -e
 
 from transformers import AutoModelForCausalLM
 
+from benchmarks.hf.export_lm_eval import TASK  # the local lm-eval task the benchmark writes
 from mode.hf.export import export_transformers
 from tests.hf.export_cases import trained
 
@@ -26,21 +27,6 @@ DOCS = [
     {"context": "import ", "continuation": "mode"},
     {"context": "self", "continuation": ".x = 1"},
 ]
-TASK = """task: mode_local
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: loglikelihood
-doc_to_text: "{{{{context}}}}"
-doc_to_target: "{{{{continuation}}}}"
-target_delimiter: ""
-metric_list:
-  - metric: perplexity
-    aggregation: perplexity
-    higher_is_better: false
-"""
 
 
 def mode_loglikelihood(lm, context: str, continuation: str) -> float:
@@ -62,7 +48,7 @@ def test_lm_eval_loglikelihoods_equal_modes(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
     (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "mode_local.yaml").write_text(TASK.format(data=data))
+    (tmp_path / "tasks" / "mode_local.yaml").write_text(TASK.format(name="mode_local", data=data))
     env = dict(
         os.environ,
         HF_HOME=str(tmp_path / "hf_home"),  # trust_remote_code copies modeling_mode.py under it
