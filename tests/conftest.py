@@ -47,8 +47,8 @@ if os.environ.get("MODE_TOLERANCE_LOG"):  # measuring how near each comparison c
     tolerance_log.install(os.environ["MODE_TOLERANCE_LOG"])
 
 # Without a GPU, tests/kernels runs mode.kernels' Triton kernels in triton's interpreter, which must be chosen
-# before triton is first imported (``import mode`` imports torch._dynamo, which imports triton): here, before
-# any test module is collected. Where no GPU exists no compiled triton kernel can run, so nothing else changes
+# before triton is first imported (torch._dynamo imports it, and a test module may import torch._dynamo): here,
+# before any test module is collected. Where no GPU exists no compiled triton kernel can run, so nothing else changes
 # (torch.compile on the CPU generates C++). tests/kernels/conftest.py checks that it took effect.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -206,6 +206,33 @@ def seed() -> int:
     """Seed torch's global RNG before each test (module init and random inputs are then reproducible)."""
     torch.manual_seed(0)
     return 0
+
+
+def _global_torch_state() -> dict:
+    """The process-wide torch settings a test may change and must give back: a test that leaves one changed
+    alters every later test on the same xdist worker (a default device left on the function-mode stack made the
+    meta-default-device check in tests/test_host_data.py pass vacuously, issue 70)."""
+    return {
+        "torch function modes on the stack": torch._C._len_torch_function_stack(),
+        "torch function enabled": torch._C._is_torch_function_enabled(),
+        "default device": str(torch.get_default_device()),
+        "default dtype": torch.get_default_dtype(),
+        "grad enabled": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "intra-op threads": torch.get_num_threads(),
+    }
+
+
+@pytest.fixture(autouse=True)
+def gives_back_global_torch_state():
+    """Fails the test that leaves torch's process-wide state changed, naming what it changed."""
+    before = _global_torch_state()
+    yield
+    after = _global_torch_state()
+    changed = {key: (before[key], after[key]) for key in before if before[key] != after[key]}
+    if changed:
+        pytest.fail(f"the test left torch's global state changed (before, after): {changed}", pytrace=False)
 
 
 @pytest.fixture

@@ -11,6 +11,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from inproc import run_main  # noqa: E402
 
 
 def test_bench_performance_quick_writes_every_case(tmp_path, device):
@@ -63,11 +66,9 @@ def test_bench_layers_bf16_quick_times_under_autocast_and_records_the_dtype(tmp_
     """--bf16 (--dtype bfloat16): every forward under bfloat16 autocast (on CUDA the experts' fast grouped
     GEMM is bfloat16 only); the JSON says so."""
     out = tmp_path / "layers.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    subprocess.run(
+    run_main(
+        "benchmarks.layers.bench_layers",
         [
-            sys.executable,
-            str(ROOT / "benchmarks" / "layers" / "bench_layers.py"),
             "--quick",
             "--bf16",
             "--repeats",
@@ -82,11 +83,6 @@ def test_bench_layers_bf16_quick_times_under_autocast_and_records_the_dtype(tmp_
             str(out),
         ],
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
     )
     payload = json.loads(out.read_text())
     assert payload["dtype"] == "bfloat16" and payload["device"] == str(device)
@@ -99,12 +95,9 @@ def test_bench_peers_quick_runs_what_imports_and_says_why_not(tmp_path, device):
     """The peer benchmark at tiny sizes: mode's rows always; transformers / torchtitan rows where they
     import, else a reason in the JSON (CI installs only .[test], so there they are skipped)."""
     out = tmp_path / "peers.json"
-    # keep a PYTHONPATH that points at separately installed peers
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    subprocess.run(
+    run_main(
+        "benchmarks.layers.bench_peers",
         [
-            sys.executable,
-            str(ROOT / "benchmarks" / "layers" / "bench_peers.py"),
             "--quick",
             "--threads",
             "1",
@@ -118,11 +111,6 @@ def test_bench_peers_quick_runs_what_imports_and_says_why_not(tmp_path, device):
             str(out),
         ],
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
     )
     payload = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
@@ -153,11 +141,9 @@ def test_bench_peers_bf16_quick_measures_autocast_beside_float32(tmp_path):
     """--precision bf16: mode under autocast agrees with its float32 output within bf16 rounding (its router
     stays float32), and every row gets its time relative to mode's float32 layer from the same rounds."""
     out = tmp_path / "peers_bf16.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    subprocess.run(
+    run_main(
+        "benchmarks.layers.bench_peers",
         [
-            sys.executable,
-            str(ROOT / "benchmarks" / "layers" / "bench_peers.py"),
             "--quick",
             "--threads",
             "1",
@@ -173,11 +159,6 @@ def test_bench_peers_bf16_quick_measures_autocast_beside_float32(tmp_path):
             str(out),
         ],
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
     )
     payload = json.loads(out.read_text())
     assert payload["dtype"] == "bf16"
@@ -196,10 +177,9 @@ def test_bench_peers_bf16_quick_measures_autocast_beside_float32(tmp_path):
 
 def test_bf16_training_smoke_compares_paired_runs(tmp_path):
     out = tmp_path / "bf16.json"
-    subprocess.run(
+    run_main(
+        "benchmarks.training.bf16_training",
         [
-            sys.executable,
-            str(ROOT / "benchmarks" / "training" / "bf16_training.py"),
             "--quick-test",
             "--no-progress",
             "--threads",
@@ -210,10 +190,6 @@ def test_bf16_training_smoke_compares_paired_runs(tmp_path):
             str(out),
         ],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
     )
     payload = json.loads(out.read_text())
     assert [r["variant"] for r in payload["results"]] == ["dense", "moe"]
@@ -229,10 +205,9 @@ def test_bf16_training_smoke_compares_paired_runs(tmp_path):
 
 def test_bench_balance_smoke_trains_each_recipe_and_reports_the_load(tmp_path):
     out = tmp_path / "balance.json"
-    subprocess.run(
+    run_main(
+        "benchmarks.layers.bench_balance",
         [
-            sys.executable,
-            str(ROOT / "benchmarks" / "layers" / "bench_balance.py"),
             "--quick-test",
             "--no-progress",
             "--threads",
@@ -241,10 +216,6 @@ def test_bench_balance_smoke_trains_each_recipe_and_reports_the_load(tmp_path):
             str(out),
         ],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
     )
     payload = json.loads(out.read_text())
     assert [r["recipe"] for r in payload["results"]] == ["switch", "bias"]
@@ -255,14 +226,10 @@ def test_bench_balance_smoke_trains_each_recipe_and_reports_the_load(tmp_path):
 
 
 def test_bench_peers_families_compares_each_transformers_block(tmp_path):
-    import pytest
-
-    pytest.importorskip("transformers", reason="transformers is not installed: no blocks to compare with")
     out = tmp_path / "families.json"
-    subprocess.run(
+    run_main(
+        "benchmarks.layers.bench_peers",
         [
-            sys.executable,
-            str(ROOT / "benchmarks" / "layers" / "bench_peers.py"),
             "--quick",
             "--families",
             "--threads",
@@ -271,10 +238,6 @@ def test_bench_peers_families_compares_each_transformers_block(tmp_path):
             str(out),
         ],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
     )
     rows = json.loads(out.read_text())["results"]
     assert [r["family"] for r in rows] == [
@@ -295,22 +258,7 @@ def test_bench_peers_families_compares_each_transformers_block(tmp_path):
 
 def test_longcat_budget_holds_the_zero_expert_share_and_writes_its_plot(tmp_path):
     out = tmp_path / "longcat.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "hf" / "longcat_budget.py"),
-            "--quick",
-            "--threads",
-            "1",
-            "--out",
-            str(out),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    run_main("benchmarks.hf.longcat_budget", ["--quick", "--threads", "1", "--out", str(out)], cwd=tmp_path)
     (row,) = json.loads(out.read_text())["results"]
     assert row["target"] == 0.2 and len(row["shares"]) == 20 and 0.0 <= row["share_mean_2nd_half"] <= 1.0
     assert out.with_suffix(".png").stat().st_size > 0
@@ -318,13 +266,14 @@ def test_longcat_budget_holds_the_zero_expert_share_and_writes_its_plot(tmp_path
 
 # heal_vs_prune --smoke (tiny random Llama, 2 points, 1 seed, 3 heal steps): one run, shared by the tests below,
 # which were one test until it hit pytest's 300 s limit on a loaded 2-core machine (issue 70). The run: about 36
-# CPU-seconds; each test after it a few subprocess calls of its own.
-HVP_RUN = dict(capture_output=True, text=True, timeout=300, check=True)
+# CPU-seconds; each test after it a few calls of its own. In this process (tests/inproc.py): a subprocess per call
+# cost more than the call's work, and no test here kills a run.
+HVP = "benchmarks.hf.heal_vs_prune"
+HVP_SPEED = "benchmarks.hf.heal_vs_prune_speed"
 
 
 def _hvp_cmd(out) -> list[str]:
-    return [sys.executable, str(ROOT / "benchmarks" / "hf" / "heal_vs_prune.py"), "--smoke", "--threads", "1",
-            "--out", str(out)]  # fmt: skip
+    return ["--smoke", "--threads", "1", "--out", str(out)]
 
 
 @pytest.fixture(scope="module")
@@ -332,14 +281,12 @@ def hvp_smoke(tmp_path_factory):
     """(its folder, the result file, the result, the run's stdout) of the whole smoke run."""
     folder = tmp_path_factory.mktemp("hvp")
     out = folder / "hvp.json"
-    first = subprocess.run(_hvp_cmd(out), cwd=folder, **HVP_RUN)
+    first = run_main(HVP, _hvp_cmd(out), cwd=folder)
     return folder, out, json.loads(out.read_text()), first.stdout
 
 
 def test_heal_vs_prune_refuses_a_negative_seed(tmp_path):
-    bad = subprocess.run(
-        [*_hvp_cmd(tmp_path / "x.json"), "--first-seed", "-1"], cwd=tmp_path, **{**HVP_RUN, "check": False}
-    )
+    bad = run_main(HVP, [*_hvp_cmd(tmp_path / "x.json"), "--first-seed", "-1"], cwd=tmp_path, check=False)
     assert bad.returncode == 2 and "--first-seed -1: a seed is >= 0" in bad.stderr
 
 
@@ -458,34 +405,34 @@ def test_heal_vs_prune_resumes_and_splits_seeds(hvp_smoke, tmp_path):
     out = tmp_path / "hvp.json"
     out.write_text(done.read_text())
     rows = {r["key"]: r for r in payload["rows"]}
-    cmd, run = _hvp_cmd(out), dict(cwd=tmp_path, **HVP_RUN)
-    again = subprocess.run(cmd, **run)  # resume: every row is there, nothing is healed again
+    cmd, run = _hvp_cmd(out), dict(cwd=tmp_path)
+    again = run_main(HVP, cmd, **run)  # resume: every row is there, nothing is healed again
     assert "#s0 " not in again.stdout and "| mod-mlp-thr | 0.80 |" in again.stdout
     assert json.loads(out.read_text())["rows"] == payload["rows"]
     later = [*cmd, "--first-seed", "1", "--seeds", "1", "--macs", "0.9", "--methods", "prune-bi"]
-    subprocess.run(later, **run)  # seed 1 alone (seeds split over processes): its own batches, seed 0 kept
+    run_main(HVP, later, **run)  # seed 1 alone (seeds split over processes): its own batches, seed 0 kept
     seed1 = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(seed1) == set(rows) | {"prune-bi@0.9#s1"}
     assert seed1["prune-bi@0.9#s1"]["data_digest"] != rows["prune-bi@0.9#s0"]["data_digest"]
-    mixed = subprocess.run([*later, "--heal-text", "topics+docstrings"], **{**run, "check": False})
+    mixed = run_main(HVP, [*later, "--heal-text", "topics+docstrings"], **run, check=False)
     assert mixed.returncode != 0 and "'heal_text': 'topics'" in mixed.stderr  # other heal text: its own file
 
 
 def test_heal_vs_prune_takes_costs_from_a_result_of_the_same_settings(hvp_smoke, tmp_path):
     _, _, payload, _ = hvp_smoke
-    cmd, run = _hvp_cmd(tmp_path / "hvp.json"), dict(cwd=tmp_path, **HVP_RUN)
+    cmd, run = _hvp_cmd(tmp_path / "hvp.json"), dict(cwd=tmp_path)
     planted = tmp_path / "planted.json"  # costs from elsewhere, taken as they are: the last layers cheapest
     planted.write_text(
         json.dumps({**payload, "rows": [], "skip_costs": {"layer+estimate8": {str(i): -i for i in range(8)}}})
     )
     reuse = [*cmd[:-1], str(tmp_path / "reuse.json"), "--macs", "0.9", "--methods", "prune-sc-est-all", "--no-speed"]
-    subprocess.run([*reuse, "--costs-from", str(planted)], **run)
+    run_main(HVP, [*reuse, "--costs-from", str(planted)], **run)
     took = json.loads((tmp_path / "reuse.json").read_text())
     assert took["skip_costs"]["layer+estimate8"] == {str(i): -i for i in range(8)}  # not measured again
     (row,) = took["rows"]
     assert row["layers"] == list(range(8 - len(row["layers"]), 8)), row["layers"]  # deleted by the planted costs
     other = [*reuse, "--costs-from", str(planted), "--heal-text", "topics+docstrings", "--fresh"]
-    refused = subprocess.run(other, **{**run, "check": False})
+    refused = run_main(HVP, other, **run, check=False)
     assert refused.returncode != 0 and f"--costs-from {planted}: measured with other settings" in refused.stderr
 
 
@@ -494,15 +441,13 @@ def test_heal_vs_prune_speed_rebuilds_and_times_the_rows(hvp_smoke, tmp_path):
     ratios per repeat, and a subset by method, point and batch."""
     _, out, payload, _ = hvp_smoke
     rows = {r["key"]: r for r in payload["rows"]}
-    run = dict(cwd=tmp_path, **HVP_RUN)
+    run = dict(cwd=tmp_path)
     speed = tmp_path / "speed.json"  # the conversions rebuilt and timed alone (heal_vs_prune_speed.py)
-    script = str(ROOT / "benchmarks" / "hf" / "heal_vs_prune_speed.py")
     # one method of each way a conversion is rebuilt (pruning by influence or by cost with estimates; MoD whole
     # layers, trained BCE routers, attention halves, mixed halves with every option): a third of the rows
     methods = ["prune-bi", "prune-sc-est-all", "mod-layer-thr-est-c0.4-all-sc-res-cd", "mod-layer-bce"]
     methods += ["mod-attn-thr", "mod-mix-thr-est-c0.4-all-sc-res-cd"]
-    subprocess.run([sys.executable, script, "--smoke", "--rows", str(out), "--out", str(speed), "--methods", *methods],
-                   **run)  # fmt: skip
+    run_main(HVP_SPEED, ["--smoke", "--rows", out, "--out", speed, "--methods", *methods], **run)
     timed = json.loads(speed.read_text())["results"]
     assert {t["key"] for t in timed} == {k for k, r in rows.items() if "skipped" not in r and r["method"] in methods}
     for t in timed:
@@ -511,11 +456,11 @@ def test_heal_vs_prune_speed_rebuilds_and_times_the_rows(hvp_smoke, tmp_path):
         each = t["decode_b8_each"]  # one paired ratio per repeat; the smoke run times one repeat: the same ratio
         assert len(each) == 1 and each[0] == pytest.approx(t["decode_b8"], rel=1e-12), t
         assert t["decode_b8_ci"] is None, t  # one repeat: no interval
-    only = [sys.executable, script, "--smoke", "--rows", str(out), "--out", str(speed), "--methods", "mod-mix-thr"]
-    subprocess.run([*only, "--points", "0.9", "--batches", "1", "--repeats", "2"], **run)
+    only = ["--smoke", "--rows", str(out), "--out", str(speed), "--methods", "mod-mix-thr"]
+    run_main(HVP_SPEED, [*only, "--points", "0.9", "--batches", "1", "--repeats", "2"], **run)
     alone = json.loads(speed.read_text())["results"]
     assert {(t["method"], t["point"]) for t in alone} == {("mod-mix-thr", 0.9)}
-    none = subprocess.run([*only, "--points", "0.5"], **{**run, "check": False})
+    none = run_main(HVP_SPEED, [*only, "--points", "0.5"], **run, check=False)
     assert none.returncode != 0 and "--points [0.5]: no seed-0 row" in none.stderr
     for t in alone:
         assert "decode_b8" not in t, t  # batch 1 only
@@ -562,8 +507,7 @@ def test_estimate_memory_smoke_fits_the_same_estimates_both_ways(tmp_path):
     """--smoke: each way (tokens held, running sums) in its own process on the tiny random Llama; both fit every
     layer, the maps they fit agree, and the JSON says the memory each took."""
     out = tmp_path / "em.json"
-    script = str(ROOT / "benchmarks" / "hf" / "estimate_memory.py")
-    subprocess.run([sys.executable, script, "--smoke", "--out", str(out)], check=True, timeout=600, cwd=ROOT)
+    run_main("benchmarks.hf.estimate_memory", ["--smoke", "--out", out], cwd=ROOT)
     doc = json.loads(out.read_text())
     assert [r["way"] for r in doc["rows"]] == ["forward", "tokens", "moments"]
     assert all(r["layers"] == 8 and r["tokens"] == 8 * 64 and r["growth_mib"] >= 0 for r in doc["rows"])
@@ -575,9 +519,8 @@ def test_conversion_choices_smoke_plans_each_order_and_label(tmp_path):
     """--smoke: one row per (layer order, router label), each planned to the pruning point's MACs (1%) with the
     layers its order ranks cheapest, measured on the held-out windows."""
     out = tmp_path / "cc.json"
-    script = str(ROOT / "benchmarks" / "hf" / "conversion_choices.py")
-    cmd = [sys.executable, script, "--smoke", "--threads", "1", "--out", str(out)]
-    subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=True)
+    cmd = ["--smoke", "--threads", "1", "--out", str(out)]
+    run_main("benchmarks.hf.conversion_choices", cmd, cwd=tmp_path)
     doc = json.loads(out.read_text())
     rows = doc["rows"]
     assert [(r["order"], r["label"]) for r in rows] == [
@@ -595,7 +538,7 @@ def test_conversion_choices_smoke_plans_each_order_and_label(tmp_path):
     # The thresholds set on docstrings first, then on the fit windows again: router_fit's thresholds come back
     # (the row equals the default run's), and each calibration routes about the planned share of its own text.
     cmd += ["--orders", "skip_cost_est", "--labels", "residual", "--calibrate", "docstrings", "fit"]
-    subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=True)
+    run_main("benchmarks.hf.conversion_choices", cmd, cwd=tmp_path)
     doc_row, fit_row = json.loads(out.read_text())["rows"]
     assert (doc_row["calibrate"], fit_row["calibrate"]) == ("docstrings", "fit")
     before = rows[-1]

@@ -98,6 +98,18 @@ def test_smoke_run_names_every_stage_in_json_and_table(stages, tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [gpu_suite.RESULT_NAME, gpu_suite.LOG_NAME]
 
 
+def test_the_test_stages_name_files_that_exist():
+    """A path the GPU run's test stages name but the tree lacks would be left out silently there (run_tests keeps
+    what exists); the rehearsal runs only one file of each list."""
+    for order in (
+        stage_tests.TEST_ORDER,
+        stage_tests.GRAPH_TESTS,
+        stage_tests.SMOKE_TESTS,
+        stage_tests.GRAPH_SMOKE_TESTS,
+    ):
+        assert order and all((ROOT / target).exists() for target in order), order
+
+
 def test_without_only_the_suite_runs_the_default_stages(monkeypatch, tmp_path):
     """The stage list of a plain call (no --only): every default stage in order, not isoflop (no subprocess
     is started: the stage runner is replaced)."""

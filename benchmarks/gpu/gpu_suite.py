@@ -180,6 +180,10 @@ def run_suite(
                     # a cache of this run's own: a shared one left truncated by a killed
                     # compile ("file too short") failed a rehearsal's compiled run
                     TORCHINDUCTOR_CACHE_DIR=str(work / "inductor_cache"),
+                    # the rehearsal on a CPU: one intra-op thread in every process a stage starts (torchrun's
+                    # ranks, mode train), as in the test suite; two threads per process beside other work
+                    # spun in OpenMP's barriers (the nccl stage took 91 s instead of 12, issue 70)
+                    **({"OMP_NUM_THREADS": "1"} if smoke else {}),
                 ),
             )
             try:

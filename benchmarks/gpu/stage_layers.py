@@ -79,7 +79,7 @@ def stage_moe(ctx: Ctx) -> dict:
 
     out = ctx.work / "peers_bf16.json"
     argv = ["--precision", "bf16", "--device", str(ctx.device), "--out", str(out)]
-    argv += ["--quick", "--threads", "2"] if ctx.smoke else MOE_GPU_ARGS
+    argv += ["--quick", "--threads", "1"] if ctx.smoke else MOE_GPU_ARGS
     payload = bench_peers.main(argv)
     numbers: dict = {}
     for E in sorted({r["num_experts"] for r in payload["results"]}):

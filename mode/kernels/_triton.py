@@ -2,7 +2,8 @@
 
 mode.kernels works without triton (it is Linux-only): the ops register their CUDA kernel where
 ``available()`` (triton is installed), and the kernel modules (``*_triton.py``), which import it, are
-imported on the first launch. (torch._dynamo, which ``import mode`` loads, imports triton where it exists.)
+imported on the first launch. (torch._dynamo, which torch's optimizers and torch.compile load, imports triton
+where it exists.)
 
 ``jit(fn)`` compiles a kernel function once per interpreter setting: ``triton.jit`` decides at decoration
 time, from ``TRITON_INTERPRET``, whether the kernel compiles for a GPU or runs in triton's interpreter on

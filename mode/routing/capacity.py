@@ -11,7 +11,15 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-import torch
+
+def _constant_when_compiled(fn):
+    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does, without importing torch._dynamo.
+
+    That decorator imports torch._dynamo (1.4 s of every interpreter's start-up on a CPU) only to set this
+    attribute; tests/core/test_compile.py checks that it still sets exactly this one.
+    """
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 def as_decimal(value: float) -> Fraction:
@@ -20,13 +28,13 @@ def as_decimal(value: float) -> Fraction:
 
 
 # Pure functions of Python numbers: torch.compile runs them at trace time instead of tracing Fraction.
-@torch.compiler.assume_constant_result
+@_constant_when_compiled
 def floor_of(value: float, times: int, divided_by: int = 1) -> int:
     """``floor(value * times / divided_by)`` with ``value`` read as its decimal literal."""
     return math.floor(as_decimal(value) * times / divided_by)
 
 
-@torch.compiler.assume_constant_result
+@_constant_when_compiled
 def ceil_of(value: float, times: int, divided_by: int = 1) -> int:
     """``ceil(value * times / divided_by)`` with ``value`` read as its decimal literal."""
     return math.ceil(as_decimal(value) * times / divided_by)

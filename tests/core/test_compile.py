@@ -151,3 +151,24 @@ def test_grouped_mm_checks_are_cached_and_still_raise():
             grouped_mm(x, w, offs.long())
     with pytest.raises(ValueError, match=r"x_AK.shape\[1\]=12: must equal w_EKN.shape\[1\]=16"):
         grouped_mm(torch.randn(8, 12), w, offs)
+
+
+def test_capacity_helpers_are_marked_constant_as_torch_marks_them():
+    """mode.routing.capacity marks floor_of/ceil_of for dynamo itself (torch.compiler.assume_constant_result
+    imports torch._dynamo, 1.4 s of every ``import mode``): the same attributes torch's decorator sets."""
+    from mode.routing.capacity import ceil_of, floor_of
+
+    def plain(x):
+        return x
+
+    marked = dict(vars(torch.compiler.assume_constant_result(plain)))
+    assert marked and all(vars(fn).get(key) == value for fn in (floor_of, ceil_of) for key, value in marked.items())
+
+
+def test_importing_the_model_does_not_start_dynamo():
+    import subprocess
+    import sys
+
+    code = "import sys, mode, mode.model, mode.layers, mode.routing; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"

@@ -170,3 +170,21 @@ def assert_curve(actual, expected, what: str, *, tol: float, norm_rtol: float) -
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(actual, expected), 1):
         assert abs(loss - ref_loss) <= tol, f"{what} step {step}: loss {loss} vs {ref_loss}"
         assert math.isclose(norm, ref_norm, rel_tol=norm_rtol), f"{what} step {step}: grad norm {norm} vs {ref_norm}"
+
+
+# The variables torchrun sets for its ranks: a test's torchrun must not inherit a parent's (a test run itself
+# under torchrun, or a rank's leftovers), nor a fault meant for another run.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MODE_TEST_FAULT")
+
+
+def torchrun_train(nproc: int, *args: str, torchrun_args: tuple[str, ...] = ()) -> list[str]:
+    """``torchrun --standalone --nproc-per-node N [torchrun_args] -m mode train ARGS`` as this interpreter runs it."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            *torchrun_args, "-m", "mode", "train", *args]  # fmt: skip
+
+
+def torchrun_env(**extra: str) -> dict[str, str]:
+    """This process's environment without ``TORCHRUN_VARS``, with ``extra`` added."""
+    return {**{k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}, **extra}

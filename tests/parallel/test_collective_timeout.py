@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
+
+from pools import torchrun_env, torchrun_train
 
 import mode.train.data
 
@@ -39,16 +40,8 @@ def descendants(pid: int) -> list[int]:
 def test_a_silent_peer_fails_the_others_within_the_collective_timeout(tmp_path: Path):
     data = tmp_path / "text.txt"
     data.write_text(Path(mode.train.data.__file__).read_text() * 3)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "mode",
-        "train",
+    cmd = torchrun_train(
+        2,
         "--preset",
         "quick",
         "--ep",
@@ -68,12 +61,8 @@ def test_a_silent_peer_fails_the_others_within_the_collective_timeout(tmp_path: 
         "--no-progress",
         "--out",
         str(tmp_path / "run"),
-    ]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
+    )
+    env = torchrun_env()
     env["MODE_TEST_FAULT"] = "stop@1:3"
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, start_new_session=True

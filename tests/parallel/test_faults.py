@@ -13,13 +13,12 @@ folder (a fresh start). Every subprocess has a timeout, and so does every collec
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from pools import torchrun_env, torchrun_train
 
 import mode.train.data
 from mode.parallel.checkpoint import LATEST, saves, step_of
@@ -30,18 +29,8 @@ STEPS = 8
 
 
 def torchrun(out: Path, data: Path, fault: str | None = None, restarts: int = 0) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        str(restarts),
-        "-m",
-        "mode",
-        "train",
+    cmd = torchrun_train(
+        2,
         "--preset",
         "quick",
         "--ep",
@@ -69,12 +58,9 @@ def torchrun(out: Path, data: Path, fault: str | None = None, restarts: int = 0)
         "auto",
         "--out",
         str(out),
-    ]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MODE_TEST_FAULT")
-    }
+        torchrun_args=("--max-restarts", str(restarts)),
+    )
+    env = torchrun_env()
     if fault:
         env["MODE_TEST_FAULT"] = fault
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)

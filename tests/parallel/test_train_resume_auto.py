@@ -6,25 +6,17 @@ broadcasts (``mode.parallel.command.checkpoint_to_resume``)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
+
+from pools import torchrun_env, torchrun_train
 
 import mode.train.data
 
 
 def torchrun(out: Path, data: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "mode",
-        "train",
+    cmd = torchrun_train(
+        2,
         "--preset",
         "quick",
         "--ep",
@@ -45,12 +37,8 @@ def torchrun(out: Path, data: Path, steps: int, *extra: str) -> subprocess.Compl
         "--out",
         str(out),
         *extra,
-    ]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
+    )
+    env = torchrun_env()
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
 
 
