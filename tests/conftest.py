@@ -40,6 +40,10 @@ _DETERMINISTIC = pytest.StashKey[bool]()
 # Test tensors are tiny: one intra-op thread is faster than two fighting over the cores, and keeps
 # timing stable when several pytest or gloo worker processes share the machine.
 torch.set_num_threads(int(os.environ.get("MODE_TEST_THREADS", "1")))
+# ... and in every process a test starts (a script, mode train, torchrun's ranks), unless the test sets it: two
+# OpenMP threads per process beside the other worker's processes spin in their barriers (a rehearsal stage took
+# 7x its idle time, issue 70).
+os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("MODE_TEST_THREADS", "1"))
 
 if os.environ.get("MODE_TOLERANCE_LOG"):  # measuring how near each comparison comes to its bound: tolerance_log.py
     import tolerance_log

@@ -19,11 +19,29 @@ from pathlib import Path
 
 import pytest
 
+# Ranks are forked from a server process that imported these once (multiprocessing's forkserver), instead of
+# spawned: a spawned rank imports torch, mode and its test module again, 2 to 3 CPU-seconds each, for some 50 ranks
+# in the suite (issue 70). The server is a fresh interpreter that has run no torch op (no thread pool to inherit);
+# its children still import their test module (with its sys.path), and get this process's environment as it was
+# when the server started (none of these tests sets a variable for its ranks).
+PRELOAD = ("torch", "torch.distributed", "mode", "mode.model", "mode.parallel.apply", "mode.parallel.checkpoint",
+           "mode.train.trainer", "numpy")  # fmt: skip
+
+
+def forkserver() -> str:
+    """The start method for ranks, ``"forkserver"``, its server to preload ``PRELOAD`` (read when the server
+    starts: at the first rank this process starts)."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    return "forkserver"
+
 
 def start(worker, pools: dict[str, int], tmp: Path) -> dict:
     """Start every pool (``name -> world size``) on its own file store; returns ``name -> context``."""
     import torch.multiprocessing as mp
 
+    method = forkserver()
     ctxs = {}
     for name, world in pools.items():
         (tmp / name).mkdir()
@@ -32,7 +50,7 @@ def start(worker, pools: dict[str, int], tmp: Path) -> dict:
             args=(world, str(tmp / f"store_{name}"), str(tmp / name), name, str(tmp / "mesh4")),
             nprocs=world,
             join=False,
-            start_method="spawn",
+            start_method=method,
         )
     return ctxs
 
@@ -105,7 +123,7 @@ def run_rank(
     barrier: bool = False,
     destroy: bool = False,
 ) -> None:
-    """In a spawned rank: join the gloo group (``timeout_s``), run ``work()`` (an exception is reported as
+    """In a rank: join the gloo group (``timeout_s``), run ``work()`` (an exception is reported as
     ``{"failure": traceback}``), write the result to ``out_dir/rank<r>.json``, optionally wait for the peers
     (``barrier``) and leave the group (``destroy``), then exit at once: no teardown that could wait on a
     peer that left, stalls or sleeps."""

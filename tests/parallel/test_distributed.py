@@ -24,6 +24,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+import pools
 import pytest
 import torch
 
@@ -325,9 +326,8 @@ def _launch(world: int, tmp: Path):
 
     out_dir = tmp / f"world{world}"
     out_dir.mkdir()
-    ctx = mp.start_processes(
-        _worker, args=(world, str(tmp / f"store{world}"), str(out_dir)), nprocs=world, join=False, start_method="spawn"
-    )
+    args = (world, str(tmp / f"store{world}"), str(out_dir))
+    ctx = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method=pools.forkserver())
     return ctx, out_dir
 
 

@@ -18,6 +18,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+import pools
 import pytest
 import torch
 
@@ -113,7 +114,7 @@ def results():
 
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(
-            _worker, args=(str(Path(tmp) / "store"), tmp), nprocs=WORLD, join=False, start_method="spawn"
+            _worker, args=(str(Path(tmp) / "store"), tmp), nprocs=WORLD, join=False, start_method=pools.forkserver()
         )
         deadline = time.monotonic() + 120
         try:
