@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pools import torchrun_env
+
 SUBNET = "192.0.2"  # TEST-NET-1 (RFC 5737): never routed, never anyone's real address
 IFNAME = "eth0"  # every machine's interface, inside its namespace
 _count = itertools.count()
@@ -345,8 +347,6 @@ class Network:
 
 # ------------------------------------------------------------------------------------------------ mode train jobs
 
-WORKER_ENV_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MODE_TEST_FAULT")
-
 
 @dataclass
 class Agent:
@@ -456,8 +456,7 @@ def start_agent(
         "5",
         *train,
     ]
-    env = {k: v for k, v in os.environ.items() if k not in WORKER_ENV_DROP}
-    env.update(
+    env = torchrun_env(
         GLOO_SOCKET_IFNAME=IFNAME,
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
         OMP_NUM_THREADS="1",
