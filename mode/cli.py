@@ -141,8 +141,23 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
         help="the text MoD's causal thresholds are set on: the fit windows, or as many windows of the standard "
         "library's docstrings (text unlike the fit text)",
     )
+    p.add_argument(
+        "--heal-text",
+        choices=("train", "mix"),
+        default="train",
+        help="what healing reads: the training text, or equal shares of it, the standard library's docstrings and "
+        "source, and text the original model samples itself (mode.hf.dense.heal_text)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where --heal-text mix keeps the text the model sampled (default: $MODE_CACHE, else "
+        "~/.cache/mode; 'none': no cache)",
+    )
     p.add_argument("--objective", choices=("distill", "lm", "both"), default="distill", help="healing objective")
-    p.add_argument("--seed", type=int, default=0, help="the healing data order and LoRA initialisation")
+    p.add_argument(
+        "--seed", type=int, default=0, help="the healing data order, the sampled text and LoRA initialisation"
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP.replace("each run", "healing"))
 

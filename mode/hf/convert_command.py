@@ -16,7 +16,8 @@ into ``--out``:
                                                      training text's held-out windows and on each out-of-domain
                                                      set (``mode.hf.dense.unseen``: prose, dialogue, code; text
                                                      no step of the conversion reads; ``--unseen-windows 0``
-                                                     skips them)
+                                                     skips them), and what healing read
+                                                     (``--heal-text``: ``mode.hf.dense.heal_text``)
 
 Shape legend: W windows, S sequence, B batch.
 """
@@ -62,16 +63,47 @@ def held_out_loss(model, windows_WS, batch: int = 8) -> float:
     return _mean_loss(model, batches_of(windows_WS, batch))
 
 
-def _unseen(args, tokenizer, S: int):
-    """The out-of-domain sets (``unseen_sets``; those not installed are noted and passed over)."""
+def _unseen(args, tokenizer, S: int, also_read=()):
+    """The out-of-domain sets (``unseen_sets``; those not installed are noted and passed over), without the
+    documents that overlap the training text or ``also_read``."""
     from mode.hf.dense.unseen import unseen_sets
 
     if not args.unseen_windows:
         return {}
-    sets, missing = unseen_sets(tokenizer, S, args.unseen_windows, data=args.data, missing="skip")
+    sets, missing = unseen_sets(tokenizer, S, args.unseen_windows, data=args.data, missing="skip", also_read=also_read)
     for why in missing.values():
         print(f"note: {why}; its loss is not reported", flush=True)
     return sets
+
+
+def cache_dir(value: str | None) -> Path | None:
+    """``--cache-dir``: the folder given, else ``mode.hf.pretrained.cache_root()`` (``$MODE_CACHE``, else
+    ``~/.cache/mode``); ``"none"``: no cache."""
+    from mode.hf.pretrained import cache_root
+
+    return None if value == "none" else cache_root(value)
+
+
+def _heal_text(args, model, tokenizer, train_WS):
+    """``(heal_batches, sources, also_read)`` for ``--heal-text`` (``mode.hf.dense.heal_text``): the batches,
+    the report's ``{source: {windows, sha256}}``, and the text beyond the training text that healing reads."""
+    import math
+
+    from mode.hf.dense.heal_text import mix_sources, mixed_heal_batches, windows_sha256
+    from mode.hf.dense.windows import heal_batches_of
+    from mode.train.progress import Progress
+
+    S = args.seq_len
+    per_step = max(1, args.heal_tokens // S)
+    steps = max(args.heal_steps, 1)
+    if args.heal_text == "train" or not args.heal_steps:
+        return heal_batches_of(train_WS, steps, per_step, args.seed), {}, []
+    share = math.ceil(steps * per_step / 4)
+    progress = Progress(bar=False)
+    sources = mix_sources(model, tokenizer, train_WS, share, args.seed, cache_dir(args.cache_dir), progress)
+    about = {k: {"windows": len(w), "sha256": windows_sha256(w)} for k, w in sources.items()}
+    also_read = [tokenizer.decode(w) for k in ("code", "generated") for w in sources[k]]
+    return mixed_heal_batches(sources, steps, per_step, args.seed), about, also_read
 
 
 def _check(args) -> None:
@@ -101,7 +133,6 @@ def run(args) -> int:
         calibration_docstring_windows,
         english_windows,
         file_windows,
-        heal_batches_of,
     )
     from mode.train.checkpoint import atomic_write_text
 
@@ -124,7 +155,8 @@ def run(args) -> int:
         model, tokenizer, name = load_model(args.model)
         S = args.seq_len
         train_WS, held_WS = file_windows(tokenizer, args.data, S) if args.data else english_windows(tokenizer, S)
-        unseen = _unseen(args, tokenizer, S)
+        heal_batches, heal_sources, also_read = _heal_text(args, model, tokenizer, train_WS)
+        unseen = _unseen(args, tokenizer, S, also_read)
     except (ValueError, TypeError, OSError) as e:
         print(f"mode convert: error: {e}", file=sys.stderr)
         return 2
@@ -133,8 +165,6 @@ def run(args) -> int:
     fit_WS = train_WS[: args.fit_windows]
     fit_batches = batches_of(fit_WS, 8)
     val_WS = held_WS[torch.linspace(0, len(held_WS) - 1, min(args.val_windows, len(held_WS))).long()]
-    per_step = max(1, args.heal_tokens // S)
-    heal_batches = heal_batches_of(train_WS, max(args.heal_steps, 1), per_step, args.seed)
     cal_batches = None
     if args.calibrate == "docstrings":  # as many windows as the fit's
         doc_WS = calibration_docstring_windows(tokenizer, S, len(fit_WS))
@@ -180,6 +210,7 @@ def run(args) -> int:
             "macs_measured": held_macs,  # MoD: at the shares its routers took on these windows
             "window_losses": held_W.tolist(),
         },
+        "heal_text": {"kind": args.heal_text, "sources": heal_sources},
         "unseen": unseen_rows,
         "seconds": time.perf_counter() - t0,
     }

@@ -248,15 +248,19 @@ def unseen_sets(
     names: Sequence[str] = UNSEEN_SETS,
     data: str | Path | None = None,
     missing: str = "raise",
+    also_read: Sequence[str] = (),
 ) -> tuple[dict[str, UnseenText], dict[str, str]]:
     """``(sets, missing_sets)``: ``unseen_text`` of each of ``names`` with the documents overlapping
-    ``training_texts(data)`` left out. ``missing="skip"``: a set whose text is not installed goes to
-    ``missing_sets`` with the reason (``"raise"``: it raises)."""
+    ``training_texts(data)`` or ``also_read`` (more text the conversion reads, e.g. ``--heal-text mix``'s) left
+    out. ``missing="skip"``: a set whose text is not installed goes to ``missing_sets`` with the reason
+    (``"raise"``: it raises)."""
     if missing not in ("raise", "skip"):
         raise ValueError(f"missing={missing!r}: expected 'raise' or 'skip'")
     seen = _builtin_ngrams()
     if data is not None:
         seen = seen | ngram_set([Path(data).read_text(encoding="utf-8")])
+    if also_read:
+        seen = seen | ngram_set(also_read)
     sets: dict[str, UnseenText] = {}
     skipped: dict[str, str] = {}
     for name in names:
