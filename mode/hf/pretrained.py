@@ -25,6 +25,8 @@ there is no pad token (so ``padding=True`` raises). ``load_gguf`` names each one
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -228,19 +230,45 @@ def load_gguf(
         )
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent),
-        gguf_file=path.name,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        quantization_config=GgufConfig(dequantize=True),
-    )  # plain tensors even where GGUF blocks could be kept
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent),
+            gguf_file=path.name,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            quantization_config=GgufConfig(dequantize=True),
+        )  # plain tensors even where GGUF blocks could be kept
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     name_gguf_special_tokens(tokenizer, path)  # 5.17 leaves eos wrong and pad unset (module docstring)
     drop_quantization_markers(model)
     packed = sorted({str(p.dtype) for p in model.parameters()} - {str(dtype)})
     assert not packed, f"load_gguf: parameters left in {packed} after dequantising to {dtype}"
     return model.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Inside the block, ``gguf.GGUFReader(path)`` parses each file once and ``gguf.get_tensor_name_map(arch, n)``
+    builds each map once; both are put back after it. transformers 5.17-5.23 import them from ``gguf`` where they
+    call them, and read a GGUF three times in a load (the config, the weights, the tokenizer; the reader parses
+    every metadata field, the 49k-token vocabulary included) and build the name map once per module: two thirds of
+    SmolLM2's ~30 s load. A reader is read-only (a memory map), so sharing one changes nothing loaded."""
+    import gguf
+
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = reader_cls(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
 
 
 # the tokenizer's special-token attributes and the GGUF metadata keys that give their ids

@@ -218,6 +218,37 @@ def test_load_gguf_missing_packages_names_them(monkeypatch, tmp_path):
         mh.load_gguf(tmp_path / "m.gguf", dtype=torch.int8)
 
 
+def test_gguf_parsed_once_shares_a_reader_per_file_and_puts_gguf_back(tmp_path):
+    """Inside ``gguf_parsed_once`` a file is parsed once however often transformers opens it, and a name map
+    built once; after the block (and after an error in it) gguf's own reader and map are back."""
+    import gguf
+    import numpy as np
+
+    paths = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
+    for i, path in enumerate(paths):
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_uint32("mode.test", 7 + i)
+        w.add_tensor("t", np.arange(4, dtype=np.float32) + i)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with P.gguf_parsed_once():
+        a = gguf.GGUFReader(paths[0])
+        assert gguf.GGUFReader(str(tmp_path / "." / "a.gguf")) is a and gguf.GGUFReader(paths[1]) is not a
+        assert int(a.fields["mode.test"].parts[-1][0]) == 7 and list(a.tensors[0].data) == [0, 1, 2, 3]
+        assert int(gguf.GGUFReader(paths[1]).fields["mode.test"].parts[-1][0]) == 8
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 2).mapping == name_map(arch, 2).mapping
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_cls, name_map)
+    with pytest.raises(RuntimeError, match="inside"), P.gguf_parsed_once():
+        raise RuntimeError("inside")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_cls, name_map)
+    assert gguf.GGUFReader(paths[0]) is not gguf.GGUFReader(paths[0])
+
+
 def test_drop_quantization_markers_makes_a_model_saveable(tmp_path):
     """What a GGUF load leaves (seen on transformers 5.23 without ``GgufConfig(dequantize=True)``): with the
     markers ``save_pretrained`` and ``.float()`` refuse; without them the model saves and reloads."""
