@@ -38,7 +38,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 from torch import nn
@@ -258,7 +258,7 @@ def gguf_parsed_once():
     reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[str, str], object] = {}
 
-    def reader(path, mode="r"):
+    def reader(path, mode: Literal["r", "r+", "c"] = "r"):
         key = (os.path.realpath(path), mode)
         if key not in readers:
             readers[key] = reader_cls(path, mode)
