@@ -89,7 +89,7 @@ def _heal_text(args, model, tokenizer, train_WS):
     the report's ``{source: {windows, sha256}}``, and the text beyond the training text that healing reads."""
     import math
 
-    from mode.hf.dense.heal_text import mix_sources, mixed_heal_batches, windows_sha256
+    from mode.hf.dense.heal_text import mix_sources, mixed_heal_batches, windows_sha256, written_text
     from mode.hf.dense.windows import heal_batches_of
     from mode.train.progress import Progress
 
@@ -102,7 +102,7 @@ def _heal_text(args, model, tokenizer, train_WS):
     progress = Progress(bar=False)
     sources = mix_sources(model, tokenizer, train_WS, share, args.seed, cache_dir(args.cache_dir), progress)
     about = {k: {"windows": len(w), "sha256": windows_sha256(w)} for k, w in sources.items()}
-    also_read = [tokenizer.decode(w) for k in ("code", "generated") for w in sources[k]]
+    also_read = [tokenizer.decode(w) for w in sources["code"]] + written_text(tokenizer, sources["generated"])
     return mixed_heal_batches(sources, steps, per_step, args.seed), about, also_read
 
 

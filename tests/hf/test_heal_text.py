@@ -108,6 +108,28 @@ def test_generated_windows_half_free_text_half_chats_cached_by_key(hf, tmp_path,
     assert plain[:, 0].eq(0).all()
 
 
+class TextTok(Tok):
+    """``Tok`` with ``decode``: ids back to characters (ids are bytes + 1 here: exact for bytes below V - 1)."""
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i - 1) if i else "|" for i in ids)
+
+
+def test_written_text_leaves_out_the_prompt_the_sampler_began_with(hf):
+    """The chat template's opening (a system prompt of 13+ words in SmolLM2's) is not the model's text: left in,
+    every conversation of the dialogue set, written in the same template, would count as read and be dropped."""
+    from mode.hf.dense.heal_text import prompts, written_text
+
+    tok = TextTok()
+    free, chat = prompts(tok, 64)
+    assert free == [0] and chat == tok("<user>")["input_ids"]
+    rows = torch.tensor([free + tok("A" * 63)["input_ids"], chat + tok("B" * (64 - len(chat)))["input_ids"]])
+    assert written_text(tok, rows) == ["A" * 63, "B" * (64 - len(chat))]
+    other = torch.tensor([tok("C" * 64)["input_ids"]])  # no known prompt: all of it
+    assert written_text(tok, other) == ["C" * 64]
+    assert prompts(Tok(chat=False), 64) == ([0], [0])
+
+
 def test_python_source_is_read_not_run_tests_left_out(tmp_path):
     from mode.hf.dense.heal_text import python_source_windows
 

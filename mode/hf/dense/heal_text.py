@@ -135,6 +135,25 @@ def windows_sha256(windows_WS: torch.Tensor) -> str:
     return hashlib.sha256(windows_WS.to(torch.long).contiguous().numpy().tobytes()).hexdigest()
 
 
+def prompts(tokenizer, seq_len: int) -> tuple[list[int], list[int]]:
+    """The two prompts ``generated_windows`` samples from: the end-of-text token, and the chat's opening
+    (``_chat_prefix``, cut to ``seq_len - 1`` tokens; the end-of-text token again without a chat template)."""
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return [eos], _chat_prefix(tokenizer)[: seq_len - 1] or [eos]
+
+
+def written_text(tokenizer, windows_WS: torch.Tensor) -> list[str]:
+    """The text the model wrote in each of ``generated_windows``' windows: decoded without the prompt it began
+    with. The chat template's system prompt is not the model's text, and kept in it would make every chat of an
+    out-of-domain set in the same template look read (``unseen_sets(also_read=...)``)."""
+    free, chat = prompts(tokenizer, windows_WS.shape[1])
+    texts = []
+    for row in windows_WS.tolist():
+        start = len(chat) if row[: len(chat)] == chat else len(free) if row[: len(free)] == free else 0
+        texts.append(tokenizer.decode(row[start:]))
+    return texts
+
+
 def generated_windows(
     model: nn.Module,
     tokenizer,
@@ -148,8 +167,7 @@ def generated_windows(
     the rest from ``_chat_prefix`` (the free text again when the tokenizer has no chat template). With
     ``cache_dir``: read from ``cache_dir/generated/<key>.safetensors`` when there, else sampled and written."""
     _checks.check_int("n", n, min_value=0)
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    chat = _chat_prefix(tokenizer)[: seq_len - 1] or [eos]
+    free, chat = prompts(tokenizer, seq_len)
     vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
     key_doc = {
         "model": model_digest(model),
@@ -158,7 +176,7 @@ def generated_windows(
         "n": n,
         "seed": seed,
         "top_p": TOP_P,
-        "prompts": [[eos], chat],
+        "prompts": [free, chat],
     }
     key = hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()[:32]
     path = None if cache_dir is None else Path(cache_dir) / "generated" / f"{key}.safetensors"
@@ -168,11 +186,11 @@ def generated_windows(
         windows_WS = load_file(str(path))["windows_WS"]
         if tuple(windows_WS.shape) == (n, seq_len):
             return windows_WS
-    free = n - n // 2
+    n_free = n - n // 2
     windows_WS = torch.cat(
         [
-            sample_windows(model, [eos], free, seq_len, seed, progress=progress, name="generate (free text)"),
-            sample_windows(model, chat, n - free, seq_len, seed + 1, progress=progress, name="generate (chats)"),
+            sample_windows(model, free, n_free, seq_len, seed, progress=progress, name="generate (free text)"),
+            sample_windows(model, chat, n - n_free, seq_len, seed + 1, progress=progress, name="generate (chats)"),
         ]
     )
     if path is not None:
