@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -39,6 +41,30 @@ def test_docstrings_are_parsed_not_run_and_tests_and_pydoc_data_left_out(tmp_pat
     assert docs == [f"module {long}", f"class {long}", f"coroutine {long}", f"method {long}"]  # breadth first
     assert not marker.exists()
     assert "short" in stdlib_docstrings(min_chars=1, root=tmp_path) and "short" not in docs
+
+
+def test_docstrings_are_cached_on_disk_and_parsed_again_when_a_file_changes(tmp_path, monkeypatch):
+    import os
+
+    import mode.hf.dense.windows as w
+
+    monkeypatch.setenv("MODE_CACHE", str(tmp_path / "cache"))
+    long = "y" * 90
+    _write(tmp_path / "lib", "a.py", f'"""first {long}"""\n')
+    first = stdlib_docstrings(root=tmp_path / "lib")
+    (cached,) = (tmp_path / "cache" / "docstrings").iterdir()
+    assert json.loads(cached.read_text()) == first == [f"first {long}"]
+    cached.write_text(json.dumps(["from the cache"]))  # a second process reads the file, not the sources
+    w._docstrings.cache_clear()
+    assert stdlib_docstrings(root=tmp_path / "lib") == ["from the cache"]
+    _write(tmp_path / "lib", "a.py", f'"""edited {long}"""\n')
+    os.utime(tmp_path / "lib" / "a.py", ns=(1, 1))  # another size and time: another key
+    w._docstrings.cache_clear()
+    assert stdlib_docstrings(root=tmp_path / "lib") == [f"edited {long}"]
+    for path in (tmp_path / "cache" / "docstrings").iterdir():
+        path.write_text("{not json")
+    w._docstrings.cache_clear()
+    assert stdlib_docstrings(root=tmp_path / "lib") == [f"edited {long}"]  # unreadable: parsed again
 
 
 def test_docstrings_of_this_python_and_bad_input(tmp_path):
