@@ -6,6 +6,7 @@ are written by the tests (no Debian package or corpus wheel needed); the code se
 transformers, which the test extra installs."""
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -244,3 +245,45 @@ def test_heal_vs_prune_unseen_pairs_two_recipes_by_seed(hf, tmp_path):
     assert held["t_ci_pct"] is not None and json.loads(out.read_text())["seeds"] == [0, 1]
     with pytest.raises(SystemExit):
         main(["--a", str(tmp_path / "a0"), "--b", str(tmp_path / "b1"), "--out", str(out)])
+
+
+def test_unseen_curve_groups_recipes_and_pairs_mod_with_pruning_per_budget(hf, tmp_path):
+    """benchmarks/hf/unseen_curve.py on reports at two budgets, two methods, one or two seeds and two heal texts:
+    each recipe's curve (mean ± std per text), MoD − pruning only where both ran at the budget with the same heal
+    text, and the PNG."""
+    sys.path.insert(0, str(Path(__file__).parents[2]))
+    from benchmarks.hf.unseen_curve import main
+
+    folders = []
+    for method, macs, heal, seed, shift in [
+        ("mod", 0.85, "train", 0, 0.02),
+        ("mod", 0.85, "train", 1, 0.04),
+        ("prune", 0.85, "train", 0, 0.1),
+        ("prune", 0.85, "train", 1, 0.1),
+        ("mod", 0.75, "train", 0, 0.2),
+        ("mod", 0.85, "mix", 0, 0.01),
+    ]:
+        folder = tmp_path / f"{method}_{macs}_{heal}_{seed}"
+        _report(folder, seed, shift)
+        report = json.loads((folder / "convert_report.json").read_text())
+        report["settings"].update(method=method, macs=macs, heal_text=heal)
+        report["source"] = "tiny"
+        (folder / "convert_report.json").write_text(json.dumps(report))
+        folders.append(str(folder))
+    out = tmp_path / "curve.json"
+    got = main(["--folders", *folders, "--out", str(out)])
+    assert sorted(got["curves"]) == ["mod", "mod, heal mix", "prune"]
+    mod85 = got["curves"]["mod"]["0.85"]
+    assert mod85["seeds"] == [0, 1] and mod85["texts"]["in-domain"]["mean"] == pytest.approx(100 * (2.045 / 2 - 1))
+    assert mod85["texts"]["prose"]["std"] == pytest.approx(statistics.stdev([100 * 0.055 / 3, 100 * 0.095 / 3]))
+    assert got["curves"]["mod"]["0.75"]["texts"]["prose"]["std"] is None  # one seed
+    assert list(got["mod_minus_prune"]) == ["0.85"]  # no pruning at 0.75, none healed on the mix
+    assert got["mod_minus_prune"]["0.85"]["texts"]["in-domain"]["diff_pct"] == pytest.approx(100 * (0.03 - 0.1) / 2)
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    bad = tmp_path / "mod_0.85_train_0_again"
+    _report(bad, 0, 0.0)
+    report = json.loads((bad / "convert_report.json").read_text())
+    report["settings"].update(method="mod", macs=0.85)
+    (bad / "convert_report.json").write_text(json.dumps(report))
+    with pytest.raises(ValueError, match=r"mod at 0.85: seed repeated in \[0, 1, 0\]"):
+        main(["--folders", *folders, str(bad), "--out", str(out)])
