@@ -142,6 +142,13 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
         "library's docstrings (text unlike the fit text)",
     )
     p.add_argument(
+        "--fit-text",
+        choices=("train", "mix"),
+        default="train",
+        help="what the skip costs, estimates and router fits read (--fit-windows of it): the training text, or "
+        "equal shares of --heal-text mix's sources",
+    )
+    p.add_argument(
         "--heal-text",
         choices=("train", "mix"),
         default="train",

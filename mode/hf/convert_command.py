@@ -84,9 +84,10 @@ def cache_dir(value: str | None) -> Path | None:
     return None if value == "none" else cache_root(value)
 
 
-def _heal_text(args, model, tokenizer, train_WS):
-    """``(heal_batches, sources, also_read)`` for ``--heal-text`` (``mode.hf.dense.heal_text``): the batches,
-    the report's ``{source: {windows, sha256}}``, and the text beyond the training text that healing reads."""
+def _texts(args, model, tokenizer, train_WS):
+    """``(fit_WS, heal_batches, sources, also_read)`` for ``--fit-text`` and ``--heal-text``
+    (``mode.hf.dense.heal_text``): the fit windows, the heal batches, the report's ``{source: {windows,
+    sha256}}`` where the mix is read, and the text beyond the training text that the conversion reads."""
     import math
 
     from mode.hf.dense.heal_text import mix_sources, mixed_heal_batches, windows_sha256, written_text
@@ -96,14 +97,20 @@ def _heal_text(args, model, tokenizer, train_WS):
     S = args.seq_len
     per_step = max(1, args.heal_tokens // S)
     steps = max(args.heal_steps, 1)
-    if args.heal_text == "train" or not args.heal_steps:
-        return heal_batches_of(train_WS, steps, per_step, args.seed), {}, []
-    share = math.ceil(steps * per_step / 4)
+    heal_mix = args.heal_text == "mix" and args.heal_steps > 0
+    if not heal_mix and args.fit_text == "train":
+        return train_WS[: args.fit_windows], heal_batches_of(train_WS, steps, per_step, args.seed), {}, []
+    share = math.ceil(max(steps * per_step, args.fit_windows) / 4)
     progress = Progress(bar=False)
     sources = mix_sources(model, tokenizer, train_WS, share, args.seed, cache_dir(args.cache_dir), progress)
     about = {k: {"windows": len(w), "sha256": windows_sha256(w)} for k, w in sources.items()}
     also_read = [tokenizer.decode(w) for w in sources["code"]] + written_text(tokenizer, sources["generated"])
-    return mixed_heal_batches(sources, steps, per_step, args.seed), about, also_read
+    fit_WS = train_WS[: args.fit_windows]
+    if args.fit_text == "mix":  # equal shares, shuffled: every batch (the skip costs read the first) holds each
+        fit_WS = mixed_heal_batches(sources, 1, args.fit_windows, args.seed)[0]
+    if heal_mix:
+        return fit_WS, mixed_heal_batches(sources, steps, per_step, args.seed), about, also_read
+    return fit_WS, heal_batches_of(train_WS, steps, per_step, args.seed), about, also_read
 
 
 def _check(args) -> None:
@@ -155,14 +162,13 @@ def run(args) -> int:
         model, tokenizer, name = load_model(args.model)
         S = args.seq_len
         train_WS, held_WS = file_windows(tokenizer, args.data, S) if args.data else english_windows(tokenizer, S)
-        heal_batches, heal_sources, also_read = _heal_text(args, model, tokenizer, train_WS)
+        fit_WS, heal_batches, mix_about, also_read = _texts(args, model, tokenizer, train_WS)
         unseen = _unseen(args, tokenizer, S, also_read)
     except (ValueError, TypeError, OSError) as e:
         print(f"mode convert: error: {e}", file=sys.stderr)
         return 2
     for p in model.parameters():
         p.requires_grad_(False)
-    fit_WS = train_WS[: args.fit_windows]
     fit_batches = batches_of(fit_WS, 8)
     val_WS = held_WS[torch.linspace(0, len(held_WS) - 1, min(args.val_windows, len(held_WS))).long()]
     cal_batches = None
@@ -210,7 +216,8 @@ def run(args) -> int:
             "macs_measured": held_macs,  # MoD: at the shares its routers took on these windows
             "window_losses": held_W.tolist(),
         },
-        "heal_text": {"kind": args.heal_text, "sources": heal_sources},
+        "heal_text": {"kind": args.heal_text, "sources": mix_about if args.heal_text == "mix" else {}},
+        "fit_text": {"kind": args.fit_text, "sources": mix_about if args.fit_text == "mix" else {}},
         "unseen": unseen_rows,
         "seconds": time.perf_counter() - t0,
     }

@@ -202,8 +202,11 @@ def test_mode_convert_heals_on_the_mix_and_reports_it(hf, tmp_path, monkeypatch)
     seen = {}
     real = ht.mixed_heal_batches
 
+    calls = []
+
     def spy(sources, steps, per_step, seed):
         seen.update(sources)
+        calls.append((steps, per_step))
         return real(sources, steps, per_step, seed)
 
     monkeypatch.setattr(ht, "mixed_heal_batches", spy)
@@ -219,5 +222,12 @@ def test_mode_convert_heals_on_the_mix_and_reports_it(hf, tmp_path, monkeypatch)
     assert [heal_text["sources"][k]["windows"] for k in ("docstrings", "code", "generated")] == [2, 2, 2]  # 6 / 4
     assert heal_text["sources"]["generated"]["sha256"] == ht.windows_sha256(seen["generated"])
     assert report["result"]["heal"]["steps"] == 3 and len(list((tmp_path / "cache" / "generated").iterdir())) == 1
+    assert calls == [(3, 2)] and report["fit_text"] == {"kind": "train", "sources": {}}
     assert main([*argv, "--force", "--cache-dir", "none", "--heal-text", "train"]) == 0
     assert json.loads((out / "convert_report.json").read_text())["heal_text"] == {"kind": "train", "sources": {}}
+    assert calls == [(3, 2)]  # the training text alone: no mix drawn
+    assert main([*argv, "--force", "--cache-dir", "none", "--heal-text", "train", "--fit-text", "mix"]) == 0
+    report = json.loads((out / "convert_report.json").read_text())
+    assert calls[1:] == [(1, 8)]  # the 8 fit windows from the mix, healing on the training text
+    assert report["fit_text"]["kind"] == "mix" and list(report["fit_text"]["sources"]) == list(ht.MIX_SOURCES)
+    assert report["heal_text"] == {"kind": "train", "sources": {}}
