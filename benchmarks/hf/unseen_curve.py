@@ -9,12 +9,13 @@ seeds, grouped into one curve per recipe, with MoD − pruning paired by seed at
     done
     python benchmarks/hf/unseen_curve.py --folders runs/* --out benchmarks/results/heal_vs_prune_unseen_curve.json
 
-A recipe is a folder's method and ``--heal-text``; a point its ``--macs`` target. Per recipe, point and text (the
-held-out windows of the training text, and each out-of-domain set of ``mode.hf.dense.unseen``): the Δ loss %
-against the original, mean ± std over the seeds there, and the MACs the conversion spent on that text. Where MoD
-and pruning of the same heal text share a point, their difference with ``heal_vs_prune_unseen.compare``'s
-intervals (a paired bootstrap over windows, and a t interval over seeds with two or more). Writes the JSON and a
-PNG beside it: one panel per text, Δ loss % against the MACs spent on it, one line per recipe.
+A recipe is a folder's method, ``--fit-text`` and ``--heal-text``; a point its ``--macs`` target. Per recipe,
+point and text (the held-out windows of the training text, and each out-of-domain set of ``mode.hf.dense.unseen``):
+the Δ loss % against the original, mean ± std over the seeds there, and the MACs the conversion spent on that
+text. Where MoD and pruning with the same fit and heal texts share a point, their difference with
+``heal_vs_prune_unseen.compare``'s intervals (a paired bootstrap over windows, and a t interval over seeds with two
+or more). Writes the JSON and a PNG beside it: one panel per text, Δ loss % against the MACs spent on it, one line
+per recipe.
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ from benchmarks.hf.heal_vs_prune_unseen import compare, measure_folder  # noqa: 
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 
+def texts_of(settings: dict) -> str:
+    """What the fits and healing read, where not the training text: ``", fit mix, heal mix"``, or ``""``."""
+    fit, heal = settings.get("fit_text", "train"), settings.get("heal_text", "train")
+    return ("" if fit == "train" else f", fit {fit}") + ("" if heal == "train" else f", heal {heal}")
+
+
 def recipe(report: dict) -> str:
-    """``mod`` or ``prune``, with ``heal mix`` where healing read the mix."""
-    st = report["settings"]
-    heal = st.get("heal_text", "train")
-    return st["method"] + ("" if heal == "train" else f", heal {heal}")
+    """``mod`` or ``prune``, with what the fits and healing read (``texts_of``)."""
+    return report["settings"]["method"] + texts_of(report["settings"])
 
 
 def curves(measured: list[dict]) -> dict:
@@ -78,17 +83,18 @@ def curves(measured: list[dict]) -> dict:
 
 
 def pairs(measured: list[dict]) -> dict:
-    """MoD − pruning at every target where both ran with the same heal text, paired by seed (``compare``)."""
+    """MoD − pruning at every target where both ran with the same fit and heal texts, paired by seed
+    (``compare``)."""
     by: dict[tuple[str, float, str], dict[int, dict]] = defaultdict(dict)
     for m in measured:
         st = m["report"]["settings"]
-        by[(st["method"], float(st["macs"]), st.get("heal_text", "train"))][st["seed"]] = m
+        by[(st["method"], float(st["macs"]), texts_of(st))][st["seed"]] = m
     out: dict = {}
-    for (method, target, heal), mods in sorted(by.items()):
-        prunes = by.get(("prune", target, heal), {}) if method == "mod" else {}
+    for (method, target, texts), mods in sorted(by.items()):
+        prunes = by.get(("prune", target, texts), {}) if method == "mod" else {}
         seeds = sorted(set(mods) & set(prunes))
         if seeds:
-            key = f"{target}" + ("" if heal == "train" else f", heal {heal}")
+            key = f"{target}{texts}"
             out[key] = {"seeds": seeds, "texts": compare([mods[s] for s in seeds], [prunes[s] for s in seeds])}
     return out
 

@@ -262,22 +262,24 @@ def test_unseen_curve_groups_recipes_and_pairs_mod_with_pruning_per_budget(hf, t
         ("prune", 0.85, "train", 1, 0.1),
         ("mod", 0.75, "train", 0, 0.2),
         ("mod", 0.85, "mix", 0, 0.01),
+        ("prune", 0.85, "fit", 0, 0.01),
     ]:
         folder = tmp_path / f"{method}_{macs}_{heal}_{seed}"
         _report(folder, seed, shift)
         report = json.loads((folder / "convert_report.json").read_text())
-        report["settings"].update(method=method, macs=macs, heal_text=heal)
+        texts = {"fit": {"fit_text": "mix", "heal_text": "mix"}, "mix": {"heal_text": "mix"}}.get(heal, {})
+        report["settings"].update(method=method, macs=macs, **texts)
         report["source"] = "tiny"
         (folder / "convert_report.json").write_text(json.dumps(report))
         folders.append(str(folder))
     out = tmp_path / "curve.json"
     got = main(["--folders", *folders, "--out", str(out)])
-    assert sorted(got["curves"]) == ["mod", "mod, heal mix", "prune"]
+    assert sorted(got["curves"]) == ["mod", "mod, heal mix", "prune", "prune, fit mix, heal mix"]
     mod85 = got["curves"]["mod"]["0.85"]
     assert mod85["seeds"] == [0, 1] and mod85["texts"]["in-domain"]["mean"] == pytest.approx(100 * (2.045 / 2 - 1))
     assert mod85["texts"]["prose"]["std"] == pytest.approx(statistics.stdev([100 * 0.055 / 3, 100 * 0.095 / 3]))
     assert got["curves"]["mod"]["0.75"]["texts"]["prose"]["std"] is None  # one seed
-    assert list(got["mod_minus_prune"]) == ["0.85"]  # no pruning at 0.75, none healed on the mix
+    assert list(got["mod_minus_prune"]) == ["0.85"]  # no pruning at 0.75; mix healing and fitting differ
     assert got["mod_minus_prune"]["0.85"]["texts"]["in-domain"]["diff_pct"] == pytest.approx(100 * (0.03 - 0.1) / 2)
     assert out.with_suffix(".png").stat().st_size > 10_000
     bad = tmp_path / "mod_0.85_train_0_again"
