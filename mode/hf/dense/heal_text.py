@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import sysconfig
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -33,10 +32,9 @@ import torch
 from torch import nn
 
 from mode import _checks
-from mode.hf.dense.windows import _DOC_SKIP, batches_of, docstring_windows, token_windows
+from mode.hf.dense.windows import _DOC_SKIP, batches_of, docstring_windows, source_files, stdlib_root, token_windows
 from mode.train.progress import Progress, phase
 
-HEAL_TEXTS = ("train", "mix")
 MIX_SOURCES = ("train", "docstrings", "code", "generated")
 SOURCE_FILES = 64  # standard-library files python_source_windows reads, evenly spaced over the sorted list
 TOP_P = 0.95  # nucleus sampling of generated_windows (temperature 1)
@@ -47,10 +45,8 @@ def python_source_windows(tokenizer, seq_len: int, n: int, root: str | Path | No
     under ``root`` (None: this Python's standard library; tests and ``pydoc_data`` left out, as for the
     docstrings), each read as text, never imported; ``n`` windows evenly spaced over theirs (all when fewer)."""
     _checks.check_int("n", n)
-    base = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
-    if not base.is_dir():
-        raise ValueError(f"root={str(base)!r}: not a directory")
-    files = [p for p in sorted(base.rglob("*.py")) if not _DOC_SKIP.intersection(p.relative_to(base).parts[:-1])]
+    base = stdlib_root(root)
+    files = source_files(base)
     if not files:
         raise ValueError(f"root={str(base)!r}: holds no *.py file outside {sorted(_DOC_SKIP)}")
     pick = sorted(set(torch.linspace(0, len(files) - 1, min(SOURCE_FILES, len(files))).long().tolist()))

@@ -62,15 +62,25 @@ def stdlib_docstrings(min_chars: int = 80, root: str | Path | None = None) -> li
     Folders in ``_DOC_SKIP`` (tests, ``pydoc_data``) are left out. The text depends on the Python version.
     Read once per process for each (``min_chars``, ``root``)."""
     _checks.check_int("min_chars", min_chars, min_value=1)
+    return list(_docstrings(min_chars, stdlib_root(root)))
+
+
+def stdlib_root(root: str | Path | None = None) -> Path:
+    """``root`` as a folder (None: this Python's standard library); ``ValueError`` when it is not one."""
     base = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
     if not base.is_dir():
         raise ValueError(f"root={str(base)!r}: not a directory")
-    return list(_docstrings(min_chars, base))
+    return base
+
+
+def source_files(base: Path) -> list[Path]:
+    """The ``*.py`` files under ``base``, sorted, those in ``_DOC_SKIP`` folders (tests, ``pydoc_data``) left out."""
+    return [p for p in sorted(base.rglob("*.py")) if not _DOC_SKIP.intersection(p.relative_to(base).parts[:-1])]
 
 
 @functools.lru_cache(maxsize=4)
 def _docstrings(min_chars: int, base: Path) -> tuple[str, ...]:
-    files = [p for p in sorted(base.rglob("*.py")) if not _DOC_SKIP.intersection(p.relative_to(base).parts[:-1])]
+    files = source_files(base)
     cached = _docstring_cache(min_chars, base, files)
     try:
         return tuple(json.loads(cached.read_text(encoding="utf-8")))
