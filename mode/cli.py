@@ -124,6 +124,13 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heal-tokens", type=int, default=1024, help="tokens per healing step (whole windows)")
     p.add_argument("--heal-lr", type=float, default=1e-3, help="healing AdamW learning rate")
     p.add_argument(
+        "--heal-probe-every",
+        type=int,
+        default=0,
+        help="every N healing steps (and before the first), the held-out and out-of-domain losses of the model as "
+        "the conversion would end there, into the report's heal_curve (0: none; each probe costs one evaluation)",
+    )
+    p.add_argument(
         "--router-lr", type=float, default=0.0, help="the MoD routers' healing learning rate (0: they stay as fitted)"
     )
     p.add_argument("--lora-rank", type=int, default=8, help="healing LoRA rank")

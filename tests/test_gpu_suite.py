@@ -229,7 +229,8 @@ def test_a_rehearsal_stage_over_its_budget_is_slow_not_failed(monkeypatch, tmp_p
 
 # A hanging stage is waited for until its budget: the two tests below sleep through it. The env stage takes 3 s idle,
 # about 8 beside two busy processes: the deadline leaves it room (it was 25 s, the hang's budget 8: issue 70).
-HANG_S, DEADLINE_S = 4, 15
+HANG_S = 4
+DEADLINE_S = gpu_suite.MIN_STAGE_S + 1  # the first stage starts (at least MIN_STAGE_S left); the next cannot
 
 
 def test_a_stage_that_raises_or_hangs_is_recorded_and_the_next_stage_runs(tmp_path):
@@ -263,11 +264,10 @@ def test_a_stage_that_raises_or_hangs_is_recorded_and_the_next_stage_runs(tmp_pa
 
 def test_the_overall_deadline_stops_later_stages(tmp_path):
     proc, payload, seconds = run_smoke(
-        tmp_path, "--only", "env", "mod", "decode", "--inject", "mod=hang", "--budget-s", str(DEADLINE_S), timeout=300
+        tmp_path, "--only", "mod", "decode", "--inject", "mod=hang", "--budget-s", str(DEADLINE_S), timeout=300
     )
     st = payload["stages"]
-    assert st["env"]["status"] == "ok"
-    assert st["mod"]["status"] == "timeout"
+    assert st["mod"]["status"] == "timeout" and st["mod"]["limit_s"] <= DEADLINE_S  # cut to what the deadline left
     assert st["decode"]["status"] == "not run" and "deadline" in st["decode"]["reason"]
     assert seconds < DEADLINE_S + 2 * stage_base.KILL_GRACE_S + 20  # the deadline, the kill and two interpreter starts
 

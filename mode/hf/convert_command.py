@@ -17,7 +17,9 @@ into ``--out``:
                                                      set (``mode.hf.dense.unseen``: prose, dialogue, code; text
                                                      no step of the conversion reads; ``--unseen-windows 0``
                                                      skips them), and what healing read
-                                                     (``--heal-text``: ``mode.hf.dense.heal_text``)
+                                                     (``--heal-text``: ``mode.hf.dense.heal_text``); with
+                                                     ``--heal-probe-every N``, ``heal_curve``: those losses
+                                                     before healing, every N steps, and at the end
 
 Shape legend: W windows, S sequence, B batch.
 """
@@ -113,7 +115,28 @@ def _texts(args, model, tokenizer, train_WS):
     return fit_WS, heal_batches_of(train_WS, steps, per_step, args.seed), about, also_read
 
 
+def _point(step: int, model, val_WS, base: float, unseen: dict, unseen_base: dict) -> dict:
+    """One point of the heal curve: the held-out and each out-of-domain loss of ``model``, in % over the
+    original's."""
+    from mode.hf.dense.unseen import window_losses
+
+    point = {"step": step, "held_out": 100 * (float(window_losses(model, val_WS)[0].double().mean()) / base - 1)}
+    for k, u in unseen.items():
+        got, orig = window_losses(model, u.windows_WS)[0].double().mean(), unseen_base[k].double().mean()
+        point[k] = 100 * float(got / orig - 1)
+    return point
+
+
+def _point_line(point: dict) -> str:
+    rest = "  ".join(f"{k} {v:+.2f}%" for k, v in point.items() if k != "step")
+    return f"heal probe: step {point['step']}  {rest}"
+
+
 def _check(args) -> None:
+    if args.heal_probe_every < 0:
+        raise ValueError(f"--heal-probe-every={args.heal_probe_every}: must be >= 0 (0: no probe)")
+    if args.heal_probe_every and not args.heal_steps:
+        raise ValueError(f"--heal-probe-every={args.heal_probe_every}: needs healing (--heal-steps is 0)")
     if args.unseen_windows < 0:
         raise ValueError(f"--unseen-windows={args.unseen_windows}: must be >= 0 (0: no out-of-domain sets)")
     for name in ("seq_len", "fit_windows", "val_windows", "heal_tokens", "lora_rank"):
@@ -179,9 +202,22 @@ def run(args) -> int:
     base = held_out_loss(model, val_WS)
     unseen_base = {k: window_losses(model, u.windows_WS)[0] for k, u in unseen.items()}  # the original's, (W,)
     torch.manual_seed(args.seed)  # what to_mod draws (routers, estimates) before their fits; healing seeds itself
+    curve: list[dict] = []
+
+    def probe(step: int, snapshot) -> None:
+        curve.append(_point(step, snapshot, val_WS, base, unseen, unseen_base))
+        print(_point_line(curve[-1]), flush=True)
+
     try:
         result = convert_to_macs(
-            model, cfg, fit_batches, heal_batches, progress=not args.no_progress, calibration_batches=cal_batches
+            model,
+            cfg,
+            fit_batches,
+            heal_batches,
+            progress=not args.no_progress,
+            calibration_batches=cal_batches,
+            heal_probe=probe if args.heal_probe_every else None,
+            probe_every=args.heal_probe_every or 1,
         )
     except ValueError as e:  # e.g. a budget the part cannot reach at --min-capacity
         print(f"mode convert: error: {e}", file=sys.stderr)
@@ -221,6 +257,9 @@ def run(args) -> int:
         "unseen": unseen_rows,
         "seconds": time.perf_counter() - t0,
     }
+    if args.heal_probe_every:
+        end = {"step": args.heal_steps, "held_out": report["held_out"]["d_loss_pct"]}
+        report["heal_curve"] = [*curve, {**end, **{k: r["d_loss_pct"] for k, r in unseen_rows.items()}}]
     atomic_write_text(out / REPORT_FILE, json.dumps(report, indent=2) + "\n")
     where = f"capacity {result.capacity:.3f} in" if result.capacity is not None else "deleted"
     layers = result.layers if result.part != "mixed" else [f"{i}:{p}" for i, p in result.parts.items()]

@@ -26,7 +26,6 @@ from typing import Any, Literal, TypeVar, overload
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import FlopCounterMode
 
 from mode.model.config import LMConfig
 from mode.model.kinds import get_layer_kind
@@ -195,6 +194,8 @@ def measured_flops(fn, *args, **kwargs) -> tuple[int, object]:
 
         if hasattr(torch.ops.mode, "grouped_mm"):  # the counter cannot see inside a custom op
             custom[torch.ops.mode.grouped_mm] = _grouped_mm_op_flops
+    from torch.utils.flop_counter import FlopCounterMode  # here: it imports triton and torch.export (~0.4 s)
+
     with FlopCounterMode(display=False, custom_mapping=custom) as counter:
         result = fn(*args, **kwargs)
     return counter.get_total_flops(), result

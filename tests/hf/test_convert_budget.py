@@ -170,6 +170,46 @@ def test_healed_conversion_saves_and_loads(hf, tmp_path, method):
         assert torch.equal(model.eval()(x).logits, back.eval()(x).logits)
 
 
+def test_a_heal_probe_sees_each_point_as_the_conversion_would_end_there_and_changes_nothing(hf):
+    """heal_probe: called before healing and every probe_every steps (not the last: that is the result), each
+    time with a copy that is what a conversion healed for that many steps would be (adapters merged, thresholds
+    recalibrated: the same logits as a 2-step conversion at step 2); the probed conversion ends bit-equal to an
+    unprobed one."""
+    data = _windows(4)
+
+    def convert(steps: int, probe=None):
+        model = _original(layers=4)
+        heal = hf.HealConfig(steps=steps, lr=1e-2, rank=2, seed=0)
+        cfg = hf.BudgetConfig(0.75, seq_len=S, skip_rank=2, min_capacity=0.25, heal=heal)
+        kw = {"heal_probe": probe, "probe_every": 2} if probe else {}
+        result = hf.convert_to_macs(model, cfg, data, **kw)
+        return model, result
+
+    seen = {}
+
+    def probe(step, snapshot):
+        assert not any("lora" in n for n, _ in snapshot.named_parameters())  # merged
+        with torch.no_grad():
+            seen[step] = snapshot.eval()(data[0]).logits
+        for p in snapshot.parameters():  # a copy: what the probe does to it stays there
+            p.data.zero_()
+
+    probed, result = convert(5, probe)
+    plain, plain_result = convert(5)
+    assert sorted(seen) == [0, 2, 4]
+    assert all(torch.equal(a, b) for a, b in zip(probed.state_dict().values(), plain.state_dict().values()))
+    assert result.heal.losses == plain_result.heal.losses and result.heal.data_digest == plain_result.heal.data_digest
+    # step 2 of a 5-step heal is a 2-step heal (constant learning rate); the data of its first 2 steps is the same
+    two, _ = convert(2)
+    with torch.no_grad():
+        assert torch.equal(seen[2], two.eval()(data[0]).logits)
+    with pytest.raises(ValueError, match="cfg.heal is None"):
+        hf.convert_to_macs(_original(layers=4), hf.BudgetConfig(0.75, seq_len=S), data, heal_probe=probe, probe_every=1)
+    with pytest.raises(ValueError, match="probe_every=0"):
+        convert_cfg = hf.BudgetConfig(0.75, seq_len=S, heal=hf.HealConfig(steps=2, rank=2))
+        hf.convert_to_macs(_original(layers=4), convert_cfg, data, heal_probe=probe, probe_every=0)
+
+
 def test_thresholds_are_set_on_the_calibration_batches(hf):
     """calibration_batches: the causal thresholds after router_fit, and again after healing, are those
     ``calibrate`` sets on them, not on the fit batches (which give other thresholds)."""
@@ -267,6 +307,13 @@ def test_command_writes_a_folder_load_conversion_reads(hf, tmp_path):
     assert report["result"]["heal"]["lora_layers"] == [0, 1, 2, 3]  # every layer, not only the converted ones
     back = hf.load_conversion(load_model(str(tmp_path / "ckpt"))[0], out)
     assert held_out_loss(back, val_WS) == pytest.approx(report["held_out"]["loss"], rel=1e-6)
+    assert "heal_curve" not in report
+    assert main([*argv, "--force", "--heal-steps", "3", "--heal-probe-every", "2", "--unseen-windows", "0"]) == 0
+    report = json.loads((out / "convert_report.json").read_text())
+    curve = report["heal_curve"]
+    assert [p["step"] for p in curve] == [0, 2, 3]  # before healing, every 2 steps, and the end (the result)
+    assert curve[-1]["held_out"] == report["held_out"]["d_loss_pct"]
+    assert len({p["held_out"] for p in curve}) == 3
 
 
 def test_command_refuses_bad_input(hf, tmp_path, capsys):
@@ -282,6 +329,11 @@ def test_command_refuses_bad_input(hf, tmp_path, capsys):
         main(["convert", "smollm2", "--macs", "0.8", "--out", str(tmp_path / "o"), "--router-label", "residual"]) == 2
     )
     assert "router_label='residual'" in capsys.readouterr().err  # no --skip-rank: refused before loading
+    argv = ["convert", "smollm2", "--macs", "0.8", "--out", str(tmp_path / "o"), "--heal-probe-every"]
+    assert main([*argv, "-1"]) == 2
+    assert "--heal-probe-every=-1" in capsys.readouterr().err
+    assert main([*argv, "5", "--heal-steps", "0"]) == 2
+    assert "--heal-probe-every=5: needs healing" in capsys.readouterr().err
 
 
 def test_every_phase_of_a_conversion_shows_progress(hf, capsys):

@@ -289,3 +289,45 @@ def test_unseen_curve_groups_recipes_and_pairs_mod_with_pruning_per_budget(hf, t
     (bad / "convert_report.json").write_text(json.dumps(report))
     with pytest.raises(ValueError, match=r"mod at 0.85: seed repeated in \[0, 1, 0\]"):
         main(["--folders", *folders, str(bad), "--out", str(out)])
+
+
+def test_heal_curve_averages_each_recipe_over_seeds_at_the_steps_all_have(tmp_path):
+    """benchmarks/hf/heal_curve.py on three probed conversions (two seeds of one recipe, one of another): the mean
+    and std per step and text at the steps every seed has, tokens per step from the heal report, the PNG; a folder
+    without a curve is refused by name."""
+    sys.path.insert(0, str(Path(__file__).parents[2]))
+    from benchmarks.hf.heal_curve import main
+
+    def write(name: str, method: str, seed: int, curve: list[dict]) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        report = {
+            "settings": {"method": method, "macs": 0.85, "seed": seed, "heal_text": "mix"},
+            "result": {"heal": {"steps": curve[-1]["step"], "tokens": curve[-1]["step"] * 1024}},
+            "heal_curve": curve,
+        }
+        (folder / "convert_report.json").write_text(json.dumps(report))
+        return str(folder)
+
+    def point(step: int, held: float, prose: float) -> dict:
+        return {"step": step, "held_out": held, "prose": prose}
+
+    folders = [
+        write("m0", "mod", 0, [point(0, 10.0, 20.0), point(50, 4.0, 14.0), point(100, 3.0, 12.0)]),
+        write("m1", "mod", 1, [point(0, 12.0, 22.0), point(100, 5.0, 13.0)]),  # probed at 100 only
+        write("p0", "prune", 0, [point(0, 11.0, 25.0), point(100, 6.0, 15.0)]),
+    ]
+    out = tmp_path / "curve.json"
+    got = main(["--folders", *folders, "--out", str(out)])
+    mod = got["curves"]["mod, heal mix @ 0.85"]
+    assert mod["seeds"] == [0, 1] and mod["steps"] == [0, 100] and mod["tokens"] == [0, 102400]
+    assert mod["texts"]["held_out"]["mean"] == [11.0, 4.0]
+    stds = [statistics.stdev([20.0, 22.0]), statistics.stdev([12.0, 13.0])]
+    assert mod["texts"]["prose"]["std"] == pytest.approx(stds)
+    assert got["curves"]["prune, heal mix @ 0.85"]["texts"]["prose"]["std"] == [None, None]
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "convert_report.json").write_text(json.dumps({"settings": {}}))
+    with pytest.raises(ValueError, match="bare.*no heal_curve"):
+        main(["--folders", str(bare), "--out", str(out)])

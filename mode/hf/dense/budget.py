@@ -17,6 +17,10 @@ The causal thresholds are set on ``calibration_batches`` instead of the fit batc
 ``router_fit`` and again after healing: a threshold router routes a different share of text unlike the text
 its thresholds were set on (docs/hf.md, "Where the share drifts").
 
+``heal_probe`` (with ``probe_every``) looks at the model along the heal: before its first step and after every
+``probe_every``-th, it is handed a copy of the model as the conversion would end there (adapters merged, causal
+thresholds recalibrated). The heal itself ends as it would without the probe (``heal``'s ``on_step``).
+
 The result (``BudgetResult``) says the MACs reached (``conversion_macs``), the layers, the capacity, what
 healing spent, and the seconds each step took. ``mode convert`` (``mode/hf/convert_command.py``) runs it from
 the command line and writes a directory ``load_conversion`` reads.
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
@@ -157,6 +161,22 @@ def _steers(model: nn.Module) -> bool:
     return any(layer.mod_router.steers for layer in mod_layers(model).values())
 
 
+def _prober(model: nn.Module, look: Callable, every: int, last: int, cal_batches: Sequence) -> Callable[[int], None]:
+    """``heal``'s ``on_step`` for a heal probe: every ``every`` steps before ``last`` (the conversion's own
+    result), ``look(step, copy)``, the copy as the conversion would end there."""
+
+    def probe(step: int) -> None:
+        if step % every or step == last:
+            return
+        snapshot = copy.deepcopy(model)
+        merge_lora(snapshot)
+        if _steers(snapshot):
+            calibrate(snapshot, cal_batches, None)
+        look(step, snapshot)
+
+    return probe
+
+
 def convert_to_macs(
     model: nn.Module,
     cfg: BudgetConfig,
@@ -165,6 +185,8 @@ def convert_to_macs(
     teacher: nn.Module | None = None,
     progress: bool | Progress | None = None,
     calibration_batches: Sequence | None = None,
+    heal_probe: Callable[[int, nn.Module], None] | None = None,
+    probe_every: int = 0,
 ) -> BudgetResult:
     """Convert ``model`` (an original Llama / Qwen2 / Mistral, in place) to ``cfg.macs`` of its MACs per token
     as ``cfg`` says (module doc), fitting on ``fit_batches`` and healing on ``heal_batches`` (default: the fit
@@ -172,10 +194,15 @@ def convert_to_macs(
     token ids or dicts with ``input_ids`` / ``attention_mask``. ``progress``: lines for a person from every
     phase (skip costs per layer, estimate fits, router fits, calibration, and the heal's; ``heal``), every 20 s
     and at each phase's end (None: silent). ``calibration_batches``: what the MoD causal thresholds are set on
-    (default: the fit batches).
+    (default: the fit batches). ``heal_probe(step, model_copy)``, ``probe_every``: the module doc (a probe
+    needs ``cfg.heal`` and ``probe_every`` >= 1).
     Returns a ``BudgetResult``; ``save_conversion`` writes the model."""
     if not isinstance(cfg, BudgetConfig):
         raise TypeError(f"cfg={type(cfg).__name__}: must be a mode.hf.BudgetConfig")
+    if heal_probe is not None:
+        _checks.check_int("probe_every", probe_every)
+        if cfg.heal is None:
+            raise ValueError("heal_probe: given, but cfg.heal is None (no heal to look at)")
     check_model_type(model)
     if getattr(model, "mode_conversion", None) or mod_layers(model):
         raise ValueError("convert_to_macs: the model already carries a conversion; start from the original")
@@ -242,7 +269,9 @@ def convert_to_macs(
     report = None
     if cfg.heal is not None:
         t1 = time.perf_counter()
-        report = heal(model, teacher, heal_batches if heal_batches is not None else fit_batches, cfg.heal, shown)
+        probe = None if heal_probe is None else _prober(model, heal_probe, probe_every, cfg.heal.steps, cal_batches)
+        batches = heal_batches if heal_batches is not None else fit_batches
+        report = heal(model, teacher, batches, cfg.heal, shown, on_step=probe)
         merge_lora(model)
         if _steers(model):
             calibrate(model, cal_batches, shown)  # healing moved the routers: steer the causal thresholds again

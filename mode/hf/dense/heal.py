@@ -21,6 +21,10 @@ order fed, so that two runs (a MoD model and a pruned one) can be checked to hav
 ``progress`` shows a long heal to a person (``mode.train.progress``): None, nothing (library use); ``True`` /
 ``False``, a bar on a terminal or not, plain ``heal: step 40/100 (40%)  loss 0.1523  850 tok/s  ETA 9m10s``
 lines on stdout every 20 s and an end line either way; a ``Progress``, as it says.
+
+``on_step(step)`` (optional) is called before the first step (``step=0``) and after each one, for a caller that
+looks at the model along the way (``convert_to_macs``'s heal probe): its CPU time is not counted in the report,
+and torch's RNG is restored after it, so that a heal with it ends as one without.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -140,12 +144,13 @@ def heal(
     batches: Iterable,
     cfg: HealConfig,
     progress: bool | Progress | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> HealReport:
     """Train ``model`` (in place) as ``cfg`` says on ``batches`` (token ids or dicts with ``input_ids`` /
     ``attention_mask``, cycled) against ``teacher`` (the original model; None only for ``objective="lm"``).
     Adapters stay on the model after it (``merge_lora`` folds them in); the parameters' ``requires_grad`` and
-    the model's train/eval mode are restored. ``progress``: see the module doc (None: silent). Returns a
-    ``HealReport``."""
+    the model's train/eval mode are restored. ``progress``: see the module doc (None: silent). ``on_step``: see
+    the module doc. Returns a ``HealReport``."""
     if not isinstance(cfg, HealConfig):
         raise TypeError(f"cfg={type(cfg).__name__}: must be a mode.hf.HealConfig")
     shown = None if progress is None else Progress.of(progress)
@@ -202,7 +207,20 @@ def heal(
         teacher.eval()
     bar = None if shown is None else shown.start("heal", cfg.steps)
     t_train = 0.0  # wall seconds in training steps, for tokens/s
+    cpu_aside = 0.0  # CPU seconds in on_step, left out of the report's
+
+    def look(step: int) -> None:
+        nonlocal cpu_aside
+        if on_step is None:
+            return
+        c0 = time.process_time()
+        with torch.random.fork_rng(devices=[]):
+            on_step(step)
+        model.train()
+        cpu_aside += time.process_time() - c0
+
     try:
+        look(0)
         for step in range(1, cfg.steps + 1):
             t_step = time.perf_counter()
             try:
@@ -236,6 +254,7 @@ def heal(
             t_train += time.perf_counter() - t_step
             if bar is not None:
                 bar.update(step, losses[-1], tokens / t_train)
+            look(step)
     finally:
         if bar is not None:
             bar.close()
@@ -251,7 +270,7 @@ def heal(
     return HealReport(
         steps=cfg.steps,
         tokens=tokens,
-        cpu_seconds=time.process_time() - cpu0,
+        cpu_seconds=time.process_time() - cpu0 - cpu_aside,
         trainable=n_all,
         lora_params=n_lora,
         other_params=n_all - n_lora,
