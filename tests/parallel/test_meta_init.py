@@ -24,6 +24,7 @@ Spawned pools (tests/parallel/pools.py, started together by one module fixture; 
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import math
 import os
@@ -437,6 +438,16 @@ def _pool_mem(rank: int, out: Path) -> dict:
     from mode.train import TrainConfig, build_optimizer
 
     mesh = build_mesh(ParallelDims(2, 2), timeout_s=TIMEOUT_S)
+    # a small model first, through the same calls: what they import and cache on first use (the modules a
+    # forkserver started by another test did not preload, DTensor's caches) is then not counted as the build's
+    # (rank 0 once read 50 MiB over its bound in a suite run on 3 workers)
+    small = replace(MEM_MODEL, d_model=64, n_heads=2, d_hidden=64, layers=("moe",) * 2)
+    warm = materialize(parallelize(build_on_meta(lambda: LM(small), seed=0), mesh), "cpu")
+    for p in warm.parameters():
+        p.grad = torch.zeros_like(p)
+    build_optimizer(warm, TrainConfig()).step()
+    del warm, p
+    gc.collect()
     before = _rss_now()
     _reset_peak()
     t0 = time.monotonic()
