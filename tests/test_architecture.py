@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1] / "mode"
 
 # The core's own order: a core module imports its own subpackage or the ones before it.
 CORE = {
+    "_cache": 0,
     "_checks": 0,
     "_module_attr": 0,
     "cpu_allocator": 0,
