@@ -7,7 +7,8 @@ at each step where every seed of the recipe was probed (issue 68: fewer or more 
         --heal-probe-every 50 --threads 1 --seed 0
     python benchmarks/hf/heal_curve.py --folders runs/mod_long --out benchmarks/results/heal_steps_curve.json
 
-Step 0 is the conversion before healing; the last step is the conversion's own result. The JSON keeps every
+Step 0 is the conversion before healing; the last step is the conversion's own result. A run stopped while it
+healed counts with the probes it wrote (``heal_curve.partial.json``; ``partial`` in the JSON). The JSON keeps every
 folder's curve; the PNG beside it has one panel per text, Δ loss % against the heal tokens.
 """
 
@@ -26,23 +27,33 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
 
 from benchmarks.common import machine_info  # noqa: E402
 from benchmarks.hf.unseen_curve import recipe  # noqa: E402
-from mode.hf.convert_command import REPORT_FILE  # noqa: E402
+from mode.hf.convert_command import PARTIAL_CURVE_FILE, REPORT_FILE  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
 
 def read_curve(folder: Path) -> dict:
-    """A folder's recipe, seed, tokens per heal step and heal curve; a ``ValueError`` naming the folder if its
-    report has no curve."""
-    report = json.loads((folder / REPORT_FILE).read_text())
-    if "heal_curve" not in report:
-        raise ValueError(f"{folder}: its {REPORT_FILE} has no heal_curve (convert with --heal-probe-every N)")
-    heal = report["result"]["heal"]
+    """A folder's recipe, seed, tokens per heal step and heal curve: from its report, or, for a run stopped
+    while it healed, from the probes it wrote so far (``partial``: True); a ``ValueError`` naming the folder if
+    it has neither."""
+    if (folder / REPORT_FILE).is_file():
+        report = json.loads((folder / REPORT_FILE).read_text())
+        if "heal_curve" not in report:
+            raise ValueError(f"{folder}: its {REPORT_FILE} has no heal_curve (convert with --heal-probe-every N)")
+        heal = report["result"]["heal"]
+        per_step, partial = heal["tokens"] / heal["steps"], False
+    elif (folder / PARTIAL_CURVE_FILE).is_file():
+        report = json.loads((folder / PARTIAL_CURVE_FILE).read_text())
+        st = report["settings"]
+        per_step, partial = (st["heal_tokens"] // st["seq_len"]) * st["seq_len"], True
+    else:
+        raise ValueError(f"{folder}: holds neither {REPORT_FILE} nor {PARTIAL_CURVE_FILE}")
     return {
         "folder": str(folder),
         "recipe": recipe(report),
         "macs": report["settings"]["macs"],
         "seed": report["settings"]["seed"],
-        "tokens_per_step": heal["tokens"] / heal["steps"],
+        "partial": partial,
+        "tokens_per_step": per_step,
         "curve": report["heal_curve"],
     }
 

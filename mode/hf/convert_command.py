@@ -20,6 +20,8 @@ into ``--out``:
                                                      (``--heal-text``: ``mode.hf.dense.heal_text``); with
                                                      ``--heal-probe-every N``, ``heal_curve``: those losses
                                                      before healing, every N steps, and at the end
+    heal_curve.partial.json                          while such a run heals: its settings and the probes so
+                                                     far (removed when the report is written)
 
 Shape legend: W windows, S sequence, B batch.
 """
@@ -33,6 +35,7 @@ import time
 from pathlib import Path
 
 REPORT_FILE = "convert_report.json"
+PARTIAL_CURVE_FILE = "heal_curve.partial.json"  # the probes so far, while a --heal-probe-every run heals
 
 
 def load_model(source: str):
@@ -204,9 +207,14 @@ def run(args) -> int:
     torch.manual_seed(args.seed)  # what to_mod draws (routers, estimates) before their fits; healing seeds itself
     curve: list[dict] = []
 
+    settings = {k: v for k, v in vars(args).items() if k not in ("command", "force", "out")}
+    partial = Path(args.out) / PARTIAL_CURVE_FILE
+
     def probe(step: int, snapshot) -> None:
         curve.append(_point(step, snapshot, val_WS, base, unseen, unseen_base))
         print(_point_line(curve[-1]), flush=True)
+        partial.parent.mkdir(parents=True, exist_ok=True)  # a run stopped before its end keeps what it probed
+        atomic_write_text(partial, json.dumps({"model": name, "settings": settings, "heal_curve": curve}) + "\n")
 
     try:
         result = convert_to_macs(
@@ -242,7 +250,7 @@ def run(args) -> int:
     report = {
         "source": args.model,
         "model": name,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("command", "force", "out")},
+        "settings": settings,
         "result": result.to_dict(),
         "held_out": {
             "windows": len(val_WS),
@@ -261,6 +269,7 @@ def run(args) -> int:
         end = {"step": args.heal_steps, "held_out": report["held_out"]["d_loss_pct"]}
         report["heal_curve"] = [*curve, {**end, **{k: r["d_loss_pct"] for k, r in unseen_rows.items()}}]
     atomic_write_text(out / REPORT_FILE, json.dumps(report, indent=2) + "\n")
+    partial.unlink(missing_ok=True)  # the report holds the whole curve
     where = f"capacity {result.capacity:.3f} in" if result.capacity is not None else "deleted"
     layers = result.layers if result.part != "mixed" else [f"{i}:{p}" for i, p in result.parts.items()]
     print(

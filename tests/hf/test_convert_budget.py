@@ -313,6 +313,7 @@ def test_command_writes_a_folder_load_conversion_reads(hf, tmp_path):
     curve = report["heal_curve"]
     assert [p["step"] for p in curve] == [0, 2, 3]  # before healing, every 2 steps, and the end (the result)
     assert curve[-1]["held_out"] == report["held_out"]["d_loss_pct"]
+    assert not (out / "heal_curve.partial.json").exists()  # the report holds the whole curve
     assert len({p["held_out"] for p in curve}) == 3
 
 

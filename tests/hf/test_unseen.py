@@ -326,8 +326,18 @@ def test_heal_curve_averages_each_recipe_over_seeds_at_the_steps_all_have(tmp_pa
     assert mod["texts"]["prose"]["std"] == pytest.approx(stds)
     assert got["curves"]["prune, heal mix @ 0.85"]["texts"]["prose"]["std"] == [None, None]
     assert out.with_suffix(".png").stat().st_size > 10_000
+    stopped = tmp_path / "stopped"  # a run stopped while it healed: the probes it wrote so far
+    stopped.mkdir()
+    settings = {"method": "mod", "macs": 0.75, "seed": 0, "heal_text": "mix", "heal_tokens": 1000, "seq_len": 256}
+    (stopped / "heal_curve.partial.json").write_text(json.dumps({"settings": settings, "heal_curve": [point(0, 9, 9)]}))
+    got = main(["--folders", str(stopped), "--out", str(out)])
+    assert got["runs"][0]["partial"] and got["curves"]["mod, heal mix @ 0.75"]["tokens"] == [0]
+    assert got["runs"][0]["tokens_per_step"] == 768  # whole windows
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "convert_report.json").write_text(json.dumps({"settings": {}}))
     with pytest.raises(ValueError, match="bare.*no heal_curve"):
         main(["--folders", str(bare), "--out", str(out)])
+    with pytest.raises(ValueError, match="empty: holds neither"):
+        (tmp_path / "empty").mkdir()
+        main(["--folders", str(tmp_path / "empty"), "--out", str(out)])
