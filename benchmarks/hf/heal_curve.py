@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere without installin
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine_info  # noqa: E402
-from benchmarks.hf.unseen_curve import recipe  # noqa: E402
+from benchmarks.hf.unseen_curve import plot_panels, recipe  # noqa: E402
 from mode.hf.convert_command import PARTIAL_CURVE_FILE, REPORT_FILE  # noqa: E402
 from mode.train.checkpoint import atomic_write_text  # noqa: E402
 
@@ -89,28 +89,16 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def plot(result: dict, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     texts = list(dict.fromkeys(t for c in result["curves"].values() for t in c["texts"]))
-    fig, axes = plt.subplots(1, len(texts), figsize=(4.2 * len(texts), 3.6), squeeze=False)
-    for ax, text in zip(axes[0], texts):
-        for name, c in result["curves"].items():
-            if text in c["texts"]:
-                v = c["texts"][text]
-                yerr = [s or 0.0 for s in v["std"]]
-                ax.errorbar(c["tokens"], v["mean"], yerr=yerr, marker="o", capsize=3, label=name)
-        ax.set_title(text)
-        ax.set_xlabel("heal tokens")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("Δ loss vs the original (%)")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(result["title"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    panels = {
+        text: [
+            (name, c["tokens"], c["texts"][text]["mean"], c["texts"][text]["std"])
+            for name, c in result["curves"].items()
+            if text in c["texts"]
+        ]
+        for text in texts
+    }
+    plot_panels(png, result["title"], "heal tokens", panels)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -99,34 +99,38 @@ def pairs(measured: list[dict]) -> dict:
     return out
 
 
-def plot(result: dict, png: Path) -> None:
+def plot_panels(png: Path, title: str, xlabel: str, panels: dict[str, list[tuple[str, list, list, list]]]) -> None:
+    """One panel per text, Δ loss % on y: ``panels[text]`` lists ``(label, x, mean, std)`` lines (a std of None
+    draws no bar); also heal_curve.py's plot."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    texts = list(dict.fromkeys(t for c in result["curves"].values() for p in c.values() for t in p["texts"]))
-    fig, axes = plt.subplots(1, len(texts), figsize=(4.2 * len(texts), 3.6), squeeze=False)
-    for ax, text in zip(axes[0], texts):
-        for name, points in result["curves"].items():
-            pts = [p["texts"][text] for p in points.values() if text in p["texts"]]
-            ax.errorbar(
-                [p["macs"] for p in pts],
-                [p["mean"] for p in pts],
-                yerr=[p["std"] or 0.0 for p in pts],
-                marker="o",
-                capsize=3,
-                label=name,
-            )
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (text, lines) in zip(axes[0], panels.items()):
+        for label, x, mean, std in lines:
+            ax.errorbar(x, mean, yerr=[v or 0.0 for v in std], marker="o", capsize=3, label=label)
         ax.set_title(text)
-        ax.set_xlabel("MACs spent on the text (of the original)")
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("Δ loss vs the original (%)")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(result["title"], fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+def plot(result: dict, png: Path) -> None:
+    texts = list(dict.fromkeys(t for c in result["curves"].values() for p in c.values() for t in p["texts"]))
+    panels = {}
+    for text in texts:
+        panels[text] = []
+        for name, points in result["curves"].items():
+            pts = [p["texts"][text] for p in points.values() if text in p["texts"]]
+            panels[text].append((name, [p["macs"] for p in pts], [p["mean"] for p in pts], [p["std"] for p in pts]))
+    plot_panels(png, result["title"], "MACs spent on the text (of the original)", panels)
 
 
 def main(argv: list[str] | None = None) -> dict:

